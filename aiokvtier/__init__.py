@@ -1,0 +1,50 @@
+"""aiokvtier: an asyncio-native host-memory tier for LLM KV caches.
+
+The tier's range is reserved once at ``max_quota``; fill threads make it
+resident unit by unit and publish a watermark, so the first allocation comes
+as soon as the first small unit is resident.
+"""
+
+from __future__ import annotations
+
+from ._config import CacheConfig as CacheConfig
+from ._config import DiskTierConfig as DiskTierConfig
+from ._config import GpuTierConfig as GpuTierConfig
+from ._config import HostTierConfig as HostTierConfig
+from ._errors import AiokvtierError as AiokvtierError
+from ._errors import CopyPlanError as CopyPlanError
+from ._errors import CudaError as CudaError
+from ._errors import CudaUnavailableError as CudaUnavailableError
+from ._errors import FillError as FillError
+from ._errors import NumaPolicyError as NumaPolicyError
+from ._errors import OutOfSlots as OutOfSlots
+from ._errors import QuotaError as QuotaError
+from ._errors import SlotError as SlotError
+from ._errors import TierClosedError as TierClosedError
+from ._errors import WouldBlock as WouldBlock
+from ._placement import Placement as Placement
+from ._statistics import TierStatistics as TierStatistics
+from ._tier import HostTier as HostTier
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AiokvtierError",
+    "CacheConfig",
+    "CopyPlanError",
+    "CudaError",
+    "CudaUnavailableError",
+    "DiskTierConfig",
+    "FillError",
+    "GpuTierConfig",
+    "HostTier",
+    "HostTierConfig",
+    "NumaPolicyError",
+    "OutOfSlots",
+    "Placement",
+    "QuotaError",
+    "SlotError",
+    "TierClosedError",
+    "TierStatistics",
+    "WouldBlock",
+]

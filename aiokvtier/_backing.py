@@ -1,0 +1,130 @@
+"""How the tier's range is reserved, committed and released.
+
+A backing owns the address range. The tier calls :meth:`Backing.commit` and
+:meth:`Backing.decommit` with whole commit units only (so a GPU backing can
+register each unit separately), from its fill threads or off the event loop.
+Each backing undoes its own partial work when a call fails.
+
+::
+
+    Backing (interface)
+    ├── HostBacking        mmap + mbind + populate: the host-only tier
+    │   └── RegisterBacking    + cuMemHostRegister per unit   (aiokvtier._cuda)
+    └── VmmBacking         cuMemAddressReserve + cuMemCreate per unit (aiokvtier._cuda)
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from abc import ABC, abstractmethod
+from contextlib import ExitStack
+
+from . import _linux
+from ._errors import NumaPolicyError
+
+__all__ = ["Backing", "HostBacking"]
+
+log = logging.getLogger("aiokvtier")
+
+HUGE_ALIGN = 2 << 20
+
+
+class Backing(ABC):
+    """An address range reserved at construction, committed unit by unit."""
+
+    name: str
+    base: int
+    size: int
+    numa_policy: str = "none"
+    """``"preferred"``, ``"bind"``, ``"first-touch"`` (mbind denied) or ``"none"``."""
+    numa_warning: str | None = None
+    registered_bytes: int = 0
+
+    def thread_setup(self) -> None:  # noqa: B027 - an optional hook, empty by default
+        """Prepare a library-started thread before it calls :meth:`commit` (CUDA context)."""
+
+    @abstractmethod
+    def commit(self, offset: int, length: int) -> None:
+        """Make ``[offset, offset+length)`` resident (and GPU-usable). Undoes itself on failure."""
+
+    @abstractmethod
+    def decommit(self, offset: int, length: int) -> None:
+        """Return a committed unit's memory; its contents are lost."""
+
+    @abstractmethod
+    def release(self, committed: list[tuple[int, int]]) -> None:
+        """Give the whole range back, with the units still ``committed``. Called once."""
+
+
+def apply_numa_policy(base: int, size: int, node: int | None, strict: bool) -> tuple[str, str | None]:
+    """mbind ``[base, base+size)`` to ``node`` before any page is touched.
+
+    :returns: ``(policy, warning)``.
+    :raises NumaPolicyError: mbind failed and ``strict`` forbids falling back.
+    """
+    if node is None:
+        return "none", None
+    mode = _linux.MPOL_BIND if strict else _linux.MPOL_PREFERRED
+    try:
+        _linux.mbind(base, size, mode, node)
+    except OSError as exc:
+        if strict:
+            raise NumaPolicyError(
+                f"cannot bind the tier to NUMA node {node}: {exc.strerror} "
+                "(containers need CAP_SYS_NICE for mbind; set allow_remote_numa_fallback=True "
+                "to fall back to first touch by the bound fill thread)"
+            ) from exc
+        hint = " (containers need CAP_SYS_NICE)" if exc.errno == errno.EPERM else ""
+        warning = (
+            f"mbind to NUMA node {node} denied: {exc.strerror}{hint}; "
+            "relying on first touch by the fill thread bound to the node"
+        )
+        log.warning(warning)
+        return "first-touch", warning
+    return ("bind" if strict else "preferred"), None
+
+
+class HostBacking(Backing):
+    """Anonymous memory: PROT_NONE reservation, mprotect + MADV_POPULATE_WRITE per unit.
+
+    The reservation is not charged against the commit limit, so reserving far
+    more than free RAM succeeds; THP advice and the NUMA policy are attached to
+    the whole range before any page is touched.
+    """
+
+    name = "host"
+
+    def __init__(self, size: int, *, node: int | None, strict_numa: bool, huge_pages: bool) -> None:
+        self.base, self.size = _linux.mmap_reserve(size, HUGE_ALIGN)
+        with ExitStack() as undo:
+            undo.callback(_linux.munmap, self.base, self.size)
+            advice = _linux.MADV_HUGEPAGE if huge_pages else _linux.MADV_NOHUGEPAGE
+            try:
+                _linux.madvise(self.base, self.size, advice)
+            except OSError as exc:
+                # Kernels built without THP refuse the advice; nothing to turn off then.
+                if huge_pages or exc.errno != errno.EINVAL:
+                    raise
+            self.numa_policy, self.numa_warning = apply_numa_policy(self.base, self.size, node, strict_numa)
+            undo.pop_all()
+
+    def commit(self, offset: int, length: int) -> None:
+        addr = self.base + offset
+        _linux.mprotect(addr, length, writable=True)
+        try:
+            _linux.populate(addr, length)
+        except BaseException:
+            self._discard(addr, length)
+            raise
+
+    def decommit(self, offset: int, length: int) -> None:
+        self._discard(self.base + offset, length)
+
+    @staticmethod
+    def _discard(addr: int, length: int) -> None:
+        _linux.madvise(addr, length, _linux.MADV_DONTNEED)
+        _linux.mprotect(addr, length, writable=False)
+
+    def release(self, committed: list[tuple[int, int]]) -> None:
+        _linux.munmap(self.base, self.size)

@@ -1,0 +1,95 @@
+"""The errors aiokvtier raises, under one base.
+
+::
+
+    AiokvtierError
+    ├── WouldBlock                 the slot is not resident yet (allocate_nowait)
+    ├── OutOfSlots                 every slot of the quota is allocated
+    ├── SlotError (ValueError)     double free, foreign or out-of-range slot id
+    ├── QuotaError (ValueError)    a resize the tier cannot honour
+    ├── TierClosedError            the tier (or engine) is closed
+    ├── FillError                  committing part of the tier failed; ``__cause__`` says why
+    ├── NumaPolicyError            a strict NUMA placement that cannot be applied
+    ├── CudaUnavailableError       a device was asked for where no CUDA driver is usable
+    ├── CudaError                  a driver call failed; keeps the CUresult name
+    └── CopyPlanError (ValueError) a copy the planner refuses (spans registrations, leaves the range)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AiokvtierError",
+    "CopyPlanError",
+    "CudaError",
+    "CudaUnavailableError",
+    "FillError",
+    "NumaPolicyError",
+    "OutOfSlots",
+    "QuotaError",
+    "SlotError",
+    "TierClosedError",
+    "WouldBlock",
+]
+
+
+class AiokvtierError(Exception):
+    """Base of every error aiokvtier raises on purpose."""
+
+
+class WouldBlock(AiokvtierError):
+    """The next slot is not resident yet; ``await allocate()`` would wait for it."""
+
+
+class OutOfSlots(AiokvtierError):
+    """Every slot of the current quota is allocated."""
+
+
+class SlotError(AiokvtierError, ValueError):
+    """A slot id that is out of range, not allocated, or already free."""
+
+
+class QuotaError(AiokvtierError, ValueError):
+    """A resize the tier cannot honour (past ``max_quota``, or slots in use past the new end)."""
+
+
+class TierClosedError(AiokvtierError):
+    """The object was closed; its memory may no longer be touched through it."""
+
+
+class FillError(AiokvtierError):
+    """Making part of the tier resident failed.
+
+    The original error (``OSError`` with its errno, or a :class:`CudaError`) is
+    the ``__cause__``. Memory below :attr:`resident_bytes` stays usable.
+    """
+
+    def __init__(self, message: str, *, resident_bytes: int, failed_offset: int) -> None:
+        super().__init__(message)
+        self.resident_bytes = resident_bytes
+        self.failed_offset = failed_offset
+
+
+class NumaPolicyError(AiokvtierError):
+    """A NUMA placement was required (``allow_remote_numa_fallback=False``) and cannot be applied."""
+
+
+class CudaUnavailableError(AiokvtierError):
+    """A CUDA device was requested but the driver or ``cuda-bindings`` is not usable here."""
+
+
+class CudaError(AiokvtierError):
+    """A CUDA driver call failed.
+
+    :ivar result: the ``CUresult`` name, e.g. ``"CUDA_ERROR_INVALID_VALUE"``.
+    :ivar call: the driver function that returned it.
+    """
+
+    def __init__(self, call: str, result: str, code: int) -> None:
+        super().__init__(f"{call} failed: {result} ({code})")
+        self.call = call
+        self.result = result
+        self.code = code
+
+
+class CopyPlanError(AiokvtierError, ValueError):
+    """A copy the planner refuses: it spans two registrations or leaves the committed range."""

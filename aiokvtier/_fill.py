@@ -1,0 +1,303 @@
+"""The fill: threads that commit units and publish the resident prefix.
+
+This is the synchronous core of progressive residency. Fill threads claim
+runs of units (about ``fill_chunk`` bytes each) in ascending order, commit
+them through the backing with the GIL released, and publish the *watermark*:
+the byte length of the longest fully committed prefix. With several threads
+units complete out of order; the watermark still only covers the prefix.
+
+All state is guarded by one lock. The event loop never takes it: the async
+facade reads the watermark (a plain attribute) and hands every call that must
+lock to a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from ._backing import Backing
+from ._errors import FillError, TierClosedError
+from ._layout import UnitLayout
+
+__all__ = ["Filler"]
+
+log = logging.getLogger("aiokvtier")
+
+_EMPTY, _FILLING, _COMMITTED = 0, 1, 2
+
+
+class Filler:
+    """Commits units ``[0, target)`` of a backing with ``threads`` workers.
+
+    :param on_change: called (from whichever thread changed the state, never
+        under the lock) after every publish, failure or close.
+    """
+
+    def __init__(
+        self,
+        backing: Backing,
+        layout: UnitLayout,
+        *,
+        threads: int,
+        fill_chunk: int,
+        cpus: set[int] | None,
+        on_change: Callable[[], None],
+    ) -> None:
+        self._backing = backing
+        self._layout = layout
+        self._threads_wanted = threads
+        self._fill_chunk = fill_chunk
+        self._cpus = cpus
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._states = bytearray()
+        self._target = 0
+        self._next_claim = 0
+        self._prefix = 0
+        self._threads: list[threading.Thread] = []
+        self._active = 0
+        self._stop = False
+        self._started_at = 0.0
+        self._finished_at: float | None = None
+        self.watermark = 0
+        """Bytes resident as one contiguous prefix. Read without the lock."""
+        self.error: FillError | None = None
+        """The lowest failure not yet cleared by a shrink."""
+        self.closed = False
+        self.affinity_warning: str | None = None
+
+    # -- figures (read without the lock: a racy snapshot is fine) -------------
+
+    @property
+    def target_bytes(self) -> int:
+        return self._layout.start(self._target)
+
+    def committed_ranges(self, first: int = 0) -> list[tuple[int, int]]:
+        """``(offset, length)`` of every committed unit from unit ``first`` on."""
+        layout = self._layout
+        return [
+            (layout.start(i), layout.end(i) - layout.start(i))
+            for i in range(first, len(self._states))
+            if self._states[i] == _COMMITTED
+        ]
+
+    @property
+    def fill_seconds(self) -> float:
+        end = self._finished_at if self._finished_at is not None else time.monotonic()
+        return end - self._started_at if self._started_at else 0.0
+
+    @property
+    def complete(self) -> bool:
+        return self._prefix >= self._target
+
+    def threads(self) -> list[threading.Thread]:
+        return [t for t in self._threads if t.is_alive()]
+
+    # -- control (blocking: call off the event loop) --------------------------
+
+    def set_target(self, units: int) -> list[tuple[int, int]] | None:
+        """Fill to ``units`` units.
+
+        :returns: None for a grow; for a shrink (or same size), the committed
+            ranges past the new end, once no unit there is being committed. The
+            caller decommits them and then calls :meth:`finish_shrink`.
+        """
+        with self._cond:
+            self._check_open()
+            if units > len(self._states):
+                self._states.extend(bytes(units - len(self._states)))
+            grow = units > self._target
+            self._target = units
+            if grow:
+                self._start_threads_locked()
+                return None
+            self._next_claim = min(self._next_claim, units)
+            self._cond.wait_for(lambda: _FILLING not in self._states[units:])
+            return self.committed_ranges(units)
+
+    def finish_shrink(self, units: int, decommitted: list[tuple[int, int]]) -> None:
+        """Record a shrink to ``units`` units once the tail is decommitted."""
+        with self._cond:
+            del self._states[units:]
+            if self._prefix > units:
+                self._prefix = units
+                self.watermark = self._layout.start(units)
+            if self.error is not None and self.error.failed_offset >= self._layout.start(units):
+                self.error = None
+            self._mark_finished_locked()
+            self._cond.notify_all()
+        self._on_change()
+
+    def start(self) -> None:
+        with self._cond:
+            self._start_threads_locked()
+
+    def close(self) -> None:
+        """Stop between units and join every worker. Idempotent."""
+        with self._cond:
+            self._stop = True
+            self.closed = True
+            self._cond.notify_all()
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join()
+        self._threads.clear()
+        self._on_change()
+
+    def wait_blocking(self, nbytes: int, timeout: float | None) -> None:
+        """Block the calling thread until ``nbytes`` are resident.
+
+        :raises TimeoutError: ``timeout`` seconds passed first.
+        :raises FillError: the fill failed below ``nbytes``.
+        :raises TierClosedError: the tier closed first.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.ready(nbytes), timeout):
+                raise TimeoutError(f"{nbytes} bytes not resident after {timeout} s (watermark {self.watermark})")
+            self.ready(nbytes, raise_=True)
+
+    def ready(self, nbytes: int, *, raise_: bool = False) -> bool:
+        """Whether a waiter for ``nbytes`` is done (resident, failed or closed)."""
+        if self.watermark >= nbytes:
+            return True
+        error = self.error
+        if self.closed or (error is not None and error.failed_offset < nbytes):
+            if raise_:
+                if self.closed:
+                    raise TierClosedError("the tier is closed")
+                assert error is not None
+                raise error
+            return True
+        return False
+
+    # -- workers --------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TierClosedError("the tier is closed")
+
+    def _start_threads_locked(self) -> None:
+        if self._stop or self.error is not None or self._next_claim >= self._target:
+            self._mark_finished_locked()
+            return
+        if self._active == 0:
+            self._started_at = time.monotonic()
+            self._finished_at = None
+        self._threads = [t for t in self._threads if t.is_alive()]
+        while self._active < self._threads_wanted:
+            thread = threading.Thread(target=self._run, name=f"aiokvtier-fill-{len(self._threads)}", daemon=True)
+            self._active += 1
+            self._threads.append(thread)
+            thread.start()
+
+    def _mark_finished_locked(self) -> None:
+        if self._prefix >= self._target and self._finished_at is None:
+            self._finished_at = time.monotonic()
+
+    def _thread_setup(self) -> None:
+        if self._cpus:
+            try:
+                os.sched_setaffinity(0, self._cpus & os.sched_getaffinity(0) or self._cpus)
+            except OSError as exc:
+                self.affinity_warning = f"could not bind fill thread to CPUs {sorted(self._cpus)}: {exc.strerror}"
+                log.warning(self.affinity_warning)
+        self._backing.thread_setup()
+
+    def _claim_locked(self) -> range | None:
+        first = self._next_claim
+        if self._stop or self.error is not None or first >= self._target:
+            return None
+        layout = self._layout
+        last = first + 1
+        while last < self._target and layout.start(last) - layout.start(first) < self._fill_chunk:
+            last += 1
+        for i in range(first, last):
+            self._states[i] = _FILLING
+        self._next_claim = last
+        return range(first, last)
+
+    def _release_claim_locked(self, units: range) -> None:
+        for i in units:
+            if self._states[i] == _FILLING:
+                self._states[i] = _EMPTY
+        if units:
+            self._next_claim = min(self._next_claim, units.start)
+
+    def _run(self) -> None:
+        try:
+            self._thread_setup()
+        except BaseException as exc:
+            with self._cond:
+                self._fail_locked(self._next_claim, exc)
+                self._active -= 1
+                self._cond.notify_all()
+            self._on_change()
+            return
+        while True:
+            with self._cond:
+                claim = self._claim_locked()
+                if claim is None:
+                    self._active -= 1
+                    self._mark_finished_locked()
+                    self._cond.notify_all()
+                    return
+            for pos, index in enumerate(claim):
+                if self._stop or index >= self._target or self._failed_below(index):
+                    with self._cond:
+                        self._release_claim_locked(claim[pos:])
+                        self._cond.notify_all()
+                    break
+                if not self._commit_unit(index):
+                    with self._cond:
+                        self._release_claim_locked(claim[pos + 1 :])
+                        self._cond.notify_all()
+                    break
+
+    def _failed_below(self, index: int) -> bool:
+        # Units past a failure cannot join the prefix until a shrink clears
+        # it; units below it still serve waiters, so they are finished.
+        error = self.error
+        return error is not None and error.failed_offset < self._layout.start(index)
+
+    def _commit_unit(self, index: int) -> bool:
+        layout = self._layout
+        start = layout.start(index)
+        try:
+            self._backing.commit(start, layout.end(index) - start)
+        except BaseException as exc:
+            with self._cond:
+                self._states[index] = _EMPTY
+                self._fail_locked(index, exc)
+                self._cond.notify_all()
+            self._on_change()
+            return False
+        with self._cond:
+            self._states[index] = _COMMITTED
+            prefix = self._prefix
+            states = self._states
+            while prefix < len(states) and states[prefix] == _COMMITTED:
+                prefix += 1
+            self._prefix = prefix
+            self.watermark = layout.start(prefix)
+            self._mark_finished_locked()
+            self._cond.notify_all()
+        self._on_change()
+        return True
+
+    def _fail_locked(self, index: int, exc: BaseException) -> None:
+        offset = self._layout.start(index)
+        if self.error is not None and self.error.failed_offset <= offset:
+            return
+        error = FillError(
+            f"making bytes {offset}.. resident failed: {exc}",
+            resident_bytes=self.watermark,
+            failed_offset=offset,
+        )
+        error.__cause__ = exc
+        self.error = error
+        log.error("aiokvtier fill failed at offset %d: %s", offset, exc)

@@ -1,0 +1,67 @@
+"""Where the commit units lie inside the reserved range.
+
+The first commit unit is split into a geometric ramp (16, 16, 32, 64, ...
+MiB) so the first allocation waits for milliseconds, not for a 512 MiB unit;
+every later unit is ``commit_unit`` long, and unit boundaries past the first
+fall on multiples of ``commit_unit``. Every boundary is a
+multiple of the slot size, so no slot straddles two units, and a unit is the
+atom of commit, decommit and GPU registration. The layout is arithmetic:
+no per-unit objects, whatever the reservation size.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+__all__ = ["FIRST_STEP", "UnitLayout"]
+
+FIRST_STEP = 16 << 20
+"""Target size of the first unit: ~8 ms of population at 2 GiB/s."""
+
+
+@dataclass(frozen=True, slots=True)
+class UnitLayout:
+    size: int
+    """Bytes covered by units: the reservation, rounded down to whole slots."""
+    slot_size: int
+    commit_unit: int
+    ramp: tuple[int, ...]
+    """Start offsets of the ramp units, then the start of the first regular unit."""
+
+    @classmethod
+    def build(cls, size: int, slot_size: int, commit_unit: int, first_step: int = FIRST_STEP) -> UnitLayout:
+        size -= size % slot_size
+        step = max(slot_size, first_step - first_step % slot_size)
+        starts = [0]
+        while step < commit_unit:
+            starts.append(step)
+            step *= 2
+        if len(starts) > 1:
+            starts.append(commit_unit)
+        return cls(size, slot_size, commit_unit, tuple(starts))
+
+    @property
+    def count(self) -> int:
+        """Number of units covering ``size`` (the last one may be short)."""
+        return self.unit_at(self.size - 1) + 1
+
+    def start(self, index: int) -> int:
+        ramp = self.ramp
+        if index < len(ramp):
+            return min(ramp[index], self.size)
+        return min(ramp[-1] + (index - len(ramp) + 1) * self.commit_unit, self.size)
+
+    def end(self, index: int) -> int:
+        return self.start(index + 1)
+
+    def unit_at(self, offset: int) -> int:
+        """Index of the unit containing byte ``offset``."""
+        ramp = self.ramp
+        if offset < ramp[-1]:
+            return bisect.bisect_right(ramp, offset) - 1
+        return len(ramp) - 1 + (offset - ramp[-1]) // self.commit_unit
+
+    def units_for(self, nbytes: int) -> int:
+        """How many leading units cover the first ``nbytes`` bytes."""
+        return 0 if nbytes <= 0 else self.unit_at(min(nbytes, self.size) - 1) + 1

@@ -1,0 +1,159 @@
+"""Linux memory syscalls through ctypes.
+
+ctypes releases the GIL for the length of each call, which is the point: a fill
+thread populating gigabytes must not stall the event loop (CPython's
+``mmap.madvise`` holds the GIL). ``mbind`` has no libc wrapper outside libnuma,
+so it goes through ``syscall(2)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import platform
+
+__all__ = [
+    "MADV_DONTNEED",
+    "MADV_HUGEPAGE",
+    "MADV_NOHUGEPAGE",
+    "MPOL_BIND",
+    "MPOL_PREFERRED",
+    "PAGE_SIZE",
+    "madvise",
+    "mbind",
+    "mmap_reserve",
+    "mprotect",
+    "munmap",
+    "populate",
+]
+
+PAGE_SIZE = mmap.PAGESIZE
+
+PROT_NONE = 0x0
+PROT_READ = 0x1
+PROT_WRITE = 0x2
+MAP_PRIVATE = 0x02
+MAP_ANONYMOUS = 0x20
+MAP_NORESERVE = 0x4000
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+MADV_DONTNEED = 4
+MADV_HUGEPAGE = 14
+MADV_NOHUGEPAGE = 15
+MADV_POPULATE_WRITE = 23
+
+MPOL_PREFERRED = 1
+MPOL_BIND = 2
+
+_SYS_MBIND = {"x86_64": 237, "aarch64": 235, "ppc64le": 259}.get(platform.machine())
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_munmap = _libc.munmap
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_mprotect = _libc.mprotect
+_mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_memset = _libc.memset
+_memset.restype = ctypes.c_void_p
+_memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mmap_reserve(length: int, align: int) -> tuple[int, int]:
+    """Reserve ``length`` bytes of address space, inaccessible and unaccounted.
+
+    PROT_NONE private mappings are not charged against the commit limit, even
+    under ``vm.overcommit_memory=2``; MAP_NORESERVE covers the other modes once
+    parts are made writable. The base is aligned to ``align`` (huge-page
+    alignment keeps THP and registrations on natural boundaries).
+
+    :returns: ``(base, length)``.
+    :raises OSError: the kernel refused the reservation.
+    """
+    span = length + align
+    raw = _mmap(None, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+    if raw is None or raw == MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {length} bytes: {os.strerror(err)}")
+    base = (raw + align - 1) // align * align
+    if base > raw:
+        munmap(raw, base - raw)
+    tail = raw + span - (base + length)
+    if tail:
+        munmap(base + length, tail)
+    return base, length
+
+
+def munmap(addr: int, length: int) -> None:
+    _check(_munmap(addr, length), "munmap")
+
+
+def mprotect(addr: int, length: int, writable: bool) -> None:
+    prot = PROT_READ | PROT_WRITE if writable else PROT_NONE
+    _check(_mprotect(addr, length, prot), "mprotect")
+
+
+def madvise(addr: int, length: int, advice: int) -> None:
+    _check(_madvise(addr, length, advice), "madvise")
+
+
+_populate_write_supported: bool | None = None
+
+
+def populate(addr: int, length: int) -> None:
+    """Fault in and zero ``length`` writable bytes at ``addr``, GIL released.
+
+    MADV_POPULATE_WRITE (Linux 5.14) faults pages without touching them from
+    user space; older kernels answer EINVAL and get a memset, which also
+    faults every page and also runs without the GIL.
+
+    :raises OSError: ENOMEM when memory runs out, EFAULT/EINVAL on a bad range.
+    """
+    global _populate_write_supported
+    if _populate_write_supported is not False:
+        if _madvise(addr, length, MADV_POPULATE_WRITE) == 0:
+            _populate_write_supported = True
+            return
+        err = ctypes.get_errno()
+        if err != errno.EINVAL or _populate_write_supported:
+            raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+        _populate_write_supported = False
+    _memset(addr, 0, length)
+
+
+def mbind(addr: int, length: int, mode: int, node: int) -> None:
+    """Attach a NUMA policy for ``node`` to a range (before any page is touched).
+
+    :raises OSError: EPERM where seccomp or missing CAP_SYS_NICE forbids it,
+        ENOSYS on architectures this module has no syscall number for.
+    """
+    if _SYS_MBIND is None:
+        raise OSError(errno.ENOSYS, f"mbind: no syscall number for {platform.machine()}")
+    words = node // 64 + 1
+    mask = (ctypes.c_ulong * words)()
+    mask[node // 64] = 1 << (node % 64)
+    rc = _syscall(
+        ctypes.c_long(_SYS_MBIND),
+        ctypes.c_void_p(addr),
+        ctypes.c_ulong(length),
+        ctypes.c_int(mode),
+        mask,
+        ctypes.c_ulong(words * 64 + 1),
+        ctypes.c_uint(0),
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mbind(node {node}): {os.strerror(err)}")

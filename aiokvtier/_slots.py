@@ -1,0 +1,125 @@
+"""Slot bookkeeping: which slot ids are handed out.
+
+Fresh slots are a counter (``next_fresh``), not a list, so a tier of
+millions of slots costs one byte per slot (the allocated map) plus four bytes
+per *freed* slot. Freed slots are reused first, most recently freed first,
+so hot memory stays hot and fresh slots ascend from zero.
+
+Not thread-safe: the tier calls it from its event loop only.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+
+from ._errors import OutOfSlots, SlotError
+
+__all__ = ["SlotAllocator"]
+
+
+class SlotAllocator:
+    __slots__ = ("_allocated", "_free", "count", "next_fresh", "total")
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        """Slots the quota holds; ids ``[0, total)`` are valid."""
+        self.next_fresh = 0
+        """The next never-allocated id; ``[next_fresh, total)`` are fresh."""
+        self.count = 0
+        """Slots currently allocated."""
+        self._allocated = bytearray(total)
+        self._free = array("I")
+
+    @property
+    def available(self) -> int:
+        return len(self._free) + self.total - self.next_fresh
+
+    @property
+    def freed(self) -> int:
+        return len(self._free)
+
+    def nbytes(self) -> int:
+        """Bookkeeping memory, for the benchmark's budget."""
+        return self._allocated.__sizeof__() + self._free.buffer_info()[1] * self._free.itemsize
+
+    def fresh_needed(self, n: int) -> int:
+        """Highest fresh id (exclusive) that taking ``n`` slots would reach."""
+        return self.next_fresh + max(0, n - len(self._free))
+
+    def take(self, n: int) -> list[int]:
+        """Take ``n`` slots: recycled ones first (most recent first), then fresh ones."""
+        if n > self.available:
+            raise OutOfSlots(f"{n} slots requested, {self.available} of {self.total} available")
+        free = self._free
+        k = min(n, len(free))
+        taken = free[len(free) - k :].tolist()
+        taken.reverse()
+        del free[len(free) - k :]
+        fresh = self.next_fresh
+        self.next_fresh = fresh + n - k
+        taken.extend(range(fresh, self.next_fresh))
+        allocated = self._allocated
+        for slot in taken:
+            allocated[slot] = 1
+        self.count += n
+        return taken
+
+    def take_one(self) -> int:
+        free = self._free
+        if free:
+            slot = free.pop()
+        elif self.next_fresh < self.total:
+            slot = self.next_fresh
+            self.next_fresh = slot + 1
+        else:
+            raise OutOfSlots(f"all {self.total} slots are allocated")
+        self._allocated[slot] = 1
+        self.count += 1
+        return slot
+
+    def check_allocated(self, slot: int) -> None:
+        if not (type(slot) is int and 0 <= slot < self.total):
+            raise SlotError(f"slot {slot!r} is not a slot id of this tier (0..{self.total - 1})")
+        if not self._allocated[slot]:
+            raise SlotError(f"slot {slot} is not allocated (double free, or never handed out)")
+
+    def give(self, slot: int) -> None:
+        self.check_allocated(slot)
+        self._allocated[slot] = 0
+        self._free.append(slot)
+        self.count -= 1
+
+    def give_many(self, slots: Iterable[int]) -> None:
+        """Free every slot or, if any is invalid or repeated, none."""
+        slots = list(slots)
+        seen: set[int] = set()
+        for slot in slots:
+            self.check_allocated(slot)
+            if slot in seen:
+                raise SlotError(f"slot {slot} appears twice in one free_many call")
+            seen.add(slot)
+        allocated = self._allocated
+        for slot in slots:
+            allocated[slot] = 0
+        self._free.extend(slots)
+        self.count -= len(slots)
+
+    def is_allocated(self, slot: int) -> bool:
+        return 0 <= slot < self.total and bool(self._allocated[slot])
+
+    def highest_allocated(self) -> int:
+        """Highest allocated id, or -1."""
+        return self._allocated.rfind(b"\x01", 0, self.next_fresh)
+
+    def resize(self, total: int) -> None:
+        """Change the number of slots; a shrink must leave no allocated slot past the end."""
+        if total < self.total:
+            if self.highest_allocated() >= total:
+                raise SlotError(f"slot {self.highest_allocated()} is allocated past the new end ({total} slots)")
+            self._free = array("I", (s for s in self._free if s < total))
+            self.next_fresh = min(self.next_fresh, total)
+            del self._allocated[total:]
+        else:
+            self._allocated.extend(bytes(total - self.total))
+        self.total = total

@@ -1,0 +1,46 @@
+"""Snapshots of a tier's live figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TierStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierStatistics:
+    """What :meth:`HostTier.statistics` returns: a consistent-enough snapshot.
+
+    Figures are read without stopping the fill, so ``resident_bytes`` may be
+    one unit behind by the time you read it.
+    """
+
+    backing: str
+    """``"host"``, ``"register"`` or ``"vmm"``."""
+    device: int | None
+    quota: int
+    max_quota: int
+    base_address: int
+    resident_bytes: int
+    """Bytes resident (and, with a GPU backing, registered) as one contiguous prefix."""
+    target_bytes: int
+    """Bytes the fill works towards: the quota rounded up to whole commit units."""
+    registered_bytes: int
+    slot_size: int
+    commit_unit: int
+    fill_chunk: int
+    fill_threads: int
+    slots_total: int
+    slots_allocated: int
+    slots_free: int
+    views_exported: int
+    filling: bool
+    fill_seconds: float
+    """Seconds the latest fill (from open, or from the latest grow) has run or took."""
+    fill_error: str | None
+    numa_node: int | None
+    numa_policy: str
+    """``"preferred"``, ``"bind"``, ``"first-touch"`` (mbind denied) or ``"none"``."""
+    numa_warning: str | None
+    transparent_huge_pages: bool
+    closed: bool

@@ -1,0 +1,437 @@
+"""HostTier: the async facade over reservation, fill, slots and views."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+from typing import Any, overload
+
+import anyio
+
+from ._backing import Backing, HostBacking
+from ._config import HostTierConfig
+from ._errors import CudaUnavailableError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
+from ._fill import Filler
+from ._layout import UnitLayout
+from ._placement import Placement, node_cpus_or_none, read_placement
+from ._slots import SlotAllocator
+from ._statistics import TierStatistics
+from ._views import ViewLedger
+from ._waiters import LoopWaiters
+
+__all__ = ["HostTier"]
+
+
+def resolve_numa_node(config: HostTierConfig) -> int | None:
+    if config.numa_node != "auto":
+        return config.numa_node
+    if config.device is None:
+        return None
+    node: int | None = _cuda_module().device_numa_node(config.device)
+    return node
+
+
+def _cuda_module() -> Any:
+    raise CudaUnavailableError("this build of aiokvtier has no CUDA backings yet")
+
+
+def make_backing(config: HostTierConfig, node: int | None) -> Backing:
+    """Reserve ``max_quota`` with the configured backing (blocking: run off the loop)."""
+    kind = config.resolved_backing
+    if kind == "host":
+        return HostBacking(
+            config.max_quota,  # type: ignore[arg-type]
+            node=node,
+            strict_numa=not config.allow_remote_numa_fallback,
+            huge_pages=config.transparent_huge_pages,
+        )
+    backing: Backing = _cuda_module().make_backing(config, node)
+    return backing
+
+
+class HostTier:
+    """A host-memory KV tier that serves slots while it is still being filled.
+
+    Open it with ``tier = await HostTier.open(config)`` or
+    ``async with HostTier(config) as tier:``; either returns once the range is
+    reserved and the fill has started. Slots are ``slot_size`` bytes at
+    ``base + slot * slot_size``; fresh ids ascend from 0 and freed ids are
+    reused first (most recently freed first).
+
+    Threads: the async methods and the slot calls (``allocate_nowait``,
+    ``free``, ``view``, ``address``) belong to the event loop that opened the
+    tier; other threads use :meth:`wait_resident_blocking` and
+    :meth:`statistics`.
+    """
+
+    def __init__(self, config: HostTierConfig | Mapping[str, Any]) -> None:
+        """:raises pydantic.ValidationError: ``config`` is a mapping that does not validate."""
+        self._config = config if isinstance(config, HostTierConfig) else HostTierConfig.model_validate(config)
+        self._state = "new"
+        self._resize_lock = asyncio.Lock()
+        self._released = threading.Event()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, config: HostTierConfig | Mapping[str, Any]) -> HostTier:
+        """Reserve the range, start the fill, and return without waiting for it.
+
+        :raises pydantic.ValidationError: the config is invalid.
+        :raises NumaPolicyError: strict NUMA placement cannot be applied.
+        :raises OSError: the range cannot be reserved.
+        :raises CudaUnavailableError: a CUDA backing was asked for without a usable driver.
+
+        Cancelling ``open`` releases whatever it had built.
+        """
+        tier = cls(config)
+        await tier._open()
+        return tier
+
+    async def __aenter__(self) -> HostTier:
+        await self._open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def _open(self) -> None:
+        if self._state != "new":
+            raise RuntimeError(f"this HostTier was already opened ({self._state})")
+        self._state = "opening"
+        self._loop = asyncio.get_running_loop()
+        cfg = self._config
+        self._slot_size = slot = int(cfg.slot_size)
+        self._quota = int(cfg.quota)
+        try:
+            with anyio.CancelScope(shield=True):
+                node = await anyio.to_thread.run_sync(resolve_numa_node, cfg)
+                self._backing = backing = await anyio.to_thread.run_sync(make_backing, cfg, node)
+        except BaseException:
+            self._state = "closed"
+            raise
+        self._node = node
+        self._base = backing.base
+        self._layout = layout = UnitLayout.build(backing.size, slot, int(cfg.commit_unit))  # type: ignore[arg-type]
+        self._slots = SlotAllocator(self._quota // slot)
+        self._views = ViewLedger(slot)
+        self._filler = filler = Filler(
+            backing,
+            layout,
+            threads=cfg.fill_threads,
+            fill_chunk=int(cfg.fill_chunk),
+            cpus=node_cpus_or_none(node),
+            on_change=self._notify,
+        )
+        self._waiters = LoopWaiters(self._loop, filler.ready, self._settled)
+        self._state = "open"
+        try:
+            await anyio.to_thread.run_sync(filler.set_target, layout.units_for(self._slots.total * slot))
+        except BaseException:
+            await self.aclose()
+            raise
+
+    def _notify(self) -> None:
+        self._waiters.notify()
+
+    def _settled(self) -> bool:
+        filler = self._filler
+        return filler.closed or filler.error is not None
+
+    async def aclose(self) -> None:
+        """Stop the fill between units, join its threads and release the range. Idempotent.
+
+        If views of slots are still exported, the range is unmapped when the
+        last one is released (it stays valid memory until then). Cancelling
+        ``aclose`` does not interrupt the teardown.
+        """
+        if self._state in ("closed", "closing", "new"):
+            self._state = "closed" if self._state == "new" else self._state
+            return
+        self._state = "closing"
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._filler.close)
+            self._waiters.kick()
+            if self._views.defer_until_empty(self._release):
+                await anyio.to_thread.run_sync(self._release)
+        self._state = "closed"
+
+    def _release(self) -> None:
+        try:
+            self._backing.release(self._filler.committed_ranges())
+        finally:
+            self._released.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._state == "closed" or self._state == "closing"
+
+    @property
+    def released(self) -> bool:
+        """Whether the range has been given back (after close and the last view)."""
+        return self._released.is_set()
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise TierClosedError(f"the tier is {self._state}")
+
+    # -- allocation ------------------------------------------------------------
+
+    @overload
+    async def allocate(self) -> int: ...
+    @overload
+    async def allocate(self, n: int) -> list[int]: ...
+    async def allocate(self, n: int | None = None) -> int | list[int]:
+        """Allocate one slot (``allocate()``) or ``n`` slots (``allocate(n)``).
+
+        Waits only for the unit holding the highest fresh slot it takes.
+
+        :raises OutOfSlots: the quota does not have that many slots free.
+        :raises FillError: the fill failed below those slots.
+        :raises TierClosedError: the tier closed.
+
+        Cancellation: slots are taken only once they are resident, so a
+        cancelled call has taken none.
+        """
+        if n is None:
+            return (await self._allocate(1))[0]
+        return await self._allocate(n)
+
+    async def allocate_many(self, n: int) -> list[int]:
+        """Same as ``allocate(n)``."""
+        return await self._allocate(n)
+
+    async def _allocate(self, n: int) -> list[int]:
+        if type(n) is not int or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        while True:
+            self._check_open()
+            slots = self._slots
+            if n > slots.available:
+                raise OutOfSlots(f"{n} slots requested, {slots.available} of {slots.total} available")
+            need = slots.fresh_needed(n) * self._slot_size
+            filler = self._filler
+            if filler.watermark >= need:
+                return slots.take(n)
+            if filler.ready(need):
+                filler.ready(need, raise_=True)
+            await self._waiters.wait(need)
+
+    def allocate_nowait(self) -> int:
+        """Allocate one slot without waiting.
+
+        :raises WouldBlock: the next fresh slot is not resident yet.
+        :raises OutOfSlots: every slot of the quota is allocated.
+        :raises FillError: the fill failed below the next fresh slot.
+        """
+        if self._state != "open":
+            self._check_open()
+        slots = self._slots
+        if slots.freed or (slots.next_fresh + 1) * self._slot_size <= self._filler.watermark:
+            return slots.take_one()
+        if slots.next_fresh >= slots.total:
+            raise OutOfSlots(f"all {slots.total} slots are allocated")
+        need = (slots.next_fresh + 1) * self._slot_size
+        self._filler.ready(need, raise_=True)
+        raise WouldBlock(f"slot {slots.next_fresh} is not resident yet ({self._filler.watermark} bytes are)")
+
+    def free(self, slot: int) -> None:
+        """Return a slot. :raises SlotError: not an allocated slot of this tier (nothing changes)."""
+        if self._state != "open":
+            self._check_open()
+        self._slots.give(slot)
+
+    def free_many(self, slots: Iterable[int]) -> None:
+        """Return several slots, all or none. :raises SlotError: any is invalid or repeated."""
+        self._check_open()
+        self._slots.give_many(slots)
+
+    # -- memory ------------------------------------------------------------------
+
+    def address(self, slot: int) -> int:
+        """Address of an allocated slot. :raises SlotError: not allocated."""
+        self._check_open()
+        self._slots.check_allocated(slot)
+        return self._base + slot * self._slot_size
+
+    def view(self, slot: int) -> memoryview:
+        """A writable ``slot_size``-byte view of an allocated slot.
+
+        The view keeps the memory mapped: a shrink past a viewed slot is
+        refused, and close defers unmapping until every view is released.
+
+        :raises SlotError: not allocated.
+        """
+        address = self.address(slot)
+        return self._views.view(slot, address)
+
+    @property
+    def base_address(self) -> int:
+        self._check_open()
+        return self._base
+
+    @property
+    def slot_size(self) -> int:
+        return int(self._config.slot_size)
+
+    @property
+    def config(self) -> HostTierConfig:
+        return self._config
+
+    # -- residency ---------------------------------------------------------------
+
+    def _wait_target(self, nbytes: int | None) -> int:
+        if nbytes is None:
+            return self._filler.target_bytes
+        if nbytes < 0 or nbytes > self._quota:
+            raise ValueError(f"nbytes ({nbytes}) must be between 0 and the quota ({self._quota})")
+        return nbytes
+
+    async def wait_resident(self, nbytes: int | None = None) -> None:
+        """Wait until ``nbytes`` (None: the whole quota) are resident.
+
+        :raises ValueError: ``nbytes`` is past the quota.
+        :raises FillError: the fill failed below ``nbytes``.
+        :raises TierClosedError: the tier closed first.
+        """
+        while True:
+            self._check_open()
+            need = self._wait_target(nbytes)
+            if self._filler.ready(need, raise_=True):
+                return
+            await self._waiters.wait(need)
+
+    def wait_resident_blocking(self, nbytes: int | None = None, timeout: float | None = None) -> None:
+        """Block the calling thread (not the loop's) until ``nbytes`` are resident.
+
+        :raises RuntimeError: called from the tier's event loop thread.
+        :raises TimeoutError: ``timeout`` seconds passed first.
+        :raises FillError: the fill failed below ``nbytes``.
+        :raises TierClosedError: the tier closed first.
+        """
+        if self._loop_thread():
+            raise RuntimeError("wait_resident_blocking would block the event loop; use await wait_resident()")
+        self._check_open()
+        self._filler.wait_blocking(self._wait_target(nbytes), timeout)
+
+    def _loop_thread(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    async def resize(self, new_quota: int | str) -> None:
+        """Grow or shrink the quota inside the reservation; the base never moves.
+
+        A grow continues the fill. A shrink hands whole commit units back
+        and keeps the contents of retained slots; it clears a fill error if
+        the new end is at or below the resident prefix.
+
+        :raises QuotaError: past ``max_quota``, below one slot, or a slot
+            past the new end is allocated or viewed (nothing changes).
+        :raises TierClosedError: the tier is closed.
+
+        Cancellation: once the new quota is accepted the resize runs to the end.
+        """
+        quota = self._parse_quota(new_quota)
+        async with self._resize_lock:
+            self._check_open()
+            slot = self._slot_size
+            total = quota // slot
+            units = self._layout.units_for(total * slot)
+            slots = self._slots
+            if total < slots.total:
+                highest = max(slots.highest_allocated(), self._views.highest())
+                if highest >= total:
+                    raise QuotaError(
+                        f"cannot shrink to {quota} bytes ({total} slots): slot {highest} past the new end "
+                        "is allocated or has a live view"
+                    )
+            slots.resize(total)
+            self._quota = quota
+            with anyio.CancelScope(shield=True):
+                tail = await anyio.to_thread.run_sync(self._filler.set_target, units)
+                if tail is not None:
+                    await anyio.to_thread.run_sync(self._decommit_tail, units, tail)
+            self._waiters.kick()
+
+    def _decommit_tail(self, units: int, tail: list[tuple[int, int]]) -> None:
+        done: list[tuple[int, int]] = []
+        try:
+            for offset, length in tail:
+                self._backing.decommit(offset, length)
+                done.append((offset, length))
+        finally:
+            self._filler.finish_shrink(units, done)
+
+    def _parse_quota(self, value: int | str) -> int:
+        from pydantic import ByteSize, TypeAdapter, ValidationError
+
+        try:
+            quota = int(TypeAdapter(ByteSize).validate_python(value))
+        except ValidationError as exc:
+            raise QuotaError(f"invalid quota {value!r}: {exc.errors()[0]['msg']}") from None
+        maximum = int(self._config.max_quota)  # type: ignore[arg-type]
+        if quota > maximum:
+            raise QuotaError(f"quota {quota} exceeds max_quota {maximum}; the reservation cannot grow")
+        if quota < self._slot_size:
+            raise QuotaError(f"quota {quota} is smaller than one slot ({self._slot_size})")
+        return quota
+
+    # -- introspection -------------------------------------------------------------
+
+    def placement(self) -> Placement:
+        """Pages per NUMA node and the policy of the range, from /proc/self/numa_maps."""
+        self._check_open()
+        return read_placement(self._base, self._backing.size)
+
+    def statistics(self) -> TierStatistics:
+        """A snapshot of the live figures (any thread)."""
+        if self._state in ("new", "opening"):
+            raise TierClosedError(f"the tier is {self._state}")
+        cfg = self._config
+        filler = self._filler
+        slots = self._slots
+        error = filler.error
+        return TierStatistics(
+            backing=self._backing.name,
+            device=cfg.device,
+            quota=self._quota,
+            max_quota=int(cfg.max_quota),  # type: ignore[arg-type]
+            base_address=self._base,
+            resident_bytes=filler.watermark,
+            target_bytes=filler.target_bytes,
+            registered_bytes=self._backing.registered_bytes,
+            slot_size=self._slot_size,
+            commit_unit=int(cfg.commit_unit),  # type: ignore[arg-type]
+            fill_chunk=int(cfg.fill_chunk),
+            fill_threads=cfg.fill_threads,
+            slots_total=slots.total,
+            slots_allocated=slots.count,
+            slots_free=slots.available,
+            views_exported=self._views.count(),
+            filling=not filler.complete and error is None and not filler.closed,
+            fill_seconds=filler.fill_seconds,
+            fill_error=None if error is None else f"{error} (cause: {error.__cause__!r})",
+            numa_node=self._node,
+            numa_policy=self._backing.numa_policy,
+            numa_warning=self._backing.numa_warning or filler.affinity_warning,
+            transparent_huge_pages=cfg.transparent_huge_pages,
+            closed=self.closed,
+        )
+
+    def __repr__(self) -> str:
+        if self._state in ("new", "opening"):
+            return f"<HostTier [{self._state} | quota {self._config.quota.human_readable()}]>"
+        s = self.statistics()
+        gib = 1 << 30
+        state = "closed" if s.closed else "failed" if s.fill_error else "filling" if s.filling else "resident"
+        return (
+            f"<HostTier [{state} | {s.backing} | resident {s.resident_bytes / gib:.2f}/"
+            f"{s.target_bytes / gib:.2f} GiB (max {s.max_quota / gib:.2f}) | slots {s.slots_allocated}/"
+            f"{s.slots_total} allocated | views {s.views_exported}]>"
+        )
