@@ -71,7 +71,7 @@ class HostTierConfig(_Frozen):
     kind: Literal["host"] = "host"
     quota: PositiveSize
     max_quota: PositiveSize | None = Field(default=None, validate_default=True)
-    slot_size: PositiveSize = ByteSize(2 * MiB)
+    slot_size: PositiveSize = Field(default=ByteSize(2 * MiB), validate_default=True)
     fill_chunk: PositiveSize = ByteSize(512 * MiB)
     commit_unit: PositiveSize | None = Field(default=None, validate_default=True)
     fill_threads: Annotated[int, Field(ge=1, le=256)] = 1

@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from aiokvtier import _linux
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a test dependency on Linux
+    uvloop = None
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
+    """Every async test runs on asyncio and on uvloop."""
+    factories: dict[str, Callable[[], Any]] = {"asyncio": asyncio.new_event_loop}
+    if uvloop is not None:
+        factories["uvloop"] = uvloop.new_event_loop
+    return factories
+
+
+def _cuda_device_count() -> int:
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return 0
+    (err,) = driver.cuInit(0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return 0
+    err, count = driver.cuDeviceGetCount()
+    return int(count) if err == driver.CUresult.CUDA_SUCCESS else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any("cuda" in item.keywords for item in items):
+        return
+    if _cuda_device_count() == 0:
+        skip = pytest.mark.skip(reason="no CUDA device (driver or cuda-bindings missing, or no GPU)")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_blocking_in_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Async tests run with blockbuster: a blocking call on the event loop fails the test."""
+    if not asyncio.iscoroutinefunction(getattr(request.node, "function", None)):
+        yield
+        return
+    from blockbuster import BlockBuster
+
+    bb = BlockBuster()
+    # Tests themselves read /proc to check mappings and placement; the library
+    # reads tiny procfs/sysfs files at open (placement and host facts), which
+    # cannot block on I/O.
+    for name in ("io.BufferedReader.read", "io.TextIOWrapper.read", "io.FileIO.read", "os.stat"):
+        fn = bb.functions.get(name)
+        if fn is not None:
+            fn.can_block_in("aiokvtier/_placement.py", {"read_placement"})
+            fn.can_block_in("aiokvtier/_sysinfo.py", {"cgroup_memory_limit", "_cgroup_dir", "online_nodes", "node_cpus"})
+            fn.can_block_in("tests/conftest.py", {"proc_text"})
+    for name in ("threading.Lock.acquire", "threading.Lock.acquire_lock"):
+        # The tests' populate gate is shared with fill threads by design.
+        bb.functions[name].can_block_in("tests/conftest.py", {"allow", "fail", "release_all"})
+    bb.activate()
+    try:
+        yield
+    finally:
+        bb.deactivate()
+
+
+def proc_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def mappings_in(base: int, size: int) -> list[str]:
+    """Lines of /proc/self/maps that overlap ``[base, base+size)``."""
+    out = []
+    for line in proc_text("/proc/self/maps").splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo < base + size and hi > base:
+            out.append(line)
+    return out
+
+
+def smaps_flags(addr: int) -> set[str]:
+    """VmFlags of the mapping containing ``addr``."""
+    inside = False
+    for line in proc_text("/proc/self/smaps").splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def fill_threads_alive() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("aiokvtier-")]
+
+
+class PopulateGate:
+    """Replaces populate: the k-th call (in call order) waits until let through, or fails."""
+
+    def __init__(self, real: Callable[[int, int], None]) -> None:
+        self._real = real
+        self._cond = threading.Condition()
+        self.allowed = 0
+        self.calls = 0
+        self.fail_at: set[int] = set()
+        self.seen: list[tuple[int, int, str, set[int]]] = []
+
+    def __call__(self, addr: int, length: int) -> None:
+        with self._cond:
+            index = self.calls
+            self.calls += 1
+            self.seen.append((addr, length, threading.current_thread().name, os.sched_getaffinity(0)))
+            self._cond.wait_for(lambda: self.allowed > index or index in self.fail_at, timeout=60)
+            if index in self.fail_at:
+                raise OSError(errno.ENOMEM, f"injected failure at call {index}")
+        self._real(addr, length)
+
+    def allow(self, n: int) -> None:
+        with self._cond:
+            self.allowed = n
+            self._cond.notify_all()
+
+    def fail(self, index: int) -> None:
+        with self._cond:
+            self.fail_at.add(index)
+            self._cond.notify_all()
+
+    def release_all(self) -> None:
+        self.allow(1 << 60)
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[PopulateGate]:
+    g = PopulateGate(_linux.populate)
+    monkeypatch.setattr(_linux, "populate", g)
+    yield g
+    g.release_all()

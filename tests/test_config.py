@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from aiokvtier import CacheConfig, HostTierConfig
+from aiokvtier._config import default_max_quota
+
+from .helpers import GiB, MiB
+
+
+def test_sizes_accept_strings_and_defaults_resolve() -> None:
+    cfg = HostTierConfig(quota="1GiB", max_quota="64GiB")
+    assert cfg.quota == GiB and cfg.max_quota == 64 * GiB
+    assert cfg.slot_size == 2 * MiB and cfg.fill_chunk == 512 * MiB
+    assert cfg.commit_unit == 512 * MiB  # derived: the multiple of slot_size nearest fill_chunk
+    assert cfg.numa_node == "auto" and cfg.backing == "auto" and cfg.resolved_backing == "host"
+    assert cfg.transparent_huge_pages is False and cfg.allow_remote_numa_fallback is True
+
+
+def test_commit_unit_derived_as_slot_multiple() -> None:
+    cfg = HostTierConfig(quota="1GiB", max_quota="2GiB", slot_size="3MiB", fill_chunk="500MiB")
+    assert cfg.commit_unit % cfg.slot_size == 0
+    assert abs(cfg.commit_unit - 500 * MiB) <= 3 * MiB
+
+
+def test_default_max_quota_is_host_memory_capped() -> None:
+    cfg = HostTierConfig(quota="2MiB")
+    assert cfg.max_quota == default_max_quota() > 0
+
+
+def test_config_is_frozen() -> None:
+    cfg = HostTierConfig(quota="1GiB", max_quota="2GiB")
+    with pytest.raises(ValidationError):
+        cfg.quota = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(quota=0), "quota"),
+        (dict(quota=-1), "quota"),
+        (dict(quota="1GiB", max_quota=0), "max_quota"),
+        (dict(quota="2GiB", max_quota="1GiB"), "max_quota"),
+        (dict(quota="1GiB", max_quota="2GiB", slot_size=1000), "slot_size"),
+        (dict(quota="1GiB", max_quota="2GiB", slot_size=0), "slot_size"),
+        (dict(quota="1GiB", max_quota="2GiB", slot_size="4MiB", commit_unit="2MiB"), "commit_unit"),
+        (dict(quota="1GiB", max_quota="2GiB", commit_unit="3MiB"), "commit_unit"),
+        (dict(quota="1GiB", max_quota="2GiB", fill_threads=0), "fill_threads"),
+        (dict(quota="1GiB", max_quota="2GiB", fill_chunk=0), "fill_chunk"),
+        (dict(quota="1GiB", max_quota="2GiB", numa_node=-1), "numa_node"),
+        (dict(quota="1GiB", max_quota="2GiB", numa_node=4096), "numa_node"),
+        (dict(quota="1GiB", max_quota="2GiB", device=-1), "device"),
+        (dict(quota="1GiB", max_quota="2GiB", backing="disk"), "backing"),
+        (dict(quota="1GiB", max_quota="2GiB", colour="blue"), "colour"),
+        (dict(quota="64KiB", max_quota="2GiB"), "slot_size"),
+    ],
+)
+def test_invalid_input_names_the_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        HostTierConfig(**kwargs)  # type: ignore[arg-type]
+    assert field in str(info.value)
+
+
+def test_quota_above_host_memory_needs_explicit_max_quota() -> None:
+    with pytest.raises(ValidationError, match="set max_quota explicitly"):
+        HostTierConfig(quota=default_max_quota() + GiB)
+    assert HostTierConfig(quota=default_max_quota() + GiB, max_quota=1 << 44).quota > default_max_quota()
+
+
+def test_gpu_backing_needs_a_device() -> None:
+    with pytest.raises(ValidationError, match="needs a CUDA device"):
+        HostTierConfig(quota="1GiB", max_quota="2GiB", backing="register")
+
+
+def test_cache_config_validates_every_tier(tmp_path: Path) -> None:
+    cfg = CacheConfig(
+        tiers=[
+            {"kind": "gpu", "quota": "8GiB", "device": 0},
+            {"kind": "host", "quota": "1GiB", "max_quota": "2GiB"},
+            {"kind": "disk", "quota": "100GiB", "path": str(tmp_path)},
+        ]
+    )
+    assert [t.kind for t in cfg.tiers] == ["gpu", "host", "disk"]
+    assert isinstance(cfg.tiers[1], HostTierConfig)
+
+    with pytest.raises(ValidationError) as info:
+        CacheConfig(
+            tiers=[
+                {"kind": "gpu", "quota": 0},
+                {"kind": "host", "quota": 0},
+                {"kind": "disk", "quota": 0, "path": str(tmp_path / "missing")},
+            ]
+        )
+    locs = {err["loc"] for err in info.value.errors()}
+    # Every tier was visited: one error per bad field, in one exception.
+    assert ("tiers", 0, "gpu", "quota") in locs
+    assert ("tiers", 1, "host", "quota") in locs
+    assert ("tiers", 2, "disk", "quota") in locs
+    assert ("tiers", 2, "disk", "path") in locs
+
+
+def test_cache_config_refuses_a_file_as_disk_path(tmp_path: Path) -> None:
+    file = tmp_path / "f"
+    file.write_text("x")
+    with pytest.raises(ValidationError, match="directory"):
+        CacheConfig(tiers=[{"kind": "disk", "quota": "1GiB", "path": str(file)}])
+
+
+@pytest.mark.parametrize(
+    "kinds", [["host", "gpu"], ["disk", "host"], ["gpu", "disk", "host"], ["host", "host"], []]
+)
+def test_cache_config_refuses_tiers_out_of_order(kinds: list[str], tmp_path: Path) -> None:
+    tiers = [{"kind": k, "quota": "1GiB", **({"path": str(tmp_path)} if k == "disk" else {})} for k in kinds]
+    for tier in tiers:
+        if tier["kind"] == "host":
+            tier["max_quota"] = "2GiB"
+    with pytest.raises(ValidationError):
+        CacheConfig(tiers=tiers)

@@ -1,0 +1,80 @@
+"""The synchronous core: layout arithmetic and slot bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aiokvtier import OutOfSlots, SlotError
+from aiokvtier._layout import UnitLayout
+from aiokvtier._slots import SlotAllocator
+
+from .helpers import KiB, MiB
+
+
+def test_layout_ramps_then_commit_units() -> None:
+    layout = UnitLayout.build(4096 * MiB, 2 * MiB, 512 * MiB)
+    starts = [layout.start(i) // MiB for i in range(9)]
+    assert starts == [0, 16, 32, 64, 128, 256, 512, 1024, 1536]
+    assert layout.count == 6 + 7
+    assert layout.units_for(4096 * MiB) == layout.count  # a 4 GiB quota commits exactly 4 GiB
+
+
+@given(
+    slot=st.sampled_from([4 * KiB, 64 * KiB, 2 * MiB, 3 * MiB]),
+    per_unit=st.integers(1, 300),
+    size=st.integers(1, 1 << 36),
+    first=st.sampled_from([4 * KiB, 1 * MiB, 16 * MiB]),
+)
+def test_layout_units_are_slot_aligned_and_tile_the_range(slot: int, per_unit: int, size: int, first: int) -> None:
+    size = max(size, slot)
+    layout = UnitLayout.build(size, slot, slot * per_unit, first)
+    n = layout.count
+    assert layout.start(0) == 0 and layout.end(n - 1) == layout.size
+    for i in [*range(min(n, 10)), n - 1]:
+        lo, hi = layout.start(i), layout.end(i)
+        assert lo < hi and lo % slot == 0 and hi % slot == 0 and hi - lo <= slot * per_unit
+        assert layout.unit_at(lo) == i == layout.unit_at(hi - 1)
+
+
+def test_slots_fresh_ascend_and_freed_reused_most_recent_first() -> None:
+    slots = SlotAllocator(8)
+    assert [slots.take_one() for _ in range(4)] == [0, 1, 2, 3]
+    slots.give(1)
+    slots.give(3)
+    assert slots.take_one() == 3
+    assert slots.take(3) == [1, 4, 5]
+    assert slots.count == 6 and slots.available == 2
+    with pytest.raises(OutOfSlots):
+        slots.take(3)
+    assert slots.count == 6
+
+
+def test_slot_errors_change_nothing() -> None:
+    slots = SlotAllocator(4)
+    a, b = slots.take(2)
+    for bad in (-1, 4, 2, "0", 1.0, True):
+        with pytest.raises(SlotError):
+            slots.give(bad)  # type: ignore[arg-type]
+    slots.give(a)
+    with pytest.raises(SlotError, match="not allocated"):
+        slots.give(a)
+    with pytest.raises(SlotError, match="twice"):
+        slots.give_many([b, b])
+    with pytest.raises(SlotError):
+        slots.give_many([b, 3])
+    assert slots.is_allocated(b) and slots.count == 1
+
+
+def test_slots_shrink_refuses_allocated_tail_and_filters_free_list() -> None:
+    slots = SlotAllocator(10)
+    taken = slots.take(8)
+    slots.give_many(taken[4:])
+    with pytest.raises(SlotError):
+        slots.resize(3)
+    slots.resize(5)
+    assert slots.total == 5 and slots.available == 1
+    assert slots.take_one() == 4
+    slots.resize(7)
+    assert slots.take(2) == [5, 6]
