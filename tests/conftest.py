@@ -63,7 +63,9 @@ def no_blocking_in_loop(request: pytest.FixtureRequest) -> Iterator[None]:
         fn = bb.functions.get(name)
         if fn is not None:
             fn.can_block_in("aiokvtier/_placement.py", {"read_placement"})
-            fn.can_block_in("aiokvtier/_sysinfo.py", {"cgroup_memory_limit", "_cgroup_dir", "online_nodes", "node_cpus"})
+            fn.can_block_in(
+                "aiokvtier/_sysinfo.py", {"cgroup_memory_limit", "_cgroup_dir", "online_nodes", "node_cpus"}
+            )
             fn.can_block_in("tests/conftest.py", {"proc_text"})
     for name in ("threading.Lock.acquire", "threading.Lock.acquire_lock"):
         # The tests' populate gate is shared with fill threads by design.

@@ -109,9 +109,7 @@ def test_cache_config_refuses_a_file_as_disk_path(tmp_path: Path) -> None:
         CacheConfig(tiers=[{"kind": "disk", "quota": "1GiB", "path": str(file)}])
 
 
-@pytest.mark.parametrize(
-    "kinds", [["host", "gpu"], ["disk", "host"], ["gpu", "disk", "host"], ["host", "host"], []]
-)
+@pytest.mark.parametrize("kinds", [["host", "gpu"], ["disk", "host"], ["gpu", "disk", "host"], ["host", "host"], []])
 def test_cache_config_refuses_tiers_out_of_order(kinds: list[str], tmp_path: Path) -> None:
     tiers = [{"kind": k, "quota": "1GiB", **({"path": str(tmp_path)} if k == "disk" else {})} for k in kinds]
     for tier in tiers:
