@@ -1,0 +1,38 @@
+"""``python -m aiokvtier.bench {host,cuda}``: print the benchmark's JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ._common import machine
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m aiokvtier.bench")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    host = sub.add_parser("host", help="progressive host tier vs making memory resident up front")
+    host.add_argument("--sizes", type=float, nargs="+", default=[4, 8, 16], help="GiB, time to first allocation")
+    host.add_argument("--fill-gib", type=float, default=8, help="GiB for fill throughput and loop lag")
+    host.add_argument("--ops-gib", type=float, default=4)
+    host.add_argument("--pairs", type=int, default=1_000_000)
+    host.add_argument("--bookkeeping-gib", type=float, default=16)
+    host.add_argument("--repeats", type=int, default=3)
+    cuda = sub.add_parser("cuda", help="CUDA backings and copies (needs a GPU)")
+    cuda.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
+    args = parser.parse_args(argv)
+    if args.mode == "host":
+        from . import _host
+
+        result = _host.run(args)
+    else:
+        from . import _cuda
+
+        result = _cuda.run(args)
+    json.dump({"mode": args.mode, "machine": machine(), **result}, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Shared pieces of the benchmark programs."""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import statistics
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from .. import _linux
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def percentile(samples: list[float], q: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def summary_ms(samples: list[float]) -> dict[str, float]:
+    """p50/p99/max of samples in seconds, reported in milliseconds."""
+    return {
+        "n": len(samples),
+        "p50_ms": round(percentile(samples, 50) * 1e3, 4),
+        "p99_ms": round(percentile(samples, 99) * 1e3, 4),
+        "max_ms": round(max(samples) * 1e3, 4) if samples else float("nan"),
+    }
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def bare_populate(size: int, chunk: int = 512 * MiB) -> float:
+    """The baseline: reserve, then MADV_POPULATE_WRITE chunk by chunk on this thread. Returns seconds."""
+    base, length = _linux.mmap_reserve(size, 2 * MiB)
+    try:
+        _linux.madvise(base, length, _linux.MADV_NOHUGEPAGE)
+        started = time.perf_counter()
+        for offset in range(0, size, chunk):
+            n = min(chunk, size - offset)
+            _linux.mprotect(base + offset, n, writable=True)
+            _linux.populate(base + offset, n)
+        return time.perf_counter() - started
+    finally:
+        _linux.munmap(base, length)
+
+
+def loop_factories() -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+    try:
+        import uvloop
+
+        factories["uvloop"] = uvloop.new_event_loop
+    except ImportError:
+        pass
+    return factories
+
+
+def run_on(factory: Callable[[], asyncio.AbstractEventLoop], coro: Coroutine[Any, Any, Any]) -> Any:
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+async def sample_loop_lag(stop: asyncio.Future[Any] | asyncio.Task[Any], period: float = 0.001) -> list[float]:
+    """Overshoot of ``asyncio.sleep(period)`` until ``stop`` is done."""
+    lags: list[float] = []
+    while not stop.done():
+        started = time.perf_counter()
+        await asyncio.sleep(period)
+        lags.append(time.perf_counter() - started - period)
+    return lags
+
+
+def machine() -> dict[str, Any]:
+    import os
+
+    from .._sysinfo import host_memory_bytes
+
+    return {
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "memory_gib": round(host_memory_bytes() / GiB, 1),
+    }

@@ -1,0 +1,156 @@
+"""``python -m aiokvtier.bench host``: the host tier against making memory resident up front."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+import tracemalloc
+from typing import Any
+
+from .._config import HostTierConfig
+from .._tier import HostTier
+from ._common import GiB, MiB, bare_populate, loop_factories, median, run_on, sample_loop_lag, summary_ms
+
+
+def _config(size: int, **overrides: Any) -> HostTierConfig:
+    values: dict[str, Any] = {"quota": size, "max_quota": size, "slot_size": 64 << 10, "numa_node": None}
+    values.update(overrides)
+    return HostTierConfig(**values)
+
+
+async def _first_allocation(size: int) -> float:
+    started = time.perf_counter()
+    async with HostTier(_config(size)) as tier:
+        await tier.allocate()
+        return time.perf_counter() - started
+
+
+async def _full_fill(size: int, threads: int) -> float:
+    started = time.perf_counter()
+    async with HostTier(_config(size, fill_threads=threads)) as tier:
+        await tier.wait_resident()
+        return time.perf_counter() - started
+
+
+def time_to_first_allocation(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for size in sizes:
+        ours, upfront = [], []
+        for _ in range(repeats):  # alternate the arms so drift lands on both
+            ours.append(asyncio.run(_first_allocation(size)))
+            upfront.append(bare_populate(size))
+        rows.append(
+            {
+                "quota_gib": size / GiB,
+                "aiokvtier_first_allocation_ms": round(median(ours) * 1e3, 2),
+                "upfront_resident_ms": round(median(upfront) * 1e3, 1),
+                "sooner_x": round(median(upfront) / median(ours), 1),
+            }
+        )
+    return rows
+
+
+def fill_throughput(size: int, threads: list[int], repeats: int) -> dict[str, Any]:
+    bare: list[float] = []
+    ours: dict[int, list[float]] = {k: [] for k in threads}
+    for _ in range(repeats):
+        bare.append(bare_populate(size))
+        for k in threads:
+            ours[k].append(asyncio.run(_full_fill(size, k)))
+    bare_gibs = size / GiB / median(bare)
+    out: dict[str, Any] = {"size_gib": size / GiB, "bare_populate_gib_s": round(bare_gibs, 3)}
+    for k, secs in ours.items():
+        gibs = size / GiB / median(secs)
+        out[f"aiokvtier_threads{k}_gib_s"] = round(gibs, 3)
+        out[f"ratio_threads{k}"] = round(gibs / bare_gibs, 3)
+    return out
+
+
+async def _lag_during_fill(size: int) -> dict[str, Any]:
+    async with HostTier(_config(size)) as tier:
+        filled = asyncio.ensure_future(tier.wait_resident())
+        lags = await sample_loop_lag(filled)
+        await filled
+    idle_stop = asyncio.ensure_future(asyncio.sleep(1.0))
+    idle = await sample_loop_lag(idle_stop)
+    return {"during_fill": summary_ms(lags), "idle_baseline": summary_ms(idle)}
+
+
+def loop_lag(size: int) -> dict[str, Any]:
+    return {name: run_on(factory, _lag_during_fill(size)) for name, factory in loop_factories().items()}
+
+
+async def _slot_ops(size: int, pairs: int) -> dict[str, Any]:
+    async with HostTier(_config(size)) as tier:
+        await tier.wait_resident()
+        alloc, free = tier.allocate_nowait, tier.free
+        started = time.perf_counter()
+        for _ in range(pairs):
+            free(alloc())
+        pair_s = (time.perf_counter() - started) / pairs
+        batch: list[float] = []
+        for _ in range(50):
+            started = time.perf_counter()
+            slots = await tier.allocate_many(4096)
+            tier.free_many(slots)
+            batch.append(time.perf_counter() - started)
+        # Fresh slots each time: free a full batch, then allocate past it.
+        fresh: list[float] = []
+        held: list[int] = []
+        for _ in range(min(10, tier.statistics().slots_total // 4096 - 1)):
+            started = time.perf_counter()
+            held += await tier.allocate_many(4096)
+            fresh.append(time.perf_counter() - started)
+        tier.free_many(held)
+    return {
+        "nowait_free_pairs_per_s": round(1 / pair_s),
+        "allocate_many_4096_plus_free_many_ms": round(median(batch) * 1e3, 3),
+        "allocate_many_4096_fresh_ms": round(median(fresh) * 1e3, 3),
+    }
+
+
+def slot_ops(size: int, pairs: int) -> dict[str, Any]:
+    return {name: run_on(factory, _slot_ops(size, pairs)) for name, factory in loop_factories().items()}
+
+
+async def _bookkeeping(size: int, slot_size: int) -> dict[str, Any]:
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    tier = HostTier(_config(size, slot_size=slot_size))
+    await tier.__aenter__()
+    await tier.wait_resident()
+    fresh = tracemalloc.take_snapshot().compare_to(before, "filename")
+    slots = await tier.allocate_many(tier.statistics().slots_total)
+    tier.free_many(slots)
+    del slots
+    gc.collect()
+    churned = tracemalloc.take_snapshot().compare_to(before, "filename")
+    tracemalloc.stop()
+    stats = tier.statistics()
+    await tier.aclose()
+
+    def ours(diff: list[tracemalloc.StatisticDiff]) -> int:
+        return sum(d.size_diff for d in diff if "aiokvtier" in (d.traceback[0].filename or ""))
+
+    return {
+        "quota_gib": size / GiB,
+        "slot_kib": slot_size >> 10,
+        "slots": stats.slots_total,
+        "filled_bytes": ours(fresh),
+        "after_allocating_and_freeing_every_slot_bytes": ours(churned),
+        "budget_bytes": MiB,
+    }
+
+
+def run(args: Any) -> dict[str, Any]:
+    sizes = [int(s * GiB) for s in args.sizes]
+    fill = int(args.fill_gib * GiB)
+    return {
+        "time_to_first_allocation": time_to_first_allocation(sizes, args.repeats),
+        "fill_throughput": fill_throughput(fill, [1, 2], args.repeats),
+        "event_loop_lag_during_fill": loop_lag(fill),
+        "slot_operations": slot_ops(int(args.ops_gib * GiB), args.pairs),
+        "bookkeeping": asyncio.run(_bookkeeping(int(args.bookkeeping_gib * GiB), 64 << 10)),
+    }

@@ -1,0 +1,26 @@
+"""Open a host tier, allocate while it fills, write a KV page, resize, close."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiokvtier import HostTier, HostTierConfig
+
+
+async def main() -> None:
+    config = HostTierConfig(quota="256MiB", max_quota="1GiB", slot_size="256KiB")
+    async with HostTier(config) as tier:
+        slot = await tier.allocate()  # waits only for the first (16 MiB) unit
+        page = tier.view(slot)
+        page[:11] = b"hello, kv!\n"
+        batch = await tier.allocate(64)
+        print("first slot", slot, "batch", batch[0], "..", batch[-1], tier)
+        tier.free_many(batch)
+        await tier.resize("512MiB")  # grows inside the reservation: the base never moves
+        await tier.wait_resident()
+        print(tier.statistics().resident_bytes >> 20, "MiB resident;", tier.placement())
+        page.release()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
