@@ -11,7 +11,10 @@ from ._config import CacheConfig as CacheConfig
 from ._config import DiskTierConfig as DiskTierConfig
 from ._config import GpuTierConfig as GpuTierConfig
 from ._config import HostTierConfig as HostTierConfig
+from ._copy import CopyEngine as CopyEngine
+from ._copy import CopyStatistics as CopyStatistics
 from ._errors import AiokvtierError as AiokvtierError
+from ._errors import ConfigError as ConfigError
 from ._errors import CopyPlanError as CopyPlanError
 from ._errors import CudaError as CudaError
 from ._errors import CudaUnavailableError as CudaUnavailableError
@@ -23,6 +26,7 @@ from ._errors import SlotError as SlotError
 from ._errors import TierClosedError as TierClosedError
 from ._errors import WouldBlock as WouldBlock
 from ._placement import Placement as Placement
+from ._static import StaticHostMem as StaticHostMem
 from ._statistics import TierStatistics as TierStatistics
 from ._tier import HostTier as HostTier
 
@@ -31,6 +35,9 @@ __version__ = "0.1.0"
 __all__ = [
     "AiokvtierError",
     "CacheConfig",
+    "ConfigError",
+    "CopyEngine",
+    "CopyStatistics",
     "CopyPlanError",
     "CudaError",
     "CudaUnavailableError",
@@ -44,6 +51,7 @@ __all__ = [
     "Placement",
     "QuotaError",
     "SlotError",
+    "StaticHostMem",
     "TierClosedError",
     "TierStatistics",
     "WouldBlock",

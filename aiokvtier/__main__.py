@@ -8,8 +8,6 @@ import json
 import sys
 import time
 
-from pydantic import ByteSize, TypeAdapter
-
 from ._config import HostTierConfig, default_max_quota
 from ._tier import HostTier
 
@@ -24,15 +22,15 @@ async def demo(args: argparse.Namespace) -> dict[str, object]:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
     except ImportError:
         sys.exit("the demo's progress bar needs rich: pip install 'aiokvtier[demo]'")
-    size = TypeAdapter(ByteSize)
-    quota = int(size.validate_python(args.quota)) if args.quota else _default_quota()
-    config = HostTierConfig(
-        quota=quota,
-        slot_size=size.validate_python(args.slot_size),
-        fill_threads=args.fill_threads,
-        device=args.device,
-        **({"max_quota": size.validate_python(args.max_quota)} if args.max_quota else {}),
-    )
+    values: dict[str, object] = {
+        "quota": args.quota or _default_quota(),
+        "slot_size": args.slot_size,
+        "fill_threads": args.fill_threads,
+        "device": args.device,
+    }
+    if args.max_quota:
+        values["max_quota"] = args.max_quota
+    config = HostTierConfig.model_validate(values)
     started = time.perf_counter()
     async with HostTier(config) as tier:
         await tier.allocate()

@@ -5,6 +5,7 @@
     AiokvtierError
     ├── WouldBlock                 the slot is not resident yet (allocate_nowait)
     ├── OutOfSlots                 every slot of the quota is allocated
+    ├── ConfigError (ValueError)   a config this machine cannot honour (found at open)
     ├── SlotError (ValueError)     double free, foreign or out-of-range slot id
     ├── QuotaError (ValueError)    a resize the tier cannot honour
     ├── TierClosedError            the tier (or engine) is closed
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 __all__ = [
     "AiokvtierError",
+    "ConfigError",
     "CopyPlanError",
     "CudaError",
     "CudaUnavailableError",
@@ -42,6 +44,10 @@ class WouldBlock(AiokvtierError):
 
 class OutOfSlots(AiokvtierError):
     """Every slot of the current quota is allocated."""
+
+
+class ConfigError(AiokvtierError, ValueError):
+    """A valid config this machine cannot honour, found when opening (e.g. VMM granularity)."""
 
 
 class SlotError(AiokvtierError, ValueError):

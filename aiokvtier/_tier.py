@@ -9,11 +9,14 @@ from types import TracebackType
 from typing import Any, overload
 
 import anyio
+import numpy as np
 
+from . import _regions
 from ._backing import Backing, HostBacking
 from ._config import HostTierConfig
-from ._errors import CudaUnavailableError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
+from ._errors import CopyPlanError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from ._fill import Filler
+from ._inflight import InflightCopies
 from ._layout import UnitLayout
 from ._placement import Placement, node_cpus_or_none, read_placement
 from ._slots import SlotAllocator
@@ -29,12 +32,9 @@ def resolve_numa_node(config: HostTierConfig) -> int | None:
         return config.numa_node
     if config.device is None:
         return None
-    node: int | None = _cuda_module().device_numa_node(config.device)
-    return node
+    from . import _cuda
 
-
-def _cuda_module() -> Any:
-    raise CudaUnavailableError("this build of aiokvtier has no CUDA backings yet")
+    return _cuda.device_numa_node(config.device)
 
 
 def make_backing(config: HostTierConfig, node: int | None) -> Backing:
@@ -47,8 +47,9 @@ def make_backing(config: HostTierConfig, node: int | None) -> Backing:
             strict_numa=not config.allow_remote_numa_fallback,
             huge_pages=config.transparent_huge_pages,
         )
-    backing: Backing = _cuda_module().make_backing(config, node)
-    return backing
+    from . import _cuda
+
+    return _cuda.make_backing(config, node)
 
 
 class HostTier:
@@ -72,6 +73,7 @@ class HostTier:
         self._state = "new"
         self._resize_lock = asyncio.Lock()
         self._released = threading.Event()
+        self.copies = InflightCopies()
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -129,6 +131,7 @@ class HostTier:
         )
         self._waiters = LoopWaiters(self._loop, filler.ready, self._settled)
         self._state = "open"
+        _regions.register(self)
         try:
             await anyio.to_thread.run_sync(filler.set_target, layout.units_for(self._slots.total * slot))
         except BaseException:
@@ -153,7 +156,9 @@ class HostTier:
             self._state = "closed" if self._state == "new" else self._state
             return
         self._state = "closing"
+        _regions.unregister(self)
         with anyio.CancelScope(shield=True):
+            await self.copies.drain()
             await anyio.to_thread.run_sync(self._filler.close)
             self._waiters.kick()
             if self._views.defer_until_empty(self._release):
@@ -381,6 +386,39 @@ class HostTier:
         if quota < self._slot_size:
             raise QuotaError(f"quota {quota} is smaller than one slot ({self._slot_size})")
         return quota
+
+    # -- a copy region (see aiokvtier._regions) ---------------------------------------
+
+    @property
+    def region_name(self) -> str:
+        return f"HostTier at {self._base:#x}"
+
+    def region_bounds(self) -> tuple[int, int]:
+        return self._base, self._backing.size
+
+    def registration_of(self, offset: int, nbytes: int) -> int:
+        unit = self._layout.unit_at(offset)
+        end = offset + nbytes
+        if end > self._layout.end(unit):
+            raise CopyPlanError(
+                f"copy of {nbytes} bytes at +{offset} spans two registrations (unit {unit} ends at "
+                f"+{self._layout.end(unit)}); the driver would refuse it"
+            )
+        if end > self._filler.watermark:
+            raise CopyPlanError(
+                f"copy of {nbytes} bytes at +{offset} leaves the committed range ({self._filler.watermark} bytes)"
+            )
+        return unit
+
+    def _unit_ids(self, offsets: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Vectorised :meth:`UnitLayout.unit_at`."""
+        layout = self._layout
+        ramp = np.asarray(layout.ramp, dtype=np.uint64)
+        off = offsets.astype(np.uint64)
+        in_ramp = np.searchsorted(ramp, off, side="right").astype(np.int64) - 1
+        past = off >= ramp[-1]
+        beyond = (np.where(past, off, ramp[-1]) - ramp[-1]) // np.uint64(layout.commit_unit)
+        return np.where(past, beyond.astype(np.int64) + (len(ramp) - 1), in_ramp)
 
     # -- introspection -------------------------------------------------------------
 

@@ -26,15 +26,13 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 
 
 def _cuda_device_count() -> int:
+    from aiokvtier import CudaUnavailableError
+    from aiokvtier._cuda import device_count
+
     try:
-        from cuda.bindings import driver
-    except ImportError:
+        return device_count()
+    except CudaUnavailableError:
         return 0
-    (err,) = driver.cuInit(0)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return 0
-    err, count = driver.cuDeviceGetCount()
-    return int(count) if err == driver.CUresult.CUDA_SUCCESS else 0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None) -> None:
 
         result = _host.run(args)
     else:
-        from . import _cuda
+        from ._cuda import run
 
-        result = _cuda.run(args)
+        result = run(args)
     json.dump({"mode": args.mode, "machine": machine(), **result}, sys.stdout, indent=2)
     print()
 

@@ -19,7 +19,7 @@ def percentile(samples: list[float], q: float) -> float:
     if not samples:
         return float("nan")
     ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def summary_ms(samples: list[float]) -> dict[str, float]:

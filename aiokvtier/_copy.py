@@ -1,0 +1,546 @@
+"""CopyEngine: batched, awaited copies between tier slots and GPU memory.
+
+Planning runs on the caller's loop (numpy, no per-copy Python objects);
+submission runs on the engine's submit thread (``cuMemcpyBatchAsync`` called
+through ctypes with plain arrays, on the engine's own non-default streams,
+an event recorded per batch); one completion thread waits on those events
+in order (blocking sync: it sleeps, nobody polls) and resolves the awaiting
+futures on their loops, many per wake-up. No Python callback ever runs
+inside the driver.
+
+Without a device the same engine copies host to host with ``memmove`` on
+its submit thread, so the planner, the cap, the errors and the completion
+path are exercised on any machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import logging
+import queue
+import threading
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from . import _regions
+from ._errors import CopyPlanError, CudaError, SlotError, TierClosedError
+from ._plan import U64, Plan, plan
+
+if TYPE_CHECKING:
+    from ._tier import HostTier
+
+__all__ = ["CopyEngine", "CopyStatistics"]
+
+log = logging.getLogger("aiokvtier")
+
+DEFAULT_MAX_BATCH = 4096
+"""Descriptors per driver call (a peer hung near 52 k; see docs/benchmarks.md)."""
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+_SRC_ACCESS_ORDER_STREAM = 1
+_LOC_DEVICE, _LOC_HOST = 1, 2
+_P = ctypes.c_void_p
+# CUDA 13 ABI (cuMemcpyBatchAsync_v2): no failIdx. CUDA 12.8/12.9: a size_t* failIdx before the stream.
+_BATCH_V13 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P)
+_BATCH_V128 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P, _P)
+
+
+def _resolve_batch_function(drv: Any) -> tuple[Any, int]:
+    """The driver's cuMemcpyBatchAsync with the ABI we code for, chosen by driver version."""
+    from ._cuda import check
+
+    version = int(check("cuDriverGetVersion", drv.cuDriverGetVersion()))
+    if version >= 13000:
+        want, proto = 13000, _BATCH_V13
+    elif version >= 12080:
+        want, proto = 12080, _BATCH_V128
+    else:
+        raise CopyPlanError(f"cuMemcpyBatchAsync needs a CUDA 12.8+ driver; this one is {version}")
+    flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+    pfn, status = check("cuGetProcAddress", drv.cuGetProcAddress(b"cuMemcpyBatchAsync", want, flags))
+    if int(status) != 0 or not pfn:
+        raise CopyPlanError(f"the driver has no cuMemcpyBatchAsync for CUDA {want} (status {status})")
+    return proto(int(pfn)), want
+
+
+def _stream_handle(obj: Any) -> tuple[str, int]:
+    """``("stream" | "event", handle)`` for an ``after=`` argument."""
+    name = type(obj).__name__
+    if name == "CUevent":
+        return "event", int(obj)
+    if name == "CUstream":
+        return "stream", int(obj)
+    if hasattr(obj, "__cuda_stream__"):
+        return "stream", int(obj.__cuda_stream__()[1])
+    if hasattr(obj, "cuda_stream"):
+        return "stream", int(obj.cuda_stream)
+    if hasattr(obj, "cuda_event"):
+        return "event", int(obj.cuda_event)
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        return "stream", obj
+    raise TypeError(
+        f"after= takes a CUDA stream or event (handle, CUstream/CUevent, or an object with "
+        f"cuda_stream/__cuda_stream__), not {name}"
+    )
+
+
+def _buffer_addresses(obj: Any, n: int, default_page: int) -> tuple[U64, int]:
+    """Per-slot addresses of ``obj`` (ints, or one page per slot of an array-like) and the page size."""
+    iface = getattr(obj, "__cuda_array_interface__", None) or getattr(obj, "__array_interface__", None)
+    if iface is None:
+        if isinstance(obj, int | np.integer):
+            raise TypeError("give one address per slot, or an array with one page per slot")
+        addrs = np.asarray(obj)
+        if addrs.shape != (n,) or addrs.dtype.kind not in "iu":
+            raise ValueError(f"expected {n} integer addresses, got shape {addrs.shape} of {addrs.dtype}")
+        return addrs.astype(np.uint64), default_page
+    shape = tuple(iface["shape"])
+    itemsize = np.dtype(iface["typestr"]).itemsize
+    strides = iface.get("strides")
+    if strides is not None:
+        expect, contiguous = itemsize, True
+        for dim, stride in zip(reversed(shape), reversed(strides), strict=True):
+            if dim > 1 and stride != expect:
+                contiguous = False
+            expect *= dim
+        if not contiguous:
+            raise ValueError("the buffer must be C-contiguous")
+    if not shape or shape[0] != n:
+        raise ValueError(f"the buffer's first dimension must be one page per slot ({n}), got shape {shape}")
+    total = int(np.prod(shape, dtype=np.int64)) * itemsize
+    page = total // n
+    base = int(iface["data"][0])
+    return np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(page), page
+
+
+@dataclass(eq=False)
+class _Job:
+    plan: Plan
+    direction: str
+    after: Any
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+    keepalive: tuple[Any, ...]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CopyStatistics:
+    device: int | None
+    streams: int
+    max_batch: int
+    jobs_submitted: int
+    jobs_completed: int
+    copies_requested: int
+    descriptors_submitted: int
+    driver_calls: int
+    bytes_copied: int
+    batch_abi: int | None
+    """The cuMemcpyBatchAsync ABI in use (13000 or 12080); None without a device."""
+
+
+class CopyEngine:
+    """Moves KV pages between tier slots and GPU memory in batched, awaited copies.
+
+    :param device: CUDA ordinal, or None for host-to-host copies on a worker thread.
+    :param streams: the engine's own non-default streams, used round-robin per call.
+    :param max_batch: descriptors per driver call; larger plans are split.
+
+    Cancellation: cancelling a task that awaits a copy does not cancel the
+    copy. The engine keeps the buffers it was given (tensors, the tier)
+    referenced until the GPU has finished with them, and closing a tier or
+    a StaticHostMem waits for copies in flight against it.
+    """
+
+    def __init__(self, device: int | None, *, streams: int = 2, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        if device is not None and (type(device) is not int or device < 0):
+            raise ValueError(f"device must be a CUDA ordinal or None, got {device!r}")
+        if type(streams) is not int or streams < 1:
+            raise ValueError(f"streams must be a positive int, got {streams!r}")
+        if type(max_batch) is not int or not 1 <= max_batch <= 1 << 20:
+            raise ValueError(f"max_batch must be between 1 and 2**20, got {max_batch!r}")
+        self.device = device
+        self.max_batch = max_batch
+        self._n_streams = streams
+        self._state = "new"
+        self._submit_q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._done_q: queue.SimpleQueue[tuple[_Job, Any] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._streams: list[Any] = []
+        self._context: Any = None
+        self._batch: Any = None
+        self._abi: int | None = None
+        self._rr = itertools.count()
+        self._counts = defaultdict(int)  # type: defaultdict[str, int]
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def __aenter__(self) -> CopyEngine:
+        if self._state != "new":
+            raise RuntimeError("this CopyEngine was already opened")
+        self._state = "opening"
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._start)
+        except BaseException:
+            self._state = "closed"
+            raise
+        self._state = "open"
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    @classmethod
+    async def open(cls, device: int | None, **kwargs: Any) -> CopyEngine:
+        engine = cls(device, **kwargs)
+        return await engine.__aenter__()
+
+    def _start(self) -> None:
+        if self.device is not None:
+            from ._cuda import PrimaryContext, check, driver
+
+            drv = driver()
+            self._context = PrimaryContext(self.device)
+            try:
+                self._context.make_current()
+                self._batch, self._abi = _resolve_batch_function(drv)
+                flag = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+                for _ in range(self._n_streams):
+                    self._streams.append(check("cuStreamCreate", drv.cuStreamCreate(flag)))
+            except BaseException:
+                for stream in self._streams:
+                    drv.cuStreamDestroy(stream)
+                self._context.release()
+                raise
+        submit = threading.Thread(target=self._submit_loop, name="aiokvtier-copy-submit", daemon=True)
+        complete = threading.Thread(target=self._complete_loop, name="aiokvtier-copy-complete", daemon=True)
+        self._threads = [submit, complete]
+        submit.start()
+        complete.start()
+
+    async def aclose(self) -> None:
+        """Let queued copies finish, then stop the threads and free the streams. Idempotent."""
+        if self._state in ("new", "closing", "closed"):
+            self._state = "closed" if self._state == "new" else self._state
+            return
+        self._state = "closing"
+        self._submit_q.put(None)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._join)
+        self._state = "closed"
+
+    def _join(self) -> None:
+        for thread in self._threads:
+            thread.join()
+        if self.device is not None:
+            from ._cuda import driver
+
+            drv = driver()
+            self._context.make_current()
+            for stream in self._streams:
+                drv.cuStreamDestroy(stream)
+            self._context.release()
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise TierClosedError(f"the CopyEngine is {self._state}")
+
+    # -- public copies ----------------------------------------------------------------
+
+    async def to_device(self, tier: HostTier, slots: Sequence[int] | Any, dst: Any, *, after: Any = None) -> None:
+        """Copy slots to device memory: ``dst`` is one address per slot, or an array
+        (``__cuda_array_interface__``) with one page per slot. Returns once the bytes landed.
+
+        :raises SlotError: a slot is not allocated.
+        :raises CopyPlanError: a copy would leave the committed range or cross a registration.
+        :raises CudaError: the driver refused the batch.
+        """
+        host, reg, page = self._slot_addresses(tier, slots, dst_side=False)
+        dsts, page = _buffer_addresses(dst, len(host), page)
+        self._check_page(tier, page)
+        await self._run(plan(dsts, host, page, src_reg=reg, n=len(host)), "h2d", after, (tier, dst), [tier])
+
+    async def to_host(self, tier: HostTier, slots: Sequence[int] | Any, src: Any, *, after: Any = None) -> None:
+        """Copy device pages into slots (one address or page per slot); the reverse of :meth:`to_device`.
+
+        ``after`` (a stream or event) is waited for on the GPU first, so a
+        copy can follow the compute that wrote the pages without a host sync.
+        """
+        host, reg, page = self._slot_addresses(tier, slots, dst_side=True)
+        srcs, page = _buffer_addresses(src, len(host), page)
+        self._check_page(tier, page)
+        await self._run(plan(host, srcs, page, dst_reg=reg, n=len(host)), "d2h", after, (tier, src), [tier])
+
+    async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
+        """Raw ``(dst, src, nbytes)`` copies: tier slots, StaticHostMem, device to device.
+
+        Host spans inside a known tier or StaticHostMem are checked: they must
+        stay inside one registration and inside what is committed.
+        """
+        self._check_open()
+        table = np.asarray(list(copies), dtype=np.int64).reshape(-1, 3)
+        if len(table) == 0:
+            return
+        if (table < 0).any():
+            raise ValueError("addresses and sizes must be non-negative")
+        dst_reg, owners_d = self._registrations(table[:, 0], table[:, 2])
+        src_reg, owners_s = self._registrations(table[:, 1], table[:, 2])
+        owners = owners_d + owners_s
+        planned = plan(table[:, 0], table[:, 1], table[:, 2], dst_reg=dst_reg, src_reg=src_reg)
+        await self._run(planned, "any", after, tuple(owners), owners)
+
+    def statistics(self) -> CopyStatistics:
+        c = self._counts
+        return CopyStatistics(
+            device=self.device,
+            streams=self._n_streams,
+            max_batch=self.max_batch,
+            jobs_submitted=c["jobs"],
+            jobs_completed=c["completed"],
+            copies_requested=c["requested"],
+            descriptors_submitted=c["descriptors"],
+            driver_calls=c["calls"],
+            bytes_copied=c["bytes"],
+            batch_abi=self._abi,
+        )
+
+    def __repr__(self) -> str:
+        c = self._counts
+        return (
+            f"<CopyEngine [{self._state} | device {self.device} | streams {self._n_streams} | "
+            f"jobs {c['completed']}/{c['jobs']} done | {c['bytes'] / 2**30:.2f} GiB copied]>"
+        )
+
+    # -- planning (on the loop) ---------------------------------------------------------
+
+    def _slot_addresses(self, tier: HostTier, slots: Any, *, dst_side: bool) -> tuple[U64, Any, int]:
+        self._check_open()
+        tier._check_open()
+        if self.device is not None and tier.config.device not in (None, self.device):
+            raise CopyPlanError(
+                f"the tier is registered for device {tier.config.device}, this engine copies on device {self.device}"
+            )
+        ids = np.asarray(slots)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise SlotError("slots must be a flat sequence of slot ids")
+        ids = ids.astype(np.int64, copy=False)
+        if ids.size == 0:
+            raise ValueError("no slots to copy")
+        allocator = tier._slots
+        if int(ids.min()) < 0 or int(ids.max()) >= allocator.total:
+            raise SlotError(f"slot ids must be in 0..{allocator.total - 1}")
+        allocated = np.frombuffer(allocator._allocated, dtype=np.uint8)
+        missing = ids[allocated[ids] == 0]
+        del allocated  # a live export would stop the allocation map from resizing
+        if missing.size:
+            raise SlotError(f"slot {int(missing[0])} is not allocated")
+        if dst_side and np.unique(ids).size != ids.size:
+            raise SlotError("a slot appears twice as a copy destination")
+        slot = tier._slot_size
+        offsets = ids.astype(np.uint64) * np.uint64(slot)
+        return np.uint64(tier._base) + offsets, tier._unit_ids(offsets), slot
+
+    @staticmethod
+    def _check_page(tier: HostTier, page: int) -> None:
+        if not 0 < page <= tier._slot_size:
+            raise CopyPlanError(f"a page of {page} bytes does not fit a {tier._slot_size}-byte slot")
+
+    @staticmethod
+    def _registrations(addrs: Any, sizes: Any) -> tuple[Any, list[Any]]:
+        regs = np.empty(len(addrs), dtype=np.int64)
+        owners: dict[int, Any] = {}
+        for i, (addr, nbytes) in enumerate(zip(addrs.tolist(), sizes.tolist(), strict=True)):
+            hit = _regions.check_span(addr, nbytes)
+            if hit is None:
+                regs[i] = -1
+            else:
+                region_id, reg = hit
+                regs[i] = hash((region_id, reg)) & 0x7FFFFFFFFFFFFFFF
+                found = _regions.find(addr)
+                if found is not None:
+                    owners[region_id] = found[0]
+        return regs, list(owners.values())
+
+    async def _run(
+        self, planned: Plan, direction: str, after: Any, keepalive: tuple[Any, ...], owners: Sequence[Any]
+    ) -> None:
+        self._check_open()
+        after_handle = None if after is None else _stream_handle(after)
+        if after_handle is not None and self.device is None:
+            raise ValueError("after= needs a CUDA device; this engine copies host to host")
+        loop = asyncio.get_running_loop()
+        job = _Job(planned, direction, after_handle, loop, loop.create_future(), keepalive)
+        for owner in owners:
+            owner.copies.track(job.done)
+        self._counts["jobs"] += 1
+        self._counts["requested"] += planned.requested
+        self._submit_q.put(job)
+        await job.future
+
+    # -- the threads ------------------------------------------------------------------
+
+    def _submit_loop(self) -> None:
+        if self._context is not None:
+            self._context.make_current()
+        while True:
+            job = self._submit_q.get()
+            if job is None:
+                self._done_q.put(None)
+                return
+            event = None
+            try:
+                if self.device is not None:
+                    event = self._submit_gpu(job)
+                else:
+                    self._copy_host(job)
+            except BaseException as exc:  # reported to the awaiting task
+                job.error = exc
+            self._done_q.put((job, event))
+
+    def _copy_host(self, job: _Job) -> None:
+        p = job.plan
+        for chunk in p.chunks(self.max_batch):
+            for dst, src, n in zip(
+                p.dsts[chunk].tolist(), p.srcs[chunk].tolist(), p.sizes[chunk].tolist(), strict=True
+            ):
+                ctypes.memmove(dst, src, n)
+            self._counts["calls"] += 1
+        self._counts["descriptors"] += p.count
+        self._counts["bytes"] += p.nbytes
+
+    def _submit_gpu(self, job: _Job) -> Any:
+        from ._cuda import check, driver
+
+        drv = driver()
+        stream = self._streams[next(self._rr) % len(self._streams)]
+        if job.after is not None:
+            kind, handle = job.after
+            if kind == "stream":
+                marker = check("cuEventCreate", drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+                check("cuEventRecord", drv.cuEventRecord(marker, handle))
+                check("cuStreamWaitEvent", drv.cuStreamWaitEvent(stream, marker, 0))
+                drv.cuEventDestroy(marker)  # the wait is enqueued; the driver frees it when done
+            else:
+                check("cuStreamWaitEvent", drv.cuStreamWaitEvent(stream, handle, 0))
+        p = job.plan
+        attrs = _MemcpyAttributes()
+        attrs.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
+        device = self.device if self.device is not None else 0
+        src_dev, dst_dev = {"h2d": (False, True), "d2h": (True, False)}.get(job.direction, (True, True))
+        attrs.srcLocHint = _MemLocation(_LOC_DEVICE if src_dev else _LOC_HOST, device if src_dev else 0)
+        attrs.dstLocHint = _MemLocation(_LOC_DEVICE if dst_dev else _LOC_HOST, device if dst_dev else 0)
+        zero = (ctypes.c_size_t * 1)(0)
+        fail = ctypes.c_size_t(0)
+        handle = int(stream)
+        for chunk in p.chunks(self.max_batch):
+            d = np.ascontiguousarray(p.dsts[chunk])
+            s = np.ascontiguousarray(p.srcs[chunk])
+            z = np.ascontiguousarray(p.sizes[chunk])
+            args = [
+                d.ctypes.data,
+                s.ctypes.data,
+                z.ctypes.data,
+                len(d),
+                ctypes.addressof(attrs),
+                ctypes.addressof(zero),
+                1,
+            ]
+            if self._abi == 13000:
+                rc = self._batch(*args, handle)
+            else:
+                rc = self._batch(*args, ctypes.addressof(fail), handle)
+            self._counts["calls"] += 1
+            if rc != 0:
+                name = drv.CUresult(rc).name
+                where = f" (descriptor {fail.value})" if self._abi != 13000 else ""
+                raise CudaError("cuMemcpyBatchAsync" + where, name, rc)
+        flags = drv.CUevent_flags.CU_EVENT_BLOCKING_SYNC | drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        event = check("cuEventCreate", drv.cuEventCreate(flags))
+        check("cuEventRecord", drv.cuEventRecord(event, stream))
+        self._counts["descriptors"] += p.count
+        self._counts["bytes"] += p.nbytes
+        return event
+
+    def _complete_loop(self) -> None:
+        if self._context is not None:
+            self._context.make_current()
+        drv: Any = None
+        if self.device is not None:
+            from ._cuda import driver
+
+            drv = driver()
+        pending: deque[tuple[_Job, Any]] = deque()
+        stopping = False
+        while pending or not stopping:
+            if not pending:
+                item = self._done_q.get()
+                if item is None:
+                    return
+                pending.append(item)
+            finished = [self._wait(drv, *pending.popleft())]
+            # Coalesce: whatever is queued and already complete rides the same wake-up.
+            while not stopping:
+                try:
+                    more = self._done_q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                else:
+                    pending.append(more)
+            while pending and (drv is None or pending[0][1] is None or int(drv.cuEventQuery(pending[0][1])[0]) == 0):
+                finished.append(self._wait(drv, *pending.popleft()))
+            by_loop: dict[asyncio.AbstractEventLoop, list[_Job]] = defaultdict(list)
+            for job in finished:
+                by_loop[job.loop].append(job)
+            for loop, jobs in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_resolve, jobs)
+                except RuntimeError:
+                    pass  # the loop is closed: nobody is waiting any more
+
+    def _wait(self, drv: Any, job: _Job, event: Any) -> _Job:
+        if event is not None and drv is not None:
+            (err,) = drv.cuEventSynchronize(event)  # blocking sync: this thread sleeps
+            if int(err) != 0 and job.error is None:
+                job.error = CudaError("cuEventSynchronize", err.name, int(err))
+            drv.cuEventDestroy(event)
+        job.done.set()
+        self._counts["completed"] += 1
+        return job
+
+
+def _resolve(jobs: list[_Job]) -> None:
+    for job in jobs:
+        if job.future.done():
+            continue  # the awaiting task was cancelled; the copy still completed
+        if job.error is not None:
+            job.future.set_exception(job.error)
+        else:
+            job.future.set_result(None)
+        job.keepalive = ()

@@ -1,0 +1,185 @@
+"""StaticHostMem: a staging buffer sized once and released once.
+
+No fill thread, no watermark: one ``cuMemHostAlloc`` (portable) with a
+device, or, when a NUMA node is asked for, one mmap + mbind + populate + a
+single registration; with no device, populated host memory. It is a single
+registration, so a copy may span it whole.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+from typing import Any
+
+import anyio
+
+from . import _linux, _regions
+from ._backing import HUGE_ALIGN, apply_numa_policy
+from ._errors import CopyPlanError, TierClosedError
+from ._inflight import InflightCopies
+from ._views import ViewLedger
+
+__all__ = ["StaticHostMem"]
+
+
+class StaticHostMem:
+    """A populated (and, with a device, registered) host buffer for staging and uploads.
+
+    ``async with StaticHostMem(size, device=0) as buf:`` or
+    ``buf = await StaticHostMem.open(size)``. ``size`` is rounded up to the page.
+    """
+
+    def __init__(self, size: int, device: int | None = None, numa_node: int | None = None) -> None:
+        if type(size) is not int or size <= 0:
+            raise ValueError(f"size must be a positive int, got {size!r}")
+        if device is not None and (type(device) is not int or device < 0):
+            raise ValueError(f"device must be a CUDA ordinal or None, got {device!r}")
+        if numa_node is not None and (type(numa_node) is not int or numa_node < 0):
+            raise ValueError(f"numa_node must be a node id or None, got {numa_node!r}")
+        self.size = -(-size // _linux.PAGE_SIZE) * _linux.PAGE_SIZE
+        self.device = device
+        self.numa_node = numa_node
+        self.kind = "new"
+        self._address = 0
+        self._context: Any = None
+        self._views = ViewLedger(self.size)
+        self._copies = InflightCopies()
+        self._released = threading.Event()
+
+    @classmethod
+    async def open(cls, size: int, device: int | None = None, numa_node: int | None = None) -> StaticHostMem:
+        """Allocate, populate (and register); blocking work runs off the loop.
+
+        :raises CudaUnavailableError: a device was asked for without a usable driver.
+        :raises NumaPolicyError: never (a denied mbind falls back to first touch, with a warning).
+        :raises OSError: the memory cannot be had.
+        """
+        buf = cls(size, device, numa_node)
+        await buf.__aenter__()
+        return buf
+
+    async def __aenter__(self) -> StaticHostMem:
+        if self.kind != "new":
+            raise RuntimeError("this StaticHostMem was already opened")
+        self.kind = "opening"
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._build)
+        _regions.register(self)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def _build(self) -> None:
+        if self.device is not None:
+            from ._cuda import PrimaryContext, check, driver
+
+            self._context = PrimaryContext(self.device)
+            self._context.make_current()
+            if self.numa_node is None:
+                try:
+                    self._address = int(
+                        check("cuMemHostAlloc", driver().cuMemHostAlloc(self.size, 0x01))  # PORTABLE
+                    )
+                except BaseException:
+                    self._context.release()
+                    raise
+                self.kind = "hostalloc"
+                return
+        base, length = _linux.mmap_reserve(self.size, HUGE_ALIGN)
+        try:
+            _linux.madvise(base, length, _linux.MADV_NOHUGEPAGE)
+            self.numa_policy, self.numa_warning = apply_numa_policy(base, length, self.numa_node, strict=False)
+            _linux.mprotect(base, length, writable=True)
+            _linux.populate(base, length)
+            if self.device is not None:
+                from ._cuda import check, driver
+
+                check("cuMemHostRegister", driver().cuMemHostRegister(base, length, 0x01))  # PORTABLE
+        except BaseException:
+            _linux.munmap(base, length)
+            if self._context is not None:
+                self._context.release()
+            raise
+        self._address = base
+        self.kind = "registered" if self.device is not None else "host"
+
+    @property
+    def address(self) -> int:
+        self._check_open()
+        return self._address
+
+    @property
+    def closed(self) -> bool:
+        return self.kind in ("closing", "closed")
+
+    def _check_open(self) -> None:
+        if self.kind in ("new", "opening", "closing", "closed"):
+            raise TierClosedError(f"the StaticHostMem is {self.kind}")
+
+    def view(self) -> memoryview:
+        """A writable view of the whole buffer; it keeps the memory mapped until released."""
+        self._check_open()
+        return self._views.view(0, self._address)
+
+    # -- a copy region --------------------------------------------------------
+
+    @property
+    def region_name(self) -> str:
+        return f"StaticHostMem({self.size} bytes at {self._address:#x})"
+
+    def region_bounds(self) -> tuple[int, int]:
+        return self._address, self.size
+
+    def registration_of(self, offset: int, nbytes: int) -> int:
+        self._check_open()
+        if offset + nbytes > self.size:
+            raise CopyPlanError(f"copy of {nbytes} bytes at +{offset} leaves {self.region_name}")
+        return 0
+
+    @property
+    def copies(self) -> InflightCopies:
+        return self._copies
+
+    async def aclose(self) -> None:
+        """Wait for copies in flight, then release. Idempotent.
+
+        With views still exported, the memory is released when the last one is.
+        """
+        if self.kind in ("closing", "closed", "new"):
+            return
+        kind, self.kind = self.kind, "closing"
+        _regions.unregister(self)
+        with anyio.CancelScope(shield=True):
+            await self._copies.drain()
+            release = lambda: self._release(kind)  # noqa: E731
+            if self._views.defer_until_empty(release):
+                await anyio.to_thread.run_sync(release)
+        self.kind = "closed"
+
+    def _release(self, kind: str) -> None:
+        try:
+            if kind == "hostalloc" or kind == "registered":
+                from ._cuda import check, driver
+
+                self._context.make_current()
+                if kind == "hostalloc":
+                    check("cuMemFreeHost", driver().cuMemFreeHost(self._address))
+                else:
+                    check("cuMemHostUnregister", driver().cuMemHostUnregister(self._address))
+            if kind != "hostalloc":
+                _linux.munmap(self._address, self.size)
+        finally:
+            if self._context is not None:
+                self._context.release()
+            self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    def __repr__(self) -> str:
+        return f"<StaticHostMem [{self.kind} | {self.size} bytes | device {self.device}]>"

@@ -1,0 +1,341 @@
+"""``python -m aiokvtier.bench cuda``: GPU backings and copies on a CUDA machine."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from .._config import HostTierConfig
+from .._copy import CopyEngine
+from .._cuda import PrimaryContext, check, driver
+from .._tier import HostTier
+from ._common import GiB, MiB, loop_factories, median, run_on, sample_loop_lag, summary_ms
+
+
+def _cfg(size: int, backing: str, threads: int = 1, slot: int = 2 * MiB) -> HostTierConfig:
+    return HostTierConfig.model_validate(
+        {"quota": size, "max_quota": size, "slot_size": slot, "device": 0, "backing": backing, "fill_threads": threads}
+    )
+
+
+# -- 1. time to first allocation ------------------------------------------------------
+
+
+async def _first_alloc(size: int, backing: str) -> float:
+    started = time.perf_counter()
+    tier = await HostTier.open(_cfg(size, backing))
+    await tier.allocate()
+    elapsed = time.perf_counter() - started
+    await tier.aclose()
+    return elapsed
+
+
+def _host_alloc(size: int) -> float:
+    drv = driver()
+    started = time.perf_counter()
+    ptr = check("cuMemHostAlloc", drv.cuMemHostAlloc(size, 0x01))
+    elapsed = time.perf_counter() - started
+    check("cuMemFreeHost", drv.cuMemFreeHost(ptr))
+    return elapsed
+
+
+def _torch_pinned(size: int) -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    started = time.perf_counter()
+    t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    elapsed = time.perf_counter() - started
+    del t
+    return elapsed
+
+
+def first_allocation(size: int) -> dict[str, Any]:
+    ours = {b: asyncio.run(_first_alloc(size, b)) for b in ("vmm", "register")}
+    host_alloc = _host_alloc(size)
+    pinned = _torch_pinned(size)
+    best = min(ours.values())
+    return {
+        "quota_gib": size / GiB,
+        **{f"aiokvtier_{b}_ms": round(v * 1e3, 2) for b, v in ours.items()},
+        "cuMemHostAlloc_ms": round(host_alloc * 1e3, 1),
+        "torch_pinned_empty_ms": None if pinned is None else round(pinned * 1e3, 1),
+        "sooner_x_vs_cuMemHostAlloc": round(host_alloc / best, 1),
+        "sooner_x_vs_torch": None if pinned is None else round(pinned / best, 1),
+    }
+
+
+# -- 2./3. fill throughput with a probe thread ----------------------------------------
+
+
+class Probe:
+    """Times ``cuPointerGetAttribute`` every millisecond on its own thread."""
+
+    def __init__(self, ctx: PrimaryContext, dptr: int) -> None:
+        self._ctx, self._dptr = ctx, dptr
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        drv = driver()
+        self._ctx.make_current()
+        attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            drv.cuPointerGetAttribute(attr, self._dptr)
+            self.samples.append(time.perf_counter() - t0)
+            time.sleep(0.001)
+
+    def __enter__(self) -> Probe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, wall: float) -> dict[str, float]:
+        s = self.samples
+        return {
+            "blocked_fraction": round(sum(s) / wall, 4) if wall else 0.0,
+            "p99_ms": round(float(np.percentile(s, 99)) * 1e3, 3) if s else 0.0,
+            "worst_stall_ms": round(max(s) * 1e3, 3) if s else 0.0,
+        }
+
+
+async def _fill(size: int, backing: str, threads: int, probe_ctx: PrimaryContext, dptr: int) -> dict[str, Any]:
+    with Probe(probe_ctx, dptr) as probe:
+        started = time.perf_counter()
+        async with HostTier(_cfg(size, backing, threads)) as tier:
+            await tier.wait_resident()
+            wall = time.perf_counter() - started
+            registered = tier.statistics().registered_bytes
+    return {"gib_s": round(size / GiB / wall, 3), "registered_gib": registered / GiB, **probe.report(wall)}
+
+
+def _hostalloc_pieces(size: int, piece: int, probe_ctx: PrimaryContext, dptr: int) -> dict[str, Any]:
+    drv = driver()
+    ptrs = []
+    with Probe(probe_ctx, dptr) as probe:
+        started = time.perf_counter()
+        for _ in range(size // piece):
+            ptrs.append(check("cuMemHostAlloc", drv.cuMemHostAlloc(piece, 0x01)))
+        wall = time.perf_counter() - started
+    for p in ptrs:
+        drv.cuMemFreeHost(p)
+    return {"gib_s": round(size / GiB / wall, 3), **probe.report(wall)}
+
+
+def fill_throughput(size: int) -> dict[str, Any]:
+    ctx = PrimaryContext(0)
+    ctx.make_current()
+    drv = driver()
+    dptr = check("cuMemAlloc", drv.cuMemAlloc(1 << 20))
+    rows: dict[str, Any] = {"size_gib": size / GiB}
+    rows["cuMemHostAlloc_512MiB_pieces"] = _hostalloc_pieces(size, 512 * MiB, ctx, dptr)
+    for backing in ("vmm", "register"):
+        for threads in (1, 2):
+            rows[f"{backing}_threads{threads}"] = asyncio.run(_fill(size, backing, threads, ctx, dptr))
+    base = rows["cuMemHostAlloc_512MiB_pieces"]["gib_s"]
+    best = max((v["gib_s"], k) for k, v in rows.items() if isinstance(v, dict) and k != "cuMemHostAlloc_512MiB_pieces")
+    rows["best"] = {"arm": best[1], "ratio_vs_cuMemHostAlloc": round(best[0] / base, 3)}
+    drv.cuMemFree(dptr)
+    ctx.release()
+    return rows
+
+
+def _rank(rank: int, size: int, out: Any) -> None:
+    ctx = PrimaryContext(0)
+    ctx.make_current()
+    drv = driver()
+    dptr = check("cuMemAlloc", drv.cuMemAlloc(1 << 20))
+    order = ("vmm", "register") if rank % 2 == 0 else ("register", "vmm")
+    result = {}
+    for backing in order:  # arms alternate within each rank, so drift lands on both
+        result[backing] = asyncio.run(_fill(size, backing, 1, ctx, dptr))
+    out.put(result)
+
+
+def contention(processes: int, size: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, size, out)) for r in range(processes)]
+    started = time.perf_counter()
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    wall = time.perf_counter() - started
+    summary: dict[str, Any] = {"processes": processes, "size_per_process_gib": size / GiB, "wall_s": round(wall, 2)}
+    for backing in ("vmm", "register"):
+        arms = [r[backing] for r in results]
+        summary[backing] = {
+            "per_rank_gib_s_median": round(median([a["gib_s"] for a in arms]), 3),
+            "blocked_fraction_max": max(a["blocked_fraction"] for a in arms),
+            "worst_stall_ms": max(a["worst_stall_ms"] for a in arms),
+        }
+    return summary
+
+
+# -- 4. event-loop lag -----------------------------------------------------------------
+
+
+async def _lag(size: int, backing: str) -> dict[str, float]:
+    async with HostTier(_cfg(size, backing)) as tier:
+        filled = asyncio.ensure_future(tier.wait_resident())
+        lags = await sample_loop_lag(filled)
+        await filled
+    return summary_ms(lags)
+
+
+def loop_lag(size: int) -> dict[str, Any]:
+    return {
+        f"{name}_{backing}": run_on(factory, _lag(size, backing))
+        for name, factory in loop_factories().items()
+        for backing in ("vmm", "register")
+    }
+
+
+# -- 5. copy bandwidth -----------------------------------------------------------------
+
+
+def _timed(fn: Any, stream: Any, repeats: int = 3) -> float:
+    drv = driver()
+    best = float("inf")
+    for _ in range(repeats):
+        check("cuStreamSynchronize", drv.cuStreamSynchronize(stream))
+        t0 = time.perf_counter()
+        fn()
+        check("cuStreamSynchronize", drv.cuStreamSynchronize(stream))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+async def _direction(
+    engine: CopyEngine,
+    tier: HostTier,
+    slots: Any,
+    host: Any,
+    dev: Any,
+    slot: int,
+    direction: str,
+    ref: float,
+    stream: Any,
+) -> dict[str, Any]:
+    drv = driver()
+    total = len(slots) * slot
+    src, dst = (host, dev) if direction == "h2d" else (dev, host)
+    pairs = list(zip(dst.tolist(), src.tolist(), strict=True))
+
+    def per_slot_loop() -> None:
+        for d, s in pairs:
+            drv.cuMemcpyAsync(d, s, slot, stream)
+
+    loop_s = _timed(per_slot_loop, stream, 1)
+    plain_s = _timed(lambda: _plain_batch(drv, dst, src, slot, stream), stream, 1)
+    ids = slots.tolist()
+    call = engine.to_device if direction == "h2d" else engine.to_host
+    await call(tier, ids, dev)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        await call(tier, ids, dev)
+        times.append(time.perf_counter() - t0)
+    ours_s = min(times)
+
+    def gbs(secs: float) -> float:
+        return round(total / secs / 1e9, 2)
+
+    return {
+        "aiokvtier_GBps": gbs(ours_s),
+        "one_large_copy_GBps": gbs(ref),
+        "per_slot_cuMemcpyAsync_GBps": gbs(loop_s),
+        "plain_batch_CUdeviceptr_GBps": gbs(plain_s),
+        "fraction_of_one_copy": round(ref / ours_s, 3),
+        "x_vs_plain_batch": round(plain_s / ours_s, 3),
+    }
+
+
+def _scheduling_us(engine: CopyEngine, tier: HostTier, slots: Any, dev: Any) -> float:
+    """The Python-side cost per slot: addresses, checks, sort and merge."""
+    from .._plan import plan
+
+    t0 = time.perf_counter()
+    for _ in range(5):
+        h, reg, page = engine._slot_addresses(tier, slots, dst_side=False)
+        plan(dev, h, page, src_reg=reg, n=len(h))
+    return round((time.perf_counter() - t0) / 5 / len(slots) * 1e6, 4)
+
+
+async def _copies(total: int, backing: str) -> dict[str, Any]:
+    drv = driver()
+    results: dict[str, Any] = {"total_gib": total / GiB, "backing": backing}
+    async with CopyEngine(0) as engine:
+        ctx = PrimaryContext(0)
+        ctx.make_current()
+        stream = check("cuStreamCreate", drv.cuStreamCreate(1))
+        dbuf = int(check("cuMemAlloc", drv.cuMemAlloc(total)))
+        for slot in (2 * MiB, 256 << 10, 64 << 10):
+            n = total // slot
+            async with HostTier(_cfg(total, backing, 2, slot=slot)) as tier:
+                await tier.wait_resident()
+                slots = np.asarray(await tier.allocate(n), dtype=np.int64)
+                host = np.uint64(tier.base_address) + slots.astype(np.uint64) * np.uint64(slot)
+                refs = _one_large_copy(drv, dbuf, int(host[0]), total, stream)
+                for layout in ("contiguous", "shuffled"):
+                    perm = np.arange(n) if layout == "contiguous" else np.random.default_rng(1).permutation(n)
+                    dev = np.uint64(dbuf) + perm.astype(np.uint64) * np.uint64(slot)
+                    row: dict[str, Any] = {
+                        d: await _direction(engine, tier, slots, host, dev, slot, d, refs[d], stream)
+                        for d in ("h2d", "d2h")
+                    }
+                    row["scheduling_us_per_slot"] = _scheduling_us(engine, tier, slots, dev)
+                    results[f"slot_{slot >> 10}KiB_{layout}"] = row
+        drv.cuMemFree(dbuf)
+        drv.cuStreamDestroy(stream)
+        ctx.release()
+    return results
+
+
+def _one_large_copy(drv: Any, dbuf: int, host: int, total: int, stream: Any) -> dict[str, float]:
+    """Baseline (a): one copy of all the bytes, the PCIe ceiling."""
+    return {
+        "h2d": _timed(lambda: check("cuMemcpyHtoDAsync", drv.cuMemcpyHtoDAsync(dbuf, host, total, stream)), stream),
+        "d2h": _timed(lambda: check("cuMemcpyDtoHAsync", drv.cuMemcpyDtoHAsync(host, dbuf, total, stream)), stream),
+    }
+
+
+def _plain_batch(drv: Any, dst: Any, src: Any, size: int, stream: Any) -> None:
+    """Baseline (c): cuda-bindings' cuMemcpyBatchAsync with one CUdeviceptr object per address."""
+    n = len(dst)
+    attrs = drv.CUmemcpyAttributes()
+    attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    for i in range(0, n, 4096):
+        d = [drv.CUdeviceptr(int(a)) for a in dst[i : i + 4096].tolist()]
+        s = [drv.CUdeviceptr(int(a)) for a in src[i : i + 4096].tolist()]
+        check("cuMemcpyBatchAsync", drv.cuMemcpyBatchAsync(d, s, [size] * len(d), len(d), [attrs], [0], 1, stream))
+
+
+def run(args: Any) -> dict[str, Any]:
+    quick = args.quick
+    return {
+        "time_to_first_allocation": first_allocation((2 if quick else 64) * GiB),
+        "fill_throughput": fill_throughput((2 if quick else 16) * GiB),
+        "event_loop_lag_during_fill": loop_lag((1 if quick else 8) * GiB),
+        "copy_bandwidth": {
+            b: run_on(asyncio.new_event_loop, _copies((256 * MiB) if quick else 2 * GiB, b))
+            for b in ("vmm", "register")
+        },
+        "executor_responsiveness": {
+            "1_process": contention(1, (1 if quick else 8) * GiB),
+            "8_processes": contention(8, (1 if quick else 6) * GiB),
+        },
+    }
