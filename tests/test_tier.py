@@ -484,3 +484,20 @@ def test_public_names_match_all() -> None:
     public = {name for name in dir(aiokvtier) if not name.startswith("_")}
     assert set(aiokvtier.__all__) == public - {"annotations"}
     assert os.path.exists(os.path.join(os.path.dirname(aiokvtier.__file__), "py.typed"))
+
+
+async def test_a_device_without_a_driver_fails_clearly() -> None:
+    from aiokvtier import CudaUnavailableError
+    from aiokvtier._cuda import device_count
+
+    try:
+        if device_count() > 0:
+            pytest.skip("a CUDA device is present: this checks machines without one")
+    except CudaUnavailableError:
+        pass
+    for backing in ("register", "vmm"):
+        with pytest.raises(CudaUnavailableError):
+            await HostTier.open(small_config(device=0, backing=backing))
+    with pytest.raises(CudaUnavailableError):
+        await aiokvtier.StaticHostMem.open(MiB, device=0)
+    assert not fill_threads_alive()

@@ -1,0 +1,234 @@
+"""GPU tests (marker ``cuda``): skipped with "no CUDA device" where there is none."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from aiokvtier import (
+    CopyEngine,
+    CopyPlanError,
+    HostTier,
+    HostTierConfig,
+    StaticHostMem,
+    _cuda,
+)
+from aiokvtier._backing import Backing
+
+from .conftest import fill_threads_alive, mappings_in
+from .helpers import MiB
+
+pytestmark = pytest.mark.cuda
+BACKINGS = ["register", "vmm"]
+SLOT = 256 << 10
+UNIT = 32 * MiB
+SLOTS_PER_UNIT = UNIT // SLOT
+
+
+def gpu_config(backing: str, **overrides: Any) -> HostTierConfig:
+    values: dict[str, Any] = dict(
+        quota=256 * MiB, max_quota=1024 * MiB, slot_size=SLOT, commit_unit=UNIT, fill_chunk=UNIT,
+        device=0, backing=backing, fill_threads=2,
+    )  # fmt: skip
+    values.update(overrides)
+    return HostTierConfig.model_validate(values)
+
+
+def torch_cuda() -> Any:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to torch")
+    return torch
+
+
+def pages(torch: Any, n: int, seed: int) -> Any:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, 256, (n, SLOT), dtype=torch.uint8, device="cuda", generator=g)
+
+
+@pytest.mark.parametrize("backing", BACKINGS)
+async def test_backing_fills_and_registers_per_unit(backing: str) -> None:
+    drv = _cuda.driver()
+    async with HostTier(gpu_config(backing)) as tier:
+        await tier.wait_resident()
+        stats = tier.statistics()
+        assert stats.backing == backing
+        assert stats.registered_bytes == stats.resident_bytes == 256 * MiB
+        base = tier.base_address
+        attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
+        # The first unit is split by the ramp only when commit_unit exceeds it; here every unit is 32 MiB.
+        for unit in range(8):
+            start = _cuda.check("range", drv.cuPointerGetAttribute(attr, base + unit * UNIT + 12345))
+            assert int(start) == base + unit * UNIT, f"unit {unit} is not its own registration"
+        slot = await tier.allocate()
+        tier.view(slot)[:4] = b"kvkv"  # CPU access works for both backings
+        assert bytes(tier.view(slot)[:4]) == b"kvkv"
+        tier.placement()
+    assert not fill_threads_alive()
+    assert not mappings_in(stats.base_address, stats.max_quota) or backing == "vmm"
+
+
+@pytest.mark.parametrize("backing", BACKINGS)
+async def test_round_trips_bit_exact(backing: str) -> None:
+    torch = torch_cuda()
+    async with HostTier(gpu_config(backing)) as tier, CopyEngine(0, max_batch=16) as engine:
+        await tier.wait_resident()
+        slots = await tier.allocate(3 * SLOTS_PER_UNIT)
+        src = pages(torch, len(slots), 1)
+        # Contiguous slots merge into one copy per unit; units are never crossed.
+        await engine.to_host(tier, slots, src)
+        assert engine.statistics().descriptors_submitted == 3
+        edge = [SLOTS_PER_UNIT - 1, SLOTS_PER_UNIT, 2 * SLOTS_PER_UNIT - 1, 2 * SLOTS_PER_UNIT]
+        for i in edge:
+            assert bytes(tier.view(slots[i])) == src[i].cpu().numpy().tobytes()
+        order = torch.randperm(len(slots)).tolist()
+        back = torch.zeros_like(src)
+        await engine.to_device(tier, [slots[i] for i in order], back)
+        torch.cuda.synchronize()
+        assert torch.equal(back, src[order])
+        # Raw device addresses work too, and device-to-device through copy().
+        dev = int(back.data_ptr())
+        await engine.to_host(tier, slots[:2], [dev + SLOT, dev])
+        assert bytes(tier.view(slots[0])) == back[1].cpu().numpy().tobytes()
+        other = torch.zeros_like(src[:1])
+        await engine.copy([(int(other.data_ptr()), int(src[5].data_ptr()), SLOT)])
+        torch.cuda.synchronize()
+        assert torch.equal(other[0], src[5])
+
+
+@pytest.mark.parametrize("backing", BACKINGS)
+async def test_planner_refuses_a_copy_across_registrations(backing: str) -> None:
+    torch = torch_cuda()
+    async with HostTier(gpu_config(backing)) as tier, CopyEngine(0) as engine:
+        await tier.wait_resident()
+        slots = await tier.allocate(SLOTS_PER_UNIT + 1)
+        dst = torch.zeros(2 * SLOT, dtype=torch.uint8, device="cuda")
+        with pytest.raises(CopyPlanError, match="two registrations"):
+            await engine.copy([(int(dst.data_ptr()), tier.address(slots[SLOTS_PER_UNIT - 1]), 2 * SLOT)])
+        assert engine.statistics().jobs_submitted == 0
+
+
+@pytest.mark.parametrize("backing", BACKINGS)
+async def test_fill_threads_use_the_tiers_device_context(backing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    drv = _cuda.driver()
+    seen: list[tuple[int, int]] = []
+    cls = _cuda.RegisterBacking if backing == "register" else _cuda.VmmBacking
+    original = cls.commit
+
+    def spying_commit(self: Backing, offset: int, length: int) -> None:
+        ctx = _cuda.check("cuCtxGetCurrent", drv.cuCtxGetCurrent())
+        dev = _cuda.check("cuCtxGetDevice", drv.cuCtxGetDevice())
+        seen.append((int(ctx), int(dev)))
+        original(self, offset, length)
+
+    monkeypatch.setattr(cls, "commit", spying_commit)
+
+    # The opening thread has a different (non-primary) context current.
+    def open_from_foreign_context() -> None:
+        dev = _cuda.check("cuDeviceGet", drv.cuDeviceGet(0))
+        params = drv.CUctxCreateParams()
+        foreign = _cuda.check("cuCtxCreate", drv.cuCtxCreate(params, 0, dev))
+        try:
+            asyncio.run(_open_fill_close(backing))
+        finally:
+            drv.cuCtxDestroy(foreign)
+
+    thread = threading.Thread(target=open_from_foreign_context)
+    thread.start()
+    thread.join()
+    primary = _cuda.PrimaryContext(0)
+    try:
+        assert seen and all(ctx == int(primary.handle) and dev == 0 for ctx, dev in seen)
+        assert len({c for c, _ in seen}) == 1
+    finally:
+        primary.release()
+
+
+async def _open_fill_close(backing: str) -> None:
+    async with HostTier(gpu_config(backing)) as tier:
+        await tier.wait_resident()
+
+
+@pytest.mark.parametrize("backing", BACKINGS)
+async def test_resize_keeps_retained_contents(backing: str) -> None:
+    torch = torch_cuda()
+    async with HostTier(gpu_config(backing)) as tier, CopyEngine(0) as engine:
+        await tier.wait_resident()
+        slots = await tier.allocate(2 * SLOTS_PER_UNIT)
+        src = pages(torch, len(slots), 2)
+        await engine.to_host(tier, slots, src)
+        await tier.resize(2 * UNIT)
+        assert tier.statistics().registered_bytes == 2 * UNIT
+        await tier.resize(512 * MiB)
+        await tier.wait_resident()
+        assert tier.statistics().registered_bytes == 512 * MiB
+        more = await tier.allocate(SLOTS_PER_UNIT)
+        await engine.to_host(tier, more, src[:SLOTS_PER_UNIT])
+        back = torch.zeros_like(src)
+        await engine.to_device(tier, slots, back)
+        torch.cuda.synchronize()
+        assert torch.equal(back, src)
+
+
+@pytest.mark.parametrize("numa", [False, True])
+async def test_static_host_mem_round_trip(numa: bool) -> None:
+    torch = torch_cuda()
+    node = _cuda.device_numa_node(0) if numa else None
+    if numa and node is None:
+        node = 0
+    async with StaticHostMem(8 * MiB, device=0, numa_node=node) as stage, CopyEngine(0) as engine:
+        assert stage.kind == ("registered" if numa else "hostalloc")
+        src = torch.arange(8 * MiB, dtype=torch.uint8, device="cuda")
+        await engine.copy([(stage.address, int(src.data_ptr()), 8 * MiB)])
+        assert bytes(stage.view()[:300]) == bytes(range(256)) + bytes(range(44))
+        back = torch.zeros_like(src)
+        await engine.copy([(int(back.data_ptr()), stage.address, 8 * MiB)])
+        torch.cuda.synchronize()
+        assert torch.equal(back, src)
+
+
+async def test_cancellation_during_a_copy_leaves_data_intact() -> None:
+    torch = torch_cuda()
+    async with HostTier(gpu_config("register")) as tier, CopyEngine(0) as engine:
+        await tier.wait_resident()
+        slots = await tier.allocate(8 * SLOTS_PER_UNIT)
+        src = pages(torch, len(slots), 3)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(50_000_000)  # keep the GPU busy so the copy is still queued when cancelled
+        task = asyncio.create_task(engine.to_host(tier, slots, src, after=stream))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del src  # the engine still holds the tensor until the copy is done
+        await tier.copies.drain()
+        torch.cuda.synchronize()
+        again = pages(torch, len(slots), 3)
+        for i in (0, len(slots) // 2, len(slots) - 1):
+            assert bytes(tier.view(slots[i])) == again[i].cpu().numpy().tobytes()
+
+
+async def test_after_orders_the_copy_behind_compute_without_host_sync() -> None:
+    torch = torch_cuda()
+    async with HostTier(gpu_config("vmm")) as tier, CopyEngine(0) as engine:
+        await tier.wait_resident()
+        slots = await tier.allocate(4)
+        kv = torch.zeros((4, SLOT), dtype=torch.uint8, device="cuda")
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(20_000_000)
+            kv.fill_(7)
+        await engine.to_host(tier, slots, kv, after=stream)
+        assert all(bytes(tier.view(s)[:8]) == b"\x07" * 8 for s in slots)
+
+
+async def test_numa_auto_resolves_the_gpus_node() -> None:
+    node = _cuda.device_numa_node(0)
+    async with HostTier(gpu_config("register", numa_node="auto")) as tier:
+        stats = tier.statistics()
+        assert stats.numa_node == node
+        assert stats.numa_policy == ("none" if node is None else "preferred")
