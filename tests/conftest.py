@@ -148,3 +148,18 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[PopulateGate]:
     monkeypatch.setattr(_linux, "populate", g)
     yield g
     g.release_all()
+
+
+@pytest.fixture
+def reserved(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Base addresses of every reservation made during the test."""
+    bases: list[int] = []
+    real = _linux.mmap_reserve
+
+    def spy(length: int, align: int) -> tuple[int, int]:
+        base, size = real(length, align)
+        bases.append(base)
+        return base, size
+
+    monkeypatch.setattr(_linux, "mmap_reserve", spy)
+    return bases

@@ -407,17 +407,11 @@ async def test_numa_denied_preferred_falls_back_with_warning(monkeypatch: pytest
         assert tier.placement().policy == "default"
 
 
-async def test_numa_denied_strict_raises_and_releases_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_numa_denied_strict_raises_and_releases_everything(
+    monkeypatch: pytest.MonkeyPatch, reserved: list[int]
+) -> None:
     _node0_cpus()
     monkeypatch.setattr(_linux, "mbind", _deny_mbind)
-    reserved: list[int] = []
-    real_reserve = _linux.mmap_reserve
-
-    def spy(length: int, align: int) -> tuple[int, int]:
-        reserved.append(real_reserve(length, align)[0])
-        return reserved[-1], length
-
-    monkeypatch.setattr(_linux, "mmap_reserve", spy)
     cfg = small_config(numa_node=0, allow_remote_numa_fallback=False)
     with pytest.raises(NumaPolicyError, match="node 0"):
         await HostTier.open(cfg)
@@ -446,15 +440,7 @@ async def test_open_twice_is_refused() -> None:
             await tier.__aenter__()
 
 
-async def test_cancelled_open_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    reserved: list[int] = []
-    real_reserve = _linux.mmap_reserve
-
-    def spy(length: int, align: int) -> tuple[int, int]:
-        reserved.append(real_reserve(length, align)[0])
-        return reserved[-1], length
-
-    monkeypatch.setattr(_linux, "mmap_reserve", spy)
+async def test_cancelled_open_leaves_nothing(reserved: list[int]) -> None:
     cfg = small_config()
     task = asyncio.create_task(HostTier.open(cfg))
     await asyncio.sleep(0)
