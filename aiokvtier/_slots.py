@@ -13,6 +13,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 
+import numpy as np
+
 from ._errors import OutOfSlots, SlotError
 
 __all__ = ["SlotAllocator"]
@@ -53,16 +55,18 @@ class SlotAllocator:
             raise OutOfSlots(f"{n} slots requested, {self.available} of {self.total} available")
         free = self._free
         k = min(n, len(free))
-        taken = free[len(free) - k :].tolist()
-        taken.reverse()
-        del free[len(free) - k :]
         fresh = self.next_fresh
         self.next_fresh = fresh + n - k
-        taken.extend(range(fresh, self.next_fresh))
-        allocated = self._allocated
-        for slot in taken:
-            allocated[slot] = 1
+        # numpy views of the buffers are dropped before they are resized (a live export forbids it).
+        allocated = np.frombuffer(self._allocated, dtype=np.uint8)
+        recycled = np.frombuffer(free, dtype=np.uint32)[len(free) - k :][::-1].copy()
+        allocated[recycled] = 1
+        allocated[fresh : self.next_fresh] = 1
+        del allocated
+        del free[len(free) - k :]
         self.count += n
+        taken: list[int] = recycled.tolist()
+        taken.extend(range(fresh, self.next_fresh))
         return taken
 
     def take_one(self) -> int:
@@ -92,18 +96,28 @@ class SlotAllocator:
 
     def give_many(self, slots: Iterable[int]) -> None:
         """Free every slot or, if any is invalid or repeated, none."""
-        slots = list(slots)
-        seen: set[int] = set()
-        for slot in slots:
-            self.check_allocated(slot)
-            if slot in seen:
-                raise SlotError(f"slot {slot} appears twice in one free_many call")
-            seen.add(slot)
-        allocated = self._allocated
-        for slot in slots:
-            allocated[slot] = 0
-        self._free.extend(slots)
-        self.count -= len(slots)
+        ids = np.asarray(slots if isinstance(slots, list | tuple | np.ndarray) else list(slots))
+        if ids.size == 0:
+            return
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            bad = next((s for s in ids.ravel().tolist() if type(s) is not int), ids.ravel()[0])
+            raise SlotError(f"slot {bad!r} is not a slot id of this tier (0..{self.total - 1})")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.total:
+            raise SlotError(f"slot {low if low < 0 else high} is not a slot id of this tier (0..{self.total - 1})")
+        allocated = np.frombuffer(self._allocated, dtype=np.uint8)
+        missing = ids[allocated[ids] == 0]
+        if missing.size:
+            del allocated
+            raise SlotError(f"slot {int(missing[0])} is not allocated (double free, or never handed out)")
+        if np.unique(ids).size != ids.size:
+            del allocated
+            values, counts = np.unique(ids, return_counts=True)
+            raise SlotError(f"slot {int(values[counts > 1][0])} appears twice in one free_many call")
+        allocated[ids] = 0
+        del allocated
+        self._free.frombytes(ids.astype(np.uint32).tobytes())
+        self.count -= int(ids.size)
 
     def is_allocated(self, slot: int) -> bool:
         return 0 <= slot < self.total and bool(self._allocated[slot])

@@ -67,7 +67,10 @@ def no_blocking_in_loop(request: pytest.FixtureRequest) -> Iterator[None]:
             fn.can_block_in("tests/conftest.py", {"proc_text"})
     for name in ("threading.Lock.acquire", "threading.Lock.acquire_lock"):
         # The tests' populate gate is shared with fill threads by design.
-        bb.functions[name].can_block_in("tests/conftest.py", {"allow", "fail", "release_all"})
+        bb.functions[name].can_block_in(
+            "tests/conftest.py",
+            {"allow", "fail", "hold_addresses", "unhold_addresses", "release_all"},
+        )
     bb.activate()
     try:
         yield
@@ -116,6 +119,7 @@ class PopulateGate:
         self.allowed = 0
         self.calls = 0
         self.fail_at: set[int] = set()
+        self.held_addresses: list[int] = []
         self.seen: list[tuple[int, int, str, set[int]]] = []
 
     def __call__(self, addr: int, length: int) -> None:
@@ -123,7 +127,10 @@ class PopulateGate:
             index = self.calls
             self.calls += 1
             self.seen.append((addr, length, threading.current_thread().name, os.sched_getaffinity(0)))
-            self._cond.wait_for(lambda: self.allowed > index or index in self.fail_at, timeout=60)
+            self._cond.wait_for(
+                lambda: (self.allowed > index and addr not in self.held_addresses) or index in self.fail_at,
+                timeout=60,
+            )
             if index in self.fail_at:
                 raise OSError(errno.ENOMEM, f"injected failure at call {index}")
         self._real(addr, length)
@@ -138,7 +145,19 @@ class PopulateGate:
             self.fail_at.add(index)
             self._cond.notify_all()
 
+    def hold_addresses(self, addresses: list[int]) -> None:
+        """Hold calls at these addresses (the list may be filled in later, e.g. by ``reserved``)."""
+        with self._cond:
+            self.held_addresses = addresses
+
+    def unhold_addresses(self) -> None:
+        with self._cond:
+            self.held_addresses = []
+            self._cond.notify_all()
+
     def release_all(self) -> None:
+        with self._cond:
+            self.held_addresses = []
         self.allow(1 << 60)
 
 

@@ -296,18 +296,19 @@ async def test_fill_failure_is_partial_and_a_shrink_clears_it(gate: PopulateGate
         assert tier.statistics().resident_bytes == 6 * MiB
 
 
-async def test_fill_threads_finish_out_of_order_but_publish_the_prefix(gate: PopulateGate) -> None:
+async def test_fill_threads_finish_out_of_order_but_publish_the_prefix(gate: PopulateGate, reserved: list[int]) -> None:
+    gate.hold_addresses(reserved)  # unit 0 starts at the reservation's base: it stays unfinished
+    gate.allow(1 << 60)
     async with HostTier(small_config(quota=8 * MiB, fill_threads=2)) as tier:
-        # Call 0 (unit 0) is held; the other thread's units go through.
-        gate.fail_at = set()
-        first_held = asyncio.create_task(tier.wait_resident(MiB))
-        await asyncio.sleep(0.05)
-        assert tier.statistics().resident_bytes == 0
-        gate.allow(1 << 60)
-        await first_held
+        while len(tier._filler.committed_ranges()) < 7:  # noqa: ASYNC110 - the other thread commits 1..7
+            await asyncio.sleep(0.01)
+        assert tier.statistics().resident_bytes == 0  # ...but the prefix is still empty
+        with pytest.raises(WouldBlock):
+            tier.allocate_nowait()
+        gate.unhold_addresses()
         await tier.wait_resident()
-        names = {name for _, _, name, _ in gate.seen}
-        assert len(names) == 2
+        assert tier.statistics().resident_bytes == 8 * MiB
+        assert len({name for _, _, name, _ in gate.seen}) == 2
 
 
 async def test_close_while_filling_stops_between_units(gate: PopulateGate) -> None:

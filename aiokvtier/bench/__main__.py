@@ -21,15 +21,21 @@ def main(argv: list[str] | None = None) -> None:
     host.add_argument("--repeats", type=int, default=3)
     cuda = sub.add_parser("cuda", help="CUDA backings and copies (needs a GPU)")
     cuda.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
+    ranks = sub.add_parser("ranks", help="one rank per GPU filling at once (needs the cuda extra)")
+    ranks.add_argument("--size-gib", type=float, default=8)
     args = parser.parse_args(argv)
     if args.mode == "host":
         from . import _host
 
         result = _host.run(args)
-    else:
+    elif args.mode == "cuda":
         from ._cuda import run
 
         result = run(args)
+    else:
+        from ._cuda import run_ranks
+
+        result = run_ranks(args)
     json.dump({"mode": args.mode, "machine": machine(), **result}, sys.stdout, indent=2)
     print()
 

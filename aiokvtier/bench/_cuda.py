@@ -17,9 +17,16 @@ from .._tier import HostTier
 from ._common import GiB, MiB, loop_factories, median, run_on, sample_loop_lag, summary_ms
 
 
-def _cfg(size: int, backing: str, threads: int = 1, slot: int = 2 * MiB) -> HostTierConfig:
+def _cfg(size: int, backing: str, threads: int = 1, slot: int = 2 * MiB, device: int = 0) -> HostTierConfig:
     return HostTierConfig.model_validate(
-        {"quota": size, "max_quota": size, "slot_size": slot, "device": 0, "backing": backing, "fill_threads": threads}
+        {
+            "quota": size,
+            "max_quota": size,
+            "slot_size": slot,
+            "device": device,
+            "backing": backing,
+            "fill_threads": threads,
+        }
     )
 
 
@@ -110,10 +117,12 @@ class Probe:
         }
 
 
-async def _fill(size: int, backing: str, threads: int, probe_ctx: PrimaryContext, dptr: int) -> dict[str, Any]:
+async def _fill(
+    size: int, backing: str, threads: int, probe_ctx: PrimaryContext, dptr: int, device: int = 0
+) -> dict[str, Any]:
     with Probe(probe_ctx, dptr) as probe:
         started = time.perf_counter()
-        async with HostTier(_cfg(size, backing, threads)) as tier:
+        async with HostTier(_cfg(size, backing, threads, device=device)) as tier:
             await tier.wait_resident()
             wall = time.perf_counter() - started
             registered = tier.statistics().registered_bytes
@@ -151,22 +160,23 @@ def fill_throughput(size: int) -> dict[str, Any]:
     return rows
 
 
-def _rank(rank: int, size: int, out: Any) -> None:
-    ctx = PrimaryContext(0)
+def _rank(rank: int, device: int, size: int, out: Any) -> None:
+    ctx = PrimaryContext(device)
     ctx.make_current()
     drv = driver()
     dptr = check("cuMemAlloc", drv.cuMemAlloc(1 << 20))
     order = ("vmm", "register") if rank % 2 == 0 else ("register", "vmm")
-    result = {}
+    result: dict[str, Any] = {"rank": rank, "device": device}
     for backing in order:  # arms alternate within each rank, so drift lands on both
-        result[backing] = asyncio.run(_fill(size, backing, 1, ctx, dptr))
+        result[backing] = asyncio.run(_fill(size, backing, 1, ctx, dptr, device))
     out.put(result)
 
 
-def contention(processes: int, size: int) -> dict[str, Any]:
+def contention(processes: int, size: int, one_per_gpu: bool = False) -> dict[str, Any]:
+    """``processes`` ranks filling at once: all on GPU 0, or rank r on GPU r."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, size, out)) for r in range(processes)]
+    procs = [ctx.Process(target=_rank, args=(r, r if one_per_gpu else 0, size, out)) for r in range(processes)]
     started = time.perf_counter()
     for p in procs:
         p.start()
@@ -179,6 +189,7 @@ def contention(processes: int, size: int) -> dict[str, Any]:
         arms = [r[backing] for r in results]
         summary[backing] = {
             "per_rank_gib_s_median": round(median([a["gib_s"] for a in arms]), 3),
+            "aggregate_gib_s": round(sum(a["gib_s"] for a in arms), 3),
             "blocked_fraction_max": max(a["blocked_fraction"] for a in arms),
             "worst_stall_ms": max(a["worst_stall_ms"] for a in arms),
         }
@@ -339,3 +350,11 @@ def run(args: Any) -> dict[str, Any]:
             "8_processes": contention(8, (1 if quick else 6) * GiB),
         },
     }
+
+
+def run_ranks(args: Any) -> dict[str, Any]:
+    """One rank per visible GPU, each filling its own GPU's tier with a probe (the multi-GPU reference)."""
+    from .._cuda import device_count
+
+    gpus = device_count()
+    return {"gpus": gpus, "one_rank_per_gpu": contention(gpus, int(args.size_gib * GiB), one_per_gpu=True)}
