@@ -110,10 +110,11 @@ class SlotAllocator:
         if missing.size:
             del allocated
             raise SlotError(f"slot {int(missing[0])} is not allocated (double free, or never handed out)")
-        if np.unique(ids).size != ids.size:
+        ordered = np.sort(ids)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeated.size:
             del allocated
-            values, counts = np.unique(ids, return_counts=True)
-            raise SlotError(f"slot {int(values[counts > 1][0])} appears twice in one free_many call")
+            raise SlotError(f"slot {int(repeated[0])} appears twice in one free_many call")
         allocated[ids] = 0
         del allocated
         self._free.frombytes(ids.astype(np.uint32).tobytes())
