@@ -59,7 +59,7 @@ async def test_backing_fills_and_registers_per_unit(backing: str) -> None:
         assert stats.registered_bytes == stats.resident_bytes == 256 * MiB
         base = tier.base_address
         attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
-        # The first unit is split by the ramp only when commit_unit exceeds it; here every unit is 32 MiB.
+        # Units: the ramp's [0, 16 MiB) and [16, 32 MiB), then one per 32 MiB: each its own registration.
         for unit in range(8):
             start = _cuda.check("range", drv.cuPointerGetAttribute(attr, base + unit * UNIT + 12345))
             assert int(start) == base + unit * UNIT, f"unit {unit} is not its own registration"
@@ -78,9 +78,10 @@ async def test_round_trips_bit_exact(backing: str) -> None:
         await tier.wait_resident()
         slots = await tier.allocate(3 * SLOTS_PER_UNIT)
         src = pages(torch, len(slots), 1)
-        # Contiguous slots merge into one copy per unit; units are never crossed.
+        # Contiguous slots merge into one copy per registration, and never cross one:
+        # [0, 16), [16, 32), [32, 64), [64, 96) MiB.
         await engine.to_host(tier, slots, src)
-        assert engine.statistics().descriptors_submitted == 3
+        assert engine.statistics().descriptors_submitted == 4
         edge = [SLOTS_PER_UNIT - 1, SLOTS_PER_UNIT, 2 * SLOTS_PER_UNIT - 1, 2 * SLOTS_PER_UNIT]
         for i in edge:
             assert bytes(tier.view(slots[i])) == src[i].cpu().numpy().tobytes()
