@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     host.add_argument("--repeats", type=int, default=3)
     cuda = sub.add_parser("cuda", help="CUDA backings and copies (needs a GPU)")
     cuda.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
+    cuda.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
     ranks = sub.add_parser("ranks", help="one rank per GPU filling at once (needs the cuda extra)")
     ranks.add_argument("--size-gib", type=float, default=8)
     args = parser.parse_args(argv)
