@@ -6,6 +6,7 @@ import asyncio
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -349,7 +350,7 @@ def _plain_batch(drv: Any, dst: Any, src: Any, size: int, stream: Any) -> None:
 
 def run(args: Any) -> dict[str, Any]:
     quick = args.quick
-    sections = {
+    sections: dict[str, Callable[[], Any]] = {
         "time_to_first_allocation": lambda: first_allocation((2 if quick else 64) * GiB),
         "fill_throughput": lambda: fill_throughput((2 if quick else 16) * GiB),
         "event_loop_lag_during_fill": lambda: loop_lag((1 if quick else 8) * GiB),
