@@ -41,6 +41,8 @@ class StaticHostMem:
         self.device = device
         self.numa_node = numa_node
         self.kind = "new"
+        self.numa_policy = "none"
+        self.numa_warning: str | None = None
         self._address = 0
         self._context: Any = None
         self._views = ViewLedger(self.size)

@@ -190,3 +190,17 @@ async def test_static_host_mem_lifecycle() -> None:
     del view
     gc.collect()
     assert buf.released and not mappings_in(base, buf.size)
+
+
+async def test_static_host_mem_on_a_numa_node() -> None:
+    from aiokvtier._placement import read_placement
+    from aiokvtier._sysinfo import online_nodes
+
+    if not online_nodes():
+        pytest.skip("this kernel exposes no NUMA nodes")
+    async with StaticHostMem(2 * MiB, numa_node=0) as buf:
+        assert buf.kind == "host" and buf.numa_policy in ("preferred", "first-touch")
+        placement = read_placement(buf.address, buf.size)
+        assert placement.pages_per_node.get(0, 0) * placement.kernel_page_size == 2 * MiB
+        if buf.numa_policy == "preferred":
+            assert placement.policy.startswith("prefer:0")
