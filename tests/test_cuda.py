@@ -21,6 +21,11 @@ from aiokvtier._backing import Backing
 from .conftest import fill_threads_alive, mappings_in
 from .helpers import MiB
 
+try:  # imported here, not on the event loop: importing torch does blocking file I/O
+    import torch as _torch
+except ImportError:  # pragma: no cover - the GPU machine has torch
+    _torch = None
+
 pytestmark = pytest.mark.cuda
 BACKINGS = ["register", "vmm"]
 SLOT = 256 << 10
@@ -38,10 +43,11 @@ def gpu_config(backing: str, **overrides: Any) -> HostTierConfig:
 
 
 def torch_cuda() -> Any:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
+    if _torch is None:
+        pytest.skip("torch is not installed")
+    if not _torch.cuda.is_available():
         pytest.skip("no CUDA device visible to torch")
-    return torch
+    return _torch
 
 
 def pages(torch: Any, n: int, seed: int) -> Any:
@@ -58,11 +64,25 @@ async def test_backing_fills_and_registers_per_unit(backing: str) -> None:
         assert stats.backing == backing
         assert stats.registered_bytes == stats.resident_bytes == 256 * MiB
         base = tier.base_address
-        attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
         # Units: the ramp's [0, 16 MiB) and [16, 32 MiB), then one per 32 MiB: each its own registration.
-        for unit in range(8):
-            start = _cuda.check("range", drv.cuPointerGetAttribute(attr, base + unit * UNIT + 12345))
-            assert int(start) == base + unit * UNIT, f"unit {unit} is not its own registration"
+        starts = [0, 16 * MiB, *range(UNIT, 256 * MiB, UNIT)]
+        ends = [*starts[1:], 256 * MiB]
+        if backing == "register":
+            attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
+            for lo, hi in zip(starts, ends, strict=True):
+                for probe in (lo, hi - 1):
+                    start = _cuda.check("range", drv.cuPointerGetAttribute(attr, base + probe))
+                    assert int(start) == base + lo, f"+{probe} is not in the registration at +{lo}"
+        else:
+            handles = []
+            for lo, hi in zip(starts, ends, strict=True):
+                first = _cuda.check("retain", drv.cuMemRetainAllocationHandle(base + lo))
+                last = _cuda.check("retain", drv.cuMemRetainAllocationHandle(base + hi - 1))
+                assert int(first) == int(last), f"unit at +{lo} is not one allocation"
+                handles.append(int(first))
+                drv.cuMemRelease(first)
+                drv.cuMemRelease(last)
+            assert len(set(handles)) == len(starts), "units share an allocation"
         slot = await tier.allocate()
         tier.view(slot)[:4] = b"kvkv"  # CPU access works for both backings
         assert bytes(tier.view(slot)[:4]) == b"kvkv"
@@ -113,7 +133,7 @@ async def test_planner_refuses_a_copy_across_registrations(backing: str) -> None
 
 
 @pytest.mark.parametrize("backing", BACKINGS)
-async def test_fill_threads_use_the_tiers_device_context(backing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fill_threads_use_the_tiers_device_context(backing: str, monkeypatch: pytest.MonkeyPatch) -> None:
     drv = _cuda.driver()
     seen: list[tuple[int, int]] = []
     cls = _cuda.RegisterBacking if backing == "register" else _cuda.VmmBacking
