@@ -106,8 +106,16 @@ def _stream_handle(obj: Any) -> tuple[str, int]:
 
 
 def _buffer_addresses(obj: Any, n: int, default_page: int) -> tuple[U64, int]:
-    """Per-slot addresses of ``obj`` (ints, or one page per slot of an array-like) and the page size."""
-    iface = getattr(obj, "__cuda_array_interface__", None) or getattr(obj, "__array_interface__", None)
+    """Per-slot addresses of ``obj`` and the page size.
+
+    ``obj`` is a buffer of one page per slot (anything with
+    ``__cuda_array_interface__``, or a host array of two or more dimensions),
+    or else one address per slot (a sequence or 1-D integer array).
+    """
+    iface = getattr(obj, "__cuda_array_interface__", None)
+    if iface is None:
+        host = getattr(obj, "__array_interface__", None)
+        iface = host if host is not None and len(host["shape"]) >= 2 else None
     if iface is None:
         if isinstance(obj, int | np.integer):
             raise TypeError("give one address per slot, or an array with one page per slot")

@@ -204,3 +204,15 @@ async def test_static_host_mem_on_a_numa_node() -> None:
         assert placement.pages_per_node.get(0, 0) * placement.kernel_page_size == 2 * MiB
         if buf.numa_policy == "preferred":
             assert placement.policy.startswith("prefer:0")
+
+
+async def test_one_dimensional_integer_arrays_are_addresses() -> None:
+    async with HostTier(small_config()) as tier, CopyEngine(None) as engine:
+        await tier.wait_resident()
+        slots = await tier.allocate(2)
+        pages = _pages(2, 9)
+        base = pages.__array_interface__["data"][0]
+        addresses = np.array([base + SLOT, base], dtype=np.uint64)  # a numpy array of addresses, not a buffer
+        await engine.to_host(tier, slots, addresses)
+        assert bytes(tier.view(slots[0])) == pages[1].tobytes()
+        assert engine.statistics().bytes_copied == 2 * SLOT

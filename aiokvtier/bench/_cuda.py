@@ -271,9 +271,13 @@ async def _direction(
 
     def per_slot_loop() -> None:
         for d, s in pairs:
-            drv.cuMemcpyAsync(d, s, slot, stream)
+            check("cuMemcpyAsync", drv.cuMemcpyAsync(d, s, slot, stream))
 
-    loop_s = _timed(per_slot_loop, stream, 1)
+    errors: dict[str, str] = {}
+    try:
+        loop_s: float | None = _timed(per_slot_loop, stream, 1)
+    except Exception as exc:
+        loop_s, errors["per_slot"] = None, repr(exc)
     try:
         plain_s: float | None = _timed(lambda: _plain_batch(drv, dst, src, slot, stream, direction), stream, 1)
         plain_error = None
@@ -295,7 +299,8 @@ async def _direction(
     return {
         "aiokvtier_GBps": gbs(ours_s),
         "one_large_copy_GBps": gbs(ref),
-        "per_slot_cuMemcpyAsync_GBps": gbs(loop_s),
+        "per_slot_cuMemcpyAsync_GBps": None if loop_s is None else gbs(loop_s),
+        "per_slot_error": errors.get("per_slot"),
         "plain_batch_CUdeviceptr_GBps": None if plain_s is None else gbs(plain_s),
         "plain_batch_error": plain_error,
         "fraction_of_one_copy": round(ref / ours_s, 3),
