@@ -302,7 +302,9 @@ class CopyEngine:
         host, reg, page = self._slot_addresses(tier, slots, dst_side=True)
         srcs, page = _buffer_addresses(src, len(host), page)
         self._check_page(tier, page)
-        await self._run(plan(host, srcs, page, dst_reg=reg, n=len(host)), "d2h", after, (tier, src), [tier])
+        await self._run(
+            plan(host, srcs, page, dst_reg=reg, n=len(host), order_by="dst"), "d2h", after, (tier, src), [tier]
+        )
 
     async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
         """Raw ``(dst, src, nbytes)`` copies: tier slots, StaticHostMem, device to device.

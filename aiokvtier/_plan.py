@@ -51,9 +51,21 @@ def _as_u64(values: object, n: int, what: str) -> U64:
 
 
 def plan(
-    dsts: object, srcs: object, sizes: object, *, dst_reg: object = None, src_reg: object = None, n: int | None = None
+    dsts: object,
+    srcs: object,
+    sizes: object,
+    *,
+    dst_reg: object = None,
+    src_reg: object = None,
+    n: int | None = None,
+    order_by: str = "src",
 ) -> Plan:
-    """Sort copies by source, merge runs contiguous on both sides within one registration.
+    """Sort copies by one side, merge runs contiguous on both sides within one registration.
+
+    :param order_by: ``"src"`` or ``"dst"``: the side whose address order the
+        batch follows. The host side is the right one: the DMA engines move
+        scattered 64 KiB pages into host memory measurably slower than they
+        read them from scattered device addresses.
 
     :param dst_reg: per copy, an id of the registration holding the
         destination (copies merge only within one); None: no constraint.
@@ -67,7 +79,9 @@ def plan(
         return Plan(d, s, z, 0)
     if int(z.min()) == 0:
         raise ValueError("a copy of zero bytes")
-    order = np.argsort(s, kind="stable")
+    if order_by not in ("src", "dst"):
+        raise ValueError(f"order_by must be 'src' or 'dst', not {order_by!r}")
+    order = np.argsort(s if order_by == "src" else d, kind="stable")
     d, s, z = d[order], s[order], z[order]
     joins = (s[1:] == s[:-1] + z[:-1]) & (d[1:] == d[:-1] + z[:-1])
     for reg in (dst_reg, src_reg):

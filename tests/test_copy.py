@@ -34,7 +34,11 @@ def test_plan_merges_runs_contiguous_on_both_sides_within_a_registration() -> No
     p = plan(dst, src, 10_000, src_reg=[0, 0, 1, 1, 1])  # a registration boundary before 20
     assert p.sizes.tolist() == [20_000, 10_000, 20_000]
     shuffled = plan(dst[::-1], src, 10_000)  # nothing is contiguous on both sides
-    assert shuffled.count == 5
+    assert shuffled.count == 5 and shuffled.srcs.tolist() == sorted(src.tolist())
+    by_dst = plan(dst[::-1], src, 10_000, order_by="dst")  # the host side of a D2H batch leads
+    assert by_dst.dsts.tolist() == sorted(dst.tolist())
+    with pytest.raises(ValueError, match="order_by"):
+        plan(dst, src, 1, order_by="size")
     assert [c.stop - c.start for c in plan(np.arange(10) * 7, np.arange(10) * 9, 1).chunks(4)] == [4, 4, 2]
     with pytest.raises(ValueError):
         plan([1, 2], [3], 1)
