@@ -303,7 +303,11 @@ class CopyEngine:
         srcs, page = _buffer_addresses(src, len(host), page)
         self._check_page(tier, page)
         await self._run(
-            plan(host, srcs, page, dst_reg=reg, n=len(host), order_by="dst"), "d2h", after, (tier, src), [tier]
+            plan(host, srcs, page, dst_reg=reg, n=len(host), order_by="dst", distinct_order_side=True),
+            "d2h",
+            after,
+            (tier, src),
+            [tier],
         )
 
     async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
@@ -369,8 +373,6 @@ class CopyEngine:
         del allocated  # a live export would stop the allocation map from resizing
         if missing.size:
             raise SlotError(f"slot {int(missing[0])} is not allocated")
-        if dst_side and np.unique(ids).size != ids.size:
-            raise SlotError("a slot appears twice as a copy destination")
         slot = tier._slot_size
         offsets = ids.astype(np.uint64) * np.uint64(slot)
         return np.uint64(tier._base) + offsets, tier._unit_ids(offsets), slot

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from ._errors import SlotError
+
 __all__ = ["Plan", "plan"]
 
 U64 = npt.NDArray[np.uint64]
@@ -59,9 +61,14 @@ def plan(
     src_reg: object = None,
     n: int | None = None,
     order_by: str = "src",
+    distinct_order_side: bool = False,
 ) -> Plan:
     """Sort copies by one side, merge runs contiguous on both sides within one registration.
 
+    :param distinct_order_side: refuse two copies to or from one address on the
+        ``order_by`` side (two writes to one slot), checked on the sorted
+        addresses at no extra sort.
+    :raises SlotError: with ``distinct_order_side``, an address repeats.
     :param order_by: ``"src"`` or ``"dst"``: the side whose address order the
         batch follows. The host side is the right one: the DMA engines move
         scattered 64 KiB pages into host memory measurably slower than they
@@ -83,6 +90,10 @@ def plan(
         raise ValueError(f"order_by must be 'src' or 'dst', not {order_by!r}")
     order = np.argsort(s if order_by == "src" else d, kind="stable")
     d, s, z = d[order], s[order], z[order]
+    if distinct_order_side:
+        lead = s if order_by == "src" else d
+        if (lead[1:] == lead[:-1]).any():
+            raise SlotError("a slot appears twice as a copy destination")
     joins = (s[1:] == s[:-1] + z[:-1]) & (d[1:] == d[:-1] + z[:-1])
     for reg in (dst_reg, src_reg):
         if reg is not None:
