@@ -95,9 +95,6 @@ class Filler:
     def complete(self) -> bool:
         return self._prefix >= self._target
 
-    def threads(self) -> list[threading.Thread]:
-        return [t for t in self._threads if t.is_alive()]
-
     # -- control (blocking: call off the event loop) --------------------------
 
     def set_target(self, units: int) -> list[tuple[int, int]] | None:
@@ -121,9 +118,16 @@ class Filler:
             return self.committed_ranges(units)
 
     def finish_shrink(self, units: int, decommitted: list[tuple[int, int]]) -> None:
-        """Record a shrink to ``units`` units once the tail is decommitted."""
+        """Record a shrink to ``units`` units once the tail is decommitted.
+
+        Units whose decommit failed stay recorded as committed, so that
+        closing still releases (and unregisters) them.
+        """
         with self._cond:
-            del self._states[units:]
+            for offset, _ in decommitted:
+                self._states[self._layout.unit_at(offset)] = _EMPTY
+            while len(self._states) > units and self._states[-1] == _EMPTY:
+                self._states.pop()
             if self._prefix > units:
                 self._prefix = units
                 self.watermark = self._layout.start(units)
@@ -132,10 +136,6 @@ class Filler:
             self._mark_finished_locked()
             self._cond.notify_all()
         self._on_change()
-
-    def start(self) -> None:
-        with self._cond:
-            self._start_threads_locked()
 
     def close(self) -> None:
         """Stop between units and join every worker. Idempotent."""
@@ -209,12 +209,21 @@ class Filler:
         self._backing.thread_setup()
 
     def _claim_locked(self) -> range | None:
+        states = self._states
         first = self._next_claim
+        # A unit a failed decommit left committed is already there: skip it.
+        while first < self._target and states[first] == _COMMITTED:
+            first += 1
+        self._next_claim = first
         if self._stop or self.error is not None or first >= self._target:
             return None
         layout = self._layout
         last = first + 1
-        while last < self._target and layout.start(last) - layout.start(first) < self._fill_chunk:
+        while (
+            last < self._target
+            and states[last] == _EMPTY
+            and layout.start(last) - layout.start(first) < self._fill_chunk
+        ):
             last += 1
         for i in range(first, last):
             self._states[i] = _FILLING
@@ -280,7 +289,7 @@ class Filler:
             self._states[index] = _COMMITTED
             prefix = self._prefix
             states = self._states
-            while prefix < len(states) and states[prefix] == _COMMITTED:
+            while prefix < min(len(states), self._target) and states[prefix] == _COMMITTED:
                 prefix += 1
             self._prefix = prefix
             self.watermark = layout.start(prefix)

@@ -339,6 +339,9 @@ class HostTier:
         :raises QuotaError: past ``max_quota``, below one slot, or a slot
             past the new end is allocated or viewed (nothing changes).
         :raises TierClosedError: the tier is closed.
+        :raises OSError: or :class:`CudaError`: decommitting a unit of the tail
+            failed; the shrink stands, and that unit stays committed (it is
+            released at close, and a later grow reuses it).
 
         Cancellation: once the new quota is accepted the resize runs to the end.
         """
@@ -358,11 +361,13 @@ class HostTier:
                     )
             slots.resize(total)
             self._quota = quota
-            with anyio.CancelScope(shield=True):
-                tail = await anyio.to_thread.run_sync(self._filler.set_target, units)
-                if tail is not None:
-                    await anyio.to_thread.run_sync(self._decommit_tail, units, tail)
-            self._waiters.kick()
+            try:
+                with anyio.CancelScope(shield=True):
+                    tail = await anyio.to_thread.run_sync(self._filler.set_target, units)
+                    if tail is not None:
+                        await anyio.to_thread.run_sync(self._decommit_tail, units, tail)
+            finally:
+                self._waiters.kick()
 
     def _decommit_tail(self, units: int, tail: list[tuple[int, int]]) -> None:
         done: list[tuple[int, int]] = []

@@ -488,3 +488,30 @@ async def test_a_device_without_a_driver_fails_clearly() -> None:
     with pytest.raises(CudaUnavailableError):
         await aiokvtier.StaticHostMem.open(MiB, device=0)
     assert not fill_threads_alive()
+
+
+async def test_a_failed_decommit_leaves_the_unit_tracked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokvtier._backing import HostBacking
+
+    real = HostBacking.decommit
+    failed: list[int] = []
+
+    def flaky(self: HostBacking, offset: int, length: int) -> None:
+        if offset == 5 * MiB and not failed:
+            failed.append(offset)
+            raise OSError(errno.EIO, "injected decommit failure")
+        real(self, offset, length)
+
+    monkeypatch.setattr(HostBacking, "decommit", flaky)
+    tier = await HostTier.open(small_config(quota=8 * MiB))
+    base = tier.statistics().base_address
+    await tier.wait_resident()
+    with pytest.raises(OSError, match="injected"):
+        await tier.resize(2 * MiB)
+    assert failed and tier.statistics().resident_bytes == 2 * MiB
+    assert (5 * MiB, MiB) in tier._filler.committed_ranges()  # still tracked, not leaked
+    await tier.resize(8 * MiB)  # the grow skips the unit that is still committed
+    await tier.wait_resident()
+    assert tier.statistics().resident_bytes == 8 * MiB
+    await tier.aclose()
+    assert not mappings_in(base, tier.config.max_quota)
