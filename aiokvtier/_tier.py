@@ -73,6 +73,8 @@ class HostTier:
         self._state = "new"
         self._resize_lock = asyncio.Lock()
         self._released = threading.Event()
+        self._closed = asyncio.Event()
+        self._close_requested = False
         self.copies = InflightCopies()
 
     # -- lifecycle -------------------------------------------------------------
@@ -137,6 +139,8 @@ class HostTier:
         except BaseException:
             await self.aclose()
             raise
+        if self._close_requested:
+            await self.aclose()
 
     def _notify(self) -> None:
         self._waiters.notify()
@@ -152,8 +156,14 @@ class HostTier:
         last one is released (it stays valid memory until then). Cancelling
         ``aclose`` does not interrupt the teardown.
         """
-        if self._state in ("closed", "closing", "new"):
-            self._state = "closed" if self._state == "new" else self._state
+        if self._state == "closing":
+            await self._closed.wait()  # another task is tearing down: return when it is done
+            return
+        if self._state == "opening":
+            self._close_requested = True  # the open closes what it built once it is whole
+            return
+        if self._state in ("closed", "new"):
+            self._state = "closed"
             return
         self._state = "closing"
         _regions.unregister(self)
@@ -164,6 +174,7 @@ class HostTier:
             if self._views.defer_until_empty(self._release):
                 await anyio.to_thread.run_sync(self._release)
         self._state = "closed"
+        self._closed.set()
 
     def _release(self) -> None:
         try:

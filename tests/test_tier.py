@@ -515,3 +515,27 @@ async def test_a_failed_decommit_leaves_the_unit_tracked(monkeypatch: pytest.Mon
     assert tier.statistics().resident_bytes == 8 * MiB
     await tier.aclose()
     assert not mappings_in(base, tier.config.max_quota)
+
+
+async def test_concurrent_closes_all_wait_for_the_teardown(gate: PopulateGate) -> None:
+    tier = await HostTier.open(small_config())
+    base = tier.statistics().base_address
+    gate.allow(1)
+    await tier.wait_resident(MiB)
+    first = asyncio.create_task(tier.aclose())
+    second = asyncio.create_task(tier.aclose())
+    await asyncio.sleep(0.02)
+    assert not second.done()  # the fill thread is still held: the teardown is not over
+    gate.release_all()
+    await asyncio.gather(first, second)
+    assert tier.released and not mappings_in(base, tier.config.max_quota)
+
+
+async def test_close_during_open_closes_once_the_open_is_whole(reserved: list[int]) -> None:
+    tier = HostTier(small_config())
+    opening = asyncio.create_task(tier.__aenter__())
+    await asyncio.sleep(0)
+    await tier.aclose()
+    await opening
+    assert tier.closed and not fill_threads_alive()
+    assert reserved and not mappings_in(reserved[0], tier.config.max_quota)
