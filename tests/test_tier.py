@@ -539,3 +539,28 @@ async def test_close_during_open_closes_once_the_open_is_whole(reserved: list[in
     await opening
     assert tier.closed and not fill_threads_alive()
     assert reserved and not mappings_in(reserved[0], tier.config.max_quota)
+
+
+async def test_fill_falls_back_to_touching_pages_without_populate_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Kernels before 5.14 answer MADV_POPULATE_WRITE with EINVAL; the fill then writes the pages itself.
+    real_madvise = _linux._madvise
+    refused: list[int] = []
+
+    def old_kernel(addr: int, length: int, advice: int) -> int:
+        if advice == _linux.MADV_POPULATE_WRITE:
+            refused.append(length)
+            import ctypes
+
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+        return int(real_madvise(addr, length, advice))
+
+    monkeypatch.setattr(_linux, "_madvise", old_kernel)
+    monkeypatch.setattr(_linux, "_populate_write_supported", None)
+    async with HostTier(small_config(quota=4 * MiB)) as tier:
+        await tier.wait_resident()
+        slot = await tier.allocate()
+        assert bytes(tier.view(slot)[:8]) == bytes(8)
+        placement = tier.placement()
+        assert sum(placement.pages_per_node.values()) * placement.kernel_page_size >= 4 * MiB  # resident
+    assert refused and _linux._populate_write_supported is False
