@@ -13,8 +13,8 @@ from ._tier import HostTier
 
 
 def _default_quota() -> int:
-    # A quarter of what this machine (or its cgroup) has, capped at 8 GiB.
-    return min(8 << 30, default_max_quota() // 4)
+    # A quarter of what this machine (or its cgroup) has, in whole GiB (at least 1), capped at 8 GiB.
+    return max(1 << 30, min(8 << 30, default_max_quota() // 4) >> 30 << 30)
 
 
 async def demo(args: argparse.Namespace) -> dict[str, object]:
