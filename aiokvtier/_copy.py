@@ -31,7 +31,7 @@ import anyio
 import numpy as np
 
 from . import _regions
-from ._errors import CopyPlanError, CudaError, SlotError, TierClosedError
+from ._errors import CopyPlanError, CudaError, TierClosedError
 from ._plan import U64, Plan, plan
 
 if TYPE_CHECKING:
@@ -359,23 +359,12 @@ class CopyEngine:
             raise CopyPlanError(
                 f"the tier is registered for device {tier.config.device}, this engine copies on device {self.device}"
             )
-        ids = np.asarray(slots)
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise SlotError("slots must be a flat sequence of slot ids")
-        ids = ids.astype(np.int64, copy=False)
+        ids = tier._slots.checked_ids(slots)
         if ids.size == 0:
             raise ValueError("no slots to copy")
-        allocator = tier._slots
-        if int(ids.min()) < 0 or int(ids.max()) >= allocator.total:
-            raise SlotError(f"slot ids must be in 0..{allocator.total - 1}")
-        allocated = np.frombuffer(allocator._allocated, dtype=np.uint8)
-        missing = ids[allocated[ids] == 0]
-        del allocated  # a live export would stop the allocation map from resizing
-        if missing.size:
-            raise SlotError(f"slot {int(missing[0])} is not allocated")
         slot = tier._slot_size
         offsets = ids.astype(np.uint64) * np.uint64(slot)
-        return np.uint64(tier._base) + offsets, tier._unit_ids(offsets), slot
+        return np.uint64(tier._base) + offsets, tier._layout.units_at(offsets), slot
 
     @staticmethod
     def _check_page(tier: HostTier, page: int) -> None:
@@ -391,11 +380,9 @@ class CopyEngine:
             if hit is None:
                 regs[i] = -1
             else:
-                region_id, reg = hit
-                regs[i] = hash((region_id, reg)) & 0x7FFFFFFFFFFFFFFF
-                found = _regions.find(addr)
-                if found is not None:
-                    owners[region_id] = found[0]
+                region, reg = hit
+                regs[i] = hash((id(region), reg)) & 0x7FFFFFFFFFFFFFFF
+                owners[id(region)] = region
         return regs, list(owners.values())
 
     async def _run(

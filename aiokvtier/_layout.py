@@ -14,6 +14,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 __all__ = ["FIRST_STEP", "UnitLayout"]
 
 FIRST_STEP = 16 << 20
@@ -61,6 +64,14 @@ class UnitLayout:
         if offset < ramp[-1]:
             return bisect.bisect_right(ramp, offset) - 1
         return len(ramp) - 1 + (offset - ramp[-1]) // self.commit_unit
+
+    def units_at(self, offsets: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+        """:meth:`unit_at` for an array of offsets (the copy planner's hot path)."""
+        ramp = np.asarray(self.ramp, dtype=np.uint64)
+        in_ramp = np.searchsorted(ramp, offsets, side="right").astype(np.int64) - 1
+        past = offsets >= ramp[-1]
+        beyond = (np.where(past, offsets, ramp[-1]) - ramp[-1]) // np.uint64(self.commit_unit)
+        return np.where(past, beyond.astype(np.int64) + (len(ramp) - 1), in_ramp)
 
     def units_for(self, nbytes: int) -> int:
         """How many leading units cover the first ``nbytes`` bytes."""

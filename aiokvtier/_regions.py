@@ -56,8 +56,8 @@ def find(addr: int) -> tuple[Region, int] | None:
     return None
 
 
-def check_span(addr: int, nbytes: int) -> tuple[int, int] | None:
-    """``(region id, registration index)`` for a host span inside a known region, else None.
+def check_span(addr: int, nbytes: int) -> tuple[Region, int] | None:
+    """``(region, registration index)`` for a host span inside a known region, else None.
 
     :raises CopyPlanError: the span leaves its region, crosses registrations or is not committed.
     """
@@ -71,4 +71,4 @@ def check_span(addr: int, nbytes: int) -> tuple[int, int] | None:
     _, size = region.region_bounds()
     if addr + nbytes > base + size:
         raise CopyPlanError(f"copy of {nbytes} bytes at {addr:#x} leaves {region.region_name}")
-    return id(region), region.registration_of(addr - base, nbytes)
+    return region, region.registration_of(addr - base, nbytes)

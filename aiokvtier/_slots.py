@@ -14,6 +14,7 @@ from array import array
 from collections.abc import Iterable
 
 import numpy as np
+import numpy.typing as npt
 
 from ._errors import OutOfSlots, SlotError
 
@@ -94,27 +95,38 @@ class SlotAllocator:
         self._free.append(slot)
         self.count -= 1
 
-    def give_many(self, slots: Iterable[int]) -> None:
-        """Free every slot or, if any is invalid or repeated, none."""
+    def checked_ids(self, slots: Iterable[int]) -> npt.NDArray[np.int64]:
+        """``slots`` as an int64 array, each an allocated id of this tier (repeats allowed).
+
+        :raises SlotError: an id is not an int, out of range, or not allocated.
+        """
         ids = np.asarray(slots if isinstance(slots, list | tuple | np.ndarray) else list(slots))
         if ids.size == 0:
-            return
+            return np.empty(0, dtype=np.int64)
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             bad = next((s for s in ids.ravel().tolist() if type(s) is not int), ids.ravel()[0])
             raise SlotError(f"slot {bad!r} is not a slot id of this tier (0..{self.total - 1})")
+        ids = ids.astype(np.int64, copy=False)
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= self.total:
             raise SlotError(f"slot {low if low < 0 else high} is not a slot id of this tier (0..{self.total - 1})")
         allocated = np.frombuffer(self._allocated, dtype=np.uint8)
         missing = ids[allocated[ids] == 0]
+        del allocated  # a live export would stop the map from resizing
         if missing.size:
-            del allocated
             raise SlotError(f"slot {int(missing[0])} is not allocated (double free, or never handed out)")
+        return ids
+
+    def give_many(self, slots: Iterable[int]) -> None:
+        """Free every slot or, if any is invalid or repeated, none."""
+        ids = self.checked_ids(slots)
+        if ids.size == 0:
+            return
         ordered = np.sort(ids)
         repeated = ordered[1:][ordered[1:] == ordered[:-1]]
         if repeated.size:
-            del allocated
             raise SlotError(f"slot {int(repeated[0])} appears twice in one free_many call")
+        allocated = np.frombuffer(self._allocated, dtype=np.uint8)
         allocated[ids] = 0
         del allocated
         self._free.frombytes(ids.astype(np.uint32).tobytes())

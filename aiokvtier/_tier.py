@@ -9,7 +9,6 @@ from types import TracebackType
 from typing import Any, overload
 
 import anyio
-import numpy as np
 
 from . import _regions
 from ._backing import Backing, HostBacking
@@ -425,16 +424,6 @@ class HostTier:
                 f"copy of {nbytes} bytes at +{offset} leaves the committed range ({self._filler.watermark} bytes)"
             )
         return unit
-
-    def _unit_ids(self, offsets: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """Vectorised :meth:`UnitLayout.unit_at`."""
-        layout = self._layout
-        ramp = np.asarray(layout.ramp, dtype=np.uint64)
-        off = offsets.astype(np.uint64)
-        in_ramp = np.searchsorted(ramp, off, side="right").astype(np.int64) - 1
-        past = off >= ramp[-1]
-        beyond = (np.where(past, off, ramp[-1]) - ramp[-1]) // np.uint64(layout.commit_unit)
-        return np.where(past, beyond.astype(np.int64) + (len(ramp) - 1), in_ramp)
 
     # -- introspection -------------------------------------------------------------
 
