@@ -41,8 +41,9 @@ __all__ = ["CopyEngine", "CopyStatistics"]
 
 log = logging.getLogger("aiokvtier")
 
-DEFAULT_MAX_BATCH = 4096
-"""Descriptors per driver call (a peer hung near 52 k; see docs/benchmarks.md)."""
+DEFAULT_MAX_BATCH = 1024
+"""Descriptors per driver call (a peer hung near 52 k). 1024 measured faster
+than 2048-16384 for 64-256 KiB pages on the H200 (docs/benchmarks.md)."""
 
 
 class _MemLocation(ctypes.Structure):
@@ -288,10 +289,7 @@ class CopyEngine:
         :raises CopyPlanError: a copy would leave the committed range or cross a registration.
         :raises CudaError: the driver refused the batch.
         """
-        host, reg, page = self._slot_addresses(tier, slots, dst_side=False)
-        dsts, page = _buffer_addresses(dst, len(host), page)
-        self._check_page(tier, page)
-        await self._run(plan(dsts, host, page, src_reg=reg, n=len(host)), "h2d", after, (tier, dst), [tier])
+        await self._run(self._plan_slots(tier, slots, dst, "h2d"), "h2d", after, (tier, dst), [tier])
 
     async def to_host(self, tier: HostTier, slots: Sequence[int] | Any, src: Any, *, after: Any = None) -> None:
         """Copy device pages into slots (one address or page per slot); the reverse of :meth:`to_device`.
@@ -299,16 +297,7 @@ class CopyEngine:
         ``after`` (a stream or event) is waited for on the GPU first, so a
         copy can follow the compute that wrote the pages without a host sync.
         """
-        host, reg, page = self._slot_addresses(tier, slots, dst_side=True)
-        srcs, page = _buffer_addresses(src, len(host), page)
-        self._check_page(tier, page)
-        await self._run(
-            plan(host, srcs, page, dst_reg=reg, n=len(host), order_by="dst", distinct_order_side=True),
-            "d2h",
-            after,
-            (tier, src),
-            [tier],
-        )
+        await self._run(self._plan_slots(tier, slots, src, "d2h"), "d2h", after, (tier, src), [tier])
 
     async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
         """Raw ``(dst, src, nbytes)`` copies: tier slots, StaticHostMem, device to device.
@@ -352,7 +341,8 @@ class CopyEngine:
 
     # -- planning (on the loop) ---------------------------------------------------------
 
-    def _slot_addresses(self, tier: HostTier, slots: Any, *, dst_side: bool) -> tuple[U64, Any, int]:
+    def _plan_slots(self, tier: HostTier, slots: Any, buffer: Any, direction: str) -> Plan:
+        """Check the slots and the device side, then plan in the host side's address order."""
         self._check_open()
         tier._check_open()
         if self.device is not None and tier.config.device not in (None, self.device):
@@ -362,9 +352,17 @@ class CopyEngine:
         ids = tier._slots.checked_ids(slots)
         if ids.size == 0:
             raise ValueError("no slots to copy")
-        slot = tier._slot_size
-        offsets = ids.astype(np.uint64) * np.uint64(slot)
-        return np.uint64(tier._base) + offsets, tier._layout.units_at(offsets), slot
+        page, base, layout = tier._slot_size, np.uint64(tier._base), tier._layout
+        host = base + ids.astype(np.uint64) * np.uint64(page)
+        other, page = _buffer_addresses(buffer, len(host), page)
+        self._check_page(tier, page)
+
+        def registration(addresses: U64) -> Any:
+            return layout.units_at(addresses - base)  # one registration per commit unit
+
+        if direction == "h2d":
+            return plan(other, host, page, src_reg=registration, n=len(host))
+        return plan(host, other, page, dst_reg=registration, n=len(host), order_by="dst", distinct_order_side=True)
 
     @staticmethod
     def _check_page(tier: HostTier, page: int) -> None:

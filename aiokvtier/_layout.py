@@ -68,10 +68,13 @@ class UnitLayout:
     def units_at(self, offsets: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
         """:meth:`unit_at` for an array of offsets (the copy planner's hot path)."""
         ramp = np.asarray(self.ramp, dtype=np.uint64)
-        in_ramp = np.searchsorted(ramp, offsets, side="right").astype(np.int64) - 1
-        past = offsets >= ramp[-1]
-        beyond = (np.where(past, offsets, ramp[-1]) - ramp[-1]) // np.uint64(self.commit_unit)
-        return np.where(past, beyond.astype(np.int64) + (len(ramp) - 1), in_ramp)
+        end = ramp[-1]
+        # Past the ramp the division counts regular units and searchsorted gives len(ramp);
+        # inside it the division gives 0 and searchsorted finds the ramp unit.
+        regular = (np.maximum(offsets, end) - end) // np.uint64(self.commit_unit)
+        units: npt.NDArray[np.int64] = regular.astype(np.int64)
+        units += np.searchsorted(ramp, offsets, side="right") - 1
+        return units
 
     def units_for(self, nbytes: int) -> int:
         """How many leading units cover the first ``nbytes`` bytes."""

@@ -46,6 +46,30 @@ def test_plan_merges_runs_contiguous_on_both_sides_within_a_registration() -> No
         plan([1], [3], 0)
 
 
+def test_plan_registration_function_and_unsorted_input_give_the_same_plan() -> None:
+    src = np.arange(8, dtype=np.uint64) * 100
+    dst = np.arange(8, dtype=np.uint64) * 100 + 10_000
+
+    def unit(addresses: np.ndarray) -> np.ndarray:
+        return (addresses // 300).astype(np.int64)  # registrations start at 0, 300, 600
+
+    by_function = plan(dst, src, 100, src_reg=unit)
+    assert by_function.sizes.tolist() == [300, 300, 200] and by_function.srcs.tolist() == [0, 300, 600]
+    assert plan(dst, src, 100, src_reg=unit(src)).sizes.tolist() == [300, 300, 200]
+    order = np.random.default_rng(2).permutation(8)
+    unsorted = plan(dst[order], src[order], 100, src_reg=unit)
+    assert unsorted.srcs.tolist() == by_function.srcs.tolist() and unsorted.sizes.tolist() == [300, 300, 200]
+    with pytest.raises(SlotError, match="twice"):
+        plan(dst[[0, 1, 0]], src[:3], 100, order_by="dst", distinct_order_side=True)
+
+
+def test_chunks_start_small_and_double_up_to_the_cap() -> None:
+    p = plan(np.arange(5000) * 7, np.arange(5000) * 9, 1)
+    assert [c.stop - c.start for c in p.chunks(1024)] == [128, 256, 512, 1024, 1024, 1024, 1024, 8]
+    assert [c.stop - c.start for c in p.chunks(100)][:2] == [100, 100]
+    assert sum(c.stop - c.start for c in p.chunks(1024, first=1)) == 5000
+
+
 async def test_round_trip_shuffled_slots_bit_exact_and_merged() -> None:
     async with HostTier(small_config()) as tier, CopyEngine(None, max_batch=5) as engine:
         await tier.wait_resident()

@@ -67,6 +67,10 @@ def test_slot_errors_change_nothing() -> None:
         slots.give_many([b, b])
     with pytest.raises(SlotError):
         slots.give_many([b, 3])
+    for bad_value in (1.5, 2**70, "1", None):
+        with pytest.raises(SlotError, match="not a slot id"):
+            slots.give_many([b, bad_value])  # type: ignore[list-item]
+    assert slots.checked_ids((np.int64(b), b)).tolist() == [b, b]
     assert slots.is_allocated(b) and slots.count == 1
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._config import HostTierConfig
-from .._copy import CopyEngine
+from .._copy import DEFAULT_MAX_BATCH, CopyEngine
 from .._cuda import PrimaryContext, check, driver
 from .._static import StaticHostMem
 from .._tier import HostTier
@@ -275,11 +275,11 @@ async def _direction(
 
     errors: dict[str, str] = {}
     try:
-        loop_s: float | None = _timed(per_slot_loop, stream, 1)
+        loop_s: float | None = _timed(per_slot_loop, stream)
     except Exception as exc:
         loop_s, errors["per_slot"] = None, repr(exc)
     try:
-        plain_s: float | None = _timed(lambda: _plain_batch(drv, dst, src, slot, stream, direction), stream, 1)
+        plain_s: float | None = _timed(lambda: _plain_batch(drv, dst, src, slot, stream, direction), stream)
         plain_error = None
     except Exception as exc:  # the baseline's failure is reported, not fatal
         plain_s, plain_error = None, repr(exc)
@@ -308,15 +308,12 @@ async def _direction(
     }
 
 
-def _scheduling_us(engine: CopyEngine, tier: HostTier, slots: Any, dev: Any) -> float:
-    """The Python-side cost per slot: addresses, checks, sort and merge."""
-    from .._plan import plan
-
+def _scheduling_us(engine: CopyEngine, tier: HostTier, ids: list[int], dev: Any) -> float:
+    """The Python-side cost per slot of a copy called with a list of ids: checks, addresses, sort, merge."""
     t0 = time.perf_counter()
     for _ in range(5):
-        h, reg, page = engine._slot_addresses(tier, slots, dst_side=False)
-        plan(dev, h, page, src_reg=reg, n=len(h))
-    return round((time.perf_counter() - t0) / 5 / len(slots) * 1e6, 4)
+        engine._plan_slots(tier, ids, dev, "h2d")
+    return round((time.perf_counter() - t0) / 5 / len(ids) * 1e6, 4)
 
 
 async def _copies(total: int, backing: str) -> dict[str, Any]:
@@ -343,7 +340,7 @@ async def _copies(total: int, backing: str) -> dict[str, Any]:
                         d: await _direction(engine, tier, slots, host, dev, slot, d, refs[d], stream)
                         for d in ("h2d", "d2h")
                     }
-                    row["scheduling_us_per_slot"] = _scheduling_us(engine, tier, slots, dev)
+                    row["scheduling_us_per_slot"] = _scheduling_us(engine, tier, slots.tolist(), dev)
                     results[f"slot_{slot >> 10}KiB_{layout}"] = row
         await staging.aclose()
         drv.cuMemFree(dbuf)
@@ -367,9 +364,10 @@ def _plain_batch(drv: Any, dst: Any, src: Any, size: int, stream: Any, direction
     attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
     host, device = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST, drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     attrs.srcLocHint.type, attrs.dstLocHint.type = (host, device) if direction == "h2d" else (device, host)
-    for i in range(0, n, 4096):
-        d = [drv.CUdeviceptr(int(a)) for a in dst[i : i + 4096].tolist()]
-        s = [drv.CUdeviceptr(int(a)) for a in src[i : i + 4096].tolist()]
+    step = DEFAULT_MAX_BATCH  # the engine's cap: the comparison isolates how descriptors are built
+    for i in range(0, n, step):
+        d = [drv.CUdeviceptr(int(a)) for a in dst[i : i + step].tolist()]
+        s = [drv.CUdeviceptr(int(a)) for a in src[i : i + step].tolist()]
         check("cuMemcpyBatchAsync", drv.cuMemcpyBatchAsync(d, s, [size] * len(d), len(d), [attrs], [0], 1, stream))
 
 
