@@ -308,8 +308,8 @@ async def _direction(
     }
 
 
-def _scheduling_us(engine: CopyEngine, tier: HostTier, ids: list[int], dev: Any) -> float:
-    """The Python-side cost per slot of a copy called with a list of ids: checks, addresses, sort, merge."""
+def _scheduling_us(engine: CopyEngine, tier: HostTier, ids: Any, dev: Any) -> float:
+    """The Python-side cost per slot of planning a copy: checks, addresses, sort, merge."""
     t0 = time.perf_counter()
     for _ in range(5):
         engine._plan_slots(tier, ids, dev, "h2d")
@@ -341,6 +341,7 @@ async def _copies(total: int, backing: str) -> dict[str, Any]:
                         for d in ("h2d", "d2h")
                     }
                     row["scheduling_us_per_slot"] = _scheduling_us(engine, tier, slots.tolist(), dev)
+                    row["scheduling_us_per_slot_numpy_ids"] = _scheduling_us(engine, tier, slots, dev)
                     results[f"slot_{slot >> 10}KiB_{layout}"] = row
         await staging.aclose()
         drv.cuMemFree(dbuf)
