@@ -85,6 +85,35 @@ def _resolve_batch_function(drv: Any) -> tuple[Any, int]:
     return proto(int(pfn)), want
 
 
+class BatchCall:
+    """One ``cuMemcpyBatchAsync`` call per invocation: plain uint64 arrays, one
+    attribute set for the whole batch (stream order, location hints)."""
+
+    def __init__(self, function: Any, abi: int | None, direction: str, device: int) -> None:
+        self._function, self._abi = function, abi
+        src_dev, dst_dev = {"h2d": (False, True), "d2h": (True, False)}.get(direction, (True, True))
+        self._attrs = _MemcpyAttributes()
+        self._attrs.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
+        self._attrs.srcLocHint = _MemLocation(_LOC_DEVICE if src_dev else _LOC_HOST, device if src_dev else 0)
+        self._attrs.dstLocHint = _MemLocation(_LOC_DEVICE if dst_dev else _LOC_HOST, device if dst_dev else 0)
+        self._zero = (ctypes.c_size_t * 1)(0)
+        self._fail = ctypes.c_size_t(0)
+
+    def __call__(self, dsts: U64, srcs: U64, sizes: U64, stream: Any) -> None:
+        d, s, z = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
+        args = [d.ctypes.data, s.ctypes.data, z.ctypes.data, len(d)]
+        args += [ctypes.addressof(self._attrs), ctypes.addressof(self._zero), 1]
+        if self._abi == 13000:
+            rc = self._function(*args, int(stream))
+        else:
+            rc = self._function(*args, ctypes.addressof(self._fail), int(stream))
+        if rc != 0:
+            from ._cuda import driver
+
+            where = f" (descriptor {self._fail.value})" if self._abi != 13000 else ""
+            raise CudaError("cuMemcpyBatchAsync" + where, driver().CUresult(rc).name, rc)
+
+
 def _stream_handle(obj: Any) -> tuple[str, int]:
     """``("stream" | "event", handle)`` for an ``after=`` argument."""
     name = type(obj).__name__
@@ -445,37 +474,10 @@ class CopyEngine:
             else:
                 check("cuStreamWaitEvent", drv.cuStreamWaitEvent(stream, handle, 0))
         p = job.plan
-        attrs = _MemcpyAttributes()
-        attrs.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
-        device = self.device if self.device is not None else 0
-        src_dev, dst_dev = {"h2d": (False, True), "d2h": (True, False)}.get(job.direction, (True, True))
-        attrs.srcLocHint = _MemLocation(_LOC_DEVICE if src_dev else _LOC_HOST, device if src_dev else 0)
-        attrs.dstLocHint = _MemLocation(_LOC_DEVICE if dst_dev else _LOC_HOST, device if dst_dev else 0)
-        zero = (ctypes.c_size_t * 1)(0)
-        fail = ctypes.c_size_t(0)
-        handle = int(stream)
+        call = BatchCall(self._batch, self._abi, job.direction, self.device or 0)
         for chunk in p.chunks(self.max_batch):
-            d = np.ascontiguousarray(p.dsts[chunk])
-            s = np.ascontiguousarray(p.srcs[chunk])
-            z = np.ascontiguousarray(p.sizes[chunk])
-            args = [
-                d.ctypes.data,
-                s.ctypes.data,
-                z.ctypes.data,
-                len(d),
-                ctypes.addressof(attrs),
-                ctypes.addressof(zero),
-                1,
-            ]
-            if self._abi == 13000:
-                rc = self._batch(*args, handle)
-            else:
-                rc = self._batch(*args, ctypes.addressof(fail), handle)
+            call(p.dsts[chunk], p.srcs[chunk], p.sizes[chunk], stream)
             self._counts["calls"] += 1
-            if rc != 0:
-                name = drv.CUresult(rc).name
-                where = f" (descriptor {fail.value})" if self._abi != 13000 else ""
-                raise CudaError("cuMemcpyBatchAsync" + where, name, rc)
         flags = drv.CUevent_flags.CU_EVENT_BLOCKING_SYNC | drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
         event = check("cuEventCreate", drv.cuEventCreate(flags))
         check("cuEventRecord", drv.cuEventRecord(event, stream))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -52,3 +54,16 @@ def test_host_benchmark_prints_json_side_by_side() -> None:
     assert {"bare_populate_gib_s", "aiokvtier_threads1_gib_s", "ratio_threads2"} <= set(report["fill_throughput"])
     assert "asyncio" in report["event_loop_lag_during_fill"]
     assert report["bookkeeping"]["slots"] == 4096
+
+
+@pytest.mark.cuda
+def test_cuda_benchmark_copy_sections_print_json_side_by_side() -> None:
+    out = _run("-m", "aiokvtier.bench", "cuda", "--quick", "--sections", "copy_submission", "copy_bandwidth")
+    report = json.loads(out)
+    for direction in ("h2d", "d2h"):
+        arms = report["copy_submission"][direction]
+        assert {"bare_ramp_128_to_1024", "plain_batch_CUdeviceptr_1024", "engine_list_ids"} <= set(arms)
+        assert all(arm["best_GBps"] > 0 for arm in arms.values())
+        assert arms["bare_calls_of_1024"]["first_call_ms"] > 0
+    row = report["copy_bandwidth"]["vmm"]["slot_64KiB_shuffled"]
+    assert row["h2d"]["aiokvtier_GBps"] > 0 and row["h2d"]["x_vs_plain_batch"] is not None

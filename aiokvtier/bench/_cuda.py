@@ -17,6 +17,7 @@ from .._cuda import PrimaryContext, check, driver
 from .._static import StaticHostMem
 from .._tier import HostTier
 from ._common import GiB, MiB, loop_factories, median, run_on, sample_loop_lag, summary_ms
+from ._submission import study
 
 
 def _cfg(size: int, backing: str, threads: int = 1, slot: int = 2 * MiB, device: int = 0) -> HostTierConfig:
@@ -382,6 +383,7 @@ def run(args: Any) -> dict[str, Any]:
             b: run_on(asyncio.new_event_loop, _copies((256 * MiB) if quick else 2 * GiB, b))
             for b in ("vmm", "register")
         },
+        "copy_submission": lambda: run_on(asyncio.new_event_loop, study((256 * MiB) if quick else 2 * GiB, 5)),
         "executor_responsiveness": lambda: {
             "1_process": contention(1, (1 if quick else 8) * GiB),
             "8_processes": contention(8, (1 if quick else 6) * GiB),
