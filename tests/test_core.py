@@ -37,7 +37,9 @@ def test_layout_units_are_slot_aligned_and_tile_the_range(slot: int, per_unit: i
         lo, hi = layout.start(i), layout.end(i)
         assert lo < hi and lo % slot == 0 and hi % slot == 0 and hi - lo <= slot * per_unit
         assert layout.unit_at(lo) == i == layout.unit_at(hi - 1)
-    offsets = np.array([0, layout.size - 1, *(layout.start(i) for i in range(min(n, 10)))], dtype=np.uint64)
+    firsts = [layout.start(i) for i in range(min(n, 10))]
+    lasts = [layout.end(i) - 1 for i in range(min(n, 10))]
+    offsets = np.array([0, layout.size - 1, *firsts, *lasts], dtype=np.uint64)
     assert layout.units_at(offsets).tolist() == [layout.unit_at(int(o)) for o in offsets]
 
 
