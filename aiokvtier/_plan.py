@@ -22,8 +22,8 @@ Registrations = npt.ArrayLike | Callable[[U64], npt.NDArray[np.int64]] | None
 function from addresses to ids (asked only about copies that could merge)."""
 
 FIRST_CHUNK = 128
-"""Descriptors in a plan's first driver call: the GPU starts after ~0.1 ms
-of driver time instead of waiting for a full batch (docs/benchmarks.md)."""
+"""Descriptors in a plan's first driver call: the GPU starts after ~0.2 ms
+of driver time instead of waiting 1-2 ms for a full batch (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True, slots=True)
