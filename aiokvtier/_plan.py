@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from ._errors import SlotError
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "chunk_slices", "plan"]
 
 U64 = npt.NDArray[np.uint64]
 Registrations = npt.ArrayLike | Callable[[U64], npt.NDArray[np.int64]] | None
@@ -43,13 +43,18 @@ class Plan:
         return int(self.sizes.sum())
 
     def chunks(self, cap: int, first: int = FIRST_CHUNK) -> list[slice]:
-        """Slices of at most ``cap`` descriptors, one driver call each; the first
-        ``first`` long, doubling up to ``cap``, so the copy starts early."""
-        out, start, size = [], 0, max(1, min(first, cap))
-        while start < self.count:
-            out.append(slice(start, min(start + size, self.count)))
-            start, size = out[-1].stop, min(size * 2, cap)
-        return out
+        """This plan's driver calls: see :func:`chunk_slices`."""
+        return chunk_slices(self.count, cap, first)
+
+
+def chunk_slices(count: int, cap: int, first: int = FIRST_CHUNK) -> list[slice]:
+    """Slices of at most ``cap`` of ``count`` descriptors, one driver call each;
+    the first ``first`` long, doubling up to ``cap``, so the copy starts early."""
+    out, start, size = [], 0, max(1, min(first, cap))
+    while start < count:
+        out.append(slice(start, min(start + size, count)))
+        start, size = out[-1].stop, min(size * 2, cap)
+    return out
 
 
 def _as_u64(values: object, n: int, what: str) -> U64:

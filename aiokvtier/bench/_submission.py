@@ -19,20 +19,11 @@ import numpy as np
 
 from .._copy import DEFAULT_MAX_BATCH, BatchCall, CopyEngine, _resolve_batch_function
 from .._cuda import PrimaryContext, check, driver
+from .._plan import chunk_slices
 from .._tier import HostTier
 from ._common import GiB
 
 SLOT = 64 << 10
-
-
-def _sizes(n: int, first: int, cap: int) -> list[int]:
-    out: list[int] = []
-    size = first
-    while n > 0:
-        out.append(min(size, n))
-        n -= out[-1]
-        size = min(size * 2, cap)
-    return out
 
 
 class _Arms:
@@ -43,16 +34,13 @@ class _Arms:
         self.sizes = np.full(len(dst), SLOT, dtype=np.uint64)
         self.first_call: dict[str, list[float]] = {}
 
-    def bare(self, name: str, cuts: list[int]) -> Callable[[], None]:
+    def bare(self, name: str, calls: list[slice]) -> Callable[[], None]:
         def run() -> None:
-            start = 0
-            for i, size in enumerate(cuts):
+            for i, part in enumerate(calls):
                 t0 = time.perf_counter()
-                end = start + size
-                self.call(self.dst[start:end], self.src[start:end], self.sizes[:size], self.stream)
+                self.call(self.dst[part], self.src[part], self.sizes[part], self.stream)
                 if i == 0:
                     self.first_call.setdefault(name, []).append(time.perf_counter() - t0)
-                start = end
             self.sync()
 
         return run
@@ -73,9 +61,9 @@ async def _direction(
     n = len(slots)
     runs: dict[str, Callable[[], None]] = {}
     for cap in (1024, 4096, 16384, n):
-        runs[f"bare_calls_of_{cap}"] = arms.bare(f"bare_calls_of_{cap}", _sizes(n, cap, cap))
+        runs[f"bare_calls_of_{cap}"] = arms.bare(f"bare_calls_of_{cap}", chunk_slices(n, cap, first=cap))
     for cap in (1024, 4096):
-        runs[f"bare_ramp_128_to_{cap}"] = arms.bare(f"bare_ramp_128_to_{cap}", _sizes(n, 128, cap))
+        runs[f"bare_ramp_128_to_{cap}"] = arms.bare(f"bare_ramp_128_to_{cap}", chunk_slices(n, cap, first=128))
     runs[f"plain_batch_CUdeviceptr_{DEFAULT_MAX_BATCH}"] = arms.plain
     ids = slots.tolist()
     engine_call = engine.to_device if arms.direction == "h2d" else engine.to_host
