@@ -6,7 +6,8 @@ import asyncio
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,6 @@ from .._cuda import PrimaryContext, check, driver
 from .._static import StaticHostMem
 from .._tier import HostTier
 from ._common import GiB, MiB, loop_factories, median, run_on, sample_loop_lag, summary_ms
-from ._submission import study
 
 
 def _cfg(size: int, backing: str, threads: int = 1, slot: int = 2 * MiB, device: int = 0) -> HostTierConfig:
@@ -317,16 +317,41 @@ def _scheduling_us(engine: CopyEngine, tier: HostTier, ids: Any, dev: Any) -> fl
     return round((time.perf_counter() - t0) / 5 / len(ids) * 1e6, 4)
 
 
-async def _copies(total: int, backing: str) -> dict[str, Any]:
+@contextmanager
+def device_scratch(total: int) -> Iterator[tuple[Any, Any, int]]:
+    """``(driver, stream, device buffer of total bytes)`` on device 0, its primary
+    context current; all released on the way out."""
     drv = driver()
-    results: dict[str, Any] = {"total_gib": total / GiB, "backing": backing}
-    async with CopyEngine(0) as engine:
-        ctx = PrimaryContext(0)
+    ctx = PrimaryContext(0)
+    try:
         ctx.make_current()
         stream = check("cuStreamCreate", drv.cuStreamCreate(1))
-        dbuf = int(check("cuMemAlloc", drv.cuMemAlloc(total)))
-        # Baseline (a) needs one registration holding every byte: a tier never has one.
-        staging = await StaticHostMem.open(total, device=0)
+        try:
+            dbuf = int(check("cuMemAlloc", drv.cuMemAlloc(total)))
+            try:
+                yield drv, stream, dbuf
+            finally:
+                drv.cuMemFree(dbuf)
+        finally:
+            drv.cuStreamDestroy(stream)
+    finally:
+        ctx.release()
+
+
+async def _copies(total: int, backing: str) -> dict[str, Any]:
+    results: dict[str, Any] = {"total_gib": total / GiB, "backing": backing}
+    async with CopyEngine(0) as engine:
+        with device_scratch(total) as (drv, stream, dbuf):
+            results |= await _copies_by_slot_size(engine, drv, stream, dbuf, total, backing)
+    return results
+
+
+async def _copies_by_slot_size(
+    engine: CopyEngine, drv: Any, stream: Any, dbuf: int, total: int, backing: str
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    # Baseline (a) needs one registration holding every byte: a tier never has one.
+    async with StaticHostMem(total, device=0) as staging:
         for slot in (2 * MiB, 256 << 10, 64 << 10):
             n = total // slot
             async with HostTier(_cfg(total, backing, 2, slot=slot)) as tier:
@@ -344,10 +369,6 @@ async def _copies(total: int, backing: str) -> dict[str, Any]:
                     row["scheduling_us_per_slot"] = _scheduling_us(engine, tier, slots.tolist(), dev)
                     row["scheduling_us_per_slot_numpy_ids"] = _scheduling_us(engine, tier, slots, dev)
                     results[f"slot_{slot >> 10}KiB_{layout}"] = row
-        await staging.aclose()
-        drv.cuMemFree(dbuf)
-        drv.cuStreamDestroy(stream)
-        ctx.release()
     return results
 
 
@@ -373,6 +394,13 @@ def _plain_batch(drv: Any, dst: Any, src: Any, size: int, stream: Any, direction
         check("cuMemcpyBatchAsync", drv.cuMemcpyBatchAsync(d, s, [size] * len(d), len(d), [attrs], [0], 1, stream))
 
 
+def _submission(total: int) -> dict[str, Any]:
+    from ._submission import study  # it builds on this module's helpers
+
+    result: dict[str, Any] = run_on(asyncio.new_event_loop, study(total, 5))
+    return result
+
+
 def run(args: Any) -> dict[str, Any]:
     quick = args.quick
     sections: dict[str, Callable[[], Any]] = {
@@ -383,7 +411,7 @@ def run(args: Any) -> dict[str, Any]:
             b: run_on(asyncio.new_event_loop, _copies((256 * MiB) if quick else 2 * GiB, b))
             for b in ("vmm", "register")
         },
-        "copy_submission": lambda: run_on(asyncio.new_event_loop, study((256 * MiB) if quick else 2 * GiB, 5)),
+        "copy_submission": lambda: _submission((256 * MiB) if quick else 2 * GiB),
         "executor_responsiveness": lambda: {
             "1_process": contention(1, (1 if quick else 8) * GiB),
             "8_processes": contention(8, (1 if quick else 6) * GiB),

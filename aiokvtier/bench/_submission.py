@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 
 from .._copy import DEFAULT_MAX_BATCH, BatchCall, CopyEngine, _resolve_batch_function
-from .._cuda import PrimaryContext, check, driver
+from .._cuda import check
 from .._plan import chunk_slices
 from .._tier import HostTier
 from ._common import GiB
+from ._cuda import _cfg, _plain_batch, device_scratch
 
 SLOT = 64 << 10
 
@@ -46,8 +47,6 @@ class _Arms:
         return run
 
     def plain(self) -> None:
-        from ._cuda import _plain_batch
-
         _plain_batch(self.drv, self.dst, self.src, SLOT, self.stream, self.direction)
         self.sync()
 
@@ -92,17 +91,10 @@ async def _direction(
 
 
 async def study(total: int, rounds: int) -> dict[str, Any]:
-    from ._cuda import _cfg
-
-    drv = driver()
     n = total // SLOT
-    ctx = PrimaryContext(0)
-    ctx.make_current()
-    function, abi = _resolve_batch_function(drv)
-    stream = check("cuStreamCreate", drv.cuStreamCreate(1))
-    dbuf = int(check("cuMemAlloc", drv.cuMemAlloc(total)))
     result: dict[str, Any] = {"total_gib": total / GiB, "slot_kib": SLOT >> 10, "rounds": rounds}
-    try:
+    with device_scratch(total) as (drv, stream, dbuf):
+        function, abi = _resolve_batch_function(drv)
         async with HostTier(_cfg(total, "vmm", 2, slot=SLOT)) as tier, CopyEngine(0) as engine:
             await tier.wait_resident()
             slots = np.asarray(await tier.allocate(n), dtype=np.int64)
@@ -112,8 +104,4 @@ async def study(total: int, rounds: int) -> dict[str, Any]:
                 src, dst = (host, dev) if direction == "h2d" else (dev, host)
                 arms = _Arms(drv, BatchCall(function, abi, direction, 0), dst, src, stream, direction)
                 result[direction] = await _direction(engine, tier, slots, dev, arms, rounds)
-    finally:
-        drv.cuMemFree(dbuf)
-        drv.cuStreamDestroy(stream)
-        ctx.release()
     return result
