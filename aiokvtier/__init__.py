@@ -11,8 +11,9 @@ from ._config import CacheConfig as CacheConfig
 from ._config import DiskTierConfig as DiskTierConfig
 from ._config import GpuTierConfig as GpuTierConfig
 from ._config import HostTierConfig as HostTierConfig
-from ._copy import CopyEngine as CopyEngine
-from ._copy import CopyStatistics as CopyStatistics
+from ._cuda._engine import CopyEngine as CopyEngine
+from ._cuda._engine import CopyStatistics as CopyStatistics
+from ._cuda._static import StaticHostMem as StaticHostMem
 from ._errors import AiokvtierError as AiokvtierError
 from ._errors import ConfigError as ConfigError
 from ._errors import CopyPlanError as CopyPlanError
@@ -25,10 +26,9 @@ from ._errors import QuotaError as QuotaError
 from ._errors import SlotError as SlotError
 from ._errors import TierClosedError as TierClosedError
 from ._errors import WouldBlock as WouldBlock
-from ._placement import Placement as Placement
-from ._static import StaticHostMem as StaticHostMem
-from ._statistics import TierStatistics as TierStatistics
-from ._tier import HostTier as HostTier
+from ._host._placement import Placement as Placement
+from ._host._statistics import TierStatistics as TierStatistics
+from ._host._tier import HostTier as HostTier
 
 __version__ = "0.1.0"
 

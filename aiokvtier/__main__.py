@@ -9,7 +9,7 @@ import sys
 import time
 
 from ._config import HostTierConfig, default_max_quota
-from ._tier import HostTier
+from ._host._tier import HostTier
 
 
 def _default_quota() -> int:

@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from . import _sysinfo
-from ._linux import PAGE_SIZE
+from ._host._linux import PAGE_SIZE
 
 __all__ = ["CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig"]
 

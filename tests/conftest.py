@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from aiokvtier import _linux
+from aiokvtier._host import _linux
 
 try:
     import uvloop
@@ -27,7 +27,7 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 
 def _cuda_device_count() -> int:
     from aiokvtier import CudaUnavailableError
-    from aiokvtier._cuda import device_count
+    from aiokvtier._cuda._driver import device_count
 
     try:
         return device_count()
@@ -60,7 +60,7 @@ def no_blocking_in_loop(request: pytest.FixtureRequest) -> Iterator[None]:
     for name in ("io.BufferedReader.read", "io.TextIOWrapper.read", "io.FileIO.read", "os.stat"):
         fn = bb.functions.get(name)
         if fn is not None:
-            fn.can_block_in("aiokvtier/_placement.py", {"read_placement"})
+            fn.can_block_in("aiokvtier/_host/_placement.py", {"read_placement"})
             fn.can_block_in(
                 "aiokvtier/_sysinfo.py", {"cgroup_memory_limit", "_cgroup_dir", "online_nodes", "node_cpus"}
             )

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from aiokvtier import CopyEngine, CopyPlanError, HostTier, SlotError, StaticHostMem, TierClosedError
-from aiokvtier._plan import plan
+from aiokvtier._cuda._plan import plan
 
 from .conftest import PopulateGate, fill_threads_alive, mappings_in
 from .helpers import KiB, MiB, small_config
@@ -221,7 +221,7 @@ async def test_static_host_mem_lifecycle() -> None:
 
 
 async def test_static_host_mem_on_a_numa_node() -> None:
-    from aiokvtier._placement import read_placement
+    from aiokvtier._host._placement import read_placement
     from aiokvtier._sysinfo import online_nodes
 
     if not online_nodes():

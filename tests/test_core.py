@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiokvtier import OutOfSlots, SlotError
-from aiokvtier._layout import UnitLayout
-from aiokvtier._slots import SlotAllocator
+from aiokvtier._host._layout import UnitLayout
+from aiokvtier._host._slots import SlotAllocator
 
 from .helpers import KiB, MiB
 

@@ -14,9 +14,9 @@ from aiokvtier import (
     HostTier,
     HostTierConfig,
     StaticHostMem,
-    _cuda,
 )
-from aiokvtier._backing import Backing
+from aiokvtier._cuda import _backings, _driver
+from aiokvtier._host._backing import Backing
 
 from .conftest import fill_threads_alive, mappings_in
 from .helpers import MiB
@@ -57,7 +57,7 @@ def pages(torch: Any, n: int, seed: int) -> Any:
 
 @pytest.mark.parametrize("backing", BACKINGS)
 async def test_backing_fills_and_registers_per_unit(backing: str) -> None:
-    drv = _cuda.driver()
+    drv = _driver.driver()
     async with HostTier(gpu_config(backing)) as tier:
         await tier.wait_resident()
         stats = tier.statistics()
@@ -71,13 +71,13 @@ async def test_backing_fills_and_registers_per_unit(backing: str) -> None:
             attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
             for lo, hi in zip(starts, ends, strict=True):
                 for probe in (lo, hi - 1):
-                    start = _cuda.check("range", drv.cuPointerGetAttribute(attr, base + probe))
+                    start = _driver.check("range", drv.cuPointerGetAttribute(attr, base + probe))
                     assert int(start) == base + lo, f"+{probe} is not in the registration at +{lo}"
         else:
             handles = []
             for lo, hi in zip(starts, ends, strict=True):
-                first = _cuda.check("retain", drv.cuMemRetainAllocationHandle(base + lo))
-                last = _cuda.check("retain", drv.cuMemRetainAllocationHandle(base + hi - 1))
+                first = _driver.check("retain", drv.cuMemRetainAllocationHandle(base + lo))
+                last = _driver.check("retain", drv.cuMemRetainAllocationHandle(base + hi - 1))
                 assert int(first) == int(last), f"unit at +{lo} is not one allocation"
                 handles.append(int(first))
                 drv.cuMemRelease(first)
@@ -134,14 +134,14 @@ async def test_planner_refuses_a_copy_across_registrations(backing: str) -> None
 
 @pytest.mark.parametrize("backing", BACKINGS)
 def test_fill_threads_use_the_tiers_device_context(backing: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    drv = _cuda.driver()
+    drv = _driver.driver()
     seen: list[tuple[int, int]] = []
-    cls = _cuda.RegisterBacking if backing == "register" else _cuda.VmmBacking
+    cls = _backings.RegisterBacking if backing == "register" else _backings.VmmBacking
     original = cls.commit
 
     def spying_commit(self: Backing, offset: int, length: int) -> None:
-        ctx = _cuda.check("cuCtxGetCurrent", drv.cuCtxGetCurrent())
-        dev = _cuda.check("cuCtxGetDevice", drv.cuCtxGetDevice())
+        ctx = _driver.check("cuCtxGetCurrent", drv.cuCtxGetCurrent())
+        dev = _driver.check("cuCtxGetDevice", drv.cuCtxGetDevice())
         seen.append((int(ctx), int(dev)))
         original(self, offset, length)
 
@@ -149,9 +149,9 @@ def test_fill_threads_use_the_tiers_device_context(backing: str, monkeypatch: py
 
     # The opening thread has a different (non-primary) context current.
     def open_from_foreign_context() -> None:
-        dev = _cuda.check("cuDeviceGet", drv.cuDeviceGet(0))
+        dev = _driver.check("cuDeviceGet", drv.cuDeviceGet(0))
         params = drv.CUctxCreateParams()
-        foreign = _cuda.check("cuCtxCreate", drv.cuCtxCreate(params, 0, dev))
+        foreign = _driver.check("cuCtxCreate", drv.cuCtxCreate(params, 0, dev))
         try:
             asyncio.run(_open_fill_close(backing))
         finally:
@@ -160,7 +160,7 @@ def test_fill_threads_use_the_tiers_device_context(backing: str, monkeypatch: py
     thread = threading.Thread(target=open_from_foreign_context)
     thread.start()
     thread.join()
-    primary = _cuda.PrimaryContext(0)
+    primary = _driver.PrimaryContext(0)
     try:
         assert seen and all(ctx == int(primary.handle) and dev == 0 for ctx, dev in seen)
         assert len({c for c, _ in seen}) == 1
@@ -197,7 +197,7 @@ async def test_resize_keeps_retained_contents(backing: str) -> None:
 @pytest.mark.parametrize("numa", [False, True])
 async def test_static_host_mem_round_trip(numa: bool) -> None:
     torch = torch_cuda()
-    node = _cuda.device_numa_node(0) if numa else None
+    node = _driver.device_numa_node(0) if numa else None
     if numa and node is None:
         node = 0
     async with StaticHostMem(8 * MiB, device=0, numa_node=node) as stage, CopyEngine(0) as engine:
@@ -248,7 +248,7 @@ async def test_after_orders_the_copy_behind_compute_without_host_sync() -> None:
 
 
 async def test_numa_auto_resolves_the_gpus_node() -> None:
-    node = _cuda.device_numa_node(0)
+    node = _driver.device_numa_node(0)
     async with HostTier(gpu_config("register", numa_node="auto")) as tier:
         stats = tier.statistics()
         assert stats.numa_node == node

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from aiokvtier import CopyEngine, HostTier, _cuda
-from aiokvtier._backing import Backing
+from aiokvtier import CopyEngine, HostTier
+from aiokvtier._cuda import _backings, _driver
+from aiokvtier._host._backing import Backing
 
 from .conftest import PopulateGate
 from .test_cuda import BACKINGS, SLOT, SLOTS_PER_UNIT, gpu_config, torch_cuda
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.cuda
 
 def need_gpus(n: int) -> None:
     try:
-        count = _cuda.device_count()
+        count = _driver.device_count()
     except Exception:  # pragma: no cover - the cuda marker already skips without a driver
         count = 0
     if count < n:
@@ -33,13 +34,13 @@ def test_library_threads_use_the_tiers_device(
 ) -> None:
     need_gpus(2)
     torch = torch_cuda()
-    drv = _cuda.driver()
-    cls = _cuda.RegisterBacking if backing == "register" else _cuda.VmmBacking
+    drv = _driver.driver()
+    cls = _backings.RegisterBacking if backing == "register" else _backings.VmmBacking
     original = cls.commit
     devices: list[int] = []
 
     def spying_commit(self: Backing, offset: int, length: int) -> None:
-        devices.append(int(_cuda.check("cuCtxGetDevice", drv.cuCtxGetDevice())))
+        devices.append(int(_driver.check("cuCtxGetDevice", drv.cuCtxGetDevice())))
         original(self, offset, length)
 
     monkeypatch.setattr(cls, "commit", spying_commit)
@@ -89,7 +90,7 @@ async def test_tiers_on_two_devices_fill_and_copy_concurrently() -> None:
 
 
 def _per_gpu_nodes() -> dict[int, int | None]:
-    return {d: _cuda.device_numa_node(d) for d in range(_cuda.device_count())}
+    return {d: _driver.device_numa_node(d) for d in range(_driver.device_count())}
 
 
 async def test_numa_auto_places_each_tier_on_its_gpus_node(gate: PopulateGate) -> None:

@@ -20,8 +20,8 @@ from aiokvtier import (
     SlotError,
     TierClosedError,
     WouldBlock,
-    _linux,
 )
+from aiokvtier._host import _linux
 
 from .conftest import PopulateGate, fill_threads_alive, mappings_in, smaps_flags
 from .helpers import GiB, KiB, MiB, small_config
@@ -475,7 +475,7 @@ def test_public_names_match_all() -> None:
 
 async def test_a_device_without_a_driver_fails_clearly() -> None:
     from aiokvtier import CudaUnavailableError
-    from aiokvtier._cuda import device_count
+    from aiokvtier._cuda._driver import device_count
 
     try:  # off the loop: the first use imports cuda-bindings, which reads files
         if await anyio.to_thread.run_sync(device_count) > 0:
@@ -491,7 +491,7 @@ async def test_a_device_without_a_driver_fails_clearly() -> None:
 
 
 async def test_a_failed_decommit_leaves_the_unit_tracked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokvtier._backing import HostBacking
+    from aiokvtier._host._backing import HostBacking
 
     real = HostBacking.decommit
     failed: list[int] = []

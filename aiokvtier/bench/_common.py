@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .. import _linux
+from .._host import _linux
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 
 from .._config import HostTierConfig
-from .._copy import DEFAULT_MAX_BATCH, CopyEngine
-from .._cuda import PrimaryContext, check, driver
-from .._static import StaticHostMem
-from .._tier import HostTier
+from .._cuda._batch import DEFAULT_MAX_BATCH
+from .._cuda._driver import PrimaryContext, check, driver
+from .._cuda._engine import CopyEngine
+from .._cuda._static import StaticHostMem
+from .._host._tier import HostTier
 from ._common import GiB, MiB, loop_factories, median, run_on, sample_loop_lag, summary_ms
 
 
@@ -394,13 +395,6 @@ def _plain_batch(drv: Any, dst: Any, src: Any, size: int, stream: Any, direction
         check("cuMemcpyBatchAsync", drv.cuMemcpyBatchAsync(d, s, [size] * len(d), len(d), [attrs], [0], 1, stream))
 
 
-def _submission(total: int) -> dict[str, Any]:
-    from ._submission import study  # it builds on this module's helpers
-
-    result: dict[str, Any] = run_on(asyncio.new_event_loop, study(total, 5))
-    return result
-
-
 def run(args: Any) -> dict[str, Any]:
     quick = args.quick
     sections: dict[str, Callable[[], Any]] = {
@@ -411,7 +405,6 @@ def run(args: Any) -> dict[str, Any]:
             b: run_on(asyncio.new_event_loop, _copies((256 * MiB) if quick else 2 * GiB, b))
             for b in ("vmm", "register")
         },
-        "copy_submission": lambda: _submission((256 * MiB) if quick else 2 * GiB),
         "executor_responsiveness": lambda: {
             "1_process": contention(1, (1 if quick else 8) * GiB),
             "8_processes": contention(8, (1 if quick else 6) * GiB),
@@ -426,7 +419,7 @@ def run(args: Any) -> dict[str, Any]:
 
 def run_ranks(args: Any) -> dict[str, Any]:
     """One rank per visible GPU, each filling its own GPU's tier with a probe (the multi-GPU reference)."""
-    from .._cuda import device_count
+    from .._cuda._driver import device_count
 
     gpus = device_count()
     return {"gpus": gpus, "one_rank_per_gpu": contention(gpus, int(args.size_gib * GiB), one_per_gpu=True)}

@@ -9,7 +9,7 @@ import tracemalloc
 from typing import Any
 
 from .._config import HostTierConfig
-from .._tier import HostTier
+from .._host._tier import HostTier
 from ._common import GiB, MiB, bare_populate, loop_factories, median, run_on, sample_loop_lag, summary_ms
 
 

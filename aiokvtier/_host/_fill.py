@@ -19,8 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from .._errors import FillError, TierClosedError
 from ._backing import Backing
-from ._errors import FillError, TierClosedError
 from ._layout import UnitLayout
 
 __all__ = ["Filler"]

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import OutOfSlots, SlotError
+from .._errors import OutOfSlots, SlotError
 
 __all__ = ["SlotAllocator"]
 

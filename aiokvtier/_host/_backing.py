@@ -20,8 +20,8 @@ import logging
 from abc import ABC, abstractmethod
 from contextlib import ExitStack
 
+from .._errors import NumaPolicyError
 from . import _linux
-from ._errors import NumaPolicyError
 
 __all__ = ["Backing", "HostBacking"]
 

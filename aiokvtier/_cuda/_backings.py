@@ -1,10 +1,7 @@
-"""The CUDA driver boundary: lazy import, error conversion, contexts, GPU backings.
+"""GPU-usable backings: ``cuMemHostRegister`` per unit, or ``cuMemCreate`` per unit.
 
-``cuda-bindings`` is imported on first use, so the package imports and the
-host-only tier works where there is no GPU or driver; asking for a device
-there raises :class:`CudaUnavailableError` saying what is missing. Driver
-errors are converted here, once, into :class:`CudaError` with the CUresult
-name.
+Both implement :class:`aiokvtier._host._backing.Backing`; which wins where is
+measured, not assumed (docs/gpu.md, DESIGN section 3).
 """
 
 from __future__ import annotations
@@ -12,122 +9,17 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
-from . import _linux
-from ._backing import Backing, HostBacking
-from ._config import HostTierConfig
-from ._errors import CudaError, CudaUnavailableError, NumaPolicyError
+from .._config import HostTierConfig
+from .._errors import CudaError, NumaPolicyError
+from .._host import _linux
+from .._host._backing import Backing, HostBacking
+from ._driver import CU_MEMHOSTREGISTER_PORTABLE, PrimaryContext, check, driver
 
-__all__ = [
-    "PrimaryContext",
-    "RegisterBacking",
-    "VmmBacking",
-    "check",
-    "device_numa_node",
-    "driver",
-    "make_backing",
-]
+__all__ = ["RegisterBacking", "VmmBacking", "make_backing"]
 
 log = logging.getLogger("aiokvtier")
-
-_driver: Any = None
-_init_lock = threading.Lock()
-CU_MEMHOSTREGISTER_PORTABLE = 0x01
-CU_MEMHOSTALLOC_PORTABLE = 0x01
-
-
-def driver() -> Any:
-    """``cuda.bindings.driver``, initialised.
-
-    :raises CudaUnavailableError: cuda-bindings is not installed, or the driver cannot initialise.
-    """
-    global _driver
-    if _driver is not None:
-        return _driver
-    with _init_lock:
-        if _driver is not None:
-            return _driver
-        try:
-            from cuda.bindings import driver as drv
-        except ImportError as exc:
-            raise CudaUnavailableError(
-                "a CUDA device was requested but cuda-bindings is not installed: pip install 'aiokvtier[cuda]'"
-            ) from exc
-        try:
-            (err,) = drv.cuInit(0)
-        except Exception as exc:  # the bindings raise when libcuda itself is missing
-            raise CudaUnavailableError(f"no usable NVIDIA driver on this machine: {exc}") from exc
-        if err != drv.CUresult.CUDA_SUCCESS:
-            raise CudaUnavailableError(f"cuInit failed: {err.name}: no usable CUDA device")
-        _driver = drv
-        return drv
-
-
-def check(call: str, result: tuple[Any, ...]) -> Any:
-    """Unpack a cuda-bindings result: raise on error, return the value(s) after it."""
-    err = result[0]
-    if int(err) != 0:
-        raise CudaError(call, getattr(err, "name", str(err)), int(err))
-    rest = result[1:]
-    if not rest:
-        return None
-    return rest[0] if len(rest) == 1 else rest
-
-
-def device_count() -> int:
-    return int(check("cuDeviceGetCount", driver().cuDeviceGetCount()))
-
-
-def check_device(device: int) -> None:
-    count = device_count()
-    if not 0 <= device < count:
-        raise CudaUnavailableError(f"CUDA device {device} does not exist ({count} device(s) visible)")
-
-
-def device_numa_node(device: int) -> int | None:
-    """The host NUMA node nearest ``device``, or None if it has none (-1).
-
-    ``CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`` where the driver reports it, else the
-    PCI device's ``numa_node`` in sysfs.
-    """
-    drv = driver()
-    check_device(device)
-    err, value = drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, device)
-    if int(err) == 0 and int(value) >= 0:
-        return int(value)
-    bus = check("cuDeviceGetPCIBusId", drv.cuDeviceGetPCIBusId(64, device))
-    bus_id = (bus.decode() if isinstance(bus, bytes) else str(bus)).rstrip("\x00").lower()
-    try:
-        node = int(Path(f"/sys/bus/pci/devices/{bus_id}/numa_node").read_text())
-    except (OSError, ValueError):
-        return None
-    return node if node >= 0 else None
-
-
-class PrimaryContext:
-    """A retained primary context of one device; :meth:`make_current` on any thread.
-
-    A thread starts on device 0 whatever its creator chose, so every thread
-    the library starts calls :meth:`make_current` before touching the driver.
-    """
-
-    def __init__(self, device: int) -> None:
-        drv = driver()
-        check_device(device)
-        self.device = device
-        self._dev = check("cuDeviceGet", drv.cuDeviceGet(device))
-        self.handle = check("cuDevicePrimaryCtxRetain", drv.cuDevicePrimaryCtxRetain(self._dev))
-        self._released = False
-
-    def make_current(self) -> None:
-        check("cuCtxSetCurrent", driver().cuCtxSetCurrent(self.handle))
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            check("cuDevicePrimaryCtxRelease", driver().cuDevicePrimaryCtxRelease(self._dev))
 
 
 class RegisterBacking(HostBacking):
@@ -321,8 +213,8 @@ def make_backing(config: HostTierConfig, node: int | None) -> Backing:
         )
     PrimaryContext(config.device).release()  # validates the device before anything is reserved
     granule = VmmBacking.granularity(node)
-    from ._errors import ConfigError
-    from ._layout import FIRST_STEP
+    from .._errors import ConfigError
+    from .._host._layout import FIRST_STEP
 
     unit = int(config.commit_unit)  # type: ignore[arg-type]
     first = max(int(config.slot_size), FIRST_STEP - FIRST_STEP % int(config.slot_size))

@@ -30,89 +30,17 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-from . import _regions
-from ._errors import CopyPlanError, CudaError, TierClosedError
+from .. import _regions
+from .._errors import CopyPlanError, CudaError, TierClosedError
+from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
 from ._plan import U64, Plan, plan
 
 if TYPE_CHECKING:
-    from ._tier import HostTier
+    from .._host._tier import HostTier
 
 __all__ = ["CopyEngine", "CopyStatistics"]
 
 log = logging.getLogger("aiokvtier")
-
-DEFAULT_MAX_BATCH = 1024
-"""Descriptors per driver call (a peer hung near 52 k). Calls of 1024 moved
-shuffled 64 KiB pages faster than calls of 4096-32768 on the H200
-(``python -m aiokvtier.bench cuda --sections copy_submission``)."""
-
-
-class _MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _MemcpyAttributes(ctypes.Structure):
-    _fields_ = [
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocHint", _MemLocation),
-        ("dstLocHint", _MemLocation),
-        ("flags", ctypes.c_uint),
-    ]
-
-
-_SRC_ACCESS_ORDER_STREAM = 1
-_LOC_DEVICE, _LOC_HOST = 1, 2
-_P = ctypes.c_void_p
-# CUDA 13 ABI (cuMemcpyBatchAsync_v2): no failIdx. CUDA 12.8/12.9: a size_t* failIdx before the stream.
-_BATCH_V13 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P)
-_BATCH_V128 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, ctypes.c_size_t, _P, _P, ctypes.c_size_t, _P, _P)
-
-
-def _resolve_batch_function(drv: Any) -> tuple[Any, int]:
-    """The driver's cuMemcpyBatchAsync with the ABI we code for, chosen by driver version."""
-    from ._cuda import check
-
-    version = int(check("cuDriverGetVersion", drv.cuDriverGetVersion()))
-    if version >= 13000:
-        want, proto = 13000, _BATCH_V13
-    elif version >= 12080:
-        want, proto = 12080, _BATCH_V128
-    else:
-        raise CopyPlanError(f"cuMemcpyBatchAsync needs a CUDA 12.8+ driver; this one is {version}")
-    flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-    pfn, status = check("cuGetProcAddress", drv.cuGetProcAddress(b"cuMemcpyBatchAsync", want, flags))
-    if int(status) != 0 or not pfn:
-        raise CopyPlanError(f"the driver has no cuMemcpyBatchAsync for CUDA {want} (status {status})")
-    return proto(int(pfn)), want
-
-
-class BatchCall:
-    """One ``cuMemcpyBatchAsync`` call per invocation: plain uint64 arrays, one
-    attribute set for the whole batch (stream order, location hints)."""
-
-    def __init__(self, function: Any, abi: int | None, direction: str, device: int) -> None:
-        self._function, self._abi = function, abi
-        src_dev, dst_dev = {"h2d": (False, True), "d2h": (True, False)}.get(direction, (True, True))
-        self._attrs = _MemcpyAttributes()
-        self._attrs.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
-        self._attrs.srcLocHint = _MemLocation(_LOC_DEVICE if src_dev else _LOC_HOST, device if src_dev else 0)
-        self._attrs.dstLocHint = _MemLocation(_LOC_DEVICE if dst_dev else _LOC_HOST, device if dst_dev else 0)
-        self._zero = (ctypes.c_size_t * 1)(0)
-        self._fail = ctypes.c_size_t(0)
-
-    def __call__(self, dsts: U64, srcs: U64, sizes: U64, stream: Any) -> None:
-        d, s, z = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
-        args = [d.ctypes.data, s.ctypes.data, z.ctypes.data, len(d)]
-        args += [ctypes.addressof(self._attrs), ctypes.addressof(self._zero), 1]
-        if self._abi == 13000:
-            rc = self._function(*args, int(stream))
-        else:
-            rc = self._function(*args, ctypes.addressof(self._fail), int(stream))
-        if rc != 0:
-            from ._cuda import driver
-
-            where = f" (descriptor {self._fail.value})" if self._abi != 13000 else ""
-            raise CudaError("cuMemcpyBatchAsync" + where, driver().CUresult(rc).name, rc)
 
 
 def _stream_handle(obj: Any) -> tuple[str, int]:
@@ -261,13 +189,13 @@ class CopyEngine:
 
     def _start(self) -> None:
         if self.device is not None:
-            from ._cuda import PrimaryContext, check, driver
+            from ._driver import PrimaryContext, check, driver
 
             drv = driver()
             self._context = PrimaryContext(self.device)
             try:
                 self._context.make_current()
-                self._batch, self._abi = _resolve_batch_function(drv)
+                self._batch, self._abi = resolve_batch_function(drv)
                 flag = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
                 for _ in range(self._n_streams):
                     self._streams.append(check("cuStreamCreate", drv.cuStreamCreate(flag)))
@@ -297,7 +225,7 @@ class CopyEngine:
         for thread in self._threads:
             thread.join()
         if self.device is not None:
-            from ._cuda import driver
+            from ._driver import driver
 
             drv = driver()
             self._context.make_current()
@@ -461,7 +389,7 @@ class CopyEngine:
         self._counts["bytes"] += p.nbytes
 
     def _submit_gpu(self, job: _Job) -> Any:
-        from ._cuda import check, driver
+        from ._driver import check, driver
 
         drv = driver()
         stream = self._streams[next(self._rr) % len(self._streams)]
@@ -491,7 +419,7 @@ class CopyEngine:
             self._context.make_current()
         drv: Any = None
         if self.device is not None:
-            from ._cuda import driver
+            from ._driver import driver
 
             drv = driver()
         pending: deque[tuple[_Job, Any]] = deque()

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _sysinfo
+from .. import _sysinfo
 
 __all__ = ["Placement", "node_cpus_or_none", "read_placement"]
 

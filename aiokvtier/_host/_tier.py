@@ -10,18 +10,18 @@ from typing import Any, overload
 
 import anyio
 
-from . import _regions
+from .. import _regions
+from .._config import HostTierConfig
+from .._crossing import LoopWaiters
+from .._errors import CopyPlanError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
+from .._inflight import InflightCopies
 from ._backing import Backing, HostBacking
-from ._config import HostTierConfig
-from ._errors import CopyPlanError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from ._fill import Filler
-from ._inflight import InflightCopies
 from ._layout import UnitLayout
 from ._placement import Placement, node_cpus_or_none, read_placement
 from ._slots import SlotAllocator
 from ._statistics import TierStatistics
 from ._views import ViewLedger
-from ._waiters import LoopWaiters
 
 __all__ = ["HostTier"]
 
@@ -31,9 +31,9 @@ def resolve_numa_node(config: HostTierConfig) -> int | None:
         return config.numa_node
     if config.device is None:
         return None
-    from . import _cuda
+    from .._cuda._driver import device_numa_node
 
-    return _cuda.device_numa_node(config.device)
+    return device_numa_node(config.device)
 
 
 def make_backing(config: HostTierConfig, node: int | None) -> Backing:
@@ -46,9 +46,9 @@ def make_backing(config: HostTierConfig, node: int | None) -> Backing:
             strict_numa=not config.allow_remote_numa_fallback,
             huge_pages=config.transparent_huge_pages,
         )
-    from . import _cuda
+    from .._cuda._backings import make_backing as make_gpu_backing
 
-    return _cuda.make_backing(config, node)
+    return make_gpu_backing(config, node)
 
 
 class HostTier:

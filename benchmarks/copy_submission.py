@@ -6,6 +6,9 @@ Shuffled 64 KiB pages of a filled vmm tier are copied by: bare
 already built), the plain batch with one ``CUdeviceptr`` per address, and the
 engine itself (slot ids as a list and as an int64 array). Arms are
 interleaved over rounds so that drift on the machine hits them all alike.
+
+A study, not a user's benchmark: ``python benchmarks/copy_submission.py
+[--gib 2] [--rounds 5]`` on a GPU machine prints its JSON.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from .._copy import DEFAULT_MAX_BATCH, BatchCall, CopyEngine, _resolve_batch_function
-from .._cuda import check
-from .._plan import chunk_slices
-from .._tier import HostTier
-from ._common import GiB
-from ._cuda import _cfg, _plain_batch, device_scratch
+from aiokvtier import CopyEngine, HostTier
+from aiokvtier._cuda._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
+from aiokvtier._cuda._driver import check
+from aiokvtier._cuda._plan import chunk_slices
+from aiokvtier.bench._common import GiB, machine, run_on
+from aiokvtier.bench._cuda import _cfg, _plain_batch, device_scratch
 
 SLOT = 64 << 10
 
@@ -94,7 +97,7 @@ async def study(total: int, rounds: int) -> dict[str, Any]:
     n = total // SLOT
     result: dict[str, Any] = {"total_gib": total / GiB, "slot_kib": SLOT >> 10, "rounds": rounds}
     with device_scratch(total) as (drv, stream, dbuf):
-        function, abi = _resolve_batch_function(drv)
+        function, abi = resolve_batch_function(drv)
         async with HostTier(_cfg(total, "vmm", 2, slot=SLOT)) as tier, CopyEngine(0) as engine:
             await tier.wait_resident()
             slots = np.asarray(await tier.allocate(n), dtype=np.int64)
@@ -105,3 +108,20 @@ async def study(total: int, rounds: int) -> dict[str, Any]:
                 arms = _Arms(drv, BatchCall(function, abi, direction, 0), dst, src, stream, direction)
                 result[direction] = await _direction(engine, tier, slots, dev, arms, rounds)
     return result
+
+
+def main() -> None:
+    import argparse
+    import asyncio
+    import json
+
+    parser = argparse.ArgumentParser(prog="python benchmarks/copy_submission.py")
+    parser.add_argument("--gib", type=float, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    result = run_on(asyncio.new_event_loop, study(int(args.gib * GiB), args.rounds))
+    print(json.dumps({"study": "copy_submission", "machine": machine(), **result}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -14,11 +14,12 @@ from typing import Any
 
 import anyio
 
-from . import _linux, _regions
-from ._backing import HUGE_ALIGN, apply_numa_policy
-from ._errors import CopyPlanError, TierClosedError
-from ._inflight import InflightCopies
-from ._views import ViewLedger
+from .. import _regions
+from .._errors import CopyPlanError, TierClosedError
+from .._host import _linux
+from .._host._backing import HUGE_ALIGN, apply_numa_policy
+from .._host._views import ViewLedger
+from .._inflight import InflightCopies
 
 __all__ = ["StaticHostMem"]
 
@@ -77,7 +78,7 @@ class StaticHostMem:
 
     def _build(self) -> None:
         if self.device is not None:
-            from ._cuda import PrimaryContext, check, driver
+            from ._driver import PrimaryContext, check, driver
 
             self._context = PrimaryContext(self.device)
             self._context.make_current()
@@ -98,7 +99,7 @@ class StaticHostMem:
             _linux.mprotect(base, length, writable=True)
             _linux.populate(base, length)
             if self.device is not None:
-                from ._cuda import check, driver
+                from ._driver import check, driver
 
                 check("cuMemHostRegister", driver().cuMemHostRegister(base, length, 0x01))  # PORTABLE
         except BaseException:
@@ -165,7 +166,7 @@ class StaticHostMem:
     def _release(self, kind: str) -> None:
         try:
             if kind == "hostalloc" or kind == "registered":
-                from ._cuda import check, driver
+                from ._driver import check, driver
 
                 self._context.make_current()
                 if kind == "hostalloc":

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import SlotError
+from .._errors import SlotError
 
 __all__ = ["Plan", "chunk_slices", "plan"]
 

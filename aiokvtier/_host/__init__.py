@@ -1,0 +1,1 @@
+"""Host memory: syscalls, the unit layout, slots, the fill, backings, views and the tier."""
