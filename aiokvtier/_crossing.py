@@ -1,14 +1,15 @@
-"""The one crossing from worker threads into the event loop.
+"""The one crossing from library threads into the event loop.
 
-Coroutines wait for "``n`` bytes resident" on futures kept in a heap by
-threshold. A worker that changes the fill state calls :meth:`notify`, which
-schedules at most one ``call_soon_threadsafe`` until the loop has run it:
-many publishes collapse into one wake-up, and one wake-up serves every
-waiter. Nothing polls.
+Every result a library thread hands to a coroutine goes through
+:func:`deliver` (one ``call_soon_threadsafe`` per batch of futures), and
+waiting for "``n`` bytes resident" goes through :class:`LoopWaiters`, which
+collapses many publishes into one wake-up. :class:`Worker` is the blocking
+side: a named thread that runs an owner's blocking steps (reserve, resize,
+release) in order and delivers each result here. Nothing polls.
 
-Ordering makes this lock-free: a waiter is pushed (and ``_armed`` set)
-*before* it rechecks the state, and a worker updates the state *before* it
-reads ``_armed``; whichever runs second sees the other's write.
+Futures handed out here are never cancelled by the library; a caller that
+must not abandon the work awaits them through
+:func:`aiokvtier._lifecycle.finish`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,101 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Callable
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
-__all__ = ["LoopWaiters"]
+__all__ = ["LoopWaiters", "Worker", "deliver"]
+
+T = TypeVar("T")
+
+Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]
+
+
+def _settle(outcomes: Iterable[Outcome]) -> None:
+    for future, result, error in outcomes:
+        if future.done():
+            continue  # cancelled by its awaiter: the work still completed
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
+def deliver(loop: asyncio.AbstractEventLoop, outcomes: list[Outcome]) -> None:
+    """Settle ``(future, result, error)`` triples on their loop, from any thread, in one wake-up."""
+    if not outcomes:
+        return
+    try:
+        loop.call_soon_threadsafe(_settle, outcomes)
+    except RuntimeError:
+        pass  # the loop is closed: nobody is left awaiting on it
+
+
+class Worker:
+    """A named thread that runs blocking calls one at a time, in submission order.
+
+    It is started at construction (so an owner learns at open, before it
+    builds anything, that no thread can be had) and exits after :meth:`stop`,
+    once everything submitted before has run.
+
+    :raises RuntimeError: the thread cannot start (thread or memory limits).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.AbstractEventLoop | None, Any] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self.stopped = False
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Run ``fn(*args)`` on the thread; the returned future (of the running loop) gets its outcome."""
+        if self.stopped:
+            raise RuntimeError("the worker is stopped")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((lambda: fn(*args), loop, future))
+        return future
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` on the thread, from any thread, without waiting (errors are the caller's to log)."""
+        self._queue.put((fn, None, None))
+
+    def stop(self) -> None:
+        """Let the thread exit once what was submitted before has run. Idempotent."""
+        if not self.stopped:
+            self.stopped = True
+            self._queue.put(None)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _main(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, loop, future = item
+            try:
+                result, error = fn(), None
+            except BaseException as exc:  # handed to the awaiting coroutine
+                result, error = None, exc
+            if loop is not None:
+                deliver(loop, [(future, result, error)])
+            del item, fn, future, result, error  # drop references before blocking on the queue again
 
 
 class LoopWaiters:
+    """Coroutines waiting for "``n`` bytes resident", woken by worker threads.
+
+    Futures sit in a heap by threshold. A thread that changes the fill state
+    calls :meth:`notify`, which schedules at most one wake-up until the loop
+    has run it: many publishes collapse into one, and one serves every waiter.
+
+    Ordering makes this lock-free: a waiter is pushed (and ``_armed`` set)
+    *before* it rechecks the state, and a worker updates the state *before* it
+    reads ``_armed``; whichever runs second sees the other's write.
+    """
+
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,

@@ -1,9 +1,13 @@
-"""Host regions the copy planner knows: open tiers and static buffers.
+"""The contract between host memory owners and the copy engine.
+
+A region (an open tier or staging buffer) tells the planner its bounds, which
+registration holds a span (a tier's commit unit, or a whole static buffer),
+and keeps the copies in flight over it, so that a shrink or a close waits for
+them. The engine never touches an owner's private state.
 
 A raw copy whose host side falls inside a known region must stay inside one
-of its registrations (a tier's commit unit, or a whole static buffer) and
-inside what is committed; addresses outside every region (device memory,
-the caller's own buffers) pass through to the driver.
+of its registrations and inside what is committed; addresses outside every
+region (device memory, the caller's own buffers) pass through to the driver.
 """
 
 from __future__ import annotations
@@ -14,12 +18,49 @@ from typing import Protocol
 
 from ._errors import CopyPlanError
 
-__all__ = ["Region", "check_span", "register", "unregister"]
+__all__ = ["InflightCopies", "Region", "check_span", "find", "register", "unregister"]
+
+
+class InflightCopies:
+    """Copies in flight against one region.
+
+    Only the event loop thread adds and snapshots; completion threads only
+    set events. The owner waits for a snapshot on its worker thread.
+    """
+
+    def __init__(self) -> None:
+        self._events: list[threading.Event] = []
+
+    def track(self, done: threading.Event) -> None:
+        events = self._events
+        if len(events) > 64:
+            events[:] = [e for e in events if not e.is_set()]
+        events.append(done)
+
+    def __len__(self) -> int:
+        return sum(not e.is_set() for e in self._events)
+
+    def snapshot(self) -> list[threading.Event]:
+        """The copies in flight now (on the loop); later ones are the planner's to refuse."""
+        pending = [e for e in self._events if not e.is_set()]
+        self._events = pending
+        return list(pending)
+
+    @staticmethod
+    def wait(events: list[threading.Event]) -> None:
+        """Block until every copy of a snapshot has landed (on a worker thread)."""
+        for event in events:
+            event.wait()
 
 
 class Region(Protocol):
     @property
     def region_name(self) -> str: ...
+    @property
+    def copies(self) -> InflightCopies:
+        """Where the engine tracks its copies over this region."""
+        ...
+
     def region_bounds(self) -> tuple[int, int]:
         """``(base, size)`` of the whole reserved range."""
         ...

@@ -65,6 +65,11 @@ def no_blocking_in_loop(request: pytest.FixtureRequest) -> Iterator[None]:
                 "aiokvtier/_sysinfo.py", {"cgroup_memory_limit", "_cgroup_dir", "online_nodes", "node_cpus"}
             )
             fn.can_block_in("tests/conftest.py", {"proc_text"})
+    for name in ("threading.Lock.acquire", "threading.Lock.acquire_lock", "threading.Thread.join"):
+        fn = bb.functions.get(name)
+        if fn is not None:
+            # Joining a worker whose last job has run (see Lifecycle._finish_close).
+            fn.can_block_in("aiokvtier/_lifecycle.py", {"_finish_close"})
     for name in ("threading.Lock.acquire", "threading.Lock.acquire_lock"):
         # The tests' populate gate is shared with fill threads by design.
         bb.functions[name].can_block_in(

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from aiokvtier import HostTierConfig
@@ -18,3 +20,12 @@ def small_config(**overrides: Any) -> HostTierConfig:
     )
     values.update(overrides)
     return HostTierConfig(**values)
+
+
+async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None:
+    """Wait (on the loop) until ``predicate()``: for what library threads finish after a call returns."""
+    deadline = asyncio.get_running_loop().time() + within
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not true after {within} s: {predicate}")
+        await asyncio.sleep(0.005)

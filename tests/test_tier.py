@@ -24,7 +24,7 @@ from aiokvtier import (
 from aiokvtier._host import _linux
 
 from .conftest import PopulateGate, fill_threads_alive, mappings_in, smaps_flags
-from .helpers import GiB, KiB, MiB, small_config
+from .helpers import GiB, KiB, MiB, eventually, small_config
 
 SLOTS_PER_UNIT = 16  # small_config: 1 MiB units of 64 KiB slots
 
@@ -146,9 +146,9 @@ async def test_close_with_live_view_defers_unmap_and_view_stays_valid() -> None:
     view.release()
     del view
     gc.collect()
-    assert tier.released
+    await eventually(lambda: tier.released)  # released on the tier's thread, not the one that dropped the view
     assert not mappings_in(base, size)
-    assert not fill_threads_alive()
+    await eventually(lambda: not fill_threads_alive())
 
 
 async def test_wait_resident_and_blocking_variant(gate: PopulateGate) -> None:
@@ -297,12 +297,19 @@ async def test_fill_failure_is_partial_and_a_shrink_clears_it(gate: PopulateGate
 
 
 async def test_fill_threads_finish_out_of_order_but_publish_the_prefix(gate: PopulateGate, reserved: list[int]) -> None:
-    gate.hold_addresses(reserved)  # unit 0 starts at the reservation's base: it stays unfinished
+    class SecondUnit:
+        """Holds unit 1 (one thread runs alone until unit 0 is resident; then the second starts)."""
+
+        def __contains__(self, addr: object) -> bool:
+            return bool(reserved) and addr == reserved[0] + MiB
+
+    gate.hold_addresses(SecondUnit())  # type: ignore[arg-type]
     gate.allow(1 << 60)
     async with HostTier(small_config(quota=8 * MiB, fill_threads=2)) as tier:
-        while len(tier._filler.committed_ranges()) < 7:  # noqa: ASYNC110 - the other thread commits 1..7
+        while len(tier._filler.committed_ranges()) < 7:  # noqa: ASYNC110 - the other thread commits 0 and 2..7
             await asyncio.sleep(0.01)
-        assert tier.statistics().resident_bytes == 0  # ...but the prefix is still empty
+        assert tier.statistics().resident_bytes == MiB  # ...but the prefix stops at the held unit
+        assert len(await tier.allocate(16)) == 16  # unit 0's slots
         with pytest.raises(WouldBlock):
             tier.allocate_nowait()
         gate.unhold_addresses()
@@ -522,6 +529,7 @@ async def test_concurrent_closes_all_wait_for_the_teardown(gate: PopulateGate) -
     base = tier.statistics().base_address
     gate.allow(1)
     await tier.wait_resident(MiB)
+    await eventually(lambda: gate.calls == 2)  # the fill thread is held inside its second populate
     first = asyncio.create_task(tier.aclose())
     second = asyncio.create_task(tier.aclose())
     await asyncio.sleep(0.02)
@@ -531,12 +539,13 @@ async def test_concurrent_closes_all_wait_for_the_teardown(gate: PopulateGate) -
     assert tier.released and not mappings_in(base, tier.config.max_quota)
 
 
-async def test_close_during_open_closes_once_the_open_is_whole(reserved: list[int]) -> None:
+async def test_close_during_open_closes_once_the_open_is_whole_and_the_opener_learns_it(reserved: list[int]) -> None:
     tier = HostTier(small_config())
     opening = asyncio.create_task(tier.__aenter__())
     await asyncio.sleep(0)
     await tier.aclose()
-    await opening
+    with pytest.raises(TierClosedError, match="closed while it was opening"):
+        await opening  # the opener does not get a closed tier back
     assert tier.closed and not fill_threads_alive()
     assert reserved and not mappings_in(reserved[0], tier.config.max_quota)
 

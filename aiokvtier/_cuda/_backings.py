@@ -59,21 +59,22 @@ class RegisterBacking(HostBacking):
             self.registered_bytes += length
 
     def decommit(self, offset: int, length: int) -> None:
-        self.context.make_current()
-        check("cuMemHostUnregister", driver().cuMemHostUnregister(self.base + offset))
+        with self.context.current():
+            check("cuMemHostUnregister", driver().cuMemHostUnregister(self.base + offset))
         with self._lock:
             self.registered_bytes -= length
         super().decommit(offset, length)
 
     def release(self, committed: list[tuple[int, int]]) -> None:
         try:
-            self.context.make_current()
-            for offset, length in committed:
-                try:
-                    check("cuMemHostUnregister", driver().cuMemHostUnregister(self.base + offset))
-                    self.registered_bytes -= length
-                except CudaError as exc:
-                    log.error("aiokvtier: unregistering %d bytes at +%d failed: %s", length, offset, exc)
+            with self.context.current():
+                for offset, length in committed:
+                    try:
+                        check("cuMemHostUnregister", driver().cuMemHostUnregister(self.base + offset))
+                        with self._lock:
+                            self.registered_bytes -= length
+                    except CudaError as exc:
+                        log.error("aiokvtier: unregistering %d bytes at +%d failed: %s", length, offset, exc)
         finally:
             try:
                 super().release(committed)
@@ -101,10 +102,9 @@ class VmmBacking(Backing):
         self._lock = threading.Lock()
         with ExitStack() as undo:
             undo.callback(self.context.release)
-            self.context.make_current()
-            self.size = size
-            self.base = int(check("cuMemAddressReserve", drv.cuMemAddressReserve(size, granule, 0, 0)))
-            undo.callback(lambda: check("cuMemAddressFree", drv.cuMemAddressFree(self.base, size)))
+            with self.context.current():
+                self.size = size
+                self.base = int(check("cuMemAddressReserve", drv.cuMemAddressReserve(size, granule, 0, 0)))
             self.numa_policy = "host-numa" if node is not None else "none"
             undo.pop_all()
 
@@ -178,23 +178,23 @@ class VmmBacking(Backing):
 
     def decommit(self, offset: int, length: int) -> None:
         drv = driver()
-        self.context.make_current()
-        with self._lock:
-            handle = self._handles.pop(offset)
-            self.registered_bytes -= length
-        check("cuMemUnmap", drv.cuMemUnmap(self.base + offset, length))
-        check("cuMemRelease", drv.cuMemRelease(handle))
+        with self.context.current():
+            check("cuMemUnmap", drv.cuMemUnmap(self.base + offset, length))
+            with self._lock:
+                handle = self._handles.pop(offset)
+                self.registered_bytes -= length
+            check("cuMemRelease", drv.cuMemRelease(handle))
 
     def release(self, committed: list[tuple[int, int]]) -> None:
         drv = driver()
         try:
-            self.context.make_current()
-            for offset, length in committed:
-                try:
-                    self.decommit(offset, length)
-                except CudaError as exc:
-                    log.error("aiokvtier: unmapping %d bytes at +%d failed: %s", length, offset, exc)
-            check("cuMemAddressFree", drv.cuMemAddressFree(self.base, self.size))
+            with self.context.current():
+                for offset, length in committed:
+                    try:
+                        self.decommit(offset, length)
+                    except CudaError as exc:
+                        log.error("aiokvtier: unmapping %d bytes at +%d failed: %s", length, offset, exc)
+                check("cuMemAddressFree", drv.cuMemAddressFree(self.base, self.size))
         finally:
             self.context.release()
 

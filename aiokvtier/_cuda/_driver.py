@@ -10,6 +10,8 @@ name.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +100,12 @@ def device_numa_node(device: int) -> int | None:
 
 
 class PrimaryContext:
-    """A retained primary context of one device; :meth:`make_current` on any thread.
+    """A retained primary context of one device.
 
-    A thread starts on device 0 whatever its creator chose, so every thread
-    the library starts calls :meth:`make_current` before touching the driver.
+    A thread starts with no current context whatever its creator chose, so
+    every thread the library starts binds one (:meth:`make_current`) before
+    touching the driver; a blocking step that may run on a thread the
+    library does not own uses :meth:`current`, which restores what was there.
     """
 
     def __init__(self, device: int) -> None:
@@ -113,7 +117,18 @@ class PrimaryContext:
         self._released = False
 
     def make_current(self) -> None:
+        """Bind the context to the calling thread for good: only on threads the library owns."""
         check("cuCtxSetCurrent", driver().cuCtxSetCurrent(self.handle))
+
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        """The context, current on this thread for the block; the thread's previous one is restored."""
+        drv = driver()
+        check("cuCtxPushCurrent", drv.cuCtxPushCurrent(self.handle))
+        try:
+            yield
+        finally:
+            check("cuCtxPopCurrent", drv.cuCtxPopCurrent())
 
     def release(self) -> None:
         if not self._released:

@@ -23,15 +23,17 @@ import queue
 import threading
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import numpy as np
 
 from .. import _regions
-from .._errors import CopyPlanError, CudaError, TierClosedError
+from .._crossing import Outcome, deliver
+from .._errors import CopyPlanError, CudaError
+from .._lifecycle import Lifecycle, finish
 from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
 from ._plan import U64, Plan, plan
 
@@ -151,7 +153,7 @@ class CopyEngine:
         self.device = device
         self.max_batch = max_batch
         self._n_streams = streams
-        self._state = "new"
+        self._life = Lifecycle("CopyEngine", "aiokvtier-copy")
         self._submit_q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._done_q: queue.SimpleQueue[tuple[_Job, Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -165,16 +167,14 @@ class CopyEngine:
     # -- lifecycle ------------------------------------------------------------------
 
     async def __aenter__(self) -> CopyEngine:
-        if self._state != "new":
-            raise RuntimeError("this CopyEngine was already opened")
-        self._state = "opening"
-        try:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._start)
-        except BaseException:
-            self._state = "closed"
-            raise
-        self._state = "open"
+        """Start the engine's threads (and, with a device, its context and streams).
+
+        :raises CudaUnavailableError: a device was asked for without a usable driver.
+        :raises CudaError: the driver refused a stream or has no ``cuMemcpyBatchAsync``.
+        :raises RuntimeError: opened twice, or its threads cannot start.
+        :raises TierClosedError: ``aclose()`` was called while it opened.
+        """
+        await self._life.open(self._build, self._teardown)
         return self
 
     async def __aexit__(
@@ -187,55 +187,74 @@ class CopyEngine:
         engine = cls(device, **kwargs)
         return await engine.__aenter__()
 
+    async def _build(self) -> None:
+        await self._life.run(self._start)
+        self._life.undo.callback(self._join)
+
+    async def _teardown(self) -> None:
+        await self._life.run_undo()
+
     def _start(self) -> None:
-        if self.device is not None:
-            from ._driver import PrimaryContext, check, driver
+        """On the engine's worker: context, streams, then the two threads; undoes itself on failure."""
+        with ExitStack() as undo:
+            if self.device is not None:
+                from ._driver import PrimaryContext, check, driver
 
-            drv = driver()
-            self._context = PrimaryContext(self.device)
-            try:
-                self._context.make_current()
-                self._batch, self._abi = resolve_batch_function(drv)
-                flag = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
-                for _ in range(self._n_streams):
-                    self._streams.append(check("cuStreamCreate", drv.cuStreamCreate(flag)))
-            except BaseException:
-                for stream in self._streams:
-                    drv.cuStreamDestroy(stream)
-                self._context.release()
-                raise
-        submit = threading.Thread(target=self._submit_loop, name="aiokvtier-copy-submit", daemon=True)
-        complete = threading.Thread(target=self._complete_loop, name="aiokvtier-copy-complete", daemon=True)
-        self._threads = [submit, complete]
-        submit.start()
-        complete.start()
+                drv = driver()
+                self._context = context = PrimaryContext(self.device)
+                undo.callback(context.release)
+                with context.current():
+                    self._batch, self._abi = resolve_batch_function(drv)
+                    flag = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+                    for _ in range(self._n_streams):
+                        stream = check("cuStreamCreate", drv.cuStreamCreate(flag))
+                        self._streams.append(stream)
+                        undo.callback(self._destroy_stream, stream)
+            submit = threading.Thread(target=self._submit_loop, name="aiokvtier-copy-submit", daemon=True)
+            complete = threading.Thread(target=self._complete_loop, name="aiokvtier-copy-complete", daemon=True)
+            submit.start()
+            self._threads.append(submit)
+            undo.callback(self._join_threads)
+            complete.start()
+            self._threads.append(complete)
+            undo.pop_all()
 
-    async def aclose(self) -> None:
-        """Let queued copies finish, then stop the threads and free the streams. Idempotent."""
-        if self._state in ("new", "closing", "closed"):
-            self._state = "closed" if self._state == "new" else self._state
-            return
-        self._state = "closing"
+    def _destroy_stream(self, stream: Any) -> None:
+        from ._driver import driver
+
+        with self._context.current():
+            driver().cuStreamDestroy(stream)
+
+    def _join_threads(self) -> None:
         self._submit_q.put(None)
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._join)
-        self._state = "closed"
-
-    def _join(self) -> None:
         for thread in self._threads:
             thread.join()
-        if self.device is not None:
-            from ._driver import driver
+        if len(self._threads) == 1:
+            self._done_q.get()  # the submit thread's stop signal, meant for a completion thread that never started
 
-            drv = driver()
-            self._context.make_current()
-            for stream in self._streams:
-                drv.cuStreamDestroy(stream)
-            self._context.release()
+    async def aclose(self) -> None:
+        """Let queued copies finish, then stop the threads and free the streams. Idempotent.
+
+        Cancelling it does not interrupt the teardown: the cancellation is
+        delivered once the engine is closed.
+        """
+        await self._life.close(self._teardown)
+
+    def _join(self) -> None:
+        self._join_threads()
+        if self.device is not None:
+            try:
+                for stream in self._streams:
+                    self._destroy_stream(stream)
+            finally:
+                self._context.release()
+
+    @property
+    def closed(self) -> bool:
+        return self._life.closed
 
     def _check_open(self) -> None:
-        if self._state != "open":
-            raise TierClosedError(f"the CopyEngine is {self._state}")
+        self._life.check_open()
 
     # -- public copies ----------------------------------------------------------------
 
@@ -293,7 +312,7 @@ class CopyEngine:
     def __repr__(self) -> str:
         c = self._counts
         return (
-            f"<CopyEngine [{self._state} | device {self.device} | streams {self._n_streams} | "
+            f"<CopyEngine [{self._life.state} | device {self.device} | streams {self._n_streams} | "
             f"jobs {c['completed']}/{c['jobs']} done | {c['bytes'] / 2**30:.2f} GiB copied]>"
         )
 
@@ -355,7 +374,8 @@ class CopyEngine:
         self._counts["jobs"] += 1
         self._counts["requested"] += planned.requested
         self._submit_q.put(job)
-        await job.future
+        # The buffers are the GPU's until the copy lands: a cancelled caller regains them only then.
+        await finish(job.future)
 
     # -- the threads ------------------------------------------------------------------
 
@@ -443,14 +463,12 @@ class CopyEngine:
                     pending.append(more)
             while pending and (drv is None or pending[0][1] is None or int(drv.cuEventQuery(pending[0][1])[0]) == 0):
                 finished.append(self._wait(drv, *pending.popleft()))
-            by_loop: dict[asyncio.AbstractEventLoop, list[_Job]] = defaultdict(list)
+            by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = defaultdict(list)
             for job in finished:
-                by_loop[job.loop].append(job)
-            for loop, jobs in by_loop.items():
-                try:
-                    loop.call_soon_threadsafe(_resolve, jobs)
-                except RuntimeError:
-                    pass  # the loop is closed: nobody is waiting any more
+                by_loop[job.loop].append((job.future, None, job.error))
+                job.keepalive = ()
+            for loop, outcomes in by_loop.items():
+                deliver(loop, outcomes)
 
     def _wait(self, drv: Any, job: _Job, event: Any) -> _Job:
         if event is not None and drv is not None:
@@ -461,14 +479,3 @@ class CopyEngine:
         job.done.set()
         self._counts["completed"] += 1
         return job
-
-
-def _resolve(jobs: list[_Job]) -> None:
-    for job in jobs:
-        if job.future.done():
-            continue  # the awaiting task was cancelled; the copy still completed
-        if job.error is not None:
-            job.future.set_exception(job.error)
-        else:
-            job.future.set_result(None)
-        job.keepalive = ()

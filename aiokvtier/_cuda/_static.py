@@ -8,18 +8,16 @@ registration, so a copy may span it whole.
 
 from __future__ import annotations
 
-import threading
 from types import TracebackType
 from typing import Any
 
-import anyio
-
 from .. import _regions
-from .._errors import CopyPlanError, TierClosedError
+from .._errors import CopyPlanError
 from .._host import _linux
 from .._host._backing import HUGE_ALIGN, apply_numa_policy
 from .._host._views import ViewLedger
-from .._inflight import InflightCopies
+from .._lifecycle import Lifecycle
+from .._regions import InflightCopies
 
 __all__ = ["StaticHostMem"]
 
@@ -29,6 +27,9 @@ class StaticHostMem:
 
     ``async with StaticHostMem(size, device=0) as buf:`` or
     ``buf = await StaticHostMem.open(size)``. ``size`` is rounded up to the page.
+    Its blocking work runs on its own ``aiokvtier-staging`` thread. Cancelling
+    ``open`` or ``aclose`` delivers the cancellation once the buffer is
+    released (or, for ``aclose``, once the teardown is complete).
     """
 
     def __init__(self, size: int, device: int | None = None, numa_node: int | None = None) -> None:
@@ -42,13 +43,15 @@ class StaticHostMem:
         self.device = device
         self.numa_node = numa_node
         self.kind = "new"
+        """``"hostalloc"``, ``"registered"`` or ``"host"`` once open."""
         self.numa_policy = "none"
         self.numa_warning: str | None = None
         self._address = 0
         self._context: Any = None
         self._views = ViewLedger(self.size)
         self._copies = InflightCopies()
-        self._released = threading.Event()
+        self._released = False
+        self._life = Lifecycle("StaticHostMem", "aiokvtier-staging")
 
     @classmethod
     async def open(cls, size: int, device: int | None = None, numa_node: int | None = None) -> StaticHostMem:
@@ -57,18 +60,14 @@ class StaticHostMem:
         :raises CudaUnavailableError: a device was asked for without a usable driver.
         :raises NumaPolicyError: never (a denied mbind falls back to first touch, with a warning).
         :raises OSError: the memory cannot be had.
+        :raises TierClosedError: ``aclose()`` was called while it opened.
         """
         buf = cls(size, device, numa_node)
         await buf.__aenter__()
         return buf
 
     async def __aenter__(self) -> StaticHostMem:
-        if self.kind != "new":
-            raise RuntimeError("this StaticHostMem was already opened")
-        self.kind = "opening"
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._build)
-        _regions.register(self)
+        await self._life.open(self._build, self._teardown)
         return self
 
     async def __aexit__(
@@ -76,39 +75,48 @@ class StaticHostMem:
     ) -> None:
         await self.aclose()
 
-    def _build(self) -> None:
+    async def _build(self) -> None:
+        kind = await self._life.run(self._allocate)
+        self._life.undo.callback(self._release_or_defer, kind)
+        self.kind = kind
+        _regions.register(self)
+        self._life.undo.callback(_regions.unregister, self)
+
+    def _allocate(self) -> str:
+        """Allocate on the worker; on failure nothing is left (no mapping, no context reference)."""
         if self.device is not None:
             from ._driver import PrimaryContext, check, driver
 
-            self._context = PrimaryContext(self.device)
-            self._context.make_current()
-            if self.numa_node is None:
-                try:
-                    self._address = int(
-                        check("cuMemHostAlloc", driver().cuMemHostAlloc(self.size, 0x01))  # PORTABLE
-                    )
-                except BaseException:
-                    self._context.release()
-                    raise
-                self.kind = "hostalloc"
-                return
+            self._context = context = PrimaryContext(self.device)
+            try:
+                with context.current():
+                    if self.numa_node is None:
+                        self._address = int(check("cuMemHostAlloc", driver().cuMemHostAlloc(self.size, 0x01)))
+                        return "hostalloc"  # PORTABLE
+                    self._map(register=True)
+                    return "registered"
+            except BaseException:
+                context.release()
+                self._context = None
+                raise
+        self._map(register=False)
+        return "host"
+
+    def _map(self, register: bool) -> None:
         base, length = _linux.mmap_reserve(self.size, HUGE_ALIGN)
         try:
             _linux.madvise(base, length, _linux.MADV_NOHUGEPAGE)
             self.numa_policy, self.numa_warning = apply_numa_policy(base, length, self.numa_node, strict=False)
             _linux.mprotect(base, length, writable=True)
             _linux.populate(base, length)
-            if self.device is not None:
+            if register:
                 from ._driver import check, driver
 
                 check("cuMemHostRegister", driver().cuMemHostRegister(base, length, 0x01))  # PORTABLE
         except BaseException:
             _linux.munmap(base, length)
-            if self._context is not None:
-                self._context.release()
             raise
         self._address = base
-        self.kind = "registered" if self.device is not None else "host"
 
     @property
     def address(self) -> int:
@@ -117,11 +125,10 @@ class StaticHostMem:
 
     @property
     def closed(self) -> bool:
-        return self.kind in ("closing", "closed")
+        return self._life.closed
 
     def _check_open(self) -> None:
-        if self.kind in ("new", "opening", "closing", "closed"):
-            raise TierClosedError(f"the StaticHostMem is {self.kind}")
+        self._life.check_open()
 
     def view(self) -> memoryview:
         """A writable view of the whole buffer; it keeps the memory mapped until released."""
@@ -138,7 +145,8 @@ class StaticHostMem:
         return self._address, self.size
 
     def registration_of(self, offset: int, nbytes: int) -> int:
-        self._check_open()
+        if self._life.state != "open":
+            raise CopyPlanError(f"{self.region_name} is {self._life.state}")
         if offset + nbytes > self.size:
             raise CopyPlanError(f"copy of {nbytes} bytes at +{offset} leaves {self.region_name}")
         return 0
@@ -150,39 +158,52 @@ class StaticHostMem:
     async def aclose(self) -> None:
         """Wait for copies in flight, then release. Idempotent.
 
-        With views still exported, the memory is released when the last one is.
+        With views still exported, the memory is released (on the buffer's
+        thread) when the last one is. Cancelling ``aclose`` does not
+        interrupt the teardown.
         """
-        if self.kind in ("closing", "closed", "new"):
-            return
-        kind, self.kind = self.kind, "closing"
-        _regions.unregister(self)
-        with anyio.CancelScope(shield=True):
-            await self._copies.drain()
-            release = lambda: self._release(kind)  # noqa: E731
-            if self._views.defer_until_empty(release):
-                await anyio.to_thread.run_sync(release)
-        self.kind = "closed"
+        await self._life.close(self._teardown)
+        if self.kind != "new":
+            self.kind = "closed"
+
+    async def _teardown(self) -> None:
+        await self._life.run(InflightCopies.wait, self._copies.snapshot())
+        await self._life.run_undo()
+
+    def _release_or_defer(self, kind: str) -> None:
+        worker = self._life.worker
+        assert worker is not None
+
+        def release_later() -> None:
+            worker.post(lambda: self._release(kind))
+            worker.stop()
+
+        if self._views.defer_until_empty(release_later):
+            self._release(kind)
+        else:
+            self._life.keep_worker = True
 
     def _release(self, kind: str) -> None:
         try:
             if kind == "hostalloc" or kind == "registered":
                 from ._driver import check, driver
 
-                self._context.make_current()
-                if kind == "hostalloc":
-                    check("cuMemFreeHost", driver().cuMemFreeHost(self._address))
-                else:
-                    check("cuMemHostUnregister", driver().cuMemHostUnregister(self._address))
+                with self._context.current():
+                    if kind == "hostalloc":
+                        check("cuMemFreeHost", driver().cuMemFreeHost(self._address))
+                    else:
+                        check("cuMemHostUnregister", driver().cuMemHostUnregister(self._address))
             if kind != "hostalloc":
                 _linux.munmap(self._address, self.size)
         finally:
             if self._context is not None:
                 self._context.release()
-            self._released.set()
+            self._released = True
 
     @property
     def released(self) -> bool:
-        return self._released.is_set()
+        return self._released
 
     def __repr__(self) -> str:
-        return f"<StaticHostMem [{self.kind} | {self.size} bytes | device {self.device}]>"
+        state = self._life.state if self._life.state != "open" else self.kind
+        return f"<StaticHostMem [{state} | {self.size} bytes | device {self.device}]>"

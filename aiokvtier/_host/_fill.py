@@ -61,6 +61,7 @@ class Filler:
         self._prefix = 0
         self._threads: list[threading.Thread] = []
         self._active = 0
+        self._more_wanted = False
         self._stop = False
         self._started_at = 0.0
         self._finished_at: float | None = None
@@ -109,9 +110,13 @@ class Filler:
             if units > len(self._states):
                 self._states.extend(bytes(units - len(self._states)))
             grow = units > self._target
-            self._target = units
+            previous, self._target = self._target, units
             if grow:
-                self._start_threads_locked()
+                try:
+                    self._start_threads_locked()
+                except FillError:
+                    self._target = previous  # nothing changed: a later grow tries again
+                    raise
                 return None
             self._next_claim = min(self._next_claim, units)
             self._cond.wait_for(lambda: _FILLING not in self._states[units:])
@@ -182,6 +187,15 @@ class Filler:
             raise TierClosedError("the tier is closed")
 
     def _start_threads_locked(self) -> None:
+        """Start workers up to the wanted count.
+
+        Until the first unit is resident one worker runs alone: it fills the
+        unit the first allocation waits for, and others would only compete
+        with it for the address space lock and the memory bandwidth. The rest
+        start from the first commit.
+
+        :raises FillError: there is work, no worker runs, and none could start.
+        """
         if self._stop or self.error is not None or self._next_claim >= self._target:
             self._mark_finished_locked()
             return
@@ -189,15 +203,30 @@ class Filler:
             self._started_at = time.monotonic()
             self._finished_at = None
         self._threads = [t for t in self._threads if t.is_alive()]
-        while self._active < self._threads_wanted:
+        wanted = self._threads_wanted if self._prefix > 0 else 1
+        self._more_wanted = wanted < self._threads_wanted
+        while self._active < wanted:
             thread = threading.Thread(target=self._run, name=f"aiokvtier-fill-{len(self._threads)}", daemon=True)
-            self._active += 1
+            try:
+                thread.start()
+            except (RuntimeError, MemoryError) as exc:
+                if self._active == 0:
+                    raise FillError(
+                        f"could not start a fill thread: {exc}",
+                        resident_bytes=self.watermark,
+                        failed_offset=self.watermark,
+                    ) from exc
+                log.warning("aiokvtier: filling with %d thread(s); another could not start: %s", self._active, exc)
+                return
+            self._active += 1  # under the lock, so before the worker can count itself out
             self._threads.append(thread)
-            thread.start()
 
-    def _mark_finished_locked(self) -> None:
+    def _mark_finished_locked(self) -> bool:
+        """Record the end of a fill; True the first time it is reached."""
         if self._prefix >= self._target and self._finished_at is None:
             self._finished_at = time.monotonic()
+            return True
+        return False
 
     def _thread_setup(self) -> None:
         if self._cpus:
@@ -293,10 +322,25 @@ class Filler:
                 prefix += 1
             self._prefix = prefix
             self.watermark = layout.start(prefix)
-            self._mark_finished_locked()
+            finished = self._mark_finished_locked()
             self._cond.notify_all()
+            if self._more_wanted and prefix > 0:
+                self._more_wanted = False
+                try:
+                    self._start_threads_locked()
+                except FillError as exc:  # this worker still runs: the fill goes on
+                    log.warning("aiokvtier: %s", exc)
         self._on_change()
+        log.debug("aiokvtier: unit %d committed (%d bytes at +%d)", index, layout.end(index) - start, start)
+        if finished:
+            self._log_done()
         return True
+
+    def _log_done(self) -> None:
+        seconds = self.fill_seconds
+        gib = self.watermark / 2**30
+        rate = f"{gib / seconds:.2f} GiB/s" if seconds > 0 else "at once"
+        log.info("aiokvtier: fill done: %.2f GiB resident in %.3f s (%s)", gib, seconds, rate)
 
     def _fail_locked(self, index: int, exc: BaseException) -> None:
         offset = self._layout.start(index)

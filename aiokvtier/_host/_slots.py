@@ -10,6 +10,7 @@ Not thread-safe: the tier calls it from its event loop only.
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Iterable
 
@@ -18,7 +19,24 @@ import numpy.typing as npt
 
 from .._errors import OutOfSlots, SlotError
 
-__all__ = ["SlotAllocator"]
+__all__ = ["SlotAllocator", "positive_count"]
+
+
+def positive_count(value: object, name: str) -> int:
+    """``value`` as a positive int: anything ``operator.index`` takes, but not a bool.
+
+    :raises TypeError: not an integer (a bool, a float, a string).
+    :raises ValueError: zero or negative.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, not a bool ({value!r})")
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"{name} must be positive, got {n}")
+    return n
 
 
 class SlotAllocator:

@@ -3,27 +3,42 @@
 from __future__ import annotations
 
 import asyncio
-import threading
+import logging
 from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any, overload
-
-import anyio
 
 from .. import _regions
 from .._config import HostTierConfig
 from .._crossing import LoopWaiters
 from .._errors import CopyPlanError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
-from .._inflight import InflightCopies
+from .._lifecycle import Lifecycle, finish
+from .._regions import InflightCopies
 from ._backing import Backing, HostBacking
 from ._fill import Filler
 from ._layout import UnitLayout
 from ._placement import Placement, node_cpus_or_none, read_placement
-from ._slots import SlotAllocator
+from ._slots import SlotAllocator, positive_count
 from ._statistics import TierStatistics
 from ._views import ViewLedger
 
 __all__ = ["HostTier"]
+
+log = logging.getLogger("aiokvtier")
+
+
+def parse_quota(value: object, *, slot_size: int, max_quota: int) -> int:
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        quota = int(TypeAdapter(ByteSize).validate_python(value))
+    except ValidationError as exc:
+        raise QuotaError(f"invalid quota {value!r}: {exc.errors()[0]['msg']}") from None
+    if quota > max_quota:
+        raise QuotaError(f"quota {quota} exceeds max_quota {max_quota}; the reservation cannot grow")
+    if quota < slot_size:
+        raise QuotaError(f"quota {quota} is smaller than one slot ({slot_size})")
+    return quota - quota % slot_size
 
 
 def resolve_numa_node(config: HostTierConfig) -> int | None:
@@ -63,18 +78,32 @@ class HostTier:
     Threads: the async methods and the slot calls (``allocate_nowait``,
     ``free``, ``view``, ``address``) belong to the event loop that opened the
     tier; other threads use :meth:`wait_resident_blocking` and
-    :meth:`statistics`.
+    :meth:`statistics`. The tier's blocking work (reserving, resizing,
+    releasing) runs on its own ``aiokvtier-tier`` thread, never on the loop.
+
+    Cancellation: every await is safe to cancel. ``open``, an accepted
+    ``resize`` and ``aclose`` run to the end first and deliver the
+    cancellation afterwards, with the tier consistent (a cancelled ``open``
+    has released everything it built).
+
+    Fork: a child process cannot use a tier its parent opened (its threads do
+    not exist there); every call but ``statistics()`` and ``aclose()`` raises
+    :class:`TierClosedError` saying so.
     """
+
+    # Set while opening; the methods that read them run only once the tier is open.
+    _backing: Backing
+    _filler: Filler
+    _waiters: LoopWaiters
 
     def __init__(self, config: HostTierConfig | Mapping[str, Any]) -> None:
         """:raises pydantic.ValidationError: ``config`` is a mapping that does not validate."""
         self._config = config if isinstance(config, HostTierConfig) else HostTierConfig.model_validate(config)
-        self._state = "new"
+        self._life = Lifecycle("HostTier", "aiokvtier-tier")
         self._resize_lock = asyncio.Lock()
-        self._released = threading.Event()
-        self._closed = asyncio.Event()
-        self._close_requested = False
-        self.copies = InflightCopies()
+        self._views = ViewLedger(int(self._config.slot_size))
+        self._copies = InflightCopies()
+        self._released = False
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -84,10 +113,14 @@ class HostTier:
 
         :raises pydantic.ValidationError: the config is invalid.
         :raises NumaPolicyError: strict NUMA placement cannot be applied.
-        :raises OSError: the range cannot be reserved.
+        :raises OSError: the range cannot be reserved (ENOMEM: address space or ``RLIMIT_AS``).
+        :raises FillError: no fill thread could start.
+        :raises MemoryError: the slot map does not fit.
         :raises CudaUnavailableError: a CUDA backing was asked for without a usable driver.
+        :raises TierClosedError: ``aclose()`` was called while it opened.
 
-        Cancelling ``open`` releases whatever it had built.
+        On any failure or cancellation, whatever was built is released
+        before the error (or the cancellation) reaches the caller.
         """
         tier = cls(config)
         await tier._open()
@@ -103,25 +136,29 @@ class HostTier:
         await self.aclose()
 
     async def _open(self) -> None:
-        if self._state != "new":
-            raise RuntimeError(f"this HostTier was already opened ({self._state})")
-        self._state = "opening"
         self._loop = asyncio.get_running_loop()
-        cfg = self._config
+        await self._life.open(self._build, self._teardown)
+        s = self.statistics()
+        log.info(
+            "aiokvtier: HostTier open: quota %d bytes of %d reserved at %#x, backing %s, NUMA node %s (%s)",
+            s.quota,
+            s.max_quota,
+            s.base_address,
+            s.backing,
+            s.numa_node,
+            s.numa_policy,
+        )
+
+    async def _build(self) -> None:
+        life, cfg = self._life, self._config
         self._slot_size = slot = int(cfg.slot_size)
         self._quota = int(cfg.quota)
-        try:
-            with anyio.CancelScope(shield=True):
-                node = await anyio.to_thread.run_sync(resolve_numa_node, cfg)
-                self._backing = backing = await anyio.to_thread.run_sync(make_backing, cfg, node)
-        except BaseException:
-            self._state = "closed"
-            raise
-        self._node = node
+        self._node = node = await life.run(resolve_numa_node, cfg)
+        self._backing = backing = await life.run(make_backing, cfg, node)
+        life.undo.callback(self._release_or_defer)
         self._base = backing.base
         self._layout = layout = UnitLayout.build(backing.size, slot, int(cfg.commit_unit))  # type: ignore[arg-type]
         self._slots = SlotAllocator(self._quota // slot)
-        self._views = ViewLedger(slot)
         self._filler = filler = Filler(
             backing,
             layout,
@@ -130,16 +167,36 @@ class HostTier:
             cpus=node_cpus_or_none(node),
             on_change=self._notify,
         )
+        life.undo.callback(filler.close)  # LIFO: the fill stops before the range goes
         self._waiters = LoopWaiters(self._loop, filler.ready, self._settled)
-        self._state = "open"
         _regions.register(self)
-        try:
-            await anyio.to_thread.run_sync(filler.set_target, layout.units_for(self._slots.total * slot))
-        except BaseException:
-            await self.aclose()
-            raise
-        if self._close_requested:
-            await self.aclose()
+        life.undo.callback(_regions.unregister, self)
+        await life.run(filler.set_target, layout.units_for(self._slots.total * slot))
+
+    async def _teardown(self) -> None:
+        # Under the resize lock: an accepted resize finishes before the range goes.
+        async with self._resize_lock:
+            waiters = self.__dict__.get("_waiters")
+            if waiters is not None:
+                waiters.kick()  # waiters re-read the state and see the close
+            await self._life.run(InflightCopies.wait, self._copies.snapshot())
+            await self._life.run_undo()
+        if "_base" in self.__dict__:
+            log.info("aiokvtier: HostTier at %#x closed", self._base)
+
+    def _release_or_defer(self) -> None:
+        """Release now, or, with views still exported, when the last one goes (on this worker)."""
+        worker = self._life.worker
+        assert worker is not None
+
+        def release_later() -> None:
+            worker.post(self._release)
+            worker.stop()
+
+        if self._views.defer_until_empty(release_later):
+            self._release()
+        else:
+            self._life.keep_worker = True
 
     def _notify(self) -> None:
         self._waiters.notify()
@@ -151,48 +208,33 @@ class HostTier:
     async def aclose(self) -> None:
         """Stop the fill between units, join its threads and release the range. Idempotent.
 
+        Waits for an accepted resize and for copies in flight over the tier.
         If views of slots are still exported, the range is unmapped when the
-        last one is released (it stays valid memory until then). Cancelling
-        ``aclose`` does not interrupt the teardown.
+        last one is released (it stays valid memory until then), on the
+        tier's thread. Cancelling ``aclose`` does not interrupt the teardown:
+        the cancellation is delivered once it is complete. Concurrent calls
+        wait for the same teardown.
         """
-        if self._state == "closing":
-            await self._closed.wait()  # another task is tearing down: return when it is done
-            return
-        if self._state == "opening":
-            self._close_requested = True  # the open closes what it built once it is whole
-            return
-        if self._state in ("closed", "new"):
-            self._state = "closed"
-            return
-        self._state = "closing"
-        _regions.unregister(self)
-        with anyio.CancelScope(shield=True):
-            await self.copies.drain()
-            await anyio.to_thread.run_sync(self._filler.close)
-            self._waiters.kick()
-            if self._views.defer_until_empty(self._release):
-                await anyio.to_thread.run_sync(self._release)
-        self._state = "closed"
-        self._closed.set()
+        await self._life.close(self._teardown)
 
     def _release(self) -> None:
+        filler: Filler | None = self.__dict__.get("_filler")  # None: the open failed before the fill existed
         try:
-            self._backing.release(self._filler.committed_ranges())
+            self._backing.release([] if filler is None else filler.committed_ranges())
         finally:
-            self._released.set()
+            self._released = True
 
     @property
     def closed(self) -> bool:
-        return self._state == "closed" or self._state == "closing"
+        return self._life.closed
 
     @property
     def released(self) -> bool:
         """Whether the range has been given back (after close and the last view)."""
-        return self._released.is_set()
+        return self._released
 
     def _check_open(self) -> None:
-        if self._state != "open":
-            raise TierClosedError(f"the tier is {self._state}")
+        self._life.check_open()
 
     # -- allocation ------------------------------------------------------------
 
@@ -221,8 +263,7 @@ class HostTier:
         return await self._allocate(n)
 
     async def _allocate(self, n: int) -> list[int]:
-        if type(n) is not int or n < 1:
-            raise ValueError(f"n must be a positive int, got {n!r}")
+        n = positive_count(n, "n")
         while True:
             self._check_open()
             slots = self._slots
@@ -243,7 +284,7 @@ class HostTier:
         :raises OutOfSlots: every slot of the quota is allocated.
         :raises FillError: the fill failed below the next fresh slot.
         """
-        if self._state != "open":
+        if self._life.state != "open":
             self._check_open()
         slots = self._slots
         if slots.freed or (slots.next_fresh + 1) * self._slot_size <= self._filler.watermark:
@@ -256,7 +297,7 @@ class HostTier:
 
     def free(self, slot: int) -> None:
         """Return a slot. :raises SlotError: not an allocated slot of this tier (nothing changes)."""
-        if self._state != "open":
+        if self._life.state != "open":
             self._check_open()
         self._slots.give(slot)
 
@@ -342,25 +383,29 @@ class HostTier:
     async def resize(self, new_quota: int | str) -> None:
         """Grow or shrink the quota inside the reservation; the base never moves.
 
-        A grow continues the fill. A shrink hands whole commit units back
-        and keeps the contents of retained slots; it clears a fill error if
-        the new end is at or below the resident prefix.
+        A grow continues the fill. A shrink waits for copies in flight over
+        the tier, hands whole commit units back and keeps the contents of
+        retained slots; it clears a fill error if the new end is at or below
+        the resident prefix. ``new_quota`` is rounded down to whole slots.
 
         :raises QuotaError: past ``max_quota``, below one slot, or a slot
             past the new end is allocated or viewed (nothing changes).
+        :raises FillError: a grow found no fill thread running and could not
+            start one (nothing changes; a later grow tries again).
         :raises TierClosedError: the tier is closed.
         :raises OSError: or :class:`CudaError`: decommitting a unit of the tail
             failed; the shrink stands, and that unit stays committed (it is
             released at close, and a later grow reuses it).
 
-        Cancellation: once the new quota is accepted the resize runs to the end.
+        Cancellation: while waiting for another resize, nothing has changed;
+        once accepted, the resize runs to the end and the cancellation is
+        delivered after, with quota, fill target and residency consistent.
         """
+        self._check_open()
         quota = self._parse_quota(new_quota)
         async with self._resize_lock:
             self._check_open()
-            slot = self._slot_size
-            total = quota // slot
-            units = self._layout.units_for(total * slot)
+            total = quota // self._slot_size
             slots = self._slots
             if total < slots.total:
                 highest = max(slots.highest_allocated(), self._views.highest())
@@ -369,15 +414,33 @@ class HostTier:
                         f"cannot shrink to {quota} bytes ({total} slots): slot {highest} past the new end "
                         "is allocated or has a live view"
                     )
-            slots.resize(total)
-            self._quota = quota
-            try:
-                with anyio.CancelScope(shield=True):
-                    tail = await anyio.to_thread.run_sync(self._filler.set_target, units)
-                    if tail is not None:
-                        await anyio.to_thread.run_sync(self._decommit_tail, units, tail)
-            finally:
-                self._waiters.kick()
+            await finish(self._apply_resize(quota, total))
+
+    async def _apply_resize(self, quota: int, total: int) -> None:
+        """The accepted part of a resize: runs to the end whatever happens to its caller."""
+        life, slots, filler = self._life, self._slots, self._filler
+        units = self._layout.units_for(total * self._slot_size)
+        old_quota, old_total = self._quota, slots.total
+        try:
+            if total >= old_total:
+                slots.resize(total)
+                try:
+                    await life.run(filler.set_target, units)
+                except BaseException:
+                    slots.resize(old_total)
+                    raise
+                self._quota = quota
+            else:
+                # From here the tail is off limits: no slot there, no new raw copy into it.
+                slots.resize(total)
+                self._quota = quota
+                await life.run(InflightCopies.wait, self._copies.snapshot())
+                tail = await life.run(filler.set_target, units)
+                if tail is not None:
+                    await life.run(self._decommit_tail, units, tail)
+        finally:
+            self._waiters.kick()
+        log.info("aiokvtier: HostTier at %#x resized: quota %d -> %d bytes", self._base, old_quota, quota)
 
     def _decommit_tail(self, units: int, tail: list[tuple[int, int]]) -> None:
         done: list[tuple[int, int]] = []
@@ -389,20 +452,13 @@ class HostTier:
             self._filler.finish_shrink(units, done)
 
     def _parse_quota(self, value: int | str) -> int:
-        from pydantic import ByteSize, TypeAdapter, ValidationError
-
-        try:
-            quota = int(TypeAdapter(ByteSize).validate_python(value))
-        except ValidationError as exc:
-            raise QuotaError(f"invalid quota {value!r}: {exc.errors()[0]['msg']}") from None
-        maximum = int(self._config.max_quota)  # type: ignore[arg-type]
-        if quota > maximum:
-            raise QuotaError(f"quota {quota} exceeds max_quota {maximum}; the reservation cannot grow")
-        if quota < self._slot_size:
-            raise QuotaError(f"quota {quota} is smaller than one slot ({self._slot_size})")
-        return quota
+        return parse_quota(value, slot_size=self._slot_size, max_quota=self._layout.size)
 
     # -- a copy region (see aiokvtier._regions) ---------------------------------------
+
+    @property
+    def copies(self) -> InflightCopies:
+        return self._copies
 
     @property
     def region_name(self) -> str:
@@ -419,10 +475,9 @@ class HostTier:
                 f"copy of {nbytes} bytes at +{offset} spans two registrations (unit {unit} ends at "
                 f"+{self._layout.end(unit)}); the driver would refuse it"
             )
-        if end > self._filler.watermark:
-            raise CopyPlanError(
-                f"copy of {nbytes} bytes at +{offset} leaves the committed range ({self._filler.watermark} bytes)"
-            )
+        limit = min(self._filler.watermark, self._slots.total * self._slot_size)
+        if end > limit:
+            raise CopyPlanError(f"copy of {nbytes} bytes at +{offset} leaves the committed range ({limit} bytes)")
         return unit
 
     # -- introspection -------------------------------------------------------------
@@ -434,8 +489,8 @@ class HostTier:
 
     def statistics(self) -> TierStatistics:
         """A snapshot of the live figures (any thread)."""
-        if self._state in ("new", "opening"):
-            raise TierClosedError(f"the tier is {self._state}")
+        if self._life.state in ("new", "opening") or "_filler" not in self.__dict__:
+            raise TierClosedError(self._life.describe())
         cfg = self._config
         filler = self._filler
         slots = self._slots
@@ -468,8 +523,8 @@ class HostTier:
         )
 
     def __repr__(self) -> str:
-        if self._state in ("new", "opening"):
-            return f"<HostTier [{self._state} | quota {self._config.quota.human_readable()}]>"
+        if self._life.state in ("new", "opening") or "_filler" not in self.__dict__:
+            return f"<HostTier [{self._life.state} | quota {self._config.quota.human_readable()}]>"
         s = self.statistics()
         gib = 1 << 30
         state = "closed" if s.closed else "failed" if s.fill_error else "filling" if s.filling else "resident"
