@@ -9,7 +9,8 @@ concrete numbers and the hot paths never touch pydantic.
 from __future__ import annotations
 
 import itertools
-from typing import Annotated, Literal
+import operator
+from typing import Annotated, Literal, SupportsIndex
 
 from pydantic import (
     BaseModel,
@@ -17,6 +18,8 @@ from pydantic import (
     ConfigDict,
     DirectoryPath,
     Field,
+    TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -29,6 +32,48 @@ __all__ = ["CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig"]
 
 PositiveSize = Annotated[ByteSize, Field(gt=0)]
 MiB = 1 << 20
+SIZE_LIMIT = 1 << 63  # sizes reach mmap, madvise and the CUDA driver as signed 64-bit lengths
+_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+
+
+def _as_index(value: object) -> int | None:
+    """``operator.index(value)``, or None where that refuses it; bool is refused too."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # numpy.bool_ has __index__ only to refuse it
+        return None
+
+
+def _size_bytes(value: object, name: str) -> int:
+    """``value`` as a number of bytes: an integer, or a string such as ``"64GiB"`` or ``"1GB"``.
+
+    bool and float are refused: ``True`` is not a size, and a float has
+    already lost the low bits of a large one.
+
+    :raises ValueError: not an integer or a size string, not above zero, or
+        ``2**63`` bytes or more; the message names ``name`` and the rule.
+    """
+    if isinstance(value, str):
+        try:
+            size = int(_BYTE_SIZE.validate_python(value))
+        except ValidationError as exc:
+            raise ValueError(f"{name} {value!r} is not a size: {exc.errors()[0]['msg']}") from None
+    else:
+        index = _as_index(value)
+        if index is None:
+            raise ValueError(f"{name} must be an integer or a string such as '64GiB', not {type(value).__name__}")
+        size = index
+    if size <= 0:
+        raise ValueError(f"{name} must be more than 0 bytes, got {value!r}")
+    if size >= SIZE_LIMIT:
+        raise ValueError(f"{name} must be below 2**63 bytes, got {value!r}")
+    return size
+
+
+def _show(size: int) -> str:
+    return f"{size} bytes ({ByteSize(size).human_readable()})"
 
 
 def default_max_quota() -> int:
@@ -45,11 +90,22 @@ class _Frozen(BaseModel):
 class HostTierConfig(_Frozen):
     """The host tier: a progressively filled, slot-addressed range of CPU memory.
 
-    :param quota: bytes to make resident (rounded up to whole commit units).
+    Sizes are integers (numpy integers too) or strings such as ``"64GiB"`` or
+    ``"1GB"``; bool and float are refused. Every size must be above zero and
+    below ``2**63`` bytes. A size that breaks a rule is a ValidationError whose
+    message names the field and the rule.
+
+    :param quota: bytes to make resident, rounded down to whole slots (the last
+        commit unit may stay partial). The config holds and reports the rounded
+        value, so ``quota="1GB"`` with 2 MiB slots is 952 MiB. It must hold at
+        least one slot.
     :param max_quota: the address range reserved once; resizes stay below it.
+        Rounded down to whole slots like ``quota`` (which keeps it page-aligned),
+        and at least ``quota`` once both are rounded.
         None: host memory as the OS reports it, capped by the cgroup limit. On
         VMs whose MemTotal grows as memory is used, pass it explicitly.
-    :param slot_size: bytes per slot, a multiple of the page size.
+    :param slot_size: bytes per slot, a multiple of the page size and at most
+        ``quota``.
     :param fill_chunk: what a fill thread claims at a time; stopping and
         progress are checked between commit units inside it.
     :param commit_unit: unit of commit, decommit and GPU registration, a
@@ -81,29 +137,18 @@ class HostTierConfig(_Frozen):
     device: Annotated[int, Field(ge=0)] | None = None
     backing: Literal["auto", "host", "register", "vmm"] = "auto"
 
-    @field_validator("max_quota")
+    @field_validator("quota", "max_quota", "slot_size", "fill_chunk", "commit_unit", mode="before")
     @classmethod
-    def _max_quota(cls, value: ByteSize | None, info: ValidationInfo) -> ByteSize:
-        quota = info.data.get("quota")
-        if value is None:
-            value = ByteSize(default_max_quota())
-            if quota is not None and quota > value:
-                raise ValueError(
-                    f"quota ({quota.human_readable()}) exceeds the host memory available "
-                    f"({value.human_readable()}); set max_quota explicitly to reserve more"
-                )
-        elif quota is not None and value < quota:
-            raise ValueError(f"max_quota ({value.human_readable()}) is below quota ({quota.human_readable()})")
-        return value
+    def _size(cls, value: object, info: ValidationInfo) -> int | None:
+        if value is None and info.field_name in ("max_quota", "commit_unit"):
+            return None  # resolved below, once the sizes it depends on are known
+        return _size_bytes(value, str(info.field_name))
 
     @field_validator("slot_size")
     @classmethod
-    def _slot_size(cls, value: ByteSize, info: ValidationInfo) -> ByteSize:
+    def _slot_size(cls, value: ByteSize) -> ByteSize:
         if value % PAGE_SIZE:
             raise ValueError(f"slot_size ({value}) must be a multiple of the {PAGE_SIZE}-byte page")
-        quota = info.data.get("quota")
-        if quota is not None and value > quota:
-            raise ValueError(f"slot_size ({value}) is larger than quota ({quota})")
         return value
 
     @field_validator("commit_unit")
@@ -114,7 +159,10 @@ class HostTierConfig(_Frozen):
             return value
         if value is None:
             chunk = info.data.get("fill_chunk") or 512 * MiB
-            return ByteSize(max(1, round(chunk / slot)) * slot)
+            value = ByteSize(max(1, round(chunk / slot)) * slot)
+            if value >= SIZE_LIMIT:
+                raise ValueError(f"commit_unit (derived from fill_chunk, {value}) must be below 2**63 bytes")
+            return value
         if value < slot:
             raise ValueError(f"commit_unit ({value}) is smaller than slot_size ({slot})")
         if value % slot:
@@ -129,6 +177,34 @@ class HostTierConfig(_Frozen):
             if nodes is not None and value not in nodes:
                 raise ValueError(f"numa_node {value} is not an online node (online: {sorted(nodes)})")
         return value
+
+    @model_validator(mode="after")
+    def _whole_slots(self) -> HostTierConfig:
+        slot = int(self.slot_size)
+        quota = int(self.quota) // slot * slot
+        if quota == 0:
+            raise ValueError(
+                f"quota ({_show(self.quota)}) rounds down to zero slots: slot_size ({_show(slot)}) is larger than quota"
+            )
+        if self.max_quota is None:
+            maximum = default_max_quota() // slot * slot
+            if maximum < quota:
+                raise ValueError(
+                    f"quota ({_show(quota)}) exceeds the host memory available "
+                    f"({_show(maximum)}); set max_quota explicitly to reserve more"
+                )
+        else:
+            maximum = int(self.max_quota) // slot * slot
+            if maximum == 0:
+                raise ValueError(
+                    f"max_quota ({_show(self.max_quota)}) rounds down to zero slots of slot_size ({_show(slot)})"
+                )
+            if maximum < quota:
+                raise ValueError(f"max_quota ({_show(maximum)}) is below quota ({_show(quota)})")
+        # slot_size is validated after quota and max_quota, so only here can they be
+        # rounded; the model is frozen, and nobody has seen (or hashed) it yet.
+        self.__dict__.update(quota=ByteSize(quota), max_quota=ByteSize(maximum))
+        return self
 
     @model_validator(mode="after")
     def _backing_needs_device(self) -> HostTierConfig:

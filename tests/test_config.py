@@ -2,13 +2,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
-from pydantic import ValidationError
+from pydantic import ByteSize, ValidationError
 
 from aiokvtier import CacheConfig, HostTierConfig
 from aiokvtier._config import default_max_quota
+from aiokvtier._host._linux import PAGE_SIZE
 
-from .helpers import GiB, MiB
+from .helpers import GiB, KiB, MiB
 
 
 def test_sizes_accept_strings_and_defaults_resolve() -> None:
@@ -28,7 +30,62 @@ def test_commit_unit_derived_as_slot_multiple() -> None:
 
 def test_default_max_quota_is_host_memory_capped() -> None:
     cfg = HostTierConfig(quota="2MiB")
-    assert cfg.max_quota == default_max_quota() > 0
+    # Host memory, rounded down to whole slots like an explicit max_quota.
+    assert cfg.max_quota == default_max_quota() // (2 * MiB) * (2 * MiB) > 0
+
+
+def test_quota_and_max_quota_round_down_to_whole_slots() -> None:
+    cfg = HostTierConfig(quota="1GB", max_quota="500GB", slot_size="2MiB")
+    assert cfg.quota == 10**9 // (2 * MiB) * (2 * MiB)
+    assert cfg.max_quota == 500 * 10**9 // (2 * MiB) * (2 * MiB)
+    assert cfg.max_quota % PAGE_SIZE == 0  # munmap of the reservation needs a page-aligned length
+    assert isinstance(cfg.quota, ByteSize) and cfg.quota.human_readable() == "952.0MiB"
+    assert HostTierConfig(quota="1GB", max_quota="1GB").max_quota == cfg.quota
+
+    odd = HostTierConfig(quota=3 * 64 * KiB + 4096, max_quota=GiB + 4096, slot_size="64KiB")
+    assert odd.quota == 3 * 64 * KiB and odd.max_quota == GiB
+    assert odd.model_dump()["quota"] == 3 * 64 * KiB  # the effective value is what the config reports
+
+
+def test_max_quota_is_compared_with_quota_after_rounding() -> None:
+    cfg = HostTierConfig(quota=2 * MiB + 8 * KiB, max_quota=2 * MiB + 4 * KiB)
+    assert cfg.quota == cfg.max_quota == 2 * MiB
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(quota=4096), ["quota", "rounds down to zero slots", "slot_size"]),
+        (dict(quota="1GiB", max_quota=4096), ["max_quota", "rounds down to zero slots"]),
+        (dict(quota="1GiB", max_quota=1 << 64), ["max_quota", "below 2**63"]),
+        (dict(quota="1GiB", max_quota=1 << 63), ["max_quota", "below 2**63"]),
+        (dict(quota=1 << 63, max_quota=1 << 63), ["quota", "below 2**63"]),
+        (dict(quota="1GiB", max_quota="2GiB", slot_size=1 << 63), ["slot_size", "below 2**63"]),
+        (dict(quota="1GiB", max_quota="2GiB", fill_chunk=1 << 63), ["fill_chunk", "below 2**63"]),
+        (dict(quota="1GiB", max_quota="2GiB", commit_unit=1 << 63), ["commit_unit", "below 2**63"]),
+        (dict(quota="1GiB", max_quota="16EiB"), ["max_quota", "below 2**63"]),
+        (dict(quota="1GiB", max_quota="0GiB"), ["max_quota", "more than 0"]),
+        (dict(quota="1GiB", max_quota=-1), ["max_quota", "more than 0"]),
+        (dict(quota="1GiB", max_quota="2 parsecs"), ["max_quota", "not a size"]),
+        (dict(quota=True), ["quota", "not bool"]),
+        (dict(quota=float(GiB)), ["quota", "not float"]),
+        (dict(quota="1GiB", max_quota=2.0 * GiB), ["max_quota", "not float"]),
+        (dict(quota="1GiB", max_quota="2GiB", slot_size=True), ["slot_size", "not bool"]),
+        (dict(quota="1GiB", max_quota="2GiB", commit_unit=float(MiB)), ["commit_unit", "not float"]),
+        (dict(quota="1GiB", max_quota="2GiB", fill_chunk=b"1"), ["fill_chunk", "not bytes"]),
+    ],
+)
+def test_size_rules_name_the_field_and_the_rule(kwargs: dict[str, object], words: list[str]) -> None:
+    with pytest.raises(ValidationError) as info:
+        HostTierConfig(**kwargs)  # type: ignore[arg-type]
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_sizes_just_below_2_63_and_numpy_integers_are_accepted() -> None:
+    cfg = HostTierConfig(quota=np.int64(GiB), max_quota=(1 << 63) - 1, slot_size=np.uint32(64 * KiB))
+    assert cfg.quota == GiB and cfg.slot_size == 64 * KiB
+    assert cfg.max_quota == (1 << 63) - 64 * KiB
 
 
 def test_config_is_frozen() -> None:
