@@ -111,15 +111,20 @@ class HostTierConfig(_Frozen):
     :param commit_unit: unit of commit, decommit and GPU registration, a
         multiple of ``slot_size``. None: the multiple of ``slot_size`` nearest
         ``fill_chunk``.
-    :param fill_threads: threads making the range resident.
+    :param fill_threads: threads making the range resident, 1 to 256.
     :param numa_node: node to place pages on; ``"auto"`` is the GPU's node when
-        ``device`` is set and no binding otherwise; None never binds.
+        ``device`` is set and no binding otherwise; None never binds. A node
+        must be online.
     :param allow_remote_numa_fallback: True: MPOL_PREFERRED, and first touch by
         the bound fill thread where mbind is denied. False: MPOL_BIND, and a
         denied mbind fails the open.
     :param transparent_huge_pages: opt the range into THP (MADV_HUGEPAGE);
         default off, since direct compaction can slow population tenfold.
     :param device: CUDA ordinal that will copy to and from the tier.
+
+    ``fill_threads``, ``numa_node`` and ``device`` take integers (anything
+    ``operator.index`` accepts, numpy integers included) and hold a plain
+    ``int``; bool, float and numeric strings are refused.
     :param backing: ``"host"`` (no GPU registration), ``"register"``,
         ``"vmm"`` or ``"auto"``.
     """
@@ -143,6 +148,18 @@ class HostTierConfig(_Frozen):
         if value is None and info.field_name in ("max_quota", "commit_unit"):
             return None  # resolved below, once the sizes it depends on are known
         return _size_bytes(value, str(info.field_name))
+
+    @field_validator("fill_threads", "device", "numa_node", mode="before")
+    @classmethod
+    def _strict_int(cls, value: object, info: ValidationInfo) -> object:
+        if value is None or (info.field_name == "numa_node" and value == "auto"):
+            return value  # the field's type says whether None is allowed
+        index = _as_index(value)
+        if index is None:
+            # Without this, pydantic's lax mode turns True into 1 and "1" or 1.0 into 1.
+            also = ", 'auto' or None" if info.field_name == "numa_node" else ""
+            raise ValueError(f"{info.field_name} must be an integer{also}, not {type(value).__name__} {value!r}")
+        return index
 
     @field_validator("slot_size")
     @classmethod

@@ -88,6 +88,39 @@ def test_sizes_just_below_2_63_and_numpy_integers_are_accepted() -> None:
     assert cfg.max_quota == (1 << 63) - 64 * KiB
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("fill_threads", True),
+        ("fill_threads", 2.0),
+        ("fill_threads", "2"),
+        ("fill_threads", np.True_),
+        ("device", True),
+        ("device", False),
+        ("device", 0.0),
+        ("device", "0"),
+        ("numa_node", False),
+        ("numa_node", 0.0),
+        ("numa_node", "0"),
+        ("numa_node", "any"),
+    ],
+)
+def test_integer_fields_refuse_bool_float_and_strings(field: str, value: object) -> None:
+    with pytest.raises(ValidationError) as info:
+        HostTierConfig(quota="1GiB", max_quota="2GiB", **{field: value})  # type: ignore[arg-type]
+    assert f"{field} must be an integer" in str(info.value)
+
+
+def test_integer_fields_accept_numpy_integers_as_plain_ints() -> None:
+    cfg = HostTierConfig(quota="1GiB", max_quota="2GiB", fill_threads=np.int64(3), device=np.uint8(0))
+    assert cfg.fill_threads == 3 and type(cfg.fill_threads) is int
+    assert cfg.device == 0 and type(cfg.device) is int
+    node = HostTierConfig(quota="1GiB", max_quota="2GiB", numa_node=np.int32(0)).numa_node
+    assert node == 0 and type(node) is int
+    assert HostTierConfig(quota="1GiB", max_quota="2GiB", numa_node=None).numa_node is None
+    assert HostTierConfig(quota="1GiB", max_quota="2GiB", device=None).device is None
+
+
 def test_config_is_frozen() -> None:
     cfg = HostTierConfig(quota="1GiB", max_quota="2GiB")
     with pytest.raises(ValidationError):
@@ -106,6 +139,7 @@ def test_config_is_frozen() -> None:
         (dict(quota="1GiB", max_quota="2GiB", slot_size="4MiB", commit_unit="2MiB"), "commit_unit"),
         (dict(quota="1GiB", max_quota="2GiB", commit_unit="3MiB"), "commit_unit"),
         (dict(quota="1GiB", max_quota="2GiB", fill_threads=0), "fill_threads"),
+        (dict(quota="1GiB", max_quota="2GiB", fill_threads=257), "fill_threads"),
         (dict(quota="1GiB", max_quota="2GiB", fill_chunk=0), "fill_chunk"),
         (dict(quota="1GiB", max_quota="2GiB", numa_node=-1), "numa_node"),
         (dict(quota="1GiB", max_quota="2GiB", numa_node=4096), "numa_node"),
