@@ -3,14 +3,18 @@
 Every model is frozen and forbids unknown keys; sizes accept integers or
 strings such as ``"64GiB"``. Defaults that depend on the host (``max_quota``,
 ``commit_unit``) are resolved during validation, so a validated config holds
-concrete numbers and the hot paths never touch pydantic.
+concrete numbers, and ``HostTierConfig.resolved`` hands them to the hot paths
+as plain ints, so those never touch pydantic.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from typing import Annotated, Literal, SupportsIndex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Annotated, Any, Literal, Self, SupportsIndex
 
 from pydantic import (
     BaseModel,
@@ -28,7 +32,7 @@ from pydantic import (
 from . import _sysinfo
 from ._host._linux import PAGE_SIZE
 
-__all__ = ["CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig"]
+__all__ = ["CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig", "ResolvedHostConfig"]
 
 PositiveSize = Annotated[ByteSize, Field(gt=0)]
 MiB = 1 << 20
@@ -83,6 +87,28 @@ def default_max_quota() -> int:
     return min(total, limit) if limit is not None else total
 
 
+@dataclass(frozen=True, slots=True)
+class ResolvedHostConfig:
+    """A validated :class:`HostTierConfig` as plain values, for code that must not touch pydantic.
+
+    Every size is a plain ``int`` in bytes, already rounded (``quota`` and
+    ``max_quota`` to whole slots) and with its default resolved. ``numa_node``
+    is as configured: ``"auto"`` needs the device's node, found when opening.
+    """
+
+    quota: int
+    max_quota: int
+    slot_size: int
+    fill_chunk: int
+    commit_unit: int
+    fill_threads: int
+    numa_node: int | Literal["auto"] | None
+    allow_remote_numa_fallback: bool
+    transparent_huge_pages: bool
+    device: int | None
+    backing: Literal["host", "register", "vmm"]
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -121,6 +147,9 @@ class HostTierConfig(_Frozen):
     :param transparent_huge_pages: opt the range into THP (MADV_HUGEPAGE);
         default off, since direct compaction can slow population tenfold.
     :param device: CUDA ordinal that will copy to and from the tier.
+
+    After validation, :attr:`resolved` holds every value as a plain ``int``
+    (or bool, literal, None) for code that must not touch pydantic.
 
     ``fill_threads``, ``numa_node`` and ``device`` take integers (anything
     ``operator.index`` accepts, numpy integers included) and hold a plain
@@ -235,6 +264,43 @@ class HostTierConfig(_Frozen):
         if self.backing != "auto":
             return self.backing
         return "host" if self.device is None else "vmm"
+
+    @cached_property
+    def resolved(self) -> ResolvedHostConfig:
+        """This config as plain values, built on first use and kept (the config is frozen).
+
+        Not a field: ``model_dump()``, equality and hashing ignore it.
+
+        :raises ValueError: the config was built with ``model_construct()``,
+            which skips the validation that resolves ``max_quota`` and
+            ``commit_unit``.
+        """
+        max_quota, commit_unit = self.max_quota, self.commit_unit
+        if max_quota is None or commit_unit is None:
+            raise ValueError("HostTierConfig.resolved needs a validated config, not one from model_construct()")
+        return ResolvedHostConfig(
+            quota=int(self.quota),
+            max_quota=int(max_quota),
+            slot_size=int(self.slot_size),
+            fill_chunk=int(self.fill_chunk),
+            commit_unit=int(commit_unit),
+            fill_threads=int(self.fill_threads),
+            numa_node=self.numa_node,
+            allow_remote_numa_fallback=self.allow_remote_numa_fallback,
+            transparent_huge_pages=self.transparent_huge_pages,
+            device=self.device,
+            backing=self.resolved_backing,
+        )
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy, as pydantic makes it (``update`` is not validated), that resolves its own values.
+
+        The cached :attr:`resolved` lives in the instance ``__dict__``, which
+        pydantic copies: left there, it would describe the original.
+        """
+        copied = super().model_copy(update=update, deep=deep)
+        copied.__dict__.pop("resolved", None)
+        return copied
 
 
 class GpuTierConfig(_Frozen):

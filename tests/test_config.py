@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 from pydantic import ByteSize, ValidationError
 
 from aiokvtier import CacheConfig, HostTierConfig
-from aiokvtier._config import default_max_quota
+from aiokvtier._config import ResolvedHostConfig, default_max_quota
 from aiokvtier._host._linux import PAGE_SIZE
 
 from .helpers import GiB, KiB, MiB
@@ -119,6 +121,60 @@ def test_integer_fields_accept_numpy_integers_as_plain_ints() -> None:
     assert node == 0 and type(node) is int
     assert HostTierConfig(quota="1GiB", max_quota="2GiB", numa_node=None).numa_node is None
     assert HostTierConfig(quota="1GiB", max_quota="2GiB", device=None).device is None
+
+
+def test_resolved_holds_plain_values() -> None:
+    cfg = HostTierConfig(quota="1GB", slot_size=np.int64(64 * KiB), fill_threads=np.int64(2), device=0, numa_node=None)
+    r = cfg.resolved
+    assert r == ResolvedHostConfig(
+        quota=10**9 // (64 * KiB) * (64 * KiB),
+        max_quota=default_max_quota() // (64 * KiB) * (64 * KiB),
+        slot_size=64 * KiB,
+        fill_chunk=512 * MiB,
+        commit_unit=512 * MiB,
+        fill_threads=2,
+        numa_node=None,
+        allow_remote_numa_fallback=True,
+        transparent_huge_pages=False,
+        device=0,
+        backing="vmm",
+    )
+    for name in ("quota", "max_quota", "slot_size", "fill_chunk", "commit_unit", "fill_threads", "device"):
+        assert type(getattr(r, name)) is int, name  # not ByteSize, not numpy
+    assert HostTierConfig(quota="1GiB", max_quota="2GiB").resolved.numa_node == "auto"
+
+
+def test_resolved_is_built_once_and_frozen() -> None:
+    cfg = HostTierConfig(quota="1GiB", max_quota="2GiB")
+    assert cfg.resolved is cfg.resolved
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.resolved.quota = 1  # type: ignore[misc]
+    assert not hasattr(cfg.resolved, "__dict__")  # slotted
+
+
+def test_resolved_leaves_equality_hashing_and_serialisation_alone() -> None:
+    read = HostTierConfig(quota="1GiB", max_quota="2GiB")
+    unread = HostTierConfig(quota="1GiB", max_quota="2GiB")
+    dumped, as_json = unread.model_dump(), unread.model_dump_json()
+    assert read.resolved.quota == GiB
+    assert read == unread and hash(read) == hash(unread)
+    assert read.model_dump() == dumped and "resolved" not in dumped
+    assert read.model_dump_json() == as_json and "resolved" not in as_json
+    assert "resolved" not in repr(read) and "resolved" not in HostTierConfig.model_json_schema()["properties"]
+    assert HostTierConfig.model_validate_json(as_json) == read
+    assert pickle.loads(pickle.dumps(read)) == read
+
+
+def test_a_copy_resolves_its_own_values() -> None:
+    cfg = HostTierConfig(quota="1GiB", max_quota="2GiB")
+    assert cfg.resolved.fill_threads == 1
+    assert cfg.model_copy(update={"fill_threads": 4}).resolved.fill_threads == 4
+    assert cfg.model_copy().resolved == cfg.resolved
+
+
+def test_resolved_refuses_an_unvalidated_config() -> None:
+    with pytest.raises(ValueError, match="model_construct"):
+        _ = HostTierConfig.model_construct(quota=ByteSize(GiB)).resolved
 
 
 def test_config_is_frozen() -> None:
