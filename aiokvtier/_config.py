@@ -30,9 +30,10 @@ from pydantic import (
 )
 
 from . import _sysinfo
+from ._errors import QuotaError
 from ._host._linux import PAGE_SIZE
 
-__all__ = ["CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig", "ResolvedHostConfig"]
+__all__ = ["CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig", "ResolvedHostConfig", "parse_quota"]
 
 PositiveSize = Annotated[ByteSize, Field(gt=0)]
 MiB = 1 << 20
@@ -78,6 +79,32 @@ def _size_bytes(value: object, name: str) -> int:
 
 def _show(size: int) -> str:
     return f"{size} bytes ({ByteSize(size).human_readable()})"
+
+
+def parse_quota(value: object, *, slot_size: int, max_quota: int) -> int:
+    """A new quota for a resize, by the rules of :attr:`HostTierConfig.quota`.
+
+    ``value`` is an integer or a size string (``"64GiB"``, ``"1GB"``); the
+    result is rounded down to whole slots of ``slot_size`` and is at least one
+    slot and at most ``max_quota``. Pure arithmetic: any thread may call it.
+
+    :raises QuotaError: bool, float or another type; a string that is not a
+        size; zero, negative or ``2**63`` bytes or more; below one slot once
+        rounded; or past ``max_quota``. The message names the rule and the value.
+    """
+    try:
+        size = _size_bytes(value, "quota")
+    except ValueError as exc:
+        raise QuotaError(str(exc)) from None
+    quota = size // slot_size * slot_size
+    if quota == 0:
+        raise QuotaError(f"quota {value!r} rounds down to zero slots: it is smaller than one slot ({_show(slot_size)})")
+    if quota > max_quota:
+        raise QuotaError(
+            f"quota {value!r} ({_show(quota)} in whole slots) exceeds max_quota ({_show(max_quota)}); "
+            "the reservation cannot grow"
+        )
+    return quota
 
 
 def default_max_quota() -> int:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from pydantic import ByteSize, ValidationError
 
-from aiokvtier import CacheConfig, HostTierConfig
-from aiokvtier._config import ResolvedHostConfig, default_max_quota
+from aiokvtier import CacheConfig, HostTierConfig, QuotaError
+from aiokvtier._config import ResolvedHostConfig, default_max_quota, parse_quota
 from aiokvtier._host._linux import PAGE_SIZE
 
 from .helpers import GiB, KiB, MiB
@@ -175,6 +175,53 @@ def test_a_copy_resolves_its_own_values() -> None:
 def test_resolved_refuses_an_unvalidated_config() -> None:
     with pytest.raises(ValueError, match="model_construct"):
         _ = HostTierConfig.model_construct(quota=ByteSize(GiB)).resolved
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (3 * 64 * KiB + 4096, 3 * 64 * KiB),
+        ("1GB", 10**9 // (64 * KiB) * (64 * KiB)),
+        ("64KiB", 64 * KiB),
+        (np.int64(GiB), GiB),
+        (ByteSize(2 * GiB), 2 * GiB),
+        (2 * GiB + 64 * KiB - 1, 2 * GiB),  # rounds down to max_quota
+    ],
+)
+def test_parse_quota_rounds_down_to_whole_slots(value: object, expected: int) -> None:
+    quota = parse_quota(value, slot_size=64 * KiB, max_quota=2 * GiB)
+    assert quota == expected and type(quota) is int
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (True, ["not bool"]),
+        (float(GiB), ["not float"]),
+        (None, ["not NoneType"]),
+        ("lots", ["'lots'", "not a size"]),
+        (0, ["more than 0", "0"]),
+        (-GiB, ["more than 0", str(-GiB)]),
+        (1 << 63, ["below 2**63", str(1 << 63)]),
+        ("8EiB", ["below 2**63", "'8EiB'"]),
+        (4096, ["zero slots", "4096"]),
+        ("63KiB", ["zero slots", "'63KiB'"]),
+        (2 * GiB + 64 * KiB, ["exceeds max_quota", str(2 * GiB + 64 * KiB)]),
+        ("3GiB", ["exceeds max_quota", "'3GiB'"]),
+    ],
+)
+def test_parse_quota_refusals_name_the_rule_and_the_value(value: object, words: list[str]) -> None:
+    with pytest.raises(QuotaError) as info:
+        parse_quota(value, slot_size=64 * KiB, max_quota=2 * GiB)
+    assert isinstance(info.value, ValueError)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_parse_quota_agrees_with_the_config() -> None:
+    cfg = HostTierConfig(quota="1GB", max_quota="500GB").resolved
+    assert parse_quota("1GB", slot_size=cfg.slot_size, max_quota=cfg.max_quota) == cfg.quota
+    assert parse_quota("500GB", slot_size=cfg.slot_size, max_quota=cfg.max_quota) == cfg.max_quota
 
 
 def test_config_is_frozen() -> None:
