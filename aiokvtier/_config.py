@@ -3,13 +3,18 @@
 Every model is frozen and forbids unknown keys; sizes accept integers or
 strings such as ``"64GiB"``. Defaults that depend on the host (``max_quota``,
 ``commit_unit``) are resolved during validation, so a validated config holds
-concrete numbers and the hot paths never touch pydantic.
+concrete numbers, and ``HostTierConfig.resolved`` hands them to the hot paths
+as plain ints, so those never touch pydantic.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Annotated, Literal
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Annotated, Any, Literal, Self, SupportsIndex
 
 from pydantic import (
     BaseModel,
@@ -17,18 +22,89 @@ from pydantic import (
     ConfigDict,
     DirectoryPath,
     Field,
+    TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from . import _sysinfo
+from ._errors import QuotaError
 from ._host._linux import PAGE_SIZE
 
-__all__ = ["CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig"]
+__all__ = ["CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig", "ResolvedHostConfig", "parse_quota"]
 
 PositiveSize = Annotated[ByteSize, Field(gt=0)]
 MiB = 1 << 20
+SIZE_LIMIT = 1 << 63  # sizes reach mmap, madvise and the CUDA driver as signed 64-bit lengths
+_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+
+
+def _as_index(value: object) -> int | None:
+    """``operator.index(value)``, or None where that refuses it; bool is refused too."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # numpy.bool_ has __index__ only to refuse it
+        return None
+
+
+def _size_bytes(value: object, name: str) -> int:
+    """``value`` as a number of bytes: an integer, or a string such as ``"64GiB"`` or ``"1GB"``.
+
+    bool and float are refused: ``True`` is not a size, and a float has
+    already lost the low bits of a large one.
+
+    :raises ValueError: not an integer or a size string, not above zero, or
+        ``2**63`` bytes or more; the message names ``name`` and the rule.
+    """
+    if isinstance(value, str):
+        try:
+            size = int(_BYTE_SIZE.validate_python(value))
+        except ValidationError as exc:
+            raise ValueError(f"{name} {value!r} is not a size: {exc.errors()[0]['msg']}") from None
+    else:
+        index = _as_index(value)
+        if index is None:
+            raise ValueError(f"{name} must be an integer or a string such as '64GiB', not {type(value).__name__}")
+        size = index
+    if size <= 0:
+        raise ValueError(f"{name} must be more than 0 bytes, got {value!r}")
+    if size >= SIZE_LIMIT:
+        raise ValueError(f"{name} must be below 2**63 bytes, got {value!r}")
+    return size
+
+
+def _show(size: int) -> str:
+    return f"{size} bytes ({ByteSize(size).human_readable()})"
+
+
+def parse_quota(value: object, *, slot_size: int, max_quota: int) -> int:
+    """A new quota for a resize, by the rules of :attr:`HostTierConfig.quota`.
+
+    ``value`` is an integer or a size string (``"64GiB"``, ``"1GB"``); the
+    result is rounded down to whole slots of ``slot_size`` and is at least one
+    slot and at most ``max_quota``. Pure arithmetic: any thread may call it.
+
+    :raises QuotaError: bool, float or another type; a string that is not a
+        size; zero, negative or ``2**63`` bytes or more; below one slot once
+        rounded; or past ``max_quota``. The message names the rule and the value.
+    """
+    try:
+        size = _size_bytes(value, "quota")
+    except ValueError as exc:
+        raise QuotaError(str(exc)) from None
+    quota = size // slot_size * slot_size
+    if quota == 0:
+        raise QuotaError(f"quota {value!r} rounds down to zero slots: it is smaller than one slot ({_show(slot_size)})")
+    if quota > max_quota:
+        raise QuotaError(
+            f"quota {value!r} ({_show(quota)} in whole slots) exceeds max_quota ({_show(max_quota)}); "
+            "the reservation cannot grow"
+        )
+    return quota
 
 
 def default_max_quota() -> int:
@@ -38,6 +114,28 @@ def default_max_quota() -> int:
     return min(total, limit) if limit is not None else total
 
 
+@dataclass(frozen=True, slots=True)
+class ResolvedHostConfig:
+    """A validated :class:`HostTierConfig` as plain values, for code that must not touch pydantic.
+
+    Every size is a plain ``int`` in bytes, already rounded (``quota`` and
+    ``max_quota`` to whole slots) and with its default resolved. ``numa_node``
+    is as configured: ``"auto"`` needs the device's node, found when opening.
+    """
+
+    quota: int
+    max_quota: int
+    slot_size: int
+    fill_chunk: int
+    commit_unit: int
+    fill_threads: int
+    numa_node: int | Literal["auto"] | None
+    allow_remote_numa_fallback: bool
+    transparent_huge_pages: bool
+    device: int | None
+    backing: Literal["host", "register", "vmm"]
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -45,25 +143,44 @@ class _Frozen(BaseModel):
 class HostTierConfig(_Frozen):
     """The host tier: a progressively filled, slot-addressed range of CPU memory.
 
-    :param quota: bytes to make resident (rounded up to whole commit units).
+    Sizes are integers (numpy integers too) or strings such as ``"64GiB"`` or
+    ``"1GB"``; bool and float are refused. Every size must be above zero and
+    below ``2**63`` bytes. A size that breaks a rule is a ValidationError whose
+    message names the field and the rule.
+
+    :param quota: bytes to make resident, rounded down to whole slots (the last
+        commit unit may stay partial). The config holds and reports the rounded
+        value, so ``quota="1GB"`` with 2 MiB slots is 952 MiB. It must hold at
+        least one slot.
     :param max_quota: the address range reserved once; resizes stay below it.
+        Rounded down to whole slots like ``quota`` (which keeps it page-aligned),
+        and at least ``quota`` once both are rounded.
         None: host memory as the OS reports it, capped by the cgroup limit. On
         VMs whose MemTotal grows as memory is used, pass it explicitly.
-    :param slot_size: bytes per slot, a multiple of the page size.
+    :param slot_size: bytes per slot, a multiple of the page size and at most
+        ``quota``.
     :param fill_chunk: what a fill thread claims at a time; stopping and
         progress are checked between commit units inside it.
     :param commit_unit: unit of commit, decommit and GPU registration, a
         multiple of ``slot_size``. None: the multiple of ``slot_size`` nearest
         ``fill_chunk``.
-    :param fill_threads: threads making the range resident.
+    :param fill_threads: threads making the range resident, 1 to 256.
     :param numa_node: node to place pages on; ``"auto"`` is the GPU's node when
-        ``device`` is set and no binding otherwise; None never binds.
+        ``device`` is set and no binding otherwise; None never binds. A node
+        must be online.
     :param allow_remote_numa_fallback: True: MPOL_PREFERRED, and first touch by
         the bound fill thread where mbind is denied. False: MPOL_BIND, and a
         denied mbind fails the open.
     :param transparent_huge_pages: opt the range into THP (MADV_HUGEPAGE);
         default off, since direct compaction can slow population tenfold.
     :param device: CUDA ordinal that will copy to and from the tier.
+
+    After validation, :attr:`resolved` holds every value as a plain ``int``
+    (or bool, literal, None) for code that must not touch pydantic.
+
+    ``fill_threads``, ``numa_node`` and ``device`` take integers (anything
+    ``operator.index`` accepts, numpy integers included) and hold a plain
+    ``int``; bool, float and numeric strings are refused.
     :param backing: ``"host"`` (no GPU registration), ``"register"``,
         ``"vmm"`` or ``"auto"``.
     """
@@ -81,29 +198,30 @@ class HostTierConfig(_Frozen):
     device: Annotated[int, Field(ge=0)] | None = None
     backing: Literal["auto", "host", "register", "vmm"] = "auto"
 
-    @field_validator("max_quota")
+    @field_validator("quota", "max_quota", "slot_size", "fill_chunk", "commit_unit", mode="before")
     @classmethod
-    def _max_quota(cls, value: ByteSize | None, info: ValidationInfo) -> ByteSize:
-        quota = info.data.get("quota")
-        if value is None:
-            value = ByteSize(default_max_quota())
-            if quota is not None and quota > value:
-                raise ValueError(
-                    f"quota ({quota.human_readable()}) exceeds the host memory available "
-                    f"({value.human_readable()}); set max_quota explicitly to reserve more"
-                )
-        elif quota is not None and value < quota:
-            raise ValueError(f"max_quota ({value.human_readable()}) is below quota ({quota.human_readable()})")
-        return value
+    def _size(cls, value: object, info: ValidationInfo) -> int | None:
+        if value is None and info.field_name in ("max_quota", "commit_unit"):
+            return None  # resolved below, once the sizes it depends on are known
+        return _size_bytes(value, str(info.field_name))
+
+    @field_validator("fill_threads", "device", "numa_node", mode="before")
+    @classmethod
+    def _strict_int(cls, value: object, info: ValidationInfo) -> object:
+        if value is None or (info.field_name == "numa_node" and value == "auto"):
+            return value  # the field's type says whether None is allowed
+        index = _as_index(value)
+        if index is None:
+            # Without this, pydantic's lax mode turns True into 1 and "1" or 1.0 into 1.
+            also = ", 'auto' or None" if info.field_name == "numa_node" else ""
+            raise ValueError(f"{info.field_name} must be an integer{also}, not {type(value).__name__} {value!r}")
+        return index
 
     @field_validator("slot_size")
     @classmethod
-    def _slot_size(cls, value: ByteSize, info: ValidationInfo) -> ByteSize:
+    def _slot_size(cls, value: ByteSize) -> ByteSize:
         if value % PAGE_SIZE:
             raise ValueError(f"slot_size ({value}) must be a multiple of the {PAGE_SIZE}-byte page")
-        quota = info.data.get("quota")
-        if quota is not None and value > quota:
-            raise ValueError(f"slot_size ({value}) is larger than quota ({quota})")
         return value
 
     @field_validator("commit_unit")
@@ -114,7 +232,10 @@ class HostTierConfig(_Frozen):
             return value
         if value is None:
             chunk = info.data.get("fill_chunk") or 512 * MiB
-            return ByteSize(max(1, round(chunk / slot)) * slot)
+            value = ByteSize(max(1, round(chunk / slot)) * slot)
+            if value >= SIZE_LIMIT:
+                raise ValueError(f"commit_unit (derived from fill_chunk, {value}) must be below 2**63 bytes")
+            return value
         if value < slot:
             raise ValueError(f"commit_unit ({value}) is smaller than slot_size ({slot})")
         if value % slot:
@@ -131,6 +252,34 @@ class HostTierConfig(_Frozen):
         return value
 
     @model_validator(mode="after")
+    def _whole_slots(self) -> HostTierConfig:
+        slot = int(self.slot_size)
+        quota = int(self.quota) // slot * slot
+        if quota == 0:
+            raise ValueError(
+                f"quota ({_show(self.quota)}) rounds down to zero slots: slot_size ({_show(slot)}) is larger than quota"
+            )
+        if self.max_quota is None:
+            maximum = default_max_quota() // slot * slot
+            if maximum < quota:
+                raise ValueError(
+                    f"quota ({_show(quota)}) exceeds the host memory available "
+                    f"({_show(maximum)}); set max_quota explicitly to reserve more"
+                )
+        else:
+            maximum = int(self.max_quota) // slot * slot
+            if maximum == 0:
+                raise ValueError(
+                    f"max_quota ({_show(self.max_quota)}) rounds down to zero slots of slot_size ({_show(slot)})"
+                )
+            if maximum < quota:
+                raise ValueError(f"max_quota ({_show(maximum)}) is below quota ({_show(quota)})")
+        # slot_size is validated after quota and max_quota, so only here can they be
+        # rounded; the model is frozen, and nobody has seen (or hashed) it yet.
+        self.__dict__.update(quota=ByteSize(quota), max_quota=ByteSize(maximum))
+        return self
+
+    @model_validator(mode="after")
     def _backing_needs_device(self) -> HostTierConfig:
         if self.backing in ("register", "vmm") and self.device is None:
             raise ValueError(f"backing={self.backing!r} needs a CUDA device: set device")
@@ -142,6 +291,43 @@ class HostTierConfig(_Frozen):
         if self.backing != "auto":
             return self.backing
         return "host" if self.device is None else "vmm"
+
+    @cached_property
+    def resolved(self) -> ResolvedHostConfig:
+        """This config as plain values, built on first use and kept (the config is frozen).
+
+        Not a field: ``model_dump()``, equality and hashing ignore it.
+
+        :raises ValueError: the config was built with ``model_construct()``,
+            which skips the validation that resolves ``max_quota`` and
+            ``commit_unit``.
+        """
+        max_quota, commit_unit = self.max_quota, self.commit_unit
+        if max_quota is None or commit_unit is None:
+            raise ValueError("HostTierConfig.resolved needs a validated config, not one from model_construct()")
+        return ResolvedHostConfig(
+            quota=int(self.quota),
+            max_quota=int(max_quota),
+            slot_size=int(self.slot_size),
+            fill_chunk=int(self.fill_chunk),
+            commit_unit=int(commit_unit),
+            fill_threads=int(self.fill_threads),
+            numa_node=self.numa_node,
+            allow_remote_numa_fallback=self.allow_remote_numa_fallback,
+            transparent_huge_pages=self.transparent_huge_pages,
+            device=self.device,
+            backing=self.resolved_backing,
+        )
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy, as pydantic makes it (``update`` is not validated), that resolves its own values.
+
+        The cached :attr:`resolved` lives in the instance ``__dict__``, which
+        pydantic copies: left there, it would describe the original.
+        """
+        copied = super().model_copy(update=update, deep=deep)
+        copied.__dict__.pop("resolved", None)
+        return copied
 
 
 class GpuTierConfig(_Frozen):
