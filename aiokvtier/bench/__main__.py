@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     host.add_argument("--pairs", type=int, default=1_000_000)
     host.add_argument("--bookkeeping-gib", type=float, default=16)
     host.add_argument("--repeats", type=int, default=3)
+    host.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
     cuda = sub.add_parser("cuda", help="CUDA backings and copies (needs a GPU)")
     cuda.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
     cuda.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
