@@ -18,6 +18,7 @@ from .._cuda._driver import PrimaryContext, check, driver
 from .._cuda._engine import CopyEngine
 from .._cuda._static import StaticHostMem
 from .._host._tier import HostTier
+from . import _cold
 from ._common import GiB, MiB, loop_factories, median, run_on, run_sections, sample_loop_lag, summary_ms
 
 
@@ -409,6 +410,7 @@ def run(args: Any) -> dict[str, Any]:
             "1_process": contention(1, (1 if quick else 8) * GiB),
             "8_processes": contention(8, (1 if quick else 6) * GiB),
         },
+        "cold": lambda: _cold.section(args, ["host", "register", "vmm"], cuda=True, quick=quick),
     }
     return run_sections(sections, args.sections)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from .._config import HostTierConfig
 from .._host._tier import HostTier
+from . import _cold
 from ._common import GiB, MiB, bare_populate, loop_factories, median, run_on, run_sections, sample_loop_lag, summary_ms
 
 
@@ -156,5 +157,6 @@ def run(args: Any) -> dict[str, Any]:
         "event_loop_lag_during_fill": lambda: loop_lag(fill),
         "slot_operations": lambda: slot_ops(int(args.ops_gib * GiB), args.pairs),
         "bookkeeping": lambda: asyncio.run(_bookkeeping(int(args.bookkeeping_gib * GiB), 64 << 10)),
+        "cold": lambda: _cold.section(args, ["host"], cuda=False),
     }
     return run_sections(sections, args.sections)
