@@ -21,7 +21,7 @@ from .._config import HostTierConfig
 from .._host._tier import HostTier
 from ._common import GiB, MiB, median
 
-GOAL_MS = 30  # DESIGN.md section 7: cold first allocation, CUDA context made beforehand
+GOAL_MS = 30  # the target for the cold figure, measured as DESIGN.md section 7 defines it
 SETTLE_S = 0.5
 SLOT = 2 * MiB
 
