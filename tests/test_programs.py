@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,8 +49,10 @@ def test_host_benchmark_prints_json_side_by_side() -> None:
     out = _run(
         "-m", "aiokvtier.bench", "host", "--sizes", "0.25", "--fill-gib", "0.25", "--repeats", "1",
         "--pairs", "10000", "--ops-gib", "0.5", "--bookkeeping-gib", "0.25",
+        "--cold-gib", "0.25", "--cold-repeats", "1", "--cold-threads", "1",
     )  # fmt: skip
     report = json.loads(out)
+    assert list(report["cold"]["arms"]) == ["host_threads1"]
     row = report["time_to_first_allocation"][0]
     assert row["sooner_x"] > 0 and row["upfront_resident_ms"] > 0
     assert {"bare_populate_gib_s", "aiokvtier_threads1_gib_s", "ratio_threads2"} <= set(report["fill_throughput"])
@@ -56,10 +60,45 @@ def test_host_benchmark_prints_json_side_by_side() -> None:
     assert report["bookkeeping"]["slots"] == 4096
 
 
-@pytest.mark.cuda
-def test_cuda_benchmark_copy_sections_print_json_side_by_side() -> None:
-    out = _run("-m", "aiokvtier.bench", "cuda", "--quick", "--sections", "copy_bandwidth")
+def _check_cold(section: dict[str, Any], arms: list[str]) -> None:
+    assert section["loop"] == "asyncio" and section["python"] == platform.python_version()
+    assert list(section["arms"]) == arms
+    for arm in section["arms"].values():
+        assert {"backing", "fill_threads", "cold_ms", "warm_ms_median", "ratio_cold_warm", "goal_ms"} <= set(arm)
+        assert set(arm["cold_ms"]) == {"median", "min", "max"}
+        assert 0 < arm["cold_ms"]["min"] <= arm["cold_ms"]["median"] <= arm["cold_ms"]["max"]
+        assert arm["warm_ms_median"] > 0 and arm["ratio_cold_warm"] > 0 and arm["goal_ms"] == 30
+
+
+def test_host_benchmark_cold_section_reports_cold_beside_warm() -> None:
+    out = _run(
+        "-m", "aiokvtier.bench", "host", "--sections", "cold",
+        "--cold-gib", "1", "--cold-repeats", "1", "--cold-threads", "1", "2",
+    )  # fmt: skip
     report = json.loads(out)
+    assert list(report) == ["mode", "machine", "cold"]
+    cold = report["cold"]
+    assert cold["quota_gib"] == 1 and cold["slot_mib"] == 2 and cold["repeats"] == 1
+    assert "cuda_context" not in cold
+    _check_cold(cold, ["host_threads1", "host_threads2"])
+    assert [a["fill_threads"] for a in cold["arms"].values()] == [1, 2]
+
+
+def test_host_benchmark_refuses_an_unknown_section() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "aiokvtier.bench", "host", "--sections", "cold", "nope"],
+        capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode != 0 and "unknown sections ['nope']" in done.stderr and "cold" in done.stderr
+
+
+@pytest.mark.cuda
+def test_cuda_benchmark_copy_and_cold_sections_print_json_side_by_side() -> None:
+    out = _run("-m", "aiokvtier.bench", "cuda", "--quick", "--sections", "copy_bandwidth", "cold")
+    report = json.loads(out)
+    cold = report["cold"]
+    assert cold["quota_gib"] == 2 and cold["repeats"] == 1 and cold["cuda_context"] in ("torch", "cuda-bindings")
+    _check_cold(cold, [f"{b}_threads{k}" for b in ("host", "register", "vmm") for k in (1, 4)])
     study = json.loads(_run(str(ROOT / "benchmarks" / "copy_submission.py"), "--gib", "0.25", "--rounds", "1"))
     for direction in ("h2d", "d2h"):
         arms = study[direction]

@@ -9,6 +9,13 @@ import sys
 from ._common import machine
 
 
+def _cold_options(parser: argparse.ArgumentParser, gib: str, repeats: str) -> None:
+    cold = parser.add_argument_group("cold section (a fresh process per sample)")
+    cold.add_argument("--cold-gib", type=float, help=f"quota and max_quota of each tier, GiB (default {gib})")
+    cold.add_argument("--cold-repeats", type=int, help=f"fresh processes per arm (default {repeats})")
+    cold.add_argument("--cold-threads", type=int, nargs="+", default=[1, 4], help="fill_threads values (default 1 4)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m aiokvtier.bench")
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -19,9 +26,12 @@ def main(argv: list[str] | None = None) -> None:
     host.add_argument("--pairs", type=int, default=1_000_000)
     host.add_argument("--bookkeeping-gib", type=float, default=16)
     host.add_argument("--repeats", type=int, default=3)
+    host.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
+    _cold_options(host, "64", "5")
     cuda = sub.add_parser("cuda", help="CUDA backings and copies (needs a GPU)")
     cuda.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
     cuda.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
+    _cold_options(cuda, "64; 2 with --quick", "5; 1 with --quick")
     ranks = sub.add_parser("ranks", help="one rank per GPU filling at once (needs the cuda extra)")
     ranks.add_argument("--size-gib", type=float, default=8)
     args = parser.parse_args(argv)

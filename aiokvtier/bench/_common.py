@@ -77,6 +77,15 @@ async def sample_loop_lag(stop: asyncio.Future[Any] | asyncio.Task[Any], period:
     return lags
 
 
+def run_sections(sections: dict[str, Callable[[], Any]], chosen: list[str] | None) -> dict[str, Any]:
+    """Run the chosen sections (default: all) in the order given; an unknown name exits with the choices."""
+    names = chosen or list(sections)
+    unknown = set(names) - set(sections)
+    if unknown:
+        raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {list(sections)}")
+    return {name: sections[name]() for name in names}
+
+
 def machine() -> dict[str, Any]:
     import os
 

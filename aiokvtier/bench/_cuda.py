@@ -18,7 +18,8 @@ from .._cuda._driver import PrimaryContext, check, driver
 from .._cuda._engine import CopyEngine
 from .._cuda._static import StaticHostMem
 from .._host._tier import HostTier
-from ._common import GiB, MiB, loop_factories, median, run_on, sample_loop_lag, summary_ms
+from . import _cold
+from ._common import GiB, MiB, loop_factories, median, run_on, run_sections, sample_loop_lag, summary_ms
 
 
 def _cfg(size: int, backing: str, threads: int = 1, slot: int = 2 * MiB, device: int = 0) -> HostTierConfig:
@@ -409,12 +410,9 @@ def run(args: Any) -> dict[str, Any]:
             "1_process": contention(1, (1 if quick else 8) * GiB),
             "8_processes": contention(8, (1 if quick else 6) * GiB),
         },
+        "cold": lambda: _cold.section(args, ["host", "register", "vmm"], cuda=True, quick=quick),
     }
-    chosen = args.sections or list(sections)
-    unknown = set(chosen) - set(sections)
-    if unknown:
-        raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {list(sections)}")
-    return {name: sections[name]() for name in chosen}
+    return run_sections(sections, args.sections)
 
 
 def run_ranks(args: Any) -> dict[str, Any]:

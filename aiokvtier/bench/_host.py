@@ -6,11 +6,13 @@ import asyncio
 import gc
 import time
 import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
 from .._config import HostTierConfig
 from .._host._tier import HostTier
-from ._common import GiB, MiB, bare_populate, loop_factories, median, run_on, sample_loop_lag, summary_ms
+from . import _cold
+from ._common import GiB, MiB, bare_populate, loop_factories, median, run_on, run_sections, sample_loop_lag, summary_ms
 
 
 def _config(size: int, **overrides: Any) -> HostTierConfig:
@@ -148,12 +150,13 @@ async def _bookkeeping(size: int, slot_size: int) -> dict[str, Any]:
 
 
 def run(args: Any) -> dict[str, Any]:
-    sizes = [int(s * GiB) for s in args.sizes]
     fill = int(args.fill_gib * GiB)
-    return {
-        "time_to_first_allocation": time_to_first_allocation(sizes, args.repeats),
-        "fill_throughput": fill_throughput(fill, [1, 2], args.repeats),
-        "event_loop_lag_during_fill": loop_lag(fill),
-        "slot_operations": slot_ops(int(args.ops_gib * GiB), args.pairs),
-        "bookkeeping": asyncio.run(_bookkeeping(int(args.bookkeeping_gib * GiB), 64 << 10)),
+    sections: dict[str, Callable[[], Any]] = {
+        "time_to_first_allocation": lambda: time_to_first_allocation([int(s * GiB) for s in args.sizes], args.repeats),
+        "fill_throughput": lambda: fill_throughput(fill, [1, 2], args.repeats),
+        "event_loop_lag_during_fill": lambda: loop_lag(fill),
+        "slot_operations": lambda: slot_ops(int(args.ops_gib * GiB), args.pairs),
+        "bookkeeping": lambda: asyncio.run(_bookkeeping(int(args.bookkeeping_gib * GiB), 64 << 10)),
+        "cold": lambda: _cold.section(args, ["host"], cuda=False),
     }
+    return run_sections(sections, args.sections)
