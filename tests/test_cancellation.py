@@ -359,6 +359,10 @@ async def test_resize_cancelled_while_queued_changes_nothing(monkeypatch: pytest
         try:
             gate.allow(4)
             await asyncio.wait_for(tier.wait_resident(4 * MiB), HANG)
+            for _ in range(500):  # until the fill thread is inside the held populate of unit 4
+                if gate.calls > 4:
+                    break
+                await asyncio.sleep(0.01)
             # Unit 4 is being populated (held): a shrink to 2 MiB waits for it, holding the resize lock.
             first = asyncio.create_task(tier.resize(2 * MiB))
             await asyncio.sleep(0.01)
