@@ -103,7 +103,7 @@ async def test_slot_at_unit_edge_and_page_smaller_than_slot() -> None:
 
 
 async def test_planner_refusals_change_nothing() -> None:
-    async with HostTier(small_config()) as tier, CopyEngine(None) as engine:
+    async with HostTier(small_config()) as tier, StaticHostMem(2 * SLOT) as stage, CopyEngine(None) as engine:
         await tier.wait_resident()
         slots = await tier.allocate(32)
         with pytest.raises(SlotError):
@@ -118,12 +118,10 @@ async def test_planner_refusals_change_nothing() -> None:
             await engine.to_device(tier, slots[:1], np.zeros((1, 2 * SLOT), np.uint8))
         with pytest.raises(ValueError, match="needs a CUDA device"):
             await engine.to_device(tier, slots[:1], _pages(1), after=0)
-        staging = np.zeros(2 * SLOT, np.uint8)
-        dst = staging.__array_interface__["data"][0]
         # Slot 15 ends unit 0; reading two slots from it crosses into unit 1: the driver would refuse.
         with pytest.raises(CopyPlanError, match="two registrations"):
-            await engine.copy([(dst, tier.address(slots[15]), 2 * SLOT)])
-        assert not staging.any() and engine.statistics().jobs_submitted == 0
+            await engine.copy([(stage.address, tier.address(slots[15]), 2 * SLOT)])
+        assert not any(stage.view()) and engine.statistics().jobs_submitted == 0
 
 
 async def test_copy_beyond_the_committed_prefix_is_refused(gate: PopulateGate) -> None:
@@ -131,10 +129,8 @@ async def test_copy_beyond_the_committed_prefix_is_refused(gate: PopulateGate) -
         gate.allow(1)
         await tier.wait_resident(MiB)
         slot = await tier.allocate()
-        staging = np.zeros(SLOT, np.uint8)
-        dst = staging.__array_interface__["data"][0]
         with pytest.raises(CopyPlanError, match="committed"):
-            await engine.copy([(dst, tier.address(slot) + MiB, SLOT)])
+            await engine.copy([(tier.address(slot), tier.address(slot) + MiB, SLOT)])
         gate.release_all()
 
 
@@ -236,12 +232,13 @@ async def test_static_host_mem_on_a_numa_node() -> None:
 
 
 async def test_one_dimensional_integer_arrays_are_addresses() -> None:
-    async with HostTier(small_config()) as tier, CopyEngine(None) as engine:
+    async with HostTier(small_config()) as tier, StaticHostMem(2 * SLOT) as stage, CopyEngine(None) as engine:
         await tier.wait_resident()
         slots = await tier.allocate(2)
         pages = _pages(2, 9)
-        base = pages.__array_interface__["data"][0]
-        addresses = np.array([base + SLOT, base], dtype=np.uint64)  # a numpy array of addresses, not a buffer
+        stage.view()[:] = pages.tobytes()
+        # A numpy array of addresses, not a buffer; without a device they must lie in a known region.
+        addresses = np.array([stage.address + SLOT, stage.address], dtype=np.uint64)
         await engine.to_host(tier, slots, addresses)
         assert bytes(tier.view(slots[0])) == pages[1].tobytes()
         assert engine.statistics().bytes_copied == 2 * SLOT

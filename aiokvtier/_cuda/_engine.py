@@ -30,12 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import _regions
 from .._crossing import Outcome, deliver
 from .._errors import CopyPlanError, CudaError
 from .._lifecycle import Lifecycle, finish
 from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
 from ._plan import U64, Plan, plan
+from ._requests import buffer_addresses as _buffer_addresses
+from ._requests import check_disjoint, copy_table, registrations
+from ._requests import stream_handle as _stream_handle
 
 if TYPE_CHECKING:
     from .._host._tier import HostTier
@@ -43,64 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["CopyEngine", "CopyStatistics"]
 
 log = logging.getLogger("aiokvtier")
-
-
-def _stream_handle(obj: Any) -> tuple[str, int]:
-    """``("stream" | "event", handle)`` for an ``after=`` argument."""
-    name = type(obj).__name__
-    if name == "CUevent":
-        return "event", int(obj)
-    if name == "CUstream":
-        return "stream", int(obj)
-    if hasattr(obj, "__cuda_stream__"):
-        return "stream", int(obj.__cuda_stream__()[1])
-    if hasattr(obj, "cuda_stream"):
-        return "stream", int(obj.cuda_stream)
-    if hasattr(obj, "cuda_event"):
-        return "event", int(obj.cuda_event)
-    if isinstance(obj, int) and not isinstance(obj, bool):
-        return "stream", obj
-    raise TypeError(
-        f"after= takes a CUDA stream or event (handle, CUstream/CUevent, or an object with "
-        f"cuda_stream/__cuda_stream__), not {name}"
-    )
-
-
-def _buffer_addresses(obj: Any, n: int, default_page: int) -> tuple[U64, int]:
-    """Per-slot addresses of ``obj`` and the page size.
-
-    ``obj`` is a buffer of one page per slot (anything with
-    ``__cuda_array_interface__``, or a host array of two or more dimensions),
-    or else one address per slot (a sequence or 1-D integer array).
-    """
-    iface = getattr(obj, "__cuda_array_interface__", None)
-    if iface is None:
-        host = getattr(obj, "__array_interface__", None)
-        iface = host if host is not None and len(host["shape"]) >= 2 else None
-    if iface is None:
-        if isinstance(obj, int | np.integer):
-            raise TypeError("give one address per slot, or an array with one page per slot")
-        addrs = np.asarray(obj)
-        if addrs.shape != (n,) or addrs.dtype.kind not in "iu":
-            raise ValueError(f"expected {n} integer addresses, got shape {addrs.shape} of {addrs.dtype}")
-        return addrs.astype(np.uint64), default_page
-    shape = tuple(iface["shape"])
-    itemsize = np.dtype(iface["typestr"]).itemsize
-    strides = iface.get("strides")
-    if strides is not None:
-        expect, contiguous = itemsize, True
-        for dim, stride in zip(reversed(shape), reversed(strides), strict=True):
-            if dim > 1 and stride != expect:
-                contiguous = False
-            expect *= dim
-        if not contiguous:
-            raise ValueError("the buffer must be C-contiguous")
-    if not shape or shape[0] != n:
-        raise ValueError(f"the buffer's first dimension must be one page per slot ({n}), got shape {shape}")
-    total = int(np.prod(shape, dtype=np.int64)) * itemsize
-    page = total // n
-    base = int(iface["data"][0])
-    return np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(page), page
 
 
 @dataclass(eq=False)
@@ -263,34 +207,46 @@ class CopyEngine:
         (``__cuda_array_interface__``) with one page per slot. Returns once the bytes landed.
 
         :raises SlotError: a slot is not allocated.
-        :raises CopyPlanError: a copy would leave the committed range or cross a registration.
+        :raises CopyPlanError: a copy would leave the committed range or cross a registration,
+            two destinations overlap, or (host-to-host engine) an address lies in no open tier
+            or StaticHostMem.
+        :raises TypeError: an address is not an integer (bools and floats are refused).
+        :raises ValueError: no slots, a read-only, non-contiguous or misshapen ``dst``.
         :raises CudaError: the driver refused the batch.
         """
-        await self._run(self._plan_slots(tier, slots, dst, "h2d"), "h2d", after, (tier, dst), [tier])
+        planned, owners = self._plan_slots(tier, slots, dst, "h2d")
+        await self._run(planned, "h2d", after, (tier, dst), owners)
 
     async def to_host(self, tier: HostTier, slots: Sequence[int] | Any, src: Any, *, after: Any = None) -> None:
         """Copy device pages into slots (one address or page per slot); the reverse of :meth:`to_device`.
 
         ``after`` (a stream or event) is waited for on the GPU first, so a
         copy can follow the compute that wrote the pages without a host sync.
+
+        :raises: as :meth:`to_device`; a slot given twice is a :class:`SlotError`.
         """
-        await self._run(self._plan_slots(tier, slots, src, "d2h"), "d2h", after, (tier, src), [tier])
+        planned, owners = self._plan_slots(tier, slots, src, "d2h")
+        await self._run(planned, "d2h", after, (tier, src), owners)
 
     async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
         """Raw ``(dst, src, nbytes)`` copies: tier slots, StaticHostMem, device to device.
 
         Host spans inside a known tier or StaticHostMem are checked: they must
-        stay inside one registration and inside what is committed.
+        stay inside one registration and inside what is committed. Without a
+        device every span must lie in one of those.
+
+        :raises TypeError: a copy is not a triple of integers (bools and floats are refused).
+        :raises ValueError: no copies, a negative address or size, or a copy of zero bytes.
+        :raises CopyPlanError: a span crosses a registration or leaves the committed range,
+            two destinations overlap, or (host-to-host engine) a span lies in no open tier or
+            StaticHostMem.
+        :raises CudaError: the driver refused the batch.
         """
         self._check_open()
-        table = np.asarray(list(copies), dtype=np.int64).reshape(-1, 3)
-        if len(table) == 0:
-            return
-        if (table < 0).any():
-            raise ValueError("addresses and sizes must be non-negative")
-        dst_reg, owners_d = self._registrations(table[:, 0], table[:, 2])
-        src_reg, owners_s = self._registrations(table[:, 1], table[:, 2])
-        owners = owners_d + owners_s
+        table = copy_table(copies)
+        check_disjoint(table[:, 0], table[:, 2])
+        sides = (table[:, 0], table[:, 1])
+        (dst_reg, src_reg), owners = registrations(sides, table[:, 2], known_only=self.device is None)
         planned = plan(table[:, 0], table[:, 1], table[:, 2], dst_reg=dst_reg, src_reg=src_reg)
         await self._run(planned, "any", after, tuple(owners), owners)
 
@@ -318,8 +274,11 @@ class CopyEngine:
 
     # -- planning (on the loop) ---------------------------------------------------------
 
-    def _plan_slots(self, tier: HostTier, slots: Any, buffer: Any, direction: str) -> Plan:
-        """Check the slots and the device side, then plan in the host side's address order."""
+    def _plan_slots(self, tier: HostTier, slots: Any, buffer: Any, direction: str) -> tuple[Plan, list[Any]]:
+        """Check the slots and the device side, then plan in the host side's address order.
+
+        Returns the plan and the regions whose close must wait for it.
+        """
         self._check_open()
         tier._check_open()
         if self.device is not None and tier.config.device not in (None, self.device):
@@ -331,34 +290,25 @@ class CopyEngine:
             raise ValueError("no slots to copy")
         page, base, layout = tier._slot_size, np.uint64(tier._base), tier._layout
         host = base + ids.astype(np.uint64) * np.uint64(page)
-        other, page = _buffer_addresses(buffer, len(host), page)
+        h2d = direction == "h2d"
+        other, page, regions = _buffer_addresses(buffer, len(host), page, writable=h2d, host_only=self.device is None)
         self._check_page(tier, page)
+        if h2d:
+            check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
+        owners = [tier, *(r for r in regions if r is not tier)]
 
         def registration(addresses: U64) -> Any:
             return layout.units_at(addresses - base)  # one registration per commit unit
 
-        if direction == "h2d":
-            return plan(other, host, page, src_reg=registration, n=len(host))
-        return plan(host, other, page, dst_reg=registration, n=len(host), order_by="dst", distinct_order_side=True)
+        if h2d:
+            return plan(other, host, page, src_reg=registration, n=len(host)), owners
+        planned = plan(host, other, page, dst_reg=registration, n=len(host), order_by="dst", distinct_order_side=True)
+        return planned, owners
 
     @staticmethod
     def _check_page(tier: HostTier, page: int) -> None:
         if not 0 < page <= tier._slot_size:
             raise CopyPlanError(f"a page of {page} bytes does not fit a {tier._slot_size}-byte slot")
-
-    @staticmethod
-    def _registrations(addrs: Any, sizes: Any) -> tuple[Any, list[Any]]:
-        regs = np.empty(len(addrs), dtype=np.int64)
-        owners: dict[int, Any] = {}
-        for i, (addr, nbytes) in enumerate(zip(addrs.tolist(), sizes.tolist(), strict=True)):
-            hit = _regions.check_span(addr, nbytes)
-            if hit is None:
-                regs[i] = -1
-            else:
-                region, reg = hit
-                regs[i] = hash((id(region), reg)) & 0x7FFFFFFFFFFFFFFF
-                owners[id(region)] = region
-        return regs, list(owners.values())
 
     async def _run(
         self, planned: Plan, direction: str, after: Any, keepalive: tuple[Any, ...], owners: Sequence[Any]

@@ -1,0 +1,263 @@
+"""Checking a copy request before it is planned: pure functions, no event loop.
+
+Everything a caller hands the CopyEngine passes through here first: the raw
+``(dst, src, nbytes)`` table, the per-slot buffer or addresses, the ``after=``
+stream. Bad input raises before anything is submitted or counted, so a
+refused request changes nothing.
+
+What is refused, and why:
+
+- non-integers (``bool``, ``float``): numpy would truncate ``1.5e9`` or take
+  ``True`` as address 1 without a word (DESIGN section 7: exactly what
+  ``operator.index`` takes);
+- empty requests and zero-byte copies (DESIGN section 7);
+- a read-only destination buffer (``np.frombuffer(some_bytes)``): the copy
+  would overwrite an immutable object;
+- destinations that overlap: the DMA engines (and the batch) run copies in
+  no promised order, so the bytes that land are undefined;
+- on a host-to-host engine, a raw address outside every open tier and
+  StaticHostMem: ``memmove`` from a garbage address, or from a tier closed
+  meanwhile, kills the process instead of raising.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import _regions
+from .._errors import CopyPlanError
+from ._plan import U64
+
+__all__ = ["Side", "buffer_addresses", "check_disjoint", "copy_table", "integers", "registrations", "stream_handle"]
+
+I64 = npt.NDArray[np.int64]
+
+
+def stream_handle(obj: Any) -> tuple[str, int]:
+    """``("stream" | "event", handle)`` for an ``after=`` argument.
+
+    :raises TypeError: ``obj`` is neither a stream nor an event.
+    """
+    name = type(obj).__name__
+    if name == "CUevent":
+        return "event", int(obj)
+    if name == "CUstream":
+        return "stream", int(obj)
+    if hasattr(obj, "__cuda_stream__"):
+        return "stream", int(obj.__cuda_stream__()[1])
+    if hasattr(obj, "cuda_stream"):
+        return "stream", int(obj.cuda_stream)
+    if hasattr(obj, "cuda_event"):
+        return "event", int(obj.cuda_event)
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        return "stream", obj
+    raise TypeError(
+        f"after= takes a CUDA stream or event (handle, CUstream/CUevent, or an object with "
+        f"cuda_stream/__cuda_stream__), not {name}"
+    )
+
+
+def integers(values: Iterable[Any], what: str) -> I64:
+    """``values`` as a flat int64 array, taking exactly what ``operator.index`` takes, bools refused.
+
+    :raises TypeError: a value is a bool, a float or anything else that is not an integer;
+        the message names it.
+    :raises ValueError: a value does not fit 64 bits.
+    """
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind == "i":
+            return values.astype(np.int64, copy=False).reshape(-1)
+        if values.dtype.kind == "u":
+            if values.size and int(values.max()) >= 1 << 63:
+                raise ValueError(f"{what} {int(values.max())} does not fit 63 bits")
+            return values.astype(np.int64).reshape(-1)
+        first = values.reshape(-1)[0].item() if values.size else None
+        raise TypeError(f"{what} must be integers, not {values.dtype} (the first is {first!r})")
+    items = values if isinstance(values, list | tuple) else list(values)
+    # One pass in C over the types; the slow search for the culprit runs only to name it.
+    for kind in set(map(type, items)) - {int}:
+        if issubclass(kind, bool | np.bool_) or not hasattr(kind, "__index__"):
+            bad = next(v for v in items if type(v) is kind)
+            noun = "a bool" if issubclass(kind, bool | np.bool_) else f"a {kind.__name__}"
+            raise TypeError(f"{what} {bad!r} is {noun}, not an integer")
+    try:
+        return np.frombuffer(array("q", items), dtype=np.int64)
+    except OverflowError:
+        bad = next(v for v in items if not -(1 << 63) <= int(v) < 1 << 63)
+        raise ValueError(f"{what} {bad!r} does not fit 63 bits") from None
+
+
+def copy_table(copies: Iterable[tuple[int, int, int]]) -> I64:
+    """Raw ``(dst, src, nbytes)`` copies as an ``(n, 3)`` int64 table.
+
+    :raises TypeError: a copy is not a triple of integers (bools and floats are refused).
+    :raises ValueError: no copies, a triple of the wrong length, a negative
+        address or size, or a copy of zero bytes.
+    """
+    if isinstance(copies, np.ndarray):
+        if copies.ndim != 2 or copies.shape[1] != 3:
+            raise ValueError(f"copies: expected (dst, src, nbytes) rows, got an array of shape {copies.shape}")
+        table = integers(copies, "copy address or size").reshape(-1, 3)
+    else:
+        rows = copies if isinstance(copies, list | tuple) else list(copies)
+        try:
+            lengths = set(map(len, rows))
+        except TypeError:
+            raise TypeError("each copy is a (dst, src, nbytes) tuple") from None
+        if lengths - {3}:
+            raise ValueError(f"each copy is a (dst, src, nbytes) triple, got one of length {min(lengths - {3})}")
+        table = integers(list(itertools.chain.from_iterable(rows)), "copy address or size").reshape(-1, 3)
+    if len(table) == 0:
+        raise ValueError("no copies to make")
+    if (table < 0).any():
+        row = int(np.flatnonzero((table < 0).any(axis=1))[0])
+        raise ValueError(f"addresses and sizes must be non-negative: copy {row} is {tuple(table[row].tolist())}")
+    if not table[:, 2].all():
+        raise ValueError(f"copy {int(np.flatnonzero(table[:, 2] == 0)[0])} is a copy of zero bytes")
+    return table
+
+
+def check_disjoint(dsts: npt.ArrayLike, sizes: npt.ArrayLike) -> None:
+    """Refuse a request whose destination spans overlap (sizes are positive).
+
+    Copies of one batch run in no promised order, so overlapping writes land
+    undefined bytes. Sorted by start, spans overlap exactly where one ends
+    past the next one's start; already-ascending requests skip the sort.
+
+    :raises CopyPlanError: two destination spans share a byte.
+    """
+    d = np.asarray(dsts).astype(np.uint64, copy=False).reshape(-1)
+    if d.size < 2:
+        return
+    ends = d + np.asarray(sizes).astype(np.uint64, copy=False)  # both below 2**63: no wrap
+    if (d[1:] >= ends[:-1]).all():
+        return
+    order = np.argsort(d, kind="stable")
+    d, ends = d[order], ends[order]
+    clash = np.flatnonzero(ends[:-1] > d[1:])
+    if clash.size:
+        i = int(clash[0])
+        raise CopyPlanError(
+            f"two copies write overlapping bytes: [{int(d[i]):#x}, {int(ends[i]):#x}) and "
+            f"[{int(d[i + 1]):#x}, {int(ends[i + 1]):#x}); nothing was copied"
+        )
+
+
+def registrations(
+    sides: Sequence[npt.ArrayLike], sizes: npt.ArrayLike, *, known_only: bool
+) -> tuple[list[I64], list[Any]]:
+    """Per side, per copy, a dense id of the registration holding the span (-1: no known region),
+    and the regions met (the owners whose close must wait for the copy).
+
+    Ids number each distinct ``(region, registration)`` pair of the request
+    0, 1, 2... in order of appearance, shared by all sides: two registrations
+    never share an id (a hash could collide and merge copies across them).
+
+    :param known_only: every span must lie in a known region (a host-to-host
+        engine, where anything else would be a ``memmove`` from or to memory nobody owns).
+    :raises CopyPlanError: a span leaves its region, crosses registrations or is
+        not committed; with ``known_only``, a span in no open tier or StaticHostMem.
+    """
+    dense: dict[tuple[int, int], int] = {}
+    owners: dict[int, Any] = {}
+    out = []
+    for side in sides:
+        addrs = np.asarray(side).reshape(-1)
+        nbytes = np.broadcast_to(np.asarray(sizes), addrs.shape)
+        ids = np.empty(len(addrs), dtype=np.int64)
+        for i, (addr, n) in enumerate(zip(addrs.tolist(), nbytes.tolist(), strict=True)):
+            hit = _regions.check_span(addr, n)
+            if hit is None:
+                if known_only:
+                    raise CopyPlanError(
+                        f"address {addr:#x} lies in no open HostTier or StaticHostMem; a host-to-host "
+                        f"CopyEngine (device=None) copies only between those"
+                    )
+                ids[i] = -1
+                continue
+            region, reg = hit
+            ids[i] = dense.setdefault((id(region), reg), len(dense))
+            owners[id(region)] = region
+        out.append(ids)
+    return out, list(owners.values())
+
+
+class Side(NamedTuple):
+    """The caller's side of a per-slot copy."""
+
+    addresses: U64
+    """One address per slot."""
+    page: int
+    """Bytes per slot copied."""
+    regions: list[Any]
+    """Known regions the addresses lie in (host-to-host engines only): owners to wait for."""
+
+
+_NOT_ADDRESSES = int | np.integer | bytes | bytearray | memoryview | str
+"""Not a sequence of addresses, though numpy would read some of these as one."""
+
+
+def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, host_only: bool) -> Side:
+    """Per-slot addresses of ``obj`` and the page size.
+
+    ``obj`` is a buffer of one page per slot (anything with
+    ``__cuda_array_interface__``, or a host array of two or more dimensions),
+    or else one integer address per slot (a sequence or 1-D integer array).
+
+    :param writable: ``obj`` is the destination: a read-only buffer is refused.
+    :param host_only: a host-to-host engine: device buffers are refused, and
+        addresses must lie in an open tier or StaticHostMem.
+    :raises TypeError: an address is not an integer, or ``obj`` is neither addresses nor a buffer.
+    :raises ValueError: wrong shape, not C-contiguous, read-only, or pages of zero bytes.
+    :raises CopyPlanError: on a host-to-host engine, device memory or an address outside every known region.
+    """
+    host = getattr(obj, "__array_interface__", None)
+    host = host if host is not None and len(host["shape"]) >= 2 else None
+    device = getattr(obj, "__cuda_array_interface__", None)
+    if host_only and host is None and device is not None:
+        raise CopyPlanError("a host-to-host CopyEngine (device=None) cannot copy device memory")
+    iface = host if host_only or device is None else device
+    if iface is None:
+        if isinstance(obj, _NOT_ADDRESSES):
+            raise TypeError(f"give one address per slot, or an array with one page per slot; got {type(obj).__name__}")
+        if isinstance(obj, np.ndarray) and obj.ndim != 1:
+            raise ValueError(f"expected {n} integer addresses, got shape {obj.shape} of {obj.dtype}")
+        addrs = integers(obj, "address")
+        if addrs.shape != (n,):
+            raise ValueError(f"expected {n} integer addresses, got {addrs.size}")
+        if (addrs < 0).any():
+            raise ValueError(f"address {int(addrs[addrs < 0][0])} is negative")
+        regions: list[Any] = []
+        if host_only:
+            _, regions = registrations([addrs], default_page, known_only=True)
+        return Side(addrs.astype(np.uint64), default_page, regions)
+    data = iface.get("data")
+    if not isinstance(data, tuple) or not data[0]:
+        raise ValueError("the buffer exposes no data pointer")
+    if writable and data[1]:
+        raise ValueError("the destination buffer is read-only; nothing was copied")
+    shape = tuple(iface["shape"])
+    itemsize = np.dtype(iface["typestr"]).itemsize
+    strides = iface.get("strides")
+    if strides is not None:
+        expect, contiguous = itemsize, True
+        for dim, stride in zip(reversed(shape), reversed(strides), strict=True):
+            if dim > 1 and stride != expect:
+                contiguous = False
+            expect *= dim
+        if not contiguous:
+            raise ValueError("the buffer must be C-contiguous")
+    if not shape or shape[0] != n:
+        raise ValueError(f"the buffer's first dimension must be one page per slot ({n}), got shape {shape}")
+    total = int(np.prod(shape, dtype=np.int64)) * itemsize
+    page = total // n
+    if page == 0:
+        raise ValueError(f"the buffer's pages are zero bytes (shape {shape}): a copy of zero bytes")
+    base = int(data[0])
+    return Side(np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(page), page, [])
