@@ -79,6 +79,10 @@ def leaked(bases: Iterable[int], size: int) -> dict[int, list[str]]:
     return out
 
 
+def fill_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("aiokvtier-fill")]
+
+
 def library_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("aiokvtier-")]
 

@@ -24,8 +24,8 @@ from aiokvtier import FillError, HostTier, TierClosedError
 from aiokvtier._host._backing import HostBacking
 from aiokvtier._host._slots import SlotAllocator
 
-from .helpers import MiB, small_config
-from .invariants import assert_no_library_threads, check_tier, leaked, wait_no_library_threads
+from .helpers import MiB, eventually, small_config
+from .invariants import assert_no_library_threads, check_tier, fill_threads, leaked, wait_no_library_threads
 
 try:
     import uvloop
@@ -83,7 +83,7 @@ async def test_grow_fails_cleanly_when_no_fill_thread_can_start(refuse_fill_thre
     tier = await asyncio.wait_for(HostTier.open(small_config(quota=8 * MiB, max_quota=64 * MiB)), HANG)
     try:
         await asyncio.wait_for(tier.wait_resident(), HANG)
-        await wait_no_library_threads()  # the fill is done: its thread has exited, a grow must start one
+        await eventually(lambda: not fill_threads())  # the fill is done: its thread has exited, a grow must start one
         slots = await tier.allocate(4)
         refuse_fill_threads.on = True
         with pytest.raises(FillError, match=r"(?i)thread"):

@@ -11,7 +11,7 @@ import threading
 from contextlib import ExitStack
 from typing import Any
 
-from .._config import HostTierConfig
+from .._config import ResolvedHostConfig
 from .._errors import CudaError, NumaPolicyError
 from .._host import _linux
 from .._host._backing import Backing, HostBacking
@@ -199,11 +199,11 @@ class VmmBacking(Backing):
             self.context.release()
 
 
-def make_backing(config: HostTierConfig, node: int | None) -> Backing:
+def make_backing(config: ResolvedHostConfig, node: int | None) -> Backing:
     """Build the register or vmm backing for ``config`` (blocking; off the loop)."""
     assert config.device is not None
-    size = int(config.max_quota)  # type: ignore[arg-type]
-    if config.resolved_backing == "register":
+    size = config.max_quota
+    if config.backing == "register":
         return RegisterBacking(
             size,
             device=config.device,
@@ -216,8 +216,8 @@ def make_backing(config: HostTierConfig, node: int | None) -> Backing:
     from .._errors import ConfigError
     from .._host._layout import FIRST_STEP
 
-    unit = int(config.commit_unit)  # type: ignore[arg-type]
-    first = max(int(config.slot_size), FIRST_STEP - FIRST_STEP % int(config.slot_size))
+    unit = config.commit_unit
+    first = max(config.slot_size, FIRST_STEP - FIRST_STEP % config.slot_size)
     if unit % granule or (first < unit and first % granule):
         raise ConfigError(
             f"backing='vmm' needs commit_unit ({unit}) and the first fill step ({first}) to be multiples "

@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import Any, overload
 
 from .. import _regions
-from .._config import HostTierConfig
+from .._config import HostTierConfig, ResolvedHostConfig, parse_quota
 from .._crossing import LoopWaiters
 from .._errors import CopyPlanError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._lifecycle import Lifecycle, finish
@@ -27,21 +27,7 @@ __all__ = ["HostTier"]
 log = logging.getLogger("aiokvtier")
 
 
-def parse_quota(value: object, *, slot_size: int, max_quota: int) -> int:
-    from pydantic import ByteSize, TypeAdapter, ValidationError
-
-    try:
-        quota = int(TypeAdapter(ByteSize).validate_python(value))
-    except ValidationError as exc:
-        raise QuotaError(f"invalid quota {value!r}: {exc.errors()[0]['msg']}") from None
-    if quota > max_quota:
-        raise QuotaError(f"quota {quota} exceeds max_quota {max_quota}; the reservation cannot grow")
-    if quota < slot_size:
-        raise QuotaError(f"quota {quota} is smaller than one slot ({slot_size})")
-    return quota - quota % slot_size
-
-
-def resolve_numa_node(config: HostTierConfig) -> int | None:
+def resolve_numa_node(config: ResolvedHostConfig) -> int | None:
     if config.numa_node != "auto":
         return config.numa_node
     if config.device is None:
@@ -51,12 +37,11 @@ def resolve_numa_node(config: HostTierConfig) -> int | None:
     return device_numa_node(config.device)
 
 
-def make_backing(config: HostTierConfig, node: int | None) -> Backing:
+def make_backing(config: ResolvedHostConfig, node: int | None) -> Backing:
     """Reserve ``max_quota`` with the configured backing (blocking: run off the loop)."""
-    kind = config.resolved_backing
-    if kind == "host":
+    if config.backing == "host":
         return HostBacking(
-            config.max_quota,  # type: ignore[arg-type]
+            config.max_quota,
             node=node,
             strict_numa=not config.allow_remote_numa_fallback,
             huge_pages=config.transparent_huge_pages,
@@ -150,20 +135,20 @@ class HostTier:
         )
 
     async def _build(self) -> None:
-        life, cfg = self._life, self._config
-        self._slot_size = slot = int(cfg.slot_size)
-        self._quota = int(cfg.quota)
+        life, cfg = self._life, self._config.resolved
+        self._slot_size = slot = cfg.slot_size
+        self._quota = cfg.quota
         self._node = node = await life.run(resolve_numa_node, cfg)
         self._backing = backing = await life.run(make_backing, cfg, node)
         life.undo.callback(self._release_or_defer)
         self._base = backing.base
-        self._layout = layout = UnitLayout.build(backing.size, slot, int(cfg.commit_unit))  # type: ignore[arg-type]
+        self._layout = layout = UnitLayout.build(backing.size, slot, cfg.commit_unit)
         self._slots = SlotAllocator(self._quota // slot)
         self._filler = filler = Filler(
             backing,
             layout,
             threads=cfg.fill_threads,
-            fill_chunk=int(cfg.fill_chunk),
+            fill_chunk=cfg.fill_chunk,
             cpus=node_cpus_or_none(node),
             on_change=self._notify,
         )
@@ -452,7 +437,7 @@ class HostTier:
             self._filler.finish_shrink(units, done)
 
     def _parse_quota(self, value: int | str) -> int:
-        return parse_quota(value, slot_size=self._slot_size, max_quota=self._layout.size)
+        return parse_quota(value, slot_size=self._slot_size, max_quota=self._config.resolved.max_quota)
 
     # -- a copy region (see aiokvtier._regions) ---------------------------------------
 
@@ -491,7 +476,7 @@ class HostTier:
         """A snapshot of the live figures (any thread)."""
         if self._life.state in ("new", "opening") or "_filler" not in self.__dict__:
             raise TierClosedError(self._life.describe())
-        cfg = self._config
+        cfg = self._config.resolved
         filler = self._filler
         slots = self._slots
         error = filler.error
@@ -499,14 +484,14 @@ class HostTier:
             backing=self._backing.name,
             device=cfg.device,
             quota=self._quota,
-            max_quota=int(cfg.max_quota),  # type: ignore[arg-type]
+            max_quota=cfg.max_quota,
             base_address=self._base,
             resident_bytes=filler.watermark,
             target_bytes=filler.target_bytes,
             registered_bytes=self._backing.registered_bytes,
             slot_size=self._slot_size,
-            commit_unit=int(cfg.commit_unit),  # type: ignore[arg-type]
-            fill_chunk=int(cfg.fill_chunk),
+            commit_unit=cfg.commit_unit,
+            fill_chunk=cfg.fill_chunk,
             fill_threads=cfg.fill_threads,
             slots_total=slots.total,
             slots_allocated=slots.count,
