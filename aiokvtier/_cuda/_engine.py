@@ -28,13 +28,11 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from .._crossing import Outcome, deliver
 from .._errors import CopyPlanError, CudaError
 from .._lifecycle import Lifecycle, finish
 from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
-from ._plan import U64, Plan, plan
+from ._plan import Plan, plan
 from ._requests import buffer_addresses as _buffer_addresses
 from ._requests import check_disjoint, copy_table, registrations
 from ._requests import stream_handle as _stream_handle
@@ -280,26 +278,21 @@ class CopyEngine:
         Returns the plan and the regions whose close must wait for it.
         """
         self._check_open()
-        tier._check_open()
         if self.device is not None and tier.config.device not in (None, self.device):
             raise CopyPlanError(
                 f"the tier is registered for device {tier.config.device}, this engine copies on device {self.device}"
             )
-        ids = tier._slots.checked_ids(slots)
-        if ids.size == 0:
+        host = tier.slot_addresses(slots)
+        if host.size == 0:
             raise ValueError("no slots to copy")
-        page, base, layout = tier._slot_size, np.uint64(tier._base), tier._layout
-        host = base + ids.astype(np.uint64) * np.uint64(page)
+        page = tier.slot_size
         h2d = direction == "h2d"
         other, page, regions = _buffer_addresses(buffer, len(host), page, writable=h2d, host_only=self.device is None)
         self._check_page(tier, page)
         if h2d:
             check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
         owners = [tier, *(r for r in regions if r is not tier)]
-
-        def registration(addresses: U64) -> Any:
-            return layout.units_at(addresses - base)  # one registration per commit unit
-
+        registration = tier.registrations_at
         if h2d:
             return plan(other, host, page, src_reg=registration, n=len(host)), owners
         planned = plan(host, other, page, dst_reg=registration, n=len(host), order_by="dst", distinct_order_side=True)
@@ -307,8 +300,8 @@ class CopyEngine:
 
     @staticmethod
     def _check_page(tier: HostTier, page: int) -> None:
-        if not 0 < page <= tier._slot_size:
-            raise CopyPlanError(f"a page of {page} bytes does not fit a {tier._slot_size}-byte slot")
+        if not 0 < page <= tier.slot_size:
+            raise CopyPlanError(f"a page of {page} bytes does not fit a {tier.slot_size}-byte slot")
 
     async def _run(
         self, planned: Plan, direction: str, after: Any, keepalive: tuple[Any, ...], owners: Sequence[Any]

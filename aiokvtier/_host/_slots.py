@@ -116,16 +116,20 @@ class SlotAllocator:
     def checked_ids(self, slots: Iterable[int]) -> npt.NDArray[np.int64]:
         """``slots`` as an int64 array, each an allocated id of this tier (repeats allowed).
 
-        :raises SlotError: an id is not an int (bools count as ints here, as in
-            Python indexing), out of range, or not allocated.
+        :raises SlotError: an id is not an integer (a bool, a float), out of
+            range, or not allocated.
         """
+        if not isinstance(slots, list | tuple | np.ndarray):
+            slots = list(slots)
         if isinstance(slots, list | tuple):
+            if bool in set(map(type, slots)):  # one pass in C; array("q") would take True as 1
+                raise SlotError(f"slot {next(s for s in slots if type(s) is bool)!r} is not a slot id (a bool)")
             try:  # twice as fast as numpy's type discovery; takes exactly what operator.index takes
                 ids = np.frombuffer(array("q", slots), dtype=np.int64)
             except (TypeError, OverflowError):
                 ids = np.asarray(slots)  # to name the offending value below
         else:
-            ids = np.asarray(slots if isinstance(slots, np.ndarray) else list(slots))
+            ids = slots
         if ids.size == 0:
             return np.empty(0, dtype=np.int64)
         if ids.ndim != 1 or ids.dtype.kind not in "iu":

@@ -8,6 +8,9 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any, overload
 
+import numpy as np
+import numpy.typing as npt
+
 from .. import _regions
 from .._config import HostTierConfig, ResolvedHostConfig, parse_quota
 from .._crossing import LoopWaiters
@@ -317,7 +320,7 @@ class HostTier:
 
     @property
     def slot_size(self) -> int:
-        return int(self._config.slot_size)
+        return self._config.resolved.slot_size
 
     @property
     def config(self) -> HostTierConfig:
@@ -444,6 +447,20 @@ class HostTier:
     @property
     def copies(self) -> InflightCopies:
         return self._copies
+
+    def slot_addresses(self, slots: Iterable[int] | npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.uint64]:
+        """Host addresses of allocated slots, in the order given (a copy's tier side).
+
+        :raises SlotError: an id is not an allocated slot.
+        :raises TierClosedError: the tier is not open.
+        """
+        self._check_open()
+        ids = self._slots.checked_ids(slots)
+        return np.uint64(self._base) + ids.astype(np.uint64) * np.uint64(self._slot_size)
+
+    def registrations_at(self, addresses: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+        """The registration (commit unit) holding each address of this tier (the planner never merges across)."""
+        return self._layout.units_at(addresses - np.uint64(self._base))
 
     @property
     def region_name(self) -> str:
