@@ -154,8 +154,12 @@ def test_fill_threads_use_the_tiers_device_context(backing: str, monkeypatch: py
         foreign = _driver.check("cuCtxCreate", drv.cuCtxCreate(params, 0, dev))
         try:
             asyncio.run(_open_fill_close(backing))
+            # The library pushed and popped its context: the caller's stays current.
+            after.append(int(_driver.check("cuCtxGetCurrent", drv.cuCtxGetCurrent())) == int(foreign))
         finally:
             drv.cuCtxDestroy(foreign)
+
+    after: list[bool] = []
 
     thread = threading.Thread(target=open_from_foreign_context)
     thread.start()
@@ -164,13 +168,16 @@ def test_fill_threads_use_the_tiers_device_context(backing: str, monkeypatch: py
     try:
         assert seen and all(ctx == int(primary.handle) and dev == 0 for ctx, dev in seen)
         assert len({c for c, _ in seen}) == 1
+        assert after == [True]
     finally:
         primary.release()
 
 
 async def _open_fill_close(backing: str) -> None:
-    async with HostTier(gpu_config(backing)) as tier:
+    async with HostTier(gpu_config(backing)) as tier, CopyEngine(0) as engine, StaticHostMem(SLOT, device=0) as stage:
         await tier.wait_resident()
+        slots = await tier.allocate(1)
+        await engine.copy([(tier.address(slots[0]), stage.address, SLOT)])
 
 
 @pytest.mark.parametrize("backing", BACKINGS)
