@@ -232,8 +232,8 @@ async def test_cancellation_during_a_copy_leaves_data_intact() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        del src  # the engine still holds the tensor until the copy is done
-        await tier.copies.drain()
+        assert len(tier.copies) == 0  # the cancellation arrived once the copy had landed
+        del src
         torch.cuda.synchronize()
         again = pages(torch, len(slots), 3)
         for i in (0, len(slots) // 2, len(slots) - 1):
