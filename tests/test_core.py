@@ -16,9 +16,9 @@ from .helpers import KiB, MiB
 
 def test_layout_ramps_then_commit_units() -> None:
     layout = UnitLayout.build(4096 * MiB, 2 * MiB, 512 * MiB)
-    starts = [layout.start(i) // MiB for i in range(9)]
-    assert starts == [0, 16, 32, 64, 128, 256, 512, 1024, 1536]
-    assert layout.count == 6 + 7
+    starts = [layout.start(i) // MiB for i in range(11)]
+    assert starts == [0, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1536]
+    assert layout.count == 8 + 7
     assert layout.units_for(4096 * MiB) == layout.count  # a 4 GiB quota commits exactly 4 GiB
 
 

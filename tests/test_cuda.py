@@ -17,6 +17,7 @@ from aiokvtier import (
 )
 from aiokvtier._cuda import _backings, _driver
 from aiokvtier._host._backing import Backing
+from aiokvtier._host._layout import UnitLayout
 
 from .conftest import fill_threads_alive, mappings_in
 from .helpers import MiB
@@ -64,8 +65,10 @@ async def test_backing_fills_and_registers_per_unit(backing: str) -> None:
         assert stats.backing == backing
         assert stats.registered_bytes == stats.resident_bytes == 256 * MiB
         base = tier.base_address
-        # Units: the ramp's [0, 16 MiB) and [16, 32 MiB), then one per 32 MiB: each its own registration.
-        starts = [0, 16 * MiB, *range(UNIT, 256 * MiB, UNIT)]
+        # Units: the ramp's below UNIT, then one per 32 MiB: each its own registration.
+        layout = UnitLayout.build(stats.max_quota, SLOT, UNIT)
+        starts = [layout.start(i) for i in range(layout.units_for(256 * MiB))]
+        assert starts[0] == 0 and starts[-1] == 256 * MiB - UNIT and len(starts) > 256 * MiB // UNIT
         ends = [*starts[1:], 256 * MiB]
         if backing == "register":
             attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR

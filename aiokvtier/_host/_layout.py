@@ -1,6 +1,6 @@
 """Where the commit units lie inside the reserved range.
 
-The first commit unit is split into a geometric ramp (16, 16, 32, 64, ...
+The first commit unit is split into a geometric ramp (4, 4, 8, 16, ...
 MiB) so the first allocation waits for milliseconds, not for a 512 MiB unit;
 every later unit is ``commit_unit`` long, and unit boundaries past the first
 fall on multiples of ``commit_unit``. Every boundary is a
@@ -19,8 +19,9 @@ import numpy.typing as npt
 
 __all__ = ["FIRST_STEP", "UnitLayout"]
 
-FIRST_STEP = 16 << 20
-"""Target size of the first unit: ~8 ms of population at 2 GiB/s."""
+FIRST_STEP = 4 << 20
+"""Target size of the first unit: ~1.5 ms of population at 2.5 GiB/s (the
+first allocation waits for it in a cold process; docs/benchmarks.md, ``cold``)."""
 
 
 @dataclass(frozen=True, slots=True)

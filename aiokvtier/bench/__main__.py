@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> None:
     cuda.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
     cuda.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
     _cold_options(cuda, "64; 2 with --quick", "5; 1 with --quick")
+    cuda.add_argument(
+        "--cold-prewarm",
+        action="store_true",
+        help="also run each cold arm with cuda-bindings imported before the clock starts",
+    )
     ranks = sub.add_parser("ranks", help="one rank per GPU filling at once (needs the cuda extra)")
     ranks.add_argument("--size-gib", type=float, default=8)
     args = parser.parse_args(argv)

@@ -30,24 +30,32 @@ SLOT = 2 * MiB
 class Arm:
     backing: str
     threads: int
+    prewarmed: bool = False
+    """cuda-bindings imported and initialised before the clock starts (a process that uses it already)."""
 
     @property
     def name(self) -> str:
-        return f"{self.backing}_threads{self.threads}"
+        return f"{self.backing}_threads{self.threads}" + ("_bindings_imported" if self.prewarmed else "")
 
 
 def section(args: Any, backings: list[str], cuda: bool, quick: bool = False) -> dict[str, Any]:
     """The section from the command line's ``--cold-*`` options (unset: 64 GiB and 5 repeats; 2 and 1 if quick)."""
     gib = args.cold_gib if args.cold_gib is not None else (2 if quick else 64)
     repeats = args.cold_repeats if args.cold_repeats is not None else (1 if quick else 5)
-    return cold_first_allocation(backings, args.cold_threads, int(gib * GiB), repeats, cuda)
+    prewarm = cuda and getattr(args, "cold_prewarm", False)
+    return cold_first_allocation(backings, args.cold_threads, int(gib * GiB), repeats, cuda, prewarm)
 
 
 def cold_first_allocation(
-    backings: list[str], threads: list[int], size: int, repeats: int, cuda: bool
+    backings: list[str], threads: list[int], size: int, repeats: int, cuda: bool, prewarm: bool = False
 ) -> dict[str, Any]:
-    """Per arm, ``repeats`` fresh processes; arm after arm in each repeat, so drift lands on all."""
-    arms = [Arm(b, k) for b in backings for k in dict.fromkeys(threads)]
+    """Per arm, ``repeats`` fresh processes; arm after arm in each repeat, so drift lands on all.
+
+    With ``prewarm``, each arm also runs with cuda-bindings imported before the
+    clock starts: the difference is what importing the bindings costs the first open.
+    """
+    variants = (False, True) if prewarm else (False,)
+    arms = [Arm(b, k, p) for b in backings for k in dict.fromkeys(threads) for p in variants]
     samples: dict[Arm, list[dict[str, Any]]] = {arm: [] for arm in arms}
     for _ in range(repeats):
         for arm in arms:
@@ -83,7 +91,7 @@ def _sample(arm: Arm, size: int, cuda: bool) -> dict[str, Any]:
     config: dict[str, Any] = {"quota": size, "max_quota": size, "slot_size": SLOT, "fill_threads": arm.threads}
     if cuda:
         config |= {"device": 0, "backing": arm.backing}
-    spec = json.dumps({"config": config, "cuda": cuda})
+    spec = json.dumps({"config": config, "cuda": cuda, "prewarm": arm.prewarmed})
     # The child inherits this process's environment (PYTHONPATH included) and
     # working directory, so it imports the same aiokvtier.
     done = subprocess.run(
@@ -137,6 +145,10 @@ async def _cold_then_warm(config: HostTierConfig) -> tuple[float, float]:
 
 def _child(spec: dict[str, Any]) -> None:
     context = _make_cuda_context() if spec["cuda"] else None
+    if spec.get("prewarm"):
+        from .._cuda._driver import driver
+
+        driver()
     config = HostTierConfig.model_validate(spec["config"])
     cold, warm = asyncio.run(_cold_then_warm(config))
     row = {
