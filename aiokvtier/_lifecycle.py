@@ -138,7 +138,7 @@ class Lifecycle:
         :raises TierClosedError: ``aclose()`` was called while opening.
         """
         if self.state != "new":
-            raise RuntimeError(f"this {self.owner} was already opened ({self.state})")
+            raise RuntimeError(f"this {self.owner} is {self.state}: an object opens once; make a new one")
         self.state = "opening"
         loop = asyncio.get_running_loop()
         self._closed = loop.create_future()
@@ -196,7 +196,7 @@ class Lifecycle:
             await finish(self._teardown(teardown))
             return
         if self._closed is not None and not self._closed.done():
-            await asyncio.shield(self._closed)
+            await finish(self._closed)  # a cancelled waiter, too, returns only once the teardown is done
 
     async def _teardown(self, teardown: Callable[[], Coroutine[Any, Any, None]]) -> None:
         try:

@@ -596,12 +596,6 @@ def test_on_change_follows_a_failure_and_a_shrink(rigs: Callable[..., Rig]) -> N
     assert rig.changed_under_lock == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Filler._start_threads_locked resets _started_at/_finished_at only when _active == 0; a grow that "
-    "lands while the thread that finished the fill is still active keeps the old _finished_at, so the grown "
-    "fill never logs 'fill done' and fill_seconds stays frozen at the first fill's",
-)
 def test_a_grow_that_lands_as_the_fill_ends_is_logged_when_done(
     rigs: Callable[..., Rig], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -629,11 +623,6 @@ def test_a_grow_that_lands_as_the_fill_ends_is_logged_when_done(
     assert len(done) == 2, done
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Filler._log_done reads self.watermark without the lock after on_change has woken the waiters, "
-    "so a shrink that lands in between makes 'fill done' report the shrunk size (and rate)",
-)
 def test_fill_done_reports_the_bytes_the_fill_made_resident(
     rigs: Callable[..., Rig], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -444,7 +444,7 @@ async def test_statistics_and_repr_show_live_figures() -> None:
 async def test_open_twice_is_refused() -> None:
     tier = HostTier(small_config())
     async with tier:
-        with pytest.raises(RuntimeError, match="already opened"):
+        with pytest.raises(RuntimeError, match="opens once"):
             await tier.__aenter__()
 
 

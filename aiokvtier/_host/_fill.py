@@ -199,7 +199,8 @@ class Filler:
         if self._stop or self.error is not None or self._next_claim >= self._target:
             self._mark_finished_locked()
             return
-        if self._active == 0:
+        if self._active == 0 or self._finished_at is not None:
+            # A new fill (the last one ended, though its worker may not have counted itself out yet).
             self._started_at = time.monotonic()
             self._finished_at = None
         self._threads = [t for t in self._threads if t.is_alive()]
@@ -323,6 +324,7 @@ class Filler:
             self._prefix = prefix
             self.watermark = layout.start(prefix)
             finished = self._mark_finished_locked()
+            done_bytes, done_seconds = self.watermark, self.fill_seconds
             self._cond.notify_all()
             if self._more_wanted and prefix > 0:
                 self._more_wanted = False
@@ -333,12 +335,12 @@ class Filler:
         self._on_change()
         log.debug("aiokvtier: unit %d committed (%d bytes at +%d)", index, layout.end(index) - start, start)
         if finished:
-            self._log_done()
+            self._log_done(done_bytes, done_seconds)
         return True
 
-    def _log_done(self) -> None:
-        seconds = self.fill_seconds
-        gib = self.watermark / 2**30
+    @staticmethod
+    def _log_done(nbytes: int, seconds: float) -> None:
+        gib = nbytes / 2**30
         rate = f"{gib / seconds:.2f} GiB/s" if seconds > 0 else "at once"
         log.info("aiokvtier: fill done: %.2f GiB resident in %.3f s (%s)", gib, seconds, rate)
 
