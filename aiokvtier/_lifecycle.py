@@ -218,6 +218,26 @@ class Lifecycle:
             self._closed.set_result(None)
         _live.discard(self)
 
+    def release_when_unviewed(self, defer: Callable[[Callable[[], None]], bool], release: Callable[[], None]) -> None:
+        """On the worker, in the undo stack: ``release()`` now, or once the last view is dropped.
+
+        :param defer: a view ledger's ``defer_until_empty``: True if no view is
+            live; else it keeps the callback for whichever thread drops the last
+            view, and that thread only hands the release to this worker (never
+            running it itself: it may be the loop's).
+        """
+        worker = self.worker
+        assert worker is not None
+
+        def release_later() -> None:
+            worker.post(release)
+            worker.stop()
+
+        if defer(release_later):
+            release()
+        else:
+            self.keep_worker = True  # the worker outlives the close, until that release
+
     async def run_undo(self) -> None:
         """Run the undo stack on the worker (the usual last step of a teardown)."""
         await self.run(self.undo.close)

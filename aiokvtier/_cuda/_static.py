@@ -77,7 +77,9 @@ class StaticHostMem:
 
     async def _build(self) -> None:
         kind = await self._life.run(self._allocate)
-        self._life.undo.callback(self._release_or_defer, kind)
+        self._life.undo.callback(
+            self._life.release_when_unviewed, self._views.defer_until_empty, lambda: self._release(kind)
+        )
         self.kind = kind
         _regions.register(self)
         self._life.undo.callback(_regions.unregister, self)
@@ -169,19 +171,6 @@ class StaticHostMem:
     async def _teardown(self) -> None:
         await self._life.run(InflightCopies.wait, self._copies.snapshot())
         await self._life.run_undo()
-
-    def _release_or_defer(self, kind: str) -> None:
-        worker = self._life.worker
-        assert worker is not None
-
-        def release_later() -> None:
-            worker.post(lambda: self._release(kind))
-            worker.stop()
-
-        if self._views.defer_until_empty(release_later):
-            self._release(kind)
-        else:
-            self._life.keep_worker = True
 
     def _release(self, kind: str) -> None:
         try:

@@ -143,7 +143,7 @@ class HostTier:
         self._quota = cfg.quota
         self._node = node = await life.run(resolve_numa_node, cfg)
         self._backing = backing = await life.run(make_backing, cfg, node)
-        life.undo.callback(self._release_or_defer)
+        life.undo.callback(life.release_when_unviewed, self._views.defer_until_empty, self._release)
         self._base = backing.base
         self._layout = layout = UnitLayout.build(backing.size, slot, cfg.commit_unit)
         self._slots = SlotAllocator(self._quota // slot)
@@ -171,20 +171,6 @@ class HostTier:
             await self._life.run_undo()
         if "_base" in self.__dict__:
             log.info("aiokvtier: HostTier at %#x closed", self._base)
-
-    def _release_or_defer(self) -> None:
-        """Release now, or, with views still exported, when the last one goes (on this worker)."""
-        worker = self._life.worker
-        assert worker is not None
-
-        def release_later() -> None:
-            worker.post(self._release)
-            worker.stop()
-
-        if self._views.defer_until_empty(release_later):
-            self._release()
-        else:
-            self._life.keep_worker = True
 
     def _notify(self) -> None:
         self._waiters.notify()
