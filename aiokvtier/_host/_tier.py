@@ -388,30 +388,35 @@ class HostTier:
                         f"cannot shrink to {quota} bytes ({total} slots): slot {highest} past the new end "
                         "is allocated or has a live view"
                     )
-            await finish(self._apply_resize(quota, total))
-
-    async def _apply_resize(self, quota: int, total: int) -> None:
-        """The accepted part of a resize: runs to the end whatever happens to its caller."""
-        life, slots, filler = self._life, self._slots, self._filler
-        units = self._layout.units_for(total * self._slot_size)
-        old_quota, old_total = self._quota, slots.total
-        try:
-            if total >= old_total:
+                # Accepted: from here no slot past the new end can be taken, before any await.
+                old_quota, self._quota = self._quota, quota
                 slots.resize(total)
-                try:
-                    await life.run(filler.set_target, units)
-                except BaseException:
-                    slots.resize(old_total)
-                    raise
-                self._quota = quota
+                await finish(self._apply_shrink(old_quota, quota, total))
             else:
-                # From here the tail is off limits: no slot there, no new raw copy into it.
-                slots.resize(total)
-                self._quota = quota
-                await life.run(InflightCopies.wait, self._copies.snapshot())
-                tail = await life.run(filler.set_target, units)
-                if tail is not None:
-                    await life.run(self._decommit_tail, units, tail)
+                await finish(self._apply_grow(quota, total))
+
+    async def _apply_grow(self, quota: int, total: int) -> None:
+        """The accepted part of a grow: runs to the end whatever happens to its caller."""
+        old_quota = self._quota
+        try:
+            await self._life.run(self._filler.set_target, self._layout.units_for(total * self._slot_size))
+            self._slots.resize(total)  # only once the fill covers the new slots: a failed grow changes nothing
+            self._quota = quota
+        finally:
+            self._waiters.kick()
+        log.info("aiokvtier: HostTier at %#x resized: quota %d -> %d bytes", self._base, old_quota, quota)
+
+    async def _apply_shrink(self, old_quota: int, quota: int, total: int) -> None:
+        """The rest of an accepted shrink (slots and quota already cut): runs to the end, whatever its caller does."""
+        life, filler = self._life, self._filler
+        units = self._layout.units_for(total * self._slot_size)
+        try:
+            # The tail is off limits already (no slot there, and the planner refuses raw copies
+            # past the slots): wait for the copies in flight, then let the fill stop there.
+            await life.run(InflightCopies.wait, self._copies.snapshot())
+            tail = await life.run(filler.set_target, units)
+            if tail is not None:
+                await life.run(self._decommit_tail, units, tail)
         finally:
             self._waiters.kick()
         log.info("aiokvtier: HostTier at %#x resized: quota %d -> %d bytes", self._base, old_quota, quota)
