@@ -15,6 +15,7 @@ from ._cuda._engine import CopyEngine as CopyEngine
 from ._cuda._engine import CopyStatistics as CopyStatistics
 from ._cuda._static import StaticHostMem as StaticHostMem
 from ._errors import AiokvtierError as AiokvtierError
+from ._errors import BlockNotFound as BlockNotFound
 from ._errors import ConfigError as ConfigError
 from ._errors import CopyPlanError as CopyPlanError
 from ._errors import CudaError as CudaError
@@ -29,11 +30,19 @@ from ._errors import WouldBlock as WouldBlock
 from ._host._placement import Placement as Placement
 from ._host._statistics import TierStatistics as TierStatistics
 from ._host._tier import HostTier as HostTier
+from ._store._events import BlockEvent as BlockEvent
+from ._store._policy import EvictionPolicy as EvictionPolicy
+from ._store._store import BlockStore as BlockStore
+from ._store._store import StoreResult as StoreResult
+from ._store._store import StoreStatistics as StoreStatistics
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AiokvtierError",
+    "BlockEvent",
+    "BlockNotFound",
+    "BlockStore",
     "CacheConfig",
     "ConfigError",
     "CopyEngine",
@@ -42,6 +51,7 @@ __all__ = [
     "CudaError",
     "CudaUnavailableError",
     "DiskTierConfig",
+    "EvictionPolicy",
     "FillError",
     "GpuTierConfig",
     "HostTier",
@@ -52,6 +62,8 @@ __all__ = [
     "QuotaError",
     "SlotError",
     "StaticHostMem",
+    "StoreResult",
+    "StoreStatistics",
     "TierClosedError",
     "TierStatistics",
     "WouldBlock",

@@ -13,13 +13,15 @@
     ├── NumaPolicyError            a strict NUMA placement that cannot be applied
     ├── CudaUnavailableError       a device was asked for where no CUDA driver is usable
     ├── CudaError                  a driver call failed; keeps the CUresult name
-    └── CopyPlanError (ValueError) a copy the planner refuses (spans registrations, leaves the range)
+    ├── CopyPlanError (ValueError) a copy the planner refuses (spans registrations, leaves the range)
+    └── BlockNotFound (KeyError)   a block store has no block for a key
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AiokvtierError",
+    "BlockNotFound",
     "ConfigError",
     "CopyPlanError",
     "CudaError",
@@ -99,3 +101,17 @@ class CudaError(AiokvtierError):
 
 class CopyPlanError(AiokvtierError, ValueError):
     """A copy the planner refuses: it spans two registrations or leaves the committed range."""
+
+
+class BlockNotFound(AiokvtierError, KeyError):
+    """A :class:`BlockStore` has no block for a key; nothing was copied.
+
+    :ivar key: the first key that is missing.
+    """
+
+    def __init__(self, key: bytes | int) -> None:
+        super().__init__(f"no block for key {key!r} in the store")
+        self.key = key
+
+    def __str__(self) -> str:  # KeyError would quote the message again
+        return str(self.args[0])

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._crossing import Outcome, deliver
 from .._errors import CopyPlanError, CudaError
+from .._host._slots import positive_count
 from .._lifecycle import Lifecycle, finish
 from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
 from ._plan import Plan, plan
@@ -200,9 +201,14 @@ class CopyEngine:
 
     # -- public copies ----------------------------------------------------------------
 
-    async def to_device(self, tier: HostTier, slots: Sequence[int] | Any, dst: Any, *, after: Any = None) -> None:
+    async def to_device(
+        self, tier: HostTier, slots: Sequence[int] | Any, dst: Any, *, after: Any = None, page: int | None = None
+    ) -> None:
         """Copy slots to device memory: ``dst`` is one address per slot, or an array
         (``__cuda_array_interface__``) with one page per slot. Returns once the bytes landed.
+
+        ``page``: bytes per slot copied when ``dst`` is addresses (default: the
+        slot size); an array's page is its row.
 
         :raises SlotError: a slot is not allocated.
         :raises CopyPlanError: a copy would leave the committed range or cross a registration,
@@ -212,10 +218,12 @@ class CopyEngine:
         :raises ValueError: no slots, a read-only, non-contiguous or misshapen ``dst``.
         :raises CudaError: the driver refused the batch.
         """
-        planned, owners = self._plan_slots(tier, slots, dst, "h2d")
+        planned, owners = self._plan_slots(tier, slots, dst, "h2d", page)
         await self._run(planned, "h2d", after, (tier, dst), owners)
 
-    async def to_host(self, tier: HostTier, slots: Sequence[int] | Any, src: Any, *, after: Any = None) -> None:
+    async def to_host(
+        self, tier: HostTier, slots: Sequence[int] | Any, src: Any, *, after: Any = None, page: int | None = None
+    ) -> None:
         """Copy device pages into slots (one address or page per slot); the reverse of :meth:`to_device`.
 
         ``after`` (a stream or event) is waited for on the GPU first, so a
@@ -223,7 +231,7 @@ class CopyEngine:
 
         :raises: as :meth:`to_device`; a slot given twice is a :class:`SlotError`.
         """
-        planned, owners = self._plan_slots(tier, slots, src, "d2h")
+        planned, owners = self._plan_slots(tier, slots, src, "d2h", page)
         await self._run(planned, "d2h", after, (tier, src), owners)
 
     async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
@@ -272,7 +280,9 @@ class CopyEngine:
 
     # -- planning (on the loop) ---------------------------------------------------------
 
-    def _plan_slots(self, tier: HostTier, slots: Any, buffer: Any, direction: str) -> tuple[Plan, list[Any]]:
+    def _plan_slots(
+        self, tier: HostTier, slots: Any, buffer: Any, direction: str, page_size: int | None = None
+    ) -> tuple[Plan, list[Any]]:
         """Check the slots and the device side, then plan in the host side's address order.
 
         Returns the plan and the regions whose close must wait for it.
@@ -285,7 +295,7 @@ class CopyEngine:
         host = tier.slot_addresses(slots)
         if host.size == 0:
             raise ValueError("no slots to copy")
-        page = tier.slot_size
+        page = tier.slot_size if page_size is None else positive_count(page_size, "page")
         h2d = direction == "h2d"
         other, page, regions = _buffer_addresses(buffer, len(host), page, writable=h2d, host_only=self.device is None)
         self._check_page(tier, page)

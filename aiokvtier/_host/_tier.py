@@ -305,6 +305,16 @@ class HostTier:
         return self._base
 
     @property
+    def slots_total(self) -> int:
+        """Slots the quota holds (0 before open)."""
+        return self._slots.total if "_slots" in self.__dict__ else 0
+
+    @property
+    def slots_free(self) -> int:
+        """Slots that can be allocated now, resident or not (0 before open)."""
+        return self._slots.available if "_slots" in self.__dict__ else 0
+
+    @property
     def slot_size(self) -> int:
         return self._config.resolved.slot_size
 
