@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._config import parse_quota
 from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._lifecycle import Lifecycle, finish
 from ._events import BlockEvent, EventHub
@@ -526,7 +527,10 @@ class BlockStore:
                 outcome[i] = "present"
             else:
                 retry.append(i)  # the other store failed or skipped it: try it here
-        if retry:
+        counts = self._counts
+        counts["present"] += sum(1 for o in outcome.values() if o == "present")
+        counts["skipped"] += sum(1 for o in outcome.values() if o == "skipped")
+        if retry:  # counted by the inner call
             again = await self._store(
                 [keys[i] for i in retry],
                 src,
@@ -537,15 +541,11 @@ class BlockStore:
             done = {k: "stored" for k in again.stored} | {k: "present" for k in again.present}
             for i in retry:
                 outcome[i] = done.get(keys[i], "skipped")
-        counts = self._counts
         result = StoreResult(
             stored=tuple(k for i, k in enumerate(keys) if outcome[i] == "stored"),
             present=tuple(k for i, k in enumerate(keys) if outcome[i] == "present"),
             skipped=tuple(k for i, k in enumerate(keys) if outcome[i] == "skipped"),
         )
-        if not retry:
-            counts["present"] += len(result.present)
-            counts["skipped"] += len(result.skipped)
         return result
 
     def _settle(self, key: Key, future: asyncio.Future[bool], ok: bool) -> None:
@@ -756,7 +756,8 @@ class BlockStore:
         tier = self._tier
         async with self._resize_lock:
             self._check_open()
-            quota = tier._parse_quota(new_quota)
+            cfg = tier.config.resolved
+            quota = parse_quota(new_quota, slot_size=cfg.slot_size, max_quota=cfg.max_quota)
             total = quota // tier.slot_size
             if total < tier.slots_total:
                 state, pins = self._state, self._pins
