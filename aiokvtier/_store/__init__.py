@@ -1,0 +1,1 @@
+"""The block store: keys, eviction, pinning and copies over a tier."""
