@@ -134,3 +134,15 @@ def test_store_benchmark_quick_prints_json_side_by_side() -> None:
         assert all(0 < row[p]["hit_rate"] < 1 for p in policies)
         # The same trace, the same capacity, the same order: LRU is LRU.
         assert row["store_lru"]["hit_rate"] == row["ordereddict_lru_hit_rate"]
+
+
+def test_engine_mock_example_hits_evicts_and_verifies() -> None:
+    out = _run("examples/engine_mock.py")
+    assert out.startswith("pages: ")
+    rounds = re.findall(r"round (\d): (\d+) blocks asked, (\d+) hits", out)
+    assert [r[0] for r in rounds] == ["1", "2", "3", "4", "5"]
+    assert rounds[0][2] == "0" and all(int(hits) > 0 for _, _, hits in rounds[1:])
+    evicted = int(re.search(r"(\d+) evicted, ", out).group(1))  # type: ignore[union-attr]
+    assert evicted > 0
+    assert "agrees with the store: True" in out
+    assert re.search(r"verified: [1-9]\d* loaded blocks equal what was stored", out)
