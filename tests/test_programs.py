@@ -107,3 +107,42 @@ def test_cuda_benchmark_copy_and_cold_sections_print_json_side_by_side() -> None
         assert arms["bare_calls_of_1024"]["first_call_ms"] > 0
     row = report["copy_bandwidth"]["vmm"]["slot_64KiB_shuffled"]
     assert row["h2d"]["aiokvtier_GBps"] > 0 and row["h2d"]["x_vs_plain_batch"] is not None
+
+
+def test_store_benchmark_quick_prints_json_side_by_side() -> None:
+    report = json.loads(_run("-m", "aiokvtier.bench", "store", "--quick"))
+    assert list(report) == ["mode", "machine", "lookup", "bookkeeping", "cpu_copies", "gpu_copies", "churn"]
+    lru = report["lookup"]["lru"]
+    assert lru["prefix"] == 4096 and lru["key_bytes"] == 32
+    for arm in ("store_all_hit", "dict_scan_all_hit", "store_half_hit", "dict_scan_half_hit"):
+        assert set(lru[arm]) == {"median_us", "p99_us"}
+    book = report["bookkeeping"]["lru"]
+    assert book["blocks"] == 65536 and book["goal_bytes_per_block"] == 200
+    assert 0 < book["store_bytes_per_block"] < book["with_keys_bytes_per_block"]
+    assert any("_store/_store.py" in name for name in book["by_file_bytes"])
+    cpu = report["cpu_copies"]
+    assert cpu["blocks"] == 512 and cpu["ratio_store_vs_memmove"] > 0 and cpu["memmove_in_plus_out_ms"] > 0
+    gpu = report["gpu_copies"]
+    assert "skipped" in gpu or (gpu["loaded_equals_stored"] and gpu["ratio_store_vs_engine"] > 0)
+    churn = report["churn"]
+    assert churn["working_set_blocks"] == 2 * churn["capacity_blocks"]
+    for trace in ("zipf", "zipf_with_scans"):
+        row = churn[trace]
+        policies = [k for k in row if k.startswith("store_")]
+        assert "store_lru" in policies and len(policies) + len(churn["policies_unavailable"]) == 2
+        assert 0 < row["ordereddict_lru_hit_rate"] < 1
+        assert all(0 < row[p]["hit_rate"] < 1 for p in policies)
+        # The same trace, the same capacity, the same order: LRU is LRU.
+        assert row["store_lru"]["hit_rate"] == row["ordereddict_lru_hit_rate"]
+
+
+def test_engine_mock_example_hits_evicts_and_verifies() -> None:
+    out = _run("examples/engine_mock.py")
+    assert out.startswith("pages: ")
+    rounds = re.findall(r"round (\d): (\d+) blocks asked, (\d+) hits", out)
+    assert [r[0] for r in rounds] == ["1", "2", "3", "4", "5"]
+    assert rounds[0][2] == "0" and all(int(hits) > 0 for _, _, hits in rounds[1:])
+    evicted = int(re.search(r"(\d+) evicted, ", out).group(1))  # type: ignore[union-attr]
+    assert evicted > 0
+    assert "agrees with the store: True" in out
+    assert re.search(r"verified: [1-9]\d* loaded blocks equal what was stored", out)

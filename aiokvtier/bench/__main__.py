@@ -1,4 +1,4 @@
-"""``python -m aiokvtier.bench {host,cuda}``: print the benchmark's JSON."""
+"""``python -m aiokvtier.bench {host,cuda,store,ranks}``: print the benchmark's JSON."""
 
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also run each cold arm with cuda-bindings imported before the clock starts",
     )
+    store = sub.add_parser("store", help="the BlockStore: lookups, bookkeeping, copies, hit rates")
+    store.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
+    store.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
+    store.add_argument("--repeats", type=int, help="rounds per copy arm (default 9; 3 with --quick)")
     ranks = sub.add_parser("ranks", help="one rank per GPU filling at once (needs the cuda extra)")
     ranks.add_argument("--size-gib", type=float, default=8)
     args = parser.parse_args(argv)
@@ -48,6 +52,10 @@ def main(argv: list[str] | None = None) -> None:
         from ._cuda import run
 
         result = run(args)
+    elif args.mode == "store":
+        from . import _store
+
+        result = _store.run(args)
     else:
         from ._cuda import run_ranks
 
