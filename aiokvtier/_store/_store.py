@@ -205,7 +205,9 @@ class BlockStore:
         if type(event_limit) is not int or event_limit < 1:
             raise ValueError(f"event_limit must be a positive int, got {event_limit!r}")
         self._tier = tier
-        self._engine = engine
+        self._engine_given = engine
+        # A host-to-host engine adds nothing over the store's own memmove: host pages either way.
+        self._engine = engine if engine is not None and engine.device is not None else None
         self._policy_arg = policy
         self._life = Lifecycle("BlockStore", "aiokvtier-store")
         self._events = EventHub(event_limit)
@@ -268,8 +270,8 @@ class BlockStore:
 
     async def _build(self) -> None:
         self._tier._check_open()
-        if self._engine is not None:
-            self._engine._check_open()
+        if self._engine_given is not None:
+            self._engine_given._check_open()
         capacity = self._tier.slots_total
         self._policy = make_policy(self._policy_arg, capacity)
         self._grow_maps(capacity)
@@ -409,9 +411,10 @@ class BlockStore:
     async def store(self, keys: Sequence[object], src: Any, *, after: Any = None, wait: bool = True) -> StoreResult:
         """Store one page per key; keys already stored are not copied again.
 
-        With a full tier, least recently used blocks that no load is reading
-        (and that this call did not store) are evicted; when nothing more can
-        be, the rest of the keys (the suffix) are skipped, never an error.
+        With a full tier, blocks that no load is reading (and that this call
+        did not store) are evicted in the policy's order (least recently used
+        first with ``"lru"``); when nothing more can be, the rest of the keys
+        (the suffix) are skipped, never an error.
 
         :param src: with a CopyEngine, device addresses or a CUDA tensor (one
             page per key), as :meth:`CopyEngine.to_host` takes them; without
