@@ -154,17 +154,21 @@ class Filler:
         self._threads.clear()
         self._on_change()
 
-    def wait_blocking(self, nbytes: int, timeout: float | None) -> None:
+    def wait_blocking(self, nbytes: int | Callable[[], int], timeout: float | None) -> None:
         """Block the calling thread until ``nbytes`` are resident.
+
+        ``nbytes`` may be a function, read again at every wake-up (a shrink
+        moves the target; the function may raise to end the wait).
 
         :raises TimeoutError: ``timeout`` seconds passed first.
         :raises FillError: the fill failed below ``nbytes``.
         :raises TierClosedError: the tier closed first.
         """
+        target = nbytes if callable(nbytes) else lambda: nbytes
         with self._cond:
-            if not self._cond.wait_for(lambda: self.ready(nbytes), timeout):
-                raise TimeoutError(f"{nbytes} bytes not resident after {timeout} s (watermark {self.watermark})")
-            self.ready(nbytes, raise_=True)
+            if not self._cond.wait_for(lambda: self.ready(target()), timeout):
+                raise TimeoutError(f"{target()} bytes not resident after {timeout} s (watermark {self.watermark})")
+            self.ready(target(), raise_=True)
 
     def ready(self, nbytes: int, *, raise_: bool = False) -> bool:
         """Whether a waiter for ``nbytes`` is done (resident, failed or closed)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any, overload
@@ -124,7 +125,8 @@ class HostTier:
         await self.aclose()
 
     async def _open(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        if self._life.state == "new":  # a refused second open must not adopt its loop
+            self._loop = asyncio.get_running_loop()
         await self._life.open(self._build, self._teardown)
         s = self.statistics()
         log.info(
@@ -238,6 +240,8 @@ class HostTier:
 
     async def _allocate(self, n: int) -> list[int]:
         n = positive_count(n, "n")
+        self._check_open()
+        self._check_loop()
         while True:
             self._check_open()
             slots = self._slots
@@ -325,11 +329,34 @@ class HostTier:
     # -- residency ---------------------------------------------------------------
 
     def _wait_target(self, nbytes: int | None) -> int:
+        """What a waiter waits for, read again at every wake-up (a shrink can move it).
+
+        :raises ValueError: ``nbytes`` is past the (current) quota.
+        """
         if nbytes is None:
             return self._filler.target_bytes
-        if nbytes < 0 or nbytes > self._quota:
+        if nbytes > self._quota:
             raise ValueError(f"nbytes ({nbytes}) must be between 0 and the quota ({self._quota})")
         return nbytes
+
+    @staticmethod
+    def _byte_count(nbytes: object) -> int | None:
+        """:raises TypeError: not an integer (bools and floats refused). :raises ValueError: negative."""
+        if nbytes is None:
+            return None
+        if isinstance(nbytes, bool):
+            raise TypeError(f"nbytes must be an integer, not a bool ({nbytes!r})")
+        try:
+            count = operator.index(nbytes)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"nbytes must be an integer or None, got {nbytes!r}") from None
+        if count < 0:
+            raise ValueError(f"nbytes ({count}) must be between 0 and the quota")
+        return count
+
+    def _check_loop(self) -> None:
+        if asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError("this HostTier belongs to the event loop that opened it; call it from that loop")
 
     async def wait_resident(self, nbytes: int | None = None) -> None:
         """Wait until ``nbytes`` (None: the whole quota) are resident.
@@ -338,9 +365,12 @@ class HostTier:
         :raises FillError: the fill failed below ``nbytes``.
         :raises TierClosedError: the tier closed first.
         """
+        self._check_open()
+        self._check_loop()
+        count = self._byte_count(nbytes)
         while True:
             self._check_open()
-            need = self._wait_target(nbytes)
+            need = self._wait_target(count)
             if self._filler.ready(need, raise_=True):
                 return
             await self._waiters.wait(need)
@@ -356,7 +386,9 @@ class HostTier:
         if self._loop_thread():
             raise RuntimeError("wait_resident_blocking would block the event loop; use await wait_resident()")
         self._check_open()
-        self._filler.wait_blocking(self._wait_target(nbytes), timeout)
+        count = self._byte_count(nbytes)
+        self._wait_target(count)  # a bad size fails before waiting
+        self._filler.wait_blocking(lambda: self._wait_target(count), timeout)
 
     def _loop_thread(self) -> bool:
         try:
@@ -386,6 +418,7 @@ class HostTier:
         delivered after, with quota, fill target and residency consistent.
         """
         self._check_open()
+        self._check_loop()
         quota = self._parse_quota(new_quota)
         async with self._resize_lock:
             self._check_open()
@@ -399,18 +432,26 @@ class HostTier:
                         "is allocated or has a live view"
                     )
                 # Accepted: from here no slot past the new end can be taken, before any await.
+                slots.resize(total)  # MemoryError here changes nothing
                 old_quota, self._quota = self._quota, quota
-                slots.resize(total)
                 await finish(self._apply_shrink(old_quota, quota, total))
             else:
                 await finish(self._apply_grow(quota, total))
 
     async def _apply_grow(self, quota: int, total: int) -> None:
         """The accepted part of a grow: runs to the end whatever happens to its caller."""
-        old_quota = self._quota
+        life, filler, layout, slots = self._life, self._filler, self._layout, self._slots
+        old_quota, old_units = self._quota, layout.units_for(slots.total * self._slot_size)
         try:
-            await self._life.run(self._filler.set_target, self._layout.units_for(total * self._slot_size))
-            self._slots.resize(total)  # only once the fill covers the new slots: a failed grow changes nothing
+            await life.run(filler.set_target, layout.units_for(total * self._slot_size))
+            try:
+                slots.resize(total)  # only once the fill covers the new slots
+            except BaseException:
+                # MemoryError for the slot map: take the fill back, so a failed grow changes nothing.
+                tail = await life.run(filler.set_target, old_units)
+                if tail is not None:
+                    await life.run(self._decommit_tail, old_units, tail)
+                raise
             self._quota = quota
         finally:
             self._waiters.kick()
@@ -471,6 +512,8 @@ class HostTier:
         return self._base, self._backing.size
 
     def registration_of(self, offset: int, nbytes: int) -> int:
+        if self._life.state != "open":  # closing: the range is about to go, whatever is in flight
+            raise CopyPlanError(f"{self.region_name} is {self._life.state}")
         unit = self._layout.unit_at(offset)
         end = offset + nbytes
         if end > self._layout.end(unit):
