@@ -329,12 +329,6 @@ async def test_full_tier_evicts_least_recently_used_and_skips_the_suffix() -> No
         settled(tier, store)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BlockStore._store touches the call's present keys, then _evict may evict them to make room for the "
-    "same call's missing keys: the call reports them present, yet its own leading blocks are gone and "
-    "lookup() of the prefix returns 0 (DESIGN 7: the leading blocks of a prefix are the valuable ones)",
-)
 async def test_a_store_does_not_evict_its_own_present_prefix() -> None:
     async with open_store(2) as (_tier, store):
         await bounded(store.store([1, 2], pages([1, 2])))
@@ -428,12 +422,6 @@ async def test_concurrent_store_of_one_key_copies_once(store_then_hold: Gate) ->
         settled(tier, store)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BlockStore._store adds a call's present/skipped keys to statistics() only `if not retry`; when some "
-    "keys are retried (the store it waited for failed or was cancelled), the recursive call counts only the "
-    "retried keys, so the outer call's own present (and skipped) keys are never counted",
-)
 async def test_a_store_retrying_after_a_cancelled_one_counts_its_present_keys(store_then_hold: Gate) -> None:
     gate = store_then_hold
     async with open_store(4) as (tier, store):
@@ -593,12 +581,6 @@ async def test_events_are_bounded_and_say_how_many_were_dropped() -> None:
         assert await bounded(anext(events)) == BlockEvent("stored", (9,))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BlockStore.events() returns EventHub.subscribe(), an async generator: the subscriber is registered "
-    "only at the first __anext__, so events published between events() and the first read are lost, although "
-    "the docstring promises every event 'from now on'",
-)
 async def test_events_subscribes_when_called() -> None:
     async with open_store(4) as (_tier, store):
         events = store.events()
@@ -665,11 +647,6 @@ async def test_operations_after_aclose_raise_tier_closed() -> None:
         assert not tier.closed and tier.statistics().slots_allocated == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BlockStore._teardown clears _slot_of and frees the slots but leaves _visible as it was: after aclose, "
-    "len(store) and statistics().blocks still count blocks that are gone (while `key in store` is False)",
-)
 async def test_a_closed_store_holds_no_blocks() -> None:
     async with open_store(4) as (tier, store):
         await bounded(store.store([1], pages([1])))

@@ -151,8 +151,9 @@ class StoreMachine(RuleBasedStateMachine):
         missing = [k for k in keys if k not in self.data]
         self.touch(present)
         free = self.total - len(self.data)
-        # LRU victims: the oldest blocks, present keys of this very call included (touched last).
-        victims = self.lru[: max(0, min(len(missing) - free, len(self.lru)))]
+        # LRU victims: the oldest blocks, never the present keys of this very call (its prefix).
+        evictable = [k for k in self.lru if k not in present]
+        victims = evictable[: max(0, min(len(missing) - free, len(evictable)))]
         self.evict(victims)
         room = self.total - len(self.data)
         stored, skipped = missing[:room], missing[room:]

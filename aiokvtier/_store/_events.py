@@ -63,9 +63,13 @@ class EventHub:
         for sub in self._subscribers:
             sub.wakeup.set()
 
-    async def subscribe(self) -> AsyncIterator[BlockEvent]:
+    def subscribe(self) -> AsyncIterator[BlockEvent]:
+        """A subscription that receives every event from this call on (not from its first read)."""
         sub = _Subscriber(self._limit)
         self._subscribers.add(sub)
+        return self._read(sub)
+
+    async def _read(self, sub: _Subscriber) -> AsyncIterator[BlockEvent]:
         try:
             while True:
                 while sub.queue:

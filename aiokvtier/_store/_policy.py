@@ -160,10 +160,13 @@ class LRUPolicy(EvictionPolicy):
         self._count += 1
 
     def accessed(self, slots: npt.NDArray[np.int64]) -> None:
-        if not len(slots):
+        hit = slots[self._present[slots]]
+        if not len(hit):
             return
-        self._clock += 1
-        self._stamp[slots[self._present[slots]]] = self._clock
+        # One stamp per position, in the batch's order: the last one hit is the most recent
+        # (a repeated slot keeps its last position: numpy's assignment applies them in order).
+        self._stamp[hit] = np.arange(self._clock + 1, self._clock + 1 + len(hit), dtype=np.uint64)
+        self._clock += len(hit)
 
     def removed(self, slot: int) -> None:
         if not (0 <= slot < len(self._present) and self._present[slot]):

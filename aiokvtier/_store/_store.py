@@ -285,6 +285,7 @@ class BlockStore:
         slots = [slot for slot in self._slot_of.values() if slot >= 0]
         slots += [s for s, state in enumerate(self._state) if state == _DOOMED]
         self._slot_of.clear()
+        self._visible = 0
         if slots and not self._tier.closed:
             self._tier.free_many(slots)  # the blocks go with the store; the tier stays the owner's
         await self._life.run_undo()
@@ -453,7 +454,7 @@ class BlockStore:
 
             side = buffer_addresses(obj, n, slot_size, writable=writable, host_only=self._engine.device is None)
             addresses, lengths, owners = side.addresses.tolist(), [side.page] * n, [obj]
-        too_big = next((length for length in lengths if length > slot_size), None)
+        too_big = None if writable else next((length for length in lengths if length > slot_size), None)
         if too_big is not None:
             raise ValueError(f"a page of {too_big} bytes does not fit a {slot_size}-byte slot; nothing changed")
         if not writable and n and min(lengths) == 0:
@@ -488,8 +489,12 @@ class BlockStore:
             claimed[i] = self._pending[keys[i]] = loop.create_future()
         taken: list[int] = []
         landed = False
+        self._pin(present_slots)  # the call's own present blocks (its prefix) are not evicted to make room
         try:
-            await self._take_slots(len(missing), wait, taken)
+            try:
+                await self._take_slots(len(missing), wait, taken)
+            finally:
+                self._unpin(present_slots)
             chosen = missing[: len(taken)]
             for i in missing[len(taken) :]:
                 outcome[i] = "skipped"
