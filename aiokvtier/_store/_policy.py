@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -63,6 +63,11 @@ class EvictionPolicy(ABC):
         (``0 <= id < capacity``): the check would cost more than the update,
         and the store passes its own ids.
         """
+
+    def inserted_many(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        """Several blocks became visible, in this order (one store call); override to batch it."""
+        for slot, key in zip(slots, keys, strict=True):
+            self.inserted(slot, key)
 
     @abstractmethod
     def removed(self, slot: int) -> None:
@@ -158,6 +163,21 @@ class LRUPolicy(EvictionPolicy):
         self._stamp[slot] = self._clock
         self._present[slot] = True
         self._count += 1
+
+    def inserted_many(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        if len(slots) != len(keys):
+            raise ValueError(f"{len(slots)} slots for {len(keys)} keys")
+        ids = np.asarray(slots, dtype=np.int64)
+        if not ids.size:
+            return
+        if int(ids.min()) < 0 or int(ids.max()) >= len(self._stamp):
+            raise IndexError(f"a slot is not below the capacity ({len(self._stamp)})")
+        if self._present[ids].any() or len(np.unique(ids)) != ids.size:
+            raise ValueError("a slot already holds a tracked block")
+        self._stamp[ids] = np.arange(self._clock + 1, self._clock + 1 + ids.size, dtype=np.uint64)
+        self._clock += ids.size
+        self._present[ids] = True
+        self._count += ids.size
 
     def accessed(self, slots: npt.NDArray[np.int64]) -> None:
         hit = slots[self._present[slots]]

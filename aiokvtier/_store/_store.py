@@ -26,7 +26,7 @@ import ctypes
 import logging
 import operator
 from array import array
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -49,6 +49,7 @@ log = logging.getLogger("aiokvtier")
 
 Key = bytes | int
 _FREE, _STORING, _READY, _DOOMED = 0, 1, 2, 3
+_MISSING, _STORED, _PRESENT, _SKIPPED = 0, 1, 2, 3  # a key's outcome in one store call
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +217,7 @@ class BlockStore:
         self._state = bytearray()
         self._length = array("Q")
         self._pins = array("I")
-        self._pending: dict[Key, asyncio.Future[bool]] = {}
+        self._pending: dict[Key, asyncio.Future[frozenset[Key]]] = {}
         self._visible = 0
         self._pinned = 0
         self._in_flight = 0
@@ -467,26 +468,30 @@ class BlockStore:
         if after is not None and self._engine is None:
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
         addresses, lengths, _owners = pages
-        slot_of, state = self._slot_of, self._state
-        outcome: dict[int, str] = {}
+        slot_of, state, pending = self._slot_of, self._state, self._pending
+        n = len(keys)
+        outcome = bytearray(n)  # _MISSING, then _STORED / _PRESENT / _SKIPPED per key
         present_slots: list[int] = []
         missing: list[int] = []
-        waiting: list[tuple[int, asyncio.Future[bool]]] = []
+        waiting: dict[asyncio.Future[frozenset[Key]], list[int]] = {}
         for i, key in enumerate(keys):
             slot = slot_of.get(key, -1)
             if slot >= 0 and state[slot] == _READY:
-                outcome[i] = "present"
+                outcome[i] = _PRESENT
                 present_slots.append(slot)
-            elif key in self._pending:
-                waiting.append((i, self._pending[key]))
+            elif key in pending:
+                waiting.setdefault(pending[key], []).append(i)
             else:
                 missing.append(i)
         if present_slots:
             self._policy.accessed(np.asarray(present_slots, dtype=np.int64))
-        loop = asyncio.get_running_loop()
-        claimed: dict[int, asyncio.Future[bool]] = {}
-        for i in missing:  # claimed before any await: a concurrent store of the same key waits for this one
-            claimed[i] = self._pending[keys[i]] = loop.create_future()
+        # One future for the whole call, claimed before any await: a concurrent store of one of
+        # these keys waits for it and learns from its result (the keys stored) what became of its key.
+        claim: asyncio.Future[frozenset[Key]] = asyncio.get_running_loop().create_future()
+        claimed = [keys[i] for i in missing]
+        for key in claimed:
+            pending[key] = claim
+        stored_keys: frozenset[Key] = frozenset()
         taken: list[int] = []
         landed = False
         self._pin(present_slots)  # the call's own present blocks (its prefix) are not evicted to make room
@@ -497,26 +502,36 @@ class BlockStore:
                 self._unpin(present_slots)
             chosen = missing[: len(taken)]
             for i in missing[len(taken) :]:
-                outcome[i] = "skipped"
-                self._settle(keys[i], claimed.pop(i), False)
-            for i, slot in zip(chosen, taken, strict=True):
-                key = keys[i]
-                slot_of[key] = slot
-                self._key_of[slot] = key
-                state[slot] = _STORING
-                self._length[slot] = lengths[i]
+                outcome[i] = _SKIPPED
+            chosen_keys = [keys[i] for i in chosen]
+            chosen_lengths = [lengths[i] for i in chosen]
+
+            def book() -> None:
+                # Runs while the copy is in flight: nobody sees these blocks before they are ready
+                # (lookups want ready, and a store of the same key waits on the claim).
+                key_of, length_of = self._key_of, self._length
+                for key, slot, length in zip(chosen_keys, taken, chosen_lengths, strict=True):
+                    slot_of[key] = slot
+                    key_of[slot] = key
+                    state[slot] = _STORING
+                    length_of[slot] = length
+
             if chosen:
-                await self._copy_in(taken, [addresses[i] for i in chosen], [lengths[i] for i in chosen], src, after)
+                await finish(
+                    self._copy_while(
+                        self._copy_in(taken, [addresses[i] for i in chosen], chosen_lengths, src, after), book
+                    )
+                )
             landed = True
-            for i, slot in zip(chosen, taken, strict=True):
-                state[slot] = _READY
-                self._policy.inserted(slot, keys[i])
-                outcome[i] = "stored"
-                self._settle(keys[i], claimed.pop(i), True)
+            np.frombuffer(state, dtype=np.uint8)[np.asarray(taken, dtype=np.int64)] = _READY
+            self._policy.inserted_many(taken, chosen_keys)
+            for i in chosen:
+                outcome[i] = _STORED
+            stored_keys = frozenset(chosen_keys)
             self._visible += len(chosen)
             self._counts["stores"] += len(chosen)
-            self._counts["bytes_stored"] += sum(lengths[i] for i in chosen)
-            self._events.publish("stored", tuple(keys[i] for i in chosen))
+            self._counts["bytes_stored"] += sum(chosen_lengths)
+            self._events.publish("stored", tuple(chosen_keys))
         finally:
             if not landed:  # failed or cancelled: no partial block stays, no slot is kept
                 for slot in taken:
@@ -527,18 +542,23 @@ class BlockStore:
                     state[slot] = _FREE
                 if taken and not self._tier.closed:
                     self._tier.free_many(taken)
-                for i, future in claimed.items():
-                    self._settle(keys[i], future, False)
+            for key in claimed:
+                if pending.get(key) is claim:
+                    del pending[key]
+            claim.set_result(stored_keys)
         retry: list[int] = []
-        for i, future in waiting:
-            if await future:
-                outcome[i] = "present"
-            else:
-                retry.append(i)  # the other store failed or skipped it: try it here
+        for future, indices in waiting.items():
+            done = await future
+            for i in indices:
+                if keys[i] in done:
+                    outcome[i] = _PRESENT
+                else:
+                    retry.append(i)  # the other store failed or skipped it: try it here
         counts = self._counts
-        counts["present"] += sum(1 for o in outcome.values() if o == "present")
-        counts["skipped"] += sum(1 for o in outcome.values() if o == "skipped")
+        counts["present"] += outcome.count(_PRESENT)
+        counts["skipped"] += outcome.count(_SKIPPED)
         if retry:  # counted by the inner call
+            retry.sort()
             again = await self._store(
                 [keys[i] for i in retry],
                 src,
@@ -546,21 +566,15 @@ class BlockStore:
                 after,
                 wait,
             )
-            done = {k: "stored" for k in again.stored} | {k: "present" for k in again.present}
+            done_stored, done_present = set(again.stored), set(again.present)
             for i in retry:
-                outcome[i] = done.get(keys[i], "skipped")
-        result = StoreResult(
-            stored=tuple(k for i, k in enumerate(keys) if outcome[i] == "stored"),
-            present=tuple(k for i, k in enumerate(keys) if outcome[i] == "present"),
-            skipped=tuple(k for i, k in enumerate(keys) if outcome[i] == "skipped"),
+                key = keys[i]
+                outcome[i] = _STORED if key in done_stored else _PRESENT if key in done_present else _SKIPPED
+        return StoreResult(
+            stored=tuple(k for k, o in zip(keys, outcome, strict=True) if o == _STORED),
+            present=tuple(k for k, o in zip(keys, outcome, strict=True) if o == _PRESENT),
+            skipped=tuple(k for k, o in zip(keys, outcome, strict=True) if o == _SKIPPED),
         )
-        return result
-
-    def _settle(self, key: Key, future: asyncio.Future[bool], ok: bool) -> None:
-        if self._pending.get(key) is future:
-            del self._pending[key]
-        if not future.done():
-            future.set_result(ok)
 
     async def _take_slots(self, n: int, wait: bool, taken: list[int]) -> None:
         """Take up to ``n`` slots into ``taken``, evicting as needed; fewer when nothing more can be had."""
@@ -629,8 +643,18 @@ class BlockStore:
             # The pages stay referenced by this frame until the copy has landed (finish() in the engine).
             await engine.to_host(tier, slots, np.asarray(addresses, dtype=np.uint64), after=after, page=lengths[0])
             return
-        copies = [(tier.address(s), a, n) for s, a, n in zip(slots, addresses, lengths, strict=True)]
+        copies = list(zip(tier.slot_addresses(slots).tolist(), addresses, lengths, strict=True))
         await finish(self._run_copies(copies))
+
+    @staticmethod
+    async def _copy_while(copy: Coroutine[Any, Any, None], work: Callable[[], None]) -> None:
+        """Start ``copy``, do ``work`` while it is in flight, then wait for it (run through finish())."""
+        task = asyncio.ensure_future(copy)
+        await asyncio.sleep(0)  # the copy plans and submits; then the loop is free for the work
+        try:
+            work()
+        finally:
+            await task
 
     async def _run_copies(self, copies: list[tuple[int, int, int]]) -> None:
         await self._life.run(_memmove_all, copies)
@@ -681,24 +705,29 @@ class BlockStore:
         self._counts["bytes_loaded"] += sum(lengths)
 
     def _pin(self, slots: list[int]) -> None:
-        pins = self._pins
-        for slot in slots:
-            if not pins[slot]:
-                self._pinned += 1
-            pins[slot] += 1
+        if not slots:
+            return
+        ids = np.asarray(slots, dtype=np.int64)
+        pins = np.frombuffer(self._pins, dtype=np.uint32)
+        self._pinned += np.unique(ids[pins[ids] == 0]).size
+        np.add.at(pins, ids, 1)  # a key loaded twice in one call pins twice
+        del pins  # an exported buffer would stop the array from growing
 
     def _unpin(self, slots: list[int]) -> None:
-        pins, state = self._pins, self._state
-        doomed: list[int] = []
-        for slot in slots:
-            pins[slot] -= 1
-            if not pins[slot]:
-                self._pinned -= 1
-                if state[slot] == _DOOMED:
-                    state[slot] = _FREE
-                    doomed.append(slot)
-        if doomed and not self._tier.closed:
-            self._tier.free_many(doomed)
+        if not slots:
+            return
+        ids = np.asarray(slots, dtype=np.int64)
+        pins = np.frombuffer(self._pins, dtype=np.uint32)
+        np.subtract.at(pins, ids, 1)
+        released = np.unique(ids[pins[ids] == 0])
+        del pins
+        self._pinned -= released.size
+        state = np.frombuffer(self._state, dtype=np.uint8)
+        doomed = released[state[released] == _DOOMED]
+        state[doomed] = _FREE
+        del state
+        if doomed.size and not self._tier.closed:
+            self._tier.free_many(doomed.tolist())
 
     async def _copy_out(
         self, slots: list[int], addresses: list[int], lengths: list[int], room: list[int], dst: Any, after: Any
@@ -712,7 +741,7 @@ class BlockStore:
                 copies = [(a, tier.address(s), n) for s, a, n in zip(slots, addresses, lengths, strict=True)]
                 await engine.copy(copies, after=after)
             return
-        copies = [(a, tier.address(s), n) for s, a, n in zip(slots, addresses, lengths, strict=True)]
+        copies = list(zip(addresses, tier.slot_addresses(slots).tolist(), lengths, strict=True))
         await finish(self._run_copies(copies))
 
     # -- discard and resize ---------------------------------------------------------------
