@@ -608,7 +608,7 @@ class BlockStore:
 
     def _evict(self, n: int) -> int:
         """Evict up to ``n`` ready, unpinned blocks in the policy's order; returns how many."""
-        state, pins, key_of = self._state, self._pins, self._key_of
+        state, pins = self._state, self._pins
         slots: list[int] = []
         keys: list[Key] = []
         victims = self._policy.victims()
@@ -616,26 +616,33 @@ class BlockStore:
             for slot in victims:
                 if state[slot] != _READY or pins[slot]:
                     continue
-                key = key_of[slot]
-                assert key is not None
-                self._policy.removed(slot)
-                del self._slot_of[key]
-                key_of[slot] = None
-                state[slot] = _FREE
+                keys.append(self._forget(slot))
                 slots.append(slot)
-                keys.append(key)
                 if len(slots) == n:
                     break
         finally:
             close = getattr(victims, "close", None)  # a generator: let it clean up now
             if close is not None:
                 close()
+        self._evicted(slots, keys)
+        return len(slots)
+
+    def _forget(self, slot: int) -> Key:
+        """Drop a ready block's bookkeeping (its slot is the caller's to give back); returns its key."""
+        key = self._key_of[slot]
+        assert key is not None
+        self._policy.removed(slot)
+        del self._slot_of[key]
+        self._key_of[slot] = None
+        self._state[slot] = _FREE
+        return key
+
+    def _evicted(self, slots: list[int], keys: list[Key]) -> None:
         if slots:
             self._tier.free_many(slots)
             self._visible -= len(slots)
             self._counts["evictions"] += len(slots)
             self._events.publish("evicted", tuple(keys))
-        return len(slots)
 
     async def _copy_in(self, slots: list[int], addresses: list[int], lengths: list[int], src: Any, after: Any) -> None:
         tier, engine = self._tier, self._engine
@@ -809,24 +816,9 @@ class BlockStore:
             self._policy.resize(tier.slots_total)
 
     def _drop_past(self, total: int) -> None:
-        state, key_of = self._state, self._key_of
-        slots: list[int] = []
-        keys: list[Key] = []
-        for slot in range(total, len(state)):
-            if state[slot] == _READY:
-                key = key_of[slot]
-                assert key is not None
-                self._policy.removed(slot)
-                del self._slot_of[key]
-                key_of[slot] = None
-                state[slot] = _FREE
-                slots.append(slot)
-                keys.append(key)
-        if slots:
-            self._tier.free_many(slots)
-            self._visible -= len(slots)
-            self._counts["evictions"] += len(slots)
-            self._events.publish("evicted", tuple(keys))
+        state = self._state
+        slots = [slot for slot in range(total, len(state)) if state[slot] == _READY]
+        self._evicted(slots, [self._forget(slot) for slot in slots])
 
 
 def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
