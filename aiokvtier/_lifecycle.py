@@ -26,12 +26,13 @@ import os
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import ExitStack
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import Any, Self, TypeVar
 
 from ._crossing import Worker
 from ._errors import TierClosedError
 
-__all__ = ["Lifecycle", "finish"]
+__all__ = ["Lifecycle", "Owner", "finish"]
 
 T = TypeVar("T")
 log = logging.getLogger("aiokvtier")
@@ -245,3 +246,39 @@ class Lifecycle:
     def forked(self) -> None:
         if self.state not in ("new", "closed"):
             self.state = "forked"
+
+
+class Owner:
+    """What every owner of memory or threads shares: ``async with`` opens and closes it.
+
+    A subclass sets ``self._life`` and defines ``_build`` and ``_teardown``
+    (coroutines run through :class:`Lifecycle`), and documents its own
+    ``aclose``.
+    """
+
+    _life: Lifecycle
+
+    async def _build(self) -> None:
+        raise NotImplementedError
+
+    async def _teardown(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self._life.open(self._build, self._teardown)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._life.close(self._teardown)
+
+    @property
+    def closed(self) -> bool:
+        return self._life.closed
+
+    def _check_open(self) -> None:
+        self._life.check_open()

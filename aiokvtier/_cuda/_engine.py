@@ -25,13 +25,12 @@ from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from .._crossing import Outcome, deliver
 from .._errors import CopyPlanError, CudaError
 from .._host._slots import positive_count
-from .._lifecycle import Lifecycle, finish
+from .._lifecycle import Lifecycle, Owner, finish
 from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
 from ._plan import Plan, plan
 from ._requests import buffer_addresses as _buffer_addresses
@@ -73,7 +72,7 @@ class CopyStatistics:
     """The cuMemcpyBatchAsync ABI in use (13000 or 12080); None without a device."""
 
 
-class CopyEngine:
+class CopyEngine(Owner):
     """Moves KV pages between tier slots and GPU memory in batched, awaited copies.
 
     :param device: CUDA ordinal, or None for host-to-host copies on a worker thread.
@@ -109,7 +108,7 @@ class CopyEngine:
 
     # -- lifecycle ------------------------------------------------------------------
 
-    async def __aenter__(self) -> CopyEngine:
+    async def __aenter__(self) -> Self:
         """Start the engine's threads (and, with a device, its context and streams).
 
         :raises CudaUnavailableError: a device was asked for without a usable driver.
@@ -117,13 +116,7 @@ class CopyEngine:
         :raises RuntimeError: opened twice, or its threads cannot start.
         :raises TierClosedError: ``aclose()`` was called while it opened.
         """
-        await self._life.open(self._build, self._teardown)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
+        return await super().__aenter__()
 
     @classmethod
     async def open(cls, device: int | None, **kwargs: Any) -> CopyEngine:
@@ -191,13 +184,6 @@ class CopyEngine:
                     self._destroy_stream(stream)
             finally:
                 self._context.release()
-
-    @property
-    def closed(self) -> bool:
-        return self._life.closed
-
-    def _check_open(self) -> None:
-        self._life.check_open()
 
     # -- public copies ----------------------------------------------------------------
 

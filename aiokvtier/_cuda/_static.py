@@ -8,7 +8,6 @@ registration, so a copy may span it whole.
 
 from __future__ import annotations
 
-from types import TracebackType
 from typing import Any
 
 from .. import _regions
@@ -16,13 +15,13 @@ from .._errors import CopyPlanError
 from .._host import _linux
 from .._host._backing import HUGE_ALIGN, apply_numa_policy
 from .._host._views import ViewLedger
-from .._lifecycle import Lifecycle
+from .._lifecycle import Lifecycle, Owner
 from .._regions import InflightCopies
 
 __all__ = ["StaticHostMem"]
 
 
-class StaticHostMem:
+class StaticHostMem(Owner):
     """A populated (and, with a device, registered) host buffer for staging and uploads.
 
     ``async with StaticHostMem(size, device=0) as buf:`` or
@@ -65,15 +64,6 @@ class StaticHostMem:
         buf = cls(size, device, numa_node)
         await buf.__aenter__()
         return buf
-
-    async def __aenter__(self) -> StaticHostMem:
-        await self._life.open(self._build, self._teardown)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     async def _build(self) -> None:
         kind = await self._life.run(self._allocate)
@@ -124,13 +114,6 @@ class StaticHostMem:
     def address(self) -> int:
         self._check_open()
         return self._address
-
-    @property
-    def closed(self) -> bool:
-        return self._life.closed
-
-    def _check_open(self) -> None:
-        self._life.check_open()
 
     def view(self) -> memoryview:
         """A writable view of the whole buffer; it keeps the memory mapped until released."""

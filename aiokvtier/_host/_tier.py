@@ -6,8 +6,7 @@ import asyncio
 import logging
 import operator
 from collections.abc import Iterable, Mapping
-from types import TracebackType
-from typing import Any, overload
+from typing import Any, Self, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -16,7 +15,7 @@ from .. import _regions
 from .._config import HostTierConfig, ResolvedHostConfig, parse_quota
 from .._crossing import LoopWaiters
 from .._errors import CopyPlanError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
-from .._lifecycle import Lifecycle, finish
+from .._lifecycle import Lifecycle, Owner, finish
 from .._regions import InflightCopies
 from ._backing import Backing, HostBacking
 from ._fill import Filler
@@ -55,7 +54,7 @@ def make_backing(config: ResolvedHostConfig, node: int | None) -> Backing:
     return make_gpu_backing(config, node)
 
 
-class HostTier:
+class HostTier(Owner):
     """A host-memory KV tier that serves slots while it is still being filled.
 
     Open it with ``tier = await HostTier.open(config)`` or
@@ -115,14 +114,9 @@ class HostTier:
         await tier._open()
         return tier
 
-    async def __aenter__(self) -> HostTier:
+    async def __aenter__(self) -> Self:
         await self._open()
         return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     async def _open(self) -> None:
         if self._life.state == "new":  # a refused second open must not adopt its loop
@@ -201,16 +195,9 @@ class HostTier:
             self._released = True
 
     @property
-    def closed(self) -> bool:
-        return self._life.closed
-
-    @property
     def released(self) -> bool:
         """Whether the range has been given back (after close and the last view)."""
         return self._released
-
-    def _check_open(self) -> None:
-        self._life.check_open()
 
     # -- allocation ------------------------------------------------------------
 

@@ -28,14 +28,13 @@ import operator
 from array import array
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._config import parse_quota
 from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
-from .._lifecycle import Lifecycle, finish
+from .._lifecycle import Lifecycle, Owner, finish
 from ._events import BlockEvent, EventHub
 from ._policy import EvictionPolicy, make_policy
 
@@ -171,7 +170,7 @@ class _HostPages:
         self.owners = [*views, *arrays]
 
 
-class BlockStore:
+class BlockStore(Owner):
     """KV blocks keyed by block hashes, in tier slots, with eviction, pinning and awaited copies.
 
     ``async with BlockStore(tier, engine=None, policy="lru") as store:`` or
@@ -260,15 +259,6 @@ class BlockStore:
         await store.__aenter__()
         return store
 
-    async def __aenter__(self) -> BlockStore:
-        await self._life.open(self._build, self._teardown)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
     async def _build(self) -> None:
         self._tier._check_open()
         if self._engine_given is not None:
@@ -298,13 +288,6 @@ class BlockStore:
         interrupt the teardown.
         """
         await self._life.close(self._teardown)
-
-    @property
-    def closed(self) -> bool:
-        return self._life.closed
-
-    def _check_open(self) -> None:
-        self._life.check_open()
 
     def _sync_capacity(self) -> None:
         """Follow a tier that was grown behind the store's back (slot ids index the maps)."""
