@@ -218,7 +218,6 @@ class BlockStore(Owner):
         self._pins = array("I")
         self._pending: dict[Key, asyncio.Future[frozenset[Key]]] = {}
         self._visible = 0
-        self._pinned = 0
         self._in_flight = 0
         self._idle: asyncio.Event | None = None
         self._resize_lock = asyncio.Lock()
@@ -357,7 +356,7 @@ class BlockStore(Owner):
             discards=c["discards"],
             bytes_stored=c["bytes_stored"],
             bytes_loaded=c["bytes_loaded"],
-            blocks_pinned=self._pinned,
+            blocks_pinned=int(np.count_nonzero(np.frombuffer(self._pins, dtype=np.uint32))),
             in_flight=self._in_flight,
         )
 
@@ -374,7 +373,7 @@ class BlockStore(Owner):
     def __repr__(self) -> str:
         return (
             f"<BlockStore [{self._life.state} | {self._visible}/{self._tier.slots_total} blocks | "
-            f"{self._pinned} pinned | {self._in_flight} in flight]>"
+            f"{self.statistics().blocks_pinned} pinned | {self._in_flight} in flight]>"
         )
 
     # -- the in-flight count (close waits for it) ---------------------------------------
@@ -674,16 +673,19 @@ class BlockStore(Owner):
                 raise BlockNotFound(key)
             slots.append(slot)
         addresses, room, _owners = self._pages(dst, len(keys), writable=True)
-        lengths = [self._length[s] for s in slots]
-        short = next((i for i, (r, n) in enumerate(zip(room, lengths, strict=True)) if r < n), None)
-        if short is not None:
+        ids = np.asarray(slots, dtype=np.int64)
+        length_of = np.frombuffer(self._length, dtype=np.uint64)[ids]  # a copy: the map may grow later
+        shorts = np.flatnonzero(np.asarray(room, dtype=np.uint64) < length_of)
+        if shorts.size:
+            short = int(shorts[0])
             raise ValueError(
-                f"destination page {short} has {room[short]} bytes, block {keys[short]!r} has {lengths[short]}; "
-                "nothing was copied"
+                f"destination page {short} has {room[short]} bytes, block {keys[short]!r} has "
+                f"{int(length_of[short])}; nothing was copied"
             )
+        lengths: list[int] = length_of.tolist()
         if after is not None and self._engine is None:
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
-        self._policy.accessed(np.asarray(slots, dtype=np.int64))
+        self._policy.accessed(ids)
         self._enter()
         self._pin(slots)
         try:
@@ -692,16 +694,13 @@ class BlockStore(Owner):
             self._unpin(slots)
             self._exit()
         self._counts["loads"] += len(slots)
-        self._counts["bytes_loaded"] += sum(lengths)
+        self._counts["bytes_loaded"] += int(length_of.sum())
 
     def _pin(self, slots: list[int]) -> None:
-        if not slots:
-            return
-        ids = np.asarray(slots, dtype=np.int64)
-        pins = np.frombuffer(self._pins, dtype=np.uint32)
-        self._pinned += np.unique(ids[pins[ids] == 0]).size
-        np.add.at(pins, ids, 1)  # a key loaded twice in one call pins twice
-        del pins  # an exported buffer would stop the array from growing
+        if slots:
+            pins = np.frombuffer(self._pins, dtype=np.uint32)
+            np.add.at(pins, np.asarray(slots, dtype=np.int64), 1)  # a key loaded twice in one call pins twice
+            del pins  # an exported buffer would stop the array from growing
 
     def _unpin(self, slots: list[int]) -> None:
         if not slots:
@@ -709,11 +708,10 @@ class BlockStore(Owner):
         ids = np.asarray(slots, dtype=np.int64)
         pins = np.frombuffer(self._pins, dtype=np.uint32)
         np.subtract.at(pins, ids, 1)
-        released = np.unique(ids[pins[ids] == 0])
+        released = ids[pins[ids] == 0]
         del pins
-        self._pinned -= released.size
         state = np.frombuffer(self._state, dtype=np.uint8)
-        doomed = released[state[released] == _DOOMED]
+        doomed = np.unique(released[state[released] == _DOOMED])  # discarded while they were read
         state[doomed] = _FREE
         del state
         if doomed.size and not self._tier.closed:
