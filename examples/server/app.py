@@ -487,10 +487,12 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, HostTierConfi
         )
     except ValidationError as error:
         first = error.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else ""
-        message = first["msg"]
-        if not field:
-            field = next((f for f in OPTION_OF_FIELD if f in message), "quota")
+        message = first["msg"].removeprefix("Value error, ")
+        named = re.match(r"\w+", message)  # a rule across fields names its subject first ("max_quota (...) is below")
+        if named and named.group() in OPTION_OF_FIELD:
+            field = named.group()
+        else:
+            field = str(first["loc"][0]) if first["loc"] else "quota"
         parser.error(f"argument {OPTION_OF_FIELD.get(field, '--' + field)}: {message}")
     return args, config
 

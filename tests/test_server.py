@@ -1,0 +1,305 @@
+"""The example server (examples/server/app.py), run as a program on loopback and driven over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+from aiokvtier import HostTierConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "examples" / "server" / "app.py"
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+CLIENTS = 32
+BLOCKS_PER_CLIENT = 12
+SLOT = 64 << 10
+
+
+class Server:
+    """A server process on a free loopback port (it binds port 0 and prints the port it got)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    @classmethod
+    async def start(cls, *options: str) -> Server:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(APP), "--host", "127.0.0.1", "--port", "0", *options,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV, cwd=ROOT,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise
+        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        assert match, line
+        return cls(proc, match.group(1))
+
+    async def stop(self, seconds: float = 30) -> tuple[int, str]:
+        """SIGTERM, then the exit code and stderr (killed, and the test failed, past ``seconds``)."""
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.stderr is not None
+        try:
+            stderr = await asyncio.wait_for(self.proc.stderr.read(), seconds)
+            code = await asyncio.wait_for(self.proc.wait(), seconds)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+            pytest.fail(f"the server did not exit within {seconds} s of SIGTERM")
+        return code, stderr.decode()
+
+
+async def wait_for(client: httpx.AsyncClient, path: str, status: int, *, seconds: float = 30) -> httpx.Response:
+    deadline = time.monotonic() + seconds
+    for _ in range(int(seconds / 0.02)):
+        response = await client.get(path)
+        if response.status_code == status or time.monotonic() > deadline:
+            return response
+        await asyncio.sleep(0.02)
+    return response
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def assert_error(response: httpx.Response, status: int) -> None:
+    assert response.status_code == status, (response.request.method, response.request.url, response.text)
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert list(body) == ["error"] and isinstance(body["error"], str) and body["error"]
+
+
+async def bad_requests(client: httpx.AsyncClient, victim: str) -> None:
+    """Malformed requests, many aimed at a stored block: each answered with its status and a JSON error."""
+    too_long = "a" * 129
+    assert victim != victim.upper()
+    assert_error(await client.put("/v1/blocks/zz", content=b"x"), 400)
+    assert_error(await client.put("/v1/blocks/ABCD", content=b"x"), 400)
+    assert_error(await client.put(f"/v1/blocks/{victim.upper()}", content=b"x"), 400)
+    assert_error(await client.put(f"/v1/blocks/{too_long}", content=b"x"), 400)
+    assert_error(await client.get(f"/v1/blocks/{too_long}"), 400)
+    assert_error(await client.delete("/v1/blocks/0x12"), 400)
+    assert_error(await client.put(f"/v1/blocks/{victim}", content=b""), 400)
+    assert_error(await client.put(f"/v1/blocks/{victim}", content=bytes(SLOT + 1)), 413)
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: refused while reading
+        for _ in range(3):
+            yield bytes(SLOT // 2)
+
+    assert_error(await client.put(f"/v1/blocks/{victim}", content=chunks()), 413)
+    for body in (b"{", b"[]", b'{"keys": "ab"}', b'{"keys": [1]}', b'{"keys": ["AB"]}', b"\xff", b'{"nokeys": 1}'):
+        assert_error(await client.post("/v1/lookup", content=body), 400)
+    assert_error(await client.get("/v1/nothing-here"), 404)
+    assert_error(await client.get("/v1/blocks"), 404)
+    assert_error(await client.post(f"/v1/blocks/{victim}", content=b"x"), 405)
+    assert_error(await client.put("/v1/lookup", content=b"{}"), 405)
+    assert_error(await client.delete("/healthz"), 405)
+
+
+async def client_run(url: str, seed: int, stored: dict[str, str]) -> None:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        mine: list[str] = []
+        for i in range(BLOCKS_PER_CLIENT):
+            key = f"a{seed:02x}{i:02x}" + rng.randbytes(rng.randrange(0, 62)).hex()
+            data = rng.randbytes(rng.randrange(1, SLOT + 1)) if i else rng.randbytes(SLOT)  # a full slot, then any
+            response = await client.put(f"/v1/blocks/{key}", content=data)
+            assert response.status_code == 201, response.text
+            assert response.json() == {"key": key, "bytes": len(data)}
+            stored[key] = digest(data)
+            mine.append(key)
+            if i % 4 == 0:
+                await bad_requests(client, key)
+            again = await client.put(f"/v1/blocks/{key}", content=b"other")  # present: not overwritten
+            assert again.status_code == 200
+            got = await client.get(f"/v1/blocks/{mine[rng.randrange(len(mine))]}")
+            assert got.status_code == 200 and got.headers["content-type"] == "application/octet-stream"
+            assert digest(got.content) == stored[str(got.url).rsplit("/", 1)[1]]
+        hits = await client.post("/v1/lookup", json={"keys": [*mine, "f" * 128, mine[0]]})
+        assert hits.status_code == 200 and hits.json() == {"hits": len(mine)}
+
+
+async def in_flight_put(url: str, key: str, data: bytes, server: Server) -> bytes:
+    """A chunked PUT whose body is still arriving when SIGTERM lands; returns the response's status line."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = f"PUT /v1/blocks/{key} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    half = len(data) // 2
+    writer.write(head.encode() + b"%x\r\n" % half + data[:half] + b"\r\n")
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    server.proc.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.5)
+    assert server.proc.returncode is None  # waiting for this request
+    rest = data[half:]
+    writer.write(b"%x\r\n" % len(rest) + rest + b"\r\n0\r\n\r\n")
+    await writer.drain()
+    status = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    return status
+
+
+async def oversized_declared(url: str) -> bytes:
+    """Content-Length past a slot and no body sent: the 413 comes without the body being read."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"PUT /v1/blocks/abc HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n")
+    await writer.drain()
+    status = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    return status
+
+
+async def scenario() -> None:
+    server = await Server.start("--quota", "3GiB", "--max-quota", "3GiB", "--slot-size", "64KiB")
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            health = await wait_for(client, "/healthz", 200, seconds=10)
+            assert health.status_code == 200 and health.json() == {"status": "ok"}
+            ready = await client.get("/readyz")
+            assert ready.status_code in (200, 503)
+            assert {"resident_bytes", "target_bytes", "fraction"} <= set(ready.json())
+            assert ready.json()["target_bytes"] == 3 << 30
+            if ready.status_code == 503:
+                assert ready.json()["resident_bytes"] == 0
+            ready = await wait_for(client, "/readyz", 200)
+            assert ready.status_code == 200 and ready.json()["resident_bytes"] > 0
+            filling_at_start = (await client.get("/v1/stats")).json()["tier"]["filling"]
+
+            stored: dict[str, str] = {}
+            await asyncio.wait_for(
+                asyncio.gather(*(client_run(server.url, seed, stored) for seed in range(CLIENTS))), 60
+            )
+            assert len(stored) == CLIENTS * BLOCKS_PER_CLIENT
+            for key, want in stored.items():  # nothing the bad requests or the second PUTs sent changed a block
+                got = await client.get(f"/v1/blocks/{key}")
+                assert got.status_code == 200 and digest(got.content) == want
+            assert (await oversized_declared(server.url)).startswith(b"HTTP/1.1 413")
+
+            victim = next(iter(stored))
+            assert (await client.delete(f"/v1/blocks/{victim}")).status_code == 204
+            assert_error(await client.get(f"/v1/blocks/{victim}"), 404)
+            assert_error(await client.delete(f"/v1/blocks/{victim}"), 404)
+            assert_error(await client.get("/v1/blocks/" + "0" * 128), 404)
+
+            stats = (await client.get("/v1/stats")).json()
+            assert stats["server"] == {"draining": False, "internal_errors": 0}
+            assert stats["store"]["blocks"] == len(stored) - 1 == stats["tier"]["slots_allocated"]
+            assert stats["tier"]["quota"] == 3 << 30 and stats["tier"]["slot_size"] == SLOT
+            print("tier filling when the clients started:", filling_at_start)
+
+            metrics = await client.get("/metrics")
+            assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+            names = set(re.findall(r"^(aiokvtier_\w+)", metrics.text, re.M))
+            assert any("resident" in n for n in names) and any("block" in n for n in names), names
+
+        data = os.urandom(SLOT)
+        status = await in_flight_put(server.url, "ab" * 8, data, server)
+        assert status.startswith(b"HTTP/1.1 201"), status
+    finally:
+        code, stderr = await server.stop()
+    assert code == 0, stderr
+    assert "Traceback" not in stderr, stderr
+
+
+def test_server_serves_verified_blocks_to_concurrent_clients_while_filling_and_exits_0_on_sigterm() -> None:
+    # The server under test runs its own loop in its own process; this loop only drives it, once.
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+async def plain_dict_scenario() -> None:
+    server = await Server.start("--plain-dict", "--quota", "256KiB")  # four 64 KiB blocks, oldest dropped first
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200, seconds=10)).status_code == 200
+            blocks = {f"a{i:x}": os.urandom(1000 + i) for i in range(5)}
+            for key, data in blocks.items():
+                assert (await client.put(f"/v1/blocks/{key}", content=data)).status_code == 201
+            assert_error(await client.get("/v1/blocks/a0"), 404)
+            assert (await client.get("/v1/blocks/a4")).content == blocks["a4"]
+            assert (await client.post("/v1/lookup", json={"keys": ["a1", "a2", "a0"]})).json() == {"hits": 2}
+            await bad_requests(client, "a1")
+            assert (await client.get("/v1/blocks/a1")).content == blocks["a1"]
+            assert (await client.get("/v1/stats")).json()["server"]["internal_errors"] == 0
+    finally:
+        code, stderr = await server.stop()
+    assert code == 0 and "Traceback" not in stderr, stderr
+
+
+def test_plain_dict_baseline_serves_the_same_api() -> None:
+    asyncio.run(asyncio.wait_for(plain_dict_scenario(), 60))
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (["--quota", "2XB"], "--quota"),
+        (["--quota", "2GiB", "--max-quota", "1GiB"], "--max-quota"),
+        (["--quota", "1GiB", "--slot-size", "1000"], "--slot-size"),
+        (["--policy", "fifo"], "--policy"),
+        (["--backing", "vmm"], "--backing"),
+        (["--port", "70000"], "--port"),
+        (["--log-level", "loud"], "--log-level"),
+    ],
+)
+def test_a_bad_option_is_one_line_naming_it_and_exit_2(options: list[str], named: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(APP), *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and named in lines[0], done.stderr
+
+
+def load_app() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("server_app", APP)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+APP_MODULE: Any = load_app()  # imported here, not on a test's loop: importing reads files
+
+
+async def test_readyz_is_503_before_the_tier_opens_and_while_draining() -> None:
+    app_module = APP_MODULE
+    config = HostTierConfig(quota="64MiB", max_quota="64MiB", slot_size="64KiB", backing="host")
+    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    app = service.app()
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        before = await client.get("/readyz")
+        assert before.status_code == 503 and before.json()["status"] == "filling"
+        assert before.json()["resident_bytes"] == 0
+        async with app.router.lifespan_context(app):
+            await service.blocks.tier.wait_resident(1)
+            ready = await client.get("/readyz")
+            assert ready.status_code == 200 and 0 < ready.json()["fraction"] <= 1
+            service.draining = True  # what SIGTERM and SIGINT do first
+            draining = await client.get("/readyz")
+            assert draining.status_code == 503 and draining.json()["status"] == "draining"
+            assert (await client.get("/healthz")).status_code == 200
+        assert json.loads((await client.get("/healthz")).text) == {"status": "ok"}
