@@ -1,0 +1,103 @@
+"""A load generator for examples/server/app.py: N concurrent clients, JSON figures per endpoint.
+
+    python examples/server/load.py --url http://127.0.0.1:8077 --clients 16 --seconds 10
+
+Each client loops: PUT a new block (``--block-size`` bytes, 64 KiB by
+default), GET a block it stored earlier, POST a lookup of its last
+``--lookup-keys`` keys. It stops after ``--seconds`` or ``--requests`` in
+all, whichever comes first, and prints requests per second and p50 / p99
+latency per endpoint, and the count of answers other than the expected ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+
+import httpx
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def client(
+    url: str, index: int, args: argparse.Namespace, deadline: float, budget: list[int], out: dict[str, list[float]]
+) -> int:
+    unexpected = 0
+    blocks = [os.urandom(args.block_size) for _ in range(8)]
+    keys: list[str] = []
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        n = 0
+        while time.monotonic() < deadline and budget[0] > 0:
+            budget[0] -= 3
+            key = f"{index:04x}{n:012x}"
+            n += 1
+            start = time.perf_counter()
+            response = await http.put(f"/v1/blocks/{key}", content=blocks[n % len(blocks)])
+            out["PUT"].append(time.perf_counter() - start)
+            unexpected += response.status_code not in (200, 201)
+            keys.append(key)
+            start = time.perf_counter()
+            response = await http.get(f"/v1/blocks/{keys[(n * 7919) % len(keys)]}")
+            out["GET"].append(time.perf_counter() - start)
+            unexpected += response.status_code not in (200, 404)  # 404: evicted meanwhile
+            start = time.perf_counter()
+            response = await http.post("/v1/lookup", json={"keys": keys[-args.lookup_keys :]})
+            out["lookup"].append(time.perf_counter() - start)
+            unexpected += response.status_code != 200
+    return unexpected
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    out: dict[str, list[float]] = {"PUT": [], "GET": [], "lookup": []}
+    budget = [args.requests]
+    start = time.monotonic()
+    deadline = start + args.seconds
+    unexpected = await asyncio.gather(*(client(args.url, i, args, deadline, budget, out) for i in range(args.clients)))
+    elapsed = time.monotonic() - start
+    endpoints = {
+        name: {
+            "requests": len(times),
+            "requests_per_s": round(len(times) / elapsed, 1),
+            "p50_ms": round(percentile(times, 0.50) * 1e3, 2),
+            "p99_ms": round(percentile(times, 0.99) * 1e3, 2),
+            "mean_ms": round(statistics.fmean(times) * 1e3, 2) if times else 0.0,
+        }
+        for name, times in out.items()
+    }
+    async with httpx.AsyncClient(base_url=args.url, timeout=30) as http:
+        stats = (await http.get("/v1/stats")).json()
+    return {
+        "url": args.url,
+        "clients": args.clients,
+        "block_size": args.block_size,
+        "seconds": round(elapsed, 2),
+        "requests_per_s": round(sum(len(t) for t in out.values()) / elapsed, 1),
+        "unexpected_answers": sum(unexpected),
+        "endpoints": endpoints,
+        "server": "plain dict" if "dict" in stats else "BlockStore",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--url", default="http://127.0.0.1:8077")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--requests", type=int, default=10**9, help="stop after about this many requests in all")
+    parser.add_argument("--block-size", type=int, default=64 << 10)
+    parser.add_argument("--lookup-keys", type=int, default=32)
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(run(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
