@@ -16,11 +16,13 @@ path are exercised on any machine.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import ctypes
 import itertools
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
@@ -55,6 +57,15 @@ class _Job:
     keepalive: tuple[Any, ...]
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    submitted: float = 0.0
+    """``time.perf_counter()`` when ``_run`` queued it."""
+
+
+DIRECTIONS = ("h2d", "d2h", "any")
+"""``to_device``, ``to_host`` and the raw ``copy``."""
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+"""Upper bounds (seconds) of the copy latency histogram: 0.1 ms to 250 ms, then +Inf."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +81,15 @@ class CopyStatistics:
     bytes_copied: int
     batch_abi: int | None
     """The cuMemcpyBatchAsync ABI in use (13000 or 12080); None without a device."""
+    jobs_by_direction: dict[str, int] = field(hash=False)
+    """Copy calls submitted per direction: ``"h2d"`` (to_device), ``"d2h"`` (to_host), ``"any"`` (copy)."""
+    bytes_by_direction: dict[str, int] = field(hash=False)
+    """Bytes handed to the driver (or to memmove) per direction."""
+    latency_buckets: tuple[tuple[float, int], ...]
+    """Completed copy calls whose latency (submission to completion) was at most each bound,
+    in seconds, cumulative; the last bound is ``inf``."""
+    latency_sum_seconds: float
+    latency_count: int
 
 
 class CopyEngine(Owner):
@@ -105,6 +125,14 @@ class CopyEngine(Owner):
         self._abi: int | None = None
         self._rr = itertools.count()
         self._counts = defaultdict(int)  # type: defaultdict[str, int]
+        # Each figure has one writer: jobs on the loop, bytes on the submit thread, latency on the
+        # completion thread, which publishes the histogram as one tuple so that a reader on any
+        # thread sees the buckets, the sum and the count of the same moment.
+        self._jobs_by_direction = dict.fromkeys(DIRECTIONS, 0)
+        self._bytes_by_direction = dict.fromkeys(DIRECTIONS, 0)
+        self._latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self._latency_sum = 0.0
+        self._latency: tuple[tuple[int, ...], float] = (tuple(self._latency_counts), 0.0)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -243,7 +271,10 @@ class CopyEngine(Owner):
         await self._run(planned, "any", after, tuple(owners), owners)
 
     def statistics(self) -> CopyStatistics:
+        """A snapshot of the engine's figures (any thread; also after close)."""
         c = self._counts
+        counts, latency_sum = self._latency
+        cumulative = list(itertools.accumulate(counts))
         return CopyStatistics(
             device=self.device,
             streams=self._n_streams,
@@ -255,6 +286,11 @@ class CopyEngine(Owner):
             driver_calls=c["calls"],
             bytes_copied=c["bytes"],
             batch_abi=self._abi,
+            jobs_by_direction=dict(self._jobs_by_direction),
+            bytes_by_direction=dict(self._bytes_by_direction),
+            latency_buckets=tuple(zip((*LATENCY_BUCKETS, float("inf")), cumulative, strict=True)),
+            latency_sum_seconds=latency_sum,
+            latency_count=cumulative[-1],
         )
 
     def __repr__(self) -> str:
@@ -312,6 +348,8 @@ class CopyEngine(Owner):
             owner.copies.track(job.done)
         self._counts["jobs"] += 1
         self._counts["requested"] += planned.requested
+        self._jobs_by_direction[direction] += 1
+        job.submitted = time.perf_counter()
         self._submit_q.put(job)
         # The buffers are the GPU's until the copy lands: a cancelled caller regains them only then.
         await finish(job.future)
@@ -346,6 +384,7 @@ class CopyEngine(Owner):
             self._counts["calls"] += 1
         self._counts["descriptors"] += p.count
         self._counts["bytes"] += p.nbytes
+        self._bytes_by_direction[job.direction] += p.nbytes
 
     def _submit_gpu(self, job: _Job) -> Any:
         from ._driver import check, driver
@@ -371,6 +410,7 @@ class CopyEngine(Owner):
         check("cuEventRecord", drv.cuEventRecord(event, stream))
         self._counts["descriptors"] += p.count
         self._counts["bytes"] += p.nbytes
+        self._bytes_by_direction[job.direction] += p.nbytes
         return event
 
     def _complete_loop(self) -> None:
@@ -402,6 +442,8 @@ class CopyEngine(Owner):
                     pending.append(more)
             while pending and (drv is None or pending[0][1] is None or int(drv.cuEventQuery(pending[0][1])[0]) == 0):
                 finished.append(self._wait(drv, *pending.popleft()))
+            # Published before the futures resolve: a caller whose copy returned sees it counted.
+            self._latency = (tuple(self._latency_counts), self._latency_sum)
             by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = defaultdict(list)
             for job in finished:
                 by_loop[job.loop].append((job.future, None, job.error))
@@ -415,6 +457,9 @@ class CopyEngine(Owner):
             if int(err) != 0 and job.error is None:
                 job.error = CudaError("cuEventSynchronize", err.name, int(err))
             drv.cuEventDestroy(event)
+        latency = time.perf_counter() - job.submitted
+        self._latency_counts[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
+        self._latency_sum += latency
         job.done.set()
         self._counts["completed"] += 1
         return job

@@ -44,3 +44,7 @@ class TierStatistics:
     numa_warning: str | None
     transparent_huge_pages: bool
     closed: bool
+    allocation_waits: int
+    """``allocate`` calls that had to wait for the fill (counted once each, however they ended)."""
+    allocation_wait_seconds: float
+    """Seconds those calls spent waiting for the fill, in total."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import operator
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any, Self, overload
 
@@ -92,6 +93,8 @@ class HostTier(Owner):
         self._views = ViewLedger(int(self._config.slot_size))
         self._copies = InflightCopies()
         self._released = False
+        self._allocation_waits = 0  # allocate calls that waited for the fill; on the loop only
+        self._allocation_wait_seconds = 0.0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -229,18 +232,27 @@ class HostTier(Owner):
         n = positive_count(n, "n")
         self._check_open()
         self._check_loop()
-        while True:
-            self._check_open()
-            slots = self._slots
-            if n > slots.available:
-                raise OutOfSlots(f"{n} slots requested, {slots.available} of {slots.total} available")
-            need = slots.fresh_needed(n) * self._slot_size
-            filler = self._filler
-            if filler.watermark >= need:
-                return slots.take(n)
-            if filler.ready(need):
-                filler.ready(need, raise_=True)
-            await self._waiters.wait(need)
+        waiting_since: float | None = None
+        try:
+            while True:
+                self._check_open()
+                slots = self._slots
+                if n > slots.available:
+                    raise OutOfSlots(f"{n} slots requested, {slots.available} of {slots.total} available")
+                need = slots.fresh_needed(n) * self._slot_size
+                filler = self._filler
+                if filler.watermark >= need:
+                    return slots.take(n)
+                if filler.ready(need):
+                    filler.ready(need, raise_=True)
+                if waiting_since is None:
+                    waiting_since = time.perf_counter()
+                await self._waiters.wait(need)
+        finally:
+            # A wait that ended in an error or a cancellation was still a wait for the fill.
+            if waiting_since is not None:
+                self._allocation_waits += 1
+                self._allocation_wait_seconds += time.perf_counter() - waiting_since
 
     def allocate_nowait(self) -> int:
         """Allocate one slot without waiting.
@@ -553,6 +565,8 @@ class HostTier(Owner):
             numa_warning=self._backing.numa_warning or filler.affinity_warning,
             transparent_huge_pages=cfg.transparent_huge_pages,
             closed=self.closed,
+            allocation_waits=self._allocation_waits,
+            allocation_wait_seconds=self._allocation_wait_seconds,
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,212 @@
+"""Prometheus collectors for tiers, block stores and copy engines.
+
+Needs the ``metrics`` extra (``pip install 'aiokvtier[metrics]'``). Each
+collector reads ``statistics()`` of the objects it was given when Prometheus
+scrapes, so nothing is counted twice and nothing runs between scrapes::
+
+    from prometheus_client import REGISTRY
+    from aiokvtier.metrics import EngineCollector, StoreCollector, TierCollector
+
+    REGISTRY.register(TierCollector(tier))
+    REGISTRY.register(StoreCollector(store, name="kv"))
+    REGISTRY.register(EngineCollector(engine, name="gpu0"))
+
+Every series carries the object's name as the label ``tier``, ``store`` or
+``engine``. A registry takes one collector of each kind (the metric names
+would clash otherwise); :meth:`TierCollector.add` puts more objects under
+the same one. A closed object still scrapes (its last figures); a tier that
+has not opened yet scrapes as nothing.
+
+Threads: ``collect()`` runs on whichever thread scrapes; ``statistics()``
+of each object may be called from any thread. ``add`` belongs to the thread
+that set the collector up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any, Generic, Protocol, TypeVar
+
+try:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.metrics_core import Metric
+except ImportError as exc:  # pragma: no cover - the test extra installs it
+    raise ImportError("aiokvtier.metrics needs prometheus-client: pip install 'aiokvtier[metrics]'") from exc
+
+from ._cuda._engine import CopyEngine, CopyStatistics
+from ._errors import TierClosedError
+from ._host._statistics import TierStatistics
+from ._host._tier import HostTier
+from ._store._store import BlockStore, StoreStatistics
+
+__all__ = ["EngineCollector", "StoreCollector", "TierCollector"]
+
+
+class _Snapshotting(Protocol):
+    def statistics(self) -> Any: ...
+
+
+_T = TypeVar("_T", bound=_Snapshotting)
+_S = TypeVar("_S")
+
+
+class _Collector(Generic[_T, _S]):
+    _label: str
+
+    def __init__(self, obj: _T, *, name: str = "default") -> None:
+        self._objects: dict[str, _T] = {}
+        self.add(obj, name=name)
+
+    def add(self, obj: _T, *, name: str) -> None:
+        """Export another object through this collector, labelled ``name``.
+
+        :raises ValueError: ``name`` is empty or already in use here.
+        :raises TypeError: ``name`` is not a str.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, not {type(name).__name__}")
+        if not name:
+            raise ValueError("name must not be empty")
+        if name in self._objects:
+            raise ValueError(f"a {self._label} named {name!r} is already exported by this collector")
+        self._objects[name] = obj
+
+    def describe(self) -> list[Metric]:
+        """The metric families without samples: lets a registry refuse a clashing collector."""
+        return self._families([])
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families, from each object's ``statistics()`` now."""
+        snapshots = []
+        for name, obj in list(self._objects.items()):
+            try:
+                snapshots.append((name, obj.statistics()))
+            except TierClosedError:  # a tier that is not open yet (or whose open failed) has no figures
+                continue
+        yield from self._families(snapshots)
+
+    def _families(self, snapshots: list[tuple[str, _S]]) -> list[Metric]:
+        raise NotImplementedError
+
+    def _gauge(self, name: str, doc: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=[self._label])
+
+    def _counter(self, name: str, doc: str) -> CounterMetricFamily:
+        return CounterMetricFamily(name, doc, labels=[self._label])
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} [{', '.join(self._objects)}]>"
+
+
+def _fill_rate(s: TierStatistics) -> float:
+    return s.resident_bytes / s.fill_seconds if s.fill_seconds > 0 else 0.0
+
+
+# (metric, help, figure): gauges and counters read straight off a snapshot.
+_TIER_GAUGES: tuple[tuple[str, str, Any], ...] = (
+    ("aiokvtier_tier_resident_bytes", "Bytes resident as one contiguous prefix.", lambda s: s.resident_bytes),
+    ("aiokvtier_tier_target_bytes", "Bytes the fill works towards.", lambda s: s.target_bytes),
+    ("aiokvtier_tier_quota_bytes", "The tier's quota.", lambda s: s.quota),
+    ("aiokvtier_tier_max_quota_bytes", "The reserved range (the largest quota).", lambda s: s.max_quota),
+    ("aiokvtier_tier_registered_bytes", "Bytes registered with the GPU.", lambda s: s.registered_bytes),
+    ("aiokvtier_tier_slots_allocated", "Slots allocated.", lambda s: s.slots_allocated),
+    ("aiokvtier_tier_slots_free", "Slots of the quota free to allocate.", lambda s: s.slots_free),
+    ("aiokvtier_tier_filling", "1 while the fill runs.", lambda s: int(s.filling)),
+    ("aiokvtier_tier_fill_seconds", "Duration of the latest fill (so far, while filling).", lambda s: s.fill_seconds),
+    (
+        "aiokvtier_tier_fill_rate_bytes_per_second",
+        "Resident bytes over the latest fill's duration.",
+        _fill_rate,
+    ),
+    ("aiokvtier_tier_fill_errors", "1 while the fill has failed.", lambda s: int(s.fill_error is not None)),
+)
+_TIER_COUNTERS: tuple[tuple[str, str, Any], ...] = (
+    ("aiokvtier_tier_allocation_waits", "allocate calls that waited for the fill.", lambda s: s.allocation_waits),
+    (
+        "aiokvtier_tier_allocation_wait_seconds",
+        "Seconds allocate calls waited for the fill.",
+        lambda s: s.allocation_wait_seconds,
+    ),
+)
+
+
+class TierCollector(_Collector[HostTier, TierStatistics]):
+    """Exports a :class:`~aiokvtier.HostTier`'s statistics, labelled ``tier=name``."""
+
+    _label = "tier"
+
+    def _families(self, snapshots: list[tuple[str, TierStatistics]]) -> list[Metric]:
+        return _table(self, snapshots, _TIER_GAUGES, _TIER_COUNTERS)
+
+
+_STORE_GAUGES: tuple[tuple[str, str, Any], ...] = (
+    ("aiokvtier_store_blocks", "Visible blocks.", lambda s: s.blocks),
+    ("aiokvtier_store_capacity_blocks", "Blocks the tier's slots can hold.", lambda s: s.capacity),
+    ("aiokvtier_store_pinned_blocks", "Blocks a load is reading now.", lambda s: s.blocks_pinned),
+)
+_STORE_COUNTERS: tuple[tuple[str, str, Any], ...] = (
+    ("aiokvtier_store_queries", "lookup calls.", lambda s: s.queries),
+    ("aiokvtier_store_hits", "Keys lookup matched (the stored prefix).", lambda s: s.hits),
+    ("aiokvtier_store_misses", "Keys lookup was asked beyond the stored prefix.", lambda s: s.misses),
+    ("aiokvtier_store_stores", "Blocks stored.", lambda s: s.stores),
+    ("aiokvtier_store_skipped", "Keys a store skipped (nothing left to evict).", lambda s: s.skipped),
+    ("aiokvtier_store_evictions", "Blocks evicted.", lambda s: s.evictions),
+    ("aiokvtier_store_discards", "Blocks discarded.", lambda s: s.discards),
+    ("aiokvtier_store_loads", "Blocks loaded.", lambda s: s.loads),
+    ("aiokvtier_store_stored_bytes", "Bytes stored.", lambda s: s.bytes_stored),
+    ("aiokvtier_store_loaded_bytes", "Bytes loaded.", lambda s: s.bytes_loaded),
+)
+
+
+class StoreCollector(_Collector[BlockStore, StoreStatistics]):
+    """Exports a :class:`~aiokvtier.BlockStore`'s statistics, labelled ``store=name``."""
+
+    _label = "store"
+
+    def _families(self, snapshots: list[tuple[str, StoreStatistics]]) -> list[Metric]:
+        return _table(self, snapshots, _STORE_GAUGES, _STORE_COUNTERS)
+
+
+def _table(
+    collector: _Collector[Any, _S],
+    snapshots: list[tuple[str, _S]],
+    gauges: tuple[tuple[str, str, Any], ...],
+    counters: tuple[tuple[str, str, Any], ...],
+) -> list[Metric]:
+    families: list[Metric] = []
+    for make, table in ((collector._gauge, gauges), (collector._counter, counters)):
+        for metric, doc, figure in table:
+            family = make(metric, doc)
+            for name, s in snapshots:
+                family.add_metric([name], figure(s))
+            families.append(family)
+    return families
+
+
+class EngineCollector(_Collector[CopyEngine, CopyStatistics]):
+    """Exports a :class:`~aiokvtier.CopyEngine`'s statistics, labelled ``engine=name``.
+
+    ``direction`` is ``h2d`` (``to_device``), ``d2h`` (``to_host``) or ``any``
+    (the raw ``copy``); a batch is one such call, however many driver calls it took.
+    """
+
+    _label = "engine"
+
+    def _families(self, snapshots: list[tuple[str, CopyStatistics]]) -> list[Metric]:
+        labels = [self._label, "direction"]
+        nbytes = CounterMetricFamily("aiokvtier_copy_bytes", "Bytes copied, by direction.", labels=labels)
+        batches = CounterMetricFamily("aiokvtier_copy_batches", "Copy calls submitted, by direction.", labels=labels)
+        latency = HistogramMetricFamily(
+            "aiokvtier_copy_latency_seconds",
+            "Copy calls from submission to completion.",
+            labels=[self._label],
+        )
+        for name, s in snapshots:
+            for direction, count in s.bytes_by_direction.items():
+                nbytes.add_metric([name, direction], count)
+            for direction, count in s.jobs_by_direction.items():
+                batches.add_metric([name, direction], count)
+            buckets = [("+Inf" if math.isinf(bound) else repr(bound), count) for bound, count in s.latency_buckets]
+            latency.add_metric([name], buckets, s.latency_sum_seconds)
+        return [nbytes, batches, latency]

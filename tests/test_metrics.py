@@ -1,0 +1,217 @@
+"""aiokvtier.metrics: Prometheus collectors read at scrape time, and the figures they need."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from aiokvtier import BlockStore, CopyEngine, HostTier, StaticHostMem
+from aiokvtier.metrics import EngineCollector, StoreCollector, TierCollector
+
+from .conftest import PopulateGate
+from .helpers import KiB, MiB, small_config
+
+SLOT = 64 * KiB
+
+
+def _scrape(registry: CollectorRegistry) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample as ``{(sample name, labels): value}``, through the text format a server sees."""
+    text = generate_latest(registry).decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, frozenset(sample.labels.items()))
+            assert key not in samples, f"{key} exported twice"
+            samples[key] = sample.value
+    return samples
+
+
+def _types(registry: CollectorRegistry) -> dict[str, str]:
+    return {f.name: f.type for f in text_string_to_metric_families(generate_latest(registry).decode())}
+
+
+def test_import_needs_no_prometheus_and_says_what_to_install() -> None:
+    code = "import sys, aiokvtier; assert 'prometheus_client' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "try:\n    import aiokvtier.metrics\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert "pip install 'aiokvtier[metrics]'" in out
+
+
+async def test_scrape_matches_statistics() -> None:
+    registry = CollectorRegistry()
+    async with (
+        HostTier(small_config()) as tier,
+        CopyEngine(None) as engine,
+        BlockStore(tier, engine=None) as store,
+        StaticHostMem(4 * SLOT) as stage,
+    ):
+        registry.register(TierCollector(tier))
+        registry.register(StoreCollector(store, name="kv"))
+        registry.register(EngineCollector(engine, name="host"))
+        await tier.wait_resident()
+        pages = np.random.default_rng(0).integers(0, 256, (4, SLOT), dtype=np.uint8)
+        await store.store([b"a", b"b", b"c"], pages[:3])
+        assert store.lookup([b"a", b"b", b"x"]) == 2
+        await store.load([b"a"], np.zeros((1, SLOT), np.uint8))
+        store.discard([b"c"])
+        slots = await tier.allocate(4)
+        await engine.to_host(tier, slots, pages)
+        await engine.to_device(tier, slots[:2], np.zeros((2, SLOT), np.uint8))
+        await engine.copy([(stage.address, tier.address(slots[0]), SLOT)])
+
+        samples = _scrape(registry)
+        t, s, e = tier.statistics(), store.statistics(), engine.statistics()
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, frozenset(labels.items()))]
+
+    tier_figures = {
+        "aiokvtier_tier_resident_bytes": t.resident_bytes,
+        "aiokvtier_tier_target_bytes": t.target_bytes,
+        "aiokvtier_tier_quota_bytes": t.quota,
+        "aiokvtier_tier_max_quota_bytes": t.max_quota,
+        "aiokvtier_tier_registered_bytes": t.registered_bytes,
+        "aiokvtier_tier_slots_allocated": t.slots_allocated,
+        "aiokvtier_tier_slots_free": t.slots_free,
+        "aiokvtier_tier_filling": 0,
+        "aiokvtier_tier_fill_seconds": t.fill_seconds,
+        "aiokvtier_tier_fill_rate_bytes_per_second": t.resident_bytes / t.fill_seconds,
+        "aiokvtier_tier_fill_errors": 0,
+        "aiokvtier_tier_allocation_waits_total": 0,
+        "aiokvtier_tier_allocation_wait_seconds_total": 0,
+    }
+    for name, expected in tier_figures.items():
+        assert value(name, tier="default") == pytest.approx(expected), name
+    assert t.slots_allocated == 3 - 1 + 4 and t.resident_bytes == 64 * MiB
+
+    store_figures = {
+        "aiokvtier_store_blocks": (s.blocks, 2),
+        "aiokvtier_store_capacity_blocks": (s.capacity, 1024),
+        "aiokvtier_store_pinned_blocks": (s.blocks_pinned, 0),
+        "aiokvtier_store_queries_total": (s.queries, 1),
+        "aiokvtier_store_hits_total": (s.hits, 2),
+        "aiokvtier_store_misses_total": (s.misses, 1),
+        "aiokvtier_store_stores_total": (s.stores, 3),
+        "aiokvtier_store_skipped_total": (s.skipped, 0),
+        "aiokvtier_store_evictions_total": (s.evictions, 0),
+        "aiokvtier_store_discards_total": (s.discards, 1),
+        "aiokvtier_store_loads_total": (s.loads, 1),
+        "aiokvtier_store_stored_bytes_total": (s.bytes_stored, 3 * SLOT),
+        "aiokvtier_store_loaded_bytes_total": (s.bytes_loaded, SLOT),
+    }
+    for name, (figure, expected) in store_figures.items():
+        assert value(name, store="kv") == figure == expected, name
+
+    per_direction = {"d2h": (1, 4 * SLOT), "h2d": (1, 2 * SLOT), "any": (1, SLOT)}
+    assert e.jobs_by_direction == {d: jobs for d, (jobs, _) in per_direction.items()}
+    assert e.bytes_by_direction == {d: nbytes for d, (_, nbytes) in per_direction.items()}
+    assert sum(e.bytes_by_direction.values()) == e.bytes_copied
+    for direction, (jobs, nbytes) in per_direction.items():
+        assert value("aiokvtier_copy_batches_total", engine="host", direction=direction) == jobs
+        assert value("aiokvtier_copy_bytes_total", engine="host", direction=direction) == nbytes
+
+    assert e.latency_count == e.jobs_completed == 3
+    assert e.latency_buckets[-1] == (math.inf, 3)
+    assert [c for _, c in e.latency_buckets] == sorted(c for _, c in e.latency_buckets)
+    assert value("aiokvtier_copy_latency_seconds_count", engine="host") == 3
+    assert value("aiokvtier_copy_latency_seconds_sum", engine="host") == pytest.approx(e.latency_sum_seconds)
+    assert e.latency_sum_seconds > 0
+    for bound, count in e.latency_buckets:
+        le = "+Inf" if math.isinf(bound) else repr(bound)
+        assert value("aiokvtier_copy_latency_seconds_bucket", engine="host", le=le) == count
+    assert len(e.latency_buckets) == 12 and e.latency_buckets[0][0] == 0.0001
+
+    types = _types(registry)
+    assert types["aiokvtier_tier_resident_bytes"] == "gauge"
+    assert types["aiokvtier_tier_allocation_waits"] == "counter"
+    assert types["aiokvtier_store_hits"] == "counter"
+    assert types["aiokvtier_copy_latency_seconds"] == "histogram"
+    assert all(name.startswith("aiokvtier_") for name in types)
+
+
+async def test_allocation_waits_are_counted(gate: PopulateGate) -> None:
+    registry = CollectorRegistry()
+    async with HostTier(small_config()) as tier:
+        registry.register(TierCollector(tier, name="t0"))
+        task = asyncio.create_task(tier.allocate())
+        await asyncio.sleep(0.02)
+        assert not task.done()
+        samples = _scrape(registry)
+        assert samples[("aiokvtier_tier_filling", frozenset({("tier", "t0")}))] == 1
+        assert samples[("aiokvtier_tier_allocation_waits_total", frozenset({("tier", "t0")}))] == 0
+        gate.allow(1)
+        assert await task == 0
+        await tier.allocate(15)  # the rest of unit 0: resident, no wait
+        stats = tier.statistics()
+        assert stats.allocation_waits == 1 and stats.allocation_wait_seconds > 0
+        many = asyncio.create_task(tier.allocate(32))
+        await asyncio.sleep(0.01)
+        gate.release_all()
+        await many
+        stats = tier.statistics()
+        assert stats.allocation_waits == 2
+        samples = _scrape(registry)
+        assert samples[("aiokvtier_tier_allocation_waits_total", frozenset({("tier", "t0")}))] == 2
+        assert samples[("aiokvtier_tier_allocation_wait_seconds_total", frozenset({("tier", "t0")}))] == pytest.approx(
+            stats.allocation_wait_seconds
+        )
+
+
+async def test_a_cancelled_wait_is_counted(gate: PopulateGate) -> None:
+    async with HostTier(small_config()) as tier:
+        task = asyncio.create_task(tier.allocate())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert tier.statistics().allocation_waits == 1
+        gate.release_all()
+
+
+async def test_closed_and_unopened_objects_scrape() -> None:
+    registry = CollectorRegistry()
+    unopened = HostTier(small_config())
+    collector = TierCollector(unopened, name="later")
+    registry.register(collector)
+    assert not [k for k in _scrape(registry) if k[0].startswith("aiokvtier_tier_")]  # nothing until open
+
+    async with HostTier(small_config()) as tier, CopyEngine(None) as engine, BlockStore(tier, engine=None) as store:
+        collector.add(tier, name="open")
+        registry.register(StoreCollector(store, name="kv"))
+        registry.register(EngineCollector(engine, name="host"))
+        await store.store([1], np.ones((1, SLOT), np.uint8))
+    assert tier.closed
+    samples = _scrape(registry)
+    assert samples[("aiokvtier_tier_quota_bytes", frozenset({("tier", "open")}))] == 64 * MiB
+    assert samples[("aiokvtier_tier_filling", frozenset({("tier", "open")}))] == 0
+    assert samples[("aiokvtier_store_stores_total", frozenset({("store", "kv")}))] == 1
+    assert samples[("aiokvtier_copy_latency_seconds_count", frozenset({("engine", "host")}))] == 0
+    assert not [k for k in samples if ("tier", "later") in k[1]]
+
+
+async def test_one_collector_per_kind_and_distinct_names() -> None:
+    async with HostTier(small_config()) as a, HostTier(small_config()) as b:
+        registry = CollectorRegistry()
+        collector = TierCollector(a, name="a")
+        registry.register(collector)
+        with pytest.raises(ValueError, match="Duplicated"):
+            registry.register(TierCollector(b, name="b"))  # the metric names would clash in the text format
+        collector.add(b, name="b")
+        with pytest.raises(ValueError, match="already"):
+            collector.add(b, name="b")
+        with pytest.raises(ValueError, match="empty"):
+            collector.add(b, name="")
+        samples = _scrape(registry)
+        assert {dict(k[1])["tier"] for k in samples if k[0] == "aiokvtier_tier_quota_bytes"} == {"a", "b"}
+        assert repr(collector) == "<TierCollector [a, b]>"
