@@ -711,3 +711,14 @@ async def test_resize_refuses_a_shrink_past_a_block_being_loaded(store_then_hold
         await bounded(store.resize(4 * SLOT))
         assert [k for k in keys if k in store] == [0, 1, 2, 3]
         settled(tier, store)
+
+
+async def test_length_tells_what_load_copies() -> None:
+    async with HostTier(small_config()) as tier, BlockStore(tier) as store:
+        await store.store([b"a", 7], [b"hello", bytearray(1000)])
+        assert store.length(b"a") == 5 and store.length(bytearray(b"a")) == 5 and store.length(7) == 1000
+        with pytest.raises(BlockNotFound) as info:
+            store.length(b"missing")
+        assert info.value.key == b"missing"
+        with pytest.raises(TypeError):
+            store.length(True)

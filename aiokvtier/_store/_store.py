@@ -315,6 +315,18 @@ class BlockStore(Owner):
             return False
         return slot >= 0 and self._state[slot] == _READY
 
+    def length(self, key: object) -> int:
+        """Bytes the block of ``key`` holds (what ``load`` copies). Does not touch it.
+
+        :raises BlockNotFound: the key is not stored.
+        :raises TypeError: a key that is not bytes-like or an int.
+        """
+        key = _key(key)
+        slot = self._slot_of.get(key, -1)
+        if slot < 0 or self._state[slot] != _READY:
+            raise BlockNotFound(key)
+        return self._length[slot]
+
     def lookup(self, keys: Sequence[object]) -> int:
         """How many leading keys are stored (a prefix hit); touches them. Never blocks.
 

@@ -25,7 +25,6 @@ finish the requests in flight, close the store and the tier, exit 0.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -94,19 +93,15 @@ class Blocks(Protocol):
 class StoreBlocks:
     """Blocks in a :class:`BlockStore` over a :class:`HostTier`.
 
-    The store keeps each block's length but does not say it, so the service
-    keeps its own ``key -> length`` map: set when a PUT stores, dropped on
-    DELETE and on the store's ``evicted`` / ``discarded`` events (unless the
-    key was stored again meanwhile). A GET copies the block into a slot-sized
-    buffer and answers that many bytes.
+    A GET asks the store for the block's length and loads it into a
+    slot-sized buffer in the same loop step (nothing can evict it between
+    the two), then answers that many bytes.
     """
 
     def __init__(self, config: HostTierConfig, policy: str) -> None:
         self.config = config
         self.policy = policy
         self.slot_size = int(config.slot_size)
-        self.lengths: dict[bytes, int] = {}
-        self._follower: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
         self.tier = await HostTier.open(self.config)  # returns once the fill has started, not when resident
@@ -115,24 +110,11 @@ class StoreBlocks:
         except BaseException:
             await self.tier.aclose()
             raise
-        self._follower = asyncio.create_task(self._follow(self.store.events()), name="aiokvtier-server-events")
-
-    async def _follow(self, events: AsyncIterator[Any]) -> None:
-        async for event in events:
-            if event.dropped:  # lost track: keep only what the store still holds
-                for key in [k for k in self.lengths if k not in self.store]:
-                    del self.lengths[key]
-            if event.kind in ("evicted", "discarded"):
-                for key in event.keys:
-                    if key not in self.store:
-                        self.lengths.pop(key, None)
 
     async def aclose(self) -> None:
         try:
             if "store" in self.__dict__:
-                await self.store.aclose()  # ends the event stream, so the follower returns
-            if self._follower is not None:
-                await self._follower
+                await self.store.aclose()
         finally:
             if "tier" in self.__dict__:
                 await self.tier.aclose()
@@ -144,28 +126,22 @@ class StoreBlocks:
     async def put(self, key: bytes, body: bytes) -> int:
         result = await self.store.store([key], [body])
         if result.stored:
-            self.lengths[key] = len(body)
             return 201
         if result.present:
             return 200
         raise ApiError(507, "no room for the block, even after eviction")
 
     async def get(self, key: bytes) -> bytes | None:
-        length = self.lengths.get(key)
-        if length is None:
-            return None
         buffer = bytearray(self.slot_size)
         try:
-            await self.store.load([key], [buffer])
+            length = self.store.length(key)
+            await self.store.load([key], [buffer])  # checks the key before its first await
         except BlockNotFound:
             return None
         return bytes(memoryview(buffer)[:length])
 
     def delete(self, key: bytes) -> bool:
-        gone = self.store.discard([key]) == 1
-        if gone:
-            self.lengths.pop(key, None)
-        return gone
+        return self.store.discard([key]) == 1
 
     def lookup(self, keys: list[bytes]) -> int:
         return self.store.lookup(keys)
