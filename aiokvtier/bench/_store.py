@@ -55,6 +55,11 @@ async def _fill(store: BlockStore, keys: list[bytes], batch: int = 4096) -> None
 # -- lookup ---------------------------------------------------------------------------------
 
 
+def _ms(values: list[float]) -> float:
+    """The median of ``values`` (seconds) in milliseconds."""
+    return round(median(values) * 1e3, 3)
+
+
 async def _lookup(blocks: int, prefix: int, repeats: int, policy: str) -> dict[str, Any]:
     async with HostTier(_config(blocks * 4 * KiB, 4 * KiB)) as tier, BlockStore(tier, policy=policy) as store:
         keys = _keys(blocks)
@@ -196,21 +201,18 @@ async def _cpu_copies(blocks: int, page: int, repeats: int) -> dict[str, Any]:
                 raise RuntimeError("the bytes loaded differ from the bytes stored")
         tier.free_many(raw_slots)
 
-    def ms(values: list[float]) -> float:
-        return round(median(values) * 1e3, 3)
-
     total = blocks * page
-    ours_ms = ms([a + b for a, b in ours])
-    bare_ms = ms([a + b for a, b in bare])
+    ours_ms = _ms([a + b for a, b in ours])
+    bare_ms = _ms([a + b for a, b in bare])
     return {
         "blocks": blocks,
         "page_kib": page >> 10,
         "repeats": repeats,
-        "store_ms": ms([a for a, _ in ours]),
-        "load_ms": ms([b for _, b in ours]),
+        "store_ms": _ms([a for a, _ in ours]),
+        "load_ms": _ms([b for _, b in ours]),
         "store_plus_load_ms": ours_ms,
-        "memmove_in_ms": ms([a for a, _ in bare]),
-        "memmove_out_ms": ms([b for _, b in bare]),
+        "memmove_in_ms": _ms([a for a, _ in bare]),
+        "memmove_out_ms": _ms([b for _, b in bare]),
         "memmove_in_plus_out_ms": bare_ms,
         "store_plus_load_GBps": round(2 * total / (ours_ms / 1e3) / 1e9, 2),
         "memmove_GBps": round(2 * total / (bare_ms / 1e3) / 1e9, 2),
@@ -294,12 +296,9 @@ async def _gpu_copies(blocks: int, page: int, repeats: int) -> dict[str, Any]:
             torch.cuda.synchronize()
             equal = bool(torch.equal(src, dst))
 
-    def ms(values: list[float]) -> float:
-        return round(median(values) * 1e3, 3)
-
     total = blocks * page
-    ours_ms = ms([a + b for a, b in ours])
-    bare_ms = ms([a + b for a, b in bare])
+    ours_ms = _ms([a + b for a, b in ours])
+    bare_ms = _ms([a + b for a, b in bare])
     return {
         "blocks": blocks,
         "page_kib": page >> 10,
@@ -308,16 +307,16 @@ async def _gpu_copies(blocks: int, page: int, repeats: int) -> dict[str, Any]:
         "tier_side_shuffled": shuffled,
         "baseline_slots_are_the_store_slots": bool(np.array_equal(np.sort(slots), np.sort(same_slots))),
         "loaded_equals_stored": equal,
-        "store_d2h_ms": ms([a for a, _ in ours]),
-        "load_h2d_ms": ms([b for _, b in ours]),
+        "store_d2h_ms": _ms([a for a, _ in ours]),
+        "load_h2d_ms": _ms([b for _, b in ours]),
         "store_plus_load_ms": ours_ms,
-        "engine_to_host_ms": ms([a for a, _ in bare]),
-        "engine_to_device_ms": ms([b for _, b in bare]),
+        "engine_to_host_ms": _ms([a for a, _ in bare]),
+        "engine_to_device_ms": _ms([b for _, b in bare]),
         "engine_plus_ms": bare_ms,
-        "store_d2h_GBps": round(total / (ms([a for a, _ in ours]) / 1e3) / 1e9, 2),
-        "load_h2d_GBps": round(total / (ms([b for _, b in ours]) / 1e3) / 1e9, 2),
-        "engine_d2h_GBps": round(total / (ms([a for a, _ in bare]) / 1e3) / 1e9, 2),
-        "engine_h2d_GBps": round(total / (ms([b for _, b in bare]) / 1e3) / 1e9, 2),
+        "store_d2h_GBps": round(total / (_ms([a for a, _ in ours]) / 1e3) / 1e9, 2),
+        "load_h2d_GBps": round(total / (_ms([b for _, b in ours]) / 1e3) / 1e9, 2),
+        "engine_d2h_GBps": round(total / (_ms([a for a, _ in bare]) / 1e3) / 1e9, 2),
+        "engine_h2d_GBps": round(total / (_ms([b for _, b in bare]) / 1e3) / 1e9, 2),
         "ratio_store_vs_engine": round(bare_ms / ours_ms, 3),
         "goal_ratio_at_least": 0.9,
     }
