@@ -27,7 +27,7 @@ from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 from .._crossing import Outcome, deliver
 from .._errors import CopyPlanError, CudaError
@@ -42,7 +42,7 @@ from ._requests import stream_handle as _stream_handle
 if TYPE_CHECKING:
     from .._host._tier import HostTier
 
-__all__ = ["CopyEngine", "CopyStatistics"]
+__all__ = ["CopyEngine", "CopyStatistics", "StartedCopy"]
 
 log = logging.getLogger("aiokvtier")
 
@@ -58,7 +58,18 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     submitted: float = 0.0
-    """``time.perf_counter()`` when ``_run`` queued it."""
+    """``time.perf_counter()`` when it was queued."""
+    on_submit: asyncio.Future[None] | None = None
+    """Settled once the submit thread has issued the copy (or failed to): see :meth:`CopyEngine.begin`."""
+
+
+class StartedCopy(NamedTuple):
+    """A queued slot copy (:meth:`CopyEngine.begin`)."""
+
+    submitted: asyncio.Future[None]
+    """Settles once the copy was issued to the GPU (or failed to be)."""
+    done: asyncio.Future[None]
+    """Settles once the bytes landed, or with the copy's error."""
 
 
 DIRECTIONS = ("h2d", "d2h", "any")
@@ -232,8 +243,7 @@ class CopyEngine(Owner):
         :raises ValueError: no slots, a read-only, non-contiguous or misshapen ``dst``.
         :raises CudaError: the driver refused the batch.
         """
-        planned, owners = self._plan_slots(tier, slots, dst, "h2d", page)
-        await self._run(planned, "h2d", after, (tier, dst), owners)
+        await finish(self.begin(tier, slots, dst, "h2d", after=after, page=page).done)
 
     async def to_host(
         self, tier: HostTier, slots: Sequence[int] | Any, src: Any, *, after: Any = None, page: int | None = None
@@ -245,8 +255,33 @@ class CopyEngine(Owner):
 
         :raises: as :meth:`to_device`; a slot given twice is a :class:`SlotError`.
         """
-        planned, owners = self._plan_slots(tier, slots, src, "d2h", page)
-        await self._run(planned, "d2h", after, (tier, src), owners)
+        await finish(self.begin(tier, slots, src, "d2h", after=after, page=page).done)
+
+    def begin(
+        self,
+        tier: HostTier,
+        slots: Sequence[int] | Any,
+        buffer: Any,
+        direction: str,
+        *,
+        after: Any = None,
+        page: int | None = None,
+    ) -> StartedCopy:
+        """Queue :meth:`to_device` (``direction="h2d"``) or :meth:`to_host` (``"d2h"``) without awaiting it.
+
+        For a caller with bookkeeping to do while the copy runs: await
+        ``submitted`` (the loop idles meanwhile, so the submit thread gets
+        the GIL), do the work while the GPU copies, then await ``done``. The
+        buffers are the GPU's until ``done`` settles, also for a cancelled
+        caller, which must still wait for it. Checks and raises exactly as
+        the awaited methods do, before anything is queued.
+        """
+        if direction not in ("h2d", "d2h"):
+            raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
+        planned, owners = self._plan_slots(tier, slots, buffer, direction, page)
+        job = self._enqueue(planned, direction, after, (tier, buffer), owners, signal_submit=True)
+        assert job.on_submit is not None
+        return StartedCopy(job.on_submit, job.future)
 
     async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
         """Raw ``(dst, src, nbytes)`` copies: tier slots, StaticHostMem, device to device.
@@ -268,7 +303,7 @@ class CopyEngine(Owner):
         sides = (table[:, 0], table[:, 1])
         (dst_reg, src_reg), owners = registrations(sides, table[:, 2], known_only=self.device is None)
         planned = plan(table[:, 0], table[:, 1], table[:, 2], dst_reg=dst_reg, src_reg=src_reg)
-        await self._run(planned, "any", after, tuple(owners), owners)
+        await finish(self._enqueue(planned, "any", after, tuple(owners), owners).future)
 
     def statistics(self) -> CopyStatistics:
         """A snapshot of the engine's figures (any thread; also after close)."""
@@ -335,15 +370,29 @@ class CopyEngine(Owner):
         if not 0 < page <= tier.slot_size:
             raise CopyPlanError(f"a page of {page} bytes does not fit a {tier.slot_size}-byte slot")
 
-    async def _run(
-        self, planned: Plan, direction: str, after: Any, keepalive: tuple[Any, ...], owners: Sequence[Any]
-    ) -> None:
+    def _enqueue(
+        self,
+        planned: Plan,
+        direction: str,
+        after: Any,
+        keepalive: tuple[Any, ...],
+        owners: Sequence[Any],
+        *,
+        signal_submit: bool = False,
+    ) -> _Job:
+        """Hand a planned copy to the submit thread; its ``future`` settles once the bytes landed.
+
+        The buffers are the GPU's until then: a cancelled caller regains them
+        only once ``future`` is settled (await it through :func:`finish`).
+        """
         self._check_open()
         after_handle = None if after is None else _stream_handle(after)
         if after_handle is not None and self.device is None:
             raise ValueError("after= needs a CUDA device; this engine copies host to host")
         loop = asyncio.get_running_loop()
         job = _Job(planned, direction, after_handle, loop, loop.create_future(), keepalive)
+        if signal_submit:
+            job.on_submit = loop.create_future()
         for owner in owners:
             owner.copies.track(job.done)
         self._counts["jobs"] += 1
@@ -351,8 +400,7 @@ class CopyEngine(Owner):
         self._jobs_by_direction[direction] += 1
         job.submitted = time.perf_counter()
         self._submit_q.put(job)
-        # The buffers are the GPU's until the copy lands: a cancelled caller regains them only then.
-        await finish(job.future)
+        return job
 
     # -- the threads ------------------------------------------------------------------
 
@@ -372,6 +420,8 @@ class CopyEngine(Owner):
                     self._copy_host(job)
             except BaseException as exc:  # reported to the awaiting task
                 job.error = exc
+            if job.on_submit is not None:
+                deliver(job.loop, [(job.on_submit, None, None)])
             self._done_q.put((job, event))
 
     def _copy_host(self, job: _Job) -> None:

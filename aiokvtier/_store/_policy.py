@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from .._host._slots import positive_count
 
-__all__ = ["EvictionPolicy", "Key", "LRUPolicy", "S3FIFOPolicy", "make_policy"]
+__all__ = ["EvictionPolicy", "Key", "LRUPolicy", "S3FIFOPolicy", "has_repeats", "make_policy"]
 
 Key = bytes | int
 
@@ -64,9 +64,9 @@ class EvictionPolicy(ABC):
         and the store passes its own ids.
         """
 
-    def inserted_many(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+    def inserted_many(self, slots: Sequence[int] | npt.NDArray[np.int64], keys: Sequence[Key]) -> None:
         """Several blocks became visible, in this order (one store call); override to batch it."""
-        for slot, key in zip(slots, keys, strict=True):
+        for slot, key in zip(np.asarray(slots, dtype=np.int64).tolist(), keys, strict=True):
             self.inserted(slot, key)
 
     @abstractmethod
@@ -75,6 +75,14 @@ class EvictionPolicy(ABC):
 
         :raises KeyError: no block is tracked in ``slot`` (a bug in the caller).
         """
+
+    def removed_many(self, slots: npt.NDArray[np.int64]) -> None:
+        """Several blocks left (one discard call); override to batch it.
+
+        :raises KeyError: a slot holds no tracked block (a bug in the caller).
+        """
+        for slot in slots.tolist():
+            self.removed(slot)
 
     @abstractmethod
     def victims(self) -> Iterator[int]:
@@ -106,6 +114,12 @@ class EvictionPolicy(ABC):
 
 
 _ABSENT = np.uint64(2**64 - 1)
+
+
+def has_repeats(ids: npt.NDArray[np.int64]) -> bool:
+    """Whether an id appears twice (a sort: numpy's hashing unique is ten times slower here)."""
+    ordered = np.sort(ids)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 class LRUPolicy(EvictionPolicy):
@@ -164,7 +178,7 @@ class LRUPolicy(EvictionPolicy):
         self._present[slot] = True
         self._count += 1
 
-    def inserted_many(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+    def inserted_many(self, slots: Sequence[int] | npt.NDArray[np.int64], keys: Sequence[Key]) -> None:
         if len(slots) != len(keys):
             raise ValueError(f"{len(slots)} slots for {len(keys)} keys")
         ids = np.asarray(slots, dtype=np.int64)
@@ -172,7 +186,7 @@ class LRUPolicy(EvictionPolicy):
             return
         if int(ids.min()) < 0 or int(ids.max()) >= len(self._stamp):
             raise IndexError(f"a slot is not below the capacity ({len(self._stamp)})")
-        if self._present[ids].any() or len(np.unique(ids)) != ids.size:
+        if self._present[ids].any() or has_repeats(ids):
             raise ValueError("a slot already holds a tracked block")
         self._stamp[ids] = np.arange(self._clock + 1, self._clock + 1 + ids.size, dtype=np.uint64)
         self._clock += ids.size
@@ -194,6 +208,18 @@ class LRUPolicy(EvictionPolicy):
         self._present[slot] = False
         self._stamp[slot] = _ABSENT  # also marks any queue entry for the slot stale
         self._count -= 1
+
+    def removed_many(self, slots: npt.NDArray[np.int64]) -> None:
+        if not slots.size:
+            return
+        if int(slots.min()) < 0 or int(slots.max()) >= len(self._present):
+            raise KeyError(int(slots.min()) if int(slots.min()) < 0 else int(slots.max()))
+        absent = np.flatnonzero(~self._present[slots])
+        if absent.size or has_repeats(slots):
+            raise KeyError(int(slots[absent[0]]) if absent.size else "a slot given twice")
+        self._present[slots] = False
+        self._stamp[slots] = _ABSENT
+        self._count -= slots.size
 
     def resize(self, capacity: int) -> None:
         capacity = positive_count(capacity, "capacity")

@@ -25,18 +25,21 @@ import asyncio
 import ctypes
 import logging
 import operator
-from array import array
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from itertools import compress, repeat
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from .._config import parse_quota
 from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._lifecycle import Lifecycle, Owner, finish
 from ._events import BlockEvent, EventHub
-from ._policy import EvictionPolicy, make_policy
+from ._policy import EvictionPolicy, has_repeats, make_policy
 
 if TYPE_CHECKING:
     from .._cuda._engine import CopyEngine
@@ -47,8 +50,11 @@ __all__ = ["BlockStore", "StoreResult", "StoreStatistics"]
 log = logging.getLogger("aiokvtier")
 
 Key = bytes | int
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
 _FREE, _STORING, _READY, _DOOMED = 0, 1, 2, 3
 _MISSING, _STORED, _PRESENT, _SKIPPED = 0, 1, 2, 3  # a key's outcome in one store call
+_ONE = np.uint32(1)  # the pin counts' own type: ufunc.at with a Python int takes a path 25x slower
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,55 +125,76 @@ def _key(key: object) -> Key:
 def _keys(keys: Iterable[object]) -> list[Key]:
     if isinstance(keys, bytes | bytearray | memoryview | str | int):
         raise TypeError(f"keys must be a sequence of keys, not one {type(keys).__name__}")
-    given = keys if isinstance(keys, list | tuple) else list(keys)
+    given = list(keys)  # a copy: the call keeps it across awaits, whatever the caller does to theirs
     if set(map(type, given)) <= {bytes, int}:  # one pass in C: nothing to convert
-        return given if isinstance(given, list) else list(given)
+        return given  # type: ignore[return-value]
     return [_key(k) for k in given]
 
 
-class _HostPages:
-    """Pages in host memory: (address, length) per key, and the objects that own them."""
+class _Pages(NamedTuple):
+    """The caller's pages: one address and length per key, and the objects that own the memory."""
 
-    def __init__(self, obj: Any, n: int, *, writable: bool) -> None:
-        if isinstance(obj, np.ndarray):
-            if obj.ndim != 2 or obj.dtype != np.uint8:
-                raise ValueError(f"a numpy page array must be 2-D uint8, got {obj.ndim}-D {obj.dtype}")
-            if obj.shape[0] != n:
-                raise ValueError(f"expected one page per key ({n}), got {obj.shape[0]} rows")
-            if not obj.flags.c_contiguous:
-                raise ValueError("the page array must be C-contiguous")
-            if writable and not obj.flags.writeable:
-                raise ValueError("the destination array is read-only; nothing was copied")
-            base, page = obj.ctypes.data, obj.shape[1]
-            self.addresses = [base + i * page for i in range(n)]
-            self.lengths = [page] * n
-            self.owners: list[Any] = [obj]
-            return
-        if isinstance(obj, bytes | bytearray | memoryview | str):
-            raise TypeError("pages are a sequence of bytes-like objects (one per key) or a 2-D uint8 array")
+    addresses: U64
+    lengths: U64
+    owners: list[Any]
+
+    def take(self, ids: I64) -> _Pages:
+        return _Pages(self.addresses[ids], self.lengths[ids], self.owners)
+
+
+_Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
+"""A queued copy: ``submitted`` (None: nothing to wait for) settles once it was issued, ``done`` once it landed."""
+
+
+class _Claim:
+    """The keys one store call is storing, and the future its waiters learn the stored keys from."""
+
+    __slots__ = ("future", "keys")
+
+    def __init__(self, keys: set[Key]) -> None:
+        self.keys = keys
+        self.future: asyncio.Future[Sequence[Key]] = asyncio.get_running_loop().create_future()
+
+
+def _host_pages(obj: Any, n: int, *, writable: bool) -> _Pages:
+    """Pages in host memory: a 2-D uint8 array, or a sequence of bytes-like objects."""
+    if isinstance(obj, np.ndarray):
+        if obj.ndim != 2 or obj.dtype != np.uint8:
+            raise ValueError(f"a numpy page array must be 2-D uint8, got {obj.ndim}-D {obj.dtype}")
+        if obj.shape[0] != n:
+            raise ValueError(f"expected one page per key ({n}), got {obj.shape[0]} rows")
+        if not obj.flags.c_contiguous:
+            raise ValueError("the page array must be C-contiguous")
+        if writable and not obj.flags.writeable:
+            raise ValueError("the destination array is read-only; nothing was copied")
+        page = obj.shape[1]
+        addresses = np.uint64(obj.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(page)
+        return _Pages(addresses, np.full(n, page, dtype=np.uint64), [obj])
+    if isinstance(obj, bytes | bytearray | memoryview | str):
+        raise TypeError("pages are a sequence of bytes-like objects (one per key) or a 2-D uint8 array")
+    try:
+        items = list(obj)
+    except TypeError:
+        raise TypeError(
+            "without a CopyEngine, pages are a sequence of bytes-like objects or a 2-D uint8 numpy array"
+        ) from None
+    if len(items) != n:
+        raise ValueError(f"expected one page per key ({n}), got {len(items)}")
+    views = []
+    for item in items:
         try:
-            items = list(obj)
+            view = memoryview(item)
         except TypeError:
-            raise TypeError(
-                "without a CopyEngine, pages are a sequence of bytes-like objects or a 2-D uint8 numpy array"
-            ) from None
-        if len(items) != n:
-            raise ValueError(f"expected one page per key ({n}), got {len(items)}")
-        views = []
-        for item in items:
-            try:
-                view = memoryview(item)
-            except TypeError:
-                raise TypeError(f"a page must be bytes-like, not {type(item).__name__}") from None
-            if not view.c_contiguous:
-                raise ValueError("a page must be contiguous")
-            if writable and view.readonly:
-                raise ValueError(f"destination page of {type(item).__name__} is read-only; nothing was copied")
-            views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
-        arrays = [np.frombuffer(v, dtype=np.uint8) for v in views]
-        self.addresses = [a.ctypes.data if a.size else 0 for a in arrays]
-        self.lengths = [a.size for a in arrays]
-        self.owners = [*views, *arrays]
+            raise TypeError(f"a page must be bytes-like, not {type(item).__name__}") from None
+        if not view.c_contiguous:
+            raise ValueError("a page must be contiguous")
+        if writable and view.readonly:
+            raise ValueError(f"destination page of {type(item).__name__} is read-only; nothing was copied")
+        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+    arrays = [np.frombuffer(v, dtype=np.uint8) for v in views]
+    addresses = np.fromiter((a.ctypes.data if a.size else 0 for a in arrays), dtype=np.uint64, count=n)
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.uint64, count=n)
+    return _Pages(addresses, lengths, [*views, *arrays])
 
 
 class BlockStore(Owner):
@@ -211,12 +238,14 @@ class BlockStore(Owner):
         self._policy_arg = policy
         self._life = Lifecycle("BlockStore", "aiokvtier-store")
         self._events = EventHub(event_limit)
+        # Per slot: the key (object), state, length and pin count, as numpy arrays so that a
+        # call's bookkeeping is a few array operations rather than a Python step per key.
         self._slot_of: dict[Key, int] = {}
-        self._key_of: list[Key | None] = []
-        self._state = bytearray()
-        self._length = array("Q")
-        self._pins = array("I")
-        self._pending: dict[Key, asyncio.Future[frozenset[Key]]] = {}
+        self._key_of: npt.NDArray[np.object_] = np.empty(0, dtype=object)
+        self._state: npt.NDArray[np.uint8] = np.empty(0, dtype=np.uint8)
+        self._length: U64 = np.empty(0, dtype=np.uint64)
+        self._pins: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
+        self._claims: set[_Claim] = set()
         self._visible = 0
         self._in_flight = 0
         self._idle: asyncio.Event | None = None
@@ -272,8 +301,7 @@ class BlockStore(Owner):
         if self._idle is not None:
             await self._idle.wait()  # stores and loads in flight finish first
         self._events.close()
-        slots = [slot for slot in self._slot_of.values() if slot >= 0]
-        slots += [s for s, state in enumerate(self._state) if state == _DOOMED]
+        slots = [*self._slot_of.values(), *np.flatnonzero(self._state == _DOOMED).tolist()]
         self._slot_of.clear()
         self._visible = 0
         if slots and not self._tier.closed:
@@ -298,10 +326,24 @@ class BlockStore(Owner):
     def _grow_maps(self, capacity: int) -> None:
         extra = capacity - len(self._state)
         if extra > 0:
-            self._key_of.extend([None] * extra)
-            self._state.extend(bytes(extra))
-            self._length.extend([0] * extra)
-            self._pins.extend([0] * extra)
+            self._key_of = np.concatenate([self._key_of, np.full(extra, None, dtype=object)])
+            self._state = np.concatenate([self._state, np.zeros(extra, dtype=np.uint8)])
+            self._length = np.concatenate([self._length, np.zeros(extra, dtype=np.uint64)])
+            self._pins = np.concatenate([self._pins, np.zeros(extra, dtype=np.uint32)])
+
+    def _slots(self, keys: list[Key]) -> I64:
+        """Each key's slot, -1 for a key without one (one pass over the dict, in C)."""
+        return np.fromiter(map(self._slot_of.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
+
+    def _ready(self, slots: I64) -> npt.NDArray[np.bool_]:
+        """Which of ``slots`` (from :meth:`_slots`) hold a ready block."""
+        known = slots >= 0
+        if known.all():
+            ready: npt.NDArray[np.bool_] = self._state[slots] == _READY
+            return ready
+        ready = np.zeros(len(slots), dtype=np.bool_)
+        ready[known] = self._state[slots[known]] == _READY
+        return ready
 
     # -- queries ------------------------------------------------------------------------
 
@@ -325,7 +367,7 @@ class BlockStore(Owner):
         slot = self._slot_of.get(key, -1)
         if slot < 0 or self._state[slot] != _READY:
             raise BlockNotFound(key)
-        return self._length[slot]
+        return int(self._length[slot])
 
     def lookup(self, keys: Sequence[object]) -> int:
         """How many leading keys are stored (a prefix hit); touches them. Never blocks.
@@ -335,16 +377,11 @@ class BlockStore(Owner):
         """
         self._check_open()
         keys = _keys(keys)
-        get, state = self._slot_of.get, self._state
-        slots = []
-        for key in keys:
-            slot = get(key, -1)
-            if slot < 0 or state[slot] != _READY:
-                break
-            slots.append(slot)
-        hits = len(slots)
+        slots = self._slots(keys)
+        misses = np.flatnonzero(~self._ready(slots))
+        hits = int(misses[0]) if misses.size else len(keys)
         if hits:
-            self._policy.accessed(np.asarray(slots, dtype=np.int64))
+            self._policy.accessed(slots[:hits])
         counts = self._counts
         counts["queries"] += 1
         counts["hits"] += hits
@@ -368,7 +405,7 @@ class BlockStore(Owner):
             discards=c["discards"],
             bytes_stored=c["bytes_stored"],
             bytes_loaded=c["bytes_loaded"],
-            blocks_pinned=int(np.count_nonzero(np.frombuffer(self._pins, dtype=np.uint32))),
+            blocks_pinned=int(np.count_nonzero(self._pins)),
             in_flight=self._in_flight,
         )
 
@@ -426,149 +463,158 @@ class BlockStore(Owner):
         """
         self._check_open()
         keys = _keys(keys)
-        if len(set(keys)) != len(keys):
+        key_set = set(keys)
+        if len(key_set) != len(keys):
             raise ValueError("a key appears twice in one store call")
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
+        if after is not None and self._engine is None:
+            raise ValueError("after= needs a CopyEngine; this store copies host memory")
         self._sync_capacity()
         pages = self._pages(src, len(keys), writable=False)
         self._enter()
         try:
-            return await self._store(keys, src, pages, after, wait)
+            return await self._store(keys, key_set, pages, after, wait)
         finally:
             self._exit()
 
-    def _pages(self, obj: Any, n: int, *, writable: bool) -> tuple[list[int], list[int], list[Any]]:
-        """``(addresses, lengths, owners)`` of the caller's pages, checked against the slot size."""
+    def _pages(self, obj: Any, n: int, *, writable: bool) -> _Pages:
+        """The caller's pages, checked against the slot size."""
         slot_size = self._tier.slot_size
         if self._engine is None:
-            host = _HostPages(obj, n, writable=writable)
-            addresses, lengths, owners = host.addresses, host.lengths, host.owners
+            pages = _host_pages(obj, n, writable=writable)
         else:
             from .._cuda._requests import buffer_addresses
 
             side = buffer_addresses(obj, n, slot_size, writable=writable, host_only=self._engine.device is None)
-            addresses, lengths, owners = side.addresses.tolist(), [side.page] * n, [obj]
-        too_big = None if writable else next((length for length in lengths if length > slot_size), None)
-        if too_big is not None:
-            raise ValueError(f"a page of {too_big} bytes does not fit a {slot_size}-byte slot; nothing changed")
-        if not writable and n and min(lengths) == 0:
-            raise ValueError("an empty page cannot be stored")
-        return addresses, lengths, owners
+            pages = _Pages(side.addresses, np.full(n, side.page, dtype=np.uint64), [obj])
+        if not writable and n:
+            longest = int(pages.lengths.max())
+            if longest > slot_size:
+                raise ValueError(f"a page of {longest} bytes does not fit a {slot_size}-byte slot; nothing changed")
+            if int(pages.lengths.min()) == 0:
+                raise ValueError("an empty page cannot be stored")
+        return pages
 
-    async def _store(
-        self, keys: list[Key], src: Any, pages: tuple[list[int], list[int], list[Any]], after: Any, wait: bool
-    ) -> StoreResult:
-        if after is not None and self._engine is None:
-            raise ValueError("after= needs a CopyEngine; this store copies host memory")
-        addresses, lengths, _owners = pages
-        slot_of, state, pending = self._slot_of, self._state, self._pending
+    async def _store(self, keys: list[Key], key_set: set[Key], pages: _Pages, after: Any, wait: bool) -> StoreResult:
         n = len(keys)
-        outcome = bytearray(n)  # _MISSING, then _STORED / _PRESENT / _SKIPPED per key
-        present_slots: list[int] = []
-        missing: list[int] = []
-        waiting: dict[asyncio.Future[frozenset[Key]], list[int]] = {}
-        for i, key in enumerate(keys):
-            slot = slot_of.get(key, -1)
-            if slot >= 0 and state[slot] == _READY:
-                outcome[i] = _PRESENT
-                present_slots.append(slot)
-            elif key in pending:
-                waiting.setdefault(pending[key], []).append(i)
-            else:
-                missing.append(i)
-        if present_slots:
-            self._policy.accessed(np.asarray(present_slots, dtype=np.int64))
-        # One future for the whole call, claimed before any await: a concurrent store of one of
-        # these keys waits for it and learns from its result (the keys stored) what became of its key.
-        claim: asyncio.Future[frozenset[Key]] = asyncio.get_running_loop().create_future()
-        claimed = [keys[i] for i in missing]
-        for key in claimed:
-            pending[key] = claim
-        stored_keys: frozenset[Key] = frozenset()
-        taken: list[int] = []
+        slots = self._slots(keys)
+        ready = self._ready(slots)
+        outcome = np.full(n, _MISSING, dtype=np.uint8)
+        outcome[ready] = _PRESENT
+        present_slots = slots[ready]
+        missing = np.flatnonzero(~ready)
+        waiting: dict[asyncio.Future[Sequence[Key]], list[int]] = {}
+        if missing.size and self._claims:  # a key another call is storing: wait for that call
+            missing, waiting = self._claimed_elsewhere(keys, missing)
+        if present_slots.size:
+            self._policy.accessed(present_slots)
+        # The call claims its missing keys before any await: a concurrent store of one of them
+        # waits for this call and learns from its result (the keys stored) what became of its key.
+        claimed = keys if missing.size == n else [keys[i] for i in missing.tolist()]
+        claim = _Claim(key_set if missing.size == n else set(claimed))
+        self._claims.add(claim)
+        stored_keys: Sequence[Key] = ()
+        taken_list: list[int] = []
         landed = False
         self._pin(present_slots)  # the call's own present blocks (its prefix) are not evicted to make room
         try:
             try:
-                await self._take_slots(len(missing), wait, taken)
+                await self._take_slots(len(claimed), wait, taken_list)
             finally:
                 self._unpin(present_slots)
+            taken = np.asarray(taken_list, dtype=np.int64)
             chosen = missing[: len(taken)]
-            for i in missing[len(taken) :]:
-                outcome[i] = _SKIPPED
-            chosen_keys = [keys[i] for i in chosen]
-            chosen_lengths = [lengths[i] for i in chosen]
+            outcome[missing[len(taken) :]] = _SKIPPED
+            chosen_keys = claimed[: len(taken)]
+            chosen_pages = pages.take(chosen)
 
             def book() -> None:
                 # Runs while the copy is in flight: nobody sees these blocks before they are ready
                 # (lookups want ready, and a store of the same key waits on the claim).
-                key_of, length_of = self._key_of, self._length
-                for key, slot, length in zip(chosen_keys, taken, chosen_lengths, strict=True):
-                    slot_of[key] = slot
-                    key_of[slot] = key
-                    state[slot] = _STORING
-                    length_of[slot] = length
+                self._slot_of.update(zip(chosen_keys, taken_list, strict=True))
+                self._key_of[taken] = _objects(chosen_keys)
+                self._state[taken] = _STORING
+                self._length[taken] = chosen_pages.lengths
 
-            if chosen:
-                await finish(
-                    self._copy_while(
-                        self._copy_in(taken, [addresses[i] for i in chosen], chosen_lengths, src, after), book
-                    )
-                )
+            if chosen.size:
+                await self._overlap(self._start_in(taken, chosen_pages, after), book)
             landed = True
-            np.frombuffer(state, dtype=np.uint8)[np.asarray(taken, dtype=np.int64)] = _READY
+            self._state[taken] = _READY
             self._policy.inserted_many(taken, chosen_keys)
-            for i in chosen:
-                outcome[i] = _STORED
-            stored_keys = frozenset(chosen_keys)
-            self._visible += len(chosen)
-            self._counts["stores"] += len(chosen)
-            self._counts["bytes_stored"] += sum(chosen_lengths)
+            outcome[chosen] = _STORED
+            stored_keys = chosen_keys
+            self._visible += len(chosen_keys)
+            self._counts["stores"] += len(chosen_keys)
+            self._counts["bytes_stored"] += int(chosen_pages.lengths.sum())
             self._events.publish("stored", tuple(chosen_keys))
         finally:
             if not landed:  # failed or cancelled: no partial block stays, no slot is kept
-                for slot in taken:
-                    owner = self._key_of[slot]
-                    if owner is not None and slot_of.get(owner) == slot:
-                        del slot_of[owner]
-                    self._key_of[slot] = None
-                    state[slot] = _FREE
-                if taken and not self._tier.closed:
-                    self._tier.free_many(taken)
-            for key in claimed:
-                if pending.get(key) is claim:
-                    del pending[key]
-            claim.set_result(stored_keys)
+                self._unbook(taken_list)
+            self._claims.discard(claim)
+            claim.future.set_result(stored_keys)
         retry: list[int] = []
         for future, indices in waiting.items():
-            done = await future
+            done = set(await future)
             for i in indices:
                 if keys[i] in done:
                     outcome[i] = _PRESENT
                 else:
                     retry.append(i)  # the other store failed or skipped it: try it here
         counts = self._counts
-        counts["present"] += outcome.count(_PRESENT)
-        counts["skipped"] += outcome.count(_SKIPPED)
+        counts["present"] += int(np.count_nonzero(outcome == _PRESENT))
+        counts["skipped"] += int(np.count_nonzero(outcome == _SKIPPED))
         if retry:  # counted by the inner call
             retry.sort()
+            again_keys = [keys[i] for i in retry]
             again = await self._store(
-                [keys[i] for i in retry],
-                src,
-                ([addresses[i] for i in retry], [lengths[i] for i in retry], _owners),
-                after,
-                wait,
+                again_keys, set(again_keys), pages.take(np.asarray(retry, dtype=np.int64)), after, wait
             )
             done_stored, done_present = set(again.stored), set(again.present)
             for i in retry:
                 key = keys[i]
                 outcome[i] = _STORED if key in done_stored else _PRESENT if key in done_present else _SKIPPED
+        if len(stored_keys) == n:
+            return StoreResult(stored=tuple(keys), present=(), skipped=())
         return StoreResult(
-            stored=tuple(k for k, o in zip(keys, outcome, strict=True) if o == _STORED),
-            present=tuple(k for k, o in zip(keys, outcome, strict=True) if o == _PRESENT),
-            skipped=tuple(k for k, o in zip(keys, outcome, strict=True) if o == _SKIPPED),
+            stored=tuple(compress(keys, (outcome == _STORED).tolist())),
+            present=tuple(compress(keys, (outcome == _PRESENT).tolist())),
+            skipped=tuple(compress(keys, (outcome == _SKIPPED).tolist())),
         )
+
+    def _claimed_elsewhere(
+        self, keys: list[Key], missing: I64
+    ) -> tuple[I64, dict[asyncio.Future[Sequence[Key]], list[int]]]:
+        """Split ``missing`` into the keys no other call is storing and, per call, those it is."""
+        indices = missing.tolist()
+        missing_keys = [keys[i] for i in indices]
+        elsewhere: dict[Key, asyncio.Future[Sequence[Key]]] = {}
+        for other in self._claims:
+            for key in other.keys.intersection(missing_keys):
+                elsewhere[key] = other.future
+        if not elsewhere:
+            return missing, {}
+        free: list[int] = []
+        waiting: dict[asyncio.Future[Sequence[Key]], list[int]] = {}
+        for i, key in zip(indices, missing_keys, strict=True):
+            future = elsewhere.get(key)
+            if future is None:
+                free.append(i)
+            else:
+                waiting.setdefault(future, []).append(i)
+        return np.asarray(free, dtype=np.int64), waiting
+
+    def _unbook(self, taken: list[int]) -> None:
+        """Give back the slots of a store that did not land, and forget what was booked in them."""
+        slot_of = self._slot_of
+        for slot in taken:
+            owner = self._key_of[slot]
+            if owner is not None and slot_of.get(owner) == slot:
+                del slot_of[owner]
+            self._key_of[slot] = None
+            self._state[slot] = _FREE
+        if taken and not self._tier.closed:
+            self._tier.free_many(taken)
 
     async def _take_slots(self, n: int, wait: bool, taken: list[int]) -> None:
         """Take up to ``n`` slots into ``taken``, evicting as needed; fewer when nothing more can be had."""
@@ -623,7 +669,7 @@ class BlockStore(Owner):
 
     def _forget(self, slot: int) -> Key:
         """Drop a ready block's bookkeeping (its slot is the caller's to give back); returns its key."""
-        key = self._key_of[slot]
+        key: Key | None = self._key_of[slot]
         assert key is not None
         self._policy.removed(slot)
         del self._slot_of[key]
@@ -638,24 +684,32 @@ class BlockStore(Owner):
             self._counts["evictions"] += len(slots)
             self._events.publish("evicted", tuple(keys))
 
-    async def _copy_in(self, slots: list[int], addresses: list[int], lengths: list[int], src: Any, after: Any) -> None:
+    def _start_in(self, slots: I64, pages: _Pages, after: Any) -> _Started:
+        """Queue the copy of the caller's pages into ``slots``."""
         tier, engine = self._tier, self._engine
         if engine is not None:
-            # The pages stay referenced by this frame until the copy has landed (finish() in the engine).
-            await engine.to_host(tier, slots, np.asarray(addresses, dtype=np.uint64), after=after, page=lengths[0])
-            return
-        copies = list(zip(tier.slot_addresses(slots).tolist(), addresses, lengths, strict=True))
-        await finish(self._run_copies(copies))
+            return engine.begin(tier, slots, pages.addresses, "d2h", after=after, page=int(pages.lengths[0]))
+        copies = list(
+            zip(tier.slot_addresses(slots).tolist(), pages.addresses.tolist(), pages.lengths.tolist(), strict=True)
+        )
+        return (None, asyncio.ensure_future(self._run_copies(copies)))
 
     @staticmethod
-    async def _copy_while(copy: Coroutine[Any, Any, None], work: Callable[[], None]) -> None:
-        """Start ``copy``, do ``work`` while it is in flight, then wait for it (run through finish())."""
-        task = asyncio.ensure_future(copy)
-        await asyncio.sleep(0)  # the copy plans and submits; then the loop is free for the work
+    async def _overlap(started: _Started, work: Callable[[], None]) -> None:
+        """Do ``work`` while a queued copy is in flight, then wait for the copy to land.
+
+        With a CopyEngine the work waits until the copy was issued: the loop
+        idles meanwhile, so the submit thread has the GIL and the work runs
+        while the GPU copies rather than before. The caller's pages belong to
+        the copy until it lands: a cancellation is held back until then.
+        """
+        submitted, done = started
         try:
+            if submitted is not None:
+                await submitted
             work()
         finally:
-            await task
+            await finish(done)
 
     async def _run_copies(self, copies: list[tuple[int, int, int]]) -> None:
         await self._life.run(_memmove_all, copies)
@@ -677,72 +731,60 @@ class BlockStore(Owner):
         """
         self._check_open()
         keys = _keys(keys)
-        slot_of, state = self._slot_of, self._state
-        slots: list[int] = []
-        for key in keys:
-            slot = slot_of.get(key, -1)
-            if slot < 0 or state[slot] != _READY:
-                raise BlockNotFound(key)
-            slots.append(slot)
-        addresses, room, _owners = self._pages(dst, len(keys), writable=True)
-        ids = np.asarray(slots, dtype=np.int64)
-        length_of = np.frombuffer(self._length, dtype=np.uint64)[ids]  # a copy: the map may grow later
-        shorts = np.flatnonzero(np.asarray(room, dtype=np.uint64) < length_of)
+        slots = self._slots(keys)
+        absent = np.flatnonzero(~self._ready(slots))
+        if absent.size:
+            raise BlockNotFound(keys[int(absent[0])])
+        pages = self._pages(dst, len(keys), writable=True)
+        lengths = self._length[slots]  # a copy: the map may grow later
+        shorts = np.flatnonzero(pages.lengths < lengths)
         if shorts.size:
             short = int(shorts[0])
             raise ValueError(
-                f"destination page {short} has {room[short]} bytes, block {keys[short]!r} has "
-                f"{int(length_of[short])}; nothing was copied"
+                f"destination page {short} has {int(pages.lengths[short])} bytes, block {keys[short]!r} has "
+                f"{int(lengths[short])}; nothing was copied"
             )
-        lengths: list[int] = length_of.tolist()
         if after is not None and self._engine is None:
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
-        self._policy.accessed(ids)
+        if not slots.size:
+            return
         self._enter()
         self._pin(slots)
         try:
-            await self._copy_out(slots, addresses, lengths, room, dst, after)
+            await self._overlap(self._start_out(slots, pages, lengths, after), partial(self._policy.accessed, slots))
         finally:
             self._unpin(slots)
             self._exit()
         self._counts["loads"] += len(slots)
-        self._counts["bytes_loaded"] += int(length_of.sum())
+        self._counts["bytes_loaded"] += int(lengths.sum())
 
-    def _pin(self, slots: list[int]) -> None:
-        if slots:
-            pins = np.frombuffer(self._pins, dtype=np.uint32)
-            np.add.at(pins, np.asarray(slots, dtype=np.int64), 1)  # a key loaded twice in one call pins twice
-            del pins  # an exported buffer would stop the array from growing
+    def _pin(self, slots: I64) -> None:
+        if slots.size:
+            np.add.at(self._pins, slots, _ONE)  # a key loaded twice in one call pins twice
 
-    def _unpin(self, slots: list[int]) -> None:
-        if not slots:
+    def _unpin(self, slots: I64) -> None:
+        if not slots.size:
             return
-        ids = np.asarray(slots, dtype=np.int64)
-        pins = np.frombuffer(self._pins, dtype=np.uint32)
-        np.subtract.at(pins, ids, 1)
-        released = ids[pins[ids] == 0]
-        del pins
-        state = np.frombuffer(self._state, dtype=np.uint8)
-        doomed = np.unique(released[state[released] == _DOOMED])  # discarded while they were read
-        state[doomed] = _FREE
-        del state
-        if doomed.size and not self._tier.closed:
-            self._tier.free_many(doomed.tolist())
+        pins = self._pins
+        np.subtract.at(pins, slots, _ONE)
+        released = slots[pins[slots] == 0]
+        doomed = released[self._state[released] == _DOOMED]  # discarded while they were read
+        if doomed.size:
+            doomed = np.unique(doomed)
+            self._state[doomed] = _FREE
+            if not self._tier.closed:
+                self._tier.free_many(doomed.tolist())
 
-    async def _copy_out(
-        self, slots: list[int], addresses: list[int], lengths: list[int], room: list[int], dst: Any, after: Any
-    ) -> None:
+    def _start_out(self, slots: I64, pages: _Pages, lengths: U64, after: Any) -> _Started:
+        """Queue the copy of ``slots`` into the caller's pages."""
         tier, engine = self._tier, self._engine
-        if engine is not None:
-            page = room[0]
-            if all(n == page for n in lengths):
-                await engine.to_device(tier, slots, np.asarray(addresses, dtype=np.uint64), after=after, page=page)
-            else:  # blocks shorter than the destination pages: each copies its own length
-                copies = [(a, tier.address(s), n) for s, a, n in zip(slots, addresses, lengths, strict=True)]
-                await engine.copy(copies, after=after)
-            return
-        copies = list(zip(addresses, tier.slot_addresses(slots).tolist(), lengths, strict=True))
-        await finish(self._run_copies(copies))
+        page = int(pages.lengths[0])
+        if engine is not None and bool((lengths == page).all()):
+            return engine.begin(tier, slots, pages.addresses, "h2d", after=after, page=page)
+        # Host pages, or blocks shorter than the destination pages: each copies its own length.
+        copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
+        work = engine.copy(copies, after=after) if engine is not None else self._run_copies(copies)
+        return (None, asyncio.ensure_future(work))
 
     # -- discard and resize ---------------------------------------------------------------
 
@@ -756,24 +798,24 @@ class BlockStore(Owner):
         """
         self._check_open()
         keys = _keys(keys)
-        state, pins = self._state, self._pins
-        dropped: list[Key] = []
-        free: list[int] = []
-        for key in keys:
-            slot = self._slot_of.get(key, -1)
-            if slot < 0 or state[slot] != _READY:
-                continue
-            del self._slot_of[key]
-            self._key_of[slot] = None
-            self._policy.removed(slot)
-            if pins[slot]:
-                state[slot] = _DOOMED
-            else:
-                state[slot] = _FREE
-                free.append(slot)
-            dropped.append(key)
-        if free:
-            self._tier.free_many(free)
+        slots = self._slots(keys)
+        hit = np.flatnonzero(self._ready(slots))
+        if len(hit) < len(keys) or has_repeats(slots[hit]):  # a key given twice is dropped once
+            hit = hit[np.unique(slots[hit], return_index=True)[1]]
+            hit.sort()
+        dropped = keys if len(hit) == len(keys) else [keys[i] for i in hit.tolist()]
+        if not dropped:
+            return 0
+        gone = slots[hit]
+        slot_of = self._slot_of
+        deque(map(slot_of.__delitem__, dropped), maxlen=0)
+        self._key_of[gone] = None
+        self._policy.removed_many(gone)
+        pinned = self._pins[gone] > 0
+        self._state[gone] = np.where(pinned, _DOOMED, _FREE).astype(np.uint8)
+        free = gone[~pinned]
+        if free.size:
+            self._tier.free_many(free.tolist())
         self._visible -= len(dropped)
         self._counts["discards"] += len(dropped)
         self._events.publish("discarded", tuple(dropped))
@@ -797,11 +839,12 @@ class BlockStore(Owner):
             quota = parse_quota(new_quota, slot_size=cfg.slot_size, max_quota=cfg.max_quota)
             total = quota // tier.slot_size
             if total < tier.slots_total:
-                state, pins = self._state, self._pins
-                busy = next((s for s in range(total, len(state)) if state[s] in (_STORING, _DOOMED) or pins[s]), None)
-                if busy is not None:
+                tail = self._state[total:]
+                busy = np.flatnonzero((tail == _STORING) | (tail == _DOOMED) | (self._pins[total:] > 0))
+                if busy.size:
                     raise QuotaError(
-                        f"cannot shrink to {quota} bytes: the block in slot {busy} is being stored or loaded"
+                        f"cannot shrink to {quota} bytes: the block in slot {total + int(busy[0])} "
+                        "is being stored or loaded"
                     )
                 self._drop_past(total)
             await tier.resize(quota)
@@ -809,9 +852,15 @@ class BlockStore(Owner):
             self._policy.resize(tier.slots_total)
 
     def _drop_past(self, total: int) -> None:
-        state = self._state
-        slots = [slot for slot in range(total, len(state)) if state[slot] == _READY]
+        slots = (np.flatnonzero(self._state[total:] == _READY) + total).tolist()
         self._evicted(slots, [self._forget(slot) for slot in slots])
+
+
+def _objects(keys: Sequence[Key]) -> npt.NDArray[np.object_]:
+    """Keys as a 1-D object array (numpy would make fixed-width bytes of a list of bytes)."""
+    out = np.empty(len(keys), dtype=object)
+    out[:] = keys
+    return out
 
 
 def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
