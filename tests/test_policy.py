@@ -417,3 +417,24 @@ def test_make_policy_refuses_unknown_names_and_types() -> None:
         make_policy("lru", 0)
     with pytest.raises(TypeError):
         make_policy("s3fifo", True)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_batched_insert_and_remove_refuse_bad_slots_and_change_nothing(policy: str) -> None:
+    p = make_policy(policy, 8)
+    p.inserted_many(ids([1, 2]), [b"a", b"b"])
+    with pytest.raises(ValueError):
+        p.inserted_many(ids([3, 4, 3]), [b"c", b"d", b"e"])  # a slot twice
+    with pytest.raises(ValueError):
+        p.inserted_many(ids([5, 2]), [b"f", b"g"])  # 2 holds a block
+    with pytest.raises(KeyError):
+        p.removed_many(ids([1, 6]))  # 6 holds none
+    with pytest.raises(KeyError):
+        p.removed_many(ids([1, 1]))
+    if policy == "lru":  # the batched overrides check before they change anything
+        assert len(p) == 2
+        assert list(p.victims()) == [1, 2]
+        p.removed_many(ids([2, 1]))
+        assert len(p) == 0
+        p.inserted_many(ids([3, 4]), [b"c", b"d"])
+        assert list(p.victims()) == [3, 4]

@@ -237,6 +237,45 @@ async def test_a_key_twice_in_one_store_is_refused() -> None:
         settled(tier, store)
 
 
+async def test_a_key_twice_changes_nothing_whichever_path_finds_it() -> None:
+    """Free slots (found by the booking), a full tier (found before evicting), a skip, present keys."""
+    async with open_store(4) as (tier, store):
+        await bounded(store.store([10, 11], pages([10, 11])))
+        before = store.statistics()
+        with pytest.raises(ValueError, match="twice"):  # two free slots: booked, then undone
+            await bounded(store.store([1, 1], pages([1, 1])))
+        with pytest.raises(ValueError, match="twice"):  # three new blocks, two free slots: refused before evicting
+            await bounded(store.store([1, 2, 1], pages([1, 2, 1])))
+        with pytest.raises(ValueError, match="twice"):  # present twice
+            await bounded(store.store([10, 3, 10], pages([10, 3, 10])))
+        with pytest.raises(ValueError, match="twice"):  # would be split by a skip
+            await bounded(store.store([4, 5, 6, 7, 8, 4], pages([4, 5, 6, 7, 8, 4]), wait=False))
+        after = store.statistics()
+        assert (after.evictions, after.stores, after.skipped, after.present) == (
+            before.evictions,
+            before.stores,
+            before.skipped,
+            before.present,
+        )
+        assert sorted(k for k in range(20) if k in store) == [10, 11]
+        assert await read(store, [10, 11]) == [page(10), page(11)]
+        settled(tier, store)
+
+
+async def test_a_key_twice_while_another_call_stores_it(store_then_hold: Gate) -> None:
+    gate = store_then_hold
+    async with open_store(4) as (tier, store):
+        hold(gate)
+        first = asyncio.create_task(store.store([1], pages([1])))
+        await gate.started()
+        with pytest.raises(ValueError, match="twice"):
+            await bounded(store.store([2, 1, 2], pages([2, 1, 2])))
+        await gate.release()
+        assert (await bounded(first)).stored == (1,)
+        assert 2 not in store and await read(store, [1]) == [page(1)]
+        settled(tier, store)
+
+
 @pytest.mark.parametrize("bad", [True, False, np.bool_(True), 1.5, "key", None])
 async def test_keys_that_are_not_bytes_or_int_are_refused(bad: object) -> None:
     async with open_store(4) as (tier, store):

@@ -70,6 +70,11 @@ class SlotAllocator:
 
     def take(self, n: int) -> list[int]:
         """Take ``n`` slots: recycled ones first (most recent first), then fresh ones."""
+        taken: list[int] = self.take_ids(n).tolist()
+        return taken
+
+    def take_ids(self, n: int) -> npt.NDArray[np.int64]:
+        """:meth:`take` as an int64 array."""
         if n > self.available:
             raise OutOfSlots(f"{n} slots requested, {self.available} of {self.total} available")
         free = self._free
@@ -84,9 +89,7 @@ class SlotAllocator:
         del allocated
         del free[len(free) - k :]
         self.count += n
-        taken: list[int] = recycled.tolist()
-        taken.extend(range(fresh, self.next_fresh))
-        return taken
+        return np.concatenate([recycled.astype(np.int64), np.arange(fresh, self.next_fresh, dtype=np.int64)])
 
     def take_one(self) -> int:
         free = self._free

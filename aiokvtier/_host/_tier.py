@@ -220,15 +220,19 @@ class HostTier(Owner):
         Cancellation: slots are taken only once they are resident, so a
         cancelled call has taken none.
         """
+        ids = await self.allocate_ids(1 if n is None else n)
         if n is None:
-            return (await self._allocate(1))[0]
-        return await self._allocate(n)
+            return int(ids[0])
+        taken: list[int] = ids.tolist()
+        return taken
 
     async def allocate_many(self, n: int) -> list[int]:
         """Same as ``allocate(n)``."""
-        return await self._allocate(n)
+        taken: list[int] = (await self.allocate_ids(n)).tolist()
+        return taken
 
-    async def _allocate(self, n: int) -> list[int]:
+    async def allocate_ids(self, n: int) -> npt.NDArray[np.int64]:
+        """``allocate(n)`` as an int64 array (what copies and stores index with)."""
         n = positive_count(n, "n")
         self._check_open()
         self._check_loop()
@@ -242,7 +246,7 @@ class HostTier(Owner):
                 need = slots.fresh_needed(n) * self._slot_size
                 filler = self._filler
                 if filler.watermark >= need:
-                    return slots.take(n)
+                    return slots.take_ids(n)
                 if filler.ready(need):
                     filler.ready(need, raise_=True)
                 if waiting_since is None:

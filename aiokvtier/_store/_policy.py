@@ -186,9 +186,14 @@ class LRUPolicy(EvictionPolicy):
             return
         if int(ids.min()) < 0 or int(ids.max()) >= len(self._stamp):
             raise IndexError(f"a slot is not below the capacity ({len(self._stamp)})")
-        if self._present[ids].any() or has_repeats(ids):
+        if self._present[ids].any():
             raise ValueError("a slot already holds a tracked block")
-        self._stamp[ids] = np.arange(self._clock + 1, self._clock + 1 + ids.size, dtype=np.uint64)
+        stamps = np.arange(self._clock + 1, self._clock + 1 + ids.size, dtype=np.uint64)
+        self._stamp[ids] = stamps
+        # A slot given twice keeps only its last stamp; cheaper to see than to sort the ids first.
+        if not np.array_equal(self._stamp[ids], stamps):
+            self._stamp[ids] = _ABSENT  # they were all absent: nothing else to undo
+            raise ValueError("a slot appears twice in one insert")
         self._clock += ids.size
         self._present[ids] = True
         self._count += ids.size

@@ -54,6 +54,7 @@ I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 _FREE, _STORING, _READY, _DOOMED = 0, 1, 2, 3
 _MISSING, _STORED, _PRESENT, _SKIPPED = 0, 1, 2, 3  # a key's outcome in one store call
+_NO_IDS = np.empty(0, dtype=np.int64)
 _ONE = np.uint32(1)  # the pin counts' own type: ufunc.at with a Python int takes a path 25x slower
 
 
@@ -149,11 +150,19 @@ _Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
 class _Claim:
     """The keys one store call is storing, and the future its waiters learn the stored keys from."""
 
-    __slots__ = ("future", "keys")
+    __slots__ = ("_keys", "_set", "future")
 
-    def __init__(self, keys: set[Key]) -> None:
-        self.keys = keys
+    def __init__(self, keys: list[Key]) -> None:
+        self._keys = keys
+        self._set: set[Key] | None = None
         self.future: asyncio.Future[Sequence[Key]] = asyncio.get_running_loop().create_future()
+
+    @property
+    def keys(self) -> set[Key]:
+        """As a set, made when a concurrent call first asks (most calls have none)."""
+        if self._set is None:
+            self._set = set(self._keys)
+        return self._set
 
 
 def _host_pages(obj: Any, n: int, *, writable: bool) -> _Pages:
@@ -463,9 +472,6 @@ class BlockStore(Owner):
         """
         self._check_open()
         keys = _keys(keys)
-        key_set = set(keys)
-        if len(key_set) != len(keys):
-            raise ValueError("a key appears twice in one store call")
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
         if after is not None and self._engine is None:
@@ -474,7 +480,7 @@ class BlockStore(Owner):
         pages = self._pages(src, len(keys), writable=False)
         self._enter()
         try:
-            return await self._store(keys, key_set, pages, after, wait)
+            return await self._store(keys, pages, after, wait)
         finally:
             self._exit()
 
@@ -496,34 +502,52 @@ class BlockStore(Owner):
                 raise ValueError("an empty page cannot be stored")
         return pages
 
-    async def _store(self, keys: list[Key], key_set: set[Key], pages: _Pages, after: Any, wait: bool) -> StoreResult:
+    async def _store(self, keys: list[Key], pages: _Pages, after: Any, wait: bool) -> StoreResult:
         n = len(keys)
-        slots = self._slots(keys)
-        ready = self._ready(slots)
+        if self._slot_of.keys().isdisjoint(keys):  # new blocks only, the common case: no look-ups
+            slots, ready = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.bool_)
+        else:
+            slots = self._slots(keys)
+            ready = self._ready(slots)
         outcome = np.full(n, _MISSING, dtype=np.uint8)
         outcome[ready] = _PRESENT
         present_slots = slots[ready]
+        if has_repeats(present_slots):
+            raise ValueError("a key appears twice in one store call")
         missing = np.flatnonzero(~ready)
         waiting: dict[asyncio.Future[Sequence[Key]], list[int]] = {}
         if missing.size and self._claims:  # a key another call is storing: wait for that call
+            if len(set(keys)) != n:
+                raise ValueError("a key appears twice in one store call")
             missing, waiting = self._claimed_elsewhere(keys, missing)
-        if present_slots.size:
-            self._policy.accessed(present_slots)
         # The call claims its missing keys before any await: a concurrent store of one of them
         # waits for this call and learns from its result (the keys stored) what became of its key.
         claimed = keys if missing.size == n else [keys[i] for i in missing.tolist()]
-        claim = _Claim(key_set if missing.size == n else set(claimed))
+        vetted = False
+
+        def vet() -> None:
+            # A key twice among the missing ones is caught by the booking (the map grows by fewer
+            # keys than were booked); this earlier check runs only before a change the booking
+            # cannot undo: an eviction, or a skip that would split a repeated key.
+            nonlocal vetted
+            if not vetted and len(set(claimed)) != len(claimed):
+                raise ValueError("a key appears twice in one store call")
+            vetted = True
+
+        claim = _Claim(claimed)
         self._claims.add(claim)
         stored_keys: Sequence[Key] = ()
-        taken_list: list[int] = []
+        chunks: list[I64] = []
         landed = False
         self._pin(present_slots)  # the call's own present blocks (its prefix) are not evicted to make room
         try:
             try:
-                await self._take_slots(len(claimed), wait, taken_list)
+                await self._take_slots(len(claimed), wait, chunks, vet)
             finally:
                 self._unpin(present_slots)
-            taken = np.asarray(taken_list, dtype=np.int64)
+            taken = chunks[0] if len(chunks) == 1 else np.concatenate([_NO_IDS, *chunks])
+            if len(taken) < len(claimed):
+                vet()
             chosen = missing[: len(taken)]
             outcome[missing[len(taken) :]] = _SKIPPED
             chosen_keys = claimed[: len(taken)]
@@ -532,15 +556,20 @@ class BlockStore(Owner):
             def book() -> None:
                 # Runs while the copy is in flight: nobody sees these blocks before they are ready
                 # (lookups want ready, and a store of the same key waits on the claim).
-                self._slot_of.update(zip(chosen_keys, taken_list, strict=True))
                 self._key_of[taken] = _objects(chosen_keys)
                 self._state[taken] = _STORING
                 self._length[taken] = chosen_pages.lengths
+                before = len(self._slot_of)
+                self._slot_of.update(zip(chosen_keys, taken.tolist(), strict=True))
+                if len(self._slot_of) - before != len(chosen_keys):
+                    raise ValueError("a key appears twice in one store call")
 
             if chosen.size:
                 await self._overlap(self._start_in(taken, chosen_pages, after), book)
             landed = True
             self._state[taken] = _READY
+            if present_slots.size:  # touched first: the blocks stored by the call are the most recent
+                self._policy.accessed(present_slots)
             self._policy.inserted_many(taken, chosen_keys)
             outcome[chosen] = _STORED
             stored_keys = chosen_keys
@@ -550,7 +579,7 @@ class BlockStore(Owner):
             self._events.publish("stored", tuple(chosen_keys))
         finally:
             if not landed:  # failed or cancelled: no partial block stays, no slot is kept
-                self._unbook(taken_list)
+                self._unbook(np.concatenate([_NO_IDS, *chunks]).tolist())
             self._claims.discard(claim)
             claim.future.set_result(stored_keys)
         retry: list[int] = []
@@ -566,9 +595,8 @@ class BlockStore(Owner):
         counts["skipped"] += int(np.count_nonzero(outcome == _SKIPPED))
         if retry:  # counted by the inner call
             retry.sort()
-            again_keys = [keys[i] for i in retry]
             again = await self._store(
-                again_keys, set(again_keys), pages.take(np.asarray(retry, dtype=np.int64)), after, wait
+                [keys[i] for i in retry], pages.take(np.asarray(retry, dtype=np.int64)), after, wait
             )
             done_stored, done_present = set(again.stored), set(again.present)
             for i in retry:
@@ -616,28 +644,38 @@ class BlockStore(Owner):
         if taken and not self._tier.closed:
             self._tier.free_many(taken)
 
-    async def _take_slots(self, n: int, wait: bool, taken: list[int]) -> None:
-        """Take up to ``n`` slots into ``taken``, evicting as needed; fewer when nothing more can be had."""
+    async def _take_slots(self, n: int, wait: bool, taken: list[I64], vet: Callable[[], None]) -> None:
+        """Take up to ``n`` slots into ``taken`` (arrays of ids), evicting as needed; fewer when no more can be had.
+
+        ``vet`` runs before the first eviction (a check that must come before any change).
+        """
         tier = self._tier
-        while len(taken) < n:
-            need = n - len(taken)
+        got = 0
+        while got < n:
+            need = n - got
             if tier.slots_free < need:
+                vet()
                 self._evict(need - tier.slots_free)
             want = min(need, tier.slots_free)
             if want == 0:
                 return
             if not wait:
-                for _ in range(want):
-                    try:
-                        taken.append(tier.allocate_nowait())
-                    except (WouldBlock, OutOfSlots):
-                        return
-                    except Exception as exc:  # FillError: nothing more can be had here
-                        log.warning("aiokvtier: store skips blocks: %s", exc)
-                        return
+                ids: list[int] = []
+                try:
+                    for _ in range(want):
+                        ids.append(tier.allocate_nowait())
+                except (WouldBlock, OutOfSlots):
+                    pass
+                except Exception as exc:  # FillError: nothing more can be had here
+                    log.warning("aiokvtier: store skips blocks: %s", exc)
+                finally:
+                    taken.append(np.asarray(ids, dtype=np.int64))
+                if len(ids) < want:
+                    return
+                got += len(ids)
                 continue
             try:
-                taken.extend(await tier.allocate(want))
+                chunk = await tier.allocate_ids(want)
             except OutOfSlots:
                 continue  # another task took them while this one waited for the fill
             except TierClosedError:
@@ -645,6 +683,8 @@ class BlockStore(Owner):
             except Exception as exc:  # FillError: the slots cannot be made resident
                 log.warning("aiokvtier: store skips blocks: %s", exc)
                 return
+            taken.append(chunk)
+            got += len(chunk)
 
     def _evict(self, n: int) -> int:
         """Evict up to ``n`` ready, unpinned blocks in the policy's order; returns how many."""
