@@ -23,6 +23,9 @@ import pytest
 
 from aiokvtier import HostTierConfig
 
+from .conftest import PopulateGate
+from .helpers import eventually
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "server" / "app.py"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -303,3 +306,44 @@ async def test_readyz_is_503_before_the_tier_opens_and_while_draining() -> None:
             assert draining.status_code == 503 and draining.json()["status"] == "draining"
             assert (await client.get("/healthz")).status_code == 200
         assert json.loads((await client.get("/healthz")).text) == {"status": "ok"}
+
+
+async def test_put_is_507_when_every_slot_is_held_by_a_store_still_copying(gate: PopulateGate) -> None:
+    # 17 PUTs on a 16-slot tier before its one unit is resident: they wait in arrival order; when the
+    # unit lands, the first 16 take the slots and start copying, and the 17th finds no free slot and
+    # no block ready to evict (every slot is a block still being stored), so the store skips it.
+    app_module = APP_MODULE
+    config = HostTierConfig(quota="1MiB", max_quota="1MiB", slot_size="64KiB", commit_unit="1MiB", fill_chunk="1MiB")
+    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    app = service.app()
+    blocks = {f"{i:02x}": os.urandom(1000 + i) for i in range(17)}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        async with app.router.lifespan_context(app):
+            store, tier = service.blocks.store, service.blocks.tier
+            puts = []
+            for n, (key, data) in enumerate(blocks.items(), 1):
+                puts.append(asyncio.create_task(client.put(f"/v1/blocks/{key}", content=data)))
+                await eventually(lambda n=n: store.statistics().in_flight == n)
+            ready = (await client.get("/readyz")).json()
+            assert ready["status"] == "filling" and ready["resident_bytes"] == 0
+            assert tier.statistics().slots_allocated == 0 and not any(p.done() for p in puts)
+
+            gate.release_all()
+            answers = [await p for p in puts]
+            assert [a.status_code for a in answers[:16]] == [201] * 16, [a.text for a in answers]
+            assert_error(answers[16], 507)
+            assert "no room" in answers[16].json()["error"]
+            assert b"10" not in store and len(store) == 16 == tier.statistics().slots_total
+            for key, data in list(blocks.items())[:16]:  # the skip changed no stored block
+                got = await client.get(f"/v1/blocks/{key}")
+                assert got.status_code == 200 and got.content == data
+
+            again = await client.put("/v1/blocks/10", content=blocks["10"])  # now a ready block can be evicted
+            assert again.status_code == 201, again.text
+            assert (await client.get("/v1/blocks/10")).content == blocks["10"]
+            stats = (await client.get("/v1/stats")).json()
+            assert stats["store"]["skipped"] == 1 and stats["store"]["evictions"] == 1
+            assert stats["store"]["blocks"] == 16 and stats["server"]["internal_errors"] == 0
+            metrics = (await client.get("/metrics")).text
+            assert re.search(r'^aiokvtier_store_skipped_total\{store="default"\} 1\.0$', metrics, re.M), metrics
