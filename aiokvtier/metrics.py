@@ -144,12 +144,14 @@ _STORE_GAUGES: tuple[tuple[str, str, Any], ...] = (
     ("aiokvtier_store_blocks", "Visible blocks.", lambda s: s.blocks),
     ("aiokvtier_store_capacity_blocks", "Blocks the tier's slots can hold.", lambda s: s.capacity),
     ("aiokvtier_store_pinned_blocks", "Blocks a load is reading now.", lambda s: s.blocks_pinned),
+    ("aiokvtier_store_calls_in_flight", "store and load calls running now.", lambda s: s.in_flight),
 )
 _STORE_COUNTERS: tuple[tuple[str, str, Any], ...] = (
     ("aiokvtier_store_queries", "lookup calls.", lambda s: s.queries),
     ("aiokvtier_store_hits", "Keys lookup matched (the stored prefix).", lambda s: s.hits),
     ("aiokvtier_store_misses", "Keys lookup was asked beyond the stored prefix.", lambda s: s.misses),
     ("aiokvtier_store_stores", "Blocks stored.", lambda s: s.stores),
+    ("aiokvtier_store_present", "Keys a store found already stored (not copied again).", lambda s: s.present),
     ("aiokvtier_store_skipped", "Keys a store skipped (nothing left to evict).", lambda s: s.skipped),
     ("aiokvtier_store_evictions", "Blocks evicted.", lambda s: s.evictions),
     ("aiokvtier_store_discards", "Blocks discarded.", lambda s: s.discards),
@@ -202,6 +204,11 @@ class EngineCollector(_Collector[CopyEngine, CopyStatistics]):
             "Copy calls from submission to completion.",
             labels=[self._label],
         )
+        in_flight = self._gauge("aiokvtier_copy_batches_in_flight", "Copy calls submitted and not yet completed.")
+        descriptors = self._counter(
+            "aiokvtier_copy_descriptors", "Copies handed to the driver, after merging contiguous ones."
+        )
+        calls = self._counter("aiokvtier_copy_driver_calls", "cuMemcpyBatchAsync calls (memmove rounds without a GPU).")
         for name, s in snapshots:
             for direction, count in s.bytes_by_direction.items():
                 nbytes.add_metric([name, direction], count)
@@ -209,4 +216,7 @@ class EngineCollector(_Collector[CopyEngine, CopyStatistics]):
                 batches.add_metric([name, direction], count)
             buckets = [("+Inf" if math.isinf(bound) else repr(bound), count) for bound, count in s.latency_buckets]
             latency.add_metric([name], buckets, s.latency_sum_seconds)
-        return [nbytes, batches, latency]
+            in_flight.add_metric([name], max(0, s.jobs_submitted - s.jobs_completed))  # two counters, read apart
+            descriptors.add_metric([name], s.descriptors_submitted)
+            calls.add_metric([name], s.driver_calls)
+        return [nbytes, batches, latency, in_flight, descriptors, calls]

@@ -12,11 +12,16 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aiokvtier import BlockStore, CopyEngine, HostTier, StaticHostMem
+from aiokvtier import BlockStore, CopyEngine, HostTier, HostTierConfig, StaticHostMem
 from aiokvtier.metrics import EngineCollector, StoreCollector, TierCollector
 
 from .conftest import PopulateGate
 from .helpers import KiB, MiB, small_config
+
+try:  # imported here, not on the event loop: importing torch does blocking file I/O
+    import torch as _torch
+except ImportError:  # pragma: no cover - the GPU machine has torch
+    _torch = None
 
 SLOT = 64 * KiB
 
@@ -62,6 +67,7 @@ async def test_scrape_matches_statistics() -> None:
         await tier.wait_resident()
         pages = np.random.default_rng(0).integers(0, 256, (4, SLOT), dtype=np.uint8)
         await store.store([b"a", b"b", b"c"], pages[:3])
+        assert (await store.store([b"a"], pages[:1])).present == (b"a",)
         assert store.lookup([b"a", b"b", b"x"]) == 2
         await store.load([b"a"], np.zeros((1, SLOT), np.uint8))
         store.discard([b"c"])
@@ -99,6 +105,8 @@ async def test_scrape_matches_statistics() -> None:
         "aiokvtier_store_blocks": (s.blocks, 2),
         "aiokvtier_store_capacity_blocks": (s.capacity, 1024),
         "aiokvtier_store_pinned_blocks": (s.blocks_pinned, 0),
+        "aiokvtier_store_calls_in_flight": (s.in_flight, 0),
+        "aiokvtier_store_present_total": (s.present, 1),
         "aiokvtier_store_queries_total": (s.queries, 1),
         "aiokvtier_store_hits_total": (s.hits, 2),
         "aiokvtier_store_misses_total": (s.misses, 1),
@@ -121,6 +129,9 @@ async def test_scrape_matches_statistics() -> None:
         assert value("aiokvtier_copy_batches_total", engine="host", direction=direction) == jobs
         assert value("aiokvtier_copy_bytes_total", engine="host", direction=direction) == nbytes
 
+    assert value("aiokvtier_copy_batches_in_flight", engine="host") == 0
+    assert value("aiokvtier_copy_descriptors_total", engine="host") == e.descriptors_submitted > 0
+    assert value("aiokvtier_copy_driver_calls_total", engine="host") == e.driver_calls >= 3
     assert e.latency_count == e.jobs_completed == 3
     assert e.latency_buckets[-1] == (math.inf, 3)
     assert [c for _, c in e.latency_buckets] == sorted(c for _, c in e.latency_buckets)
@@ -215,3 +226,55 @@ async def test_one_collector_per_kind_and_distinct_names() -> None:
         samples = _scrape(registry)
         assert {dict(k[1])["tier"] for k in samples if k[0] == "aiokvtier_tier_quota_bytes"} == {"a", "b"}
         assert repr(collector) == "<TierCollector [a, b]>"
+
+
+@pytest.mark.cuda
+async def test_engine_collector_counts_gpu_copies_by_direction() -> None:
+    if _torch is None or not _torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to torch")
+    torch = _torch
+    registry = CollectorRegistry()
+    config = HostTierConfig(quota=64 * MiB, max_quota=64 * MiB, slot_size=SLOT, device=0, backing="vmm")
+    async with HostTier(config) as tier, CopyEngine(0) as engine, BlockStore(tier, engine) as store:
+        registry.register(EngineCollector(engine, name="gpu0"))
+        registry.register(StoreCollector(store, name="kv"))
+        g = torch.Generator(device="cuda").manual_seed(5)
+        src = torch.randint(0, 256, (8, SLOT), dtype=torch.uint8, device="cuda", generator=g)
+        slots = await tier.allocate(8)
+        await engine.to_host(tier, slots, src, after=torch.cuda.current_stream())  # d2h: 8 pages
+        back = torch.zeros((3, SLOT), dtype=torch.uint8, device="cuda")
+        await engine.to_device(tier, slots[2:5], back)  # h2d: 3 pages
+        assert torch.equal(back, src[2:5])
+        half = torch.zeros(SLOT // 2, dtype=torch.uint8, device="cuda")
+        await engine.copy([(half.data_ptr(), tier.address(slots[7]), SLOT // 2)])  # raw: half a page
+        assert torch.equal(half, src[7, : SLOT // 2])
+        samples = _scrape(registry)
+
+        def value(name: str, **labels: str) -> float:
+            return samples[(name, frozenset(labels.items()))]
+
+        expected = {"d2h": (1, 8 * SLOT), "h2d": (1, 3 * SLOT), "any": (1, SLOT // 2)}
+        for direction, (batches, nbytes) in expected.items():
+            assert value("aiokvtier_copy_batches_total", engine="gpu0", direction=direction) == batches, direction
+            assert value("aiokvtier_copy_bytes_total", engine="gpu0", direction=direction) == nbytes, direction
+        e = engine.statistics()
+        assert e.batch_abi in (13000, 12080) and e.bytes_copied == sum(e.bytes_by_direction.values())
+        assert value("aiokvtier_copy_latency_seconds_count", engine="gpu0") == 3 == e.jobs_completed
+        assert value("aiokvtier_copy_batches_in_flight", engine="gpu0") == 0
+        assert value("aiokvtier_copy_driver_calls_total", engine="gpu0") == e.driver_calls >= 3
+
+        # Through the store: an offload is d2h, an onboard h2d, each one batch more.
+        pages = torch.randint(0, 256, (4, SLOT), dtype=torch.uint8, device="cuda", generator=g)
+        result = await store.store([1, 2, 3, 4], pages, after=torch.cuda.current_stream())
+        assert result.stored == (1, 2, 3, 4)
+        out = torch.zeros((2, SLOT), dtype=torch.uint8, device="cuda")
+        await store.load([3, 4], out, after=torch.cuda.current_stream())
+        assert torch.equal(out, pages[2:])
+        samples = _scrape(registry)
+        assert value("aiokvtier_copy_bytes_total", engine="gpu0", direction="d2h") == 12 * SLOT
+        assert value("aiokvtier_copy_bytes_total", engine="gpu0", direction="h2d") == 5 * SLOT
+        assert value("aiokvtier_copy_batches_total", engine="gpu0", direction="d2h") == 2
+        assert value("aiokvtier_copy_batches_total", engine="gpu0", direction="h2d") == 2
+        assert value("aiokvtier_store_stored_bytes_total", store="kv") == 4 * SLOT
+        assert value("aiokvtier_store_loaded_bytes_total", store="kv") == 2 * SLOT
+        tier.free_many(slots)

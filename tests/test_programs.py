@@ -146,3 +146,61 @@ def test_engine_mock_example_hits_evicts_and_verifies() -> None:
     assert evicted > 0
     assert "agrees with the store: True" in out
     assert re.search(r"verified: [1-9]\d* loaded blocks equal what was stored", out)
+
+
+def _no_cuda_device() -> bool:
+    from aiokvtier import CudaUnavailableError
+    from aiokvtier._cuda._driver import device_count
+
+    try:
+        return device_count() == 0
+    except CudaUnavailableError:
+        return True
+
+
+@pytest.mark.parametrize("hidden", [True, False], ids=["devices-hidden", "as-is"])
+def test_engine_offload_skips_in_one_line_without_a_cuda_device(hidden: bool) -> None:
+    env = {**ENV, "CUDA_VISIBLE_DEVICES": ""} if hidden else ENV
+    if not hidden and not _no_cuda_device():
+        pytest.skip("a CUDA device is present here: the cuda-marked test runs the example")
+    done = subprocess.run(
+        [sys.executable, "examples/engine_offload.py", "--quota", "1GiB"],
+        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("engine_offload: skipped: no CUDA device"), done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def _check_offload(report: dict[str, Any], quota: int) -> None:
+    page = report["page_bytes"]
+    assert report["quota_bytes"] == quota and report["backing"] in ("register", "vmm")
+    assert report["mismatches"] == 0 and report["blocks_onboarded"] > 0
+    assert report["blocks_verified"] == report["blocks_onboarded"]
+    assert report["blocks_offloaded"] > 0 and report["hits"] >= report["blocks_onboarded"]
+    assert report["bytes_offloaded"] == report["blocks_offloaded"] * page
+    assert report["bytes_onboarded"] == report["blocks_onboarded"] * page
+    # Whole pages both ways: offloads are to_host (d2h), onboards to_device (h2d), nothing raw.
+    assert report["copy_bytes_by_direction"] == {
+        "h2d": report["bytes_onboarded"], "d2h": report["bytes_offloaded"], "any": 0,
+    }  # fmt: skip
+    assert report["turns"][-1]["hits"] > 0
+
+
+@pytest.mark.cuda
+def test_engine_offload_offloads_and_onboards_bit_exact_while_the_tier_fills() -> None:
+    report = json.loads(_run("examples/engine_offload.py", "--quota", "2GiB"))
+    _check_offload(report, 2 << 30)
+    first = report["first_offload"]
+    assert first["tier_filling"] and 0 < first["resident_bytes"] < 2 << 30, first
+    assert report["store"]["evictions"] == 0 and report["lost_to_eviction"] == 0
+
+
+@pytest.mark.cuda
+def test_engine_offload_under_a_small_quota_evicts_and_still_verifies() -> None:
+    # 1024 slots for 4000-odd blocks: stores evict, returning prefixes are partly gone.
+    report = json.loads(_run("examples/engine_offload.py", "--quota", "64MiB"))
+    _check_offload(report, 64 << 20)
+    assert report["store"]["evictions"] > 0
+    assert report["store"]["blocks"] <= report["store"]["capacity"] == 1024

@@ -23,6 +23,9 @@ import pytest
 
 from aiokvtier import HostTierConfig
 
+from .conftest import PopulateGate
+from .helpers import eventually
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "server" / "app.py"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -151,7 +154,15 @@ async def in_flight_put(url: str, key: str, data: bytes, server: Server) -> byte
     await writer.drain()
     await asyncio.sleep(0.2)
     server.proc.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.5)
+    # Not ready from the signal on: a request that still gets in is answered 503 "draining", and
+    # once uvicorn has closed the listening socket (within its 0.1 s tick) a connection is refused.
+    seen = [await readyz_after_signal(url)]
+    for _ in range(250):
+        if seen[-1] == "refused":
+            break
+        await asyncio.sleep(0.02)
+        seen.append(await readyz_after_signal(url))
+    assert set(seen) <= {"draining", "refused"} and seen[-1] == "refused", seen
     assert server.proc.returncode is None  # waiting for this request
     rest = data[half:]
     writer.write(b"%x\r\n" % len(rest) + rest + b"\r\n0\r\n\r\n")
@@ -159,6 +170,20 @@ async def in_flight_put(url: str, key: str, data: bytes, server: Server) -> byte
     status = await asyncio.wait_for(reader.readline(), 10)
     writer.close()
     return status
+
+
+async def readyz_after_signal(url: str) -> str:
+    """``"draining"`` (a 503 with that status), ``"refused"``, or what else ``/readyz`` answered."""
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            response = await client.get("/readyz")
+    except httpx.ConnectError:
+        return "refused"
+    body = response.json()
+    if response.status_code == 503 and body["status"] == "draining":
+        assert {"resident_bytes", "target_bytes", "fraction"} <= set(body)
+        return "draining"
+    return f"{response.status_code} {body}"
 
 
 async def oversized_declared(url: str) -> bytes:
@@ -229,6 +254,34 @@ def test_server_serves_verified_blocks_to_concurrent_clients_while_filling_and_e
     asyncio.run(asyncio.wait_for(scenario(), 120))
 
 
+async def drain_scenario() -> None:
+    server = await Server.start("--quota", "64MiB", "--drain-seconds", "3")
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+            data = os.urandom(5000)
+            assert (await client.put("/v1/blocks/abcd", content=data)).status_code == 201
+            server.proc.send_signal(signal.SIGTERM)
+            draining = await wait_for(client, "/readyz", 503, seconds=2)
+            assert draining.status_code == 503 and draining.json()["status"] == "draining"
+            # Still serving everything else during the drain, on new connections too.
+            assert await readyz_after_signal(server.url) == "draining"
+            assert (await client.get("/healthz")).status_code == 200
+            assert (await client.get("/v1/blocks/abcd")).content == data
+            assert (await client.put("/v1/blocks/abce", content=data)).status_code == 201
+            assert (await client.get("/v1/stats")).json()["server"]["draining"] is True
+        await asyncio.wait_for(server.proc.wait(), 30)  # the drain ends by itself, no second signal
+        assert await readyz_after_signal(server.url) == "refused"
+    finally:
+        code, stderr = await server.stop()
+    assert code == 0, stderr
+    assert "Traceback" not in stderr, stderr
+
+
+def test_drain_seconds_keeps_serving_with_readyz_503_then_exits_0() -> None:
+    asyncio.run(asyncio.wait_for(drain_scenario(), 60))
+
+
 async def plain_dict_scenario() -> None:
     server = await Server.start("--plain-dict", "--quota", "256KiB")  # four 64 KiB blocks, oldest dropped first
     try:
@@ -262,6 +315,8 @@ def test_plain_dict_baseline_serves_the_same_api() -> None:
         (["--backing", "vmm"], "--backing"),
         (["--port", "70000"], "--port"),
         (["--log-level", "loud"], "--log-level"),
+        (["--drain-seconds", "-1"], "--drain-seconds"),
+        (["--drain-seconds", "nan"], "--drain-seconds"),
     ],
 )
 def test_a_bad_option_is_one_line_naming_it_and_exit_2(options: list[str], named: str) -> None:
@@ -303,3 +358,44 @@ async def test_readyz_is_503_before_the_tier_opens_and_while_draining() -> None:
             assert draining.status_code == 503 and draining.json()["status"] == "draining"
             assert (await client.get("/healthz")).status_code == 200
         assert json.loads((await client.get("/healthz")).text) == {"status": "ok"}
+
+
+async def test_put_is_507_when_every_slot_is_held_by_a_store_still_copying(gate: PopulateGate) -> None:
+    # 17 PUTs on a 16-slot tier before its one unit is resident: they wait in arrival order; when the
+    # unit lands, the first 16 take the slots and start copying, and the 17th finds no free slot and
+    # no block ready to evict (every slot is a block still being stored), so the store skips it.
+    app_module = APP_MODULE
+    config = HostTierConfig(quota="1MiB", max_quota="1MiB", slot_size="64KiB", commit_unit="1MiB", fill_chunk="1MiB")
+    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    app = service.app()
+    blocks = {f"{i:02x}": os.urandom(1000 + i) for i in range(17)}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        async with app.router.lifespan_context(app):
+            store, tier = service.blocks.store, service.blocks.tier
+            puts = []
+            for n, (key, data) in enumerate(blocks.items(), 1):
+                puts.append(asyncio.create_task(client.put(f"/v1/blocks/{key}", content=data)))
+                await eventually(lambda n=n: store.statistics().in_flight == n)
+            ready = (await client.get("/readyz")).json()
+            assert ready["status"] == "filling" and ready["resident_bytes"] == 0
+            assert tier.statistics().slots_allocated == 0 and not any(p.done() for p in puts)
+
+            gate.release_all()
+            answers = [await p for p in puts]
+            assert [a.status_code for a in answers[:16]] == [201] * 16, [a.text for a in answers]
+            assert_error(answers[16], 507)
+            assert "no room" in answers[16].json()["error"]
+            assert b"10" not in store and len(store) == 16 == tier.statistics().slots_total
+            for key, data in list(blocks.items())[:16]:  # the skip changed no stored block
+                got = await client.get(f"/v1/blocks/{key}")
+                assert got.status_code == 200 and got.content == data
+
+            again = await client.put("/v1/blocks/10", content=blocks["10"])  # now a ready block can be evicted
+            assert again.status_code == 201, again.text
+            assert (await client.get("/v1/blocks/10")).content == blocks["10"]
+            stats = (await client.get("/v1/stats")).json()
+            assert stats["store"]["skipped"] == 1 and stats["store"]["evictions"] == 1
+            assert stats["store"]["blocks"] == 16 and stats["server"]["internal_errors"] == 0
+            metrics = (await client.get("/metrics")).text
+            assert re.search(r'^aiokvtier_store_skipped_total\{store="default"\} 1\.0$', metrics, re.M), metrics

@@ -16,8 +16,10 @@ of 1 to 128 characters; the store's key is that text as ASCII bytes.
     GET    /v1/stats             tier and store statistics as JSON
     GET    /metrics              Prometheus text format
 
-Every error is JSON ``{"error": "..."}``. SIGTERM or SIGINT: stop accepting,
-finish the requests in flight, close the store and the tier, exit 0.
+Every error is JSON ``{"error": "..."}``. SIGTERM or SIGINT: ``/readyz`` turns
+503, then (after ``--drain-seconds``, default 0, of serving on) stop accepting,
+finish the requests in flight, close the store and the tier, exit 0. A second
+signal during the drain ends it at once.
 ``--plain-dict`` serves the same API from a dict of bytes (the baseline of
 ``load.py``). Needs ``pip install 'aiokvtier[server]'``.
 """
@@ -33,6 +35,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Generator, Iterable, Sequence
 from typing import Any, NoReturn, Protocol
 
@@ -389,11 +392,19 @@ class Service:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, saying where it listens, marking the service draining on a signal, exiting 0 after it."""
+    """uvicorn's server, saying where it listens, marking the service draining on a signal, exiting 0 after it.
 
-    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+    With ``drain_seconds``, the first signal only marks the service draining
+    (``/readyz`` 503, everything else served, so that a load balancer sees
+    the change before the port closes); uvicorn's shutdown starts when the
+    drain is over, or at a second signal.
+    """
+
+    def __init__(self, config: uvicorn.Config, service: Service, drain_seconds: float = 0.0) -> None:
         super().__init__(config)
         self.service = service
+        self.drain_seconds = drain_seconds
+        self.drain_until: float | None = None
 
     async def startup(self, sockets: list[Any] | None = None) -> None:
         await super().startup(sockets)
@@ -404,7 +415,16 @@ class Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.service.draining = True
+        if self.drain_seconds > 0 and self.drain_until is None:
+            # A signal handler may only set flags: on_tick (every 0.1 s on the loop) acts on it.
+            self.drain_until = time.monotonic() + self.drain_seconds
+            return
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_until is not None and time.monotonic() >= self.drain_until:
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -449,9 +469,14 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, HostTierConfi
     parser.add_argument("--port", type=int, default=8077, help="0: any free port (printed)")
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning")
     parser.add_argument("--plain-dict", action="store_true", help="serve from a dict of bytes (the baseline)")
+    parser.add_argument(
+        "--drain-seconds", type=float, default=0.0, help="after SIGTERM, serve on (readyz 503) this long (default 0)"
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: {args.port} is not a port (0 to 65535)")
+    if not 0 <= args.drain_seconds <= 3600:  # also refuses nan
+        parser.error(f"argument --drain-seconds: {args.drain_seconds} is not 0 to 3600 seconds")
     try:
         config = HostTierConfig(
             quota=args.quota,
@@ -489,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lifespan="on",
         timeout_graceful_shutdown=30,
     )
-    server = Server(uv, service)
+    server = Server(uv, service, args.drain_seconds)
     server.run()
     return 0 if server.started else 3
 
