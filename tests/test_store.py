@@ -276,6 +276,26 @@ async def test_a_key_twice_while_another_call_stores_it(store_then_hold: Gate) -
         settled(tier, store)
 
 
+@pytest.mark.parametrize("bad", [True, 1.5, "key", None, [1]])
+async def test_a_bad_key_after_good_ones_changes_nothing(bad: object) -> None:
+    """Types are checked while the copy runs when the list starts with a bytes or an int."""
+    async with open_store(4) as (tier, store):
+        await bounded(store.store([10, 11, 12], pages([10, 11, 12])))
+        before = store.statistics()
+        with pytest.raises(TypeError):  # room for both: found by the booking, undone after the copy
+            await bounded(store.store([1, bad], pages([1, 2])))
+        with pytest.raises(TypeError):  # the tier is full: found before anything is evicted
+            await bounded(store.store([1, 2, bad], pages([1, 2, 3])))
+        after = store.statistics()
+        assert (after.stores, after.evictions, after.skipped) == (before.stores, before.evictions, before.skipped)
+        assert sorted(k for k in range(20) if k in store) == [10, 11, 12]
+        result = await bounded(store.store([5, np.int64(6), bytearray(b"k"), 10], pages([5, 6, b"k", 10])))
+        assert result.stored == (5, 6, b"k") and result.present == (10,)
+        assert [type(k) for k in (*result.stored, *result.present)] == [int, int, bytes, int]
+        assert await read(store, [6, b"k"]) == [page(6), page(b"k")]
+        settled(tier, store)
+
+
 @pytest.mark.parametrize("bad", [True, False, np.bool_(True), 1.5, "key", None])
 async def test_keys_that_are_not_bytes_or_int_are_refused(bad: object) -> None:
     async with open_store(4) as (tier, store):

@@ -124,12 +124,26 @@ def _key(key: object) -> Key:
 
 
 def _keys(keys: Iterable[object]) -> list[Key]:
-    if isinstance(keys, bytes | bytearray | memoryview | str | int):
-        raise TypeError(f"keys must be a sequence of keys, not one {type(keys).__name__}")
-    given = list(keys)  # a copy: the call keeps it across awaits, whatever the caller does to theirs
-    if set(map(type, given)) <= {bytes, int}:  # one pass in C: nothing to convert
+    """The caller's keys as a new list of bytes and ints (converted where they are bytes-like or integers)."""
+    given = _key_list(keys)
+    if _canonical(given):
         return given  # type: ignore[return-value]
     return [_key(k) for k in given]
+
+
+def _key_list(keys: Iterable[object]) -> list[object]:
+    if isinstance(keys, bytes | bytearray | memoryview | str | int):
+        raise TypeError(f"keys must be a sequence of keys, not one {type(keys).__name__}")
+    return list(keys)  # a copy: the call keeps it across awaits, whatever the caller does to theirs
+
+
+def _canonical(keys: list[object]) -> bool:
+    """Every key is a bytes or an int already (one pass in C)."""
+    return set(map(type, keys)) <= {bytes, int}
+
+
+class _NotCanonical(Exception):
+    """A store found a key that is not a bytes or an int only after it had started: convert and start again."""
 
 
 class _Pages(NamedTuple):
@@ -471,16 +485,24 @@ class BlockStore(Owner):
         :raises CudaError: the driver refused the copy (nothing stored).
         """
         self._check_open()
-        keys = _keys(keys)
+        # Whether every key is a bytes or an int is checked while the copy runs (the common case
+        # costs nothing then); a list that starts with anything else is converted here.
+        given = _key_list(keys)
+        checked = bool(given) and type(given[0]) not in (bytes, int)
+        if checked:
+            given = _keys(given)  # type: ignore[assignment]
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
         if after is not None and self._engine is None:
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
         self._sync_capacity()
-        pages = self._pages(src, len(keys), writable=False)
+        pages = self._pages(src, len(given), writable=False)
         self._enter()
         try:
-            return await self._store(keys, pages, after, wait)
+            try:
+                return await self._store(given, pages, after, wait, checked)  # type: ignore[arg-type]
+            except _NotCanonical:  # nothing was stored: convert (or refuse) and start again
+                return await self._store(_keys(given), pages, after, wait, True)
         finally:
             self._exit()
 
@@ -502,9 +524,22 @@ class BlockStore(Owner):
                 raise ValueError("an empty page cannot be stored")
         return pages
 
-    async def _store(self, keys: list[Key], pages: _Pages, after: Any, wait: bool) -> StoreResult:
+    async def _store(self, keys: list[Key], pages: _Pages, after: Any, wait: bool, checked: bool) -> StoreResult:
+        """Store ``keys``; ``checked``: their types were checked (else :class:`_NotCanonical` may come)."""
+
+        def check_types() -> None:
+            nonlocal checked
+            if not checked and not _canonical(keys):  # type: ignore[arg-type]
+                raise _NotCanonical
+            checked = True
+
         n = len(keys)
-        if self._slot_of.keys().isdisjoint(keys):  # new blocks only, the common case: no look-ups
+        try:
+            disjoint = self._slot_of.keys().isdisjoint(keys)
+        except TypeError:  # an unhashable key (a bytearray): convert
+            check_types()
+            raise
+        if disjoint:  # new blocks only, the common case: no look-ups
             slots, ready = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.bool_)
         else:
             slots = self._slots(keys)
@@ -513,13 +548,17 @@ class BlockStore(Owner):
         outcome[ready] = _PRESENT
         present_slots = slots[ready]
         if has_repeats(present_slots):
+            check_types()
             raise ValueError("a key appears twice in one store call")
         missing = np.flatnonzero(~ready)
         waiting: dict[asyncio.Future[Sequence[Key]], list[int]] = {}
         if missing.size and self._claims:  # a key another call is storing: wait for that call
+            check_types()
             if len(set(keys)) != n:
                 raise ValueError("a key appears twice in one store call")
             missing, waiting = self._claimed_elsewhere(keys, missing)
+        if not missing.size:
+            check_types()  # no copy to hide it behind
         # The call claims its missing keys before any await: a concurrent store of one of them
         # waits for this call and learns from its result (the keys stored) what became of its key.
         claimed = keys if missing.size == n else [keys[i] for i in missing.tolist()]
@@ -530,6 +569,7 @@ class BlockStore(Owner):
             # keys than were booked); this earlier check runs only before a change the booking
             # cannot undo: an eviction, or a skip that would split a repeated key.
             nonlocal vetted
+            check_types()
             if not vetted and len(set(claimed)) != len(claimed):
                 raise ValueError("a key appears twice in one store call")
             vetted = True
@@ -538,6 +578,7 @@ class BlockStore(Owner):
         self._claims.add(claim)
         stored_keys: Sequence[Key] = ()
         chunks: list[I64] = []
+        inserted: I64 | None = None
         landed = False
         self._pin(present_slots)  # the call's own present blocks (its prefix) are not evicted to make room
         try:
@@ -552,10 +593,14 @@ class BlockStore(Owner):
             outcome[missing[len(taken) :]] = _SKIPPED
             chosen_keys = claimed[: len(taken)]
             chosen_pages = pages.take(chosen)
+            published: tuple[Key, ...] = ()
 
             def book() -> None:
                 # Runs while the copy is in flight: nobody sees these blocks before they are ready
-                # (lookups want ready, and a store of the same key waits on the claim).
+                # (lookups want ready, a store of the same key waits on the claim, and eviction
+                # passes over blocks being stored, so the policy may know them already).
+                nonlocal inserted, published
+                check_types()
                 self._key_of[taken] = _objects(chosen_keys)
                 self._state[taken] = _STORING
                 self._length[taken] = chosen_pages.lengths
@@ -563,22 +608,28 @@ class BlockStore(Owner):
                 self._slot_of.update(zip(chosen_keys, taken.tolist(), strict=True))
                 if len(self._slot_of) - before != len(chosen_keys):
                     raise ValueError("a key appears twice in one store call")
+                if present_slots.size:  # touched first: the blocks stored by the call are the most recent
+                    self._policy.accessed(present_slots)
+                self._policy.inserted_many(taken, chosen_keys)
+                inserted = taken
+                published = tuple(chosen_keys)
 
             if chosen.size:
                 await self._overlap(self._start_in(taken, chosen_pages, after), book)
+            elif present_slots.size:
+                self._policy.accessed(present_slots)
             landed = True
             self._state[taken] = _READY
-            if present_slots.size:  # touched first: the blocks stored by the call are the most recent
-                self._policy.accessed(present_slots)
-            self._policy.inserted_many(taken, chosen_keys)
             outcome[chosen] = _STORED
             stored_keys = chosen_keys
             self._visible += len(chosen_keys)
             self._counts["stores"] += len(chosen_keys)
             self._counts["bytes_stored"] += int(chosen_pages.lengths.sum())
-            self._events.publish("stored", tuple(chosen_keys))
+            self._events.publish("stored", published)
         finally:
             if not landed:  # failed or cancelled: no partial block stays, no slot is kept
+                if inserted is not None:
+                    self._policy.removed_many(inserted)
                 self._unbook(np.concatenate([_NO_IDS, *chunks]).tolist())
             self._claims.discard(claim)
             claim.future.set_result(stored_keys)
@@ -591,19 +642,18 @@ class BlockStore(Owner):
                 else:
                     retry.append(i)  # the other store failed or skipped it: try it here
         counts = self._counts
+        if len(stored_keys) == n:
+            return StoreResult(stored=tuple(keys), present=(), skipped=())
         counts["present"] += int(np.count_nonzero(outcome == _PRESENT))
         counts["skipped"] += int(np.count_nonzero(outcome == _SKIPPED))
         if retry:  # counted by the inner call
             retry.sort()
-            again = await self._store(
-                [keys[i] for i in retry], pages.take(np.asarray(retry, dtype=np.int64)), after, wait
-            )
+            again_pages = pages.take(np.asarray(retry, dtype=np.int64))
+            again = await self._store([keys[i] for i in retry], again_pages, after, wait, True)
             done_stored, done_present = set(again.stored), set(again.present)
             for i in retry:
                 key = keys[i]
                 outcome[i] = _STORED if key in done_stored else _PRESENT if key in done_present else _SKIPPED
-        if len(stored_keys) == n:
-            return StoreResult(stored=tuple(keys), present=(), skipped=())
         return StoreResult(
             stored=tuple(compress(keys, (outcome == _STORED).tolist())),
             present=tuple(compress(keys, (outcome == _PRESENT).tolist())),
