@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -200,7 +201,8 @@ def _config_error(parser: argparse.ArgumentParser, error: Any) -> NoReturn:
     first = error.errors()[0]
     message = str(first["msg"]).removeprefix("Value error, ")
     loc = first.get("loc") or ()
-    field = str(loc[0]) if loc else message.split(" ", 1)[0].strip("(:")
+    leading = re.match(r"[a-z_]+", message)  # a model-wide rule's message starts with the field it is about
+    field = str(loc[0]) if loc else leading.group(0) if leading else ""
     option = _OPTION_OF_FIELD.get(field)
     parser.error(f"argument {option}: {message}" if option else message)
 
