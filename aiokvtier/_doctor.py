@@ -444,7 +444,9 @@ def check_cuda() -> list[Check]:
         raw_bus = _driver.check("cuDeviceGetPCIBusId", drv.cuDeviceGetPCIBusId(64, dev))
         name, bus = (_text(raw_name), _text(raw_bus).lower())
         node = _driver.device_numa_node(device)
-        backing = HostTierConfig(quota="2MiB", max_quota="2MiB", device=device).resolved_backing
+        backing = HostTierConfig.model_validate(
+            {"quota": "2MiB", "max_quota": "2MiB", "device": device}
+        ).resolved_backing
         gpu = {"device": device, "name": name, "bus_id": bus, "numa_node": node, "auto_backing": backing}
         line = f"{name}, bus {bus}, NUMA node {'none' if node is None else node}; backing='auto' picks {backing!r}"
         if node is None and nodes is not None and len(nodes) > 1:
