@@ -215,7 +215,11 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace, argv_quota:
     from ._errors import AiokvtierError
 
     available, bound = _sysinfo.available_memory()
-    quota = args.quota if args.quota is not None else _default_quota(available)
+    quota = args.quota
+    if quota is None:
+        quota = _default_quota(available)
+        if args.max_quota is not None:
+            quota = min(quota, args.max_quota)  # the default never contradicts an explicit reservation
     if quota > available and not args.force:
         parser.error(
             f"argument --quota: {format_bytes(quota)} is more than this machine can make resident now "

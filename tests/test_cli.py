@@ -136,6 +136,13 @@ def test_force_opens_past_the_memory_available(
     assert report["quota_bytes"] == 128 << 20
 
 
+def test_default_quota_stays_inside_an_explicit_max_quota() -> None:
+    done = _cli_run("demo", "--max-quota", "64MiB", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["quota_bytes"] == report["max_quota_bytes"] == 64 << 20
+
+
 def test_default_quota_is_a_quarter_of_available_in_whole_gib() -> None:
     gib = 1 << 30
     assert _cli._default_quota(int(22.5 * gib)) == 5 * gib
@@ -210,3 +217,28 @@ def test_ctrl_c_exits_quietly_with_130(loop: str, when: str) -> None:
     assert proc.returncode == 130, err
     assert err == "", err  # no traceback, no "Task exception was never retrieved"
     assert "{" not in out  # interrupted: no report
+
+
+def _cuda_bindings() -> bool:
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_cuda_bindings(), reason="cuda-bindings is installed: the device may exist")
+def test_a_device_without_cuda_is_one_line_and_exit_1() -> None:
+    done = _cli_run("demo", "--quota", "64MiB", "--max-quota", "64MiB", "--device", "0")
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CudaUnavailableError" in lines[0] and "cuda-bindings" in lines[0]
+
+
+@pytest.mark.cuda
+def test_demo_on_a_gpu_picks_vmm() -> None:
+    done = _cli_run("demo", "--quota", "256MiB", "--max-quota", "256MiB", "--device", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["backing"] == "vmm" and report["device"] == 0
+    assert report["resident_bytes"] >= report["quota_bytes"] == 256 << 20
