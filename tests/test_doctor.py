@@ -306,3 +306,19 @@ def test_format_line() -> None:
     check = _doctor.Check("thp", "warn", "enabled=always defrag=always", "do this")
     assert _doctor.format_line(check) == "WARN  thp         enabled=always defrag=always  -> do this"
     assert _doctor.format_line(_doctor.Check("vm", "ok", "bare")) == "OK    vm          bare"
+
+
+def test_a_fatal_check_makes_the_command_exit_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aiokvtier import _cli
+
+    def check_fatal() -> _doctor.Check:
+        return _doctor.Check("scratch", "fail", "no mapping", "check ulimit -v")
+
+    monkeypatch.setattr(_doctor, "_CHECKS", (_doctor.check_platform, check_fatal))
+    with pytest.raises(SystemExit) as exc:
+        _cli.main(["doctor", "--json"])
+    assert exc.value.code == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["fatal"] is True and [c["verdict"] for c in report["checks"]] == ["ok", "fail"]
