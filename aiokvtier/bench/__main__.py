@@ -16,19 +16,34 @@ def _cold_options(parser: argparse.ArgumentParser, gib: str, repeats: str) -> No
     cold.add_argument("--cold-threads", type=int, nargs="+", default=[1, 4], help="fill_threads values (default 1 4)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m aiokvtier.bench")
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default where its help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m aiokvtier.bench") -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Benchmark programs: each prints one JSON document.", formatter_class=_Formatter
+    )
     sub = parser.add_subparsers(dest="mode", required=True)
-    host = sub.add_parser("host", help="progressive host tier vs making memory resident up front")
+    host = sub.add_parser(
+        "host", help="progressive host tier vs making memory resident up front", formatter_class=_Formatter
+    )
     host.add_argument("--sizes", type=float, nargs="+", default=[4, 8, 16], help="GiB, time to first allocation")
     host.add_argument("--fill-gib", type=float, default=8, help="GiB for fill throughput and loop lag")
-    host.add_argument("--ops-gib", type=float, default=4)
-    host.add_argument("--pairs", type=int, default=1_000_000)
-    host.add_argument("--bookkeeping-gib", type=float, default=16)
-    host.add_argument("--repeats", type=int, default=3)
+    host.add_argument("--ops-gib", type=float, default=4, help="GiB of the tier that slot operations run on")
+    host.add_argument("--pairs", type=int, default=1_000_000, help="allocate/free pairs timed per loop")
+    host.add_argument(
+        "--bookkeeping-gib", type=float, default=16, help="GiB of 64 KiB slots whose bookkeeping is measured"
+    )
+    host.add_argument("--repeats", type=int, default=3, help="runs per measurement (the median is reported)")
     host.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
     _cold_options(host, "64", "5")
-    cuda = sub.add_parser("cuda", help="CUDA backings and copies (needs a GPU)")
+    cuda = sub.add_parser("cuda", help="CUDA backings and copies (needs a GPU)", formatter_class=_Formatter)
     cuda.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
     cuda.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
     _cold_options(cuda, "64; 2 with --quick", "5; 1 with --quick")
@@ -37,12 +52,16 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also run each cold arm with cuda-bindings imported before the clock starts",
     )
-    store = sub.add_parser("store", help="the BlockStore: lookups, bookkeeping, copies, hit rates")
+    store = sub.add_parser(
+        "store", help="the BlockStore: lookups, bookkeeping, copies, hit rates", formatter_class=_Formatter
+    )
     store.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
     store.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
     store.add_argument("--repeats", type=int, help="rounds per copy arm (default 9; 3 with --quick)")
-    ranks = sub.add_parser("ranks", help="one rank per GPU filling at once (needs the cuda extra)")
-    ranks.add_argument("--size-gib", type=float, default=8)
+    ranks = sub.add_parser(
+        "ranks", help="one rank per GPU filling at once (needs the cuda extra)", formatter_class=_Formatter
+    )
+    ranks.add_argument("--size-gib", type=float, default=8, help="GiB each rank fills")
     args = parser.parse_args(argv)
     if args.mode == "host":
         from . import _host

@@ -1,0 +1,244 @@
+"""The ``aiokvtier`` command as a user meets it, each case in a subprocess where it matters."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from aiokvtier import __version__, _cli, _sysinfo
+from aiokvtier._demo import progress_line
+from aiokvtier._units import format_bytes, format_rate
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+LOOPS = ["asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(sys.platform != "linux", reason="uvloop"))]
+
+
+def _cli_run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "aiokvtier", *args], capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT
+    )
+
+
+# -- the command and its help ---------------------------------------------------------------------
+
+
+def test_version() -> None:
+    done = _cli_run("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"aiokvtier {__version__}"
+
+
+def test_console_script_points_at_main() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, name = scripts["aiokvtier"].partition(":")
+    assert getattr(importlib.import_module(module), name) is _cli.main
+    exe = shutil.which("aiokvtier")
+    if exe is not None:  # installed (pip install -e .): the script runs this checkout's code
+        done = subprocess.run([exe, "--version"], capture_output=True, text=True, env=ENV, timeout=60)
+        assert done.returncode == 0 and done.stdout.strip() == f"aiokvtier {__version__}"
+
+
+def _actions(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action]]:
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += [(f"{name} {a.dest}", a) for a in sub._actions if name != "bench"]
+        else:
+            found.append((action.dest, action))
+    return found
+
+
+def test_every_option_is_described() -> None:
+    for name, action in _actions(_cli.build_parser()):
+        assert action.help, f"{name} has no help"
+    done = _cli_run("bench", "host", "--help")
+    assert done.returncode == 0 and "--ops-gib" in done.stdout
+    assert "slot operations run on (default: 4)" in " ".join(done.stdout.split())
+
+
+def test_help_shows_defaults() -> None:
+    done = _cli_run("demo", "--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    for expected in ("(default: 2MiB)", "(default: 1)", "(default: auto)", "(default: asyncio)", "(default: 1.0)"):
+        assert expected in text
+    assert "--quota SIZE" in text and "quarter of the memory available" in text
+
+
+def test_bench_is_dispatched() -> None:
+    done = _cli_run("bench", "--help")
+    assert done.returncode == 0 and "host" in done.stdout and "store" in done.stdout
+    assert done.stdout.startswith("usage: python -m aiokvtier bench")
+
+
+def test_no_command_is_a_usage_error() -> None:
+    done = _cli_run()
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+
+
+# -- bad values: one line naming the option, exit 2 -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "says"),
+    [
+        (["--quota", "lots"], "--quota", "not a size"),
+        (["--quota", "0"], "--quota", "more than 0 bytes"),
+        (["--quota", "-5GiB"], "--quota", ""),
+        (["--slot-size", "5000"], "--slot-size", "multiple of the 4096-byte page"),
+        (["--quota", "1MiB", "--slot-size", "2MiB"], "--quota", "zero slots"),
+        (["--quota", "64MiB", "--max-quota", "32MiB"], "--max-quota", "below quota"),
+        (["--fill-threads", "0"], "--fill-threads", ""),
+        (["--fill-threads", "many"], "--fill-threads", "invalid int"),
+        (["--numa-node", "x"], "--numa-node", ""),
+        (["--numa-node", "4095"], "--numa-node", "not an online node"),
+        (["--backing", "vmm"], "--backing", "needs a CUDA device"),
+        (["--interval", "0"], "--interval", "positive"),
+        (["--hold", "-1"], "--hold", ""),
+        (["--quota", "100TiB"], "--quota", "--force"),
+    ],
+)
+def test_bad_option_values_print_one_line(args: list[str], option: str, says: str) -> None:
+    done = _cli_run("demo", *args)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"argument {option}: " in lines[0] and says in lines[0]
+    assert done.stdout == ""
+
+
+def test_quota_above_available_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_sysinfo, "available_memory", lambda: (64 << 20, "MemAvailable"))
+    with pytest.raises(SystemExit) as exc:
+        _cli.main(["demo", "--quota", "128MiB"])
+    assert exc.value.code == 2
+
+
+def test_force_opens_past_the_memory_available(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(_sysinfo, "available_memory", lambda: (64 << 20, "MemAvailable"))
+    with pytest.raises(SystemExit) as exc:
+        _cli.main(["demo", "--quota", "128MiB", "--force", "--json", "--interval", "0.05"])
+    assert exc.value.code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["quota_bytes"] == 128 << 20
+
+
+def test_default_quota_stays_inside_an_explicit_max_quota() -> None:
+    done = _cli_run("demo", "--max-quota", "64MiB", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["quota_bytes"] == report["max_quota_bytes"] == 64 << 20
+
+
+def test_default_quota_is_a_quarter_of_available_in_whole_gib() -> None:
+    gib = 1 << 30
+    assert _cli._default_quota(int(22.5 * gib)) == 5 * gib
+    assert _cli._default_quota(200 * gib) == 8 * gib
+    assert _cli._default_quota(gib) == gib
+
+
+# -- what the demo shows and reports --------------------------------------------------------------
+
+
+def test_units() -> None:
+    assert format_bytes(998244352) == "952 MiB" and format_bytes(1 << 30) == "1 GiB"
+    assert format_bytes(int(1.5 * (1 << 30))) == "1.50 GiB" and format_bytes(512) == "512 bytes"
+    assert format_rate(1 << 30) == "1 GiB/s" and format_rate(1.2 * (1 << 30)) == "1.20 GiB/s"
+
+
+def test_progress_line_rate_is_bytes_per_second() -> None:
+    # ~1 GiB/s must read as GiB/s, not kB/s.
+    assert progress_line(1 << 30, 4 << 30, 1.0) == "fill: 1 GiB of 4 GiB (25%), 1 GiB/s, 1.0 s"
+    assert progress_line(0, 0, 0.0).startswith("fill: 0 bytes of 0 bytes (100%), 0 bytes/s")
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_demo_reports_what_the_tier_holds(loop: str) -> None:
+    done = _cli_run("demo", "--quota", "1GB", "--max-quota", "2GiB", "--json", "--loop", loop)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)  # --json: stdout is the report alone
+    assert report["quota_requested"] == "1GB"
+    assert report["slots_total"] == 10**9 // (2 << 20) == 476
+    assert report["quota_bytes"] == 476 * (2 << 20)
+    assert report["resident_bytes"] >= report["quota_bytes"]
+    assert report["resident_bytes"] % report["commit_unit_bytes"] == 0
+    assert report["fill_gib_per_s"] > 0 and report["time_to_first_allocation_ms"] > 0
+    assert "quota 952 MiB = 476 slots of 2 MiB (asked for 1GB)" in done.stderr
+
+
+def test_demo_prints_plain_progress_lines_off_a_terminal() -> None:
+    done = _cli_run("demo", "--quota", "1GiB", "--max-quota", "1GiB", "--interval", "0.05")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("fill: ")]
+    assert lines and lines[-1].startswith("fill: 1 GiB of 1 GiB (100%), ")
+    for line in lines:
+        assert "/s, " in line and "kB/s" not in line
+    assert "\x1b[" not in done.stdout  # no terminal control codes in a pipe
+    assert json.loads(done.stdout[done.stdout.index("{") :])["resident_bytes"] == 1 << 30
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("when", ["filling", "holding"])
+def test_ctrl_c_exits_quietly_with_130(loop: str, when: str) -> None:
+    args = ["demo", "--quota", "2GiB", "--max-quota", "2GiB", "--interval", "0.02", "--hold", "60", "--loop", loop]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiokvtier", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        wanted = "fill: " if when == "filling" else "holding the tier open"
+        for line in proc.stdout:
+            if line.startswith(wanted):
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err == "", err  # no traceback, no "Task exception was never retrieved"
+    assert "{" not in out  # interrupted: no report
+
+
+def _cuda_bindings() -> bool:
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_cuda_bindings(), reason="cuda-bindings is installed: the device may exist")
+def test_a_device_without_cuda_is_one_line_and_exit_1() -> None:
+    done = _cli_run("demo", "--quota", "64MiB", "--max-quota", "64MiB", "--device", "0")
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CudaUnavailableError" in lines[0] and "cuda-bindings" in lines[0]
+
+
+@pytest.mark.cuda
+def test_demo_on_a_gpu_picks_vmm() -> None:
+    done = _cli_run("demo", "--quota", "256MiB", "--max-quota", "256MiB", "--device", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["backing"] == "vmm" and report["device"] == 0
+    assert report["resident_bytes"] >= report["quota_bytes"] == 256 << 20

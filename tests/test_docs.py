@@ -1,0 +1,95 @@
+"""The documentation site builds strictly, its figures draw from the committed results, its examples run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    "NO_MKDOCS_2_WARNING": "1",
+    "MPLBACKEND": "Agg",
+}
+FIGURES = ["fill-vs-upfront", "probe-stalls", "copy-bandwidth", "server-latency"]
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT)
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    pytest.importorskip("mkdocstrings_handlers.python")
+    done = _run("-m", "mkdocs", "build", "--strict", "--config-file", "mkdocs.yml", "--site-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert (tmp_path / "index.html").exists()
+    for page in ("guide", "design", "configuration", "operations", "api", "figures", "benchmarks", "changelog"):
+        assert (tmp_path / page / "index.html").exists(), page
+    api = (tmp_path / "api" / "index.html").read_text()
+    assert "wait_resident" in api and "BlockStore" in api  # rendered from the docstrings
+    for name in FIGURES:
+        assert (tmp_path / "figures" / f"{name}.svg").exists()
+
+
+def test_plots_draw_every_figure_from_the_committed_results(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    done = _run("docs/plots.py", "--out", str(tmp_path), "--format", "png")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert list(summary) == FIGURES
+    for name in FIGURES:
+        image = tmp_path / f"{name}.png"
+        assert summary[name] == str(image)
+        assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 10_000
+        assert (ROOT / "docs" / "figures" / f"{name}.svg").exists()  # the pages show the committed SVGs
+
+
+def test_plots_skip_what_the_results_lack(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    (tmp_path / "results").mkdir()
+    done = _run("docs/plots.py", "--results", str(tmp_path / "results"), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert all(v.startswith("skipped: ") and "missing" in v for v in summary.values())
+    assert not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("page", ["index.md", "configuration.md"])
+def test_python_examples_in_the_docs_run(page: str, tmp_path: Path) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / page).read_text(), re.S)
+    assert blocks
+    for i, block in enumerate(blocks):
+        script = tmp_path / f"block{i}.py"
+        script.write_text(block)
+        done = _run(str(script), timeout=120)
+        assert done.returncode == 0, done.stderr
+
+
+def test_index_example_is_about_twenty_lines() -> None:
+    block = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "index.md").read_text(), re.S)[0]
+    assert 15 <= len(block.strip().splitlines()) <= 22
+
+
+def test_configuration_page_names_every_field() -> None:
+    from aiokvtier import CacheConfig, DiskTierConfig, GpuTierConfig, HostTierConfig
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    for model in (HostTierConfig, GpuTierConfig, DiskTierConfig, CacheConfig):
+        section = text.split(f"## `{model.__name__}`", 1)[1].split("\n## ", 1)[0]
+        for field in model.model_fields:
+            assert f"| `{field}` |" in section, f"{model.__name__}.{field} is not documented"
+
+
+def test_every_page_is_in_the_nav() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in (ROOT / "docs").glob("*.md"):
+        assert f" {page.name}" in nav, f"{page.name} is not in mkdocs.yml's nav"
