@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import ctypes
 import io
+import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -193,7 +195,31 @@ def compile_cubin(spec: KernelSpec) -> bytes:
         return cubin
 
 
+def _preload_nvrtc() -> None:
+    """Load ``libnvrtc`` from an ``nvidia-cuda-nvrtc`` wheel found on ``sys.path``.
+
+    cuda-pathfinder looks for the wheel's library in the interpreter's site
+    directories only; a wheel installed with ``pip install --target`` (an
+    offline host, a vendored tree) is on ``sys.path`` but not there. Once the
+    library is loaded, the bindings' ``dlopen`` by name finds it.
+    """
+    for entry in sys.path:
+        for major in ("cu13", "cu12"):
+            lib = Path(entry or ".") / "nvidia" / major / "lib"
+            if not (lib / f"libnvrtc.so.{major[2:]}").is_file():
+                continue
+            # NVRTC opens its builtins library by name at compile time: load it first.
+            builtins = sorted(p for p in lib.glob("libnvrtc-builtins.so.*") if ".alt." not in p.name)
+            try:
+                for path in [*builtins[:1], lib / f"libnvrtc.so.{major[2:]}"]:
+                    ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            return
+
+
 def _compile(spec: KernelSpec) -> bytes:
+    _preload_nvrtc()
     try:
         from cuda.core import Program, ProgramOptions
     except ImportError:
@@ -216,6 +242,7 @@ def _compile(spec: KernelSpec) -> bytes:
 
 
 def _compile_bindings(spec: KernelSpec) -> bytes:
+    _preload_nvrtc()
     try:
         from cuda.bindings import nvrtc
     except ImportError as exc:
