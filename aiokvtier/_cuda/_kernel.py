@@ -218,7 +218,7 @@ def _preload_nvrtc() -> None:
             return
 
 
-def _compile(spec: KernelSpec) -> bytes:
+def _compile(spec: KernelSpec, source: str = SOURCE) -> bytes:
     _preload_nvrtc()
     try:
         from cuda.core import Program, ProgramOptions
@@ -232,7 +232,7 @@ def _compile(spec: KernelSpec) -> bytes:
         define_macro=[("THREADS", str(spec.threads)), ("UNROLL", str(spec.unroll))],
     )
     try:
-        code = Program(SOURCE, "c++", options=options).compile("cubin", logs=log).code
+        code = Program(source, "c++", options=options).compile("cubin", logs=log).code
     except Exception as exc:
         raise CudaUnavailableError(
             f"the SM copy kernel did not compile for {spec.arch} through cuda.core "
