@@ -20,24 +20,28 @@ import bisect
 import ctypes
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 from .._crossing import Outcome, deliver
-from .._errors import CopyPlanError, CudaError
+from .._errors import AiokvtierError, CopyPlanError, CudaError
 from .._host._slots import positive_count
 from .._lifecycle import Lifecycle, Owner, finish
 from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
+from ._crossover import Crossover, parse_thresholds
+from ._kernel import DEFAULT_SM_BUDGET
 from ._plan import Plan, plan
 from ._requests import buffer_addresses as _buffer_addresses
 from ._requests import check_disjoint, copy_table, registrations
 from ._requests import stream_handle as _stream_handle
+from ._sm import METHODS, SmPath, device_side_problem, pick_method
 
 if TYPE_CHECKING:
     from .._host._tier import HostTier
@@ -45,6 +49,10 @@ if TYPE_CHECKING:
 __all__ = ["CopyEngine", "CopyStatistics", "StartedCopy"]
 
 log = logging.getLogger("aiokvtier")
+
+
+class _UseDma(CopyPlanError):
+    """``auto``: this request's device side is not reachable by the kernel; the copy engines take it."""
 
 
 @dataclass(eq=False)
@@ -61,6 +69,8 @@ class _Job:
     """``time.perf_counter()`` when it was queued."""
     on_submit: asyncio.Future[None] | None = None
     """Settled once the submit thread has issued the copy (or failed to): see :meth:`CopyEngine.begin`."""
+    slab: Any = None
+    """The SM path's descriptor slab, handed back once the job's event has fired."""
 
 
 class StartedCopy(NamedTuple):
@@ -101,6 +111,18 @@ class CopyStatistics:
     in seconds, cumulative; the last bound is ``inf``."""
     latency_sum_seconds: float
     latency_count: int
+    method: str = "dma"
+    """What the engine was asked for: ``"auto"``, ``"dma"`` or ``"sm"``."""
+    sm_budget: int | None = None
+    """SMs (blocks) per kernel launch; None where the SM path is not in use."""
+    sm_unavailable: str | None = None
+    """Why ``"auto"`` copies through the copy engines only (the kernel did not compile or load)."""
+    sm_crossover_bytes: dict[str, int] = field(default_factory=dict, hash=False)
+    """Per direction, the largest page size (of a 4096-page request) sent to the kernel; 0: none."""
+    jobs_by_method: dict[str, int] = field(default_factory=lambda: {"dma": 0, "sm": 0}, hash=False)
+    """Copy calls per path: ``"dma"`` (the copy engines) and ``"sm"`` (the kernel)."""
+    bytes_by_method: dict[str, int] = field(default_factory=lambda: {"dma": 0, "sm": 0}, hash=False)
+    """Bytes each path moved."""
 
 
 class CopyEngine(Owner):
@@ -109,6 +131,15 @@ class CopyEngine(Owner):
     :param device: CUDA ordinal, or None for host-to-host copies on a worker thread.
     :param streams: the engine's own non-default streams, used round-robin per call.
     :param max_batch: descriptors per driver call; larger plans are split.
+    :param method: ``"dma"``: the copy engines (``cuMemcpyBatchAsync``); ``"sm"``: a kernel
+        that reads and writes the tier's host memory directly (docs/gpu.md); ``"auto"``
+        (default): per request, whichever the device's measured crossover predicts is
+        faster for its page size, count and direction. If the kernel cannot be built,
+        ``"auto"`` copies with the copy engines (one warning) and ``"sm"`` fails to open.
+    :param sm_budget: SMs the kernel may occupy (blocks per launch).
+    :param crossover: a :class:`Crossover`, or ``{"h2d": bytes, "d2h": bytes}`` (the kernel
+        for mean page sizes up to so many bytes); default: ``AIOKVTIER_SM_CROSSOVER``, else
+        measured once per device and kept on disk.
 
     Cancellation: cancelling a task that awaits a copy does not cancel the
     copy. The engine keeps the buffers it was given (tensors, the tier)
@@ -116,14 +147,38 @@ class CopyEngine(Owner):
     a StaticHostMem waits for copies in flight against it.
     """
 
-    def __init__(self, device: int | None, *, streams: int = 2, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+    def __init__(
+        self,
+        device: int | None,
+        *,
+        streams: int = 2,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        method: str = "auto",
+        sm_budget: int = DEFAULT_SM_BUDGET,
+        crossover: Crossover | Mapping[str, int] | None = None,
+    ) -> None:
         if device is not None and (type(device) is not int or device < 0):
             raise ValueError(f"device must be a CUDA ordinal or None, got {device!r}")
         if type(streams) is not int or streams < 1:
             raise ValueError(f"streams must be a positive int, got {streams!r}")
         if type(max_batch) is not int or not 1 <= max_batch <= 1 << 20:
             raise ValueError(f"max_batch must be between 1 and 2**20, got {max_batch!r}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if method == "sm" and device is None:
+            raise ValueError("method='sm' needs a CUDA device; this engine copies host to host")
+        if type(sm_budget) is not int or not 1 <= sm_budget <= 1024:
+            raise ValueError(f"sm_budget must be an int between 1 and 1024, got {sm_budget!r}")
+        if crossover is not None and not isinstance(crossover, Crossover):
+            crossover = Crossover.fixed(crossover)
         self.device = device
+        self.method = method if device is not None else "dma"
+        self._sm_budget = sm_budget
+        self._crossover: Crossover | None = crossover
+        self._sm: SmPath | None = None
+        self._sm_unavailable: str | None = None
+        self._jobs_by_method = {"dma": 0, "sm": 0}
+        self._bytes_by_method = {"dma": 0, "sm": 0}
         self.max_batch = max_batch
         self._n_streams = streams
         self._life = Lifecycle("CopyEngine", "aiokvtier-copy")
@@ -185,6 +240,8 @@ class CopyEngine(Owner):
                         stream = check("cuStreamCreate", drv.cuStreamCreate(flag))
                         self._streams.append(stream)
                         undo.callback(self._destroy_stream, stream)
+                    if self.method != "dma":
+                        self._start_sm(undo)
             submit = threading.Thread(target=self._submit_loop, name="aiokvtier-copy-submit", daemon=True)
             complete = threading.Thread(target=self._complete_loop, name="aiokvtier-copy-complete", daemon=True)
             submit.start()
@@ -193,6 +250,46 @@ class CopyEngine(Owner):
             complete.start()
             self._threads.append(complete)
             undo.pop_all()
+
+    def _start_sm(self, undo: ExitStack) -> None:
+        """Compile and load the kernel, then settle the crossover (``auto``); context current."""
+        from ._crossover import device_key, load_or_measure, measure_device
+
+        assert self.device is not None
+        try:
+            sm = SmPath(self.device, self._sm_budget)
+        except AiokvtierError as exc:
+            if self.method == "sm":
+                raise
+            self._sm_unavailable = str(exc)
+            log.warning("aiokvtier: the SM copy path is unavailable, copying with the copy engines: %s", exc)
+            return
+        undo.callback(self._close_sm)
+        self._sm = sm
+        if self.method != "auto" or self._crossover is not None:
+            return
+        env = os.environ.get("AIOKVTIER_SM_CROSSOVER")
+        if env:
+            self._crossover = parse_thresholds(env)
+            return
+        device = self.device
+        key = device_key(device, sm.budget, sm.kernel.spec)
+
+        def call(direction: str) -> BatchCall:
+            return BatchCall(self._batch, self._abi, direction, device)
+
+        try:
+            self._crossover = load_or_measure(key, lambda: measure_device(sm, call, self._streams[0], self.max_batch))
+        except AiokvtierError as exc:
+            self._close_sm()
+            self._sm_unavailable = f"measuring the crossover failed: {exc}"
+            log.warning("aiokvtier: the SM copy path is unavailable, copying with the copy engines: %s", exc)
+
+    def _close_sm(self) -> None:
+        sm, self._sm = self._sm, None
+        if sm is not None:
+            with self._context.current():
+                sm.close()
 
     def _destroy_stream(self, stream: Any) -> None:
         from ._driver import driver
@@ -219,6 +316,7 @@ class CopyEngine(Owner):
         self._join_threads()
         if self.device is not None:
             try:
+                self._close_sm()
                 for stream in self._streams:
                     self._destroy_stream(stream)
             finally:
@@ -326,12 +424,22 @@ class CopyEngine(Owner):
             latency_buckets=tuple(zip((*LATENCY_BUCKETS, float("inf")), cumulative, strict=True)),
             latency_sum_seconds=latency_sum,
             latency_count=cumulative[-1],
+            method=self.method,
+            sm_budget=None if self._sm is None else self._sm.budget,
+            sm_unavailable=self._sm_unavailable,
+            sm_crossover_bytes=(
+                {}
+                if self._crossover is None or self.method != "auto"
+                else {d: self._crossover.crossover_bytes(d) for d in ("h2d", "d2h")}
+            ),
+            jobs_by_method=dict(self._jobs_by_method),
+            bytes_by_method=dict(self._bytes_by_method),
         )
 
     def __repr__(self) -> str:
         c = self._counts
         return (
-            f"<CopyEngine [{self._life.state} | device {self.device} | streams {self._n_streams} | "
+            f"<CopyEngine [{self._life.state} | device {self.device} | {self.method} | streams {self._n_streams} | "
             f"jobs {c['completed']}/{c['jobs']} done | {c['bytes'] / 2**30:.2f} GiB copied]>"
         )
 
@@ -435,6 +543,8 @@ class CopyEngine(Owner):
         self._counts["descriptors"] += p.count
         self._counts["bytes"] += p.nbytes
         self._bytes_by_direction[job.direction] += p.nbytes
+        self._jobs_by_method["dma"] += 1
+        self._bytes_by_method["dma"] += p.nbytes
 
     def _submit_gpu(self, job: _Job) -> Any:
         from ._driver import check, driver
@@ -451,10 +561,26 @@ class CopyEngine(Owner):
             else:
                 check("cuStreamWaitEvent", drv.cuStreamWaitEvent(stream, handle, 0))
         p = job.plan
-        call = BatchCall(self._batch, self._abi, job.direction, self.device or 0)
-        for chunk in p.chunks(self.max_batch):
-            call(p.dsts[chunk], p.srcs[chunk], p.sizes[chunk], stream)
-            self._counts["calls"] += 1
+        method = "sm" if self._sm is not None and self._wants_sm(job) else "dma"
+        if method == "sm":
+            try:
+                job.slab = self._launch_sm(job, stream)
+            except _UseDma:
+                method = "dma"
+            except CopyPlanError:
+                raise
+            except AiokvtierError as exc:
+                if self.method == "sm":
+                    raise
+                self._disable_sm(f"a launch failed: {exc}")
+                method = "dma"
+        if method == "dma":
+            call = BatchCall(self._batch, self._abi, job.direction, self.device or 0)
+            for chunk in p.chunks(self.max_batch):
+                call(p.dsts[chunk], p.srcs[chunk], p.sizes[chunk], stream)
+                self._counts["calls"] += 1
+        self._jobs_by_method[method] += 1
+        self._bytes_by_method[method] += p.nbytes
         flags = drv.CUevent_flags.CU_EVENT_BLOCKING_SYNC | drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
         event = check("cuEventCreate", drv.cuEventCreate(flags))
         check("cuEventRecord", drv.cuEventRecord(event, stream))
@@ -462,6 +588,34 @@ class CopyEngine(Owner):
         self._counts["bytes"] += p.nbytes
         self._bytes_by_direction[job.direction] += p.nbytes
         return event
+
+    def _wants_sm(self, job: _Job) -> bool:
+        p = job.plan
+        return pick_method(self.method, self._crossover, job.direction, p.dsts, p.srcs, p.sizes) == "sm"
+
+    def _launch_sm(self, job: _Job, stream: Any) -> Any:
+        """Check the device side, then upload descriptors and launch (submit thread).
+
+        :raises CopyPlanError: with ``method="sm"``, a device-side span the driver does not map
+            for this device (a kernel touching it would poison the context).
+        """
+        assert self._sm is not None and self.device is not None
+        p = job.plan
+        device_side = p.dsts if job.direction == "h2d" else p.srcs
+        problem = device_side_problem(device_side, p.sizes, self.device)
+        if problem is not None:
+            if self.method == "sm":
+                raise CopyPlanError(f"the SM copy path cannot reach the device side: {problem}; nothing was copied")
+            raise _UseDma(problem)
+        slab = self._sm.submit(p.dsts, p.srcs, p.sizes, stream)
+        self._counts["calls"] += 1
+        return slab
+
+    def _disable_sm(self, why: str) -> None:
+        if self._sm_unavailable is None:
+            self._sm_unavailable = why
+            log.warning("aiokvtier: the SM copy path is off for this engine, copying with the copy engines: %s", why)
+        self._crossover = None  # "auto" now always picks the copy engines; the slabs are freed at close
 
     def _complete_loop(self) -> None:
         if self._context is not None:
@@ -507,6 +661,9 @@ class CopyEngine(Owner):
             if int(err) != 0 and job.error is None:
                 job.error = CudaError("cuEventSynchronize", err.name, int(err))
             drv.cuEventDestroy(event)
+        if job.slab is not None and self._sm is not None:
+            self._sm.give_back(job.slab)
+            job.slab = None
         latency = time.perf_counter() - job.submitted
         self._latency_counts[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
         self._latency_sum += latency

@@ -18,7 +18,7 @@ from .._cuda._driver import PrimaryContext, check, driver
 from .._cuda._engine import CopyEngine
 from .._cuda._static import StaticHostMem
 from .._host._tier import HostTier
-from . import _cold
+from . import _cold, _sm
 from ._common import GiB, MiB, loop_factories, median, run_on, run_sections, sample_loop_lag, summary_ms
 
 
@@ -403,9 +403,13 @@ def run(args: Any) -> dict[str, Any]:
         "fill_throughput": lambda: fill_throughput((2 if quick else 16) * GiB),
         "event_loop_lag_during_fill": lambda: loop_lag((1 if quick else 8) * GiB),
         "copy_bandwidth": lambda: {
-            b: run_on(asyncio.new_event_loop, _copies((256 * MiB) if quick else 2 * GiB, b))
-            for b in ("vmm", "register")
+            "sm_path_shuffled": _sm.copy_bandwidth_sm(128 * MiB),
+            **{
+                b: run_on(asyncio.new_event_loop, _copies((256 * MiB) if quick else 2 * GiB, b))
+                for b in ("vmm", "register")
+            },
         },
+        "sm_concurrent_compute": lambda: _sm.concurrent_compute(128 * MiB),
         "executor_responsiveness": lambda: {
             "1_process": contention(1, (1 if quick else 8) * GiB),
             "8_processes": contention(8, (1 if quick else 6) * GiB),

@@ -1,0 +1,212 @@
+"""The SM copy path of a CopyEngine: the loaded kernel, its descriptor slabs, the device-side check.
+
+A launch needs its (src, dst, len) arrays in device memory. They are written
+into a pinned staging buffer and uploaded with one async H2D copy on the
+launch's own stream, right before the kernel, so stream order alone makes
+the kernel see them. A slab (staging buffer + device buffer) belongs to one
+launch until that launch's completion event has fired: the completion
+thread hands it back, so a later launch on any stream never overwrites
+descriptors that an earlier upload or kernel has yet to read. Slabs are
+kept and reused; they grow in powers of two.
+
+The device side of a copy is checked before a launch: a kernel that
+dereferences an address the driver does not map stops with a sticky error
+that poisons the whole context (the model's too), where a copy engine
+would have refused the descriptor. One ``cuPointerGetAttribute`` query per
+allocation the request touches: a KV cache in one tensor costs one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._errors import CudaError
+from ._crossover import Crossover
+from ._driver import check, driver
+from ._kernel import DEFAULT_SM_BUDGET, DESCRIPTOR_BYTES, KernelSpec, SmKernel, descriptor_block, vector_aligned
+from ._plan import U64
+
+__all__ = ["METHODS", "MIN_SLAB", "Slab", "SmPath", "device_side_problem", "pick_method", "slab_capacity"]
+
+MIN_SLAB = 4096
+"""Copies per slab at least (96 KiB of descriptors)."""
+
+
+def slab_capacity(n: int) -> int:
+    """The slab size that holds ``n`` copies: a power of two, at least :data:`MIN_SLAB`."""
+    return max(MIN_SLAB, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass(eq=False)
+class Slab:
+    capacity: int
+    host: int
+    device: int
+    view: U64
+
+
+class SmPath:
+    """The kernel of one engine, loaded in its context (current on the calling thread).
+
+    :raises CudaUnavailableError: the kernel cannot be compiled or host pointers are not usable.
+    :raises CudaError: the driver refused to load it.
+    """
+
+    def __init__(self, device: int, budget: int = DEFAULT_SM_BUDGET, spec: KernelSpec | None = None) -> None:
+        self.device = device
+        self.kernel = SmKernel(device, budget, spec)
+        self.budget = self.kernel.budget
+        self._free: list[Slab] = []
+        self._all: list[Slab] = []
+        self._lock = threading.Lock()
+
+    def submit(self, dsts: U64, srcs: U64, sizes: U64, stream: Any, budget: int | None = None) -> Slab:
+        """Upload the descriptors and launch, on ``stream`` (submit thread). The slab is the
+        launch's until :meth:`give_back` (after its completion event).
+
+        :raises CudaError: the upload or the launch was refused (nothing is left half-done
+            that could touch a later launch's slab).
+        """
+        n = int(dsts.shape[0])
+        slab = self._take(n)
+        try:
+            nbytes = descriptor_block(slab.view, dsts, srcs, sizes)
+            drv = driver()
+            check("cuMemcpyHtoDAsync", drv.cuMemcpyHtoDAsync(slab.device, slab.host, nbytes, stream))
+            self.kernel.launch(slab.device, n, stream, budget)
+        except BaseException:
+            # An upload may be queued: the slab is reusable only once the stream has run it.
+            driver().cuStreamSynchronize(stream)
+            self.give_back(slab)
+            raise
+        return slab
+
+    def give_back(self, slab: Slab) -> None:
+        """Any thread: the launch that used ``slab`` has completed."""
+        with self._lock:
+            self._free.append(slab)
+
+    def _take(self, n: int) -> Slab:
+        with self._lock:
+            fits = [s for s in self._free if s.capacity >= n]
+            if fits:
+                slab = min(fits, key=lambda s: s.capacity)
+                self._free.remove(slab)
+                return slab
+        return self._allocate(slab_capacity(n))
+
+    def _allocate(self, capacity: int) -> Slab:
+        drv = driver()
+        nbytes = capacity * DESCRIPTOR_BYTES
+        host = int(check("cuMemHostAlloc", drv.cuMemHostAlloc(nbytes, 0)))
+        try:
+            device = int(check("cuMemAlloc", drv.cuMemAlloc(nbytes)))
+        except BaseException:
+            drv.cuMemFreeHost(host)
+            raise
+        view = np.ctypeslib.as_array((ctypes.c_uint64 * (3 * capacity)).from_address(host))
+        slab = Slab(capacity, host, device, view)
+        with self._lock:
+            self._all.append(slab)
+        return slab
+
+    def close(self) -> None:
+        """Free the slabs and unload the kernel; every launch must have completed."""
+        drv = driver()
+        with self._lock:
+            slabs, self._all, self._free = self._all, [], []
+        for slab in slabs:
+            drv.cuMemFree(slab.device)
+            drv.cuMemFreeHost(slab.host)
+        self.kernel.unload()
+
+    def __repr__(self) -> str:
+        return f"<SmPath device {self.device} | budget {self.budget} SMs | {len(self._all)} slabs>"
+
+
+_MEMORYTYPE_HOST, _MEMORYTYPE_DEVICE = 1, 2
+
+
+def _allocation(drv: Any, addr: int, device: int) -> tuple[int, int] | str:
+    """``(start, end)`` of the allocation holding ``addr``, or why a kernel may not touch it."""
+    attr = drv.CUpointer_attribute
+    try:
+        kind = int(
+            check("cuPointerGetAttribute", drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr))
+        )
+        start = int(
+            check("cuPointerGetAttribute", drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, addr))
+        )
+        size = int(
+            check("cuPointerGetAttribute", drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_SIZE, addr))
+        )
+        if kind == _MEMORYTYPE_DEVICE:
+            ordinal = int(
+                check(
+                    "cuPointerGetAttribute", drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr)
+                )
+            )
+            if ordinal != device:
+                return f"address {addr:#x} is memory of device {ordinal}, not {device}"
+        elif kind != _MEMORYTYPE_HOST:
+            return f"address {addr:#x} has memory type {kind}"
+    except CudaError as exc:
+        return f"address {addr:#x} is no allocation the driver knows ({exc.result})"
+    return start, start + size
+
+
+def device_side_problem(addrs: U64, sizes: U64, device: int) -> str | None:
+    """None when every span ``[addr, addr + size)`` lies in memory the driver maps for
+    ``device`` (its own memory or mapped host memory); else the reason. Submit thread
+    (the engine's context current)."""
+    drv = driver()
+    ends = addrs + sizes
+    lo, hi = int(addrs.min()), int(ends.max())
+    first = _allocation(drv, lo, device)
+    if isinstance(first, str):
+        return first
+    if first[0] <= lo and hi <= first[1]:
+        return None  # the usual case: one tensor holds every page
+    order = np.argsort(addrs, kind="stable")
+    starts, ends = addrs[order], ends[order]
+    i, n = 0, len(starts)
+    while i < n:
+        got = _allocation(drv, int(starts[i]), device)
+        if isinstance(got, str):
+            return got
+        _, end = got
+        j = int(np.searchsorted(starts, np.uint64(end), side="left"))
+        reach = int(ends[i:j].max())
+        while reach > end:  # a span runs past this allocation: only an adjacent one may hold the rest
+            nxt = _allocation(drv, end, device)
+            if isinstance(nxt, str) or nxt[0] != end:
+                return f"the span at {int(starts[i]):#x} leaves its allocation at {end:#x}"
+            end = nxt[1]
+            j = int(np.searchsorted(starts, np.uint64(end), side="left"))
+            reach = int(ends[i:j].max())
+        i = j
+    return None
+
+
+METHODS = ("auto", "dma", "sm")
+
+
+def pick_method(method: str, crossover: Crossover | None, direction: str, dsts: U64, srcs: U64, sizes: U64) -> str:
+    """``"sm"`` or ``"dma"`` for one planned request.
+
+    Raw copies (``direction="any"``) always go to the copy engines; ``"auto"`` sends to the
+    kernel only requests whose every copy moves in 16-byte accesses, and only where the
+    crossover predicts a clear win.
+    """
+    if method == "dma" or direction not in ("h2d", "d2h"):
+        return "dma"
+    if method == "sm":
+        return "sm"
+    if crossover is None or not vector_aligned(dsts, srcs, sizes):
+        return "dma"
+    return crossover.choose(direction, int(dsts.shape[0]), int(sizes.sum()))

@@ -1,0 +1,199 @@
+"""``bench cuda --sections copy_bandwidth`` (SM part) and ``sm_concurrent_compute``: the SM copy
+path beside the copy engines and a plain anchor gather, as fractions of one large pinned copy."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import time
+from typing import Any
+
+import numpy as np
+
+from .._config import HostTierConfig
+from .._cuda import _kernel
+from .._cuda._driver import PrimaryContext, check, driver
+from .._cuda._engine import CopyEngine
+from .._host._tier import HostTier
+from ._common import GiB, MiB
+
+PAGES = (4 << 10, 16 << 10, 64 << 10, 2 * MiB)
+ARMS = (
+    ("dma", {"method": "dma"}),
+    ("sm8", {"method": "sm", "sm_budget": 8}),
+    ("sm16", {"method": "sm", "sm_budget": 16}),
+)
+
+ANCHOR = r"""
+// The anchor: a plain gather of the kind serving stacks use; PROGRAMS blocks loop over the
+// copy jobs, 1024 threads moving one 8-byte word each per step.
+extern "C" __global__ void anchor_copy(const unsigned long long* srcs, const unsigned long long* dsts,
+                                       const unsigned long long* sizes, unsigned long long n) {
+    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x) {
+        const unsigned long long* s = (const unsigned long long*)srcs[p];
+        unsigned long long* d = (unsigned long long*)dsts[p];
+        for (unsigned long long i = threadIdx.x; i < sizes[p] / 8; i += blockDim.x) d[i] = s[i];
+    }
+}
+"""
+
+
+def _cfg(total: int, page: int) -> HostTierConfig:
+    return HostTierConfig.model_validate(
+        {"quota": total, "max_quota": total, "slot_size": page, "device": 0, "backing": "vmm", "fill_threads": 2}
+    )
+
+
+class Anchor:
+    """The plain gather, 16 programs, launched on its own stream."""
+
+    def __init__(self, programs: int = 16) -> None:
+        drv = driver()
+        arch = _kernel.device_arch(0)
+        cubin = _kernel._compile(_kernel.KernelSpec(arch, threads=1024, unroll=1), ANCHOR)
+        self._image = np.frombuffer(cubin, dtype=np.uint8).copy()
+        self.module = check("cuModuleLoadData", drv.cuModuleLoadData(self._image.ctypes.data))
+        self.fn = check("cuModuleGetFunction", drv.cuModuleGetFunction(self.module, b"anchor_copy"))
+        self.programs = programs
+        self.launch = _kernel._launch_function(drv)
+
+    def run(self, desc: int, n: int, stream: Any) -> None:
+        vals = (ctypes.c_uint64 * 4)(desc, desc + 8 * n, desc + 16 * n, n)
+        params = (ctypes.c_void_p * 4)(*(ctypes.addressof(vals) + 8 * i for i in range(4)))
+        rc = self.launch(int(self.fn), self.programs, 1, 1, 1024, 1, 1, 0, int(stream), ctypes.addressof(params), None)
+        if rc:
+            raise RuntimeError(f"anchor launch failed: {rc}")
+
+
+def _sync_time(fn: Any, stream: Any, repeats: int = 3) -> float:
+    drv = driver()
+    fn()
+    check("cuStreamSynchronize", drv.cuStreamSynchronize(stream))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        check("cuStreamSynchronize", drv.cuStreamSynchronize(stream))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+async def _page_size(page: int, total: int, dbuf: int, stream: Any, anchor: Anchor, rate: dict[str, float]) -> Any:
+    drv = driver()
+    n = total // page
+    row: dict[str, Any] = {"pages": n}
+    async with HostTier(_cfg(total, page)) as tier:
+        await tier.wait_resident()
+        slots = np.asarray(await tier.allocate(n), dtype=np.int64)
+        slots = slots[np.random.default_rng(1).permutation(n)]
+        dev = np.uint64(dbuf) + np.random.default_rng(2).permutation(n).astype(np.uint64) * np.uint64(page)
+        host = np.uint64(tier.base_address) + slots.astype(np.uint64) * np.uint64(page)
+        for name, kwargs in ARMS:
+            async with CopyEngine(0, **kwargs) as engine:
+                for direction in ("h2d", "d2h"):
+                    call = engine.to_device if direction == "h2d" else engine.to_host
+                    await call(tier, slots, dev)
+                    times = []
+                    for _ in range(3):
+                        t0 = time.perf_counter()
+                        await call(tier, slots, dev)
+                        times.append(time.perf_counter() - t0)
+                    row[f"{name}_{direction}"] = round(n * page / min(times) / rate[direction], 3)
+                if name == "dma":
+                    t0 = time.perf_counter()
+                    for _ in range(5):
+                        engine._plan_slots(tier, slots, dev, "h2d")
+                    row["planning_us_per_page"] = round((time.perf_counter() - t0) / 5 / n * 1e6, 4)
+        # The anchor, on descriptors already in device memory (its best case).
+        for direction in ("h2d", "d2h"):
+            srcs, dsts = (host, dev) if direction == "h2d" else (dev, host)
+            arr = np.concatenate([srcs, dsts, np.full(n, page, dtype=np.uint64)])
+            desc = int(check("cuMemAlloc", drv.cuMemAlloc(arr.nbytes)))
+            try:
+                check("cuMemcpyHtoD", drv.cuMemcpyHtoD(desc, arr.ctypes.data, arr.nbytes))
+                secs = _sync_time(lambda d=desc: anchor.run(d, n, stream), stream)
+            finally:
+                drv.cuMemFree(desc)
+            row[f"anchor16_{direction}"] = round(n * page / secs / rate[direction], 3)
+    return row
+
+
+async def _bandwidth(total: int) -> dict[str, Any]:
+    drv = driver()
+    ctx = PrimaryContext(0)
+    ctx.make_current()
+    stream = check("cuStreamCreate", drv.cuStreamCreate(1))
+    dbuf = int(check("cuMemAlloc", drv.cuMemAlloc(total)))
+    pinned = int(check("cuMemHostAlloc", drv.cuMemHostAlloc(GiB, 1)))
+    out: dict[str, Any] = {"unit": "fraction of one 1 GiB pinned copy", "total_mib": total // MiB}
+    try:
+        scratch = int(check("cuMemAlloc", drv.cuMemAlloc(GiB)))
+        try:
+            h2d = _sync_time(lambda: check("h2d", drv.cuMemcpyHtoDAsync(scratch, pinned, GiB, stream)), stream)
+            d2h = _sync_time(lambda: check("d2h", drv.cuMemcpyDtoHAsync(pinned, scratch, GiB, stream)), stream)
+        finally:
+            drv.cuMemFree(scratch)
+        rate = {"h2d": GiB / h2d, "d2h": GiB / d2h}
+        out["one_copy_GBps"] = {d: round(r / 1e9, 2) for d, r in rate.items()}
+        anchor = Anchor()
+        for page in PAGES:
+            out[f"shuffled_{page >> 10}KiB"] = await _page_size(page, total, dbuf, stream, anchor, rate)
+        drv.cuModuleUnload(anchor.module)
+    finally:
+        drv.cuMemFreeHost(pinned)
+        drv.cuMemFree(dbuf)
+        drv.cuStreamDestroy(stream)
+        ctx.release()
+    return out
+
+
+def copy_bandwidth_sm(total: int) -> dict[str, Any]:
+    return asyncio.run(_bandwidth(total))
+
+
+async def _with_matmul(total: int, page: int) -> dict[str, Any]:
+    import torch
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+
+    def matmuls(k: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(side):
+            for _ in range(k):
+                a @ a
+        side.synchronize()
+        return time.perf_counter() - t0
+
+    matmuls(3)
+    alone = min(matmuls(20) for _ in range(2))
+    n = total // page
+    out: dict[str, Any] = {"page_kib": page >> 10, "matmul_alone_ms": round(alone * 1e3, 2)}
+    dev = torch.empty((n, page), dtype=torch.uint8, device="cuda")
+    async with HostTier(_cfg(total, page)) as tier:
+        await tier.wait_resident()
+        slots = np.asarray(await tier.allocate(n), dtype=np.int64)[np.random.default_rng(3).permutation(n)]
+        for name, kwargs in ARMS:
+            async with CopyEngine(0, **kwargs) as engine:
+                await engine.to_device(tier, slots, dev)
+                loop = asyncio.get_running_loop()
+                busy = loop.run_in_executor(None, matmuls, 20)
+                copies = 0
+                while not busy.done():
+                    await engine.to_device(tier, slots, dev)
+                    await engine.to_host(tier, slots, dev)
+                    copies += 2
+                slowed = await busy
+                out[name] = {"matmul_slowdown": round(slowed / alone - 1, 3), "copies_during": copies}
+    return out
+
+
+def concurrent_compute(total: int) -> dict[str, Any]:
+    try:
+        import torch
+    except ImportError:
+        return {"skipped": "torch is not installed"}
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device visible to torch"}
+    return {f"{p >> 10}KiB": asyncio.run(_with_matmul(total, p)) for p in (4 << 10, 16 << 10)}

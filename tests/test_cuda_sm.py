@@ -1,0 +1,186 @@
+"""The SM copy path on a GPU (marker ``cuda``): skipped with "no CUDA device" where there is none."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiokvtier import CopyEngine, CopyPlanError, HostTier
+
+from .helpers import MiB
+from .test_cuda import BACKINGS, gpu_config, torch_cuda
+
+pytestmark = pytest.mark.cuda
+UNIT = 32 * MiB
+PAGE_SIZES = [4 << 10, 16 << 10, 64 << 10, 2 * MiB]
+METHODS = ["dma", "sm"]
+
+
+def tier_config(backing: str, slot: int) -> Any:
+    return gpu_config(backing, quota=128 * MiB, max_quota=128 * MiB, slot_size=slot, commit_unit=UNIT, fill_chunk=UNIT)
+
+
+def chosen_slots(slot: int, total: int, n: int, seed: int) -> list[int]:
+    """``n`` shuffled slot ids that include both sides of every unit edge."""
+    per_unit = UNIT // slot
+    edges = {s for u in range(1, total // per_unit) for s in (u * per_unit - 1, u * per_unit)}
+    rng = np.random.default_rng(seed)
+    rest = [int(s) for s in rng.permutation(total) if int(s) not in edges][: max(0, n - len(edges))]
+    ids = [*edges, *rest]
+    rng.shuffle(ids)
+    return ids
+
+
+def random_pages(torch: Any, n: int, page: int, seed: int) -> Any:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, 256, (n, page), dtype=torch.uint8, device="cuda", generator=g)
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES, ids=lambda p: f"{p >> 10}KiB")
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("backing", BACKINGS)
+async def test_bit_exact_shuffled_and_unit_edges(backing: str, method: str, page: int) -> None:
+    torch = torch_cuda()
+    async with HostTier(tier_config(backing, page)) as tier, CopyEngine(0, method=method) as engine:
+        await tier.wait_resident()
+        total = tier.statistics().quota // page
+        await tier.allocate(total)
+        ids = chosen_slots(page, total, min(total, 2048), seed=page)
+        src = random_pages(torch, len(ids), page, seed=1)
+        await engine.to_host(tier, ids, src)
+        expect = src.cpu().numpy()
+        for row in (0, len(ids) // 2, len(ids) - 1, *range(0, len(ids), max(1, len(ids) // 64))):
+            assert bytes(tier.view(ids[row])) == expect[row].tobytes(), f"slot {ids[row]} differs"
+        order = np.random.default_rng(2).permutation(len(ids))
+        back = torch.zeros_like(src)
+        await engine.to_device(tier, [ids[i] for i in order], back)
+        torch.cuda.synchronize()
+        assert torch.equal(back, src[torch.as_tensor(order, device="cuda")])
+        stats = engine.statistics()
+        assert stats.bytes_by_method[method] == 2 * len(ids) * page
+        assert stats.bytes_by_method["sm" if method == "dma" else "dma"] == 0
+
+
+@pytest.mark.parametrize("short", [16, 8, 1], ids=["16B-short", "8B-short", "1B-short"])
+@pytest.mark.parametrize("backing", BACKINGS)
+async def test_sm_pages_smaller_than_the_slot(backing: str, short: int) -> None:
+    """Pages shorter than the slot, including lengths that end off a 16-byte boundary (the tails)."""
+    torch = torch_cuda()
+    slot = 16 << 10
+    page = slot - short
+    async with HostTier(tier_config(backing, slot)) as tier, CopyEngine(0, method="sm") as engine:
+        await tier.wait_resident()
+        ids = await tier.allocate(512)
+        ids = [ids[i] for i in np.random.default_rng(3).permutation(len(ids))]
+        for i in ids:
+            tier.view(i)[:] = b"\xee" * slot
+        src = random_pages(torch, len(ids), page, seed=4)
+        await engine.to_host(tier, ids, src)
+        expect = src.cpu().numpy()
+        for row in range(0, len(ids), 17):
+            view = bytes(tier.view(ids[row]))
+            assert view[:page] == expect[row].tobytes() and view[page:] == b"\xee" * short
+        back = torch.zeros_like(src)
+        await engine.to_device(tier, ids, back)
+        torch.cuda.synchronize()
+        assert torch.equal(back, src)
+        assert engine.statistics().bytes_by_method["sm"] == 2 * len(ids) * page
+
+
+async def test_sm_copy_waits_for_after_behind_a_kernel() -> None:
+    torch = torch_cuda()
+    slot = 16 << 10
+    async with HostTier(tier_config("vmm", slot)) as tier, CopyEngine(0, method="sm") as engine:
+        await tier.wait_resident()
+        ids = await tier.allocate(1024)
+        pages = torch.zeros((len(ids), slot), dtype=torch.uint8, device="cuda")
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time before the write
+            pages.fill_(0x5A)
+        await engine.to_host(tier, ids, pages, after=side)
+        for i in (ids[0], ids[len(ids) // 2], ids[-1]):
+            assert bytes(tier.view(i)) == b"\x5a" * slot
+
+
+async def test_cancelled_sm_copy_leaves_complete_data() -> None:
+    torch = torch_cuda()
+    slot = 16 << 10
+    async with HostTier(tier_config("register", slot)) as tier, CopyEngine(0, method="sm") as engine:
+        await tier.wait_resident()
+        ids = await tier.allocate(4096)
+        ids = [ids[i] for i in np.random.default_rng(5).permutation(len(ids))]
+        src = random_pages(torch, len(ids), slot, seed=6)
+        torch.cuda.synchronize()
+        task = asyncio.ensure_future(engine.to_host(tier, ids, src))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        expect = src.cpu().numpy()  # the copy had landed when the cancellation arrived
+        for row in range(0, len(ids), 97):
+            assert bytes(tier.view(ids[row])) == expect[row].tobytes()
+        assert engine.statistics().jobs_completed == 1
+
+
+async def test_sm_refuses_a_device_side_it_cannot_reach() -> None:
+    torch = torch_cuda()
+    slot = 16 << 10
+    async with HostTier(tier_config("vmm", slot)) as tier, CopyEngine(0, method="sm") as engine:
+        await tier.wait_resident()
+        ids = await tier.allocate(2)
+        page = torch.zeros(slot, dtype=torch.uint8, device="cuda")
+        with pytest.raises(CopyPlanError, match="cannot reach the device side"):
+            await engine.to_device(tier, ids, [int(page.data_ptr()), 1 << 47])
+        await engine.to_device(tier, ids[:1], [int(page.data_ptr())])  # the context is intact
+        torch.cuda.synchronize()
+
+
+async def test_auto_measures_once_and_reuses_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    torch = torch_cuda()
+    monkeypatch.setenv("AIOKVTIER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("AIOKVTIER_SM_CROSSOVER", raising=False)
+    async with CopyEngine(0) as engine:
+        stats = engine.statistics()
+    assert stats.method == "auto" and stats.sm_unavailable is None, stats.sm_unavailable
+    files = await asyncio.to_thread(lambda: sorted(tmp_path.glob("sm-crossover-*.json")))
+    assert len(files) == 1
+    mtime = (await asyncio.to_thread(os.stat, files[0])).st_mtime_ns
+    slot = 16 << 10
+    async with HostTier(tier_config("vmm", slot)) as tier, CopyEngine(0) as engine:
+        assert (await asyncio.to_thread(os.stat, files[0])).st_mtime_ns == mtime
+        await tier.wait_resident()
+        ids = await tier.allocate(4096)
+        ids = [ids[i] for i in np.random.default_rng(8).permutation(len(ids))]
+        src = random_pages(torch, len(ids), slot, seed=9)
+        await engine.to_host(tier, ids, src)
+        back = torch.zeros_like(src)
+        await engine.to_device(tier, ids, back)
+        torch.cuda.synchronize()
+        assert torch.equal(back, src)
+        stats = engine.statistics()
+        assert sum(stats.bytes_by_method.values()) == stats.bytes_copied
+        print("auto crossover:", stats.sm_crossover_bytes, "bytes by method:", stats.bytes_by_method)
+
+
+async def test_auto_falls_back_to_dma_when_the_kernel_cannot_build(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aiokvtier._cuda import _kernel
+
+    monkeypatch.setattr(_kernel, "SOURCE", "this is not C++")
+    monkeypatch.setattr(_kernel, "_cubins", {})
+    async with CopyEngine(0, method="auto", sm_budget=3) as engine:
+        stats = engine.statistics()
+    assert stats.sm_unavailable is not None and "NVRTC log" in stats.sm_unavailable
+    assert any("SM copy path is unavailable" in r.message for r in caplog.records)
+    from aiokvtier import CudaUnavailableError
+
+    with pytest.raises(CudaUnavailableError, match="NVRTC log"):
+        async with CopyEngine(0, method="sm", sm_budget=3):
+            pass

@@ -1,0 +1,183 @@
+"""The SM copy path's host-side logic, without a GPU: descriptors, method choice, the crossover file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiokvtier import CopyEngine
+from aiokvtier._cuda import _crossover, _kernel, _sm
+from aiokvtier._cuda._crossover import LADDER, Crossover, Curve, load_or_measure, parse_thresholds
+
+U = np.uint64
+
+
+def arrays(*values: list[int]) -> tuple[Any, ...]:
+    return tuple(np.asarray(v, dtype=U) for v in values)
+
+
+def test_descriptor_block_is_srcs_then_dsts_then_sizes() -> None:
+    dsts, srcs, sizes = arrays([0x1000, 0x3000], [0x9000, 0x7000], [4096, 16])
+    out = np.zeros(3 * 4, dtype=U)
+    assert _kernel.descriptor_block(out, dsts, srcs, sizes) == 2 * _kernel.DESCRIPTOR_BYTES
+    assert out[:6].tolist() == [0x9000, 0x7000, 0x1000, 0x3000, 4096, 16]
+    with pytest.raises(ValueError, match="holds 1 copies, 2 needed"):
+        _kernel.descriptor_block(np.zeros(3, dtype=U), dsts, srcs, sizes)
+
+
+def test_vector_alignment_covers_both_sides_and_the_length() -> None:
+    assert _kernel.vector_aligned(*arrays([16, 4096], [32, 8192], [4096, 64]))
+    assert not _kernel.vector_aligned(*arrays([16, 4104], [32, 8192], [4096, 64]))
+    assert not _kernel.vector_aligned(*arrays([16], [40], [4096]))
+    assert not _kernel.vector_aligned(*arrays([16], [32], [4100]))
+
+
+def test_slab_capacity_is_a_power_of_two_with_a_floor() -> None:
+    assert _sm.slab_capacity(1) == _sm.MIN_SLAB
+    assert _sm.slab_capacity(_sm.MIN_SLAB) == _sm.MIN_SLAB
+    assert _sm.slab_capacity(_sm.MIN_SLAB + 1) == 2 * _sm.MIN_SLAB
+    assert _sm.slab_capacity(32768) == 32768
+
+
+def test_kernel_spec_options_name_the_arch_and_shape() -> None:
+    opts = _kernel.KernelSpec("sm_90", threads=512, unroll=4).options()
+    assert "--gpu-architecture=sm_90" in opts and "-DTHREADS=512" in opts and "-DUNROLL=4" in opts
+
+
+def curves(sm_per_page: float, dma_per_page: float, sm_fixed: float = 20e-6, dma_fixed: float = 10e-6) -> Any:
+    """Flat per-page costs at every ladder size (bytes do not matter): enough to test the choice."""
+    n = len(LADDER)
+    return {
+        d: {
+            "sm": Curve(LADDER, (sm_per_page,) * n, sm_fixed),
+            "dma": Curve(LADDER, (dma_per_page,) * n, dma_fixed),
+        }
+        for d in ("h2d", "d2h")
+    }
+
+
+def test_curve_interpolates_and_extrapolates_by_bandwidth() -> None:
+    c = Curve((4096, 8192), (1.0, 3.0), 0.5)
+    assert c.per_page(1024) == 1.0
+    assert c.per_page(6144) == pytest.approx(2.0)
+    assert c.per_page(16384) == pytest.approx(6.0)
+    assert c.time(10, 4096) == pytest.approx(10.5)
+
+
+def test_choice_weighs_fixed_cost_against_count() -> None:
+    x = Crossover(curves=curves(sm_per_page=1e-6, dma_per_page=4e-6, sm_fixed=100e-6, dma_fixed=10e-6))
+    assert x.choose("h2d", 4096, 4096 * 16384) == "sm"  # many pages: per-page cost wins
+    assert x.choose("h2d", 2, 2 * 16384) == "dma"  # two pages: the launch's fixed cost does not pay
+    assert x.choose("any", 4096, 4096 * 16384) == "dma"
+    near = Crossover(curves=curves(sm_per_page=0.95e-6, dma_per_page=1e-6))
+    assert near.choose("d2h", 4096, 4096 * 4096) == "dma"  # within the margin: the copy engines cost no SMs
+
+
+def test_method_selection() -> None:
+    x = Crossover(curves=curves(sm_per_page=1e-6, dma_per_page=4e-6))
+    aligned = arrays([4096 * i for i in range(64)], [8192 * i for i in range(64)], [4096] * 64)
+    assert _sm.pick_method("auto", x, "h2d", *aligned) == "sm"
+    assert _sm.pick_method("dma", x, "h2d", *aligned) == "dma"
+    assert _sm.pick_method("sm", None, "d2h", *aligned) == "sm"
+    assert _sm.pick_method("sm", x, "any", *aligned) == "dma"
+    assert _sm.pick_method("auto", None, "h2d", *aligned) == "dma"
+    odd = arrays([4096 * i + 8 for i in range(64)], [8192 * i for i in range(64)], [4096] * 64)
+    assert _sm.pick_method("auto", x, "h2d", *odd) == "dma"  # not 16-byte aligned: the kernel would crawl
+
+
+def test_thresholds_override() -> None:
+    x = parse_thresholds("h2d=32KiB, d2h=16384")
+    assert x.thresholds == {"h2d": 32768, "d2h": 16384}
+    assert x.choose("h2d", 10, 10 * 32768) == "sm" and x.choose("h2d", 10, 10 * 65536) == "dma"
+    assert x.choose("d2h", 1, 16385) == "dma"
+    with pytest.raises(ValueError, match="direction=bytes"):
+        parse_thresholds("h2d")
+    with pytest.raises(ValueError, match="not a size"):
+        parse_thresholds("h2d=lots")
+    with pytest.raises(ValueError, match="per direction"):
+        parse_thresholds("up=4096")
+
+
+def key(**changes: Any) -> dict[str, Any]:
+    k = {"device": "Fake GPU", "uuid": "00ff", "driver": 13000, "budget": 8, "kernel": 1, "threads": 1024, "unroll": 8}
+    k.update(changes)
+    return k
+
+
+def test_crossover_file_is_measured_once_then_reused(tmp_path: Path) -> None:
+    calls = []
+
+    def measure() -> Any:
+        calls.append(1)
+        return curves(1e-6, 4e-6)
+
+    first = load_or_measure(key(), measure, tmp_path)
+    again = load_or_measure(key(), measure, tmp_path)
+    assert len(calls) == 1 and again == first
+    assert again.choose("h2d", 4096, 4096 * 4096) == "sm"
+    stored = json.loads(_crossover.cache_path(key(), tmp_path).read_text())
+    assert stored["key"] == key()
+
+
+@pytest.mark.parametrize("change", [{"driver": 13010}, {"device": "Other GPU"}, {"kernel": 2}])
+def test_crossover_file_is_rebuilt_when_the_device_or_driver_changes(tmp_path: Path, change: dict[str, Any]) -> None:
+    load_or_measure(key(), lambda: curves(1e-6, 4e-6), tmp_path)
+    rebuilt = load_or_measure(key(**change), lambda: curves(8e-6, 4e-6), tmp_path)
+    assert rebuilt.key == key(**change) and rebuilt.choose("h2d", 4096, 4096 * 4096) == "dma"
+    stored = json.loads(_crossover.cache_path(key(**change), tmp_path).read_text())
+    assert stored["key"] == key(**change)
+
+
+def test_an_unreadable_crossover_file_is_measured_again(tmp_path: Path) -> None:
+    path = _crossover.cache_path(key(), tmp_path)
+    path.write_text("{not json")
+    got = load_or_measure(key(), lambda: curves(1e-6, 4e-6), tmp_path)
+    assert got.key == key() and json.loads(path.read_text())["format"] == _crossover.FORMAT
+
+
+def test_a_budget_has_its_own_file(tmp_path: Path) -> None:
+    assert _crossover.cache_path(key(), tmp_path) != _crossover.cache_path(key(budget=16), tmp_path)
+
+
+def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("AIOKVTIER_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _crossover.cache_dir() == tmp_path / "aiokvtier"
+    monkeypatch.setenv("AIOKVTIER_CACHE_DIR", str(tmp_path / "x"))
+    assert _crossover.cache_dir() == tmp_path / "x"
+
+
+def test_engine_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="method must be one of"):
+        CopyEngine(None, method="fast")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        CopyEngine(None, method="sm")
+    with pytest.raises(ValueError, match="sm_budget"):
+        CopyEngine(None, sm_budget=0)
+    with pytest.raises(ValueError, match="per direction"):
+        CopyEngine(None, crossover={"sideways": 1})
+    assert CopyEngine(None).method == "dma"  # "auto" without a device: nothing else to choose
+
+
+async def test_host_engine_reports_bytes_per_method() -> None:
+    from aiokvtier import StaticHostMem
+
+    async with StaticHostMem(1 << 20) as mem, CopyEngine(None) as engine:
+        await engine.copy([(mem.address, mem.address + (512 << 10), 4096)])
+        stats = engine.statistics()
+        assert stats.method == "dma" and stats.sm_budget is None
+        assert stats.bytes_by_method == {"dma": 4096, "sm": 0} and stats.jobs_by_method == {"dma": 1, "sm": 0}
+
+
+def test_kernel_compiles_where_nvrtc_is_installed() -> None:
+    """NVRTC needs no GPU: where it is installed, the kernel compiles for a Hopper and an Ampere."""
+    try:
+        cubin = _kernel.compile_cubin(_kernel.KernelSpec("sm_90"))
+    except Exception as exc:  # no NVRTC here: nothing to check
+        pytest.skip(f"NVRTC is not usable here: {exc}")
+    assert cubin[:4] == b"\x7fELF"
+    assert _kernel.compile_cubin(_kernel.KernelSpec("sm_80", threads=512, unroll=4))[:4] == b"\x7fELF"
