@@ -258,6 +258,38 @@ async def test_after_orders_the_copy_behind_compute_without_host_sync() -> None:
         assert all(bytes(tier.view(s)[:8]) == b"\x07" * 8 for s in slots)
 
 
+async def test_after_a_stream_waits_for_what_was_queued_before_the_call_only() -> None:
+    """The stream is marked when the call is made, not when the submit thread gets to the job."""
+    torch = torch_cuda()
+    async with HostTier(gpu_config("vmm")) as tier, CopyEngine(0, method="dma") as engine:
+        await tier.wait_resident()
+        slots = await tier.allocate(4)
+        kv = torch.zeros((4, SLOT), dtype=torch.uint8, device="cuda")
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(20_000_000)
+            kv.fill_(7)
+        started = engine.begin(tier, slots, kv, "d2h", after=stream)
+        with torch.cuda.stream(stream):  # queued after the call, before the submit thread ran
+            torch.cuda._sleep(400_000_000)
+            kv.fill_(9)
+        await started.submitted
+        await started.done
+        assert all(bytes(tier.view(s)) == b"\x07" * SLOT for s in slots)
+        stream.synchronize()
+
+
+async def test_begin_refuses_a_bad_direction_and_queues_nothing() -> None:
+    torch = torch_cuda()
+    async with HostTier(gpu_config("vmm")) as tier, CopyEngine(0) as engine:
+        await tier.wait_resident()
+        slots = await tier.allocate(2)
+        kv = torch.zeros((2, SLOT), dtype=torch.uint8, device="cuda")
+        with pytest.raises(ValueError, match="direction"):
+            engine.begin(tier, slots, kv, "any")
+        assert engine.statistics().jobs_submitted == 0
+
+
 async def test_numa_auto_resolves_the_gpus_node() -> None:
     node = _driver.device_numa_node(0)
     async with HostTier(gpu_config("register", numa_node="auto")) as tier:

@@ -351,7 +351,7 @@ class CopyEngine(Owner):
         ``after`` (a stream or event) is waited for on the GPU first, so a
         copy can follow the compute that wrote the pages without a host sync.
 
-        :raises: as :meth:`to_device`; a slot given twice is a :class:`SlotError`.
+        Raises as :meth:`to_device`; a slot given twice is a :class:`SlotError`.
         """
         await finish(self.begin(tier, slots, src, "d2h", after=after, page=page).done)
 
@@ -497,6 +497,8 @@ class CopyEngine(Owner):
         after_handle = None if after is None else _stream_handle(after)
         if after_handle is not None and self.device is None:
             raise ValueError("after= needs a CUDA device; this engine copies host to host")
+        if after_handle is not None and after_handle[0] == "stream":
+            after_handle = ("marker", self._mark(after_handle[1]))
         loop = asyncio.get_running_loop()
         job = _Job(planned, direction, after_handle, loop, loop.create_future(), keepalive)
         if signal_submit:
@@ -509,6 +511,22 @@ class CopyEngine(Owner):
         job.submitted = time.perf_counter()
         self._submit_q.put(job)
         return job
+
+    def _mark(self, stream: int) -> Any:
+        """An event recorded on ``stream`` now, on the caller's thread: the copy waits for what was queued
+        there before the call, not for what the caller queues after it while the submit thread is busy."""
+        from ._driver import check, driver
+
+        drv = driver()
+        assert self._context is not None
+        with self._context.current():
+            marker = check("cuEventCreate", drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+            try:
+                check("cuEventRecord", drv.cuEventRecord(marker, stream))
+            except BaseException:
+                drv.cuEventDestroy(marker)
+                raise
+        return marker
 
     # -- the threads ------------------------------------------------------------------
 
@@ -553,13 +571,11 @@ class CopyEngine(Owner):
         stream = self._streams[next(self._rr) % len(self._streams)]
         if job.after is not None:
             kind, handle = job.after
-            if kind == "stream":
-                marker = check("cuEventCreate", drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
-                check("cuEventRecord", drv.cuEventRecord(marker, handle))
-                check("cuStreamWaitEvent", drv.cuStreamWaitEvent(stream, marker, 0))
-                drv.cuEventDestroy(marker)  # the wait is enqueued; the driver frees it when done
-            else:
+            try:
                 check("cuStreamWaitEvent", drv.cuStreamWaitEvent(stream, handle, 0))
+            finally:
+                if kind == "marker":
+                    drv.cuEventDestroy(handle)  # the wait is enqueued; the driver frees it when done
         p = job.plan
         method = "sm" if self._sm is not None and self._wants_sm(job) else "dma"
         if method == "sm":

@@ -218,12 +218,14 @@ def _preload_nvrtc() -> None:
             return
 
 
-def _compile(spec: KernelSpec, source: str = SOURCE) -> bytes:
+def _compile(spec: KernelSpec, source: str | None = None) -> bytes:
+    """Compile ``source`` (the copy kernel when None, read now so that a test can swap it)."""
+    source = SOURCE if source is None else source
     _preload_nvrtc()
     try:
         from cuda.core import Program, ProgramOptions
     except ImportError:
-        return _compile_bindings(spec)
+        return _compile_bindings(spec, source)
     log = io.StringIO()
     options = ProgramOptions(
         name="aiokvtier_copy.cu",
@@ -241,7 +243,7 @@ def _compile(spec: KernelSpec, source: str = SOURCE) -> bytes:
     return bytes(code)
 
 
-def _compile_bindings(spec: KernelSpec) -> bytes:
+def _compile_bindings(spec: KernelSpec, source: str) -> bytes:
     _preload_nvrtc()
     try:
         from cuda.bindings import nvrtc
@@ -257,7 +259,7 @@ def _compile_bindings(spec: KernelSpec) -> bytes:
         return result[1] if len(result) == 2 else result[1:]
 
     try:
-        prog = ok("nvrtcCreateProgram", nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"aiokvtier_copy.cu", 0, [], []))
+        prog = ok("nvrtcCreateProgram", nvrtc.nvrtcCreateProgram(source.encode(), b"aiokvtier_copy.cu", 0, [], []))
     except (RuntimeError, OSError) as exc:  # the bindings raise when libnvrtc cannot be loaded
         raise CudaUnavailableError(
             f"NVRTC is not loadable ({exc}): pip install 'aiokvtier[cuda]' (nvidia-cuda-nvrtc)"

@@ -238,13 +238,13 @@ def _cuda_missing() -> str | None:
     return None
 
 
-async def _gpu_copies(blocks: int, page: int, repeats: int) -> dict[str, Any]:
+async def _gpu_copies(blocks: int, page: int, repeats: int, method: str) -> dict[str, Any]:
     import torch
 
     from .._cuda._engine import CopyEngine
 
     config = _config(blocks * page, page, device=0, fill_threads=2)
-    async with HostTier(config) as tier, CopyEngine(0) as engine:
+    async with HostTier(config) as tier, CopyEngine(0, method=method) as engine:
         await tier.wait_resident()
         # Shuffle the tier side: free every slot in a random order, so the
         # store's slots (taken most recently freed first) do not ascend with
@@ -295,7 +295,9 @@ async def _gpu_copies(blocks: int, page: int, repeats: int) -> dict[str, Any]:
             await store.load(keys, dst)
             torch.cuda.synchronize()
             equal = bool(torch.equal(src, dst))
+        copy_stats = engine.statistics()
 
+    copy_stats = engine.statistics()
     total = blocks * page
     ours_ms = _ms([a + b for a, b in ours])
     bare_ms = _ms([a + b for a, b in bare])
@@ -303,6 +305,9 @@ async def _gpu_copies(blocks: int, page: int, repeats: int) -> dict[str, Any]:
         "blocks": blocks,
         "page_kib": page >> 10,
         "repeats": repeats,
+        "method": method,
+        "bytes_by_method": copy_stats.bytes_by_method,
+        "sm_crossover_bytes": copy_stats.sm_crossover_bytes,
         "backing": tier.statistics().backing,
         "tier_side_shuffled": shuffled,
         "baseline_slots_are_the_store_slots": bool(np.array_equal(np.sort(slots), np.sort(same_slots))),
@@ -323,10 +328,11 @@ async def _gpu_copies(blocks: int, page: int, repeats: int) -> dict[str, Any]:
 
 
 def gpu_copies(blocks: int, page: int, repeats: int) -> dict[str, Any]:
+    """Per engine method: the copy engines alone (``dma``), and the default (``auto``: DMA or the SM kernel)."""
     missing = _cuda_missing()
     if missing is not None:
         return {"skipped": f"needs CUDA: {missing}"}
-    return asyncio.run(_gpu_copies(blocks, page, repeats))
+    return {method: asyncio.run(_gpu_copies(blocks, page, repeats, method)) for method in ("dma", "auto")}
 
 
 # -- churn ----------------------------------------------------------------------------------
@@ -447,7 +453,7 @@ def run(args: Any) -> dict[str, Any]:
         ),
         "bookkeeping": lambda: per_policy(lambda p: asyncio.run(_bookkeeping(65536 if quick else 1 << 20, p))),
         "cpu_copies": lambda: asyncio.run(_cpu_copies(512 if quick else 4096, 64 * KiB, repeats)),
-        "gpu_copies": lambda: gpu_copies(512 if quick else 4096, 64 * KiB, repeats),
+        "gpu_copies": lambda: gpu_copies(512 if quick else 4096, 64 * KiB, max(repeats, 15)),
         "churn": lambda: churn(512 if quick else 4096, 10_000 if quick else 100_000, 1.1),
     }
     return run_sections(sections, args.sections)
