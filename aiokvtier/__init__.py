@@ -13,6 +13,7 @@ from ._config import GpuTierConfig as GpuTierConfig
 from ._config import HostTierConfig as HostTierConfig
 from ._cuda._engine import CopyEngine as CopyEngine
 from ._cuda._engine import CopyStatistics as CopyStatistics
+from ._cuda._engine import StartedCopy as StartedCopy
 from ._cuda._static import StaticHostMem as StaticHostMem
 from ._errors import AiokvtierError as AiokvtierError
 from ._errors import BlockNotFound as BlockNotFound
@@ -61,6 +62,7 @@ __all__ = [
     "Placement",
     "QuotaError",
     "SlotError",
+    "StartedCopy",
     "StaticHostMem",
     "StoreResult",
     "StoreStatistics",
