@@ -9,6 +9,7 @@ import os
 import types
 
 import anyio
+import numpy as np
 import pytest
 
 import aiokvtier
@@ -84,6 +85,13 @@ async def test_freed_slots_are_reused_most_recent_first() -> None:
         assert await tier.allocate() == 5
         tier.free_many([0, 2])
         assert await tier.allocate(3) == [2, 0, 6]
+        tier.free_many([6, 4])
+        ids = await tier.allocate_ids(3)  # the same order, as an int64 array
+        assert ids.dtype == np.int64 and ids.tolist() == [4, 6, 7]
+        tier.free_many(ids)
+        assert tier.statistics().slots_allocated == 5
+        with pytest.raises(ValueError):
+            await tier.allocate_ids(0)
 
 
 async def test_out_of_slots_and_bad_frees_change_nothing() -> None:
