@@ -8,7 +8,7 @@ Each backing undoes its own partial work when a call fails.
 ::
 
     Backing (interface)
-    ├── HostBacking        mmap + mbind + populate: the host-only tier
+    ├── HostBacking        mmap + mbind + touch pages: the host-only tier
     │   └── RegisterBacking    + cuMemHostRegister per unit   (aiokvtier._cuda)
     └── VmmBacking         cuMemAddressReserve + cuMemCreate per unit (aiokvtier._cuda)
 """
@@ -40,6 +40,13 @@ class Backing(ABC):
     """``"preferred"``, ``"bind"``, ``"first-touch"`` (mbind denied) or ``"none"``."""
     numa_warning: str | None = None
     registered_bytes: int = 0
+
+    def expose(self, end: int) -> None:  # noqa: B027 - an optional hook, empty by default
+        """Make ``[0, end)`` accessible ahead of its commits, and the range past it inaccessible.
+
+        Called once per resize, never on the fill's hot path: before the fill
+        grows to ``end``, and after a shrink's tail is decommitted.
+        """
 
     def thread_setup(self) -> None:  # noqa: B027 - an optional hook, empty by default
         """Prepare a library-started thread before it calls :meth:`commit` (CUDA context)."""
@@ -86,17 +93,31 @@ def apply_numa_policy(base: int, size: int, node: int | None, strict: bool) -> t
 
 
 class HostBacking(Backing):
-    """Anonymous memory: PROT_NONE reservation, mprotect + MADV_POPULATE_WRITE per unit.
+    """Anonymous memory: a PROT_NONE reservation, read-write up to the fill target, pages touched per unit.
 
     The reservation is not charged against the commit limit, so reserving far
     more than free RAM succeeds; THP advice and the NUMA policy are attached to
     the whole range before any page is touched.
+
+    The range up to the fill target is made read-write with one ``mprotect``
+    per resize, not one per unit: ``mprotect`` needs the address space's lock
+    exclusively, and one per unit made fill threads wait for each other and
+    stalled every other thread's mmap (docs/guide.md, "How the fill works").
+    Past the target the range stays PROT_NONE. Below it, a unit not yet
+    committed is readable memory that the tier never hands out: slots are
+    taken only below the watermark, and raw copies past it are refused.
+    Where the kernel charges a writable private mapping in full (strict
+    overcommit, ``vm.overcommit_memory=2``), the one large ``mprotect`` fails
+    with ENOMEM; the backing then opens each unit as it commits it, as
+    before, so running out of memory stays a partial failure.
     """
 
     name = "host"
 
     def __init__(self, size: int, *, node: int | None, strict_numa: bool, huge_pages: bool) -> None:
         self.base, self.size = _linux.mmap_reserve(size, HUGE_ALIGN)
+        self._exposed = 0
+        self._per_unit = False
         with ExitStack() as undo:
             undo.callback(_linux.munmap, self.base, self.size)
             advice = _linux.MADV_HUGEPAGE if huge_pages else _linux.MADV_NOHUGEPAGE
@@ -109,22 +130,41 @@ class HostBacking(Backing):
             self.numa_policy, self.numa_warning = apply_numa_policy(self.base, self.size, node, strict_numa)
             undo.pop_all()
 
+    def expose(self, end: int) -> None:
+        end = min(end, self.size)
+        if self._per_unit or end == self._exposed:
+            return
+        if end > self._exposed:
+            try:
+                _linux.mprotect(self.base + self._exposed, end - self._exposed, writable=True)
+            except OSError as exc:
+                if exc.errno != errno.ENOMEM:
+                    raise
+                log.info("aiokvtier: the kernel charges writable mappings in full; opening the range unit by unit")
+                self._per_unit = True
+                return
+        else:
+            _linux.mprotect(self.base + end, self._exposed - end, writable=False)
+        self._exposed = end
+
     def commit(self, offset: int, length: int) -> None:
         addr = self.base + offset
-        _linux.mprotect(addr, length, writable=True)
+        if self._per_unit or offset + length > self._exposed:
+            _linux.mprotect(addr, length, writable=True)
         try:
             _linux.populate(addr, length)
         except BaseException:
-            self._discard(addr, length)
+            self._discard(offset, length)
             raise
 
     def decommit(self, offset: int, length: int) -> None:
-        self._discard(self.base + offset, length)
+        self._discard(offset, length)
 
-    @staticmethod
-    def _discard(addr: int, length: int) -> None:
+    def _discard(self, offset: int, length: int) -> None:
+        addr = self.base + offset
         _linux.madvise(addr, length, _linux.MADV_DONTNEED)
-        _linux.mprotect(addr, length, writable=False)
+        if self._per_unit or offset + length > self._exposed:
+            _linux.mprotect(addr, length, writable=False)
 
     def release(self, committed: list[tuple[int, int]]) -> None:
         _linux.munmap(self.base, self.size)
