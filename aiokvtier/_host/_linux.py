@@ -26,6 +26,7 @@ __all__ = [
     "MPOL_PREFERRED",
     "PAGE_SIZE",
     "madvise",
+    "map_anonymous",
     "mbind",
     "mmap_reserve",
     "mprotect",
@@ -101,6 +102,15 @@ def mmap_reserve(length: int, align: int) -> tuple[int, int]:
     if tail:
         munmap(base + length, tail)
     return base, length
+
+
+def map_anonymous(length: int) -> int:
+    """A plain read-write anonymous mapping (what a large malloc makes). :raises OSError: refused."""
+    raw = _mmap(None, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if raw is None or raw == MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {length} bytes: {os.strerror(err)}")
+    return int(raw)
 
 
 def munmap(addr: int, length: int) -> None:
