@@ -152,12 +152,15 @@ def touch(addr: int, length: int) -> None:
     in an error (see :mod:`aiokvtier._host._headroom`).
     """
     for offset in range(0, length, TOUCH_STEP):
-        n = min(TOUCH_STEP, length - offset)
-        if n // PAGE_SIZE < _TOUCH_MIN_PAGES:
-            _memset(addr + offset, 0, n)
-            continue
-        pages = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(addr + offset))
-        pages[::PAGE_SIZE] = 0
+        _touch_step(addr + offset, min(TOUCH_STEP, length - offset))
+
+
+def _touch_step(addr: int, n: int) -> None:
+    if n // PAGE_SIZE < _TOUCH_MIN_PAGES:
+        _memset(addr, 0, n)
+        return
+    pages = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(addr))
+    pages[::PAGE_SIZE] = 0
 
 
 def populate_write(addr: int, length: int, step: int = POPULATE_STEP) -> None:

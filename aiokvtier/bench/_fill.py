@@ -12,7 +12,8 @@ during a fill.
 
 ``fill_scaling``: the raw loops (k threads touching, or populating, shares
 of one read-write mapping) beside the tier with ``fill_threads=k``, at 1, 2,
-4 and 8 threads, 4 KiB pages and THP, in one run.
+4 and 8 threads, 4 KiB pages and THP, in one run; with a GPU, the register
+and vmm tiers at the same thread counts (4 KiB pages).
 
 Every figure is a median over the repeats; after every free the machine is
 given ``settle`` seconds (a VM's free-page reporting makes memory freed just
@@ -261,6 +262,9 @@ def fill_scaling(size: int, repeats: int, settle: float, threads: tuple[int, ...
                     _tier_config(size, fill_threads=k, transparent_huge_pages=huge)
                 )[2],
             }
+            for backing in cuda_backings() if not huge else []:
+                cfg = _tier_config(size, fill_threads=k, device=0, backing=backing)
+                arms[f"tier_{backing}"] = lambda c=cfg: _tier_fill(c)[2]  # type: ignore[misc]
             seconds: dict[str, list[float]] = {name: [] for name in arms}
             for _ in range(repeats):
                 for name, arm in arms.items():
