@@ -154,7 +154,7 @@ class ResolvedHostConfig:
     fill_threads: int
     numa_node: int | Literal["auto"] | None
     allow_remote_numa_fallback: bool
-    transparent_huge_pages: bool
+    transparent_huge_pages: bool | Literal["auto"]
     device: int | None
     backing: Literal["host", "register", "vmm"]
 
@@ -198,8 +198,12 @@ class HostTierConfig(_Frozen):
     :param allow_remote_numa_fallback: True: MPOL_PREFERRED, and first touch by
         the bound fill thread where mbind is denied. False: MPOL_BIND, and a
         denied mbind fails the open.
-    :param transparent_huge_pages: opt the range into THP (MADV_HUGEPAGE);
-        default off, since direct compaction can slow population tenfold.
+    :param transparent_huge_pages: True opts the range into THP
+        (MADV_HUGEPAGE); default off, since direct compaction can slow
+        population tenfold. ``"auto"``: huge pages unit by unit, only where
+        the kernel's defrag setting cannot stall the fault or the node has
+        free 2 MiB blocks for the unit, and none after a huge-page unit
+        filled slower than 4 KiB pages (docs/guide.md).
     :param device: CUDA ordinal that will copy to and from the tier.
 
     After validation, :attr:`resolved` holds every value as a plain ``int``
@@ -221,7 +225,7 @@ class HostTierConfig(_Frozen):
     fill_threads: Annotated[int, Field(ge=1, le=256)] | None = None
     numa_node: Annotated[int, Field(ge=0)] | Literal["auto"] | None = "auto"
     allow_remote_numa_fallback: bool = True
-    transparent_huge_pages: bool = False
+    transparent_huge_pages: bool | Literal["auto"] = False
     device: Annotated[int, Field(ge=0)] | None = None
     backing: Literal["auto", "host", "register", "vmm"] = "auto"
 

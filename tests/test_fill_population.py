@@ -15,14 +15,15 @@ import ctypes
 import errno
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from aiokvtier import CopyEngine, CopyPlanError, FillError, HostTier, HostTierConfig, SlotError, WouldBlock
 from aiokvtier._config import default_fill_threads
-from aiokvtier._host import _headroom, _linux
+from aiokvtier._host import _headroom, _hugepages, _linux
 
-from .conftest import PopulateGate
+from .conftest import PopulateGate, smaps_flags
 from .helpers import MiB, small_config
 from .invariants import RW, assert_perms, check_tier
 
@@ -198,3 +199,73 @@ async def test_fill_threads_default_from_the_machine() -> None:
         await tier.wait_resident()
         threads = tier.statistics().fill_threads
         assert threads == default_fill_threads() and 1 <= threads <= 8
+
+
+# -- transparent_huge_pages="auto" ----------------------------------------------------------------
+
+BUDDYINFO = """\
+Node 0, zone      DMA      1      1      1      0      2      1      1      0      1      1      3
+Node 0, zone   Normal    412    230    118     61     30     17      9      5      4      2      6
+Node 1, zone   Normal      0      0      0      0      0      0      0      0      0      0      1
+"""
+
+
+def test_free_huge_blocks_reads_buddyinfo(tmp_path: Path) -> None:
+    path = tmp_path / "buddyinfo"
+    path.write_text(BUDDYINFO)
+    # Node 0: order 9 counts 1 + 2 blocks, order 10 counts 3 + 6, each two 2 MiB blocks.
+    assert _hugepages.free_huge_blocks(0, path) == 1 + 2 + 2 * (3 + 6)
+    assert _hugepages.free_huge_blocks(1, path) == 2
+    assert _hugepages.free_huge_blocks(None, path) == 21 + 2
+    assert _hugepages.free_huge_blocks(0, tmp_path / "missing") == 0
+
+
+def auto_units(monkeypatch: pytest.MonkeyPatch, defrag: str, free_blocks: int, huge_gib_s: float = 2.0) -> None:
+    """The kernel's THP settings and free blocks, and unit fill times as if 4 KiB pages ran at 1 GiB/s.
+
+    Times are fixed because the real ones are the machine's: on the development VM a huge-page
+    unit does fall to a tenth of the 4 KiB rate once the VM's free huge pages run out
+    (docs/benchmarks.md), whatever the test says about ``defrag``.
+    """
+    monkeypatch.setattr(_hugepages, "kernel_settings", lambda: ("madvise", defrag))
+    monkeypatch.setattr(_hugepages, "free_huge_blocks", lambda node: free_blocks)
+    record = _hugepages.HugePagePolicy.record
+
+    def timed(self: _hugepages.HugePagePolicy, huge: bool, length: int, seconds: float) -> None:
+        record(self, huge, length, length / ((huge_gib_s if huge else 1.0) * (1 << 30)))
+
+    monkeypatch.setattr(_hugepages.HugePagePolicy, "record", timed)
+
+
+def huge_advised(tier: HostTier, offset: int) -> bool:
+    return "hg" in smaps_flags(tier.statistics().base_address + offset)
+
+
+async def test_thp_auto_where_the_fault_cannot_stall(monkeypatch: pytest.MonkeyPatch) -> None:
+    auto_units(monkeypatch, "defer", 0)
+    async with HostTier(big_units(fill_threads=1, transparent_huge_pages="auto")) as tier:
+        await tier.wait_resident()
+        s = check_tier(tier, settled=True)
+        assert s.transparent_huge_pages == "auto" and not s.huge_pages_given_up
+        assert s.huge_page_units == 5  # every unit but the first, which gave the 4 KiB rate
+        assert not huge_advised(tier, 0) and huge_advised(tier, 64 * MiB)
+        await tier.resize(32 * MiB)
+        assert tier.statistics().huge_page_units == 3
+
+
+async def test_thp_auto_stays_off_where_a_fault_could_compact(monkeypatch: pytest.MonkeyPatch) -> None:
+    auto_units(monkeypatch, "madvise", 16)  # 32 MiB free in 2 MiB blocks: not twice a 32 MiB unit
+    async with HostTier(big_units(fill_threads=2, transparent_huge_pages="auto")) as tier:
+        await tier.wait_resident()
+        s = tier.statistics()
+        assert s.huge_page_units == 3  # the 4, 8 and 16 MiB ramp units fit, the 32 MiB ones do not
+        assert not huge_advised(tier, 64 * MiB)
+
+
+async def test_thp_auto_gives_up_after_a_unit_slower_than_small_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    auto_units(monkeypatch, "defer", 0, huge_gib_s=0.1)  # compaction: a tenth of the 4 KiB rate
+    async with HostTier(big_units(fill_threads=1, transparent_huge_pages="auto")) as tier:
+        await tier.wait_resident()
+        s = check_tier(tier, settled=True)
+        assert s.huge_pages_given_up and s.huge_page_units == 1
+        assert not huge_advised(tier, 64 * MiB)

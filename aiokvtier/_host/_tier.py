@@ -574,6 +574,8 @@ class HostTier(Owner):
             closed=self.closed,
             allocation_waits=self._allocation_waits,
             allocation_wait_seconds=self._allocation_wait_seconds,
+            huge_page_units=self._backing.huge_page_units,
+            huge_pages_given_up=self._backing.huge_pages_given_up,
         )
 
     def __repr__(self) -> str:

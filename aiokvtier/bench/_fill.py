@@ -304,3 +304,85 @@ def fill_scaling(size: int, repeats: int, settle: float, threads: tuple[int, ...
                 }
             )
     return {"size_gib": size / GiB, "repeats": repeats, "rows": rows, "population_counters": _headroom.counters()}
+
+
+# -- transparent huge pages: off, on, auto -------------------------------------------------------
+
+
+class Fragmenter:
+    """Holds every other 4 KiB page of ``size`` bytes, so no free 2 MiB block is left in that memory.
+
+    The node's free order-9 blocks are used up (what a long-running process's
+    heap does to a node); a huge-page fault then needs compaction.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.base = _linux.map_anonymous(size)
+        _linux.madvise(self.base, size, _linux.MADV_NOHUGEPAGE)
+        _linux.touch(self.base, size)
+        page = _linux.PAGE_SIZE
+        for offset in range(0, size, 2 * page):
+            _linux.madvise(self.base + offset, page, _linux.MADV_DONTNEED)
+
+    def close(self) -> None:
+        _linux.munmap(self.base, self.size)
+
+
+def thp_auto(size: int, repeats: int, settle: float, fragment: int | None) -> dict[str, Any]:
+    """The tier with THP off, on and ``"auto"``, on the node as it is and on one fragmented on purpose.
+
+    ``fragment`` bytes (default: what the free 2 MiB blocks hold, at most
+    16 GiB and what memory allows beside the tier) are touched and then every
+    other page freed; ``free_2mib_blocks_before`` shows whether that used the
+    free blocks up.
+    """
+    from .._host import _hugepages
+
+    if fragment is None:
+        room = (_headroom.available_bytes() or 0) - 2 * size - GiB
+        fragment = min(_hugepages.free_huge_blocks(None) * _hugepages.HUGE_PAGE, 16 * GiB, room)
+    fragment = max(fragment // (2 * MiB) * (2 * MiB), 2 * MiB)
+
+    modes: dict[str, bool | str] = {"off": False, "on": True, "auto": "auto"}
+    out: dict[str, Any] = {
+        "size_gib": size / GiB,
+        "repeats": repeats,
+        "kernel": dict(zip(("enabled", "defrag"), _hugepages.kernel_settings(), strict=True)),
+        "fragment_gib": round(fragment / GiB, 3),
+    }
+    for node_state in ("as_is", "fragmented"):
+        fragmenter = Fragmenter(fragment) if node_state == "fragmented" else None
+        try:
+            free_blocks = _hugepages.free_huge_blocks(None)
+            seconds: dict[str, list[float]] = {m: [] for m in modes}
+            units: list[int] = []
+            for _ in range(repeats):
+                for mode, value in modes.items():
+                    cfg = _tier_config(size, transparent_huge_pages=value)
+                    seconds[mode].append(asyncio.run(_thp_fill(cfg, units if mode == "auto" else None)))
+                    _settle(settle)
+        finally:
+            if fragmenter is not None:
+                fragmenter.close()
+                _settle(settle)
+        rates = {m: size / GiB / median(s) for m, s in seconds.items()}
+        best = max(rates["off"], rates["on"])
+        out[node_state] = {
+            "free_2mib_blocks_before": free_blocks,
+            **{f"{m}_gib_s": round(r, 3) for m, r in rates.items()},
+            "auto_vs_best": round(rates["auto"] / best, 3),
+            "auto_never_loses": rates["auto"] >= 0.95 * best,
+            "auto_huge_page_units_median": median([float(u) for u in units]) if units else 0,
+        }
+    return out
+
+
+async def _thp_fill(config: HostTierConfig, units: list[int] | None) -> float:
+    started = time.perf_counter()
+    async with HostTier(config) as tier:
+        await tier.wait_resident()
+        seconds = time.perf_counter() - started
+        if units is not None:
+            units.append(tier.statistics().huge_page_units)
+    return seconds

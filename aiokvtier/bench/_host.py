@@ -165,5 +165,11 @@ def run(args: Any) -> dict[str, Any]:
             int(args.gib * GiB), args.repeats, args.settle, [int(u * MiB) for u in args.register_units_mib]
         ),
         "fill_scaling": lambda: _fill.fill_scaling(int(args.gib * GiB), args.repeats, args.settle),
+        "thp_auto": lambda: _fill.thp_auto(
+            int(args.gib * GiB),
+            args.repeats,
+            args.settle,
+            None if args.fragment_gib is None else int(args.fragment_gib * GiB),
+        ),
     }
     return run_sections(sections, args.sections)
