@@ -10,8 +10,9 @@ from .test_programs import _run
 
 def test_neighbours_and_fill_scaling_print_their_json() -> None:
     out = _run(
-        "-m", "aiokvtier.bench", "host", "--sections", "neighbours", "fill_scaling", "slot_operations",
+        "-m", "aiokvtier.bench", "host", "--sections", "neighbours", "fill_scaling", "thp_auto", "slot_operations",
         "--gib", "0.0625", "--repeats", "1", "--settle", "0", "--ops-gib", "0.01", "--pairs", "100",
+        "--fragment-gib", "0.0625",
     )  # fmt: skip
     report = json.loads(out)
     neighbours = report["neighbours"]
@@ -30,6 +31,11 @@ def test_neighbours_and_fill_scaling_print_their_json() -> None:
     for row in rows:
         assert {"raw_touch_gib_s", "raw_populate_gib_s", "tier_host_gib_s", "tier_vs_best_raw"} <= set(row)
         assert row["tier_vs_best_raw"] > 0
+    thp = report["thp_auto"]
+    assert set(thp["kernel"]) == {"enabled", "defrag"}
+    for state in ("as_is", "fragmented"):
+        assert {"free_2mib_blocks_before", "off_gib_s", "on_gib_s", "auto_gib_s", "auto_vs_best"} <= set(thp[state])
+        assert isinstance(thp[state]["auto_never_loses"], bool)
     # A tier of fewer than 4096 slots still reports its slot operations.
     ops = report["slot_operations"]["asyncio"]
     assert ops["batch_slots"] < 4096 and not math.isnan(ops["allocate_many_4096_plus_free_many_ms"])
