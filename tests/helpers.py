@@ -17,6 +17,7 @@ def small_config(**overrides: Any) -> HostTierConfig:
         slot_size=64 * KiB,
         commit_unit=1 * MiB,
         fill_chunk=1 * MiB,
+        fill_threads=1,
     )
     values.update(overrides)
     return HostTierConfig(**values)

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ByteSize, ValidationError
 
 from aiokvtier import CacheConfig, HostTierConfig, QuotaError
-from aiokvtier._config import ResolvedHostConfig, default_max_quota, parse_quota
+from aiokvtier._config import ResolvedHostConfig, default_fill_threads, default_max_quota, parse_quota
 from aiokvtier._host._linux import PAGE_SIZE
 
 from .helpers import GiB, KiB, MiB
@@ -167,7 +167,8 @@ def test_resolved_leaves_equality_hashing_and_serialisation_alone() -> None:
 
 def test_a_copy_resolves_its_own_values() -> None:
     cfg = HostTierConfig(quota="1GiB", max_quota="2GiB")
-    assert cfg.resolved.fill_threads == 1
+    assert cfg.fill_threads is None and cfg.resolved.fill_threads == default_fill_threads()
+    assert 1 <= default_fill_threads() <= 8
     assert cfg.model_copy(update={"fill_threads": 4}).resolved.fill_threads == 4
     assert cfg.model_copy().resolved == cfg.resolved
 

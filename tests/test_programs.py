@@ -49,7 +49,7 @@ def test_host_benchmark_prints_json_side_by_side() -> None:
     out = _run(
         "-m", "aiokvtier.bench", "host", "--sizes", "0.25", "--fill-gib", "0.25", "--repeats", "1",
         "--pairs", "10000", "--ops-gib", "0.5", "--bookkeeping-gib", "0.25",
-        "--cold-gib", "0.25", "--cold-repeats", "1", "--cold-threads", "1",
+        "--cold-gib", "0.25", "--cold-repeats", "1", "--cold-threads", "1", "--gib", "0.0625", "--settle", "0",
     )  # fmt: skip
     report = json.loads(out)
     assert list(report["cold"]["arms"]) == ["host_threads1"]

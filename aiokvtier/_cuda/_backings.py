@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Literal
 
 from .._config import ResolvedHostConfig
 from .._errors import CudaError, NumaPolicyError
@@ -33,7 +33,9 @@ class RegisterBacking(HostBacking):
 
     name = "register"
 
-    def __init__(self, size: int, *, device: int, node: int | None, strict_numa: bool, huge_pages: bool) -> None:
+    def __init__(
+        self, size: int, *, device: int, node: int | None, strict_numa: bool, huge_pages: bool | Literal["auto"]
+    ) -> None:
         self.context = PrimaryContext(device)
         try:
             super().__init__(size, node=node, strict_numa=strict_numa, huge_pages=huge_pages)

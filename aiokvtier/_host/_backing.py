@@ -8,7 +8,7 @@ Each backing undoes its own partial work when a call fails.
 ::
 
     Backing (interface)
-    ├── HostBacking        mmap + mbind + populate: the host-only tier
+    ├── HostBacking        mmap + mbind + touch pages: the host-only tier
     │   └── RegisterBacking    + cuMemHostRegister per unit   (aiokvtier._cuda)
     └── VmmBacking         cuMemAddressReserve + cuMemCreate per unit (aiokvtier._cuda)
 """
@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
+import time
 from abc import ABC, abstractmethod
 from contextlib import ExitStack
+from typing import Literal
 
 from .._errors import NumaPolicyError
 from . import _linux
+from ._hugepages import HugePagePolicy
 
 __all__ = ["Backing", "HostBacking"]
 
@@ -40,6 +44,22 @@ class Backing(ABC):
     """``"preferred"``, ``"bind"``, ``"first-touch"`` (mbind denied) or ``"none"``."""
     numa_warning: str | None = None
     registered_bytes: int = 0
+
+    @property
+    def huge_page_units(self) -> int:
+        """Committed units given huge pages by ``transparent_huge_pages="auto"``."""
+        return 0
+
+    @property
+    def huge_pages_given_up(self) -> bool:
+        return False
+
+    def expose(self, end: int) -> None:  # noqa: B027 - an optional hook, empty by default
+        """Make ``[0, end)`` accessible ahead of its commits, and the range past it inaccessible.
+
+        Called once per resize, never on the fill's hot path: before the fill
+        grows to ``end``, and after a shrink's tail is decommitted.
+        """
 
     def thread_setup(self) -> None:  # noqa: B027 - an optional hook, empty by default
         """Prepare a library-started thread before it calls :meth:`commit` (CUDA context)."""
@@ -86,45 +106,117 @@ def apply_numa_policy(base: int, size: int, node: int | None, strict: bool) -> t
 
 
 class HostBacking(Backing):
-    """Anonymous memory: PROT_NONE reservation, mprotect + MADV_POPULATE_WRITE per unit.
+    """Anonymous memory: a PROT_NONE reservation, read-write up to the fill target, pages touched per unit.
 
     The reservation is not charged against the commit limit, so reserving far
     more than free RAM succeeds; THP advice and the NUMA policy are attached to
     the whole range before any page is touched.
+
+    The range up to the fill target is made read-write with one ``mprotect``
+    per resize, not one per unit: ``mprotect`` needs the address space's lock
+    exclusively, and one per unit made fill threads wait for each other and
+    stalled every other thread's mmap (docs/guide.md, "How the fill works").
+    Past the target the range stays PROT_NONE. Below it, a unit not yet
+    committed is readable memory that the tier never hands out: slots are
+    taken only below the watermark, and raw copies past it are refused.
+    Where the kernel charges a writable private mapping in full (strict
+    overcommit, ``vm.overcommit_memory=2``), the one large ``mprotect`` fails
+    with ENOMEM; the backing then opens each unit as it commits it, as
+    before, so running out of memory stays a partial failure.
     """
 
     name = "host"
 
-    def __init__(self, size: int, *, node: int | None, strict_numa: bool, huge_pages: bool) -> None:
+    def __init__(self, size: int, *, node: int | None, strict_numa: bool, huge_pages: bool | Literal["auto"]) -> None:
         self.base, self.size = _linux.mmap_reserve(size, HUGE_ALIGN)
+        self._exposed = 0
+        self._per_unit = False
+        # "auto": 4 KiB pages for the range, and huge pages advised unit by unit where they cannot lose.
+        self._thp = HugePagePolicy(node) if huge_pages == "auto" else None
+        self._thp_lock = threading.Lock()
+        self._advised_huge: set[int] = set()
+        self._huge_units: set[int] = set()
         with ExitStack() as undo:
             undo.callback(_linux.munmap, self.base, self.size)
-            advice = _linux.MADV_HUGEPAGE if huge_pages else _linux.MADV_NOHUGEPAGE
+            advice = _linux.MADV_HUGEPAGE if huge_pages is True else _linux.MADV_NOHUGEPAGE
             try:
                 _linux.madvise(self.base, self.size, advice)
             except OSError as exc:
                 # Kernels built without THP refuse the advice; nothing to turn off then.
-                if huge_pages or exc.errno != errno.EINVAL:
+                if huge_pages is True or exc.errno != errno.EINVAL:
                     raise
             self.numa_policy, self.numa_warning = apply_numa_policy(self.base, self.size, node, strict_numa)
             undo.pop_all()
 
+    def expose(self, end: int) -> None:
+        end = min(end, self.size)
+        if self._per_unit or end == self._exposed:
+            return
+        if end > self._exposed:
+            try:
+                _linux.mprotect(self.base + self._exposed, end - self._exposed, writable=True)
+            except OSError as exc:
+                if exc.errno != errno.ENOMEM:
+                    raise
+                log.info("aiokvtier: the kernel charges writable mappings in full; opening the range unit by unit")
+                self._per_unit = True
+                return
+        else:
+            _linux.mprotect(self.base + end, self._exposed - end, writable=False)
+        self._exposed = end
+
     def commit(self, offset: int, length: int) -> None:
         addr = self.base + offset
-        _linux.mprotect(addr, length, writable=True)
+        if self._per_unit or offset + length > self._exposed:
+            _linux.mprotect(addr, length, writable=True)
         try:
-            _linux.populate(addr, length)
+            if self._thp is None:
+                _linux.populate(addr, length)
+            else:
+                self._commit_auto(offset, length)
         except BaseException:
-            self._discard(addr, length)
+            self._discard(offset, length)
             raise
 
-    def decommit(self, offset: int, length: int) -> None:
-        self._discard(self.base + offset, length)
+    def _commit_auto(self, offset: int, length: int) -> None:
+        assert self._thp is not None
+        addr = self.base + offset
+        huge = self._thp.choose(length)
+        with self._thp_lock:
+            advised = offset in self._advised_huge
+        if huge != advised:
+            # Splits the mapping (the address space's lock, exclusively, for microseconds: no
+            # fill thread holds it for longer now); adjacent units with the same advice merge.
+            _linux.madvise(addr, length, _linux.MADV_HUGEPAGE if huge else _linux.MADV_NOHUGEPAGE)
+            with self._thp_lock:
+                (self._advised_huge.add if huge else self._advised_huge.discard)(offset)
+        started = time.perf_counter()
+        _linux.populate(addr, length)
+        self._thp.record(huge, length, time.perf_counter() - started)
+        if huge:
+            with self._thp_lock:
+                self._huge_units.add(offset)
 
-    @staticmethod
-    def _discard(addr: int, length: int) -> None:
+    @property
+    def huge_page_units(self) -> int:
+        """Committed units advised huge pages by ``transparent_huge_pages="auto"``."""
+        with self._thp_lock:
+            return len(self._huge_units)
+
+    @property
+    def huge_pages_given_up(self) -> bool:
+        return self._thp is not None and self._thp.given_up
+
+    def decommit(self, offset: int, length: int) -> None:
+        self._discard(offset, length)
+
+    def _discard(self, offset: int, length: int) -> None:
+        with self._thp_lock:
+            self._huge_units.discard(offset)
+        addr = self.base + offset
         _linux.madvise(addr, length, _linux.MADV_DONTNEED)
-        _linux.mprotect(addr, length, writable=False)
+        if self._per_unit or offset + length > self._exposed:
+            _linux.mprotect(addr, length, writable=False)
 
     def release(self, committed: list[tuple[int, int]]) -> None:
         _linux.munmap(self.base, self.size)

@@ -107,27 +107,50 @@ class Filler:
         """
         with self._cond:
             self._check_open()
-            if units > len(self._states):
-                self._states.extend(bytes(units - len(self._states)))
             grow = units > self._target
-            previous, self._target = self._target, units
-            if grow:
-                try:
-                    self._start_threads_locked()
-                except FillError:
-                    self._target = previous  # nothing changed: a later grow tries again
-                    raise
-                return None
-            self._next_claim = min(self._next_claim, units)
-            self._cond.wait_for(lambda: _FILLING not in self._states[units:])
-            return self.committed_ranges(units)
+        if grow:
+            # One mprotect per resize, outside the lock: it waits for the address space's lock.
+            self._backing.expose(self._layout.start(units))
+        try:
+            with self._cond:
+                self._check_open()
+                if units > len(self._states):
+                    self._states.extend(bytes(units - len(self._states)))
+                grow = units > self._target
+                previous, self._target = self._target, units
+                if grow:
+                    try:
+                        self._start_threads_locked()
+                    except FillError:
+                        self._target = previous  # nothing changed: a later grow tries again
+                        raise
+                    return None
+                self._next_claim = min(self._next_claim, units)
+                self._cond.wait_for(lambda: _FILLING not in self._states[units:])
+                return self.committed_ranges(units)
+        except FillError:
+            if grow:  # the grow did not happen: close what was opened for it
+                self._backing.expose(self.target_bytes)
+            raise
 
     def finish_shrink(self, units: int, decommitted: list[tuple[int, int]]) -> None:
-        """Record a shrink to ``units`` units once the tail is decommitted.
+        """Record a shrink to ``units`` units once the tail is decommitted, and close the tail.
 
         Units whose decommit failed stay recorded as committed, so that
         closing still releases (and unregisters) them.
+
+        :raises OSError: the tail could not be made inaccessible (the shrink stands).
         """
+        try:
+            self._record_shrink(units, decommitted)
+        finally:
+            self._on_change()
+        with self._cond:
+            if self._target != units:
+                return  # a grow came first (resizes are serialised by the caller; defensive)
+        self._backing.expose(self._layout.start(units))
+
+    def _record_shrink(self, units: int, decommitted: list[tuple[int, int]]) -> None:
         with self._cond:
             for offset, _ in decommitted:
                 self._states[self._layout.unit_at(offset)] = _EMPTY
@@ -140,7 +163,6 @@ class Filler:
                 self.error = None
             self._mark_finished_locked()
             self._cond.notify_all()
-        self._on_change()
 
     def close(self) -> None:
         """Stop between units and join every worker. Idempotent."""

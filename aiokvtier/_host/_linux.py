@@ -14,6 +14,10 @@ import mmap
 import os
 import platform
 
+import numpy as np
+
+from . import _headroom
+
 __all__ = [
     "MADV_DONTNEED",
     "MADV_HUGEPAGE",
@@ -22,11 +26,14 @@ __all__ = [
     "MPOL_PREFERRED",
     "PAGE_SIZE",
     "madvise",
+    "map_anonymous",
     "mbind",
     "mmap_reserve",
     "mprotect",
     "munmap",
     "populate",
+    "populate_write",
+    "touch",
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
@@ -97,6 +104,15 @@ def mmap_reserve(length: int, align: int) -> tuple[int, int]:
     return base, length
 
 
+def map_anonymous(length: int) -> int:
+    """A plain read-write anonymous mapping (what a large malloc makes). :raises OSError: refused."""
+    raw = _mmap(None, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if raw is None or raw == MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {length} bytes: {os.strerror(err)}")
+    return int(raw)
+
+
 def munmap(addr: int, length: int) -> None:
     _check(_munmap(addr, length), "munmap")
 
@@ -110,28 +126,79 @@ def madvise(addr: int, length: int, advice: int) -> None:
     _check(_madvise(addr, length, advice), "madvise")
 
 
+TOUCH_STEP = 8 << 20
+"""Bytes one touch call covers: 2048 pages, far above the 500 elements from
+which numpy releases the GIL for an assignment (a smaller piece uses memset,
+which always runs without it)."""
+POPULATE_STEP = 2 << 20
+"""Bytes one MADV_POPULATE_WRITE call covers. The call holds the address
+space's lock for its whole length, and a thread that wants to mmap or munmap
+waits for it: 2 MiB is ~1 ms of population, where 512 MiB calls stalled a
+neighbouring mmap for 0.5 s (docs/benchmarks.md, ``neighbours``)."""
+_TOUCH_MIN_PAGES = 512
+
 _populate_write_supported: bool | None = None
 
 
-def populate(addr: int, length: int) -> None:
-    """Fault in and zero ``length`` writable bytes at ``addr``, GIL released.
+def touch(addr: int, length: int) -> None:
+    """Make ``length`` writable bytes at ``addr`` resident by writing a zero into every page.
 
-    MADV_POPULATE_WRITE (Linux 5.14) faults pages without touching them from
-    user space; older kernels answer EINVAL and get a memset, which also
-    faults every page and also runs without the GIL.
+    Page faults take a per-VMA lock on Linux 6.4+ (on older kernels they hold
+    the address space's lock for one fault at a time): other threads' mmap
+    and munmap never wait behind the fill. Calls of at most
+    :data:`TOUCH_STEP` bytes, each without the GIL. Only for memory that holds
+    nothing yet (it writes zeroes), and only where memory is known to be
+    available: a fault that finds none ends in SIGBUS or the OOM killer, not
+    in an error (see :mod:`aiokvtier._host._headroom`).
+    """
+    for offset in range(0, length, TOUCH_STEP):
+        _touch_step(addr + offset, min(TOUCH_STEP, length - offset))
+
+
+def _touch_step(addr: int, n: int) -> None:
+    if n // PAGE_SIZE < _TOUCH_MIN_PAGES:
+        _memset(addr, 0, n)
+        return
+    pages = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(addr))
+    pages[::PAGE_SIZE] = 0
+
+
+def populate_write(addr: int, length: int, step: int = POPULATE_STEP) -> None:
+    """Fault in and zero ``length`` writable bytes with MADV_POPULATE_WRITE, ``step`` bytes per call.
+
+    MADV_POPULATE_WRITE (Linux 5.14) reports a lack of memory as ENOMEM;
+    older kernels answer EINVAL and get a memset, which also faults every
+    page and also runs without the GIL.
 
     :raises OSError: ENOMEM when memory runs out, EFAULT/EINVAL on a bad range.
     """
     global _populate_write_supported
-    if _populate_write_supported is not False:
-        if _madvise(addr, length, MADV_POPULATE_WRITE) == 0:
-            _populate_write_supported = True
-            return
-        err = ctypes.get_errno()
-        if err != errno.EINVAL or _populate_write_supported:
-            raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
-        _populate_write_supported = False
-    _memset(addr, 0, length)
+    for offset in range(0, length, step):
+        piece, n = addr + offset, min(step, length - offset)
+        if _populate_write_supported is not False:
+            if _madvise(piece, n, MADV_POPULATE_WRITE) == 0:
+                _populate_write_supported = True
+                continue
+            err = ctypes.get_errno()
+            if err != errno.EINVAL or _populate_write_supported:
+                raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+            _populate_write_supported = False
+        _memset(piece, 0, n)
+
+
+def populate(addr: int, length: int) -> None:
+    """Make ``length`` writable bytes at ``addr`` resident (zeroed), GIL released.
+
+    Touches the pages while the process has memory to spare (no stall for
+    other threads), else populates them in short calls that report ENOMEM.
+
+    :raises OSError: ENOMEM when memory runs out, EFAULT/EINVAL on a bad range.
+    """
+    with _headroom.Claim(length) as claim:
+        if claim.granted:
+            touch(addr, length)
+        else:
+            populate_write(addr, length)
 
 
 def mbind(addr: int, length: int, mode: int, node: int) -> None:

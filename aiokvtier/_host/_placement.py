@@ -27,18 +27,38 @@ class Placement:
     """The kernel's policy text, e.g. ``"prefer:0"``, ``"bind:1"``, ``"default"``."""
     kernel_page_size: int = 4096
     huge_pages: bool = False
+    """Whether any of the range is backed by huge pages (hugetlbfs, or THP per ``AnonHugePages``)."""
+    huge_page_bytes: int = 0
+    """Bytes of the range backed by transparent huge pages (``AnonHugePages`` in smaps)."""
 
     @property
     def bytes_per_node(self) -> dict[int, int]:
         return {node: pages * self.kernel_page_size for node, pages in self.pages_per_node.items()}
 
 
-def read_placement(base: int, size: int, numa_maps: Path = Path("/proc/self/numa_maps")) -> Placement:
-    """Sum ``numa_maps`` over the mappings that start inside ``[base, base+size)``.
+def read_placement(
+    base: int,
+    size: int,
+    numa_maps: Path = Path("/proc/self/numa_maps"),
+    smaps: Path = Path("/proc/self/smaps"),
+) -> Placement:
+    """Sum ``numa_maps`` (and smaps' ``AnonHugePages``) over the mappings that start inside ``[base, base+size)``.
 
     mprotect splits the range into several mappings (committed and not); each
-    has its own line.
+    has its own line. ``numa_maps`` marks only hugetlbfs mappings ``huge``:
+    transparent huge pages show in smaps alone.
     """
+    thp = 0
+    try:
+        inside = False
+        for line in smaps.read_text().splitlines():
+            head = line.split(" ", 1)[0]
+            if "-" in head and not head.endswith(":"):
+                inside = base <= int(head.split("-", 1)[0], 16) < base + size
+            elif inside and head == "AnonHugePages:":
+                thp += int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
     pages: dict[int, int] = {}
     policies: list[str] = []
     page_size = 4096
@@ -46,7 +66,7 @@ def read_placement(base: int, size: int, numa_maps: Path = Path("/proc/self/numa
     try:
         lines = numa_maps.read_text().splitlines()
     except OSError:
-        return Placement()
+        return Placement(huge_pages=thp > 0, huge_page_bytes=thp)
     for line in lines:
         start_text, _, rest = line.partition(" ")
         try:
@@ -63,7 +83,7 @@ def read_placement(base: int, size: int, numa_maps: Path = Path("/proc/self/numa
         if "kernelpagesize_kB=" in rest:
             page_size = int(rest.split("kernelpagesize_kB=")[1].split()[0]) * 1024
         huge = huge or " huge " in f" {rest} "
-    return Placement(pages, ",".join(policies) or "default", page_size, huge)
+    return Placement(pages, ",".join(policies) or "default", page_size, huge or thp > 0, thp)
 
 
 def node_cpus_or_none(node: int | None) -> set[int] | None:

@@ -42,9 +42,15 @@ class TierStatistics:
     numa_policy: str
     """``"preferred"``, ``"bind"``, ``"first-touch"`` (mbind denied) or ``"none"``."""
     numa_warning: str | None
-    transparent_huge_pages: bool
+    transparent_huge_pages: bool | str
+    """As configured: True, False or ``"auto"``."""
     closed: bool
     allocation_waits: int
     """``allocate`` calls that had to wait for the fill (counted once each, however they ended)."""
     allocation_wait_seconds: float
     """Seconds those calls spent waiting for the fill, in total."""
+    huge_page_units: int = 0
+    """With ``transparent_huge_pages="auto"``: committed units advised huge pages
+    (``placement().huge_page_bytes`` says what the kernel gave them)."""
+    huge_pages_given_up: bool = False
+    """With ``"auto"``: a huge-page unit filled slower than 4 KiB pages, so no later unit gets them."""

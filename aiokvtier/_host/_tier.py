@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _regions
-from .._config import HostTierConfig, ResolvedHostConfig, parse_quota
+from .._config import HostTierConfig, ResolvedHostConfig, default_fill_threads, parse_quota
 from .._crossing import LoopWaiters
 from .._errors import CopyPlanError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._lifecycle import Lifecycle, Owner, finish
@@ -146,12 +146,15 @@ class HostTier(Owner):
         self._base = backing.base
         self._layout = layout = UnitLayout.build(backing.size, slot, cfg.commit_unit)
         self._slots = SlotAllocator(self._quota // slot)
+        cpus = node_cpus_or_none(node)
+        threads = cfg.fill_threads if self._config.fill_threads is not None else default_fill_threads(cpus)
+        self._fill_threads = threads
         self._filler = filler = Filler(
             backing,
             layout,
-            threads=cfg.fill_threads,
+            threads=threads,
             fill_chunk=cfg.fill_chunk,
-            cpus=node_cpus_or_none(node),
+            cpus=cpus,
             on_change=self._notify,
         )
         life.undo.callback(filler.close)  # LIFO: the fill stops before the range goes
@@ -556,7 +559,7 @@ class HostTier(Owner):
             slot_size=self._slot_size,
             commit_unit=cfg.commit_unit,
             fill_chunk=cfg.fill_chunk,
-            fill_threads=cfg.fill_threads,
+            fill_threads=self._fill_threads,
             slots_total=slots.total,
             slots_allocated=slots.count,
             slots_free=slots.available,
@@ -571,6 +574,8 @@ class HostTier(Owner):
             closed=self.closed,
             allocation_waits=self._allocation_waits,
             allocation_wait_seconds=self._allocation_wait_seconds,
+            huge_page_units=self._backing.huge_page_units,
+            huge_pages_given_up=self._backing.huge_pages_given_up,
         )
 
     def __repr__(self) -> str:

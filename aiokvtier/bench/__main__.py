@@ -41,7 +41,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m aiokvtier.bench")
         "--bookkeeping-gib", type=float, default=16, help="GiB of 64 KiB slots whose bookkeeping is measured"
     )
     host.add_argument("--repeats", type=int, default=3, help="runs per measurement (the median is reported)")
-    host.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
+    host.add_argument("--sections", nargs="+", help="run only these parts (default: all but thp_auto)")
+    fill = host.add_argument_group("neighbours, fill_scaling and thp_auto sections")
+    fill.add_argument("--gib", type=float, default=4, help="GiB each fill makes resident (default 4)")
+    fill.add_argument("--settle", type=float, default=0.5, help="seconds of rest after each free (default 0.5)")
+    fill.add_argument(
+        "--register-units-mib",
+        type=float,
+        nargs="*",
+        default=[64, 128, 256],
+        help="commit units to try with the register backing, MiB (GPU only; default 64 128 256)",
+    )
+    fill.add_argument(
+        "--fragment-gib",
+        type=float,
+        help="thp_auto: GiB to fragment (every other 4 KiB page held); default: what the free 2 MiB blocks hold, "
+        "at most 16 GiB and what memory allows",
+    )
     _cold_options(host, "64", "5")
     cuda = sub.add_parser("cuda", help="CUDA backings and copies (needs a GPU)", formatter_class=_Formatter)
     cuda.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")

@@ -11,7 +11,7 @@ from typing import Any
 
 from .._config import HostTierConfig
 from .._host._tier import HostTier
-from . import _cold
+from . import _cold, _fill
 from ._common import GiB, MiB, bare_populate, loop_factories, median, run_on, run_sections, sample_loop_lag, summary_ms
 
 
@@ -94,22 +94,25 @@ async def _slot_ops(size: int, pairs: int) -> dict[str, Any]:
         for _ in range(pairs):
             free(alloc())
         pair_s = (time.perf_counter() - started) / pairs
+        # Batches of 4096 slots, or half the tier where it holds fewer (a small --ops-gib).
+        n = max(1, min(4096, tier.statistics().slots_total // 2))
         batch: list[float] = []
         for _ in range(50):
             started = time.perf_counter()
-            slots = await tier.allocate_many(4096)
+            slots = await tier.allocate_many(n)
             tier.free_many(slots)
             batch.append(time.perf_counter() - started)
-        # Fresh slots each time: free a full batch, then allocate past it.
+        # Fresh slots each time: free a full batch, then allocate past it (at least one batch fits).
         fresh: list[float] = []
         held: list[int] = []
-        for _ in range(min(10, tier.statistics().slots_total // 4096 - 1)):
+        for _ in range(max(1, min(10, tier.statistics().slots_total // n - 1))):
             started = time.perf_counter()
-            held += await tier.allocate_many(4096)
+            held += await tier.allocate_many(n)
             fresh.append(time.perf_counter() - started)
         tier.free_many(held)
     return {
         "nowait_free_pairs_per_s": round(1 / pair_s),
+        "batch_slots": n,
         "allocate_many_4096_plus_free_many_ms": round(median(batch) * 1e3, 3),
         "allocate_many_4096_fresh_ms": round(median(fresh) * 1e3, 3),
     }
@@ -158,5 +161,16 @@ def run(args: Any) -> dict[str, Any]:
         "slot_operations": lambda: slot_ops(int(args.ops_gib * GiB), args.pairs),
         "bookkeeping": lambda: asyncio.run(_bookkeeping(int(args.bookkeeping_gib * GiB), 64 << 10)),
         "cold": lambda: _cold.section(args, ["host"], cuda=False),
+        "neighbours": lambda: _fill.neighbours(
+            int(args.gib * GiB), args.repeats, args.settle, [int(u * MiB) for u in args.register_units_mib]
+        ),
+        "fill_scaling": lambda: _fill.fill_scaling(int(args.gib * GiB), args.repeats, args.settle),
+        "thp_auto": lambda: _fill.thp_auto(
+            int(args.gib * GiB),
+            args.repeats,
+            args.settle,
+            None if args.fragment_gib is None else int(args.fragment_gib * GiB),
+        ),
     }
-    return run_sections(sections, args.sections)
+    # thp_auto fragments memory on purpose (gigabytes held in 4 KiB pieces): only when asked for.
+    return run_sections(sections, args.sections or [name for name in sections if name != "thp_auto"])

@@ -1,0 +1,90 @@
+"""Whether a range can be made resident by touching it, or must be populated.
+
+Touching pages (a plain write per page) makes them resident through page
+faults, which on Linux 6.4+ take a per-VMA lock instead of the address
+space's ``mmap_lock``: the rest of the process keeps mapping and unmapping
+while the fill runs, and fill threads scale. ``MADV_POPULATE_WRITE`` holds
+``mmap_lock`` for the whole call, stalling every ``mmap``/``munmap`` of the
+process, but it is the only one of the two that reports running out of
+memory as ``ENOMEM``: a page fault that finds no memory ends in SIGBUS or
+the OOM killer instead.
+
+So a range is touched only while the memory the kernel reports as available
+(``MemAvailable``, and the room left under every cgroup ``memory.max`` on the
+way to the root) exceeds what all fill threads of the process are touching
+now plus a reserve; otherwise it is populated in short calls that can fail
+cleanly. This module keeps that ledger, process-wide, because every tier of
+the process draws on the same memory.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .. import _sysinfo
+
+__all__ = ["Claim", "available_bytes", "counters", "reserve_bytes"]
+
+_lock = threading.Lock()
+_in_flight = 0  # bytes being touched right now, across every tier of the process
+_touched = 0
+_populated = 0
+
+
+def reserve_bytes() -> int:
+    """Memory left untouched by the touch path: 1/32 of RAM, at least 256 MiB.
+
+    Room for the rest of the process and for the kernel's own allocations
+    while several threads fault at once; below it, population reports ENOMEM.
+    """
+    return max(256 << 20, _sysinfo.host_memory_bytes() // 32)
+
+
+def available_bytes() -> int | None:
+    """Memory that can still be made resident: MemAvailable, capped by the cgroup limit's room.
+
+    None where the kernel reports neither (the caller then populates).
+    """
+    try:
+        return _sysinfo.available_memory()[0]
+    except (OSError, ValueError):
+        return None
+
+
+class Claim:
+    """The right to touch ``length`` bytes, counted while held. Use as a context manager.
+
+    ``granted`` is False when the memory available, less what other threads
+    are touching, does not cover ``length`` plus :func:`reserve_bytes`: the
+    caller must then populate (which reports ENOMEM) instead of touching.
+    """
+
+    __slots__ = ("granted", "length")
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.granted = False
+
+    def __enter__(self) -> Claim:
+        global _in_flight
+        available = available_bytes()
+        with _lock:
+            if available is not None and available - _in_flight >= self.length + reserve_bytes():
+                _in_flight += self.length
+                self.granted = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _in_flight, _touched, _populated
+        with _lock:
+            if self.granted:
+                _in_flight -= self.length
+                _touched += self.length
+            else:
+                _populated += self.length
+
+
+def counters() -> dict[str, int]:
+    """Bytes this process made resident by touching and by populating, so far."""
+    with _lock:
+        return {"touched_bytes": _touched, "populated_bytes": _populated}
