@@ -328,10 +328,6 @@ async def test_keys_from_numpy_arrays_generators_and_bytes_likes() -> None:
         await exact(store)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_store: a bytearray key after a stored key reaches _slots unconverted (isdisjoint stops at the stored key)",
-)
 async def test_a_bytearray_key_after_a_stored_key_is_converted() -> None:
     async with open_store(4) as (tier, store):
         await bounded(store.store([b"a"], pages([b"a"])))
@@ -442,10 +438,6 @@ async def test_a_policy_failing_in_accessed_or_inserted_many() -> None:
         await exact(store)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_store: a failing removed_many in a failed store's cleanup skips _unbook and the claim's release",
-)
 async def test_a_policy_failing_in_removed_many_after_a_cancelled_store(store_then_hold: Gate) -> None:
     gate = store_then_hold
     async with open_store(4, policy=Flaky(4)) as (tier, store):
@@ -466,7 +458,6 @@ async def test_a_policy_failing_in_removed_many_after_a_cancelled_store(store_th
         whole(tier, store, [1])
 
 
-@pytest.mark.xfail(strict=True, reason="_store._evict: blocks forgotten before a policy error are never freed")
 @pytest.mark.parametrize("hook", ["removed", "victims"])
 async def test_a_policy_failing_in_the_middle_of_an_eviction(hook: str) -> None:
     async with open_store(4, policy=Flaky(4)) as (tier, store):
@@ -480,7 +471,6 @@ async def test_a_policy_failing_in_the_middle_of_an_eviction(hook: str) -> None:
         whole(tier, store, range(7))  # block 1 left the map, its slot stays taken and len() still counts it
 
 
-@pytest.mark.xfail(strict=True, reason="discard: removed_many fails after the keys left the map: READY slots, no key")
 async def test_a_policy_failing_in_removed_many_during_a_discard() -> None:
     async with open_store(4, policy=Flaky(4)) as (tier, store):
         policy = store._policy
@@ -497,7 +487,6 @@ async def test_a_policy_failing_in_removed_many_during_a_discard() -> None:
 # -- resize ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="store.resize: a grow cancelled in tier.resize leaves the maps short")
 async def test_a_store_in_flight_takes_slots_of_a_grow_whose_resize_was_cancelled(gate: PopulateGate) -> None:
     cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)  # two units of 16 slots
     async with HostTier(cfg) as tier, BlockStore(tier) as store:
@@ -524,7 +513,6 @@ async def test_a_store_in_flight_takes_slots_of_a_grow_whose_resize_was_cancelle
         whole(tier, store, [*first, *keys, 200])
 
 
-@pytest.mark.xfail(strict=True, reason="store.resize: a shrink the tier refuses has already evicted the blocks")
 async def test_a_refused_shrink_evicts_nothing() -> None:
     async with open_store(8) as (tier, store):
         keys = list(range(6))
@@ -554,9 +542,6 @@ class HalfInserts(LRUPolicy):
     inserted_many = EvictionPolicy.inserted_many
 
 
-@pytest.mark.xfail(
-    strict=True, reason="EvictionPolicy.inserted_many: the default loop keeps the blocks inserted before a failure"
-)
 async def test_a_policy_failing_half_way_through_the_default_inserted_many() -> None:
     async with open_store(4, policy=HalfInserts(4)) as (tier, store):
         policy = store._policy

@@ -167,6 +167,13 @@ class SlotAllocator:
     def is_allocated(self, slot: int) -> bool:
         return 0 <= slot < self.total and bool(self._allocated[slot])
 
+    def allocated_past(self, first: int) -> npt.NDArray[np.int64]:
+        """Allocated ids at or past ``first``."""
+        allocated = np.frombuffer(self._allocated, dtype=np.uint8)
+        ids = np.flatnonzero(allocated[first:]).astype(np.int64) + first
+        del allocated  # a live export would stop the buffer from being resized
+        return ids
+
     def highest_allocated(self) -> int:
         """Highest allocated id, or -1."""
         return self._allocated.rfind(b"\x01", 0, self.next_fresh)

@@ -261,6 +261,13 @@ class HostTier(Owner):
                 self._allocation_waits += 1
                 self._allocation_wait_seconds += time.perf_counter() - waiting_since
 
+    def slots_held_past(self, total: int) -> npt.NDArray[np.int64]:
+        """Slots at or past ``total`` that are allocated or viewed: what a shrink to ``total`` slots refuses."""
+        self._check_open()
+        held = self._slots.allocated_past(total)
+        viewed = [s for s in self._views.live() if s >= total]
+        return np.union1d(held, np.asarray(viewed, dtype=np.int64)).astype(np.int64)
+
     def allocate_nowait(self) -> int:
         """Allocate one slot without waiting.
 

@@ -48,6 +48,10 @@ class ViewLedger:
     def count(self) -> int:
         return sum(self._live.values())
 
+    def live(self) -> list[int]:
+        """Slots with a live view."""
+        return list(self._live)
+
     def highest(self) -> int:
         """Highest slot with a live view, or -1."""
         return max(self._live, default=-1)

@@ -65,9 +65,19 @@ class EvictionPolicy(ABC):
         """
 
     def inserted_many(self, slots: Sequence[int] | npt.NDArray[np.int64], keys: Sequence[Key]) -> None:
-        """Several blocks became visible, in this order (one store call); override to batch it."""
-        for slot, key in zip(np.asarray(slots, dtype=np.int64).tolist(), keys, strict=True):
-            self.inserted(slot, key)
+        """Several blocks became visible, in this order (one store call); override to batch it.
+
+        All or nothing: if one insert fails, those made before it are removed again.
+        """
+        done: list[int] = []
+        try:
+            for slot, key in zip(np.asarray(slots, dtype=np.int64).tolist(), keys, strict=True):
+                self.inserted(slot, key)
+                done.append(slot)
+        except BaseException:
+            for slot in reversed(done):
+                self.removed(slot)
+            raise
 
     @abstractmethod
     def removed(self, slot: int) -> None:

@@ -269,6 +269,8 @@ class BlockStore(Owner):
         self._length: U64 = np.empty(0, dtype=np.uint64)
         self._pins: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
         self._claims: set[_Claim] = set()
+        self._capacity = 0
+        """Slots the policy and the maps are sized for."""
         self._visible = 0
         self._in_flight = 0
         self._idle: asyncio.Event | None = None
@@ -316,6 +318,7 @@ class BlockStore(Owner):
             self._engine_given._check_open()
         capacity = self._tier.slots_total
         self._policy = make_policy(self._policy_arg, capacity)
+        self._capacity = capacity
         self._grow_maps(capacity)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -341,10 +344,16 @@ class BlockStore(Owner):
 
     def _sync_capacity(self) -> None:
         """Follow a tier that was grown behind the store's back (slot ids index the maps)."""
+        if self._tier.slots_total > self._capacity:
+            self._follow_tier()
+
+    def _follow_tier(self) -> None:
+        """Size the maps and the policy to the tier's slot count (after a resize, whatever its outcome)."""
         capacity = self._tier.slots_total
-        if capacity > len(self._state):
-            self._grow_maps(capacity)
+        self._grow_maps(capacity)  # the maps only grow: slots past a shrink stay free in them
+        if capacity != self._capacity:
             self._policy.resize(capacity)
+            self._capacity = capacity
 
     def _grow_maps(self, capacity: int) -> None:
         extra = capacity - len(self._state)
@@ -535,15 +544,14 @@ class BlockStore(Owner):
 
         n = len(keys)
         try:
-            disjoint = self._slot_of.keys().isdisjoint(keys)
+            if self._slot_of.keys().isdisjoint(keys):  # new blocks only, the common case: no look-ups
+                slots, ready = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.bool_)
+            else:
+                slots = self._slots(keys)
+                ready = self._ready(slots)
         except TypeError:  # an unhashable key (a bytearray): convert
             check_types()
             raise
-        if disjoint:  # new blocks only, the common case: no look-ups
-            slots, ready = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.bool_)
-        else:
-            slots = self._slots(keys)
-            ready = self._ready(slots)
         outcome = np.full(n, _MISSING, dtype=np.uint8)
         outcome[ready] = _PRESENT
         present_slots = slots[ready]
@@ -627,12 +635,16 @@ class BlockStore(Owner):
             self._counts["bytes_stored"] += int(chosen_pages.lengths.sum())
             self._events.publish("stored", published)
         finally:
-            if not landed:  # failed or cancelled: no partial block stays, no slot is kept
-                if inserted is not None:
-                    self._policy.removed_many(inserted)
-                self._unbook(np.concatenate([_NO_IDS, *chunks]).tolist())
-            self._claims.discard(claim)
-            claim.future.set_result(stored_keys)
+            try:
+                if not landed:  # failed or cancelled: no partial block stays, no slot is kept
+                    try:
+                        if inserted is not None:
+                            self._forget_inserted(inserted)
+                    finally:
+                        self._unbook(np.concatenate([_NO_IDS, *chunks]).tolist())
+            finally:
+                self._claims.discard(claim)
+                claim.future.set_result(stored_keys)
         retry: list[int] = []
         for future, indices in waiting.items():
             done = set(await future)
@@ -682,6 +694,20 @@ class BlockStore(Owner):
                 waiting.setdefault(future, []).append(i)
         return np.asarray(free, dtype=np.int64), waiting
 
+    def _forget_inserted(self, slots: I64) -> None:
+        """Untell the policy about blocks of a store that did not land (one by one if the batch fails)."""
+        try:
+            self._policy.removed_many(slots)
+        except Exception:
+            log.warning(
+                "aiokvtier: the eviction policy failed to remove %d blocks; removing them one by one", len(slots)
+            )
+            for slot in slots.tolist():
+                try:
+                    self._policy.removed(slot)
+                except KeyError:
+                    pass  # the batch got this far
+
     def _unbook(self, taken: list[int]) -> None:
         """Give back the slots of a store that did not land, and forget what was booked in them."""
         slot_of = self._slot_of
@@ -726,6 +752,7 @@ class BlockStore(Owner):
                 continue
             try:
                 chunk = await tier.allocate_ids(want)
+                self._sync_capacity()  # the tier may have grown while this call waited
             except OutOfSlots:
                 continue  # another task took them while this one waited for the fill
             except TierClosedError:
@@ -741,20 +768,22 @@ class BlockStore(Owner):
         state, pins = self._state, self._pins
         slots: list[int] = []
         keys: list[Key] = []
-        victims = self._policy.victims()
         try:
-            for slot in victims:
-                if state[slot] != _READY or pins[slot]:
-                    continue
-                keys.append(self._forget(slot))
-                slots.append(slot)
-                if len(slots) == n:
-                    break
-        finally:
-            close = getattr(victims, "close", None)  # a generator: let it clean up now
-            if close is not None:
-                close()
-        self._evicted(slots, keys)
+            victims = self._policy.victims()
+            try:
+                for slot in victims:
+                    if state[slot] != _READY or pins[slot]:
+                        continue
+                    keys.append(self._forget(slot))
+                    slots.append(slot)
+                    if len(slots) == n:
+                        break
+            finally:
+                close = getattr(victims, "close", None)  # a generator: let it clean up now
+                if close is not None:
+                    close()
+        finally:  # also when the policy failed half way: what was forgotten is given back
+            self._evicted(slots, keys)
         return len(slots)
 
     def _forget(self, slot: int) -> Key:
@@ -897,10 +926,10 @@ class BlockStore(Owner):
         if not dropped:
             return 0
         gone = slots[hit]
+        self._policy.removed_many(gone)  # first: a policy that refuses leaves the blocks as they were
         slot_of = self._slot_of
         deque(map(slot_of.__delitem__, dropped), maxlen=0)
         self._key_of[gone] = None
-        self._policy.removed_many(gone)
         pinned = self._pins[gone] > 0
         self._state[gone] = np.where(pinned, _DOOMED, _FREE).astype(np.uint8)
         free = gone[~pinned]
@@ -918,8 +947,11 @@ class BlockStore(Owner):
             is being stored or loaded (nothing changed).
         :raises TierClosedError: the store is closed.
 
-        Cancellation: as :meth:`HostTier.resize`; blocks evicted for a shrink
-        stay evicted.
+        A shrink is refused before anything is evicted when a slot past the
+        new end is held by something other than a stored block (another
+        user's slot, a store's slot not booked yet). Cancellation: as
+        :meth:`HostTier.resize`; blocks evicted for a shrink stay evicted,
+        and the store follows whatever size the tier ends with.
         """
         self._check_open()
         tier = self._tier
@@ -936,14 +968,30 @@ class BlockStore(Owner):
                         f"cannot shrink to {quota} bytes: the block in slot {total + int(busy[0])} "
                         "is being stored or loaded"
                     )
+                # Slots past the end that are not this store's blocks (another user's, a view, a store's
+                # slots not booked yet): the tier would refuse, so refuse before evicting anything.
+                held = tier.slots_held_past(total)
+                foreign = held[self._state[held] != _READY] if held.size else held
+                if foreign.size:
+                    raise QuotaError(
+                        f"cannot shrink to {quota} bytes: slot {int(foreign[0])} past the new end is held "
+                        "by something other than a stored block (nothing was evicted)"
+                    )
                 self._drop_past(total)
-            await tier.resize(quota)
-            self._grow_maps(tier.slots_total)
-            self._policy.resize(tier.slots_total)
+            try:
+                await tier.resize(quota)
+            finally:  # also when cancelled: the tier may have grown all the same
+                self._follow_tier()
 
     def _drop_past(self, total: int) -> None:
-        slots = (np.flatnonzero(self._state[total:] == _READY) + total).tolist()
-        self._evicted(slots, [self._forget(slot) for slot in slots])
+        dropped: list[int] = []
+        keys: list[Key] = []
+        try:
+            for slot in (np.flatnonzero(self._state[total:] == _READY) + total).tolist():
+                keys.append(self._forget(slot))
+                dropped.append(slot)
+        finally:  # also when the policy failed half way: what was forgotten is given back
+            self._evicted(dropped, keys)
 
 
 def _objects(keys: Sequence[Key]) -> npt.NDArray[np.object_]:
