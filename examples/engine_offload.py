@@ -15,9 +15,9 @@ brings it into fresh GPU pages (``after=`` the compute stream, which last
 used those pages), and every onboarded page is compared on the GPU, bit for
 bit, with what its hash computes.
 
-All of it runs while the tier is still filling: the tier opens, and the
-first offload comes milliseconds later with only the tier's first unit
-resident. The program prints a JSON summary and exits 1 if a page differs.
+All of it runs while the tier is still filling: the first offload comes
+as soon as the tier's first unit is resident (after the CUDA context's
+creation, about a second on a cold process). The program prints a JSON summary and exits 1 if a page differs.
 
 Without a CUDA device (or without torch, or the ``cuda`` extra) it prints
 one line saying it skipped and exits 0.

@@ -145,14 +145,14 @@ async def test_auto_measures_once_and_reuses_the_file(monkeypatch: pytest.Monkey
     torch = torch_cuda()
     monkeypatch.setenv("AIOKVTIER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("AIOKVTIER_SM_CROSSOVER", raising=False)
-    async with CopyEngine(0) as engine:
+    async with CopyEngine(0, method="auto") as engine:
         stats = engine.statistics()
     assert stats.method == "auto" and stats.sm_unavailable is None, stats.sm_unavailable
     files = await asyncio.to_thread(lambda: sorted(tmp_path.glob("sm-crossover-*.json")))
     assert len(files) == 1
     mtime = (await asyncio.to_thread(os.stat, files[0])).st_mtime_ns
     slot = 16 << 10
-    async with HostTier(tier_config("vmm", slot)) as tier, CopyEngine(0) as engine:
+    async with HostTier(tier_config("vmm", slot)) as tier, CopyEngine(0, method="auto") as engine:
         assert (await asyncio.to_thread(os.stat, files[0])).st_mtime_ns == mtime
         await tier.wait_resident()
         ids = await tier.allocate(4096)
