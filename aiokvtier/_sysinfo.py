@@ -1,10 +1,15 @@
 """What the host reports about itself: memory, cgroup limits, NUMA nodes.
 
 These are small reads from procfs and sysfs; none of them can block on I/O.
+They are read with the GIL held (:func:`read_text`): a fill thread checks the
+memory available as it goes, and every system call that gives up the GIL must
+take it back, which next to a busy event loop can take seconds.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +25,57 @@ __all__ = [
     "node_cpus",
     "online_nodes",
     "parse_cpulist",
+    "read_text",
 ]
 
 _NODE_ROOT = Path("/sys/devices/system/node")
+
+# ctypes.PyDLL: calls keep the GIL (a plain CDLL gives it up around each call).
+_libc = ctypes.PyDLL(None, use_errno=True)
+_open = _libc.open
+_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_open.restype = ctypes.c_int
+_read = _libc.read
+_read.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+_read.restype = ctypes.c_ssize_t
+_close = _libc.close
+_close.argtypes = [ctypes.c_int]
+_close.restype = ctypes.c_int
+_CHUNK = 1 << 16
+
+
+def read_text(path: Path) -> str:
+    """A small procfs, sysfs or cgroupfs file, read without giving up the GIL.
+
+    :raises OSError: the file cannot be opened or read (``FileNotFoundError`` where it does not exist).
+    """
+    fd = _open(os.fsencode(path), os.O_RDONLY | os.O_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
+    try:
+        buf = ctypes.create_string_buffer(_CHUNK)
+        chunks: list[bytes] = []
+        while True:
+            n = _read(fd, buf, _CHUNK)
+            if n < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                raise OSError(err, os.strerror(err), str(path))
+            if n == 0:
+                return b"".join(chunks).decode()
+            chunks.append(buf.raw[:n])
+    finally:
+        _close(fd)
+
+
+def _readable(path: Path) -> bool:
+    try:
+        read_text(path)
+    except OSError:
+        return False
+    return True
 
 
 def host_memory_bytes() -> int:
@@ -51,7 +104,7 @@ def _cgroup_dirs(
 ) -> tuple[Path | None, Path | None]:
     """The process's cgroup v2 directory and its cgroup v1 memory directory (either may be None)."""
     try:
-        lines = proc_cgroup.read_text().splitlines()
+        lines = read_text(proc_cgroup).splitlines()
     except OSError:
         return None, None
     v2 = v1 = None
@@ -67,7 +120,7 @@ def _cgroup_dirs(
 
 def _read_int(path: Path) -> int | None:
     try:
-        text = path.read_text().strip()
+        text = read_text(path).strip()
     except OSError:
         return None
     try:
@@ -78,7 +131,7 @@ def _read_int(path: Path) -> int | None:
 
 def _inactive_file(path: Path, key: str) -> int:
     try:
-        for line in path.read_text().splitlines():
+        for line in read_text(path).splitlines():
             name, _, value = line.partition(" ")
             if name == key:
                 return int(value)
@@ -117,13 +170,13 @@ def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = _C
     v2_dir, v1_dir = _cgroup_dirs(proc_cgroup, root)
     found: list[tuple[int, int | None, Literal["v1", "v2"]]] = []
     version: Literal["v1", "v2"] | None = None
-    if v2_dir is not None and (root / "cgroup.controllers").exists():
+    if v2_dir is not None and _readable(root / "cgroup.controllers"):
         version = "v2"
         limit, usage = _walk(v2_dir, root, "memory.max", "memory.current", "inactive_file")
         if limit is not None:
             found.append((limit, usage, "v2"))
     v1_top = root / "memory"
-    if (v1_top / "memory.limit_in_bytes").exists():
+    if _readable(v1_top / "memory.limit_in_bytes"):
         version = version or "v1"
         limit, usage = _walk(
             v1_dir or v1_top, v1_top, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
@@ -144,7 +197,7 @@ def cgroup_memory_limit() -> int | None:
 def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
     """``/proc/meminfo`` (or a node's ``meminfo``) in bytes, keyed by field name."""
     values: dict[str, int] = {}
-    for line in path.read_text().splitlines():
+    for line in read_text(path).splitlines():
         name, _, rest = line.partition(":")
         fields = rest.split()
         if not fields:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -240,17 +241,21 @@ def test_one_thread_fills_until_the_first_unit_is_resident(rigs: Callable[..., R
     backing.hold(0, 1 * UNIT, 2 * UNIT, 3 * UNIT)
     filler.set_target(8)
     backing.wait_entered(0)
-    # Only one thread exists while unit 0 is being committed, and it has claimed only unit 0.
-    assert [t.name for t in fill_threads()] == ["aiokvtier-fill-0"]
-    assert [(name, offset) for name, offset, _ in backing.commits] == [("aiokvtier-fill-0", 0)]
+    # Every thread is started at once (none has to be started by a fill thread, which would
+    # wait for the GIL), but only one fills while unit 0 is being committed, and it has
+    # claimed only unit 0: the others wait for it.
+    assert sorted(t.name for t in fill_threads()) == [f"aiokvtier-fill-{i}" for i in range(4)]
+    time.sleep(0.05)
+    assert [offset for _, offset, _ in backing.commits] == [0]
+    first = backing.commits[0][0]
     backing.let_go(0)
-    # The others start from the first commit: units 1..3 each hold one thread, the fourth fills 4..7.
+    # Then units 1..3 each hold one thread, the fourth fills 4..7.
     for offset in (1 * UNIT, 2 * UNIT, 3 * UNIT):
         backing.wait_entered(offset)
     for offset in range(4 * UNIT, 8 * UNIT, UNIT):
         backing.wait_committed(offset)
     assert filler.watermark == 1 * UNIT
-    assert backing.threads_of(range(0, 1)) == {"aiokvtier-fill-0"}
+    assert backing.threads_of(range(0, 1)) == {first}
     assert backing.threads_of(range(1 * UNIT, 8 * UNIT)) == {f"aiokvtier-fill-{i}" for i in range(4)}
     backing.let_all_go()
     filler.wait_blocking(8 * UNIT, timeout=WAIT)

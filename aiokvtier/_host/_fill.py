@@ -28,6 +28,7 @@ __all__ = ["Filler"]
 log = logging.getLogger("aiokvtier")
 
 _EMPTY, _FILLING, _COMMITTED = 0, 1, 2
+_FIRST_FILLING = bytes([_FILLING])
 
 
 class Filler:
@@ -61,7 +62,6 @@ class Filler:
         self._prefix = 0
         self._threads: list[threading.Thread] = []
         self._active = 0
-        self._more_wanted = False
         self._stop = False
         self._started_at = 0.0
         self._finished_at: float | None = None
@@ -213,12 +213,16 @@ class Filler:
             raise TierClosedError("the tier is closed")
 
     def _start_threads_locked(self) -> None:
-        """Start workers up to the wanted count.
+        """Start workers up to the wanted count, all of them now.
 
-        Until the first unit is resident one worker runs alone: it fills the
+        Until the first unit is resident one worker fills alone: it fills the
         unit the first allocation waits for, and others would only compete
-        with it for the address space lock and the memory bandwidth. The rest
-        start from the first commit.
+        with it for the memory bandwidth; they wait for it (see :meth:`_run`).
+        They are started here rather than by the first worker once it is done:
+        ``Thread.start`` waits until the new thread has run, which needs the
+        GIL, and a fill thread asking for the GIL next to a busy event loop
+        can wait for seconds (the loop gives it up and takes it back on every
+        iteration, and the waiting thread rarely wins).
 
         :raises FillError: there is work, no worker runs, and none could start.
         """
@@ -230,8 +234,7 @@ class Filler:
             self._started_at = time.monotonic()
             self._finished_at = None
         self._threads = [t for t in self._threads if t.is_alive()]
-        wanted = self._threads_wanted if self._prefix > 0 else 1
-        self._more_wanted = wanted < self._threads_wanted
+        wanted = self._threads_wanted
         while self._active < wanted:
             thread = threading.Thread(target=self._run, name=f"aiokvtier-fill-{len(self._threads)}", daemon=True)
             try:
@@ -305,6 +308,8 @@ class Filler:
             return
         while True:
             with self._cond:
+                # The first unit is being filled: leave it the bandwidth (the first allocation waits for it).
+                self._cond.wait_for(lambda: self._prefix > 0 or self._states[:1] != _FIRST_FILLING or self._stop)
                 claim = self._claim_locked()
                 if claim is None:
                     self._active -= 1
@@ -352,12 +357,6 @@ class Filler:
             finished = self._mark_finished_locked()
             done_bytes, done_seconds = self.watermark, self.fill_seconds
             self._cond.notify_all()
-            if self._more_wanted and prefix > 0:
-                self._more_wanted = False
-                try:
-                    self._start_threads_locked()
-                except FillError as exc:  # this worker still runs: the fill goes on
-                    log.warning("aiokvtier: %s", exc)
         self._on_change()
         log.debug("aiokvtier: unit %d committed (%d bytes at +%d)", index, layout.end(index) - start, start)
         if finished:

@@ -20,6 +20,7 @@ the process draws on the same memory.
 from __future__ import annotations
 
 import threading
+import time
 
 from .. import _sysinfo
 
@@ -40,15 +41,52 @@ def reserve_bytes() -> int:
     return max(256 << 20, _sysinfo.host_memory_bytes() // 32)
 
 
-def available_bytes() -> int | None:
-    """Memory that can still be made resident: MemAvailable, capped by the cgroup limit's room.
+SNAPSHOT_SECONDS = 1.0
+"""How long a reading of the available memory is used (less what was touched since).
 
-    None where the kernel reports neither (the caller then populates).
-    """
+Reading it means a dozen small file reads (``/proc/meminfo``, the cgroup
+files up to the root), each of which gives up and takes back the GIL; next
+to a busy event loop every take-back waits up to the interpreter's switch
+interval (5 ms). Read for every unit, it starved the fill to a few MiB/s.
+"""
+
+_snapshot: tuple[float, int | None, int] | None = None  # (monotonic time, available, _touched then)
+_refreshing = False
+
+
+def _read_available() -> int | None:
     try:
         return _sysinfo.available_memory()[0]
     except (OSError, ValueError):
         return None
+
+
+def available_bytes() -> int | None:
+    """Memory that can still be made resident: MemAvailable, capped by the cgroup limit's room.
+
+    Read at most once per :data:`SNAPSHOT_SECONDS` (one thread reads, the
+    others use the last reading meanwhile), less the bytes touched since.
+    None where the kernel reports neither (the caller then populates).
+    """
+    global _snapshot, _refreshing
+    now = time.monotonic()
+    with _lock:
+        snap = _snapshot
+        refresh = snap is None or (now - snap[0] >= SNAPSHOT_SECONDS and not _refreshing)
+        if refresh:
+            _refreshing = True
+    if refresh:
+        try:
+            available = _read_available()
+        finally:
+            with _lock:
+                _refreshing = False
+        with _lock:
+            _snapshot = snap = (time.monotonic(), available, _touched)
+    assert snap is not None
+    with _lock:
+        _, available, touched_then = snap
+        return None if available is None else available - (_touched - touched_then)
 
 
 class Claim:

@@ -126,10 +126,14 @@ def madvise(addr: int, length: int, advice: int) -> None:
     _check(_madvise(addr, length, advice), "madvise")
 
 
-TOUCH_STEP = 8 << 20
-"""Bytes one touch call covers: 2048 pages, far above the 500 elements from
-which numpy releases the GIL for an assignment (a smaller piece uses memset,
-which always runs without it)."""
+TOUCH_STEP = 1 << 30
+"""Bytes one touch call covers (a unit is at most this in practice: one call).
+
+Each call gives up the GIL and must take it back; next to a busy event loop
+taking it back can wait a long time, so a fill makes as few calls as it can.
+Far above the 500 elements from which numpy releases the GIL for an
+assignment (a piece under :data:`_TOUCH_MIN_PAGES` pages uses memset, which
+always runs without it)."""
 POPULATE_STEP = 2 << 20
 """Bytes one MADV_POPULATE_WRITE call covers. The call holds the address
 space's lock for its whole length, and a thread that wants to mmap or munmap
@@ -159,7 +163,9 @@ def _touch_step(addr: int, n: int) -> None:
     if n // PAGE_SIZE < _TOUCH_MIN_PAGES:
         _memset(addr, 0, n)
         return
-    pages = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(addr))
+    # frombuffer, not numpy.ctypeslib: that module is imported on first use, and an import
+    # reads files, each read a wait for the GIL next to a busy event loop.
+    pages = np.frombuffer((ctypes.c_ubyte * n).from_address(addr), dtype=np.uint8)
     pages[::PAGE_SIZE] = 0
 
 
