@@ -39,3 +39,16 @@ def test_neighbours_and_fill_scaling_print_their_json() -> None:
     # A tier of fewer than 4096 slots still reports its slot operations.
     ops = report["slot_operations"]["asyncio"]
     assert ops["batch_slots"] < 4096 and not math.isnan(ops["allocate_many_4096_plus_free_many_ms"])
+
+
+def test_busy_loop_prints_idle_and_busy_side_by_side() -> None:
+    report = json.loads(
+        _run("-m", "aiokvtier.bench", "host", "--sections", "busy_loop", "--gib", "0.0625", "--settle", "0")
+    )
+    section = report["busy_loop"]
+    assert section["size_gib"] == 0.062 and section["deadline_s"] > 0
+    host = section["backings"]["host"]
+    for arm in ("idle", "busy"):
+        assert set(host[arm]) == {"resident_gib", "seconds", "gib_s"}
+        assert host[arm]["seconds"] > 0
+    assert host["idle"]["resident_gib"] == 0.062 and "busy_vs_idle" in host

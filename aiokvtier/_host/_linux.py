@@ -165,7 +165,7 @@ def _touch_step(addr: int, n: int) -> None:
         return
     # frombuffer, not numpy.ctypeslib: that module is imported on first use, and an import
     # reads files, each read a wait for the GIL next to a busy event loop.
-    pages = np.frombuffer((ctypes.c_ubyte * n).from_address(addr), dtype=np.uint8)
+    pages = np.frombuffer(memoryview((ctypes.c_ubyte * n).from_address(addr)), dtype=np.uint8)
     pages[::PAGE_SIZE] = 0
 
 

@@ -386,3 +386,60 @@ async def _thp_fill(config: HostTierConfig, units: list[int] | None) -> float:
         if units is not None:
             units.append(tier.statistics().huge_page_units)
     return seconds
+
+
+# -- the fill next to a saturated event loop ---------------------------------------------------
+
+
+async def _spin(stop: asyncio.Event) -> None:
+    """A saturated loop: about a millisecond of Python, then one loop iteration, until stopped."""
+    x = 0
+    while not stop.is_set():
+        for i in range(20_000):
+            x += i
+        await asyncio.sleep(0)
+
+
+async def _fill_beside(config: HostTierConfig, busy: bool, deadline: float) -> dict[str, Any]:
+    stop = asyncio.Event()
+    async with HostTier(config) as tier:
+        started = time.perf_counter()
+        spinner = asyncio.create_task(_spin(stop)) if busy else None
+        try:
+            async with asyncio.timeout(deadline):
+                await tier.wait_resident()
+        except TimeoutError:
+            pass  # reported as the bytes resident at the deadline
+        seconds = time.perf_counter() - started
+        resident = tier.statistics().resident_bytes
+        stop.set()
+        if spinner is not None:
+            await spinner
+    return {
+        "resident_gib": round(resident / GiB, 3),
+        "seconds": round(seconds, 2),
+        "gib_s": round(resident / GiB / seconds, 3),
+    }
+
+
+def busy_loop(size: int, settle: float, deadline: float = 15.0) -> dict[str, Any]:
+    """Fill rate with an idle loop and beside a saturated one, per backing, interleaved (one run)."""
+    backings = ["host", *cuda_backings()]
+    rows: dict[str, Any] = {}
+    with _WarmContext(len(backings) > 1):
+        for backing in backings:
+            device = None if backing == "host" else 0
+            config = _tier_config(size, backing=backing, device=device)
+            row: dict[str, Any] = {}
+            for busy in (False, True):
+                _settle(settle)
+                row["busy" if busy else "idle"] = asyncio.run(_fill_beside(config, busy, deadline))
+            idle, busy_row = row["idle"]["gib_s"], row["busy"]["gib_s"]
+            row["busy_vs_idle"] = round(busy_row / idle, 3) if idle else None
+            rows[backing] = row
+    return {
+        "size_gib": round(size / GiB, 3),
+        "loop": "1 ms of Python, then await asyncio.sleep(0), on the tier's loop",
+        "deadline_s": deadline,
+        "backings": rows,
+    }
