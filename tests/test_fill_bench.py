@@ -49,6 +49,6 @@ def test_busy_loop_prints_idle_and_busy_side_by_side() -> None:
     assert section["size_gib"] == 0.062 and section["deadline_s"] > 0
     host = section["backings"]["host"]
     for arm in ("idle", "busy"):
-        assert set(host[arm]) == {"resident_gib", "seconds", "gib_s"}
+        assert set(host[arm]) == {"resident_gib", "seconds", "gib_s", "runs_gib_s"}
         assert host[arm]["seconds"] > 0
     assert host["idle"]["resident_gib"] == 0.062 and "busy_vs_idle" in host

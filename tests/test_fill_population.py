@@ -299,3 +299,42 @@ async def test_the_fill_goes_on_while_the_event_loop_is_busy() -> None:
             await hog
         assert spins > 0
         check_tier(tier)
+
+
+async def test_the_gil_handoff_runs_only_while_the_fill_does() -> None:
+    config = small_config(quota=64 * MiB, max_quota=128 * MiB, commit_unit=16 * MiB, fill_chunk=16 * MiB)
+    async with HostTier(config) as tier:
+        handoff = tier._handoff
+        await tier.wait_resident()
+        await asyncio.sleep(0.05)  # the next tick sees the fill done and does not come back
+        assert handoff._handle is None
+        done = handoff.handoffs
+        await tier.resize(128 * MiB)  # a grow starts it again
+        await tier.wait_resident()
+        await asyncio.sleep(0.05)
+        assert handoff._handle is None and handoff.handoffs >= done
+        check_tier(tier)
+        handoff.start()  # as a grow would; the close stops it before its first tick
+    assert handoff._handle is None
+
+
+def test_gil_handoff_sleeps_on_its_loop_while_active() -> None:
+    from aiokvtier._host._handoff import GilHandoff
+
+    async def main() -> int:
+        left = 3
+        loop = asyncio.get_running_loop()
+
+        def active() -> bool:
+            nonlocal left
+            left -= 1
+            return left >= 0
+
+        handoff = GilHandoff(loop, active, every=0.001, pause=0.0001)
+        handoff.start()
+        handoff.start()  # idempotent: one timer
+        await asyncio.sleep(0.1)
+        assert handoff._handle is None  # stopped by itself once inactive
+        return handoff.handoffs
+
+    assert asyncio.run(main()) == 3

@@ -20,6 +20,7 @@ from .._lifecycle import Lifecycle, Owner, finish
 from .._regions import InflightCopies
 from ._backing import Backing, HostBacking
 from ._fill import Filler
+from ._handoff import GilHandoff
 from ._layout import UnitLayout
 from ._placement import Placement, node_cpus_or_none, read_placement
 from ._slots import SlotAllocator, positive_count
@@ -162,8 +163,17 @@ class HostTier(Owner):
         _regions.register(self)
         life.undo.callback(_regions.unregister, self)
         await life.run(filler.set_target, layout.units_for(self._slots.total * slot))
+        self._handoff = GilHandoff(self._loop, self._filling)
+        self._handoff.start()  # stopped by the teardown, on the loop
+
+    def _filling(self) -> bool:
+        filler = self._filler
+        return not (filler.closed or filler.complete or filler.error is not None)
 
     async def _teardown(self) -> None:
+        handoff = self.__dict__.get("_handoff")
+        if handoff is not None:
+            handoff.stop()
         # Under the resize lock: an accepted resize finishes before the range goes.
         async with self._resize_lock:
             waiters = self.__dict__.get("_waiters")
@@ -457,6 +467,8 @@ class HostTier(Owner):
         old_quota, old_units = self._quota, layout.units_for(slots.total * self._slot_size)
         try:
             await life.run(filler.set_target, layout.units_for(total * self._slot_size))
+            if self._life.state == "open":
+                self._handoff.start()
             try:
                 slots.resize(total)  # only once the fill covers the new slots
             except BaseException:

@@ -422,24 +422,30 @@ async def _fill_beside(config: HostTierConfig, busy: bool, deadline: float) -> d
     }
 
 
-def busy_loop(size: int, settle: float, deadline: float = 15.0) -> dict[str, Any]:
-    """Fill rate with an idle loop and beside a saturated one, per backing, interleaved (one run)."""
+def busy_loop(size: int, repeats: int, settle: float, deadline: float = 15.0) -> dict[str, Any]:
+    """Fill rate with an idle loop and beside a saturated one, per backing, interleaved; the median run of each."""
     backings = ["host", *cuda_backings()]
     rows: dict[str, Any] = {}
     with _WarmContext(len(backings) > 1):
         for backing in backings:
             device = None if backing == "host" else 0
             config = _tier_config(size, backing=backing, device=device)
+            runs: dict[str, list[dict[str, Any]]] = {"idle": [], "busy": []}
+            for _ in range(max(1, repeats)):
+                for busy in (False, True):
+                    _settle(settle)
+                    runs["busy" if busy else "idle"].append(asyncio.run(_fill_beside(config, busy, deadline)))
             row: dict[str, Any] = {}
-            for busy in (False, True):
-                _settle(settle)
-                row["busy" if busy else "idle"] = asyncio.run(_fill_beside(config, busy, deadline))
-            idle, busy_row = row["idle"]["gib_s"], row["busy"]["gib_s"]
-            row["busy_vs_idle"] = round(busy_row / idle, 3) if idle else None
+            for arm, results in runs.items():
+                results.sort(key=lambda r: float(r["gib_s"]))
+                row[arm] = {**results[len(results) // 2], "runs_gib_s": [r["gib_s"] for r in results]}
+            idle, busy_rate = row["idle"]["gib_s"], row["busy"]["gib_s"]
+            row["busy_vs_idle"] = round(busy_rate / idle, 3) if idle else None
             rows[backing] = row
     return {
         "size_gib": round(size / GiB, 3),
         "loop": "1 ms of Python, then await asyncio.sleep(0), on the tier's loop",
         "deadline_s": deadline,
+        "repeats": max(1, repeats),
         "backings": rows,
     }

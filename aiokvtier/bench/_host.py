@@ -165,7 +165,7 @@ def run(args: Any) -> dict[str, Any]:
             int(args.gib * GiB), args.repeats, args.settle, [int(u * MiB) for u in args.register_units_mib]
         ),
         "fill_scaling": lambda: _fill.fill_scaling(int(args.gib * GiB), args.repeats, args.settle),
-        "busy_loop": lambda: _fill.busy_loop(int(args.gib * GiB), args.settle),
+        "busy_loop": lambda: _fill.busy_loop(int(args.gib * GiB), args.repeats, args.settle),
         "thp_auto": lambda: _fill.thp_auto(
             int(args.gib * GiB),
             args.repeats,
