@@ -206,3 +206,13 @@ def test_engine_offload_under_a_small_quota_evicts_and_still_verifies() -> None:
     _check_offload(report, 64 << 20)
     assert report["store"]["evictions"] > 0
     assert report["store"]["blocks"] <= report["store"]["capacity"] == 1024
+
+
+def test_server_during_fill_benchmark_prints_both_runs_and_their_ratio() -> None:
+    out = _run("benchmarks/server_during_fill.py", "--quota", "256MiB", "--clients", "4", "--seconds", "0.5")
+    report = json.loads(out)
+    for run in ("during_fill", "once_resident"):
+        assert report[run]["unexpected_answers"] == 0
+        assert {"PUT", "GET", "lookup"} <= set(report[run]["endpoints"])
+    assert set(report["p99_during_vs_resident"]) >= {"PUT", "GET", "lookup"}
+    assert report["server_exit"] == 0 and report["goal_ratio_at_most"] == 2.0
