@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from ._handoff import handoff
+
 __all__ = ["LoopWaiters", "Worker", "deliver"]
 
 T = TypeVar("T")
@@ -72,6 +74,11 @@ class Worker:
             raise RuntimeError("the worker is stopped")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
+        # The thread needs the GIL to run the step and hand its outcome back: next to a
+        # saturated loop it gets it only through the loop's hand-off (aiokvtier._handoff).
+        hand = handoff(loop)
+        hand.hold()
+        future.add_done_callback(lambda _: hand.release())
         self._queue.put((lambda: fn(*args), loop, future))
         return future
 

@@ -48,8 +48,12 @@ def read_text(path: Path) -> str:
     """A small procfs, sysfs or cgroupfs file, read without giving up the GIL.
 
     :raises OSError: the file cannot be opened or read (``FileNotFoundError`` where it does not exist).
+    :raises ValueError: the path holds a NUL byte (as ``open`` does).
     """
-    fd = _open(os.fsencode(path), os.O_RDONLY | os.O_CLOEXEC)
+    name = os.fsencode(path)
+    if b"\0" in name:
+        raise ValueError(f"embedded null byte in the path {path!s:.80}")
+    fd = _open(name, os.O_RDONLY | os.O_CLOEXEC)
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), str(path))

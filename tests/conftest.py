@@ -65,9 +65,9 @@ def no_blocking_in_loop(request: pytest.FixtureRequest) -> Iterator[None]:
                 "aiokvtier/_sysinfo.py", {"cgroup_memory_limit", "_cgroup_dir", "online_nodes", "node_cpus"}
             )
             fn.can_block_in("tests/conftest.py", {"proc_text"})
-    # The tier's GIL hand-off to its fill threads: a 0.2 ms sleep every 10 ms while a fill
-    # runs, by design (aiokvtier/_host/_handoff.py).
-    bb.functions["time.sleep"].can_block_in("aiokvtier/_host/_handoff.py", {"_tick"})
+    # The loop's GIL hand-off to the library's threads: a 0.2 ms sleep every 10 ms while they
+    # have work pending, by design (aiokvtier/_handoff.py).
+    bb.functions["time.sleep"].can_block_in("aiokvtier/_handoff.py", {"_tick"})
     for name in ("threading.Lock.acquire", "threading.Lock.acquire_lock", "threading.Thread.join"):
         fn = bb.functions.get(name)
         if fn is not None:

@@ -301,40 +301,49 @@ async def test_the_fill_goes_on_while_the_event_loop_is_busy() -> None:
         check_tier(tier)
 
 
-async def test_the_gil_handoff_runs_only_while_the_fill_does() -> None:
+async def test_the_gil_handoff_runs_only_while_there_is_demand() -> None:
     config = small_config(quota=64 * MiB, max_quota=128 * MiB, commit_unit=16 * MiB, fill_chunk=16 * MiB)
     async with HostTier(config) as tier:
-        handoff = tier._handoff
+        hand = tier._handoff
         await tier.wait_resident()
-        await asyncio.sleep(0.05)  # the next tick sees the fill done and does not come back
-        assert handoff._handle is None
-        done = handoff.handoffs
+        await asyncio.sleep(0.05)  # the next tick sees the fill done and nothing pending: it stops
+        assert not hand.ticking
         await tier.resize(128 * MiB)  # a grow starts it again
         await tier.wait_resident()
         await asyncio.sleep(0.05)
-        assert handoff._handle is None and handoff.handoffs >= done
+        assert not hand.ticking
         check_tier(tier)
-        handoff.start()  # as a grow would; the close stops it before its first tick
-    assert handoff._handle is None
+    await asyncio.sleep(0.05)
+    assert not hand.ticking
 
 
-def test_gil_handoff_sleeps_on_its_loop_while_active() -> None:
-    from aiokvtier._host._handoff import GilHandoff
+def test_gil_handoff_sleeps_on_its_loop_while_there_is_demand() -> None:
+    from aiokvtier._handoff import GilHandoff, handoff
 
-    async def main() -> int:
-        left = 3
+    async def main() -> tuple[int, int]:
         loop = asyncio.get_running_loop()
+        assert handoff(loop) is handoff(loop)  # one per loop
+        left = 3
 
-        def active() -> bool:
+        def source() -> bool:
             nonlocal left
             left -= 1
             return left >= 0
 
-        handoff = GilHandoff(loop, active, every=0.001, pause=0.0001)
-        handoff.start()
-        handoff.start()  # idempotent: one timer
+        hand = GilHandoff(loop, every=0.001, pause=0.0001)
+        hand.add_source(source)
+        hand.start()
+        hand.start()  # idempotent: one timer
         await asyncio.sleep(0.1)
-        assert handoff._handle is None  # stopped by itself once inactive
-        return handoff.handoffs
+        assert not hand.ticking  # stopped by itself once the source is false
+        by_source = hand.handoffs
+        hand.hold()  # pending work keeps it going until released
+        await asyncio.sleep(0.02)
+        assert hand.ticking
+        hand.release()
+        await asyncio.sleep(0.02)
+        assert not hand.ticking
+        return by_source, hand.handoffs
 
-    assert asyncio.run(main()) == 3
+    by_source, total = asyncio.run(main())
+    assert by_source == 3 and total > 3

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 from .._crossing import Outcome, deliver
 from .._errors import AiokvtierError, CopyPlanError, CudaError
+from .._handoff import handoff
 from .._host._slots import positive_count
 from .._lifecycle import Lifecycle, Owner, finish
 from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
@@ -511,6 +512,11 @@ class CopyEngine(Owner):
         self._counts["requested"] += planned.requested
         self._jobs_by_direction[direction] += 1
         job.submitted = time.perf_counter()
+        # The submit and completion threads need the GIL: next to a saturated loop they get it
+        # only through the loop's hand-off (aiokvtier._handoff), held until the copy lands.
+        hand = handoff(loop)
+        hand.hold()
+        job.future.add_done_callback(lambda _: hand.release())
         self._submit_q.put(job)
         return job
 

@@ -19,6 +19,7 @@ the process draws on the same memory.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -50,8 +51,26 @@ to a busy event loop every take-back waits up to the interpreter's switch
 interval (5 ms). Read for every unit, it starved the fill to a few MiB/s.
 """
 
-_snapshot: tuple[float, int | None, int] | None = None  # (monotonic time, available, _touched then)
+_snapshot: tuple[float, int | None, int] | None = None  # (monotonic time, available, _made() then)
 _refreshing = False
+
+
+def _made() -> int:
+    """Bytes made resident through the ledger so far, touched or populated (hold ``_lock``)."""
+    return _touched + _populated
+
+
+def _after_fork_in_child() -> None:
+    # The parent's other threads do not exist here: a lock one of them held, a refresh one of
+    # them was making and the bytes they were touching would otherwise stay taken forever.
+    global _lock, _in_flight, _snapshot, _refreshing
+    _lock = threading.Lock()
+    _in_flight = 0
+    _snapshot = None
+    _refreshing = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _read_available() -> int | None:
@@ -82,11 +101,11 @@ def available_bytes() -> int | None:
             with _lock:
                 _refreshing = False
         with _lock:
-            _snapshot = snap = (time.monotonic(), available, _touched)
+            _snapshot = snap = (time.monotonic(), available, _made())
     assert snap is not None
     with _lock:
-        _, available, touched_then = snap
-        return None if available is None else available - (_touched - touched_then)
+        _, available, made_then = snap
+        return None if available is None else available - (_made() - made_then)
 
 
 class Claim:
@@ -105,8 +124,14 @@ class Claim:
 
     def __enter__(self) -> Claim:
         global _in_flight
+        with _lock:
+            made_before = _made()
         available = available_bytes()
         with _lock:
+            # A claim that ended since ``made_before`` left ``_in_flight`` but may not be in
+            # ``available`` yet: count what was made resident since once more (at worst twice).
+            if available is not None:
+                available -= _made() - made_before
             if available is not None and available - _in_flight >= self.length + reserve_bytes():
                 _in_flight += self.length
                 self.granted = True

@@ -16,11 +16,11 @@ from .. import _regions
 from .._config import HostTierConfig, ResolvedHostConfig, default_fill_threads, parse_quota
 from .._crossing import LoopWaiters
 from .._errors import CopyPlanError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
+from .._handoff import handoff
 from .._lifecycle import Lifecycle, Owner, finish
 from .._regions import InflightCopies
 from ._backing import Backing, HostBacking
 from ._fill import Filler
-from ._handoff import GilHandoff
 from ._layout import UnitLayout
 from ._placement import Placement, node_cpus_or_none, read_placement
 from ._slots import SlotAllocator, positive_count
@@ -163,17 +163,18 @@ class HostTier(Owner):
         _regions.register(self)
         life.undo.callback(_regions.unregister, self)
         await life.run(filler.set_target, layout.units_for(self._slots.total * slot))
-        self._handoff = GilHandoff(self._loop, self._filling)
-        self._handoff.start()  # stopped by the teardown, on the loop
+        self._handoff = handoff(self._loop)
+        self._handoff.add_source(self._filling)  # removed by the teardown, on the loop
+        self._handoff.start()
 
     def _filling(self) -> bool:
         filler = self._filler
         return not (filler.closed or filler.complete or filler.error is not None)
 
     async def _teardown(self) -> None:
-        handoff = self.__dict__.get("_handoff")
-        if handoff is not None:
-            handoff.stop()
+        hand = self.__dict__.get("_handoff")
+        if hand is not None:
+            hand.discard_source(self._filling)
         # Under the resize lock: an accepted resize finishes before the range goes.
         async with self._resize_lock:
             waiters = self.__dict__.get("_waiters")

@@ -1,0 +1,104 @@
+"""Handing the GIL to the library's threads while the event loop is busy.
+
+An event loop that never idles gives the GIL up and takes it back on every
+iteration (its ``epoll`` call), and a thread waiting for the GIL then almost
+never gets it: CPython's waiter asks the holder to let go only when nobody
+gave the GIL up for a whole switch interval, and a woken waiter loses the
+race to the loop's thread, which is already running. On a 16-core machine a
+fill thread next to a saturated loop got no unit done in 15 s, and a tier's
+own steps (a shrink, a close) took seconds to tens of seconds.
+
+So while the library has work on its threads for a loop (a fill, a step on
+an owner's worker, a copy), that loop sleeps a fraction of a millisecond at
+a fixed cadence, without the GIL: a waiting thread takes it then, runs its
+few microseconds of Python, and gives it back. The loop loses ``pause /
+every`` of its time (2% by default), and only while such work is pending
+for longer than ``every``; an idle loop sleeps in ``epoll`` anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections.abc import Callable
+
+__all__ = ["GilHandoff", "handoff"]
+
+
+class GilHandoff:
+    """Sleeps ``pause`` seconds on its loop every ``every`` seconds while there is demand.
+
+    Demand is a count of pending work (:meth:`hold` / :meth:`release`) plus
+    sources (callables, e.g. "my fill is running") asked at each tick. Loop
+    thread only.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, every: float = 0.01, pause: float = 0.0002) -> None:
+        self._loop = loop
+        self._every = every
+        self._pause = pause
+        self._handle: asyncio.TimerHandle | None = None
+        self._held = 0
+        self._sources: set[Callable[[], bool]] = set()
+        self.handoffs = 0
+        """Pauses so far (a figure for tests and statistics)."""
+
+    def hold(self) -> None:
+        """One more piece of pending work; pair with :meth:`release`."""
+        self._held += 1
+        self.start()
+
+    def release(self) -> None:
+        self._held = max(0, self._held - 1)
+
+    def add_source(self, source: Callable[[], bool]) -> None:
+        """Ask ``source()`` at each tick; it keeps the hand-off going while true. Call :meth:`start` after."""
+        self._sources.add(source)
+
+    def discard_source(self, source: Callable[[], bool]) -> None:
+        self._sources.discard(source)
+
+    def start(self) -> None:
+        """Begin ticking (idempotent); it stops by itself once there is no demand."""
+        if self._handle is None and not self._loop.is_closed():
+            self._handle = self._loop.call_later(self._every, self._tick)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    @property
+    def ticking(self) -> bool:
+        return self._handle is not None
+
+    def _demand(self) -> bool:
+        if self._held:
+            return True
+        for source in list(self._sources):
+            try:
+                if source():
+                    return True
+            except Exception:  # an owner half torn down: it has nothing left to hand the GIL to
+                self._sources.discard(source)
+        return False
+
+    def _tick(self) -> None:
+        self._handle = None
+        if not self._demand():
+            return
+        time.sleep(self._pause)  # without the GIL: a waiting thread takes it now
+        self.handoffs += 1
+        self._handle = self._loop.call_later(self._every, self._tick)
+
+
+_per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, GilHandoff] = weakref.WeakKeyDictionary()
+
+
+def handoff(loop: asyncio.AbstractEventLoop) -> GilHandoff:
+    """The hand-off of ``loop`` (one per loop, made on first use)."""
+    hand = _per_loop.get(loop)
+    if hand is None:
+        hand = _per_loop[loop] = GilHandoff(loop)
+    return hand
