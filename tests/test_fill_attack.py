@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from aiokvtier import FillError, HostTier, TierClosedError
+from aiokvtier import FillError, HostTier, TierClosedError, _regions
 from aiokvtier._host import _headroom, _linux
 from aiokvtier._sysinfo import read_text
 
@@ -190,8 +190,11 @@ class Leftovers:
 
     def __init__(self, tier: HostTier) -> None:
         self._backing, self._filler, self._worker = tier._backing, tier._filler, tier._life.worker
+        self._key = id(tier)
 
     def release(self) -> None:
+        with _regions._lock:  # the range goes: a later tier may get the same addresses
+            _regions._regions.pop(self._key, None)
         self._filler.close()
         self._backing.release(self._filler.committed_ranges())
         assert self._worker is not None
