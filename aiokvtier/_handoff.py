@@ -51,6 +51,7 @@ class GilHandoff:
 
     def release(self) -> None:
         self._held = max(0, self._held - 1)
+        self._settle()
 
     def add_source(self, source: Callable[[], bool]) -> None:
         """Ask ``source()`` at each tick; it keeps the hand-off going while true. Call :meth:`start` after."""
@@ -58,6 +59,12 @@ class GilHandoff:
 
     def discard_source(self, source: Callable[[], bool]) -> None:
         self._sources.discard(source)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Stop now rather than at the next tick when nothing asks for the hand-off any more."""
+        if self._handle is not None and not self._demand():
+            self.stop()
 
     def start(self) -> None:
         """Begin ticking (idempotent); it stops by itself once there is no demand."""

@@ -343,11 +343,6 @@ sys.exit(0 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else 1)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_headroom has no at-fork hook: a child forked while another thread holds _headroom._lock "
-    "deadlocks in its first Claim (its own tier's fill never makes progress)",
-)
 def test_a_child_forked_while_the_ledger_is_locked_can_fill() -> None:
     done = subprocess.run(
         [sys.executable, "-c", _FORK_HEADROOM, "lock"], cwd=ROOT, capture_output=True, text=True, timeout=60
@@ -355,11 +350,6 @@ def test_a_child_forked_while_the_ledger_is_locked_can_fill() -> None:
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_headroom._refreshing stays True in a child forked during a refresh: the child never reads "
-    "the memory available again and uses a stale snapshot forever",
-)
 def test_a_child_forked_during_a_headroom_refresh_reads_again() -> None:
     done = subprocess.run(
         [sys.executable, "-c", _FORK_HEADROOM, "refresh"], cwd=ROOT, capture_output=True, text=True, timeout=60
@@ -426,11 +416,6 @@ async def spin(seconds: float) -> None:
         await asyncio.sleep(0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the GIL hand-off runs only while a fill runs: the tier's worker thread (open's build steps, "
-    "resize, close) starves next to a saturated loop, for seconds (a shrink: over 20 s)",
-)
 async def test_the_handoff_runs_while_a_step_of_the_tier_is_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     """Next to a loop that spins 2 ms per iteration, a shrink took over 20 s, an open 3.6 s, a close 9 s.
 
@@ -525,11 +510,6 @@ def fixed_memory(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
     return set_room
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the snapshot subtracts bytes touched since, not bytes populated since: a populate does not "
-    "count against the room, and a later claim is granted memory the populate already took",
-)
 def test_populated_bytes_count_against_the_snapshot(fixed_memory: Callable[[int], None]) -> None:
     fixed_memory(100 * MiB)
     with _headroom.Claim(80 * MiB) as first:
@@ -541,11 +521,6 @@ def test_populated_bytes_count_against_the_snapshot(fixed_memory: Callable[[int]
         assert not third.granted, "granted 16 MiB to touch though 144 MiB of 100 MiB are resident"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Claim.__enter__ reads available_bytes() and then _in_flight under a second lock: a claim "
-    "that ends in between is counted in neither, and its bytes are granted twice",
-)
 def test_a_claim_ending_between_the_reading_and_the_grant_is_counted(
     fixed_memory: Callable[[int], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -651,11 +626,6 @@ def test_read_text_leaks_no_file_descriptor(tmp_path: Path) -> None:
     assert len(os.listdir("/proc/self/fd")) == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="read_text passes the path through ctypes.c_char_p, which stops at a NUL: a path with an "
-    "embedded NUL silently reads another file instead of raising ValueError as open() does",
-)
 def test_read_text_refuses_an_embedded_nul() -> None:
     with pytest.raises(ValueError):
         read_text(Path("/proc/meminfo\0/ignored"))
