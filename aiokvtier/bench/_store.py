@@ -297,7 +297,6 @@ async def _gpu_copies(blocks: int, page: int, repeats: int, method: str) -> dict
             equal = bool(torch.equal(src, dst))
         copy_stats = engine.statistics()
 
-    copy_stats = engine.statistics()
     total = blocks * page
     ours_ms = _ms([a + b for a, b in ours])
     bare_ms = _ms([a + b for a, b in bare])
@@ -328,7 +327,7 @@ async def _gpu_copies(blocks: int, page: int, repeats: int, method: str) -> dict
 
 
 def gpu_copies(blocks: int, page: int, repeats: int) -> dict[str, Any]:
-    """Per engine method: the copy engines alone (``dma``), and the default (``auto``: DMA or the SM kernel)."""
+    """Per engine method: the copy engines (``dma``, the default), and the opt-in ``auto`` (DMA or the SM kernel)."""
     missing = _cuda_missing()
     if missing is not None:
         return {"skipped": f"needs CUDA: {missing}"}
