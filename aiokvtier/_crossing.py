@@ -76,9 +76,7 @@ class Worker:
         future: asyncio.Future[T] = loop.create_future()
         # The thread needs the GIL to run the step and hand its outcome back: next to a
         # saturated loop it gets it only through the loop's hand-off (aiokvtier._handoff).
-        hand = handoff(loop)
-        hand.hold()
-        future.add_done_callback(lambda _: hand.release())
+        handoff(loop).hold_until(future)
         self._queue.put((lambda: fn(*args), loop, future))
         return future
 

@@ -22,6 +22,7 @@ import asyncio
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["GilHandoff", "handoff"]
 
@@ -48,6 +49,11 @@ class GilHandoff:
         """One more piece of pending work; pair with :meth:`release`."""
         self._held += 1
         self.start()
+
+    def hold_until(self, future: asyncio.Future[Any]) -> None:
+        """Hold while ``future`` is pending: work on a thread that settles it through the loop."""
+        self.hold()
+        future.add_done_callback(lambda _: self.release())
 
     def release(self) -> None:
         self._held = max(0, self._held - 1)

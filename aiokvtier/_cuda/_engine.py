@@ -514,9 +514,7 @@ class CopyEngine(Owner):
         job.submitted = time.perf_counter()
         # The submit and completion threads need the GIL: next to a saturated loop they get it
         # only through the loop's hand-off (aiokvtier._handoff), held until the copy lands.
-        hand = handoff(loop)
-        hand.hold()
-        job.future.add_done_callback(lambda _: hand.release())
+        handoff(loop).hold_until(job.future)
         self._submit_q.put(job)
         return job
 
