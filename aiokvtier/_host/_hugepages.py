@@ -20,6 +20,8 @@ import re
 import threading
 from pathlib import Path
 
+from .._sysinfo import read_text
+
 __all__ = ["HUGE_PAGE", "HugePagePolicy", "free_huge_blocks", "kernel_settings"]
 
 HUGE_PAGE = 2 << 20
@@ -30,7 +32,7 @@ _SELECTED = re.compile(r"\[([^\]]+)\]")
 
 def _selected(path: Path) -> str | None:
     try:
-        found = _SELECTED.search(path.read_text())
+        found = _SELECTED.search(read_text(path))  # with the GIL held: fill threads ask per unit
     except OSError:
         return None
     return found.group(1) if found else None
@@ -44,7 +46,7 @@ def kernel_settings(root: Path = _THP) -> tuple[str | None, str | None]:
 def free_huge_blocks(node: int | None, buddyinfo: Path = Path("/proc/buddyinfo")) -> int:
     """Free blocks of 2 MiB or more on ``node`` (every node for None), counted in 2 MiB blocks."""
     try:
-        lines = buddyinfo.read_text().splitlines()
+        lines = read_text(buddyinfo).splitlines()
     except OSError:
         return 0
     blocks = 0
