@@ -401,17 +401,21 @@ async def _spin(stop: asyncio.Event) -> None:
 
 
 async def _fill_beside(config: HostTierConfig, busy: bool, deadline: float) -> dict[str, Any]:
+    """The fill rate as DESIGN section 7 defines it (from the start of ``open`` to ``wait_resident()``),
+    with the loop saturated from before the open: the open's own steps run beside it too."""
     stop = asyncio.Event()
-    async with HostTier(config) as tier:
+    spinner = asyncio.create_task(_spin(stop)) if busy else None
+    try:
         started = time.perf_counter()
-        spinner = asyncio.create_task(_spin(stop)) if busy else None
-        try:
-            async with asyncio.timeout(deadline):
-                await tier.wait_resident()
-        except TimeoutError:
-            pass  # reported as the bytes resident at the deadline
-        seconds = time.perf_counter() - started
-        resident = tier.statistics().resident_bytes
+        async with HostTier(config) as tier:
+            try:
+                async with asyncio.timeout(max(0.0, deadline - (time.perf_counter() - started))):
+                    await tier.wait_resident()
+            except TimeoutError:
+                pass  # reported as the bytes resident at the deadline
+            seconds = time.perf_counter() - started
+            resident = tier.statistics().resident_bytes
+    finally:
         stop.set()
         if spinner is not None:
             await spinner
