@@ -552,3 +552,33 @@ async def test_a_policy_failing_half_way_through_the_default_inserted_many() -> 
         policy.fail = False
         assert (await bounded(store.store([3, 4], pages([3, 4])))).stored == (3, 4)  # slot 0 is "tracked" still
         whole(tier, store, range(5))
+
+
+async def test_a_store_retrying_a_key_after_another_store_failed_follows_a_grown_tier(
+    store_then_hold: Gate,
+) -> None:
+    """The retry of a key whose other store failed takes a slot of a tier grown meanwhile."""
+    gate = store_then_hold
+    async with open_store(4) as (tier, store):
+        await bounded(store.store([10, 11, 12], pages([10, 11, 12])))  # slots 0..2
+        hold(gate)
+        first = asyncio.create_task(store.store([1], pages([1])))  # slot 3: the tier is full
+        await gate.started()
+        (claim,) = store._claims
+        taken: list[int] = []
+        # Runs before the waiting store resumes: the slot the failed store frees is gone again,
+        # so the retry takes a fresh slot past the store's old capacity.
+        claim.future.add_done_callback(lambda _: taken.append(tier.allocate_nowait()))
+        second = asyncio.create_task(store.store([1], pages([1]), wait=False))
+        await asyncio.sleep(0.01)
+        await bounded(tier.resize(8 * SLOT))  # behind the store's back
+        await bounded(tier.wait_resident())
+        first.cancel()
+        await gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(first)
+        assert (await bounded(second)).stored == (1,)
+        assert taken == [3] and store._slot_of[1] == 4
+        tier.free(taken[0])
+        whole(tier, store, [1, 10, 11, 12])
+        await exact(store)

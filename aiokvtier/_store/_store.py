@@ -746,6 +746,7 @@ class BlockStore(Owner):
                     log.warning("aiokvtier: store skips blocks: %s", exc)
                 finally:
                     taken.append(np.asarray(ids, dtype=np.int64))
+                    self._sync_capacity()  # the tier may have grown since the call began (a retry)
                 if len(ids) < want:
                     return
                 got += len(ids)
