@@ -135,11 +135,16 @@ def check_disjoint(dsts: npt.ArrayLike, sizes: npt.ArrayLike) -> None:
     d = np.asarray(dsts).astype(np.uint64, copy=False).reshape(-1)
     if d.size < 2:
         return
-    ends = d + np.asarray(sizes).astype(np.uint64, copy=False)  # both below 2**63: no wrap
+    z = np.asarray(sizes).astype(np.uint64, copy=False)
+    ends = d + z  # both below 2**63: no wrap
     if (d[1:] >= ends[:-1]).all():
         return
-    order = np.argsort(d, kind="stable")
-    d, ends = d[order], ends[order]
+    if z.ndim == 0:  # one size for all (the usual page): the sorted starts say it all, and a
+        d = np.sort(d)  # value sort is several times cheaper than an argsort
+        ends = d + z
+    else:  # ties need no stable order: equal starts clash whatever their order
+        order = np.argsort(d)
+        d, ends = d[order], ends[order]
     clash = np.flatnonzero(ends[:-1] > d[1:])
     if clash.size:
         i = int(clash[0])
