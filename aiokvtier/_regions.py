@@ -16,9 +16,15 @@ import threading
 import weakref
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from ._errors import CopyPlanError
 
-__all__ = ["InflightCopies", "Region", "check_span", "find", "register", "unregister"]
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+__all__ = ["InflightCopies", "Region", "locate", "register", "unregister"]
 
 
 class InflightCopies:
@@ -65,10 +71,10 @@ class Region(Protocol):
         """``(base, size)`` of the whole reserved range."""
         ...
 
-    def registration_of(self, offset: int, nbytes: int) -> int:
-        """Index of the registration holding ``[offset, offset+nbytes)``.
+    def registrations_of(self, offsets: U64, nbytes: U64) -> I64:
+        """Per span ``[offset, offset+nbytes)``, the index of the registration holding it.
 
-        :raises CopyPlanError: the span crosses two registrations or leaves the committed range.
+        :raises CopyPlanError: a span crosses two registrations or leaves the committed range.
         """
         ...
 
@@ -87,29 +93,45 @@ def unregister(region: Region) -> None:
         _regions.pop(id(region), None)
 
 
-def find(addr: int) -> tuple[Region, int] | None:
+def locate(addrs: U64, nbytes: U64) -> tuple[I64, list[Region], I64]:
+    """Per host span, the known region holding it and the registration inside it.
+
+    Returns ``(which, regions, registration)``: ``which`` indexes ``regions``
+    (-1: in no known region, ``registration`` then -1 too). Vectorised: a
+    request of 32k spans costs a few sorts, not 32k Python calls.
+
+    :raises CopyPlanError: a span leaves its region, runs into one from
+        outside, crosses registrations or is not committed.
+    """
     with _lock:
         regions = list(_regions.values())
-    for region in regions:
-        base, size = region.region_bounds()
-        if base <= addr < base + size:
-            return region, base
-    return None
-
-
-def check_span(addr: int, nbytes: int) -> tuple[Region, int] | None:
-    """``(region, registration index)`` for a host span inside a known region, else None.
-
-    :raises CopyPlanError: the span leaves its region, crosses registrations or is not committed.
-    """
-    hit = find(addr)
-    if hit is None:
-        hit_end = find(addr + nbytes - 1) if nbytes > 0 else None
-        if hit_end is not None:
-            raise CopyPlanError(f"copy of {nbytes} bytes at {addr:#x} runs into {hit_end[0].region_name}")
-        return None
-    region, base = hit
-    _, size = region.region_bounds()
-    if addr + nbytes > base + size:
-        raise CopyPlanError(f"copy of {nbytes} bytes at {addr:#x} leaves {region.region_name}")
-    return region, region.registration_of(addr - base, nbytes)
+    bounds = [region.region_bounds() for region in regions]
+    order = sorted(range(len(regions)), key=lambda i: bounds[i][0])
+    regions = [regions[i] for i in order]
+    starts = np.array([bounds[i][0] for i in order], dtype=np.uint64)
+    ends = starts + np.array([bounds[i][1] for i in order], dtype=np.uint64)
+    which = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
+    inside = which >= 0
+    inside[inside] = addrs[inside] < ends[which[inside]]
+    which[~inside] = -1
+    span_ends = addrs + nbytes  # below 2**64: addresses and sizes were checked non-negative int64
+    outside = np.flatnonzero(~inside)
+    if outside.size and regions:  # a span that starts outside every region may still end inside one
+        last = span_ends[outside] - np.uint64(1)
+        hit = np.searchsorted(starts, last, side="right").astype(np.int64) - 1
+        into = (hit >= 0) & (last < ends[np.maximum(hit, 0)]) & (last >= addrs[outside])
+        if into.any():
+            i = int(np.flatnonzero(into)[0])
+            raise CopyPlanError(
+                f"copy of {int(nbytes[outside[i]])} bytes at {int(addrs[outside[i]]):#x} runs into "
+                f"{regions[int(hit[i])].region_name}"
+            )
+    registration = np.full(len(addrs), -1, dtype=np.int64)
+    for r in np.unique(which[inside]).tolist():
+        at = np.flatnonzero(which == r)
+        leaving = np.flatnonzero(span_ends[at] > ends[r])
+        if leaving.size:
+            i = int(at[leaving[0]])
+            raise CopyPlanError(f"copy of {int(nbytes[i])} bytes at {int(addrs[i]):#x} leaves {regions[r].region_name}")
+        registration[at] = regions[r].registrations_of(addrs[at] - starts[r], nbytes[at])
+    return which, regions, registration

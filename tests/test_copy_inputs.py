@@ -278,6 +278,44 @@ async def test_registration_ids_are_dense_per_request() -> None:
         assert sorted(set(second.tolist())) == [0, 1, 2, 3, 4]
 
 
+async def test_registration_ids_of_many_spans_follow_region_and_unit() -> None:
+    async with HostTier(small_config()) as a, HostTier(small_config()) as b, StaticHostMem(4 * SLOT) as stage:
+        await a.wait_resident()
+        await b.wait_resident()
+        sa, sb = await a.allocate(64), await b.allocate(64)
+        rng = np.random.default_rng(5)
+        spans = [a.address(s) for s in sa] + [b.address(s) for s in sb] + [stage.address + i * SLOT for i in range(4)]
+        spans = [spans[i] for i in rng.permutation(len(spans))] + [0x7F00_0000_0000]
+        (ids,), owners = registrations([spans], SLOT, known_only=False)
+        # The reference, one span at a time: (region, registration) pairs numbered as they first appear.
+        pairs: list[tuple[int, int] | None] = []
+        for addr in spans:
+            region = next((r for r in (a, b, stage) if r.region_bounds()[0] <= addr < sum(r.region_bounds())), None)
+            if region is None:
+                pairs.append(None)
+                continue
+            unit = 0 if region is stage else int(region.registrations_at(np.array([addr], np.uint64))[0])
+            pairs.append((id(region), unit))
+        dense: dict[tuple[int, int], int] = {}
+        expect = [-1 if p is None else dense.setdefault(p, len(dense)) for p in pairs]
+        assert ids.tolist() == expect
+        assert len(set(expect)) > 4  # several units of each tier
+        appearance = list(dict.fromkeys(p[0] for p in pairs if p is not None))
+        assert [id(o) for o in owners] == appearance
+
+
+async def test_a_span_running_into_or_out_of_a_region_is_refused() -> None:
+    async with StaticHostMem(4 * SLOT) as stage, CopyEngine(None) as engine:
+        with pytest.raises(CopyPlanError, match="runs into"):
+            registrations([[stage.address - 16]], SLOT, known_only=False)
+        with pytest.raises(CopyPlanError, match="leaves"):
+            registrations([[stage.address + 3 * SLOT + 16]], SLOT, known_only=False)
+        with pytest.raises(CopyPlanError, match="leaves"):
+            await engine.copy([(stage.address, stage.address + 2 * SLOT, 2 * SLOT + 1)])
+        (ids,), _ = registrations([[stage.address - 16]], 16, known_only=False)  # ends where it starts
+        assert ids.tolist() == [-1]
+
+
 async def test_raw_copy_does_not_merge_across_registrations() -> None:
     async with HostTier(small_config()) as a, StaticHostMem(2 * 16 * SLOT) as stage, CopyEngine(None) as engine:
         await a.wait_resident()

@@ -40,7 +40,9 @@ def test_layout_units_are_slot_aligned_and_tile_the_range(slot: int, per_unit: i
     firsts = [layout.start(i) for i in range(min(n, 10))]
     lasts = [layout.end(i) - 1 for i in range(min(n, 10))]
     offsets = np.array([0, layout.size - 1, *firsts, *lasts], dtype=np.uint64)
-    assert layout.units_at(offsets).tolist() == [layout.unit_at(int(o)) for o in offsets]
+    units = layout.units_at(offsets)
+    assert units.tolist() == [layout.unit_at(int(o)) for o in offsets]
+    assert layout.ends_of(units).tolist() == [layout.end(int(u)) for u in units]
 
 
 def test_slots_fresh_ascend_and_freed_reused_most_recent_first() -> None:

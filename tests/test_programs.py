@@ -109,6 +109,20 @@ def test_cuda_benchmark_copy_and_cold_sections_print_json_side_by_side() -> None
     assert row["h2d"]["aiokvtier_GBps"] > 0 and row["h2d"]["x_vs_plain_batch"] is not None
 
 
+@pytest.mark.cuda
+def test_cuda_benchmark_fill_sections_time_default_tiers_with_a_probe() -> None:
+    report = json.loads(_run("-m", "aiokvtier.bench", "cuda", "--quick", "--sections", "fill_throughput", "full_tier"))
+    fill = report["fill_throughput"]
+    assert {"vmm_threads1", "vmm_threads_default", "register_threads1", "register_threads_default"} <= set(fill)
+    assert fill["register_threads1"]["fill_threads"] == 1 and fill["register_threads1"]["commit_unit_mib"] == 64
+    full = report["full_tier"]
+    assert full["size_gib"] == 2 and full["auto"]["backing"] in ("register", "vmm")
+    for backing in ("auto", "register", "vmm"):
+        row = full[backing]
+        assert row["seconds"] > 0 and row["registered_gib"] == 2 and isinstance(row["meets_goal"], bool)
+        assert {"blocked_fraction", "p99_ms", "worst_stall_ms"} <= set(row)
+
+
 def test_store_benchmark_quick_prints_json_side_by_side() -> None:
     report = json.loads(_run("-m", "aiokvtier.bench", "store", "--quick"))
     assert list(report) == ["mode", "machine", "lookup", "bookkeeping", "cpu_copies", "gpu_copies", "churn"]

@@ -169,28 +169,32 @@ def registrations(
     :raises CopyPlanError: a span leaves its region, crosses registrations or is
         not committed; with ``known_only``, a span in no open tier or StaticHostMem.
     """
-    dense: dict[tuple[int, int], int] = {}
-    owners: dict[int, Any] = {}
-    out = []
-    for side in sides:
-        addrs = np.asarray(side).reshape(-1)
-        nbytes = np.broadcast_to(np.asarray(sizes), addrs.shape)
-        ids = np.empty(len(addrs), dtype=np.int64)
-        for i, (addr, n) in enumerate(zip(addrs.tolist(), nbytes.tolist(), strict=True)):
-            hit = _regions.check_span(addr, n)
-            if hit is None:
-                if known_only:
-                    raise CopyPlanError(
-                        f"address {addr:#x} lies in no open HostTier or StaticHostMem; a host-to-host "
-                        f"CopyEngine (device=None) copies only between those"
-                    )
-                ids[i] = -1
-                continue
-            region, reg = hit
-            ids[i] = dense.setdefault((id(region), reg), len(dense))
-            owners[id(region)] = region
-        out.append(ids)
-    return out, list(owners.values())
+    arrays = [np.asarray(side).astype(np.uint64, copy=False).reshape(-1) for side in sides]
+    lengths = [len(a) for a in arrays]
+    addrs = np.concatenate([np.zeros(0, dtype=np.uint64), *arrays])
+    z = np.asarray(sizes).astype(np.uint64, copy=False)
+    nbytes = np.concatenate([np.zeros(0, dtype=np.uint64), *(np.broadcast_to(z, a.shape) for a in arrays)])
+    which, regions, registration = _regions.locate(addrs, nbytes)
+    known = which >= 0
+    if known_only and not known.all():
+        addr = int(addrs[np.flatnonzero(~known)[0]])
+        raise CopyPlanError(
+            f"address {addr:#x} lies in no open HostTier or StaticHostMem; a host-to-host "
+            f"CopyEngine (device=None) copies only between those"
+        )
+    ids = np.full(len(addrs), -1, dtype=np.int64)
+    owners: list[Any] = []
+    if known.any():
+        # Dense ids in order of first appearance, one per (region, registration) pair.
+        pairs = which[known] << 32 | registration[known]
+        unique, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
+        rank = np.empty(len(unique), dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(unique))
+        ids[known] = rank[inverse.reshape(-1)]
+        seen = which[known]
+        _, firsts = np.unique(seen, return_index=True)
+        owners = [regions[int(seen[i])] for i in np.sort(firsts).tolist()]
+    return list(np.split(ids, np.cumsum(lengths)[:-1])), owners
 
 
 class Side(NamedTuple):

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .. import _regions
 from .._errors import CopyPlanError
 from .._host import _linux
 from .._host._backing import HUGE_ALIGN, apply_numa_policy
 from .._host._views import ViewLedger
 from .._lifecycle import Lifecycle, Owner
-from .._regions import InflightCopies
+from .._regions import I64, U64, InflightCopies
 
 __all__ = ["StaticHostMem"]
 
@@ -129,12 +131,14 @@ class StaticHostMem(Owner):
     def region_bounds(self) -> tuple[int, int]:
         return self._address, self.size
 
-    def registration_of(self, offset: int, nbytes: int) -> int:
+    def registrations_of(self, offsets: U64, nbytes: U64) -> I64:
         if self._life.state != "open":
             raise CopyPlanError(f"{self.region_name} is {self._life.state}")
-        if offset + nbytes > self.size:
-            raise CopyPlanError(f"copy of {nbytes} bytes at +{offset} leaves {self.region_name}")
-        return 0
+        over = np.flatnonzero(offsets + nbytes > np.uint64(self.size))
+        if over.size:
+            i = int(over[0])
+            raise CopyPlanError(f"copy of {int(nbytes[i])} bytes at +{int(offsets[i])} leaves {self.region_name}")
+        return np.zeros(len(offsets), dtype=np.int64)  # one registration: the whole buffer
 
     @property
     def copies(self) -> InflightCopies:

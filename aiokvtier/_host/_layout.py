@@ -59,6 +59,14 @@ class UnitLayout:
     def end(self, index: int) -> int:
         return self.start(index + 1)
 
+    def ends_of(self, units: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+        """:meth:`end` for an array of unit indices."""
+        ramp = np.asarray(self.ramp, dtype=np.int64)
+        following = units + 1
+        regular = ramp[-1] + (following - len(ramp) + 1) * self.commit_unit
+        ends = np.where(following < len(ramp), ramp[np.minimum(following, len(ramp) - 1)], regular)
+        return np.minimum(ends, self.size).astype(np.uint64)
+
     def unit_at(self, offset: int) -> int:
         """Index of the unit containing byte ``offset``."""
         ramp = self.ramp

@@ -18,7 +18,7 @@ from .._crossing import LoopWaiters
 from .._errors import CopyPlanError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._handoff import handoff
 from .._lifecycle import Lifecycle, Owner, finish
-from .._regions import InflightCopies
+from .._regions import I64, U64, InflightCopies
 from ._backing import Backing, HostBacking
 from ._fill import Filler
 from ._layout import UnitLayout
@@ -537,20 +537,28 @@ class HostTier(Owner):
     def region_bounds(self) -> tuple[int, int]:
         return self._base, self._backing.size
 
-    def registration_of(self, offset: int, nbytes: int) -> int:
+    def registrations_of(self, offsets: U64, nbytes: U64) -> I64:
         if self._life.state != "open":  # closing: the range is about to go, whatever is in flight
             raise CopyPlanError(f"{self.region_name} is {self._life.state}")
-        unit = self._layout.unit_at(offset)
-        end = offset + nbytes
-        if end > self._layout.end(unit):
+        layout = self._layout
+        units = layout.units_at(offsets)
+        ends = offsets + nbytes
+        cross = np.flatnonzero(ends > layout.ends_of(units))
+        if cross.size:
+            i = int(cross[0])
+            unit = int(units[i])
             raise CopyPlanError(
-                f"copy of {nbytes} bytes at +{offset} spans two registrations (unit {unit} ends at "
-                f"+{self._layout.end(unit)}); the driver would refuse it"
+                f"copy of {int(nbytes[i])} bytes at +{int(offsets[i])} spans two registrations (unit {unit} ends "
+                f"at +{layout.end(unit)}); the driver would refuse it"
             )
         limit = min(self._filler.watermark, self._slots.total * self._slot_size)
-        if end > limit:
-            raise CopyPlanError(f"copy of {nbytes} bytes at +{offset} leaves the committed range ({limit} bytes)")
-        return unit
+        over = np.flatnonzero(ends > np.uint64(limit))
+        if over.size:
+            i = int(over[0])
+            raise CopyPlanError(
+                f"copy of {int(nbytes[i])} bytes at +{int(offsets[i])} leaves the committed range ({limit} bytes)"
+            )
+        return units
 
     # -- introspection -------------------------------------------------------------
 

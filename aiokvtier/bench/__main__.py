@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m aiokvtier.bench")
         help="commit units to try with the register backing, MiB (GPU only; default 64 128 256)",
     )
     fill.add_argument(
+        "--vmm-units-mib",
+        type=float,
+        nargs="*",
+        default=[64, 128],
+        help="commit units to try with the vmm backing, MiB (GPU only; default 64 128)",
+    )
+    fill.add_argument(
         "--fragment-gib",
         type=float,
         help="thp_auto: GiB to fragment (every other 4 KiB page held); default: what the free 2 MiB blocks hold, "
@@ -63,6 +70,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m aiokvtier.bench")
     cuda.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
     cuda.add_argument("--sections", nargs="+", help="run only these parts (default: all)")
     _cold_options(cuda, "64; 2 with --quick", "5; 1 with --quick")
+    full = cuda.add_argument_group("full_tier section")
+    full.add_argument(
+        "--full-gib", type=float, default=96, help="GiB of the tier made wholly resident (2 with --quick)"
+    )
+    full.add_argument("--settle", type=float, default=10, help="seconds of rest before each fill (1 with --quick)")
     cuda.add_argument(
         "--cold-prewarm",
         action="store_true",

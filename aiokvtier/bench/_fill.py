@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._config import HostTierConfig, default_fill_threads
@@ -167,7 +167,9 @@ def cuda_backings() -> list[str]:
 # -- neighbours ----------------------------------------------------------------------------------
 
 
-def neighbours(size: int, repeats: int, settle: float, register_units: list[int]) -> dict[str, Any]:
+def neighbours(
+    size: int, repeats: int, settle: float, register_units: list[int], vmm_units: Sequence[int] = ()
+) -> dict[str, Any]:
     default_threads = default_fill_threads()
     arms: dict[str, Callable[[], tuple[float, float, float]]] = {
         "tier_host": lambda: _tier_fill(_tier_config(size))[:3],
@@ -179,10 +181,9 @@ def neighbours(size: int, repeats: int, settle: float, register_units: list[int]
         arms[f"touch_{default_threads}_threads"] = lambda: _raw_fill(size, default_threads, False, _touch)
     for backing in cuda_backings():
         arms[f"tier_{backing}"] = lambda b=backing: _tier_fill(_tier_config(size, device=0, backing=b))[:3]  # type: ignore[misc]
-        if backing == "register":
-            for unit in register_units:
-                cfg = _tier_config(size, device=0, backing="register", commit_unit=unit)
-                arms[f"tier_register_unit_{unit // MiB}mib"] = lambda c=cfg: _tier_fill(c)[:3]  # type: ignore[misc]
+        for unit in register_units if backing == "register" else vmm_units:
+            cfg = _tier_config(size, device=0, backing=backing, commit_unit=unit)
+            arms[f"tier_{backing}_unit_{unit // MiB}mib"] = lambda c=cfg: _tier_fill(c)[:3]  # type: ignore[misc]
     rates: dict[str, list[float]] = {name: [] for name in arms}
     stats: dict[str, dict[str, list[float]]] = {name: {"p50_ms": [], "p99_ms": [], "max_ms": []} for name in arms}
     counts: dict[str, int] = dict.fromkeys(arms, 0)

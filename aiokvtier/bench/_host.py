@@ -162,7 +162,11 @@ def run(args: Any) -> dict[str, Any]:
         "bookkeeping": lambda: asyncio.run(_bookkeeping(int(args.bookkeeping_gib * GiB), 64 << 10)),
         "cold": lambda: _cold.section(args, ["host"], cuda=False),
         "neighbours": lambda: _fill.neighbours(
-            int(args.gib * GiB), args.repeats, args.settle, [int(u * MiB) for u in args.register_units_mib]
+            int(args.gib * GiB),
+            args.repeats,
+            args.settle,
+            [int(u * MiB) for u in args.register_units_mib],
+            [int(u * MiB) for u in args.vmm_units_mib],
         ),
         "fill_scaling": lambda: _fill.fill_scaling(int(args.gib * GiB), args.repeats, args.settle),
         "busy_loop": lambda: _fill.busy_loop(int(args.gib * GiB), args.repeats, args.settle),
