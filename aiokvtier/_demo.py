@@ -116,15 +116,18 @@ async def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str,
         target = tier.statistics().target_bytes
         progress = _progress(options, out)
         tick = min(0.1, options.interval)
+        # Polled with asyncio.wait, which cancels nothing: a timeout that cancels the task to
+        # wake it can meet a Ctrl-C (a cancellation too) and turn it into a TimeoutError.
+        resident = asyncio.ensure_future(tier.wait_resident())
         try:
-            while True:
-                try:
-                    async with asyncio.timeout(tick):
-                        await tier.wait_resident()
-                    break
-                except TimeoutError:
-                    progress.update(tier.statistics().resident_bytes, target, time.perf_counter() - started)
+            while not (await asyncio.wait({resident}, timeout=tick))[0]:
+                progress.update(tier.statistics().resident_bytes, target, time.perf_counter() - started)
+            resident.result()
         finally:
+            if not resident.done():
+                resident.cancel()
+            elif not resident.cancelled():
+                resident.exception()  # raised above, or superseded by the cancellation now propagating
             progress.close(tier.statistics().resident_bytes, target, time.perf_counter() - started)
         full = time.perf_counter() - started
         if options.hold > 0:

@@ -199,7 +199,7 @@ def test_ctrl_c_exits_quietly_with_130(loop: str, when: str) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=ENV,
+        env={**ENV, "PYTHONFAULTHANDLER": "1"},  # SIGABRT prints every thread's stack
         cwd=ROOT,
     )
     try:
@@ -209,7 +209,12 @@ def test_ctrl_c_exits_quietly_with_130(loop: str, when: str) -> None:
             if line.startswith(wanted):
                 break
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # still running a minute after Ctrl-C: where is it?
+            out, err = proc.communicate(timeout=30)
+            pytest.fail(f"the demo ignored Ctrl-C for 60 s; its threads:\n{err[-8000:]}\nits output:\n{out[-2000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
