@@ -33,14 +33,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Self
 from .._crossing import Outcome, deliver
 from .._errors import AiokvtierError, CopyPlanError, CudaError
 from .._handoff import handoff
-from .._host._slots import positive_count
 from .._lifecycle import Lifecycle, Owner, finish
 from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
 from ._crossover import Crossover, parse_thresholds
 from ._kernel import DEFAULT_SM_BUDGET
 from ._plan import Plan, plan
-from ._requests import buffer_addresses as _buffer_addresses
-from ._requests import check_disjoint, copy_table, registrations
+from ._requests import check_disjoint, copy_table, plan_slots, registrations
 from ._requests import stream_handle as _stream_handle
 from ._sm import METHODS, SmPath, device_side_problem, pick_method
 
@@ -460,26 +458,7 @@ class CopyEngine(Owner):
             raise CopyPlanError(
                 f"the tier is registered for device {tier.config.device}, this engine copies on device {self.device}"
             )
-        host = tier.slot_addresses(slots)
-        if host.size == 0:
-            raise ValueError("no slots to copy")
-        page = tier.slot_size if page_size is None else positive_count(page_size, "page")
-        h2d = direction == "h2d"
-        other, page, regions = _buffer_addresses(buffer, len(host), page, writable=h2d, host_only=self.device is None)
-        self._check_page(tier, page)
-        if h2d:
-            check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
-        owners = [tier, *(r for r in regions if r is not tier)]
-        registration = tier.registrations_at
-        if h2d:
-            return plan(other, host, page, src_reg=registration, n=len(host)), owners
-        planned = plan(host, other, page, dst_reg=registration, n=len(host), order_by="dst", distinct_order_side=True)
-        return planned, owners
-
-    @staticmethod
-    def _check_page(tier: HostTier, page: int) -> None:
-        if not 0 < page <= tier.slot_size:
-            raise CopyPlanError(f"a page of {page} bytes does not fit a {tier.slot_size}-byte slot")
+        return plan_slots(tier, slots, buffer, direction, page_size, host_only=self.device is None)
 
     def _enqueue(
         self,

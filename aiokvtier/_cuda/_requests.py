@@ -25,16 +25,30 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from .. import _regions
 from .._errors import CopyPlanError
-from ._plan import U64
+from .._host._slots import positive_count
+from . import _plan
+from ._plan import U64, Plan, plan
 
-__all__ = ["Side", "buffer_addresses", "check_disjoint", "copy_table", "integers", "registrations", "stream_handle"]
+if TYPE_CHECKING:
+    from .._host._tier import HostTier
+
+__all__ = [
+    "Side",
+    "buffer_addresses",
+    "check_disjoint",
+    "copy_table",
+    "integers",
+    "plan_slots",
+    "registrations",
+    "stream_handle",
+]
 
 I64 = npt.NDArray[np.int64]
 
@@ -140,10 +154,10 @@ def check_disjoint(dsts: npt.ArrayLike, sizes: npt.ArrayLike) -> None:
     if (d[1:] >= ends[:-1]).all():
         return
     if z.ndim == 0:  # one size for all (the usual page): the sorted starts say it all, and a
-        d = np.sort(d)  # value sort is several times cheaper than an argsort
+        d = np.sort(d, kind=_plan.SORT_KIND)  # value sort is cheaper than an argsort
         ends = d + z
     else:  # ties need no stable order: equal starts clash whatever their order
-        order = np.argsort(d)
+        order = np.argsort(d, kind=_plan.SORT_KIND)
         d, ends = d[order], ends[order]
     clash = np.flatnonzero(ends[:-1] > d[1:])
     if clash.size:
@@ -270,3 +284,33 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
         raise ValueError(f"the buffer's pages are zero bytes (shape {shape}): a copy of zero bytes")
     base = int(data[0])
     return Side(np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(page), page, [])
+
+
+def plan_slots(
+    tier: HostTier, slots: Any, buffer: Any, direction: str, page_size: int | None, *, host_only: bool
+) -> tuple[Plan, list[Any]]:
+    """Check a per-slot copy's two sides, then plan it in the host side's address order.
+
+    ``direction`` is ``"h2d"`` (slots to ``buffer``) or ``"d2h"``; ``host_only``:
+    a host-to-host engine (``buffer`` must lie in known regions). Returns the
+    plan and the regions whose close must wait for it.
+
+    :raises CopyPlanError: a page larger than a slot, or (host-to-host) an address outside every region.
+    :raises SlotError: a slot is not allocated, or (d2h) appears twice.
+    """
+    host = tier.slot_addresses(slots)
+    if host.size == 0:
+        raise ValueError("no slots to copy")
+    page = tier.slot_size if page_size is None else positive_count(page_size, "page")
+    h2d = direction == "h2d"
+    other, page, regions = buffer_addresses(buffer, len(host), page, writable=h2d, host_only=host_only)
+    if not 0 < page <= tier.slot_size:
+        raise CopyPlanError(f"a page of {page} bytes does not fit a {tier.slot_size}-byte slot")
+    if h2d:
+        check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
+    owners = [tier, *(r for r in regions if r is not tier)]
+    registration = tier.registrations_at
+    if h2d:
+        return plan(other, host, page, src_reg=registration, n=len(host)), owners
+    planned = plan(host, other, page, dst_reg=registration, n=len(host), order_by="dst", distinct_order_side=True)
+    return planned, owners
