@@ -663,6 +663,22 @@ async def test_slot_copies_to_addresses_at_region_edges() -> None:
         assert engine.statistics().jobs_submitted == stats.jobs_submitted
 
 
+@pytest.mark.parametrize("page", [SLOT + 1, 1 << 62, (1 << 63) - 1, 1 << 63, (1 << 64) - 4096, 1 << 64, 1 << 70])
+async def test_a_page_larger_than_a_slot_is_refused_before_any_lookup(page: int) -> None:
+    """Refused for what it is, with any form of the other side (2**64 and more raised OverflowError)."""
+    async with HostTier(small_config()) as tier, StaticHostMem(4 * SLOT) as stage, CopyEngine(None) as engine:
+        await tier.wait_resident()
+        ids = await tier.allocate(2)
+        for method in (engine.to_device, engine.to_host):
+            with pytest.raises(CopyPlanError, match="does not fit"):
+                await method(tier, ids[:1], [stage.address], page=page)
+            with pytest.raises(CopyPlanError, match="does not fit"):
+                await method(tier, ids[:1], [tier.address(ids[1])], page=page)
+            with pytest.raises(CopyPlanError, match="does not fit"):  # an array's row is its page: page= is wrong
+                await method(tier, ids[:1], np.zeros((1, SLOT), np.uint8), page=page)
+        assert engine.statistics().jobs_submitted == 0
+
+
 async def test_a_device_engine_refuses_a_host_span_over_a_whole_region() -> None:
     """Unknown addresses pass through to the driver, but not a span that covers a known region."""
     async with StaticHostMem(4 * SLOT) as stage:

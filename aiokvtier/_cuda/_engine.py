@@ -334,14 +334,14 @@ class CopyEngine(Owner):
         (``__cuda_array_interface__``) with one page per slot. Returns once the bytes landed.
 
         ``page``: bytes per slot copied when ``dst`` is addresses (default: the
-        slot size); an array's page is its row.
+        slot size); an array's page is its row. Neither may exceed the slot.
 
         :raises SlotError: a slot is not allocated.
-        :raises CopyPlanError: a copy would leave the committed range or cross a registration,
-            two destinations overlap, or (host-to-host engine) an address lies in no open tier
-            or StaticHostMem.
-        :raises TypeError: an address is not an integer (bools and floats are refused).
-        :raises ValueError: no slots, a read-only, non-contiguous or misshapen ``dst``.
+        :raises CopyPlanError: a page is larger than the slot, a copy would leave the committed
+            range or cross a registration, two destinations overlap, or (host-to-host engine) an
+            address lies in no open tier or StaticHostMem.
+        :raises TypeError: an address or ``page`` is not an integer (bools and floats are refused).
+        :raises ValueError: no slots, a ``page`` below one, a read-only, non-contiguous or misshapen ``dst``.
         :raises CudaError: the driver refused the batch.
         """
         await finish(self.begin(tier, slots, dst, "h2d", after=after, page=page).done)
@@ -464,9 +464,11 @@ class CopyEngine(Owner):
         if host.size == 0:
             raise ValueError("no slots to copy")
         page = tier.slot_size if page_size is None else positive_count(page_size, "page")
+        # Before the addresses are located: a page of 2**64 or more does not fit numpy's uint64.
+        self._check_page(tier, page)
         h2d = direction == "h2d"
         other, page, regions = _buffer_addresses(buffer, len(host), page, writable=h2d, host_only=self.device is None)
-        self._check_page(tier, page)
+        self._check_page(tier, page)  # an array's page is its row, whatever page= said
         if h2d:
             check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
         owners = [tier, *(r for r in regions if r is not tier)]
