@@ -28,13 +28,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiokvtier import CopyEngine, CopyPlanError, HostTier, StaticHostMem, _regions
+from aiokvtier import CopyEngine, CopyPlanError, HostTier, StaticHostMem, TierClosedError, _regions
 from aiokvtier._cuda._plan import plan
 from aiokvtier._cuda._requests import check_disjoint, registrations
 from aiokvtier._regions import InflightCopies
 
 from .conftest import PopulateGate
-from .helpers import KiB, MiB, small_config
+from .helpers import KiB, MiB, eventually, small_config
 
 SLOT = 64 * KiB
 TOP = 1 << 63
@@ -622,7 +622,7 @@ async def test_a_closing_tier_refuses_copies_over_it() -> None:
         for copy in ((stage.address, base, SLOT), (base, stage.address, SLOT), (base - 1, base + SLOT, 2)):
             with pytest.raises(CopyPlanError, match=r"is closing|runs into"):
                 await engine.copy([copy])
-        with pytest.raises(Exception, match=r"closing|closed"):
+        with pytest.raises(TierClosedError, match="closing"):
             await engine.to_device(tier, [slot], [stage.address])
         assert engine.statistics().jobs_submitted == before and not closing.done()
         held.set()
@@ -690,3 +690,61 @@ async def test_a_device_engine_refuses_a_host_span_over_a_whole_region() -> None
                 registrations([[below]], n, known_only=False)
             with pytest.raises(CopyPlanError, match="runs into StaticHostMem"):
                 registrations([[0x7F00_0000_0000, below]], np.array([1, n]), known_only=False)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # 1 MiB units, no ramp
+        {"quota": 40 * MiB, "max_quota": 64 * MiB, "commit_unit": 16 * MiB, "fill_chunk": 4 * MiB},  # ramp, then units
+        {"quota": 6 * MiB, "max_quota": 6 * MiB, "commit_unit": 16 * MiB},  # ends in the ramp
+        {"quota": 3 * 192 * KiB, "max_quota": 5 * 192 * KiB, "slot_size": 192 * KiB, "commit_unit": 384 * KiB},
+    ],
+)
+async def test_tier_registrations_of_agrees_span_by_span(overrides: dict[str, Any], gate: PopulateGate) -> None:
+    """Thousands of spans at unit edges, the quota and the watermark, asked one at a time and all at once."""
+    gate.allow(1)  # a partly resident tier first, then the whole of it
+    async with HostTier(small_config(**overrides)) as tier:
+        target = tier.statistics().target_bytes
+        for phase in ("partial", "resident"):
+            if phase == "resident":
+                gate.release_all()
+                await tier.wait_resident()
+            else:  # the second populate call waits at the gate (if any): the watermark stands still
+                await eventually(lambda: gate.calls == 2 or tier.statistics().resident_bytes == target)
+            m = model_of(tier)
+            assert 0 < m.committed <= m.size
+            rng = np.random.default_rng(len(m.starts))
+            edges = sorted({*m.starts, m.committed, m.size, tier.statistics().quota})
+            offsets, sizes = [], []
+            for _ in range(3000):
+                offset = int(rng.choice(edges)) + int(rng.choice([-4097, -4096, -2, -1, 0, 1, 4096]))
+                offset = min(max(offset, 0), m.size - 1)
+                targets = [e - offset for e in edges if e > offset]
+                n = (
+                    int(rng.choice(targets)) + int(rng.choice([-1, 0, 1]))
+                    if rng.integers(2)
+                    else int(rng.integers(1, MiB))
+                )
+                if rng.integers(3) == 0:  # inside the committed range, up to the end of its unit or past it
+                    offset = int(rng.integers(0, m.committed))
+                    unit = bisect.bisect_right(m.starts, offset) - 1
+                    n = min(m.starts[unit + 1], m.committed) - offset + int(rng.choice([-1, 0, 0, 1]))
+                offsets.append(offset)
+                sizes.append(min(max(n, 1), m.size - offset))
+            good: list[tuple[int, int, int]] = []
+            for offset, n in zip(offsets, sizes, strict=True):
+                hit = check_span([m], m.base + offset, n)
+                arrays = np.array([offset], np.uint64), np.array([n], np.uint64)
+                if isinstance(hit, Problem):
+                    with pytest.raises(CopyPlanError, match=hit.kind):
+                        tier.registrations_of(*arrays)
+                else:
+                    assert hit is not None
+                    assert tier.registrations_of(*arrays).tolist() == [hit[1]]
+                    good.append((offset, n, hit[1]))
+            assert 100 < len(good) < len(offsets)
+            units = tier.registrations_of(
+                np.array([g[0] for g in good], np.uint64), np.array([g[1] for g in good], np.uint64)
+            )
+            assert units.tolist() == [g[2] for g in good]

@@ -337,6 +337,7 @@ class CopyEngine(Owner):
         slot size); an array's page is its row. Neither may exceed the slot.
 
         :raises SlotError: a slot is not allocated.
+        :raises TierClosedError: the tier is closing or closed.
         :raises CopyPlanError: a page is larger than the slot, a copy would leave the committed
             range or cross a registration, two destinations overlap, or (host-to-host engine) an
             address lies in no open tier or StaticHostMem.
