@@ -28,9 +28,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiokvtier import CopyEngine, CopyPlanError, HostTier, StaticHostMem, TierClosedError, _regions
+from aiokvtier import CopyEngine, CopyPlanError, HostTier, SlotError, StaticHostMem, TierClosedError, _regions
 from aiokvtier._cuda._plan import plan
-from aiokvtier._cuda._requests import check_disjoint, registrations
+from aiokvtier._cuda._requests import buffer_addresses, check_disjoint, registrations
 from aiokvtier._regions import InflightCopies
 
 from .conftest import PopulateGate
@@ -748,3 +748,125 @@ async def test_tier_registrations_of_agrees_span_by_span(overrides: dict[str, An
                 np.array([g[0] for g in good], np.uint64), np.array([g[1] for g in good], np.uint64)
             )
             assert units.tolist() == [g[2] for g in good]
+
+
+async def test_slot_copies_with_addresses_in_several_regions_agree_with_the_reference() -> None:
+    async with (
+        HostTier(small_config()) as tier,
+        HostTier(_ramp_config()) as other,
+        StaticHostMem(64 * 4096 + 4096) as stage,
+        CopyEngine(None) as engine,
+    ):
+        await tier.wait_resident()
+        await other.wait_resident()
+        ids = await tier.allocate(48)
+        for seed, region in enumerate((tier, other, stage)):
+            _fill(region, 20 + seed)
+        rng = np.random.default_rng(21)
+        accepted = refused = 0
+        for _ in range(200):
+            models = known_models()
+            n = int(rng.integers(1, 9))
+            slots = [ids[int(i)] for i in rng.choice(len(ids), n, replace=bool(rng.integers(2)))]
+            page = int(rng.choice([4096, 4095, SLOT, 3 * 4096 + 1]))
+            direction = "h2d" if rng.integers(2) else "d2h"
+            addrs = []
+            for _ in range(n):
+                m = models[int(rng.integers(len(models)))]
+                pages = max(1, min(m.committed, m.size) // page)
+                addr = m.base + int(rng.integers(0, pages)) * page
+                if rng.integers(6) == 0:
+                    addr = int(rng.choice([m.base - page, m.base + m.committed - page + 1, m.base + m.size]))
+                addrs.append(addr)
+            problems: list[Problem] = []
+            sides = [addrs]
+            expect = reference(models, sides, [page] * n, known_only=True)
+            if isinstance(expect, list):
+                problems += expect
+            spans = sorted((a, a + page) for a in addrs)
+            if direction == "h2d" and any(b < e for (_, e), (b, _) in itertools.pairwise(spans)):
+                problems.append(Problem("overlapping", 0, 0))
+            if direction == "d2h" and len(set(slots)) < n:
+                problems.append(Problem("twice", 0, 0))
+            method = engine.to_device if direction == "h2d" else engine.to_host
+            before = engine.statistics().jobs_submitted
+            if problems:
+                with pytest.raises((CopyPlanError, SlotError)) as caught:
+                    await method(tier, slots, addrs, page=page)
+                message = str(caught.value)
+                assert any(p.kind in message for p in problems), (message, problems)
+                assert engine.statistics().jobs_submitted == before
+                refused += 1
+                continue
+            slot_spans = [(tier.address(s), tier.address(s) + page) for s in slots]
+            if any(max(a, lo) < min(a + page, hi) for a in addrs for lo, hi in slot_spans):
+                continue  # the other side overlaps a slot of the request: no promised order
+            _, owners = engine._plan_slots(tier, slots, addrs, direction, page)
+            assert owners == [tier, *(o for o in expect[1] if o is not tier)]
+            if direction == "h2d":
+                want = [ctypes.string_at(tier.address(s), page) for s in slots]
+                await method(tier, slots, addrs, page=page)
+                assert [ctypes.string_at(a, page) for a in addrs] == want
+            else:
+                want = {s: ctypes.string_at(a, page) for s, a in zip(slots, addrs, strict=True)}
+                await method(tier, slots, addrs, page=page)
+                assert {s: ctypes.string_at(tier.address(s), page) for s in slots} == want
+            accepted += 1
+        assert accepted > 40 and refused > 40, (accepted, refused)
+
+
+async def test_addresses_and_sizes_near_2_63() -> None:
+    async with HostTier(small_config()) as tier, StaticHostMem(4 * SLOT) as stage, CopyEngine(None) as engine:
+        await tier.wait_resident()
+        src = tier.address(await tier.allocate())
+        top = TOP - 1
+        for copies, error, what in (
+            ([(top, src, 1)], CopyPlanError, "no open HostTier"),
+            ([(stage.address, top, 1)], CopyPlanError, "no open HostTier"),
+            ([(stage.address, src, top)], CopyPlanError, "leaves"),
+            ([(stage.address, src, top - stage.address)], CopyPlanError, "leaves"),
+            ([(stage.address - 1, src, top)], CopyPlanError, "runs into"),
+            ([(0, src, top)], CopyPlanError, "runs into"),
+            (np.array([[stage.address, src, top]], np.uint64), CopyPlanError, "leaves"),
+            (np.array([[stage.address, src, TOP]], np.uint64), ValueError, "63 bits"),
+            (np.array([[stage.address, src, 2**64 - 1]], np.uint64), ValueError, "63 bits"),
+            ([(stage.address, src, TOP)], ValueError, "63 bits"),
+            ([(stage.address, src, -1)], ValueError, "non-negative"),
+            (np.array([[stage.address, src, -SLOT]], np.int64), ValueError, "non-negative"),
+        ):
+            with pytest.raises(error, match=what):
+                await engine.copy(copies)
+        for addrs, error, what in (
+            ([top], CopyPlanError, "no open HostTier"),
+            (np.array([top], np.uint64), CopyPlanError, "no open HostTier"),
+            (np.array([TOP], np.uint64), ValueError, "63 bits"),
+            ([TOP], ValueError, "63 bits"),
+            (np.array([-1], np.int64), ValueError, "negative"),
+        ):
+            with pytest.raises(error, match=what):
+                await engine.to_device(tier, [0], addrs)
+        assert engine.statistics().jobs_submitted == 0 and not any(stage.view())
+        await engine.copy(np.array([[stage.address, src, SLOT]], np.uint64))
+        await engine.to_host(tier, [0], np.array([stage.address + SLOT], np.uint64))
+        assert engine.statistics().jobs_submitted == 2
+
+
+async def test_a_device_engine_tracks_and_checks_host_addresses_given_per_slot() -> None:
+    """Per-slot addresses in a staging buffer or tier make it an owner (its close waits for the DMA)
+    and are checked as a raw copy's are, also when the engine has a device."""
+    async with HostTier(small_config()) as tier, StaticHostMem(4 * SLOT) as stage:
+        await tier.wait_resident()
+        a = stage.address
+        side = buffer_addresses([a + SLOT, 0x7F00_0000_0000, a], 3, SLOT, writable=True, host_only=False)
+        assert side.regions == [stage] and side.addresses.tolist() == [a + SLOT, 0x7F00_0000_0000, a]
+        side = buffer_addresses([tier.address(await tier.allocate()), a], 2, 4096, writable=False, host_only=False)
+        assert side.regions == [tier, stage]
+        base = tier.statistics().base_address
+        for addrs, what in (
+            ([a + 3 * SLOT + 1], "leaves"),
+            ([a - 1], "runs into"),
+            ([base + MiB - 1], "two registrations"),
+            ([base + 64 * MiB], "committed"),
+        ):
+            with pytest.raises(CopyPlanError, match=what):
+                buffer_addresses(addrs, 1, SLOT, writable=True, host_only=False)

@@ -205,7 +205,7 @@ class Side(NamedTuple):
     page: int
     """Bytes per slot copied."""
     regions: list[Any]
-    """Known regions the addresses lie in (host-to-host engines only): owners to wait for."""
+    """Known regions the addresses lie in: owners to wait for."""
 
 
 _NOT_ADDRESSES = int | np.integer | bytes | bytearray | memoryview | str
@@ -221,10 +221,12 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
 
     :param writable: ``obj`` is the destination: a read-only buffer is refused.
     :param host_only: a host-to-host engine: device buffers are refused, and
-        addresses must lie in an open tier or StaticHostMem.
+        addresses must lie in an open tier or StaticHostMem (with a device,
+        other addresses pass; those in one are checked alike).
     :raises TypeError: an address is not an integer, or ``obj`` is neither addresses nor a buffer.
     :raises ValueError: wrong shape, not C-contiguous, read-only, or pages of zero bytes.
-    :raises CopyPlanError: on a host-to-host engine, device memory or an address outside every known region.
+    :raises CopyPlanError: a page that leaves a tier or StaticHostMem, crosses a registration or is not
+        committed; on a host-to-host engine, device memory or an address outside every known region.
     """
     host = getattr(obj, "__array_interface__", None)
     host = host if host is not None and len(host["shape"]) >= 2 else None
@@ -242,9 +244,9 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
             raise ValueError(f"expected {n} integer addresses, got {addrs.size}")
         if (addrs < 0).any():
             raise ValueError(f"address {int(addrs[addrs < 0][0])} is negative")
-        regions: list[Any] = []
-        if host_only:
-            _, regions = registrations([addrs], default_page, known_only=True)
+        # Located with a device too: a staging buffer or tier named by address is an owner whose
+        # close must wait for the DMA, and a page leaving it is refused, as in a raw copy.
+        _, regions = registrations([addrs], default_page, known_only=host_only)
         return Side(addrs.astype(np.uint64), default_page, regions)
     data = iface.get("data")
     if not isinstance(data, tuple) or not data[0]:
