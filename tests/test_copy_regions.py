@@ -870,3 +870,42 @@ async def test_a_device_engine_tracks_and_checks_host_addresses_given_per_slot()
         ):
             with pytest.raises(CopyPlanError, match=what):
                 buffer_addresses(addrs, 1, SLOT, writable=True, host_only=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backing", ["register", "vmm"])
+async def test_a_device_engine_waits_for_a_staging_buffer_named_by_address(backing: str) -> None:
+    """Slots to and from pinned staging by address, through the DMA engines: the buffer is an owner,
+    a page leaving it is refused, the bytes land."""
+    slot, unit = 256 * KiB, 32 * MiB
+    config = small_config(
+        quota=64 * MiB,
+        max_quota=128 * MiB,
+        slot_size=slot,
+        commit_unit=unit,
+        fill_chunk=unit,
+        device=0,
+        backing=backing,
+    )
+    async with HostTier(config) as tier, StaticHostMem(4 * slot, device=0) as stage, CopyEngine(0) as engine:
+        await tier.wait_resident()
+        ids = await tier.allocate(4)
+        ctypes.memmove(stage.address, np.random.default_rng(7).bytes(4 * slot), 4 * slot)
+        a = stage.address
+        addrs = [a + 3 * slot, a + slot, a, a + 2 * slot]
+        _, owners = engine._plan_slots(tier, ids, addrs, "d2h")
+        assert owners == [tier, stage]
+        await engine.to_host(tier, ids, addrs)
+        assert [bytes(tier.view(s)) for s in ids] == [ctypes.string_at(x, slot) for x in addrs]
+        ctypes.memset(a, 0, 4 * slot)
+        started = engine.begin(tier, ids, addrs, "h2d")
+        assert len(stage.copies._events) == 1  # tracked (its event is set once the bytes land)
+        await started.done
+        assert len(stage.copies) == 0
+        assert [ctypes.string_at(x, slot) for x in addrs] == [bytes(tier.view(s)) for s in ids]
+        before = engine.statistics().jobs_submitted
+        for bad, what in (([a + 3 * slot + 1], "leaves"), ([a - 1], "runs into")):
+            for direction in ("h2d", "d2h"):
+                with pytest.raises(CopyPlanError, match=what):
+                    engine.begin(tier, ids[:1], bad, direction)
+        assert engine.statistics().jobs_submitted == before
