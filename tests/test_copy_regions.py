@@ -316,6 +316,26 @@ def test_edges_of_one_region_one_byte_at_a_time() -> None:
         assert ids.tolist() == [0, 1, 0, 2, -1] and owners == [region]
 
 
+def test_dense_ids_over_many_regions_and_units() -> None:
+    """Ids number (region, registration) pairs, never one alone: region 0's unit 2 and region 1's
+    unit 0 (or any other pair that a packed key could fold) keep their own ids."""
+    rng = np.random.default_rng(8)
+    regions = []
+    for i in range(6):
+        units = int(rng.integers(1, 70))
+        regions.append(
+            FakeRegion((1 << 32) * (i + 1), units * 4096, tuple(range(0, units * 4096 + 1, 4096)), units * 4096)
+        )
+    for _ in range(50):
+        spans = []
+        for _ in range(int(rng.integers(1, 400))):
+            r = regions[int(rng.integers(len(regions)))]
+            spans.append(r.base + int(rng.integers(0, r.size // 64)) * 64)
+        _check_against_reference(regions, [spans], [64] * len(spans), True)
+        half = len(spans) // 2
+        _check_against_reference(regions, [spans[:half], spans[half : 2 * half]], [64] * half, True)
+
+
 def test_a_span_over_a_whole_region_between_two_others_is_refused() -> None:
     low = FakeRegion(1 << 30, 4096, (0, 4096), 4096)
     mid = FakeRegion((1 << 30) + 3 * 4096, 4096, (0, 4096), 4096)
@@ -368,27 +388,49 @@ def test_empty_and_single_requests() -> None:
 # -- plan and check_disjoint against brute force ---------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@st.composite
+def copy_runs(draw: st.DrawFn) -> list[tuple[int, int, int]]:
+    """Runs of copies contiguous on both sides (what the planner merges), often across a
+    16-byte boundary (a registration here), in a shuffled order."""
+    rows = []
+    for _ in range(draw(st.integers(1, 5))):
+        d, s = draw(st.integers(0, 80)), draw(st.integers(0, 80))
+        for z in draw(st.lists(st.integers(1, 7), min_size=1, max_size=6)):
+            rows.append((d, s, z))
+            d, s = d + z, s + z
+    return draw(st.permutations(rows))
+
+
+@settings(max_examples=400, deadline=None)
 @given(
-    rows=st.lists(
-        st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(1, 3), st.integers(0, 2), st.integers(0, 2)),
-        min_size=1,
-        max_size=24,
-    ),
+    rows=copy_runs(),
     order_by=st.sampled_from(["src", "dst"]),
+    callable_reg=st.booleans(),
+    one_size=st.booleans(),
 )
 def test_plan_merges_only_what_is_contiguous_within_one_registration(
-    rows: list[tuple[int, int, int, int, int]], order_by: str
+    rows: list[tuple[int, int, int]], order_by: str, callable_reg: bool, one_size: bool
 ) -> None:
     """Whatever the (unstable) sort did, the plan moves exactly the requested bytes, and a descriptor
-    is a run contiguous on both sides with one registration per side."""
-    unit = 4  # registration ids here are address // 4 (on both sides), as the planner never sees
-    dsts = [r[0] * unit + r[3] for r in rows]
-    srcs = [r[1] * unit + r[4] for r in rows]
-    sizes = [r[2] for r in rows]
+    is a run contiguous on both sides with one registration per side (address // 16 here), the ids
+    given as arrays in request order or as a function of sorted addresses."""
+    dsts = [r[0] for r in rows]
+    srcs = [r[1] for r in rows]
+    sizes = [rows[0][2] if one_size else r[2] for r in rows]
     dst_ids = np.array([d // 16 for d in dsts], np.int64)
     src_ids = np.array([s // 16 for s in srcs], np.int64)
-    p = plan(dsts, srcs, sizes, dst_reg=dst_ids, src_reg=src_ids, order_by=order_by)
+    if callable_reg:
+        p = plan(
+            dsts,
+            srcs,
+            sizes[0] if one_size else sizes,
+            dst_reg=lambda a: (a // np.uint64(16)).astype(np.int64),
+            src_reg=lambda a: (a // np.uint64(16)).astype(np.int64),
+            order_by=order_by,
+            n=len(rows),
+        )
+    else:
+        p = plan(dsts, srcs, sizes, dst_reg=dst_ids, src_reg=src_ids, order_by=order_by)
     assert p.requested == len(rows) and p.nbytes == sum(sizes)
     requested = sorted(zip(dsts, srcs, sizes, dst_ids.tolist(), src_ids.tolist(), strict=True))
 
@@ -414,17 +456,29 @@ def test_plan_merges_only_what_is_contiguous_within_one_registration(
     assert lead == sorted(lead)
 
 
-@given(
-    starts=st.lists(st.integers(0, TOP - 1), min_size=1, max_size=8),
-    sizes=st.lists(st.integers(1, TOP - 1), min_size=8, max_size=8),
-    one_size=st.booleans(),
-)
-def test_check_disjoint_near_2_63(starts: list[int], sizes: list[int], one_size: bool) -> None:
-    sizes = [min(s, TOP - a) for a, s in zip(starts, sizes, strict=False)]
+@st.composite
+def destination_spans(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    """Spans that touch, overlap by a byte or leave a byte between, up to 2**63; in order or not."""
+    size = draw(st.one_of(st.integers(1, 16), st.integers(1, TOP // 16)))
+    at = draw(st.one_of(st.just(0), st.integers(0, TOP - 1), st.just(TOP - 9 * size)))
+    starts, sizes = [], []
+    for _ in range(draw(st.integers(1, 8))):
+        n = size if draw(st.booleans()) else draw(st.integers(1, size))
+        at = min(max(at, 0), TOP - n)
+        starts.append(at)
+        sizes.append(n)
+        at += n + draw(st.sampled_from([-2, -1, 0, 0, 0, 1, 2]))
+    order = draw(st.one_of(st.just(list(range(len(starts)))), st.permutations(range(len(starts)))))
+    return [starts[i] for i in order], [sizes[i] for i in order]
+
+
+@given(spans=destination_spans(), one_size=st.booleans())
+def test_check_disjoint_at_touching_spans_up_to_2_63(spans: tuple[list[int], list[int]], one_size: bool) -> None:
+    starts, sizes = spans
     if one_size:
         sizes = [min(sizes)] * len(starts)
-    spans = [(a, a + s) for a, s in zip(starts, sizes, strict=True)]
-    overlap = any(max(a1, a2) < min(e1, e2) for i, (a1, e1) in enumerate(spans) for (a2, e2) in spans[i + 1 :])
+    pairs = [(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+    overlap = any(max(a1, a2) < min(e1, e2) for i, (a1, e1) in enumerate(pairs) for (a2, e2) in pairs[i + 1 :])
     z: Any = sizes[0] if one_size else np.array(sizes, np.int64)
     if overlap:
         with pytest.raises(CopyPlanError, match="overlapping"):
