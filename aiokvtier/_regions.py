@@ -112,8 +112,9 @@ def locate(addrs: U64, nbytes: U64) -> tuple[I64, list[Region], I64]:
     bounds = [region.region_bounds() for region in regions]
     order = sorted(range(len(regions)), key=lambda i: bounds[i][0])
     regions = [regions[i] for i in order]
-    starts = np.array([bounds[i][0] for i in order], dtype=np.uint64)
-    ends = starts + np.array([bounds[i][1] for i in order], dtype=np.uint64)
+    bounds_sorted = [bounds[i] for i in order]
+    starts = np.array([b[0] for b in bounds_sorted], dtype=np.uint64)
+    ends = starts + np.array([b[1] for b in bounds_sorted], dtype=np.uint64)
     following = np.searchsorted(starts, addrs, side="right")  # the first region starting past each address
     which = following.astype(np.int64) - 1
     inside = which >= 0
@@ -134,11 +135,16 @@ def locate(addrs: U64, nbytes: U64) -> tuple[I64, list[Region], I64]:
                 f"{regions[int(nxt[i])].region_name}"
             )
     registration = np.full(len(addrs), -1, dtype=np.int64)
-    for r in np.unique(which[inside]).tolist():
-        at = np.flatnonzero(which == r)
-        leaving = np.flatnonzero(nbytes[at] > ends[r] - addrs[at])  # room again: no sum to wrap
+    met = np.flatnonzero(np.bincount(which[inside], minlength=len(regions)))  # a count, not a sort
+    for r in met.tolist():
+        # The usual request has all its spans in one region: no gathers then.
+        at = slice(None) if outside.size == 0 and len(met) == 1 else np.flatnonzero(which == r)
+        offsets, sizes = addrs[at] - starts[r], nbytes[at]
+        leaving = np.flatnonzero(sizes > np.uint64(bounds_sorted[r][1]) - offsets)  # room again: no sum to wrap
         if leaving.size:
-            i = int(at[leaving[0]])
-            raise CopyPlanError(f"copy of {int(nbytes[i])} bytes at {int(addrs[i]):#x} leaves {regions[r].region_name}")
-        registration[at] = regions[r].registrations_of(addrs[at] - starts[r], nbytes[at])
+            i = int(leaving[0])
+            raise CopyPlanError(
+                f"copy of {int(sizes[i])} bytes at {int(offsets[i] + starts[r]):#x} leaves {regions[r].region_name}"
+            )
+        registration[at] = regions[r].registrations_of(offsets, sizes)
     return which, regions, registration

@@ -188,12 +188,13 @@ def registrations(
         # Dense ids in order of first appearance, one per (region, registration) pair.
         pairs = which[known] << 32 | registration[known]
         unique, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
+        appearance = np.argsort(first, kind="stable")
         rank = np.empty(len(unique), dtype=np.int64)
-        rank[np.argsort(first, kind="stable")] = np.arange(len(unique))
+        rank[appearance] = np.arange(len(unique))
         ids[known] = rank[inverse.reshape(-1)]
-        seen = which[known]
-        _, firsts = np.unique(seen, return_index=True)
-        owners = [regions[int(seen[i])] for i in np.sort(firsts).tolist()]
+        # Owners in order of first appearance: read off the pairs (few), not the spans (many).
+        met = (unique[appearance] >> 32).tolist()
+        owners = [regions[r] for r in dict.fromkeys(met)]
     return list(np.split(ids, np.cumsum(lengths)[:-1])), owners
 
 
