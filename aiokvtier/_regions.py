@@ -74,6 +74,9 @@ class Region(Protocol):
     def registrations_of(self, offsets: U64, nbytes: U64) -> I64:
         """Per span ``[offset, offset+nbytes)``, the index of the registration holding it.
 
+        The planner asks only about spans inside ``region_bounds()``: ``offset + nbytes``
+        is at most the region's size, never wrapped.
+
         :raises CopyPlanError: a span crosses two registrations or leaves the committed range.
         """
         ...
@@ -98,40 +101,50 @@ def locate(addrs: U64, nbytes: U64) -> tuple[I64, list[Region], I64]:
 
     Returns ``(which, regions, registration)``: ``which`` indexes ``regions``
     (-1: in no known region, ``registration`` then -1 too). Vectorised: a
-    request of 32k spans costs a few sorts, not 32k Python calls.
+    request of 32k spans costs a few sorts, not 32k Python calls. Any
+    uint64 sizes: no ``addr + nbytes`` is formed, so none can wrap.
 
-    :raises CopyPlanError: a span leaves its region, runs into one from
-        outside, crosses registrations or is not committed.
+    :raises CopyPlanError: a span leaves its region, runs into (or over) one
+        from outside, crosses registrations or is not committed.
     """
     with _lock:
         regions = list(_regions.values())
     bounds = [region.region_bounds() for region in regions]
     order = sorted(range(len(regions)), key=lambda i: bounds[i][0])
     regions = [regions[i] for i in order]
-    starts = np.array([bounds[i][0] for i in order], dtype=np.uint64)
-    ends = starts + np.array([bounds[i][1] for i in order], dtype=np.uint64)
-    which = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
+    bounds_sorted = [bounds[i] for i in order]
+    starts = np.array([b[0] for b in bounds_sorted], dtype=np.uint64)
+    ends = starts + np.array([b[1] for b in bounds_sorted], dtype=np.uint64)
+    following = np.searchsorted(starts, addrs, side="right")  # the first region starting past each address
+    which = following.astype(np.int64) - 1
     inside = which >= 0
     inside[inside] = addrs[inside] < ends[which[inside]]
     which[~inside] = -1
-    span_ends = addrs + nbytes  # below 2**64: addresses and sizes were checked non-negative int64
     outside = np.flatnonzero(~inside)
-    if outside.size and regions:  # a span that starts outside every region may still end inside one
-        last = span_ends[outside] - np.uint64(1)
-        hit = np.searchsorted(starts, last, side="right").astype(np.int64) - 1
-        into = (hit >= 0) & (last < ends[np.maximum(hit, 0)]) & (last >= addrs[outside])
+    if outside.size and regions:
+        # A span from outside reaches a region when the next one starts before the span ends, wherever
+        # its last byte lies (it may cover the region whole). Room, not an end: ``addr + nbytes`` could
+        # wrap past 2**64 for a uint64 size, this difference cannot (the next start lies past addr).
+        nxt = following[outside]
+        room = starts[np.minimum(nxt, len(starts) - 1)] - addrs[outside]
+        into = (nxt < len(starts)) & (nbytes[outside] > room)
         if into.any():
             i = int(np.flatnonzero(into)[0])
             raise CopyPlanError(
                 f"copy of {int(nbytes[outside[i]])} bytes at {int(addrs[outside[i]]):#x} runs into "
-                f"{regions[int(hit[i])].region_name}"
+                f"{regions[int(nxt[i])].region_name}"
             )
     registration = np.full(len(addrs), -1, dtype=np.int64)
-    for r in np.unique(which[inside]).tolist():
-        at = np.flatnonzero(which == r)
-        leaving = np.flatnonzero(span_ends[at] > ends[r])
+    met = np.flatnonzero(np.bincount(which[inside], minlength=len(regions)))  # a count, not a sort
+    for r in met.tolist():
+        # The usual request has all its spans in one region: no gathers then.
+        at = slice(None) if outside.size == 0 and len(met) == 1 else np.flatnonzero(which == r)
+        offsets, sizes = addrs[at] - starts[r], nbytes[at]
+        leaving = np.flatnonzero(sizes > np.uint64(bounds_sorted[r][1]) - offsets)  # room again: no sum to wrap
         if leaving.size:
-            i = int(at[leaving[0]])
-            raise CopyPlanError(f"copy of {int(nbytes[i])} bytes at {int(addrs[i]):#x} leaves {regions[r].region_name}")
-        registration[at] = regions[r].registrations_of(addrs[at] - starts[r], nbytes[at])
+            i = int(leaving[0])
+            raise CopyPlanError(
+                f"copy of {int(sizes[i])} bytes at {int(offsets[i] + starts[r]):#x} leaves {regions[r].region_name}"
+            )
+        registration[at] = regions[r].registrations_of(offsets, sizes)
     return which, regions, registration

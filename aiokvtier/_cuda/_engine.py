@@ -332,14 +332,15 @@ class CopyEngine(Owner):
         (``__cuda_array_interface__``) with one page per slot. Returns once the bytes landed.
 
         ``page``: bytes per slot copied when ``dst`` is addresses (default: the
-        slot size); an array's page is its row.
+        slot size); an array's page is its row. Neither may exceed the slot.
 
         :raises SlotError: a slot is not allocated.
-        :raises CopyPlanError: a copy would leave the committed range or cross a registration,
-            two destinations overlap, or (host-to-host engine) an address lies in no open tier
-            or StaticHostMem.
-        :raises TypeError: an address is not an integer (bools and floats are refused).
-        :raises ValueError: no slots, a read-only, non-contiguous or misshapen ``dst``.
+        :raises TierClosedError: the tier is closing or closed.
+        :raises CopyPlanError: a page is larger than the slot, a copy would leave the committed
+            range or cross a registration, two destinations overlap, or (host-to-host engine) an
+            address lies in no open tier or StaticHostMem.
+        :raises TypeError: an address or ``page`` is not an integer (bools and floats are refused).
+        :raises ValueError: no slots, a ``page`` below one, a read-only, non-contiguous or misshapen ``dst``.
         :raises CudaError: the driver refused the batch.
         """
         await finish(self.begin(tier, slots, dst, "h2d", after=after, page=page).done)

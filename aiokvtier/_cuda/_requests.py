@@ -202,12 +202,13 @@ def registrations(
         # Dense ids in order of first appearance, one per (region, registration) pair.
         pairs = which[known] << 32 | registration[known]
         unique, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
+        appearance = np.argsort(first, kind="stable")
         rank = np.empty(len(unique), dtype=np.int64)
-        rank[np.argsort(first, kind="stable")] = np.arange(len(unique))
+        rank[appearance] = np.arange(len(unique))
         ids[known] = rank[inverse.reshape(-1)]
-        seen = which[known]
-        _, firsts = np.unique(seen, return_index=True)
-        owners = [regions[int(seen[i])] for i in np.sort(firsts).tolist()]
+        # Owners in order of first appearance: read off the pairs (few), not the spans (many).
+        met = (unique[appearance] >> 32).tolist()
+        owners = [regions[r] for r in dict.fromkeys(met)]
     return list(np.split(ids, np.cumsum(lengths)[:-1])), owners
 
 
@@ -219,7 +220,7 @@ class Side(NamedTuple):
     page: int
     """Bytes per slot copied."""
     regions: list[Any]
-    """Known regions the addresses lie in (host-to-host engines only): owners to wait for."""
+    """Known regions the addresses lie in: owners to wait for."""
 
 
 _NOT_ADDRESSES = int | np.integer | bytes | bytearray | memoryview | str
@@ -235,10 +236,12 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
 
     :param writable: ``obj`` is the destination: a read-only buffer is refused.
     :param host_only: a host-to-host engine: device buffers are refused, and
-        addresses must lie in an open tier or StaticHostMem.
+        addresses must lie in an open tier or StaticHostMem (with a device,
+        other addresses pass; those in one are checked alike).
     :raises TypeError: an address is not an integer, or ``obj`` is neither addresses nor a buffer.
     :raises ValueError: wrong shape, not C-contiguous, read-only, or pages of zero bytes.
-    :raises CopyPlanError: on a host-to-host engine, device memory or an address outside every known region.
+    :raises CopyPlanError: a page that leaves a tier or StaticHostMem, crosses a registration or is not
+        committed; on a host-to-host engine, device memory or an address outside every known region.
     """
     host = getattr(obj, "__array_interface__", None)
     host = host if host is not None and len(host["shape"]) >= 2 else None
@@ -256,9 +259,9 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
             raise ValueError(f"expected {n} integer addresses, got {addrs.size}")
         if (addrs < 0).any():
             raise ValueError(f"address {int(addrs[addrs < 0][0])} is negative")
-        regions: list[Any] = []
-        if host_only:
-            _, regions = registrations([addrs], default_page, known_only=True)
+        # Located with a device too: a staging buffer or tier named by address is an owner whose
+        # close must wait for the DMA, and a page leaving it is refused, as in a raw copy.
+        _, regions = registrations([addrs], default_page, known_only=host_only)
         return Side(addrs.astype(np.uint64), default_page, regions)
     data = iface.get("data")
     if not isinstance(data, tuple) or not data[0]:
@@ -302,10 +305,10 @@ def plan_slots(
     if host.size == 0:
         raise ValueError("no slots to copy")
     page = tier.slot_size if page_size is None else positive_count(page_size, "page")
+    _check_page(tier, page)  # before the addresses are located: a page of 2**64 does not fit numpy's uint64
     h2d = direction == "h2d"
     other, page, regions = buffer_addresses(buffer, len(host), page, writable=h2d, host_only=host_only)
-    if not 0 < page <= tier.slot_size:
-        raise CopyPlanError(f"a page of {page} bytes does not fit a {tier.slot_size}-byte slot")
+    _check_page(tier, page)  # an array's page is its row, whatever page= said
     if h2d:
         check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
     owners = [tier, *(r for r in regions if r is not tier)]
@@ -314,3 +317,8 @@ def plan_slots(
         return plan(other, host, page, src_reg=registration, n=len(host)), owners
     planned = plan(host, other, page, dst_reg=registration, n=len(host), order_by="dst", distinct_order_side=True)
     return planned, owners
+
+
+def _check_page(tier: HostTier, page: int) -> None:
+    if not 0 < page <= tier.slot_size:
+        raise CopyPlanError(f"a page of {page} bytes does not fit a {tier.slot_size}-byte slot")
