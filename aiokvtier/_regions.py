@@ -115,26 +115,33 @@ def locate(addrs: U64, nbytes: U64) -> tuple[I64, list[Region], I64]:
     bounds_sorted = [bounds[i] for i in order]
     starts = np.array([b[0] for b in bounds_sorted], dtype=np.uint64)
     ends = starts + np.array([b[1] for b in bounds_sorted], dtype=np.uint64)
+    registration = np.full(len(addrs), -1, dtype=np.int64)
+    if not regions:
+        return registration.copy(), regions, registration
     following = np.searchsorted(starts, addrs, side="right")  # the first region starting past each address
     which = following.astype(np.int64) - 1
-    inside = which >= 0
-    inside[inside] = addrs[inside] < ends[which[inside]]
-    which[~inside] = -1
-    outside = np.flatnonzero(~inside)
-    if outside.size and regions:
+    inside = (which >= 0) & (addrs < ends[np.maximum(which, 0)])
+    which = np.where(inside, which, -1)
+    if inside.any():
+        outside: npt.NDArray[np.intp] | None = np.flatnonzero(~inside)
+        nxt, out_addrs, out_sizes = following[outside], addrs[outside], nbytes[outside]
+    else:  # the usual device-side request: no span in a region, nothing to gather
+        outside, nxt, out_addrs, out_sizes = None, following, addrs, nbytes
+    if len(nxt):
         # A span from outside reaches a region when the next one starts before the span ends, wherever
         # its last byte lies (it may cover the region whole). Room, not an end: ``addr + nbytes`` could
         # wrap past 2**64 for a uint64 size, this difference cannot (the next start lies past addr).
-        nxt = following[outside]
-        room = starts[np.minimum(nxt, len(starts) - 1)] - addrs[outside]
-        into = (nxt < len(starts)) & (nbytes[outside] > room)
+        room = starts[np.minimum(nxt, len(starts) - 1)] - out_addrs
+        into = (nxt < len(starts)) & (out_sizes > room)
         if into.any():
             i = int(np.flatnonzero(into)[0])
+            span = i if outside is None else int(outside[i])
             raise CopyPlanError(
-                f"copy of {int(nbytes[outside[i]])} bytes at {int(addrs[outside[i]]):#x} runs into "
+                f"copy of {int(nbytes[span])} bytes at {int(addrs[span]):#x} runs into "
                 f"{regions[int(nxt[i])].region_name}"
             )
-    registration = np.full(len(addrs), -1, dtype=np.int64)
+    if outside is None:
+        return which, regions, registration
     met = np.flatnonzero(np.bincount(which[inside], minlength=len(regions)))  # a count, not a sort
     for r in met.tolist():
         # The usual request has all its spans in one region: no gathers then.

@@ -185,9 +185,12 @@ def registrations(
     """
     arrays = [np.asarray(side).astype(np.uint64, copy=False).reshape(-1) for side in sides]
     lengths = [len(a) for a in arrays]
-    addrs = np.concatenate([np.zeros(0, dtype=np.uint64), *arrays])
     z = np.asarray(sizes).astype(np.uint64, copy=False)
-    nbytes = np.concatenate([np.zeros(0, dtype=np.uint64), *(np.broadcast_to(z, a.shape) for a in arrays)])
+    if len(arrays) == 1:  # one side (per-slot addresses): no copies, one size stays a broadcast view
+        addrs, nbytes = arrays[0], np.broadcast_to(z, arrays[0].shape)
+    else:
+        addrs = np.concatenate(arrays)
+        nbytes = np.concatenate([np.broadcast_to(z, a.shape) for a in arrays])
     which, regions, registration = _regions.locate(addrs, nbytes)
     known = which >= 0
     if known_only and not known.all():
@@ -196,19 +199,19 @@ def registrations(
             f"address {addr:#x} lies in no open HostTier or StaticHostMem; a host-to-host "
             f"CopyEngine (device=None) copies only between those"
         )
+    if not known.any():  # device memory, the caller's own buffers: ids are -1 already
+        return list(np.split(which, np.cumsum(lengths)[:-1])), []
     ids = np.full(len(addrs), -1, dtype=np.int64)
-    owners: list[Any] = []
-    if known.any():
-        # Dense ids in order of first appearance, one per (region, registration) pair.
-        pairs = which[known] << 32 | registration[known]
-        unique, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
-        appearance = np.argsort(first, kind="stable")
-        rank = np.empty(len(unique), dtype=np.int64)
-        rank[appearance] = np.arange(len(unique))
-        ids[known] = rank[inverse.reshape(-1)]
-        # Owners in order of first appearance: read off the pairs (few), not the spans (many).
-        met = (unique[appearance] >> 32).tolist()
-        owners = [regions[r] for r in dict.fromkeys(met)]
+    # Dense ids in order of first appearance, one per (region, registration) pair.
+    pairs = which[known] << 32 | registration[known]
+    unique, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
+    appearance = np.argsort(first, kind="stable")
+    rank = np.empty(len(unique), dtype=np.int64)
+    rank[appearance] = np.arange(len(unique))
+    ids[known] = rank[inverse.reshape(-1)]
+    # Owners in order of first appearance: read off the pairs (few), not the spans (many).
+    met = (unique[appearance] >> 32).tolist()
+    owners = [regions[r] for r in dict.fromkeys(met)]
     return list(np.split(ids, np.cumsum(lengths)[:-1])), owners
 
 
