@@ -582,3 +582,24 @@ async def test_a_store_retrying_a_key_after_another_store_failed_follows_a_grown
         tier.free(taken[0])
         whole(tier, store, [1, 10, 11, 12])
         await exact(store)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+async def test_a_shrink_after_the_tier_grew_behind_the_stores_back_refuses_a_foreign_slot(policy: str) -> None:
+    """The slot past the new end that another user holds lies past the store's maps: QuotaError, not IndexError."""
+    async with open_store(4, policy=policy) as (tier, store):
+        await bounded(store.store([1, 2], pages([1, 2])))  # slots 0, 1
+        await bounded(tier.resize(16 * SLOT))  # behind the store's back: its maps still have 4 slots
+        await bounded(tier.wait_resident())
+        others = [await bounded(tier.allocate()) for _ in range(12)]
+        tier.free_many(others[:-1])
+        assert others[-1] == 13
+        with pytest.raises(QuotaError, match="slot 13"):
+            await bounded(store.resize(8 * SLOT))
+        assert tier.slots_total == 16 and 1 in store and 2 in store
+        tier.free(others[-1])
+        await bounded(store.resize(8 * SLOT))
+        keys = list(range(10, 16))
+        assert (await bounded(store.store(keys, pages(keys)))).stored == tuple(keys)
+        whole(tier, store, [1, 2, *keys])
+        await exact(store)

@@ -958,6 +958,9 @@ class BlockStore(Owner):
         tier = self._tier
         async with self._resize_lock:
             self._check_open()
+            # A tier grown behind the store's back: the slots past the new end checked below
+            # (another user's among them) index the maps.
+            self._sync_capacity()
             cfg = tier.config.resolved
             quota = parse_quota(new_quota, slot_size=cfg.slot_size, max_quota=cfg.max_quota)
             total = quota // tier.slot_size
