@@ -603,3 +603,35 @@ async def test_a_shrink_after_the_tier_grew_behind_the_stores_back_refuses_a_for
         assert (await bounded(store.store(keys, pages(keys)))).stored == tuple(keys)
         whole(tier, store, [1, 2, *keys])
         await exact(store)
+
+
+@pytest.mark.parametrize("first_fails", [False, True])
+async def test_a_cancelled_waiter_leaves_the_claim_to_the_other_waiters(
+    store_then_hold: Gate, first_fails: bool
+) -> None:
+    """Two stores wait on a third's claim; cancelling one cancels neither the claim nor the other waiter."""
+    gate = store_then_hold
+    async with open_store(4) as (tier, store):
+        hold(gate)
+        first = asyncio.create_task(store.store([1], pages([1])))
+        await gate.started()
+        second = asyncio.create_task(store.store([1], pages([1])))
+        third = asyncio.create_task(store.store([2, 1], pages([2, 1]), wait=False))
+        await asyncio.sleep(0.01)
+        (claim,) = (c for c in store._claims if 1 in c.keys)
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(second)
+        if first_fails:
+            first.cancel()
+        await gate.release()
+        if first_fails:
+            with pytest.raises(asyncio.CancelledError):
+                await bounded(first)
+            assert await bounded(third) == StoreResult(stored=(2, 1), present=(), skipped=())  # the retry stored it
+        else:
+            assert (await bounded(first)).stored == (1,)  # InvalidStateError: its claim's future was cancelled
+            assert await bounded(third) == StoreResult(stored=(2,), present=(1,), skipped=())
+        assert list(claim.future.result()) == ([] if first_fails else [1])
+        whole(tier, store, [1, 2])
+        await exact(store)

@@ -647,7 +647,9 @@ class BlockStore(Owner):
                 claim.future.set_result(stored_keys)
         retry: list[int] = []
         for future, indices in waiting.items():
-            done = set(await future)
+            # Shielded: a cancelled waiter would cancel the claim's future itself, failing every
+            # other waiter and the claiming call (whose set_result would meet a cancelled future).
+            done = set(await asyncio.shield(future))
             for i in indices:
                 if keys[i] in done:
                     outcome[i] = _PRESENT
