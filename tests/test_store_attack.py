@@ -635,3 +635,45 @@ async def test_a_cancelled_waiter_leaves_the_claim_to_the_other_waiters(
         assert list(claim.future.result()) == ([] if first_fails else [1])
         whole(tier, store, [1, 2])
         await exact(store)
+
+
+class GrowFails(LRUPolicy):
+    """LRU whose grow fails (a policy out of memory) while ``fail`` is set."""
+
+    __slots__ = ("fail",)
+    name = "grow-fails"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.fail = False
+
+    def resize(self, capacity: int) -> None:
+        if self.fail and capacity > len(self._stamp):
+            raise MemoryError("policy grow failed")
+        super().resize(capacity)
+
+
+async def test_a_policy_failing_to_follow_a_grown_tier_fails_the_store_that_waited(gate: PopulateGate) -> None:
+    """Not a fill failure: the store does not skip its keys with the slots it was given still taken."""
+    cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)  # two units of 16 slots
+    policy = GrowFails(32)
+    async with HostTier(cfg) as tier, BlockStore(tier, policy=policy) as store:
+        slot = tier.slot_size
+        gate.allow(1)
+        await bounded(tier.wait_resident(16 * slot))
+        first = list(range(16))
+        await bounded(store.store(first, pages(first, slot)))
+        keys = list(range(100, 104))
+        pending = asyncio.create_task(store.store(keys, pages(keys, slot)))  # waits for the second unit
+        await asyncio.sleep(0.01)
+        assert not pending.done()
+        await bounded(tier.resize(4 * MiB))  # behind the store's back
+        policy.fail = True
+        gate.release_all()
+        with pytest.raises(MemoryError):
+            await bounded(pending)  # was: StoreResult(skipped=keys), its 4 slots taken for good
+        whole(tier, store, [*first, *keys])
+        policy.fail = False
+        assert (await bounded(store.store(keys, pages(keys, slot)))).stored == tuple(keys)
+        whole(tier, store, [*first, *keys])
+        await exact(store, slot)

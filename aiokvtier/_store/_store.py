@@ -755,7 +755,6 @@ class BlockStore(Owner):
                 continue
             try:
                 chunk = await tier.allocate_ids(want)
-                self._sync_capacity()  # the tier may have grown while this call waited
             except OutOfSlots:
                 continue  # another task took them while this one waited for the fill
             except TierClosedError:
@@ -764,6 +763,9 @@ class BlockStore(Owner):
                 log.warning("aiokvtier: store skips blocks: %s", exc)
                 return
             taken.append(chunk)
+            # The tier may have grown while this call waited. Outside the try: a policy that cannot
+            # follow fails the call (which gives the chunk back), it is no fill failure to skip.
+            self._sync_capacity()
             got += len(chunk)
 
     def _evict(self, n: int) -> int:
