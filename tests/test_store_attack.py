@@ -22,7 +22,7 @@ from aiokvtier import BlockNotFound, BlockStore, HostTier, QuotaError, StoreResu
 from aiokvtier._store._policy import EvictionPolicy, Key, LRUPolicy
 
 from .conftest import PopulateGate
-from .helpers import MiB, small_config
+from .helpers import KiB, MiB, small_config
 from .test_cancellation import cancel_during, sweep
 from .test_store import SLOT, Gate, bounded, held, hold, open_store, page, pages, store_then_hold
 
@@ -676,4 +676,68 @@ async def test_a_policy_failing_to_follow_a_grown_tier_fails_the_store_that_wait
         policy.fail = False
         assert (await bounded(store.store(keys, pages(keys, slot)))).stored == tuple(keys)
         whole(tier, store, [*first, *keys])
+        await exact(store, slot)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+async def test_a_retry_after_another_store_failed_keeps_the_calls_present_prefix(
+    store_then_hold: Gate, policy: str
+) -> None:
+    """The retry of a key makes room as any store does, but not by evicting the call's own prefix."""
+    gate = store_then_hold
+    async with open_store(2, policy=policy) as (tier, store):
+        await bounded(store.store([2], pages([2])))  # slot 0
+        hold(gate)
+        first = asyncio.create_task(store.store([1], pages([1])))  # slot 1: the tier is full
+        await gate.started()
+        (claim,) = store._claims
+        taken: list[int] = []
+        claim.future.add_done_callback(lambda _: taken.append(tier.allocate_nowait()))  # the freed slot 1
+        second = asyncio.create_task(store.store([2, 1], pages([2, 1])))  # 2 present; waits on 1
+        await asyncio.sleep(0.01)
+        first.cancel()
+        await gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(first)
+        # Was stored=(1,), present=(2,), with 2 evicted by the retry to make room for 1.
+        assert await bounded(second) == StoreResult(stored=(), present=(2,), skipped=(1,))
+        assert taken == [1] and 2 in store
+        tier.free(taken[0])
+        whole(tier, store, [1, 2])
+        await exact(store)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+async def test_a_retry_after_another_store_failed_keeps_the_blocks_the_call_stored(
+    store_then_hold: Gate, gate: PopulateGate, policy: str
+) -> None:
+    """The call's own stored blocks are never its victims, in the retry of a key either."""
+    copies = store_then_hold
+    cfg = small_config(quota=17 * 64 * KiB, max_quota=4 * MiB)  # a unit of 16 slots and a unit of one
+    async with HostTier(cfg) as tier, BlockStore(tier, policy=policy) as store:
+        slot = tier.slot_size
+        gate.allow(1)
+        await bounded(tier.wait_resident(16 * slot))
+        others = await bounded(tier.allocate(16))  # slots 0..15: another user's
+        first = asyncio.create_task(store.store([1], pages([1], slot)))  # waits for slot 16's fill
+        await asyncio.sleep(0.01)
+        (claim,) = store._claims
+        tier.free(others.pop(0))
+        second = asyncio.create_task(store.store([3, 1], pages([3, 1], slot)))  # 3 lands in slot 0; waits on 1
+        await asyncio.sleep(0.01)
+        assert 3 in store and not second.done()
+        taken: list[int] = []
+        claim.future.add_done_callback(lambda _: taken.append(tier.allocate_nowait()))  # the freed slot 16
+        hold(copies)
+        gate.release_all()
+        await copies.started()  # the first store copies into slot 16
+        first.cancel()
+        await copies.release()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(first)
+        # Was stored=(3, 1), with 3 evicted by the retry to make room for 1.
+        assert await bounded(second) == StoreResult(stored=(3,), present=(), skipped=(1,))
+        assert taken == [16] and 3 in store
+        tier.free_many([*others, *taken])
+        whole(tier, store, [1, 3])
         await exact(store, slot)

@@ -663,7 +663,15 @@ class BlockStore(Owner):
         if retry:  # counted by the inner call
             retry.sort()
             again_pages = pages.take(np.asarray(retry, dtype=np.int64))
-            again = await self._store([keys[i] for i in retry], again_pages, after, wait, True)
+            # The retry makes room as any store does, but not by evicting the blocks this call
+            # stored or found present: they are pinned, as the first pass pins its present ones.
+            own = self._slots(list(compress(keys, ((outcome == _STORED) | (outcome == _PRESENT)).tolist())))
+            own = own[self._ready(own)]
+            self._pin(own)
+            try:
+                again = await self._store([keys[i] for i in retry], again_pages, after, wait, True)
+            finally:
+                self._unpin(own)
             done_stored, done_present = set(again.stored), set(again.present)
             for i in retry:
                 key = keys[i]
