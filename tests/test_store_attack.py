@@ -18,8 +18,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from aiokvtier import BlockNotFound, BlockStore, HostTier, QuotaError, StoreResult
-from aiokvtier._store._policy import EvictionPolicy, Key, LRUPolicy
+from aiokvtier import BlockNotFound, BlockStore, HostTier, OutOfSlots, QuotaError, StoreResult, WouldBlock
+from aiokvtier._store._policy import EvictionPolicy, Key, LRUPolicy, S3FIFOPolicy
 
 from .conftest import PopulateGate
 from .helpers import KiB, MiB, small_config
@@ -28,7 +28,7 @@ from .test_store import SLOT, Gate, bounded, held, hold, open_store, page, pages
 
 __all__ = ["held", "store_then_hold"]  # fixtures used here
 
-_READY, _STORING = 2, 1
+_FREE, _STORING, _READY, _DOOMED = 0, 1, 2, 3
 TIMEOUT_LONG = 10.0
 
 
@@ -740,4 +740,146 @@ async def test_a_retry_after_another_store_failed_keeps_the_blocks_the_call_stor
         assert taken == [16] and 3 in store
         tier.free_many([*others, *taken])
         whole(tier, store, [1, 3])
+        await exact(store, slot)
+
+
+def consistent(tier: HostTier, store: BlockStore) -> None:
+    """What holds at every await, calls in flight or not: the maps, the policy and the tier agree on every slot."""
+    state, key_of, pins = store._state, store._key_of, store._pins
+    assert len(key_of) == len(store._length) == len(pins) == len(state) >= store._capacity
+    policy = store._policy
+    if isinstance(policy, LRUPolicy):
+        size, tracked = len(policy._stamp), np.flatnonzero(policy._present)
+    else:
+        assert isinstance(policy, S3FIFOPolicy)
+        size, tracked = len(policy._where), np.flatnonzero(np.frombuffer(policy._where, dtype=np.uint8))
+    assert size == store._capacity and len(policy) == len(tracked)
+    used = np.flatnonzero(state != _FREE)  # every such slot is below both the store's and the tier's end
+    assert not used.size or int(used[-1]) < min(store._capacity, tier.slots_total)
+    assert all(tier._slots.is_allocated(s) for s in used.tolist()), "a block's slot is not allocated"
+    ready = np.flatnonzero(state == _READY)
+    assert len(ready) == len(store)
+    for key, slot in store._slot_of.items():
+        assert state[slot] in (_STORING, _READY) and key_of[slot] == key
+    assert all(store._slot_of.get(key_of[s]) == s for s in ready.tolist())
+    pinned = np.flatnonzero(pins)
+    assert set(state[pinned].tolist()) <= {_READY, _DOOMED} and (pins[state == _DOOMED] > 0).all()
+    # The policy knows every visible block, and a block being stored at most.
+    assert set(ready.tolist()) <= set(tracked.tolist()) <= set(np.flatnonzero(state >= _STORING).tolist())
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+async def test_churn_with_resizes_of_the_store_and_of_the_tier_behind_its_back(
+    gate: PopulateGate, policy: str, seed: int
+) -> None:
+    """Stores (waiting or not), loads, discards, resizes of the store and of the tier itself, another user's
+    slots, a fill still running, and cancellations at random steps; ``consistent`` at every loop iteration."""
+    cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)  # 32 slots of 64 slots at most
+    rng = random.Random(seed)
+    async with HostTier(cfg) as tier, BlockStore(tier, policy=policy) as store:
+        slot = tier.slot_size
+        data = {k: np.frombuffer(page(k, slot), dtype=np.uint8) for k in range(100)}
+        theirs: list[int] = []  # another user's slots
+        done = False
+
+        async def checker() -> None:
+            while not done:
+                consistent(tier, store)
+                await asyncio.sleep(0)
+
+        async def perhaps_cancelled(call: Awaitable[Any], r: random.Random) -> bool:
+            """Whether ``call`` ran to the end (a third are cancelled after a few steps)."""
+            task = asyncio.ensure_future(call)
+            try:
+                if r.random() < 0.3:
+                    for _ in range(r.randint(0, 6)):
+                        await asyncio.sleep(0)
+                    task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        raise  # this task's own cancellation: a sibling failed
+                    return False
+                return True
+            finally:
+                task.cancel()  # a sibling failed: no call outlives the test
+
+        async def storer(r: random.Random) -> None:
+            for _ in range(25):
+                keys = r.sample(range(100), r.randint(1, 12))
+
+                async def call(keys: list[int] = keys) -> None:
+                    result = await store.store(keys, np.stack([data[k] for k in keys]), wait=r.random() < 0.5)
+                    assert sorted(result.stored + result.present + result.skipped) == sorted(keys)
+
+                await perhaps_cancelled(call(), r)
+                await asyncio.sleep(0)
+
+        async def loader(r: random.Random) -> None:
+            for _ in range(40):
+                here = [k for k in r.sample(range(100), 20) if k in store][:8]
+                dst = np.zeros((len(here), slot), dtype=np.uint8)
+                try:
+                    if await perhaps_cancelled(store.load(here, dst), r):
+                        assert all((dst[i] == data[k]).all() for i, k in enumerate(here))
+                except BlockNotFound:
+                    pass  # evicted or discarded before the load began
+                await asyncio.sleep(0)
+
+        async def discarder(r: random.Random) -> None:
+            for _ in range(40):
+                store.discard(r.sample(range(100), 2))
+                await asyncio.sleep(r.random() * 0.002)
+
+        async def resizer(r: random.Random, resize: Callable[[int], Awaitable[None]]) -> None:
+            for _ in range(12):
+                try:
+                    await perhaps_cancelled(resize(r.randint(8, 64) * slot), r)
+                except QuotaError:
+                    pass
+                await asyncio.sleep(r.random() * 0.003)
+
+        async def other_user(r: random.Random) -> None:
+            for _ in range(40):
+                if theirs and r.random() < 0.5:
+                    tier.free(theirs.pop(r.randrange(len(theirs))))
+                else:
+                    try:
+                        theirs.append(tier.allocate_nowait())
+                    except (WouldBlock, OutOfSlots):
+                        pass
+                await asyncio.sleep(r.random() * 0.002)
+
+        async def fill() -> None:
+            for unit in range(1, 65):
+                gate.allow(unit)
+                await asyncio.sleep(0.001)
+            gate.release_all()
+
+        async def work() -> None:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(fill())
+                tg.create_task(resizer(random.Random(rng.random()), store.resize))
+                tg.create_task(resizer(random.Random(rng.random()), tier.resize))
+                tg.create_task(other_user(random.Random(rng.random())))
+                tg.create_task(discarder(random.Random(rng.random())))
+                for _ in range(6):
+                    tg.create_task(storer(random.Random(rng.random())))
+                for _ in range(3):
+                    tg.create_task(loader(random.Random(rng.random())))
+
+        async with asyncio.timeout(TIMEOUT_LONG * 3):
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(checker())
+                try:
+                    await work()
+                finally:
+                    done = True
+                    gate.release_all()
+        tier.free_many(theirs)
+        consistent(tier, store)
+        whole(tier, store, range(100))
         await exact(store, slot)
