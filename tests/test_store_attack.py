@@ -9,6 +9,7 @@ visible key loading its exact bytes.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import random
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
@@ -883,3 +884,59 @@ async def test_churn_with_resizes_of_the_store_and_of_the_tier_behind_its_back(
         consistent(tier, store)
         whole(tier, store, range(100))
         await exact(store, slot)
+
+
+class HeldEngine:
+    """A stand-in CopyEngine (a device, host pages): copies at once and reports them issued when let.
+
+    What matters here is the store's side of a CopyEngine: ``begin`` returns (``submitted``,
+    ``done``) and the store's bookkeeping waits for ``submitted``, other tasks running meanwhile.
+    """
+
+    device = 0
+
+    def __init__(self) -> None:
+        self.hold = False
+        self.held: list[asyncio.Future[None]] = []
+
+    def _check_open(self) -> None:
+        pass
+
+    def begin(
+        self, tier: HostTier, slots: Any, addresses: Any, direction: str, *, after: Any = None, page: int = 0
+    ) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+        loop = asyncio.get_running_loop()
+        for ours, theirs in zip(tier.slot_addresses(slots).tolist(), np.asarray(addresses).tolist(), strict=True):
+            dst, src = (ours, theirs) if direction == "d2h" else (theirs, ours)
+            ctypes.memmove(dst, src, page)
+        submitted, done = loop.create_future(), loop.create_future()
+        submitted.add_done_callback(lambda _: done.set_result(None))
+        if self.hold:
+            self.held.append(submitted)
+        else:
+            submitted.set_result(None)
+        return submitted, done
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+async def test_a_shrink_while_an_engine_store_waits_for_its_copy_to_be_issued_keeps_its_present_prefix(
+    policy: str,
+) -> None:
+    """The present block is not dropped before the store touches it (past the shrunk policy: IndexError)."""
+    engine = HeldEngine()
+    async with open_store(4, engine=engine, policy=policy) as (tier, store):
+        await bounded(store.store([10, 11, 12, 13], pages([10, 11, 12, 13])))  # slots 0..3
+        store.discard([11, 12])
+        engine.hold = True
+        task = asyncio.create_task(store.store([13, 5], pages([13, 5])))  # 13 present in slot 3; 5 into slot 2
+        await asyncio.sleep(0.01)
+        assert len(engine.held) == 1
+        try:
+            with pytest.raises(QuotaError, match="slot 3 is being stored or loaded"):
+                await bounded(store.resize(3 * SLOT))  # was accepted: 13 evicted, the policy cut to 3 slots
+        finally:
+            engine.hold = False
+            engine.held[0].set_result(None)
+        assert await bounded(task) == StoreResult(stored=(5,), present=(13,), skipped=())
+        whole(tier, store, [5, 10, 11, 12, 13])
+        await exact(store)

@@ -588,12 +588,19 @@ class BlockStore(Owner):
         chunks: list[I64] = []
         inserted: I64 | None = None
         landed = False
-        self._pin(present_slots)  # the call's own present blocks (its prefix) are not evicted to make room
+        # The call's own present blocks (its prefix) are not evicted to make room, nor dropped by a
+        # shrink before the policy touched them: with a CopyEngine the touch waits for the copy to be
+        # issued, and a slot past a shrunk policy's end is no slot id of it (IndexError).
+        pinned = present_slots
+        self._pin(pinned)
+
+        def unpin() -> None:
+            nonlocal pinned
+            self._unpin(pinned)
+            pinned = _NO_IDS
+
         try:
-            try:
-                await self._take_slots(len(claimed), wait, chunks, vet)
-            finally:
-                self._unpin(present_slots)
+            await self._take_slots(len(claimed), wait, chunks, vet)
             taken = chunks[0] if len(chunks) == 1 else np.concatenate([_NO_IDS, *chunks])
             if len(taken) < len(claimed):
                 vet()
@@ -618,6 +625,7 @@ class BlockStore(Owner):
                     raise ValueError("a key appears twice in one store call")
                 if present_slots.size:  # touched first: the blocks stored by the call are the most recent
                     self._policy.accessed(present_slots)
+                unpin()
                 self._policy.inserted_many(taken, chosen_keys)
                 inserted = taken
                 published = tuple(chosen_keys)
@@ -626,6 +634,7 @@ class BlockStore(Owner):
                 await self._overlap(self._start_in(taken, chosen_pages, after), book)
             elif present_slots.size:
                 self._policy.accessed(present_slots)
+                unpin()
             landed = True
             self._state[taken] = _READY
             outcome[chosen] = _STORED
@@ -635,6 +644,7 @@ class BlockStore(Owner):
             self._counts["bytes_stored"] += int(chosen_pages.lengths.sum())
             self._events.publish("stored", published)
         finally:
+            unpin()
             try:
                 if not landed:  # failed or cancelled: no partial block stays, no slot is kept
                     try:
