@@ -940,3 +940,35 @@ async def test_a_shrink_while_an_engine_store_waits_for_its_copy_to_be_issued_ke
         assert await bounded(task) == StoreResult(stored=(5,), present=(13,), skipped=())
         whole(tier, store, [5, 10, 11, 12, 13])
         await exact(store)
+
+
+@pytest.mark.parametrize("taken_meanwhile", [False, True])
+async def test_a_shrink_that_waits_for_a_grow_of_the_tier_made_behind_the_stores_back(taken_meanwhile: bool) -> None:
+    """The shrink evicts, then waits for the tier's own resize: it shrinks after it or, when a slot past the
+    new end was taken meanwhile, is refused by the tier with the blocks it evicted gone (documented)."""
+    async with open_store(8) as (tier, store):
+        keys = list(range(8))
+        await bounded(store.store(keys, pages(keys)))
+        grow = asyncio.create_task(tier.resize(16 * SLOT))
+        await asyncio.sleep(0)  # the grow holds the tier's resize lock while its fill target moves
+        shrink = asyncio.create_task(store.resize(4 * SLOT))
+        await asyncio.sleep(0)
+        assert [k for k in keys if k in store] == [0, 1, 2, 3] and not shrink.done()
+        new = list(range(10, 14))
+        if taken_meanwhile:
+            assert (await bounded(store.store(new, pages(new), wait=False))).stored == tuple(new)  # slots 4..7
+        await bounded(grow)
+        if taken_meanwhile:
+            with pytest.raises(QuotaError, match="slot 7 past the new end"):
+                await bounded(shrink)
+            assert tier.slots_total == 16 and store.statistics().evictions == 4
+        else:
+            await bounded(shrink)
+            assert tier.slots_total == 4 and store._capacity == 4
+        whole(tier, store, keys + new)
+        consistent(tier, store)
+        await exact(store)
+        more = list(range(20, 40))
+        await bounded(store.store(more, pages(more)))
+        whole(tier, store, keys + new + more)
+        consistent(tier, store)

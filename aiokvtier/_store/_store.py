@@ -972,7 +972,10 @@ class BlockStore(Owner):
 
         A shrink is refused before anything is evicted when a slot past the
         new end is held by something other than a stored block (another
-        user's slot, a store's slot not booked yet). Cancellation: as
+        user's slot, a store's slot not booked yet). A shrink that meets a
+        resize of the tier made directly (``tier.resize``) evicts, then waits
+        for it; if the tier then refuses (a slot past the new end was taken
+        meanwhile), the blocks evicted stay evicted. Cancellation: as
         :meth:`HostTier.resize`; blocks evicted for a shrink stay evicted,
         and the store follows whatever size the tier ends with.
         """
