@@ -972,3 +972,31 @@ async def test_a_shrink_that_waits_for_a_grow_of_the_tier_made_behind_the_stores
         await bounded(store.store(more, pages(more)))
         whole(tier, store, keys + new + more)
         consistent(tier, store)
+
+
+class _EmptyDeviceArray:
+    """A stand-in for an empty CUDA tensor: no pages, and (as torch gives one) a null data pointer."""
+
+    def __init__(self, page: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (0, page),
+            "typestr": "|u1",
+            "data": (0, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+async def test_a_call_of_no_keys_with_an_engine_does_nothing() -> None:
+    """As without an engine: the empty page array had no page size to find (ZeroDivisionError)."""
+    async with open_store(4, engine=HeldEngine()) as (tier, store):
+        await bounded(store.store([1], pages([1])))
+        for empty in (np.zeros((0, SLOT), dtype=np.uint8), _EmptyDeviceArray(SLOT), []):
+            assert await bounded(store.store([], empty)) == StoreResult((), (), ())
+            await bounded(store.load([], empty))
+        with pytest.raises(ValueError, match="one page per slot"):
+            await bounded(store.store([], np.zeros((1, SLOT), dtype=np.uint8)))
+        with pytest.raises(ValueError, match="expected 0 integer addresses"):
+            await bounded(store.load([], [0x7F00_0000_0000]))
+        whole(tier, store, [1])
+        await exact(store)
