@@ -1033,3 +1033,33 @@ async def test_a_call_of_no_keys_with_an_engine_does_nothing() -> None:
             await bounded(store.load([], [0x7F00_0000_0000]))
         whole(tier, store, [1])
         await exact(store)
+
+
+@pytest.mark.parametrize("wait", [False, True])
+async def test_a_store_that_does_not_wait_skips_a_key_whose_other_store_waits_for_the_fill(
+    gate: PopulateGate, wait: bool
+) -> None:
+    """``wait=False`` never waits for the fill, also not through another store of the same key."""
+    cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)  # two units of 16 slots
+    async with HostTier(cfg) as tier, BlockStore(tier) as store:
+        slot = tier.slot_size
+        gate.allow(1)
+        await bounded(tier.wait_resident(16 * slot))
+        first = list(range(16))
+        await bounded(store.store(first, pages(first, slot)))
+        other = asyncio.create_task(store.store([100], pages([100], slot)))  # waits for the second unit
+        await asyncio.sleep(0.01)
+        assert not other.done()
+        store.discard([0])  # one resident slot free
+        call = asyncio.create_task(store.store([100, 101], pages([100, 101], slot), wait=wait))
+        await asyncio.sleep(0.05)
+        if not wait:  # was: waiting, for the fill, for the other store
+            assert call.done() and call.result() == StoreResult(stored=(101,), present=(), skipped=(100,))
+        else:
+            assert not call.done()
+        gate.release_all()
+        assert (await bounded(other)).stored == (100,)
+        result = await bounded(call)
+        assert result == StoreResult(stored=(101,), present=(100,) if wait else (), skipped=() if wait else (100,))
+        whole(tier, store, [*first, 100, 101])
+        await exact(store, slot)

@@ -67,7 +67,8 @@ class StoreResult:
     present: tuple[Key, ...]
     """Already stored, or stored meanwhile by a concurrent call that this one waited for: not copied again."""
     skipped: tuple[Key, ...]
-    """Not stored: no room even after eviction (the suffix of the call), or, with ``wait=False``, not resident yet."""
+    """Not stored: no room even after eviction (the suffix of the call), or, with ``wait=False``, not resident yet
+    (also a key that another store, waiting for the fill, is storing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,12 +165,14 @@ _Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
 class _Claim:
     """The keys one store call is storing, and the future its waiters learn the stored keys from."""
 
-    __slots__ = ("_keys", "_set", "future")
+    __slots__ = ("_keys", "_set", "filling", "future")
 
-    def __init__(self, keys: list[Key]) -> None:
+    def __init__(self, keys: list[Key], filling: bool) -> None:
         self._keys = keys
         self._set: set[Key] | None = None
         self.future: asyncio.Future[Sequence[Key]] = asyncio.get_running_loop().create_future()
+        self.filling = filling
+        """The call may be waiting for the fill (``wait=True``, taking slots): ``wait=False`` calls skip its keys."""
 
     @property
     def keys(self) -> set[Key]:
@@ -486,7 +489,8 @@ class BlockStore(Owner):
             one, a sequence of bytes-like objects or a 2-D uint8 numpy array.
         :param after: a CUDA stream or event the copy waits for on the GPU.
         :param wait: False: skip keys whose slots are not resident yet
-            instead of waiting for the fill.
+            instead of waiting for the fill (and keys that another store is
+            storing while it waits for the fill, rather than wait for it).
         :raises ValueError: a page larger than a slot, a key twice in one
             call, pages that do not match the keys (nothing changed).
         :raises TypeError: a key that is not bytes-like or an int.
@@ -564,7 +568,8 @@ class BlockStore(Owner):
             check_types()
             if len(set(keys)) != n:
                 raise ValueError("a key appears twice in one store call")
-            missing, waiting = self._claimed_elsewhere(keys, missing)
+            missing, waiting, filling = self._claimed_elsewhere(keys, missing, wait)
+            outcome[filling] = _SKIPPED
         if not missing.size:
             check_types()  # no copy to hide it behind
         # The call claims its missing keys before any await: a concurrent store of one of them
@@ -582,7 +587,7 @@ class BlockStore(Owner):
                 raise ValueError("a key appears twice in one store call")
             vetted = True
 
-        claim = _Claim(claimed)
+        claim = _Claim(claimed, filling=wait)
         self._claims.add(claim)
         stored_keys: Sequence[Key] = ()
         chunks: list[I64] = []
@@ -600,7 +605,10 @@ class BlockStore(Owner):
             pinned = _NO_IDS
 
         try:
-            await self._take_slots(len(claimed), wait, chunks, vet)
+            try:
+                await self._take_slots(len(claimed), wait, chunks, vet)
+            finally:
+                claim.filling = False
             taken = chunks[0] if len(chunks) == 1 else np.concatenate([_NO_IDS, *chunks])
             if len(taken) < len(claimed):
                 vet()
@@ -693,26 +701,30 @@ class BlockStore(Owner):
         )
 
     def _claimed_elsewhere(
-        self, keys: list[Key], missing: I64
-    ) -> tuple[I64, dict[asyncio.Future[Sequence[Key]], list[int]]]:
-        """Split ``missing`` into the keys no other call is storing and, per call, those it is."""
+        self, keys: list[Key], missing: I64, wait: bool
+    ) -> tuple[I64, dict[asyncio.Future[Sequence[Key]], list[int]], list[int]]:
+        """Split ``missing`` into the keys no other call is storing, per call those it is, and (``wait=False``)
+        those a call that may be waiting for the fill is storing: waiting for that call would wait for the fill."""
         indices = missing.tolist()
         missing_keys = [keys[i] for i in indices]
-        elsewhere: dict[Key, asyncio.Future[Sequence[Key]]] = {}
+        elsewhere: dict[Key, _Claim] = {}
         for other in self._claims:
             for key in other.keys.intersection(missing_keys):
-                elsewhere[key] = other.future
+                elsewhere[key] = other
         if not elsewhere:
-            return missing, {}
+            return missing, {}, []
         free: list[int] = []
+        filling: list[int] = []
         waiting: dict[asyncio.Future[Sequence[Key]], list[int]] = {}
         for i, key in zip(indices, missing_keys, strict=True):
-            future = elsewhere.get(key)
-            if future is None:
+            claim = elsewhere.get(key)
+            if claim is None:
                 free.append(i)
+            elif claim.filling and not wait:
+                filling.append(i)
             else:
-                waiting.setdefault(future, []).append(i)
-        return np.asarray(free, dtype=np.int64), waiting
+                waiting.setdefault(claim.future, []).append(i)
+        return np.asarray(free, dtype=np.int64), waiting, filling
 
     def _forget_inserted(self, slots: I64) -> None:
         """Untell the policy about blocks of a store that did not land (one by one if the batch fails)."""
