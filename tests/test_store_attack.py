@@ -23,7 +23,7 @@ from aiokvtier import BlockNotFound, BlockStore, HostTier, OutOfSlots, QuotaErro
 from aiokvtier._store._policy import EvictionPolicy, Key, LRUPolicy, S3FIFOPolicy
 
 from .conftest import PopulateGate
-from .helpers import KiB, MiB, small_config
+from .helpers import KiB, MiB, eventually, small_config
 from .test_cancellation import cancel_during, sweep
 from .test_store import SLOT, Gate, bounded, held, hold, open_store, page, pages, store_then_hold
 
@@ -725,8 +725,9 @@ async def test_a_retry_after_another_store_failed_keeps_the_blocks_the_call_stor
         (claim,) = store._claims
         tier.free(others.pop(0))
         second = asyncio.create_task(store.store([3, 1], pages([3, 1], slot)))  # 3 lands in slot 0; waits on 1
+        await eventually(lambda: 3 in store)
         await asyncio.sleep(0.01)
-        assert 3 in store and not second.done()
+        assert not second.done()
         taken: list[int] = []
         claim.future.add_done_callback(lambda _: taken.append(tier.allocate_nowait()))  # the freed slot 16
         hold(copies)
@@ -1052,10 +1053,10 @@ async def test_a_store_that_does_not_wait_skips_a_key_whose_other_store_waits_fo
         assert not other.done()
         store.discard([0])  # one resident slot free
         call = asyncio.create_task(store.store([100, 101], pages([100, 101], slot), wait=wait))
-        await asyncio.sleep(0.05)
-        if not wait:  # was: waiting, for the fill, for the other store
-            assert call.done() and call.result() == StoreResult(stored=(101,), present=(), skipped=(100,))
+        if not wait:  # was: waiting, for the fill, for the other store (a timeout here)
+            assert await bounded(call) == StoreResult(stored=(101,), present=(), skipped=(100,))
         else:
+            await asyncio.sleep(0.05)
             assert not call.done()
         gate.release_all()
         assert (await bounded(other)).stored == (100,)
