@@ -9,6 +9,7 @@ visible key loading its exact bytes.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import random
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
@@ -18,17 +19,17 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from aiokvtier import BlockNotFound, BlockStore, HostTier, QuotaError, StoreResult
-from aiokvtier._store._policy import EvictionPolicy, Key, LRUPolicy
+from aiokvtier import BlockNotFound, BlockStore, HostTier, OutOfSlots, QuotaError, StoreResult, WouldBlock
+from aiokvtier._store._policy import EvictionPolicy, Key, LRUPolicy, S3FIFOPolicy
 
 from .conftest import PopulateGate
-from .helpers import MiB, small_config
+from .helpers import KiB, MiB, eventually, small_config
 from .test_cancellation import cancel_during, sweep
 from .test_store import SLOT, Gate, bounded, held, hold, open_store, page, pages, store_then_hold
 
 __all__ = ["held", "store_then_hold"]  # fixtures used here
 
-_READY, _STORING = 2, 1
+_FREE, _STORING, _READY, _DOOMED = 0, 1, 2, 3
 TIMEOUT_LONG = 10.0
 
 
@@ -582,3 +583,484 @@ async def test_a_store_retrying_a_key_after_another_store_failed_follows_a_grown
         tier.free(taken[0])
         whole(tier, store, [1, 10, 11, 12])
         await exact(store)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+async def test_a_shrink_after_the_tier_grew_behind_the_stores_back_refuses_a_foreign_slot(policy: str) -> None:
+    """The slot past the new end that another user holds lies past the store's maps: QuotaError, not IndexError."""
+    async with open_store(4, policy=policy) as (tier, store):
+        await bounded(store.store([1, 2], pages([1, 2])))  # slots 0, 1
+        await bounded(tier.resize(16 * SLOT))  # behind the store's back: its maps still have 4 slots
+        await bounded(tier.wait_resident())
+        others = [await bounded(tier.allocate()) for _ in range(12)]
+        tier.free_many(others[:-1])
+        assert others[-1] == 13
+        with pytest.raises(QuotaError, match="slot 13"):
+            await bounded(store.resize(8 * SLOT))
+        assert tier.slots_total == 16 and 1 in store and 2 in store
+        tier.free(others[-1])
+        await bounded(store.resize(8 * SLOT))
+        keys = list(range(10, 16))
+        assert (await bounded(store.store(keys, pages(keys)))).stored == tuple(keys)
+        whole(tier, store, [1, 2, *keys])
+        await exact(store)
+
+
+@pytest.mark.parametrize("first_fails", [False, True])
+async def test_a_cancelled_waiter_leaves_the_claim_to_the_other_waiters(
+    store_then_hold: Gate, first_fails: bool
+) -> None:
+    """Two stores wait on a third's claim; cancelling one cancels neither the claim nor the other waiter."""
+    gate = store_then_hold
+    async with open_store(4) as (tier, store):
+        hold(gate)
+        first = asyncio.create_task(store.store([1], pages([1])))
+        await gate.started()
+        second = asyncio.create_task(store.store([1], pages([1])))
+        third = asyncio.create_task(store.store([2, 1], pages([2, 1]), wait=False))
+        await asyncio.sleep(0.01)
+        (claim,) = (c for c in store._claims if 1 in c.keys)
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(second)
+        if first_fails:
+            first.cancel()
+        await gate.release()
+        if first_fails:
+            with pytest.raises(asyncio.CancelledError):
+                await bounded(first)
+            assert await bounded(third) == StoreResult(stored=(2, 1), present=(), skipped=())  # the retry stored it
+        else:
+            assert (await bounded(first)).stored == (1,)  # InvalidStateError: its claim's future was cancelled
+            assert await bounded(third) == StoreResult(stored=(2,), present=(1,), skipped=())
+        assert list(claim.future.result()) == ([] if first_fails else [1])
+        whole(tier, store, [1, 2])
+        await exact(store)
+
+
+class GrowFails(LRUPolicy):
+    """LRU whose grow fails (a policy out of memory) while ``fail`` is set."""
+
+    __slots__ = ("fail",)
+    name = "grow-fails"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.fail = False
+
+    def resize(self, capacity: int) -> None:
+        if self.fail and capacity > len(self._stamp):
+            raise MemoryError("policy grow failed")
+        super().resize(capacity)
+
+
+async def test_a_policy_failing_to_follow_a_grown_tier_fails_the_store_that_waited(gate: PopulateGate) -> None:
+    """Not a fill failure: the store does not skip its keys with the slots it was given still taken."""
+    cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)  # two units of 16 slots
+    policy = GrowFails(32)
+    async with HostTier(cfg) as tier, BlockStore(tier, policy=policy) as store:
+        slot = tier.slot_size
+        gate.allow(1)
+        await bounded(tier.wait_resident(16 * slot))
+        first = list(range(16))
+        await bounded(store.store(first, pages(first, slot)))
+        keys = list(range(100, 104))
+        pending = asyncio.create_task(store.store(keys, pages(keys, slot)))  # waits for the second unit
+        await asyncio.sleep(0.01)
+        assert not pending.done()
+        await bounded(tier.resize(4 * MiB))  # behind the store's back
+        policy.fail = True
+        gate.release_all()
+        with pytest.raises(MemoryError):
+            await bounded(pending)  # was: StoreResult(skipped=keys), its 4 slots taken for good
+        whole(tier, store, [*first, *keys])
+        policy.fail = False
+        assert (await bounded(store.store(keys, pages(keys, slot)))).stored == tuple(keys)
+        whole(tier, store, [*first, *keys])
+        await exact(store, slot)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+async def test_a_retry_after_another_store_failed_keeps_the_calls_present_prefix(
+    store_then_hold: Gate, policy: str
+) -> None:
+    """The retry of a key makes room as any store does, but not by evicting the call's own prefix."""
+    gate = store_then_hold
+    async with open_store(2, policy=policy) as (tier, store):
+        await bounded(store.store([2], pages([2])))  # slot 0
+        hold(gate)
+        first = asyncio.create_task(store.store([1], pages([1])))  # slot 1: the tier is full
+        await gate.started()
+        (claim,) = store._claims
+        taken: list[int] = []
+        claim.future.add_done_callback(lambda _: taken.append(tier.allocate_nowait()))  # the freed slot 1
+        second = asyncio.create_task(store.store([2, 1], pages([2, 1])))  # 2 present; waits on 1
+        await asyncio.sleep(0.01)
+        first.cancel()
+        await gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(first)
+        # Was stored=(1,), present=(2,), with 2 evicted by the retry to make room for 1.
+        assert await bounded(second) == StoreResult(stored=(), present=(2,), skipped=(1,))
+        assert taken == [1] and 2 in store
+        tier.free(taken[0])
+        whole(tier, store, [1, 2])
+        await exact(store)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+async def test_a_retry_after_another_store_failed_keeps_the_blocks_the_call_stored(
+    store_then_hold: Gate, gate: PopulateGate, policy: str
+) -> None:
+    """The call's own stored blocks are never its victims, in the retry of a key either."""
+    copies = store_then_hold
+    cfg = small_config(quota=17 * 64 * KiB, max_quota=4 * MiB)  # a unit of 16 slots and a unit of one
+    async with HostTier(cfg) as tier, BlockStore(tier, policy=policy) as store:
+        slot = tier.slot_size
+        gate.allow(1)
+        await bounded(tier.wait_resident(16 * slot))
+        others = await bounded(tier.allocate(16))  # slots 0..15: another user's
+        first = asyncio.create_task(store.store([1], pages([1], slot)))  # waits for slot 16's fill
+        await asyncio.sleep(0.01)
+        (claim,) = store._claims
+        tier.free(others.pop(0))
+        second = asyncio.create_task(store.store([3, 1], pages([3, 1], slot)))  # 3 lands in slot 0; waits on 1
+        await eventually(lambda: 3 in store)
+        await asyncio.sleep(0.01)
+        assert not second.done()
+        taken: list[int] = []
+        claim.future.add_done_callback(lambda _: taken.append(tier.allocate_nowait()))  # the freed slot 16
+        hold(copies)
+        gate.release_all()
+        await copies.started()  # the first store copies into slot 16
+        first.cancel()
+        await copies.release()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(first)
+        # Was stored=(3, 1), with 3 evicted by the retry to make room for 1.
+        assert await bounded(second) == StoreResult(stored=(3,), present=(), skipped=(1,))
+        assert taken == [16] and 3 in store
+        tier.free_many([*others, *taken])
+        whole(tier, store, [1, 3])
+        await exact(store, slot)
+
+
+def consistent(tier: HostTier, store: BlockStore) -> None:
+    """What holds at every await, calls in flight or not: the maps, the policy and the tier agree on every slot."""
+    state, key_of, pins = store._state, store._key_of, store._pins
+    assert len(key_of) == len(store._length) == len(pins) == len(state) >= store._capacity
+    policy = store._policy
+    if isinstance(policy, LRUPolicy):
+        size, tracked = len(policy._stamp), np.flatnonzero(policy._present)
+    else:
+        assert isinstance(policy, S3FIFOPolicy)
+        size, tracked = len(policy._where), np.flatnonzero(np.frombuffer(policy._where, dtype=np.uint8))
+    assert size == store._capacity and len(policy) == len(tracked)
+    used = np.flatnonzero(state != _FREE)  # every such slot is below both the store's and the tier's end
+    assert not used.size or int(used[-1]) < min(store._capacity, tier.slots_total)
+    assert all(tier._slots.is_allocated(s) for s in used.tolist()), "a block's slot is not allocated"
+    ready = np.flatnonzero(state == _READY)
+    assert len(ready) == len(store)
+    for key, slot in store._slot_of.items():
+        assert state[slot] in (_STORING, _READY) and key_of[slot] == key
+    assert all(store._slot_of.get(key_of[s]) == s for s in ready.tolist())
+    pinned = np.flatnonzero(pins)
+    assert set(state[pinned].tolist()) <= {_READY, _DOOMED} and (pins[state == _DOOMED] > 0).all()
+    # The policy knows every visible block, and a block being stored at most.
+    assert set(ready.tolist()) <= set(tracked.tolist()) <= set(np.flatnonzero(state >= _STORING).tolist())
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+@pytest.mark.parametrize("engine", ["none", "laggy"])
+async def test_churn_with_resizes_of_the_store_and_of_the_tier_behind_its_back(
+    gate: PopulateGate, engine: str, policy: str, seed: int
+) -> None:
+    """Stores (waiting or not), loads, discards, resizes of the store and of the tier itself, another user's
+    slots, a fill still running, and cancellations at random steps; ``consistent`` at every loop iteration.
+    With a stand-in engine, copies are reported issued a few loop iterations late, as a CopyEngine's are."""
+    cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)  # 32 slots of 64 slots at most
+    rng = random.Random(seed)
+    copies = LaggyEngine(rng.random()) if engine == "laggy" else None
+    async with HostTier(cfg) as tier, BlockStore(tier, copies, policy) as store:  # type: ignore[arg-type]
+        slot = tier.slot_size
+        data = {k: np.frombuffer(page(k, slot), dtype=np.uint8) for k in range(100)}
+        theirs: list[int] = []  # another user's slots
+        done = False
+
+        async def checker() -> None:
+            while not done:
+                consistent(tier, store)
+                await asyncio.sleep(0)
+
+        async def perhaps_cancelled(call: Awaitable[Any], r: random.Random) -> bool:
+            """Whether ``call`` ran to the end (a third are cancelled after a few steps)."""
+            task = asyncio.ensure_future(call)
+            try:
+                if r.random() < 0.3:
+                    for _ in range(r.randint(0, 6)):
+                        await asyncio.sleep(0)
+                    task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        raise  # this task's own cancellation: a sibling failed
+                    return False
+                return True
+            finally:
+                task.cancel()  # a sibling failed: no call outlives the test
+
+        async def storer(r: random.Random) -> None:
+            for _ in range(25):
+                keys = r.sample(range(100), r.randint(1, 12))
+
+                async def call(keys: list[int] = keys) -> None:
+                    result = await store.store(keys, np.stack([data[k] for k in keys]), wait=r.random() < 0.5)
+                    assert sorted(result.stored + result.present + result.skipped) == sorted(keys)
+
+                await perhaps_cancelled(call(), r)
+                await asyncio.sleep(0)
+
+        async def loader(r: random.Random) -> None:
+            for _ in range(40):
+                here = [k for k in r.sample(range(100), 20) if k in store][:8]
+                dst = np.zeros((len(here), slot), dtype=np.uint8)
+                try:
+                    if await perhaps_cancelled(store.load(here, dst), r):
+                        assert all((dst[i] == data[k]).all() for i, k in enumerate(here))
+                except BlockNotFound:
+                    pass  # evicted or discarded before the load began
+                await asyncio.sleep(0)
+
+        async def discarder(r: random.Random) -> None:
+            for _ in range(40):
+                store.discard(r.sample(range(100), 2))
+                await asyncio.sleep(r.random() * 0.002)
+
+        async def resizer(r: random.Random, resize: Callable[[int], Awaitable[None]]) -> None:
+            for _ in range(12):
+                try:
+                    await perhaps_cancelled(resize(r.randint(8, 64) * slot), r)
+                except QuotaError:
+                    pass
+                await asyncio.sleep(r.random() * 0.003)
+
+        async def other_user(r: random.Random) -> None:
+            for _ in range(40):
+                if theirs and r.random() < 0.5:
+                    tier.free(theirs.pop(r.randrange(len(theirs))))
+                else:
+                    try:
+                        theirs.append(tier.allocate_nowait())
+                    except (WouldBlock, OutOfSlots):
+                        pass
+                await asyncio.sleep(r.random() * 0.002)
+
+        async def fill() -> None:
+            for unit in range(1, 65):
+                gate.allow(unit)
+                await asyncio.sleep(0.001)
+            gate.release_all()
+
+        async def work() -> None:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(fill())
+                tg.create_task(resizer(random.Random(rng.random()), store.resize))
+                tg.create_task(resizer(random.Random(rng.random()), tier.resize))
+                tg.create_task(other_user(random.Random(rng.random())))
+                tg.create_task(discarder(random.Random(rng.random())))
+                for _ in range(6):
+                    tg.create_task(storer(random.Random(rng.random())))
+                for _ in range(3):
+                    tg.create_task(loader(random.Random(rng.random())))
+
+        async with asyncio.timeout(TIMEOUT_LONG * 3):
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(checker())
+                try:
+                    await work()
+                finally:
+                    done = True
+                    gate.release_all()
+        tier.free_many(theirs)
+        consistent(tier, store)
+        whole(tier, store, range(100))
+        await exact(store, slot)
+
+
+class HeldEngine:
+    """A stand-in CopyEngine (a device, host pages): copies at once and reports them issued when let.
+
+    What matters here is the store's side of a CopyEngine: ``begin`` returns (``submitted``,
+    ``done``) and the store's bookkeeping waits for ``submitted``, other tasks running meanwhile.
+    """
+
+    device = 0
+
+    def __init__(self) -> None:
+        self.hold = False
+        self.held: list[asyncio.Future[None]] = []
+
+    def _check_open(self) -> None:
+        pass
+
+    def begin(
+        self, tier: HostTier, slots: Any, addresses: Any, direction: str, *, after: Any = None, page: int = 0
+    ) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+        loop = asyncio.get_running_loop()
+        for ours, theirs in zip(tier.slot_addresses(slots).tolist(), np.asarray(addresses).tolist(), strict=True):
+            dst, src = (ours, theirs) if direction == "d2h" else (theirs, ours)
+            ctypes.memmove(dst, src, page)
+        submitted, done = loop.create_future(), loop.create_future()
+        submitted.add_done_callback(lambda _: done.set_result(None))
+        if self.hold:
+            self.held.append(submitted)
+        else:
+            submitted.set_result(None)
+        return submitted, done
+
+    async def copy(self, copies: list[tuple[int, int, int]], *, after: Any = None) -> None:
+        for dst, src, n in copies:
+            ctypes.memmove(dst, src, n)
+
+
+class LaggyEngine(HeldEngine):
+    """Reports each copy issued after a random number (0..8) of loop iterations."""
+
+    def __init__(self, seed: float) -> None:
+        super().__init__()
+        self.hold = True
+        self._rng = random.Random(seed)
+
+    def begin(
+        self, tier: HostTier, slots: Any, addresses: Any, direction: str, *, after: Any = None, page: int = 0
+    ) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+        submitted, done = super().begin(tier, slots, addresses, direction, after=after, page=page)
+        self.held.clear()
+        loop = asyncio.get_running_loop()
+
+        def issue(steps: int) -> None:
+            if steps:
+                loop.call_soon(issue, steps - 1)
+            elif not submitted.done():  # a store cancelled while waiting for it cancelled it
+                submitted.set_result(None)
+
+        issue(self._rng.randint(0, 8))
+        return submitted, done
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+async def test_a_shrink_while_an_engine_store_waits_for_its_copy_to_be_issued_keeps_its_present_prefix(
+    policy: str,
+) -> None:
+    """The present block is not dropped before the store touches it (past the shrunk policy: IndexError)."""
+    engine = HeldEngine()
+    async with open_store(4, engine=engine, policy=policy) as (tier, store):
+        await bounded(store.store([10, 11, 12, 13], pages([10, 11, 12, 13])))  # slots 0..3
+        store.discard([11, 12])
+        engine.hold = True
+        task = asyncio.create_task(store.store([13, 5], pages([13, 5])))  # 13 present in slot 3; 5 into slot 2
+        await asyncio.sleep(0.01)
+        assert len(engine.held) == 1
+        try:
+            with pytest.raises(QuotaError, match="slot 3 is being stored or loaded"):
+                await bounded(store.resize(3 * SLOT))  # was accepted: 13 evicted, the policy cut to 3 slots
+        finally:
+            engine.hold = False
+            engine.held[0].set_result(None)
+        assert await bounded(task) == StoreResult(stored=(5,), present=(13,), skipped=())
+        whole(tier, store, [5, 10, 11, 12, 13])
+        await exact(store)
+
+
+@pytest.mark.parametrize("taken_meanwhile", [False, True])
+async def test_a_shrink_that_waits_for_a_grow_of_the_tier_made_behind_the_stores_back(taken_meanwhile: bool) -> None:
+    """The shrink evicts, then waits for the tier's own resize: it shrinks after it or, when a slot past the
+    new end was taken meanwhile, is refused by the tier with the blocks it evicted gone (documented)."""
+    async with open_store(8) as (tier, store):
+        keys = list(range(8))
+        await bounded(store.store(keys, pages(keys)))
+        grow = asyncio.create_task(tier.resize(16 * SLOT))
+        await asyncio.sleep(0)  # the grow holds the tier's resize lock while its fill target moves
+        shrink = asyncio.create_task(store.resize(4 * SLOT))
+        await asyncio.sleep(0)
+        assert [k for k in keys if k in store] == [0, 1, 2, 3] and not shrink.done()
+        new = list(range(10, 14))
+        if taken_meanwhile:
+            assert (await bounded(store.store(new, pages(new), wait=False))).stored == tuple(new)  # slots 4..7
+        await bounded(grow)
+        if taken_meanwhile:
+            with pytest.raises(QuotaError, match="slot 7 past the new end"):
+                await bounded(shrink)
+            assert tier.slots_total == 16 and store.statistics().evictions == 4
+        else:
+            await bounded(shrink)
+            assert tier.slots_total == 4 and store._capacity == 4
+        whole(tier, store, keys + new)
+        consistent(tier, store)
+        await exact(store)
+        more = list(range(20, 40))
+        await bounded(store.store(more, pages(more)))
+        whole(tier, store, keys + new + more)
+        consistent(tier, store)
+
+
+class _EmptyDeviceArray:
+    """A stand-in for an empty CUDA tensor: no pages, and (as torch gives one) a null data pointer."""
+
+    def __init__(self, page: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (0, page),
+            "typestr": "|u1",
+            "data": (0, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+async def test_a_call_of_no_keys_with_an_engine_does_nothing() -> None:
+    """As without an engine: the empty page array had no page size to find (ZeroDivisionError)."""
+    async with open_store(4, engine=HeldEngine()) as (tier, store):
+        await bounded(store.store([1], pages([1])))
+        empties: list[Any] = [np.zeros((0, SLOT), dtype=np.uint8), _EmptyDeviceArray(SLOT), []]
+        for empty in empties:
+            assert await bounded(store.store([], empty)) == StoreResult((), (), ())
+            await bounded(store.load([], empty))
+        with pytest.raises(ValueError, match="one page per slot"):
+            await bounded(store.store([], np.zeros((1, SLOT), dtype=np.uint8)))
+        with pytest.raises(ValueError, match="expected 0 integer addresses"):
+            await bounded(store.load([], [0x7F00_0000_0000]))
+        whole(tier, store, [1])
+        await exact(store)
+
+
+@pytest.mark.parametrize("wait", [False, True])
+async def test_a_store_that_does_not_wait_skips_a_key_whose_other_store_waits_for_the_fill(
+    gate: PopulateGate, wait: bool
+) -> None:
+    """``wait=False`` never waits for the fill, also not through another store of the same key."""
+    cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)  # two units of 16 slots
+    async with HostTier(cfg) as tier, BlockStore(tier) as store:
+        slot = tier.slot_size
+        gate.allow(1)
+        await bounded(tier.wait_resident(16 * slot))
+        first = list(range(16))
+        await bounded(store.store(first, pages(first, slot)))
+        other = asyncio.create_task(store.store([100], pages([100], slot)))  # waits for the second unit
+        await asyncio.sleep(0.01)
+        assert not other.done()
+        store.discard([0])  # one resident slot free
+        call = asyncio.create_task(store.store([100, 101], pages([100, 101], slot), wait=wait))
+        if not wait:  # was: waiting, for the fill, for the other store (a timeout here)
+            assert await bounded(call) == StoreResult(stored=(101,), present=(), skipped=(100,))
+        else:
+            await asyncio.sleep(0.05)
+            assert not call.done()
+        gate.release_all()
+        assert (await bounded(other)).stored == (100,)
+        result = await bounded(call)
+        assert result == StoreResult(stored=(101,), present=(100,) if wait else (), skipped=() if wait else (100,))
+        whole(tier, store, [*first, 100, 101])
+        await exact(store, slot)

@@ -267,6 +267,10 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
         _, regions = registrations([addrs], default_page, known_only=host_only)
         return Side(addrs.astype(np.uint64), default_page, regions)
     data = iface.get("data")
+    if n == 0 and tuple(iface["shape"])[:1] == (0,):
+        # No pages (a store or load of no keys): no page size to find, and an empty tensor may
+        # expose a null pointer.
+        return Side(np.empty(0, dtype=np.uint64), default_page, [])
     if not isinstance(data, tuple) or not data[0]:
         raise ValueError("the buffer exposes no data pointer")
     if writable and data[1]:

@@ -67,7 +67,8 @@ class StoreResult:
     present: tuple[Key, ...]
     """Already stored, or stored meanwhile by a concurrent call that this one waited for: not copied again."""
     skipped: tuple[Key, ...]
-    """Not stored: no room even after eviction (the suffix of the call), or, with ``wait=False``, not resident yet."""
+    """Not stored: no room even after eviction (the suffix of the call), or, with ``wait=False``, not resident yet
+    (also a key that another store, waiting for the fill, is storing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,12 +165,14 @@ _Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
 class _Claim:
     """The keys one store call is storing, and the future its waiters learn the stored keys from."""
 
-    __slots__ = ("_keys", "_set", "future")
+    __slots__ = ("_keys", "_set", "filling", "future")
 
-    def __init__(self, keys: list[Key]) -> None:
+    def __init__(self, keys: list[Key], filling: bool) -> None:
         self._keys = keys
         self._set: set[Key] | None = None
         self.future: asyncio.Future[Sequence[Key]] = asyncio.get_running_loop().create_future()
+        self.filling = filling
+        """The call may be waiting for the fill (``wait=True``, taking slots): ``wait=False`` calls skip its keys."""
 
     @property
     def keys(self) -> set[Key]:
@@ -486,7 +489,8 @@ class BlockStore(Owner):
             one, a sequence of bytes-like objects or a 2-D uint8 numpy array.
         :param after: a CUDA stream or event the copy waits for on the GPU.
         :param wait: False: skip keys whose slots are not resident yet
-            instead of waiting for the fill.
+            instead of waiting for the fill (and keys that another store is
+            storing while it waits for the fill, rather than wait for it).
         :raises ValueError: a page larger than a slot, a key twice in one
             call, pages that do not match the keys (nothing changed).
         :raises TypeError: a key that is not bytes-like or an int.
@@ -564,7 +568,8 @@ class BlockStore(Owner):
             check_types()
             if len(set(keys)) != n:
                 raise ValueError("a key appears twice in one store call")
-            missing, waiting = self._claimed_elsewhere(keys, missing)
+            missing, waiting, filling = self._claimed_elsewhere(keys, missing, wait)
+            outcome[filling] = _SKIPPED
         if not missing.size:
             check_types()  # no copy to hide it behind
         # The call claims its missing keys before any await: a concurrent store of one of them
@@ -582,18 +587,28 @@ class BlockStore(Owner):
                 raise ValueError("a key appears twice in one store call")
             vetted = True
 
-        claim = _Claim(claimed)
+        claim = _Claim(claimed, filling=wait)
         self._claims.add(claim)
         stored_keys: Sequence[Key] = ()
         chunks: list[I64] = []
         inserted: I64 | None = None
         landed = False
-        self._pin(present_slots)  # the call's own present blocks (its prefix) are not evicted to make room
+        # The call's own present blocks (its prefix) are not evicted to make room, nor dropped by a
+        # shrink before the policy touched them: with a CopyEngine the touch waits for the copy to be
+        # issued, and a slot past a shrunk policy's end is no slot id of it (IndexError).
+        pinned = present_slots
+        self._pin(pinned)
+
+        def unpin() -> None:
+            nonlocal pinned
+            self._unpin(pinned)
+            pinned = _NO_IDS
+
         try:
             try:
                 await self._take_slots(len(claimed), wait, chunks, vet)
             finally:
-                self._unpin(present_slots)
+                claim.filling = False
             taken = chunks[0] if len(chunks) == 1 else np.concatenate([_NO_IDS, *chunks])
             if len(taken) < len(claimed):
                 vet()
@@ -618,6 +633,7 @@ class BlockStore(Owner):
                     raise ValueError("a key appears twice in one store call")
                 if present_slots.size:  # touched first: the blocks stored by the call are the most recent
                     self._policy.accessed(present_slots)
+                unpin()
                 self._policy.inserted_many(taken, chosen_keys)
                 inserted = taken
                 published = tuple(chosen_keys)
@@ -626,6 +642,7 @@ class BlockStore(Owner):
                 await self._overlap(self._start_in(taken, chosen_pages, after), book)
             elif present_slots.size:
                 self._policy.accessed(present_slots)
+                unpin()
             landed = True
             self._state[taken] = _READY
             outcome[chosen] = _STORED
@@ -635,6 +652,7 @@ class BlockStore(Owner):
             self._counts["bytes_stored"] += int(chosen_pages.lengths.sum())
             self._events.publish("stored", published)
         finally:
+            unpin()
             try:
                 if not landed:  # failed or cancelled: no partial block stays, no slot is kept
                     try:
@@ -647,7 +665,9 @@ class BlockStore(Owner):
                 claim.future.set_result(stored_keys)
         retry: list[int] = []
         for future, indices in waiting.items():
-            done = set(await future)
+            # Shielded: a cancelled waiter would cancel the claim's future itself, failing every
+            # other waiter and the claiming call (whose set_result would meet a cancelled future).
+            done = set(await asyncio.shield(future))
             for i in indices:
                 if keys[i] in done:
                     outcome[i] = _PRESENT
@@ -661,7 +681,15 @@ class BlockStore(Owner):
         if retry:  # counted by the inner call
             retry.sort()
             again_pages = pages.take(np.asarray(retry, dtype=np.int64))
-            again = await self._store([keys[i] for i in retry], again_pages, after, wait, True)
+            # The retry makes room as any store does, but not by evicting the blocks this call
+            # stored or found present: they are pinned, as the first pass pins its present ones.
+            own = self._slots(list(compress(keys, ((outcome == _STORED) | (outcome == _PRESENT)).tolist())))
+            own = own[self._ready(own)]
+            self._pin(own)
+            try:
+                again = await self._store([keys[i] for i in retry], again_pages, after, wait, True)
+            finally:
+                self._unpin(own)
             done_stored, done_present = set(again.stored), set(again.present)
             for i in retry:
                 key = keys[i]
@@ -673,26 +701,30 @@ class BlockStore(Owner):
         )
 
     def _claimed_elsewhere(
-        self, keys: list[Key], missing: I64
-    ) -> tuple[I64, dict[asyncio.Future[Sequence[Key]], list[int]]]:
-        """Split ``missing`` into the keys no other call is storing and, per call, those it is."""
+        self, keys: list[Key], missing: I64, wait: bool
+    ) -> tuple[I64, dict[asyncio.Future[Sequence[Key]], list[int]], list[int]]:
+        """Split ``missing`` into the keys no other call is storing, per call those it is, and (``wait=False``)
+        those a call that may be waiting for the fill is storing: waiting for that call would wait for the fill."""
         indices = missing.tolist()
         missing_keys = [keys[i] for i in indices]
-        elsewhere: dict[Key, asyncio.Future[Sequence[Key]]] = {}
+        elsewhere: dict[Key, _Claim] = {}
         for other in self._claims:
             for key in other.keys.intersection(missing_keys):
-                elsewhere[key] = other.future
+                elsewhere[key] = other
         if not elsewhere:
-            return missing, {}
+            return missing, {}, []
         free: list[int] = []
+        filling: list[int] = []
         waiting: dict[asyncio.Future[Sequence[Key]], list[int]] = {}
         for i, key in zip(indices, missing_keys, strict=True):
-            future = elsewhere.get(key)
-            if future is None:
+            claim = elsewhere.get(key)
+            if claim is None:
                 free.append(i)
+            elif claim.filling and not wait:
+                filling.append(i)
             else:
-                waiting.setdefault(future, []).append(i)
-        return np.asarray(free, dtype=np.int64), waiting
+                waiting.setdefault(claim.future, []).append(i)
+        return np.asarray(free, dtype=np.int64), waiting, filling
 
     def _forget_inserted(self, slots: I64) -> None:
         """Untell the policy about blocks of a store that did not land (one by one if the batch fails)."""
@@ -753,7 +785,6 @@ class BlockStore(Owner):
                 continue
             try:
                 chunk = await tier.allocate_ids(want)
-                self._sync_capacity()  # the tier may have grown while this call waited
             except OutOfSlots:
                 continue  # another task took them while this one waited for the fill
             except TierClosedError:
@@ -762,6 +793,9 @@ class BlockStore(Owner):
                 log.warning("aiokvtier: store skips blocks: %s", exc)
                 return
             taken.append(chunk)
+            # The tier may have grown while this call waited. Outside the try: a policy that cannot
+            # follow fails the call (which gives the chunk back), it is no fill failure to skip.
+            self._sync_capacity()
             got += len(chunk)
 
     def _evict(self, n: int) -> int:
@@ -950,7 +984,10 @@ class BlockStore(Owner):
 
         A shrink is refused before anything is evicted when a slot past the
         new end is held by something other than a stored block (another
-        user's slot, a store's slot not booked yet). Cancellation: as
+        user's slot, a store's slot not booked yet). A shrink that meets a
+        resize of the tier made directly (``tier.resize``) evicts, then waits
+        for it; if the tier then refuses (a slot past the new end was taken
+        meanwhile), the blocks evicted stay evicted. Cancellation: as
         :meth:`HostTier.resize`; blocks evicted for a shrink stay evicted,
         and the store follows whatever size the tier ends with.
         """
@@ -958,6 +995,9 @@ class BlockStore(Owner):
         tier = self._tier
         async with self._resize_lock:
             self._check_open()
+            # A tier grown behind the store's back: the slots past the new end checked below
+            # (another user's among them) index the maps.
+            self._sync_capacity()
             cfg = tier.config.resolved
             quota = parse_quota(new_quota, slot_size=cfg.slot_size, max_quota=cfg.max_quota)
             total = quota // tier.slot_size
