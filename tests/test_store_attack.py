@@ -525,15 +525,21 @@ async def test_a_refused_shrink_evicts_nothing() -> None:
         tier.free(other)
 
 
-class HalfInserts(LRUPolicy):
-    """LRU with the base class's looping ``inserted_many``, whose ``inserted`` fails on the second block."""
+class Switched(LRUPolicy):
+    """LRU with a ``fail`` switch, off at first, for subclasses whose failure a test turns on."""
 
     __slots__ = ("fail",)
-    name = "half"
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.fail = False
+
+
+class HalfInserts(Switched):
+    """LRU with the base class's looping ``inserted_many``, whose ``inserted`` fails on the second block."""
+
+    __slots__ = ()
+    name = "half"
 
     def inserted(self, slot: int, key: Key) -> None:
         if self.fail and len(self) % 2:
@@ -638,15 +644,11 @@ async def test_a_cancelled_waiter_leaves_the_claim_to_the_other_waiters(
         await exact(store)
 
 
-class GrowFails(LRUPolicy):
+class GrowFails(Switched):
     """LRU whose grow fails (a policy out of memory) while ``fail`` is set."""
 
-    __slots__ = ("fail",)
+    __slots__ = ()
     name = "grow-fails"
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self.fail = False
 
     def resize(self, capacity: int) -> None:
         if self.fail and capacity > len(self._stamp):
