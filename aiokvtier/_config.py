@@ -163,8 +163,8 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-REGISTER_UNIT = 64 * MiB
-"""The default commit unit of the register backing (see ``HostTierConfig.commit_unit``)."""
+GPU_UNIT = 64 * MiB
+"""The default commit unit of the GPU-usable backings (see ``HostTierConfig.commit_unit``)."""
 
 
 class HostTierConfig(_Frozen):
@@ -190,9 +190,10 @@ class HostTierConfig(_Frozen):
         progress are checked between commit units inside it.
     :param commit_unit: unit of commit, decommit and GPU registration, a
         multiple of ``slot_size``. None: the multiple of ``slot_size`` nearest
-        ``fill_chunk``; with ``backing="register"`` and neither given, nearest
-        64 MiB (a registration stalls the process's ``mmap`` calls while the
-        driver pins the unit).
+        ``fill_chunk``; with a GPU-usable backing (``"register"``, ``"vmm"``, or
+        ``"auto"`` with a device) and neither given, nearest 64 MiB (the
+        driver stalls the process's ``mmap`` calls while it pins or maps a
+        unit).
     :param fill_threads: threads making the range resident, 1 to 256. None
         (the default): one per CPU this process may run on, at most 8, and at
         most the CPUs of the tier's NUMA node (the fill threads are bound to
@@ -320,12 +321,13 @@ class HostTierConfig(_Frozen):
     def _backing_needs_device(self) -> HostTierConfig:
         if self.backing in ("register", "vmm") and self.device is None:
             raise ValueError(f"backing={self.backing!r} needs a CUDA device: set device")
-        if self.backing == "register" and not {"commit_unit", "fill_chunk"} & self.model_fields_set:
-            # cuMemHostRegister holds the address space's lock while the driver pins a unit: 512 MiB
-            # units stalled another thread's mmap for 12 ms (p99) on the H200, 64 MiB ones for
-            # 1.7 ms, and filled faster (10.5 against 9.75 GiB/s; docs/benchmarks.md, neighbours).
+        if self.resolved_backing != "host" and not {"commit_unit", "fill_chunk"} & self.model_fields_set:
+            # cuMemHostRegister and cuMemCreate hold the address space's lock while the driver
+            # pins or maps a unit: with 512 MiB units another thread's mmap waited 12 ms (p99,
+            # register) and 11 ms (vmm) on the H200, with 64 MiB ones 1.5-1.7 ms, at the same
+            # fill rate (docs/benchmarks.md, neighbours).
             slot = int(self.slot_size)
-            self.__dict__["commit_unit"] = ByteSize(max(1, round(REGISTER_UNIT / slot)) * slot)
+            self.__dict__["commit_unit"] = ByteSize(max(1, round(GPU_UNIT / slot)) * slot)
         return self
 
     @property

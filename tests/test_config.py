@@ -131,7 +131,7 @@ def test_resolved_holds_plain_values() -> None:
         max_quota=default_max_quota() // (64 * KiB) * (64 * KiB),
         slot_size=64 * KiB,
         fill_chunk=512 * MiB,
-        commit_unit=512 * MiB,
+        commit_unit=64 * MiB,
         fill_threads=2,
         numa_node=None,
         allow_remote_numa_fallback=True,
@@ -314,13 +314,16 @@ def test_cache_config_refuses_tiers_out_of_order(kinds: list[str], tmp_path: Pat
         CacheConfig(tiers=tiers)
 
 
-def test_the_register_backing_defaults_to_64_mib_units() -> None:
-    """Measured: a registration stalls the process's mmap calls for as long as it pins its unit."""
+def test_the_gpu_usable_backings_default_to_64_mib_units() -> None:
+    """Measured: the driver stalls the process's mmap calls for as long as it pins or maps a unit."""
     base = {"quota": "1GiB", "max_quota": "1GiB", "device": 0}
     assert HostTierConfig(**base, backing="register").resolved.commit_unit == 64 * 2**20
     assert HostTierConfig(**base, backing="register", slot_size="3MiB").commit_unit == 21 * 3 * 2**20
     assert HostTierConfig(**base, backing="register", commit_unit="128MiB").commit_unit == 128 * 2**20
     assert HostTierConfig(**base, backing="register", fill_chunk="256MiB").commit_unit == 256 * 2**20
-    assert HostTierConfig(**base, backing="vmm").commit_unit == 512 * 2**20
+    assert HostTierConfig(**base, backing="vmm").commit_unit == 64 * 2**20
+    assert HostTierConfig(**base, backing="auto").commit_unit == 64 * 2**20
+    assert HostTierConfig(quota="1GiB", max_quota="1GiB", backing="auto").commit_unit == 512 * 2**20
+    assert HostTierConfig(quota="1GiB", max_quota="1GiB").commit_unit == 512 * 2**20
     again = HostTierConfig(**base, backing="register")
     assert HostTierConfig.model_validate(again.model_dump()) == again

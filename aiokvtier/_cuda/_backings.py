@@ -21,6 +21,14 @@ __all__ = ["RegisterBacking", "VmmBacking", "make_backing"]
 
 log = logging.getLogger("aiokvtier")
 
+# One registration at a time in the process. The driver pins a unit under a lock
+# that every other CUDA call of the process waits for; with the fill threads
+# registering at once, a call waited for all of them in turn (a driver call stalled
+# 93 ms during an 8-thread fill of 16 GiB on the H200, 180 ms at 96 GiB), and one at
+# a time bounds the wait by one unit's registration (docs/benchmarks.md,
+# register_stalls). Populating, the bulk of the work, stays parallel.
+_REGISTERING = threading.Lock()
+
 
 class RegisterBacking(HostBacking):
     """The host backing plus ``cuMemHostRegister`` of each unit once populated.
@@ -50,10 +58,9 @@ class RegisterBacking(HostBacking):
     def commit(self, offset: int, length: int) -> None:
         super().commit(offset, length)
         try:
-            check(
-                "cuMemHostRegister",
-                driver().cuMemHostRegister(self.base + offset, length, CU_MEMHOSTREGISTER_PORTABLE),
-            )
+            with _REGISTERING:
+                result = driver().cuMemHostRegister(self.base + offset, length, CU_MEMHOSTREGISTER_PORTABLE)
+            check("cuMemHostRegister", result)
         except BaseException:
             super().decommit(offset, length)
             raise
