@@ -1,14 +1,17 @@
 """How long a register-backed fill stalls the process's other CUDA calls, per unit and lock.
 
-    python benchmarks/register_stalls.py [--gib 16] [--repeats 2] [--settle 3] [--units-mib 16 32 64]
+    python benchmarks/register_stalls.py [--gib 16] [--repeats 2] [--settle 3] [--units-mib 32 64]
 
 ``cuMemHostRegister`` pins a unit under a driver lock that every other CUDA call
 of the process waits for. This study fills a register-backed tier with the
-default ``fill_threads``, per commit unit, with the library's one-registration-
-at-a-time lock and without it (the lock swapped for a no-op), while a thread
-times ``cuPointerGetAttribute`` every millisecond (the bench's driver probe).
-Arms are interleaved round by round, with a rest before each fill; medians are
-printed as JSON. Needs a CUDA device.
+default ``fill_threads``, per commit unit, in three ways: registrations one at
+a time with a short gap after each (the library's default), one at a time with
+no gap, and all fill threads registering at once (the lock swapped for a
+no-op); and a host-backed tier as the reference with no registration at all.
+Meanwhile a thread times ``cuPointerGetAttribute`` every millisecond (the
+bench's driver probe), and each registration is timed. Arms are interleaved
+round by round, with a rest before each fill; medians are printed as JSON.
+Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -37,14 +40,42 @@ class _NoLock:
         return None
 
 
-async def _fill(size: int, unit: int, ctx: PrimaryContext, dptr: int) -> dict[str, float]:
-    config = HostTierConfig(quota=size, max_quota=size, device=0, backing="register", commit_unit=unit)
-    with Probe(ctx, dptr) as probe:
+class _TimedDriver:
+    """The driver module, with ``cuMemHostRegister`` timed."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.durations: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def cuMemHostRegister(self, *args: Any) -> Any:
         started = time.perf_counter()
-        async with HostTier(config) as tier:
-            await tier.wait_resident()
-            wall = time.perf_counter() - started
-    return {"gib_s": size / GiB / wall, **probe.report(wall)}
+        try:
+            return self._real.cuMemHostRegister(*args)
+        finally:
+            self.durations.append(time.perf_counter() - started)
+
+
+async def _fill(size: int, unit: int, backing: str, ctx: PrimaryContext, dptr: int) -> dict[str, float]:
+    config = HostTierConfig(quota=size, max_quota=size, device=0, backing=backing, commit_unit=unit)
+    timed = _TimedDriver(driver())
+    _backings.driver = lambda: timed  # type: ignore[assignment]
+    try:
+        with Probe(ctx, dptr) as probe:
+            started = time.perf_counter()
+            async with HostTier(config) as tier:
+                await tier.wait_resident()
+                wall = time.perf_counter() - started
+    finally:
+        _backings.driver = driver
+    row = {"gib_s": size / GiB / wall, **probe.report(wall)}
+    if timed.durations:
+        ms = sorted(d * 1e3 for d in timed.durations)
+        row |= {"register_p50_ms": ms[len(ms) // 2], "register_max_ms": ms[-1]}
+        row["registering_fraction"] = sum(ms) / 1e3 / wall
+    return row
 
 
 def main() -> None:
@@ -52,23 +83,26 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--settle", type=float, default=3)
-    parser.add_argument("--units-mib", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--units-mib", type=int, nargs="+", default=[32, 64])
     args = parser.parse_args()
     size = int(args.gib * GiB)
     ctx = PrimaryContext(0)
     ctx.make_current()
     dptr = check("cuMemAlloc", driver().cuMemAlloc(1 << 20))
-    serial = _backings._REGISTERING
-    arms = [(unit, lock) for unit in args.units_mib for lock in ("serial", "parallel")]
-    rows: dict[str, list[dict[str, float]]] = {f"unit_{u}mib_{lock}": [] for u, lock in arms}
+    serial, gap = _backings._REGISTERING, _backings._REGISTER_GAP_S
+    ways = {"serial_gap": (serial, gap), "serial": (serial, 0.0), "parallel": (_NoLock(), 0.0)}
+    arms = [("host", 64, "serial_gap")] + [("register", u, way) for u in args.units_mib for way in ways]
+    name = {arm: "host" if arm[0] == "host" else f"unit_{arm[1]}mib_{arm[2]}" for arm in arms}
+    rows: dict[str, list[dict[str, float]]] = {name[arm]: [] for arm in arms}
     try:
         for _ in range(args.repeats):
-            for unit, lock in arms:
-                _backings._REGISTERING = serial if lock == "serial" else _NoLock()  # type: ignore[assignment]
+            for arm in arms:
+                backing, unit, way = arm
+                _backings._REGISTERING, _backings._REGISTER_GAP_S = ways[way]  # type: ignore[assignment]
                 time.sleep(args.settle)
-                rows[f"unit_{unit}mib_{lock}"].append(asyncio.run(_fill(size, unit * MiB, ctx, dptr)))
+                rows[name[arm]].append(asyncio.run(_fill(size, unit * MiB, backing, ctx, dptr)))
     finally:
-        _backings._REGISTERING = serial
+        _backings._REGISTERING, _backings._REGISTER_GAP_S = serial, gap
         driver().cuMemFree(dptr)
         ctx.release()
     result: dict[str, Any] = {

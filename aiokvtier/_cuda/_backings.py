@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import ExitStack
 from typing import Any, Literal
 
@@ -28,6 +29,9 @@ log = logging.getLogger("aiokvtier")
 # a time bounds the wait by one unit's registration (docs/benchmarks.md,
 # register_stalls). Populating, the bulk of the work, stays parallel.
 _REGISTERING = threading.Lock()
+# After each registration the lock is held a moment longer with the driver free, so a
+# call that waited for the registration gets the driver before the next one does.
+_REGISTER_GAP_S = 0.0002
 
 
 class RegisterBacking(HostBacking):
@@ -60,6 +64,8 @@ class RegisterBacking(HostBacking):
         try:
             with _REGISTERING:
                 result = driver().cuMemHostRegister(self.base + offset, length, CU_MEMHOSTREGISTER_PORTABLE)
+                if _REGISTER_GAP_S:
+                    time.sleep(_REGISTER_GAP_S)
             check("cuMemHostRegister", result)
         except BaseException:
             super().decommit(offset, length)
