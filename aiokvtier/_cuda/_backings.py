@@ -22,15 +22,13 @@ __all__ = ["RegisterBacking", "VmmBacking", "make_backing"]
 
 log = logging.getLogger("aiokvtier")
 
-# One registration at a time in the process. The driver pins a unit under a lock
-# that every other CUDA call of the process waits for; with the fill threads
-# registering at once, a call waited for all of them in turn (a driver call stalled
-# 93 ms during an 8-thread fill of 16 GiB on the H200, 180 ms at 96 GiB), and one at
-# a time bounds the wait by one unit's registration (docs/benchmarks.md,
-# register_stalls). Populating, the bulk of the work, stays parallel.
+# One registration at a time in the process, and a moment with the driver free
+# after each, so a CUDA call that waited gets in before the next registration. The
+# driver pins a unit under locks that other calls of the process wait for; with all
+# fill threads registering at once a call waited behind a series of registrations
+# (worst 42-61 ms at 16 GiB on the H200, against 13-22 ms this way, at the same fill
+# rate; benchmarks/register_stalls.py). Touching the pages stays parallel.
 _REGISTERING = threading.Lock()
-# After each registration the lock is held a moment longer with the driver free, so a
-# call that waited for the registration gets the driver before the next one does.
 _REGISTER_GAP_S = 0.0002
 
 
