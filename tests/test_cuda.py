@@ -177,6 +177,37 @@ def test_fill_threads_use_the_tiers_device_context(backing: str, monkeypatch: py
         primary.release()
 
 
+async def test_register_backing_registers_one_unit_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several fill threads, one registration in flight: another CUDA call waits for one, not a series."""
+    real = _driver.driver()
+    lock = threading.Lock()
+    in_flight = [0]
+    most: list[int] = []
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def cuMemHostRegister(self, *args: Any) -> Any:
+            with lock:
+                in_flight[0] += 1
+                most.append(in_flight[0])
+            try:
+                return real.cuMemHostRegister(*args)
+            finally:
+                with lock:
+                    in_flight[0] -= 1
+
+    counting = Counting()
+    monkeypatch.setattr(_backings, "driver", lambda: counting)
+    config = gpu_config("register", quota=512 * MiB, max_quota=512 * MiB, commit_unit=8 * MiB, fill_threads=4)
+    async with HostTier(config) as tier:
+        await tier.wait_resident()
+        assert tier.statistics().registered_bytes == 512 * MiB
+    assert len(most) >= 512 // 8 and max(most) == 1
+    assert not fill_threads_alive()
+
+
 async def _open_fill_close(backing: str) -> None:
     async with HostTier(gpu_config(backing)) as tier, CopyEngine(0) as engine, StaticHostMem(SLOT, device=0) as stage:
         await tier.wait_resident()
