@@ -93,3 +93,14 @@ def test_every_page_is_in_the_nav() -> None:
     nav = (ROOT / "mkdocs.yml").read_text()
     for page in (ROOT / "docs").glob("*.md"):
         assert f" {page.name}" in nav, f"{page.name} is not in mkdocs.yml's nav"
+
+
+def test_ci_runs_every_check_the_readme_names() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("Run the checks", 1)[1].split("\n\n", 2)[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 -m venv" in ci and "pip install -e '.[test]'" in ci  # from the package index, fresh
+    for line in block.splitlines():
+        for command in line.strip().split(" && "):
+            assert command.split(" --site-dir")[0] in ci, command
+    assert "mkdocs build --strict" in ci and "python -m pytest -q" in ci
