@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import importlib.util
@@ -116,7 +117,9 @@ async def bad_requests(client: httpx.AsyncClient, victim: str) -> None:
         assert_error(await client.post("/v1/lookup", content=body), 400)
     assert_error(await client.get("/v1/nothing-here"), 404)
     assert_error(await client.get("/v1/blocks"), 404)
-    assert_error(await client.post(f"/v1/blocks/{victim}", content=b"x"), 405)
+    wrong = await client.post(f"/v1/blocks/{victim}", content=b"x")
+    assert_error(wrong, 405)
+    assert {m.strip() for m in wrong.headers["allow"].split(",")} == {"GET", "HEAD", "PUT", "DELETE"}
     assert_error(await client.put("/v1/lookup", content=b"{}"), 405)
     assert_error(await client.delete("/healthz"), 405)
 
@@ -348,7 +351,7 @@ async def test_readyz_is_503_before_the_tier_opens_and_while_draining() -> None:
     async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
         before = await client.get("/readyz")
         assert before.status_code == 503 and before.json()["status"] == "filling"
-        assert before.json()["resident_bytes"] == 0
+        assert before.json()["resident_bytes"] == 0 and before.json()["fill_error"] is None
         async with app.router.lifespan_context(app):
             await service.blocks.tier.wait_resident(1)
             ready = await client.get("/readyz")
@@ -399,3 +402,50 @@ async def test_put_is_507_when_every_slot_is_held_by_a_store_still_copying(gate:
             assert stats["store"]["blocks"] == 16 and stats["server"]["internal_errors"] == 0
             metrics = (await client.get("/metrics")).text
             assert re.search(r'^aiokvtier_store_skipped_total\{store="default"\} 1\.0$', metrics, re.M), metrics
+
+
+async def test_a_fill_that_fails_before_any_unit_is_503_failed_and_every_put_507(gate: PopulateGate) -> None:
+    # The tier's first commit unit cannot be made resident (populate fails with ENOMEM): no slot
+    # can ever be taken, so a PUT is skipped (507), and /readyz says "failed", not "filling".
+    app_module = APP_MODULE
+    config = HostTierConfig(quota="2MiB", max_quota="2MiB", slot_size="64KiB", commit_unit="1MiB", fill_chunk="1MiB")
+    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    app = service.app()
+    transport = httpx.ASGITransport(app=app)
+    gate.fail(0)
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        async with app.router.lifespan_context(app):
+            tier = service.blocks.tier
+            await eventually(lambda: tier.statistics().fill_error is not None)
+            ready = await client.get("/readyz")
+            assert ready.status_code == 503, ready.text
+            body = ready.json()
+            assert body["status"] == "failed" and body["resident_bytes"] == 0
+            assert "injected failure" in body["fill_error"]
+            assert (await client.get("/healthz")).status_code == 200  # alive, not ready
+            for key in ("ab", "cd"):
+                answer = await client.put(f"/v1/blocks/{key}", content=b"block")
+                assert_error(answer, 507)
+                assert_error(await client.get(f"/v1/blocks/{key}"), 404)
+            assert (await client.post("/v1/lookup", json={"keys": ["ab"]})).json() == {"hits": 0}
+            stats = (await client.get("/v1/stats")).json()
+            assert stats["store"]["skipped"] == 2 and stats["store"]["blocks"] == 0
+            assert stats["tier"]["slots_allocated"] == 0 and stats["server"]["internal_errors"] == 0
+            metrics = (await client.get("/metrics")).text
+            assert re.search(r'^aiokvtier_tier_fill_errors\{tier="default"\} 1\.0$', metrics, re.M), metrics
+
+
+def test_help_describes_every_option_with_its_default() -> None:
+    parser = APP_MODULE.build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        assert action.help and len(action.help) > 10, action.option_strings
+        shown = formatter._get_help_string(action) or ""
+        assert action.default in (None, False, argparse.SUPPRESS) or "default" in shown, (action.option_strings, shown)
+    done = subprocess.run(
+        [sys.executable, str(APP), "--help"], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+    )
+    text = " ".join(done.stdout.split())
+    assert done.returncode == 0
+    for default in ("(default: 1GiB)", "(default: 64KiB)", "(default: host)", "(default: lru)", "(default: warning)"):
+        assert default in text, default
