@@ -208,18 +208,20 @@ async def scenario() -> None:
             assert health.status_code == 200 and health.json() == {"status": "ok"}
             ready = await client.get("/readyz")
             assert ready.status_code in (200, 503)
-            assert {"resident_bytes", "target_bytes", "fraction"} <= set(ready.json())
+            assert {"resident_bytes", "target_bytes", "fraction", "fill_error"} <= set(ready.json())
             assert ready.json()["target_bytes"] == 3 << 30
             if ready.status_code == 503:
-                assert ready.json()["resident_bytes"] == 0
-            ready = await wait_for(client, "/readyz", 200)
-            assert ready.status_code == 200 and ready.json()["resident_bytes"] > 0
-            filling_at_start = (await client.get("/v1/stats")).json()["tier"]["filling"]
+                assert ready.json()["resident_bytes"] == 0 and ready.json()["status"] == "filling"
+            at_start = (await client.get("/v1/stats")).json()["tier"]
+            # The clients start now, while the 3 GiB tier fills (seconds on the CI machine): their
+            # stores wait for their slots' units, and /readyz turns 200 meanwhile.
+            assert at_start["filling"] and at_start["resident_bytes"] < 3 << 30, at_start
 
             stored: dict[str, str] = {}
-            await asyncio.wait_for(
-                asyncio.gather(*(client_run(server.url, seed, stored) for seed in range(CLIENTS))), 60
-            )
+            clients = asyncio.gather(*(client_run(server.url, seed, stored) for seed in range(CLIENTS)))
+            ready = await wait_for(client, "/readyz", 200)
+            assert ready.status_code == 200 and ready.json()["resident_bytes"] > 0
+            await asyncio.wait_for(clients, 60)
             assert len(stored) == CLIENTS * BLOCKS_PER_CLIENT
             for key, want in stored.items():  # nothing the bad requests or the second PUTs sent changed a block
                 got = await client.get(f"/v1/blocks/{key}")
@@ -236,7 +238,7 @@ async def scenario() -> None:
             assert stats["server"] == {"draining": False, "internal_errors": 0}
             assert stats["store"]["blocks"] == len(stored) - 1 == stats["tier"]["slots_allocated"]
             assert stats["tier"]["quota"] == 3 << 30 and stats["tier"]["slot_size"] == SLOT
-            print("tier filling when the clients started:", filling_at_start)
+            print("resident when the clients started:", at_start["resident_bytes"], "of", 3 << 30)
 
             metrics = await client.get("/metrics")
             assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
@@ -279,6 +281,30 @@ async def drain_scenario() -> None:
         code, stderr = await server.stop()
     assert code == 0, stderr
     assert "Traceback" not in stderr, stderr
+
+
+async def sigint_scenario() -> None:
+    # SIGINT (Ctrl-C) while a 2 GiB tier is still filling: the fill stops, the store and the tier
+    # close, and the process exits 0 as after SIGTERM.
+    server = await Server.start("--quota", "2GiB")
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/healthz", 200, seconds=10)).status_code == 200
+            data = os.urandom(3000)
+            assert (await client.put("/v1/blocks/5eed", content=data)).status_code == 201
+            assert (await client.get("/v1/blocks/5eed")).content == data
+            tier = (await client.get("/v1/stats")).json()["tier"]
+        server.proc.send_signal(signal.SIGINT)
+        code = await asyncio.wait_for(server.proc.wait(), 30)
+    finally:
+        code, stderr = await server.stop()
+    assert code == 0, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    print("resident at SIGINT:", tier["resident_bytes"], "of", tier["target_bytes"])
+
+
+def test_sigint_while_the_tier_fills_exits_0_without_a_traceback() -> None:
+    asyncio.run(asyncio.wait_for(sigint_scenario(), 60))
 
 
 def test_drain_seconds_keeps_serving_with_readyz_503_then_exits_0() -> None:
