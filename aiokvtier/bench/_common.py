@@ -77,12 +77,19 @@ async def sample_loop_lag(stop: asyncio.Future[Any] | asyncio.Task[Any], period:
     return lags
 
 
+class UnknownSections(ValueError):
+    """``--sections`` named a part the program does not have (raised before any part runs)."""
+
+
 def run_sections(sections: dict[str, Callable[[], Any]], chosen: list[str] | None) -> dict[str, Any]:
-    """Run the chosen sections (default: all) in the order given; an unknown name exits with the choices."""
+    """Run the chosen sections (default: all) in the order given.
+
+    :raises UnknownSections: a name is not a section; nothing has run.
+    """
     names = chosen or list(sections)
     unknown = set(names) - set(sections)
     if unknown:
-        raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {list(sections)}")
+        raise UnknownSections(f"unknown sections {sorted(unknown)}; choose from {', '.join(sections)}")
     return {name: sections[name]() for name in names}
 
 
