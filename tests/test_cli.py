@@ -105,7 +105,9 @@ def test_no_command_is_a_usage_error() -> None:
         (["--numa-node", "4095"], "--numa-node", "not an online node"),
         (["--backing", "vmm"], "--backing", "needs a CUDA device"),
         (["--interval", "0"], "--interval", "positive"),
-        (["--hold", "-1"], "--hold", ""),
+        (["--hold", "-1"], "--hold", "0 or more seconds"),
+        (["--hold", "nan"], "--hold", "0 or more seconds"),
+        (["--hold", "soon"], "--hold", "not a number of seconds"),
         (["--quota", "100TiB"], "--quota", "--force"),
     ],
 )
