@@ -230,3 +230,23 @@ def test_server_during_fill_benchmark_prints_both_runs_and_their_ratio() -> None
         assert {"PUT", "GET", "lookup"} <= set(report[run]["endpoints"])
     assert set(report["p99_during_vs_resident"]) >= {"PUT", "GET", "lookup"}
     assert report["server_exit"] == 0 and report["goal_ratio_at_most"] == 2.0
+
+
+def test_server_vs_dict_benchmark_prints_both_servers_and_their_ratio() -> None:
+    out = _run(
+        "benchmarks/server_vs_dict.py", "--quota", "256MiB", "--clients", "2", "--seconds", "0.3", "--rounds", "2"
+    )
+    report = json.loads(out)
+    assert set(report["runs"]) == {"blockstore", "plain_dict"} and report["tier_resident_before_load"]
+    for name, run in report["runs"].items():
+        assert run["unexpected_answers"] == 0 and run["server_exit"] == 0, name
+        assert {"PUT", "GET", "lookup"} <= set(run["endpoints"])
+        assert len(report["requests_per_s_by_round"][name]) == 2
+    assert (
+        report["runs"]["blockstore"]["server"] == "BlockStore"
+        and report["runs"]["plain_dict"]["server"] == "plain dict"
+    )
+    assert report["runs"]["blockstore"]["resident_fraction_at_start"] == 1.0
+    ratio = report["runs"]["blockstore"]["requests_per_s"] / report["runs"]["plain_dict"]["requests_per_s"]
+    assert report["ratio_requests_per_s"] == round(ratio, 3)
+    assert set(report["ratio_p99"]) == {"PUT", "GET", "lookup"}
