@@ -213,6 +213,8 @@ def server_latency(results: Path) -> Figure:
         ax.bar(xs, p50, width * 0.9, color=color, label=f"{label} p50")
     ax.set_xticks(range(len(endpoints)), labels=endpoints)
     ax.set_ylabel("latency, ms")
+    tallest = max(runs[key]["endpoints"][e]["p99_ms"] for key, _, _ in names for e in endpoints)
+    ax.set_ylim(0, tallest * 1.4)  # room for the legend above the bars
     run = runs[names[0][0]]
     ax.set_title(f"Example server: {run['clients']} clients, {run['block_size'] >> 10} KiB blocks "
                  f"({_machine(server)})", fontsize=9)  # fmt: skip
