@@ -475,3 +475,75 @@ def test_help_describes_every_option_with_its_default() -> None:
     assert done.returncode == 0
     for default in ("(default: 1GiB)", "(default: 64KiB)", "(default: host)", "(default: lru)", "(default: warning)"):
         assert default in text, default
+
+
+def _fuzz_request(rng: random.Random) -> tuple[str, str, bytes, dict[str, str]]:
+    """A request from a grammar of what clients get wrong: methods, paths, bodies and headers.
+
+    Weighted towards the paths that exist, so that each gets its wrong methods, keys and bodies.
+    """
+    method = rng.choice(["GET", "PUT", "PUT", "DELETE", "POST", "POST", "PATCH", "HEAD", "OPTIONS"])
+    key = rng.choice([rng.randbytes(rng.randrange(1, 8)).hex()] * 6 + [  # valid, in a space the victims are not in
+        "", "A1", "0x1f", "g" * 3, "a" * 129, "ab%2Fcd", "%ff", "ab%00", "..", "é", "ab cd", "-1", "1e9",
+    ])  # fmt: skip
+    path = rng.choice([f"/v1/blocks/{key}"] * 6 + ["/v1/lookup"] * 4 + [
+        f"/v1/blocks/{key}/x", "/v1/blocks", "/v1/stats", "/metrics", "/readyz", "/healthz", "/", "/v1",
+        "//v1/blocks/ab", "/v1/blocks/ab?x=1",
+    ])  # fmt: skip
+    body = rng.choice([
+        b"", b"x", rng.randbytes(rng.randrange(1, SLOT + 1)), bytes(SLOT + rng.randrange(1, 3)), b"{",
+        b'{"keys": []}', b'{"keys": ["ab", "cd"]}', b'{"keys": "ab"}', b'{"keys": [1, null]}', b"[" * 5000,
+        json.dumps({"keys": ["a"] * 5000}).encode(), b'{"keys": ["\\ud800"]}', b"\xff\xfe", b"null",
+    ])  # fmt: skip
+    headers = rng.choice([{}, {"content-type": "application/json"}, {"content-type": "text/plain; charset=bogus"}])
+    return method, path, body, headers
+
+
+async def test_no_malformed_request_gets_a_500_or_changes_a_stored_block() -> None:
+    app_module = APP_MODULE
+    config = HostTierConfig(quota="8MiB", max_quota="8MiB", slot_size="64KiB", backing="host")
+    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    app = service.app()
+    rng = random.Random(20260)
+    victims = {f"f00d{i:04x}" + "0" * 60: rng.randbytes(rng.randrange(1, SLOT + 1)) for i in range(8)}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        async with app.router.lifespan_context(app):
+            await service.blocks.tier.wait_resident()
+            for key, data in victims.items():
+                assert (await client.put(f"/v1/blocks/{key}", content=data)).status_code == 201
+            seen: dict[int, int] = {}
+            for _ in range(600):
+                method, path, body, headers = _fuzz_request(rng)
+                answer = await client.request(method, path, content=body, headers=headers)
+                seen[answer.status_code] = seen.get(answer.status_code, 0) + 1
+                assert answer.status_code < 500, (method, path, body[:40], answer.text)
+                if answer.status_code >= 400 and method != "HEAD":
+                    assert_error(answer, answer.status_code)
+            for key, data in victims.items():  # 120 blocks fit: nothing evicted them, nothing changed them
+                got = await client.get(f"/v1/blocks/{key}")
+                assert got.status_code == 200 and got.content == data
+            stats = (await client.get("/v1/stats")).json()
+            assert stats["server"]["internal_errors"] == 0
+    assert {200, 201, 400, 404, 405, 413} <= set(seen), seen
+
+
+@pytest.mark.cuda
+def test_server_on_a_vmm_tier_serves_blocks_and_exits_0() -> None:
+    async def run() -> None:
+        server = await Server.start("--quota", "1GiB", "--backing", "vmm", "--device", "0")
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                assert (await wait_for(client, "/readyz", 200)).status_code == 200
+                blocks = {f"{i:x}": os.urandom(1000 * (i + 1)) for i in range(16)}
+                for key, data in blocks.items():
+                    assert (await client.put(f"/v1/blocks/{key}", content=data)).status_code == 201
+                for key, data in blocks.items():
+                    assert (await client.get(f"/v1/blocks/{key}")).content == data
+                tier = (await client.get("/v1/stats")).json()["tier"]
+                assert tier["backing"] == "vmm" and tier["device"] == 0
+        finally:
+            code, stderr = await server.stop()
+        assert code == 0 and "Traceback" not in stderr, stderr
+
+    asyncio.run(asyncio.wait_for(run(), 120))
