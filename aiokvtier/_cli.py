@@ -83,9 +83,13 @@ def _positive_float(text: str) -> float:
 
 
 def _non_negative_float(text: str) -> float:
-    if text in ("0", "0.0"):
-        return 0.0
-    return _positive_float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more seconds")
+    return abs(value)  # -0.0 prints as 0
 
 
 def _default_quota(available: int) -> int:

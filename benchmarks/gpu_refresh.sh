@@ -8,11 +8,12 @@
 #                                                  # the 1- and 8-process driver probe (~6 min)
 #   bash benchmarks/gpu_refresh.sh scale  OUTDIR   # fill_scaling, cold first allocation (~6 min)
 #   bash benchmarks/gpu_refresh.sh copies OUTDIR   # copy_bandwidth, SM beside a matmul (~5 min)
+#   bash benchmarks/gpu_refresh.sh progress OUTDIR # fill_progress, 64 GiB per arm      (~3 min)
 #
 # Each command runs to its end or to the group's limit; a program killed by the
 # limit leaves what it printed. The machine's description is in every JSON document.
 set -uo pipefail
-group=${1:?group: tests fill tier scale copies}
+group=${1:?group: tests fill tier scale copies progress}
 out=${2:?output directory}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -47,8 +48,11 @@ scale)
 copies)
     run copy-bandwidth 330 -m aiokvtier.bench cuda --sections copy_bandwidth sm_concurrent_compute
     ;;
+progress)
+    run fill-progress 330 -m aiokvtier.bench cuda --sections fill_progress
+    ;;
 *)
-    echo "unknown group $group (tests fill tier scale copies)" >&2
+    echo "unknown group $group (tests fill tier scale copies progress)" >&2
     exit 2
     ;;
 esac

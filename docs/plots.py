@@ -57,28 +57,60 @@ def _machine(data: dict[str, Any]) -> str:
     return f"{m.get('cpus', '?')} CPUs, {m.get('memory_gib', '?')} GiB, kernel {m.get('kernel', '?')}"
 
 
+def _steps(ax: Any, series: dict[str, Any], end: float, color: str, label: str) -> None:
+    """A recorded fill: GiB resident at each sampled change, held flat to ``end``."""
+    t, gib = series["t_s"], series["resident_gib"]
+    ax.step([*t, end], [*gib, gib[-1]], where="post", color=color, label=label)
+    ax.plot([series["first_allocation_ms"] / 1e3], [0], "o", color=color, ms=4)
+
+
+def _all_at_once(ax: Any, seconds: float, quota: float, end: float, style: str, label: str) -> None:
+    ax.plot([0, seconds, seconds, end], [0, 0, quota, quota], style, color=ARMS["baseline"], label=label)
+
+
 def fill_vs_upfront(results: Path) -> Figure:
     """When memory becomes usable: a progressive tier against allocating and pinning it all first."""
     cuda = _load(results, "cuda-h200.json")
     first = _need(cuda, "time_to_first_allocation")
     fill = _need(cuda, "fill_throughput")
     quota = float(first["quota_gib"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    try:
+        host = _need(_load(results, "fill-progress-devvm.json"), "fill_progress")
+    except Missing:
+        host = None
+    panels = 3 if host is not None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2), layout="constrained")
+    left, right = axes[0], axes[-1]
 
-    # Left: usable GiB over time, from the measured first-allocation times and fill rates.
-    end = max(first["cuMemHostAlloc_ms"], first["torch_pinned_empty_ms"]) / 1e3 * 1.08
-    for backing in ("vmm", "register"):
-        t0 = first[f"aiokvtier_{backing}_ms"] / 1e3
-        rate = fill[f"{backing}_threads1"]["gib_s"]
-        t_full = t0 + quota / rate
-        left.plot([0, t0, t_full, end], [0, 0, quota, quota], color=ARMS[backing], label=f"aiokvtier {backing}")
-        left.plot([t0], [0], "o", color=ARMS[backing], ms=4)
-    for key, label, style in (
-        ("cuMemHostAlloc_ms", "cuMemHostAlloc, all at once", "-"),
-        ("torch_pinned_empty_ms", "torch pinned empty, all at once", "--"),
-    ):
-        t = first[key] / 1e3
-        left.plot([0, t, t, end], [0, 0, quota, quota], style, color=ARMS["baseline"], label=label)
+    # Left: usable GiB over time on the GPU machine, recorded where the results have the series.
+    recorded = cuda.get("fill_progress")
+    if recorded is not None:
+        quota = float(recorded["quota_gib"])
+        up = [recorded["cuMemHostAlloc_s"], recorded.get("torch_pinned_empty_s") or 0.0]
+        end = max(*up, *(recorded[f"aiokvtier_{b}"]["full_s"] for b in ("vmm", "register"))) * 1.08
+        for backing in ("vmm", "register"):
+            _steps(left, recorded[f"aiokvtier_{backing}"], end, ARMS[backing], f"aiokvtier {backing}")
+        _all_at_once(left, recorded["cuMemHostAlloc_s"], quota, end, "-", "cuMemHostAlloc, all at once")
+        if recorded.get("torch_pinned_empty_s"):
+            _all_at_once(left, recorded["torch_pinned_empty_s"], quota, end, "--", "torch pinned empty, all at once")
+        note = "recorded: resident bytes sampled every 2 ms during the fill"
+        firsts = {b: recorded[f"aiokvtier_{b}"]["first_allocation_ms"] for b in ("vmm", "register")}
+    else:
+        # Drawn from the measured first-allocation times and fill rates.
+        end = max(first["cuMemHostAlloc_ms"], first["torch_pinned_empty_ms"]) / 1e3 * 1.08
+        for backing in ("vmm", "register"):
+            t0 = first[f"aiokvtier_{backing}_ms"] / 1e3
+            rate = fill[f"{backing}_threads1"]["gib_s"]
+            t_full = t0 + quota / rate
+            left.plot([0, t0, t_full, end], [0, 0, quota, quota], color=ARMS[backing], label=f"aiokvtier {backing}")
+            left.plot([t0], [0], "o", color=ARMS[backing], ms=4)
+        for key, label, style in (
+            ("cuMemHostAlloc_ms", "cuMemHostAlloc, all at once", "-"),
+            ("torch_pinned_empty_ms", "torch pinned empty, all at once", "--"),
+        ):
+            _all_at_once(left, first[key] / 1e3, quota, end, style, label)
+        note = "drawn from the measured first-allocation times and\n1-thread fill rates, not a recorded time series"
+        firsts = {b: first[f"aiokvtier_{b}_ms"] for b in ("vmm", "register")}
     left.set(
         xlabel="seconds since the allocation began",
         ylabel="GiB usable",
@@ -90,14 +122,39 @@ def fill_vs_upfront(results: Path) -> Figure:
     left.text(
         0.02,
         0.97,
-        f"first allocation after {first['aiokvtier_vmm_ms']:.1f} ms (vmm), {first['aiokvtier_register_ms']:.1f} ms "
-        "(register)\ndrawn from the measured first-allocation times and\n"
-        "1-thread fill rates, not a recorded time series",
+        f"first allocation after {firsts['vmm']:.1f} ms (vmm), {firsts['register']:.1f} ms (register)\n{note}",
         transform=left.transAxes,
         va="top",
         fontsize=7,
         color="0.3",
     )
+
+    # Middle: the same recorded on the development VM, host backing against populating it all first.
+    if host is not None:
+        middle = axes[1]
+        hq = float(host["quota_gib"])
+        ours = host["aiokvtier_host"]
+        hend = max(host["upfront_resident_s"], ours["full_s"]) * 1.08
+        _steps(middle, ours, hend, ARMS["host"], "aiokvtier host (recorded)")
+        _all_at_once(middle, host["upfront_resident_s"], hq, hend, "-", "MADV_POPULATE_WRITE, all at once")
+        middle.set(
+            xlabel="seconds since the allocation began",
+            ylabel="GiB usable",
+            title=f"{hq:.0f} GiB of host memory (2-vCPU VM)",
+            xlim=(0, hend),
+            ylim=(-hq * 0.03, hq * 1.4),
+        )
+        middle.legend(loc="lower right", fontsize=8)
+        middle.text(
+            0.02,
+            0.97,
+            f"first allocation after {ours['first_allocation_ms']:.1f} ms; resident bytes\n"
+            "sampled every 2 ms during the fill",
+            transform=middle.transAxes,
+            va="top",
+            fontsize=7,
+            color="0.3",
+        )
 
     # Right: time to the first allocation against making the quota resident up front, per size.
     for name, marker in (("host-h200.json", "o"), ("host-ci-machine.json", "s")):
@@ -213,6 +270,8 @@ def server_latency(results: Path) -> Figure:
         ax.bar(xs, p50, width * 0.9, color=color, label=f"{label} p50")
     ax.set_xticks(range(len(endpoints)), labels=endpoints)
     ax.set_ylabel("latency, ms")
+    tallest = max(runs[key]["endpoints"][e]["p99_ms"] for key, _, _ in names for e in endpoints)
+    ax.set_ylim(0, tallest * 1.4)  # room for the legend above the bars
     run = runs[names[0][0]]
     ax.set_title(f"Example server: {run['clients']} clients, {run['block_size'] >> 10} KiB blocks "
                  f"({_machine(server)})", fontsize=9)  # fmt: skip

@@ -105,7 +105,9 @@ def test_no_command_is_a_usage_error() -> None:
         (["--numa-node", "4095"], "--numa-node", "not an online node"),
         (["--backing", "vmm"], "--backing", "needs a CUDA device"),
         (["--interval", "0"], "--interval", "positive"),
-        (["--hold", "-1"], "--hold", ""),
+        (["--hold", "-1"], "--hold", "0 or more seconds"),
+        (["--hold", "nan"], "--hold", "0 or more seconds"),
+        (["--hold", "soon"], "--hold", "not a number of seconds"),
         (["--quota", "100TiB"], "--quota", "--force"),
     ],
 )
@@ -116,6 +118,50 @@ def test_bad_option_values_print_one_line(args: list[str], option: str, says: st
     assert len(lines) == 1, done.stderr
     assert f"argument {option}: " in lines[0] and says in lines[0]
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "says"),
+    [
+        (["host", "--ops-gib", "0"], "--ops-gib", "at least 2 MiB"),
+        (["host", "--ops-gib", "0.00001"], "--ops-gib", "at least 2 MiB"),
+        (["host", "--fill-gib", "-1"], "--fill-gib", "at least 2 MiB"),
+        (["host", "--sizes", "4", "nan"], "--sizes", "at least 2 MiB"),
+        (["host", "--pairs", "0"], "--pairs", "1 or more"),
+        (["host", "--repeats", "0"], "--repeats", "1 or more"),
+        (["host", "--repeats", "x"], "--repeats", "not a whole number"),
+        (["host", "--settle", "-1"], "--settle", "0 or more seconds"),
+        (["host", "--cold-threads", "0"], "--cold-threads", "1 to 256"),
+        (["host", "--register-units-mib", "0"], "--register-units-mib", "positive"),
+        (["host", "--sections", "ops"], "--sections", "choose from time_to_first_allocation"),
+        (["store", "--repeats", "0"], "--repeats", "1 or more"),
+        (["store", "--sections", "nope"], "--sections", "choose from lookup"),
+        (["cuda", "--full-gib", "0"], "--full-gib", "at least 2 MiB"),
+        (["ranks", "--size-gib", "0"], "--size-gib", "at least 2 MiB"),
+    ],
+)
+def test_bad_bench_option_values_print_one_line(args: list[str], option: str, says: str) -> None:
+    # Before, these crashed part way (StatisticsError, ZeroDivisionError, EINVAL from munmap, a pydantic
+    # traceback) or exited 1; now they are refused before anything runs.
+    done = _cli_run("bench", *args)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"aiokvtier bench {args[0]}: ") or lines[0].startswith("python -m aiokvtier bench")
+    assert f"argument {option}: " in lines[0] and says in lines[0], lines[0]
+    assert done.stdout == ""
+
+
+def test_small_bench_sizes_round_to_whole_2_mib_and_print_json() -> None:
+    # --fill-gib 0.01 is 10737418.24 bytes: not a page multiple, which munmap refused (EINVAL).
+    done = _cli_run(
+        "bench", "host", "--sections", "fill_throughput", "time_to_first_allocation", "slot_operations",
+        "--fill-gib", "0.01", "--sizes", "0.01", "--ops-gib", "0.01", "--pairs", "100", "--repeats", "1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["time_to_first_allocation"][0]["quota_gib"] == 5 * 2 / 1024  # 10 MiB
+    assert report["fill_throughput"] and report["slot_operations"]
 
 
 def test_quota_above_available_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:

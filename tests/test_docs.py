@@ -53,6 +53,30 @@ def test_plots_draw_every_figure_from_the_committed_results(tmp_path: Path) -> N
         assert (ROOT / "docs" / "figures" / f"{name}.svg").exists()  # the pages show the committed SVGs
 
 
+def test_fill_figure_draws_a_recorded_gpu_series_where_the_results_have_one(tmp_path: Path) -> None:
+    # The GPU panel draws lines from rates until a `bench cuda` run records fill_progress; then the steps.
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("cuda-h200.json", "fill-progress-devvm.json", "host-h200.json"):
+        (results / name).write_text((ROOT / "docs" / "results" / name).read_text())
+    cuda = json.loads((results / "cuda-h200.json").read_text())
+    host = json.loads((results / "fill-progress-devvm.json").read_text())["fill_progress"]
+    cuda["fill_progress"] = {
+        "quota_gib": host["quota_gib"],
+        "aiokvtier_vmm": host["aiokvtier_host"],
+        "aiokvtier_register": host["aiokvtier_host"],
+        "cuMemHostAlloc_s": host["upfront_resident_s"],
+        "torch_pinned_empty_s": None,
+    }
+    (results / "cuda-h200.json").write_text(json.dumps(cuda))
+    done = _run("docs/plots.py", "--results", str(results), "--out", str(tmp_path / "out"), "--format", "svg")
+    assert done.returncode == 0, done.stderr
+    svg = (tmp_path / "out" / "fill-vs-upfront.svg").read_text()
+    assert "recorded: resident bytes sampled" in svg and "not a recorded time series" not in svg
+    assert "torch pinned" not in svg and "2-vCPU VM" in svg
+
+
 def test_plots_skip_what_the_results_lack(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     (tmp_path / "results").mkdir()
@@ -93,3 +117,14 @@ def test_every_page_is_in_the_nav() -> None:
     nav = (ROOT / "mkdocs.yml").read_text()
     for page in (ROOT / "docs").glob("*.md"):
         assert f" {page.name}" in nav, f"{page.name} is not in mkdocs.yml's nav"
+
+
+def test_ci_runs_every_check_the_readme_names() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("Run the checks", 1)[1].split("\n\n", 2)[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 -m venv" in ci and "pip install -e '.[test]'" in ci  # from the package index, fresh
+    for line in block.splitlines():
+        for command in line.strip().split(" && "):
+            assert command.split(" --site-dir")[0] in ci, command
+    assert "mkdocs build --strict" in ci and "python -m pytest -q" in ci

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -58,6 +59,17 @@ def test_host_benchmark_prints_json_side_by_side() -> None:
     assert {"bare_populate_gib_s", "aiokvtier_threads1_gib_s", "ratio_threads2"} <= set(report["fill_throughput"])
     assert "asyncio" in report["event_loop_lag_during_fill"]
     assert report["bookkeeping"]["slots"] == 4096
+    progress = report["fill_progress"]
+    assert progress["quota_gib"] == 0.25 and progress["upfront_resident_s"] > 0
+    _check_series(progress["aiokvtier_host"], 0.25)
+
+
+def _check_series(series: dict[str, Any], gib: float) -> None:
+    """A recorded fill: from nothing to the whole quota, in time order, each point a change."""
+    t, resident = series["t_s"], series["resident_gib"]
+    assert len(t) == len(resident) >= 2 and t[0] == 0 and resident[0] == 0 and resident[-1] == gib
+    assert t == sorted(t) and all(a < b for a, b in itertools.pairwise(resident))
+    assert series["full_s"] == t[-1] and series["first_allocation_ms"] > 0
 
 
 def _check_cold(section: dict[str, Any], arms: list[str]) -> None:
@@ -111,7 +123,13 @@ def test_cuda_benchmark_copy_and_cold_sections_print_json_side_by_side() -> None
 
 @pytest.mark.cuda
 def test_cuda_benchmark_fill_sections_time_default_tiers_with_a_probe() -> None:
-    report = json.loads(_run("-m", "aiokvtier.bench", "cuda", "--quick", "--sections", "fill_throughput", "full_tier"))
+    report = json.loads(
+        _run("-m", "aiokvtier.bench", "cuda", "--quick", "--sections", "fill_throughput", "full_tier", "fill_progress")
+    )
+    progress = report["fill_progress"]
+    assert progress["quota_gib"] == 2 and progress["cuMemHostAlloc_s"] > 0
+    for backing in ("vmm", "register"):
+        _check_series(progress[f"aiokvtier_{backing}"], 2)
     fill = report["fill_throughput"]
     assert {"vmm_threads1", "vmm_threads_default", "register_threads1", "register_threads_default"} <= set(fill)
     assert fill["register_threads1"]["fill_threads"] == 1 and fill["register_threads1"]["commit_unit_mib"] == 64
@@ -230,3 +248,23 @@ def test_server_during_fill_benchmark_prints_both_runs_and_their_ratio() -> None
         assert {"PUT", "GET", "lookup"} <= set(report[run]["endpoints"])
     assert set(report["p99_during_vs_resident"]) >= {"PUT", "GET", "lookup"}
     assert report["server_exit"] == 0 and report["goal_ratio_at_most"] == 2.0
+
+
+def test_server_vs_dict_benchmark_prints_both_servers_and_their_ratio() -> None:
+    out = _run(
+        "benchmarks/server_vs_dict.py", "--quota", "256MiB", "--clients", "2", "--seconds", "0.3", "--rounds", "2"
+    )
+    report = json.loads(out)
+    assert set(report["runs"]) == {"blockstore", "plain_dict"} and report["tier_resident_before_load"]
+    for name, run in report["runs"].items():
+        assert run["unexpected_answers"] == 0 and run["server_exit"] == 0, name
+        assert {"PUT", "GET", "lookup"} <= set(run["endpoints"])
+        assert len(report["requests_per_s_by_round"][name]) == 2
+    assert (
+        report["runs"]["blockstore"]["server"] == "BlockStore"
+        and report["runs"]["plain_dict"]["server"] == "plain dict"
+    )
+    assert report["runs"]["blockstore"]["resident_fraction_at_start"] == 1.0
+    ratio = report["runs"]["blockstore"]["requests_per_s"] / report["runs"]["plain_dict"]["requests_per_s"]
+    assert report["ratio_requests_per_s"] == round(ratio, 3)
+    assert set(report["ratio_p99"]) == {"PUT", "GET", "lookup"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import importlib.util
@@ -116,7 +117,9 @@ async def bad_requests(client: httpx.AsyncClient, victim: str) -> None:
         assert_error(await client.post("/v1/lookup", content=body), 400)
     assert_error(await client.get("/v1/nothing-here"), 404)
     assert_error(await client.get("/v1/blocks"), 404)
-    assert_error(await client.post(f"/v1/blocks/{victim}", content=b"x"), 405)
+    wrong = await client.post(f"/v1/blocks/{victim}", content=b"x")
+    assert_error(wrong, 405)
+    assert {m.strip() for m in wrong.headers["allow"].split(",")} == {"GET", "HEAD", "PUT", "DELETE"}
     assert_error(await client.put("/v1/lookup", content=b"{}"), 405)
     assert_error(await client.delete("/healthz"), 405)
 
@@ -205,18 +208,20 @@ async def scenario() -> None:
             assert health.status_code == 200 and health.json() == {"status": "ok"}
             ready = await client.get("/readyz")
             assert ready.status_code in (200, 503)
-            assert {"resident_bytes", "target_bytes", "fraction"} <= set(ready.json())
+            assert {"resident_bytes", "target_bytes", "fraction", "fill_error"} <= set(ready.json())
             assert ready.json()["target_bytes"] == 3 << 30
             if ready.status_code == 503:
-                assert ready.json()["resident_bytes"] == 0
-            ready = await wait_for(client, "/readyz", 200)
-            assert ready.status_code == 200 and ready.json()["resident_bytes"] > 0
-            filling_at_start = (await client.get("/v1/stats")).json()["tier"]["filling"]
+                assert ready.json()["resident_bytes"] == 0 and ready.json()["status"] == "filling"
+            at_start = (await client.get("/v1/stats")).json()["tier"]
+            # The clients start now, while the 3 GiB tier fills (seconds on the CI machine): their
+            # stores wait for their slots' units, and /readyz turns 200 meanwhile.
+            assert at_start["filling"] and at_start["resident_bytes"] < 3 << 30, at_start
 
             stored: dict[str, str] = {}
-            await asyncio.wait_for(
-                asyncio.gather(*(client_run(server.url, seed, stored) for seed in range(CLIENTS))), 60
-            )
+            clients = asyncio.gather(*(client_run(server.url, seed, stored) for seed in range(CLIENTS)))
+            ready = await wait_for(client, "/readyz", 200)
+            assert ready.status_code == 200 and ready.json()["resident_bytes"] > 0
+            await asyncio.wait_for(clients, 60)
             assert len(stored) == CLIENTS * BLOCKS_PER_CLIENT
             for key, want in stored.items():  # nothing the bad requests or the second PUTs sent changed a block
                 got = await client.get(f"/v1/blocks/{key}")
@@ -233,7 +238,7 @@ async def scenario() -> None:
             assert stats["server"] == {"draining": False, "internal_errors": 0}
             assert stats["store"]["blocks"] == len(stored) - 1 == stats["tier"]["slots_allocated"]
             assert stats["tier"]["quota"] == 3 << 30 and stats["tier"]["slot_size"] == SLOT
-            print("tier filling when the clients started:", filling_at_start)
+            print("resident when the clients started:", at_start["resident_bytes"], "of", 3 << 30)
 
             metrics = await client.get("/metrics")
             assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
@@ -276,6 +281,30 @@ async def drain_scenario() -> None:
         code, stderr = await server.stop()
     assert code == 0, stderr
     assert "Traceback" not in stderr, stderr
+
+
+async def sigint_scenario() -> None:
+    # SIGINT (Ctrl-C) while a 2 GiB tier is still filling: the fill stops, the store and the tier
+    # close, and the process exits 0 as after SIGTERM.
+    server = await Server.start("--quota", "2GiB")
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/healthz", 200, seconds=10)).status_code == 200
+            data = os.urandom(3000)
+            assert (await client.put("/v1/blocks/5eed", content=data)).status_code == 201
+            assert (await client.get("/v1/blocks/5eed")).content == data
+            tier = (await client.get("/v1/stats")).json()["tier"]
+        server.proc.send_signal(signal.SIGINT)
+        code = await asyncio.wait_for(server.proc.wait(), 30)
+    finally:
+        code, stderr = await server.stop()
+    assert code == 0, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    print("resident at SIGINT:", tier["resident_bytes"], "of", tier["target_bytes"])
+
+
+def test_sigint_while_the_tier_fills_exits_0_without_a_traceback() -> None:
+    asyncio.run(asyncio.wait_for(sigint_scenario(), 60))
 
 
 def test_drain_seconds_keeps_serving_with_readyz_503_then_exits_0() -> None:
@@ -348,7 +377,7 @@ async def test_readyz_is_503_before_the_tier_opens_and_while_draining() -> None:
     async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
         before = await client.get("/readyz")
         assert before.status_code == 503 and before.json()["status"] == "filling"
-        assert before.json()["resident_bytes"] == 0
+        assert before.json()["resident_bytes"] == 0 and before.json()["fill_error"] is None
         async with app.router.lifespan_context(app):
             await service.blocks.tier.wait_resident(1)
             ready = await client.get("/readyz")
@@ -399,3 +428,122 @@ async def test_put_is_507_when_every_slot_is_held_by_a_store_still_copying(gate:
             assert stats["store"]["blocks"] == 16 and stats["server"]["internal_errors"] == 0
             metrics = (await client.get("/metrics")).text
             assert re.search(r'^aiokvtier_store_skipped_total\{store="default"\} 1\.0$', metrics, re.M), metrics
+
+
+async def test_a_fill_that_fails_before_any_unit_is_503_failed_and_every_put_507(gate: PopulateGate) -> None:
+    # The tier's first commit unit cannot be made resident (populate fails with ENOMEM): no slot
+    # can ever be taken, so a PUT is skipped (507), and /readyz says "failed", not "filling".
+    app_module = APP_MODULE
+    config = HostTierConfig(quota="2MiB", max_quota="2MiB", slot_size="64KiB", commit_unit="1MiB", fill_chunk="1MiB")
+    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    app = service.app()
+    transport = httpx.ASGITransport(app=app)
+    gate.fail(0)
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        async with app.router.lifespan_context(app):
+            tier = service.blocks.tier
+            await eventually(lambda: tier.statistics().fill_error is not None)
+            ready = await client.get("/readyz")
+            assert ready.status_code == 503, ready.text
+            body = ready.json()
+            assert body["status"] == "failed" and body["resident_bytes"] == 0
+            assert "injected failure" in body["fill_error"]
+            assert (await client.get("/healthz")).status_code == 200  # alive, not ready
+            for key in ("ab", "cd"):
+                answer = await client.put(f"/v1/blocks/{key}", content=b"block")
+                assert_error(answer, 507)
+                assert_error(await client.get(f"/v1/blocks/{key}"), 404)
+            assert (await client.post("/v1/lookup", json={"keys": ["ab"]})).json() == {"hits": 0}
+            stats = (await client.get("/v1/stats")).json()
+            assert stats["store"]["skipped"] == 2 and stats["store"]["blocks"] == 0
+            assert stats["tier"]["slots_allocated"] == 0 and stats["server"]["internal_errors"] == 0
+            metrics = (await client.get("/metrics")).text
+            assert re.search(r'^aiokvtier_tier_fill_errors\{tier="default"\} 1\.0$', metrics, re.M), metrics
+
+
+def test_help_describes_every_option_with_its_default() -> None:
+    parser = APP_MODULE.build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        assert action.help and len(action.help) > 10, action.option_strings
+        shown = formatter._get_help_string(action) or ""
+        assert action.default in (None, False, argparse.SUPPRESS) or "default" in shown, (action.option_strings, shown)
+    done = subprocess.run(
+        [sys.executable, str(APP), "--help"], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+    )
+    text = " ".join(done.stdout.split())
+    assert done.returncode == 0
+    for default in ("(default: 1GiB)", "(default: 64KiB)", "(default: host)", "(default: lru)", "(default: warning)"):
+        assert default in text, default
+
+
+def _fuzz_request(rng: random.Random) -> tuple[str, str, bytes, dict[str, str]]:
+    """A request from a grammar of what clients get wrong: methods, paths, bodies and headers.
+
+    Weighted towards the paths that exist, so that each gets its wrong methods, keys and bodies.
+    """
+    method = rng.choice(["GET", "PUT", "PUT", "DELETE", "POST", "POST", "PATCH", "HEAD", "OPTIONS"])
+    key = rng.choice([rng.randbytes(rng.randrange(1, 8)).hex()] * 6 + [  # valid, in a space the victims are not in
+        "", "A1", "0x1f", "g" * 3, "a" * 129, "ab%2Fcd", "%ff", "ab%00", "..", "é", "ab cd", "-1", "1e9",
+    ])  # fmt: skip
+    path = rng.choice([f"/v1/blocks/{key}"] * 6 + ["/v1/lookup"] * 4 + [
+        f"/v1/blocks/{key}/x", "/v1/blocks", "/v1/stats", "/metrics", "/readyz", "/healthz", "/", "/v1",
+        "//v1/blocks/ab", "/v1/blocks/ab?x=1",
+    ])  # fmt: skip
+    body = rng.choice([
+        b"", b"x", rng.randbytes(rng.randrange(1, SLOT + 1)), bytes(SLOT + rng.randrange(1, 3)), b"{",
+        b'{"keys": []}', b'{"keys": ["ab", "cd"]}', b'{"keys": "ab"}', b'{"keys": [1, null]}', b"[" * 5000,
+        json.dumps({"keys": ["a"] * 5000}).encode(), b'{"keys": ["\\ud800"]}', b"\xff\xfe", b"null",
+    ])  # fmt: skip
+    headers = rng.choice([{}, {"content-type": "application/json"}, {"content-type": "text/plain; charset=bogus"}])
+    return method, path, body, headers
+
+
+async def test_no_malformed_request_gets_a_500_or_changes_a_stored_block() -> None:
+    app_module = APP_MODULE
+    config = HostTierConfig(quota="8MiB", max_quota="8MiB", slot_size="64KiB", backing="host")
+    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    app = service.app()
+    rng = random.Random(20260)
+    victims = {f"f00d{i:04x}" + "0" * 60: rng.randbytes(rng.randrange(1, SLOT + 1)) for i in range(8)}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        async with app.router.lifespan_context(app):
+            await service.blocks.tier.wait_resident()
+            for key, data in victims.items():
+                assert (await client.put(f"/v1/blocks/{key}", content=data)).status_code == 201
+            seen: dict[int, int] = {}
+            for _ in range(600):
+                method, path, body, headers = _fuzz_request(rng)
+                answer = await client.request(method, path, content=body, headers=headers)
+                seen[answer.status_code] = seen.get(answer.status_code, 0) + 1
+                assert answer.status_code < 500, (method, path, body[:40], answer.text)
+                if answer.status_code >= 400 and method != "HEAD":
+                    assert_error(answer, answer.status_code)
+            for key, data in victims.items():  # 120 blocks fit: nothing evicted them, nothing changed them
+                got = await client.get(f"/v1/blocks/{key}")
+                assert got.status_code == 200 and got.content == data
+            stats = (await client.get("/v1/stats")).json()
+            assert stats["server"]["internal_errors"] == 0
+    assert {200, 201, 400, 404, 405, 413} <= set(seen), seen
+
+
+@pytest.mark.cuda
+def test_server_on_a_vmm_tier_serves_blocks_and_exits_0() -> None:
+    async def run() -> None:
+        server = await Server.start("--quota", "1GiB", "--backing", "vmm", "--device", "0")
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                assert (await wait_for(client, "/readyz", 200)).status_code == 200
+                blocks = {f"{i:x}": os.urandom(1000 * (i + 1)) for i in range(16)}
+                for key, data in blocks.items():
+                    assert (await client.put(f"/v1/blocks/{key}", content=data)).status_code == 201
+                for key, data in blocks.items():
+                    assert (await client.get(f"/v1/blocks/{key}")).content == data
+                tier = (await client.get("/v1/stats")).json()["tier"]
+                assert tier["backing"] == "vmm" and tier["device"] == 0
+        finally:
+            code, stderr = await server.stop()
+        assert code == 0 and "Traceback" not in stderr, stderr
+
+    asyncio.run(asyncio.wait_for(run(), 120))

@@ -36,6 +36,44 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+async def record_fill(config: Any, period: float = 0.002) -> dict[str, Any]:
+    """Bytes usable against time for one tier, from the call to ``HostTier.open`` to full residency.
+
+    The loop reads ``statistics().resident_bytes`` every ``period`` seconds and
+    keeps a point where it changed (a step per commit unit), so the series is
+    what a caller of the tier saw, not a line drawn from a rate. Also times the
+    first allocation, taken as soon as open returns.
+    """
+    from .._host._tier import HostTier
+
+    started = time.perf_counter()
+    tier = await HostTier.open(config)
+    try:
+        slot = await tier.allocate()
+        first = time.perf_counter() - started
+        tier.free(slot)
+        times, resident = [0.0], [0]
+        while True:
+            s = tier.statistics()
+            now = time.perf_counter() - started
+            if s.resident_bytes != resident[-1]:
+                times.append(now)
+                resident.append(s.resident_bytes)
+            if s.resident_bytes >= s.target_bytes or s.fill_error is not None:
+                break
+            await asyncio.sleep(period)
+        if s.fill_error is not None:
+            raise RuntimeError(f"the fill failed: {s.fill_error}")
+    finally:
+        await tier.aclose()
+    return {
+        "first_allocation_ms": round(first * 1e3, 2),
+        "full_s": round(times[-1], 4),
+        "t_s": [round(t, 4) for t in times],
+        "resident_gib": [round(r / GiB, 4) for r in resident],
+    }
+
+
 def bare_populate(size: int, chunk: int = 512 * MiB) -> float:
     """The baseline: reserve, then MADV_POPULATE_WRITE chunk by chunk on this thread. Returns seconds."""
     base, length = _linux.mmap_reserve(size, 2 * MiB)
@@ -77,12 +115,19 @@ async def sample_loop_lag(stop: asyncio.Future[Any] | asyncio.Task[Any], period:
     return lags
 
 
+class UnknownSections(ValueError):
+    """``--sections`` named a part the program does not have (raised before any part runs)."""
+
+
 def run_sections(sections: dict[str, Callable[[], Any]], chosen: list[str] | None) -> dict[str, Any]:
-    """Run the chosen sections (default: all) in the order given; an unknown name exits with the choices."""
+    """Run the chosen sections (default: all) in the order given.
+
+    :raises UnknownSections: a name is not a section; nothing has run.
+    """
     names = chosen or list(sections)
     unknown = set(names) - set(sections)
     if unknown:
-        raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {list(sections)}")
+        raise UnknownSections(f"unknown sections {sorted(unknown)}; choose from {', '.join(sections)}")
     return {name: sections[name]() for name in names}
 
 

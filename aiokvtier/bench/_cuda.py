@@ -19,7 +19,7 @@ from .._cuda._engine import CopyEngine
 from .._cuda._static import StaticHostMem
 from .._host._tier import HostTier
 from . import _cold, _sm
-from ._common import GiB, MiB, loop_factories, median, run_on, run_sections, sample_loop_lag, summary_ms
+from ._common import GiB, MiB, loop_factories, median, record_fill, run_on, run_sections, sample_loop_lag, summary_ms
 
 
 def _cfg(size: int, backing: str, threads: int | None = 1, slot: int = 2 * MiB, device: int = 0) -> HostTierConfig:
@@ -96,6 +96,25 @@ def first_allocation(size: int) -> dict[str, Any]:
         "torch_pinned_empty_ms": None if pinned is None else round(pinned * 1e3, 1),
         "sooner_x_vs_cuMemHostAlloc": round(host_alloc / best, 1),
         "sooner_x_vs_torch": None if pinned is None else round(pinned / best, 1),
+    }
+
+
+def fill_progress(size: int) -> dict[str, Any]:
+    """Usable GiB over time for each GPU backing (1 fill thread) against pinning it all up front, one run."""
+    ctx = PrimaryContext(0)  # a serving process has its context before its tier opens
+    try:
+        for backing in ("vmm", "register"):
+            asyncio.run(_first_alloc(64 * MiB, backing))
+        ours = {b: asyncio.run(record_fill(_cfg(size, b))) for b in ("vmm", "register")}
+        host_alloc = _host_alloc(size)
+    finally:
+        ctx.release()
+    pinned = _torch_pinned(size)
+    return {
+        "quota_gib": size / GiB,
+        **{f"aiokvtier_{b}": series for b, series in ours.items()},
+        "cuMemHostAlloc_s": round(host_alloc, 4),
+        "torch_pinned_empty_s": None if pinned is None else round(pinned, 4),
     }
 
 
@@ -435,6 +454,7 @@ def run(args: Any) -> dict[str, Any]:
     sections: dict[str, Callable[[], Any]] = {
         "time_to_first_allocation": lambda: first_allocation((2 if quick else 64) * GiB),
         "fill_throughput": lambda: fill_throughput((2 if quick else 16) * GiB),
+        "fill_progress": lambda: fill_progress((2 if quick else 64) * GiB),
         "full_tier": lambda: full_tier(int((2 if quick else args.full_gib) * GiB), 1 if quick else args.settle),
         "event_loop_lag_during_fill": lambda: loop_lag((1 if quick else 8) * GiB),
         "copy_bandwidth": lambda: {

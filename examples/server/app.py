@@ -8,7 +8,7 @@ the first unit of the tier is resident. Blocks are named by lowercase hex text
 of 1 to 128 characters; the store's key is that text as ASCII bytes.
 
     GET    /healthz              200 {"status": "ok"}
-    GET    /readyz               503 until the first unit is resident (and after SIGTERM), then 200
+    GET    /readyz               503 until the first unit is resident (and after SIGTERM, or on a failed fill), then 200
     PUT    /v1/blocks/{key}      201 stored, 200 already there, 413 too large, 507 no room, 400 bad request
     GET    /v1/blocks/{key}      200 the bytes stored, 404 unknown
     DELETE /v1/blocks/{key}      204, 404 unknown
@@ -84,7 +84,7 @@ class Blocks(Protocol):
 
     async def open(self) -> None: ...
     async def aclose(self) -> None: ...
-    def residency(self) -> tuple[int, int]: ...
+    def residency(self) -> tuple[int, int, str | None]: ...
     async def put(self, key: bytes, body: bytes) -> int: ...
     async def get(self, key: bytes) -> bytes | None: ...
     def delete(self, key: bytes) -> bool: ...
@@ -97,8 +97,8 @@ class StoreBlocks:
     """Blocks in a :class:`BlockStore` over a :class:`HostTier`.
 
     A GET asks the store for the block's length and loads it into a
-    slot-sized buffer in the same loop step (nothing can evict it between
-    the two), then answers that many bytes.
+    buffer of that length in the same loop step (nothing can evict it
+    between the two), then answers those bytes.
     """
 
     def __init__(self, config: HostTierConfig, policy: str) -> None:
@@ -122,9 +122,9 @@ class StoreBlocks:
             if "tier" in self.__dict__:
                 await self.tier.aclose()
 
-    def residency(self) -> tuple[int, int]:
+    def residency(self) -> tuple[int, int, str | None]:
         s = self.tier.statistics()
-        return s.resident_bytes, s.target_bytes
+        return s.resident_bytes, s.target_bytes, s.fill_error
 
     async def put(self, key: bytes, body: bytes) -> int:
         result = await self.store.store([key], [body])
@@ -135,13 +135,12 @@ class StoreBlocks:
         raise ApiError(507, "no room for the block, even after eviction")
 
     async def get(self, key: bytes) -> bytes | None:
-        buffer = bytearray(self.slot_size)
         try:
-            length = self.store.length(key)
+            buffer = bytearray(self.store.length(key))
             await self.store.load([key], [buffer])  # checks the key before its first await
         except BlockNotFound:
             return None
-        return bytes(memoryview(buffer)[:length])
+        return bytes(buffer)
 
     def delete(self, key: bytes) -> bool:
         return self.store.discard([key]) == 1
@@ -208,8 +207,8 @@ class DictBlocks:
     async def aclose(self) -> None:
         self.blocks.clear()
 
-    def residency(self) -> tuple[int, int]:
-        return 1, 1  # nothing to fill: ready at once
+    def residency(self) -> tuple[int, int, str | None]:
+        return 1, 1, None  # nothing to fill: ready at once
 
     async def put(self, key: bytes, body: bytes) -> int:
         if key in self.blocks:
@@ -273,11 +272,13 @@ class Service:
         return JSONResponse({"status": "ok"})
 
     async def readyz(self, request: Request) -> Response:
-        resident, target = self.blocks.residency() if self.opened else (0, 0)
+        resident, target, fill_error = self.blocks.residency() if self.opened else (0, 0, None)
         if self.draining:
             status, state = 503, "draining"
-        elif resident > 0:
+        elif resident > 0:  # a fill that failed part way still serves the resident prefix
             status, state = 200, "ready"
+        elif fill_error is not None:  # nothing resident and nothing more coming: not "filling"
+            status, state = 503, "failed"
         else:
             status, state = 503, "filling"
         body = {
@@ -285,8 +286,17 @@ class Service:
             "resident_bytes": resident,
             "target_bytes": target,
             "fraction": resident / target if target else 0.0,
+            "fill_error": fill_error,
         }
         return JSONResponse(body, status_code=status)
+
+    async def block(self, request: Request) -> Response:
+        """One route for the path, so that a wrong method's 405 lists all three in ``Allow``."""
+        if request.method == "PUT":
+            return await self.put_block(request)
+        if request.method == "DELETE":
+            return await self.delete_block(request)
+        return await self.get_block(request)  # GET, or HEAD (Starlette answers it as GET without the body)
 
     async def put_block(self, request: Request) -> Response:
         key = store_key(request.path_params["key"])
@@ -368,13 +378,10 @@ class Service:
         return JSONResponse({"error": "internal error"}, status_code=500)
 
     def app(self) -> Starlette:
-        block = "/v1/blocks/{key}"
         routes = [
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/readyz", self.readyz, methods=["GET"]),
-            Route(block, self.put_block, methods=["PUT"]),
-            Route(block, self.get_block, methods=["GET"]),
-            Route(block, self.delete_block, methods=["DELETE"]),
+            Route("/v1/blocks/{key}", self.block, methods=["GET", "PUT", "DELETE"]),
             Route("/v1/lookup", self.lookup, methods=["POST"]),
             Route("/v1/stats", self.stats, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -441,6 +448,15 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+class Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default where its help does not already say it (and it has one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message}\n")
@@ -457,21 +473,56 @@ OPTION_OF_FIELD = {"quota": "--quota", "max_quota": "--max-quota", "slot_size": 
 OPTION_OF_FIELD |= {"device": "--device", "backing": "--backing"}
 
 
-def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, HostTierConfig]:
-    parser = Parser(prog="app.py", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quota", type=size, default="1GiB", help="bytes of the tier (default 1GiB)")
-    parser.add_argument("--max-quota", type=size, default=None, help="the reservation (default: the quota)")
-    parser.add_argument("--slot-size", type=size, default="64KiB", help="the largest block (default 64KiB)")
-    parser.add_argument("--backing", choices=["host", "register", "vmm", "auto"], default="host")
-    parser.add_argument("--device", type=int, default=None, help="CUDA ordinal (register and vmm backings)")
-    parser.add_argument("--policy", choices=["lru", "s3fifo"], default="lru")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8077, help="0: any free port (printed)")
-    parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning")
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="app.py",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=Formatter,
+    )
+    parser.add_argument("--quota", type=size, default="1GiB", metavar="SIZE", help="bytes of the tier, like 2GiB")
+    parser.add_argument(
+        "--max-quota",
+        type=size,
+        default=None,
+        metavar="SIZE",
+        help="bytes of address range reserved (default: the quota)",
+    )
+    parser.add_argument(
+        "--slot-size", type=size, default="64KiB", metavar="SIZE", help="bytes per slot: the largest block"
+    )
+    parser.add_argument(
+        "--backing",
+        choices=["host", "register", "vmm", "auto"],
+        default="host",
+        help="host memory only, or GPU-usable (register, vmm: need --device); auto: vmm with --device",
+    )
+    parser.add_argument(
+        "--device", type=int, default=None, metavar="N", help="CUDA ordinal of the GPU the tier serves (default: none)"
+    )
+    parser.add_argument("--policy", choices=["lru", "s3fifo"], default="lru", help="the store's eviction policy")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--port", type=int, default=8077, metavar="N", help="port to listen on; 0: any free port (printed)"
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        default="warning",
+        help="uvicorn's and the library's log level",
+    )
     parser.add_argument("--plain-dict", action="store_true", help="serve from a dict of bytes (the baseline)")
     parser.add_argument(
-        "--drain-seconds", type=float, default=0.0, help="after SIGTERM, serve on (readyz 503) this long (default 0)"
+        "--drain-seconds",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="after SIGTERM or SIGINT, serve on this long with readyz 503",
     )
+    return parser
+
+
+def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, HostTierConfig]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"argument --port: {args.port} is not a port (0 to 65535)")
