@@ -22,10 +22,12 @@ import pytest
 from aiokvtier import (
     BlockNotFound,
     BlockStore,
+    CopyEngine,
     HostTier,
     HostTierConfig,
     OutOfSlots,
     QuotaError,
+    StaticHostMem,
     StoreResult,
     WouldBlock,
 )
@@ -941,6 +943,11 @@ class HeldEngine:
             submitted.set_result(None)
         return submitted, done
 
+    def _begin_checked(
+        self, tier: HostTier, slots: Any, side: Any, direction: str, keepalive: Any, *, after: Any = None
+    ) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+        return self.begin(tier, slots, side.addresses, direction, after=after, page=side.page)
+
     async def copy(self, copies: list[tuple[int, int, int]], *, after: Any = None) -> None:
         for dst, src, n in copies:
             ctypes.memmove(dst, src, n)
@@ -1277,4 +1284,41 @@ async def test_overlapping_stores_in_a_small_tier_store_no_key_past_a_skipped_on
                     done = True
         consistent(tier, store)
         whole(tier, store, range(16))
+        await exact(store)
+
+
+async def test_the_engine_path_over_a_host_engine_copies_the_pages_checked_once() -> None:
+    """The device path (pages checked once per call, then a subset handed to the engine as checked) through a
+    real CopyEngine copying host to host: arrays and addresses, present keys among new ones, short blocks."""
+    n = 8
+    async with (
+        open_store(2 * n) as (tier, store),
+        CopyEngine(None) as engine,
+        StaticHostMem(3 * n * SLOT) as src_mem,
+        StaticHostMem(2 * n * SLOT) as dst_mem,
+    ):
+        store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+        src = np.frombuffer(src_mem.view(), dtype=np.uint8).reshape(3 * n, SLOT)
+        dst = np.frombuffer(dst_mem.view(), dtype=np.uint8).reshape(2 * n, SLOT)
+        keys = list(range(2 * n))
+        src[: 2 * n] = pages(keys)
+        first = await bounded(store.store(keys[:n], src[:n]))
+        assert first.stored == tuple(keys[:n])
+        # Present keys among new ones: the engine gets the checked addresses of the new keys' pages only.
+        mixed = [0, n, 1, n + 1]
+        rows = src[2 * n : 2 * n + 4]  # a host engine's pages lie in a StaticHostMem
+        rows[:] = np.stack([src[k] for k in mixed])
+        assert await bounded(store.store(mixed, rows)) == StoreResult(stored=(n, n + 1), present=(0, 1), skipped=())
+        # Pages named by address (located once: the buffer is an owner of the copy).
+        tail = keys[n + 2 :]
+        addresses = [src_mem.address + k * SLOT for k in tail]
+        assert (await bounded(store.store(tail, addresses))).stored == tuple(tail)
+        await bounded(store.load(keys, dst))
+        assert all(dst[k].tobytes() == page(k) for k in keys)
+        # A page larger than a slot changes nothing.
+        with pytest.raises(ValueError, match="does not fit"):
+            await bounded(store.store([99], np.frombuffer(src_mem.view(), dtype=np.uint8)[: 2 * SLOT].reshape(1, -1)))
+        assert 99 not in store
+        store._engine = None  # type: ignore[assignment]
+        whole(tier, store, keys)
         await exact(store)
