@@ -24,6 +24,7 @@ from aiokvtier import (
     BlockEvent,
     BlockNotFound,
     BlockStore,
+    EvictionPolicy,
     HostTier,
     HostTierConfig,
     QuotaError,
@@ -385,6 +386,54 @@ async def test_full_tier_evicts_least_recently_used_and_skips_the_suffix() -> No
         ]
         stats = store.statistics()
         assert stats.evictions == 6 and stats.skipped == 2
+        settled(tier, store)
+
+
+class FIFOPolicy(EvictionPolicy):
+    """A policy of one's own, from the interface alone (docs/store.md): first in, first out."""
+
+    name = "fifo"
+
+    def __init__(self) -> None:
+        self._order: dict[int, None] = {}
+
+    def inserted(self, slot: int, key: bytes | int) -> None:
+        if slot in self._order:
+            raise ValueError(f"slot {slot} holds a block already")
+        self._order[slot] = None
+
+    def accessed(self, slots: np.ndarray) -> None:
+        pass
+
+    def removed(self, slot: int) -> None:
+        del self._order[slot]
+
+    def victims(self) -> Iterator[int]:
+        yield from list(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+async def test_a_policy_of_ones_own_from_the_interface_alone(store_then_hold: Gate) -> None:
+    gate = store_then_hold
+    policy = FIFOPolicy()
+    async with open_store(3, policy=policy) as (tier, store):
+        assert (await bounded(store.store([1, 2, 3], pages([1, 2, 3])))).stored == (1, 2, 3)
+        assert store.lookup([1]) == 1  # a hit: LRU would keep 1, FIFO does not care
+        assert (await bounded(store.store([4], pages([4])))).stored == (4,)
+        assert 1 not in store and {2, 3, 4} <= {k for k in range(5) if k in store}
+        hold(gate)
+        reading = asyncio.create_task(store.load([2], np.zeros((1, SLOT), dtype=np.uint8)))
+        await gate.started()
+        storing = asyncio.create_task(store.store([5], pages([5])))  # its copy waits behind the load's
+        await eventually(lambda: 3 not in store)  # 2 is pinned: 3 goes
+        assert 2 in store
+        await gate.release()
+        await bounded(reading)
+        assert (await bounded(storing)).stored == (5,)
+        assert store.statistics().policy == "fifo" and len(policy) == len(store) == 3
+        assert await read(store, [2, 4, 5]) == [page(2), page(4), page(5)]
         settled(tier, store)
 
 

@@ -19,13 +19,24 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from aiokvtier import BlockNotFound, BlockStore, HostTier, OutOfSlots, QuotaError, StoreResult, WouldBlock
+from aiokvtier import (
+    BlockNotFound,
+    BlockStore,
+    CopyEngine,
+    HostTier,
+    HostTierConfig,
+    OutOfSlots,
+    QuotaError,
+    StaticHostMem,
+    StoreResult,
+    WouldBlock,
+)
 from aiokvtier._store._policy import EvictionPolicy, Key, LRUPolicy, S3FIFOPolicy
 
 from .conftest import PopulateGate
 from .helpers import KiB, MiB, eventually, small_config
 from .test_cancellation import cancel_during, sweep
-from .test_store import SLOT, Gate, bounded, held, hold, open_store, page, pages, store_then_hold
+from .test_store import SLOT, Events, Gate, bounded, held, hold, open_store, page, pages, store_then_hold
 
 __all__ = ["held", "store_then_hold"]  # fixtures used here
 
@@ -45,6 +56,14 @@ def whole(tier: HostTier, store: BlockStore, universe: Sequence[Any] = ()) -> No
     assert len(store._policy) == len(store)
     if universe:
         assert len(store) == sum(1 for k in universe if k in store)
+
+
+def suffix(keys: Sequence[Any], result: StoreResult) -> None:
+    """No key past a skipped one was stored (keys found present may lie anywhere)."""
+    if result.stored and result.skipped:
+        last_stored = max(keys.index(k) for k in result.stored)
+        first_skipped = min(keys.index(k) for k in result.skipped)
+        assert last_stored < first_skipped, f"stored {result.stored} after skipped {result.skipped} in {keys}"
 
 
 async def exact(store: BlockStore, n: int = SLOT) -> None:
@@ -821,6 +840,7 @@ async def test_churn_with_resizes_of_the_store_and_of_the_tier_behind_its_back(
                 async def call(keys: list[int] = keys) -> None:
                     result = await store.store(keys, np.stack([data[k] for k in keys]), wait=r.random() < 0.5)
                     assert sorted(result.stored + result.present + result.skipped) == sorted(keys)
+                    suffix(keys, result)
 
                 await perhaps_cancelled(call(), r)
                 await asyncio.sleep(0)
@@ -922,6 +942,11 @@ class HeldEngine:
         else:
             submitted.set_result(None)
         return submitted, done
+
+    def _begin_checked(
+        self, tier: HostTier, slots: Any, side: Any, direction: str, keepalive: Any, *, after: Any = None
+    ) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+        return self.begin(tier, slots, side.addresses, direction, after=after, page=side.page)
 
     async def copy(self, copies: list[tuple[int, int, int]], *, after: Any = None) -> None:
         for dst, src, n in copies:
@@ -1039,10 +1064,12 @@ async def test_a_call_of_no_keys_with_an_engine_does_nothing() -> None:
 
 
 @pytest.mark.parametrize("wait", [False, True])
+@pytest.mark.parametrize("order", ["claimed_first", "claimed_last"])
 async def test_a_store_that_does_not_wait_skips_a_key_whose_other_store_waits_for_the_fill(
-    gate: PopulateGate, wait: bool
+    gate: PopulateGate, wait: bool, order: str
 ) -> None:
-    """``wait=False`` never waits for the fill, also not through another store of the same key."""
+    """``wait=False`` never waits for the fill, also not through another store of the same key; the keys
+    after the one it skips are skipped too (no key past a skipped one is stored)."""
     cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)  # two units of 16 slots
     async with HostTier(cfg) as tier, BlockStore(tier) as store:
         slot = tier.slot_size
@@ -1054,15 +1081,244 @@ async def test_a_store_that_does_not_wait_skips_a_key_whose_other_store_waits_fo
         await asyncio.sleep(0.01)
         assert not other.done()
         store.discard([0])  # one resident slot free
-        call = asyncio.create_task(store.store([100, 101], pages([100, 101], slot), wait=wait))
+        keys = [100, 101] if order == "claimed_first" else [101, 100]
+        call = asyncio.create_task(store.store(keys, pages(keys, slot), wait=wait))
         if not wait:  # was: waiting, for the fill, for the other store (a timeout here)
-            assert await bounded(call) == StoreResult(stored=(101,), present=(), skipped=(100,))
+            # Was stored=(101,), skipped=(100,) with 100 first: a stored key after a skipped one.
+            expected = StoreResult(stored=(), present=(), skipped=(100, 101))
+            if order == "claimed_last":
+                expected = StoreResult(stored=(101,), present=(), skipped=(100,))
+            assert await bounded(call) == expected
         else:
             await asyncio.sleep(0.05)
             assert not call.done()
         gate.release_all()
         assert (await bounded(other)).stored == (100,)
         result = await bounded(call)
-        assert result == StoreResult(stored=(101,), present=(100,) if wait else (), skipped=() if wait else (100,))
+        if wait:
+            assert result == StoreResult(stored=(101,), present=(100,), skipped=())
         whole(tier, store, [*first, 100, 101])
         await exact(store, slot)
+
+
+@pytest.mark.parametrize(
+    ("keys", "loaded", "expected"),
+    [
+        # The retry of 1 takes the slot of 3, stored after it by the same call.
+        ([1, 3], (), StoreResult(stored=(1,), present=(), skipped=(3,))),
+        # 3 is being loaded: it cannot give its slot, and stays no stored key after the skipped 1.
+        ([1, 3], (3,), StoreResult(stored=(), present=(), skipped=(1, 3))),
+        # One slot to be had (4's, the latest): 1 keeps the call's prefix 1, 3; 2 and 4 are skipped.
+        ([1, 3, 2, 4], (), StoreResult(stored=(1, 3), present=(), skipped=(2, 4))),
+        # 4 is being loaded: 3 gives its slot to 1, and 3, 2 and 4 are skipped.
+        ([1, 3, 2, 4], (4,), StoreResult(stored=(1,), present=(), skipped=(3, 2, 4))),
+    ],
+)
+async def test_a_retry_that_finds_no_room_takes_the_slots_of_keys_the_call_stored_after_it(
+    keys: list[int], loaded: tuple[int, ...], expected: StoreResult
+) -> None:
+    """No key past a skipped one is stored, also when the skip comes from the retry of a key whose other
+    store failed: blocks the call stored after it give their slots to it, latest first, or are given up."""
+    engine = HeldEngine()
+    engine.hold = True
+    retried = [k for k in keys if k in (1, 2)]
+    async with open_store(len(keys), engine=engine) as (tier, store):
+        events = await Events.start(store)
+        first = asyncio.create_task(store.store(retried, pages(retried)))
+        await eventually(lambda: len(engine.held) == 1)
+        second = asyncio.create_task(store.store(keys, pages(keys)))  # waits on 1 (and 2); stores the rest
+        await eventually(lambda: len(engine.held) == 2)
+        engine.held[1].set_result(None)
+        await eventually(lambda: all(k in store for k in keys if k not in retried))
+        dst = np.zeros((len(loaded), SLOT), dtype=np.uint8)
+        load = asyncio.create_task(store.load(list(loaded), dst))
+        if loaded:
+            await eventually(lambda: store.statistics().blocks_pinned == len(loaded))
+        (claim,) = (c for c in store._claims if 1 in c.keys)
+        taken: list[int] = []
+        # Runs before the waiting store resumes: the slots the failed store frees are gone again.
+        claim.future.add_done_callback(lambda _: taken.extend(tier.allocate_nowait() for _ in retried))
+        engine.hold = False  # the retry's copy goes through at once
+        first.cancel()  # cancels the held submission too: the store gives its slots back
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(first)
+        assert await bounded(second) == expected
+        assert len(taken) == len(retried)
+        for key in expected.skipped:
+            assert key not in store
+        if loaded:
+            assert store.statistics().blocks_pinned == len(loaded)
+            engine.held[2].set_result(None)
+        await bounded(load)
+        assert [row.tobytes() for row in dst] == [page(k) for k in loaded]  # a given-up block loads whole
+        given_up = tuple(k for k in keys if k not in retried and k in expected.skipped)
+        want = [("stored", tuple(k for k in keys if k not in retried))]
+        want += [("evicted", given_up)] if given_up else []
+        want += [("stored", tuple(k for k in retried if k in expected.stored))] if 1 in expected.stored else []
+        assert await events.next(len(want)) == want
+        await asyncio.sleep(0.01)
+        assert not events.got, "more events than expected"
+        stats = store.statistics()
+        assert (stats.skipped, stats.evictions) == (len(expected.skipped), len(given_up))
+        tier.free_many(taken)
+        whole(tier, store, keys)
+        await exact(store)
+
+
+async def test_a_retry_that_does_not_wait_gives_up_the_blocks_its_call_stored_after_the_key_it_skips(
+    gate: PopulateGate,
+) -> None:
+    """``wait=False``: the retry of a key whose other store failed finds a third store storing it while that
+    one waits for the fill; the key is skipped, and the block the call stored after it is given up again."""
+    engine = HeldEngine()
+    cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)  # two units of 16 slots
+    async with HostTier(cfg) as tier, BlockStore(tier, engine) as store:  # type: ignore[arg-type]
+        slot = tier.slot_size
+        gate.allow(1)
+        await bounded(tier.wait_resident(16 * slot))
+        first = list(range(16))
+        await bounded(store.store(first, pages(first, slot)))
+        store.discard([0, 1])  # two resident slots free
+        events = await Events.start(store)
+        engine.hold = True
+        failing = asyncio.create_task(store.store([100], pages([100], slot)))
+        await eventually(lambda: len(engine.held) == 1)
+        (claim,) = store._claims
+        taken: list[int] = []
+        claim.future.add_done_callback(lambda _: taken.append(tier.allocate_nowait()))  # the slot it frees
+        waiting = asyncio.create_task(store.store([100], pages([100], slot)))  # retries first, waits for the fill
+        call = asyncio.create_task(store.store([100, 101], pages([100, 101], slot), wait=False))
+        await eventually(lambda: len(engine.held) == 2)
+        engine.held[1].set_result(None)
+        await eventually(lambda: 101 in store)  # the call stored 101 and waits on the failing store
+        engine.hold = False
+        failing.cancel()  # cancels its held submission: it gives its slot back
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(failing)
+        assert await bounded(call) == StoreResult(stored=(), present=(), skipped=(100, 101))
+        assert 101 not in store and len(taken) == 1
+        assert await events.next(2) == [("stored", (101,)), ("evicted", (101,))]
+        gate.release_all()
+        assert (await bounded(waiting)).stored == (100,)
+        tier.free_many(taken)
+        whole(tier, store, [*first, 100, 101])
+        await exact(store, slot)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("filling", [False, True])
+@pytest.mark.parametrize("engine", ["none", "laggy"])
+async def test_overlapping_stores_in_a_small_tier_store_no_key_past_a_skipped_one(
+    gate: PopulateGate, engine: str, filling: bool, seed: int
+) -> None:
+    """Many stores of overlapping keys in a tier too small for them: stores skip keys, those waiting on them
+    retry, retries find no room and take the slots of blocks their own call stored later, or (``wait=False``)
+    skip a key whose other store waits for the fill. Loads pin blocks and a third of the calls are cancelled.
+    Every result stores no key past a skipped one; ``consistent`` holds at every loop iteration."""
+    rng = random.Random(seed)
+    copies = LaggyEngine(rng.random()) if engine == "laggy" else None
+    cfg = HostTierConfig(quota=8 * SLOT, max_quota=8 * SLOT, slot_size=SLOT, commit_unit=2 * SLOT, fill_chunk=2 * SLOT)
+    if not filling:
+        gate.release_all()
+    async with HostTier(cfg) as tier, BlockStore(tier, copies) as store:  # type: ignore[arg-type]
+        done = False
+
+        async def checker() -> None:
+            while not done:
+                consistent(tier, store)
+                await asyncio.sleep(0)
+
+        async def fill() -> None:
+            for unit in range(1, 5):
+                await asyncio.sleep(rng.random() * 0.01)
+                gate.allow(unit)
+            gate.release_all()
+
+        async def maybe_cancel(call: Awaitable[Any], r: random.Random) -> Any:
+            task = asyncio.ensure_future(call)
+            try:
+                if r.random() < 0.3:
+                    for _ in range(r.randint(0, 8)):
+                        await asyncio.sleep(0)
+                    task.cancel()
+                try:
+                    return await task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        raise
+                    return None
+            finally:
+                task.cancel()
+
+        async def storer(r: random.Random) -> None:
+            for _ in range(30):
+                keys = r.sample(range(16), r.randint(3, 8))
+                result = await maybe_cancel(store.store(keys, pages(keys), wait=r.random() < 0.5), r)
+                if result is not None:
+                    assert sorted(result.stored + result.present + result.skipped) == sorted(keys)
+                    suffix(keys, result)
+                await asyncio.sleep(0)
+
+        async def loader(r: random.Random) -> None:
+            for _ in range(60):
+                here = [k for k in r.sample(range(16), 6) if k in store][:3]
+                dst = np.zeros((len(here), SLOT), dtype=np.uint8)
+                try:
+                    await maybe_cancel(store.load(here, dst), r)
+                except BlockNotFound:
+                    pass  # evicted before the load began
+                await asyncio.sleep(0)
+
+        async with asyncio.timeout(TIMEOUT_LONG * 3):
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(checker())
+                try:
+                    async with asyncio.TaskGroup() as work:
+                        work.create_task(fill())
+                        for _ in range(8):
+                            work.create_task(storer(random.Random(rng.random())))
+                        for _ in range(2):
+                            work.create_task(loader(random.Random(rng.random())))
+                finally:
+                    done = True
+        consistent(tier, store)
+        whole(tier, store, range(16))
+        await exact(store)
+
+
+async def test_the_engine_path_over_a_host_engine_copies_the_pages_checked_once() -> None:
+    """The device path (pages checked once per call, then a subset handed to the engine as checked) through a
+    real CopyEngine copying host to host: arrays and addresses, present keys among new ones, short blocks."""
+    n = 8
+    async with (
+        open_store(2 * n) as (tier, store),
+        CopyEngine(None) as engine,
+        StaticHostMem(3 * n * SLOT) as src_mem,
+        StaticHostMem(2 * n * SLOT) as dst_mem,
+    ):
+        store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+        src = np.frombuffer(src_mem.view(), dtype=np.uint8).reshape(3 * n, SLOT)
+        dst = np.frombuffer(dst_mem.view(), dtype=np.uint8).reshape(2 * n, SLOT)
+        keys = list(range(2 * n))
+        src[: 2 * n] = pages(keys)
+        first = await bounded(store.store(keys[:n], src[:n]))
+        assert first.stored == tuple(keys[:n])
+        # Present keys among new ones: the engine gets the checked addresses of the new keys' pages only.
+        mixed = [0, n, 1, n + 1]
+        rows = src[2 * n : 2 * n + 4]  # a host engine's pages lie in a StaticHostMem
+        rows[:] = np.stack([src[k] for k in mixed])
+        assert await bounded(store.store(mixed, rows)) == StoreResult(stored=(n, n + 1), present=(0, 1), skipped=())
+        # Pages named by address (located once: the buffer is an owner of the copy).
+        tail = keys[n + 2 :]
+        addresses = [src_mem.address + k * SLOT for k in tail]
+        assert (await bounded(store.store(tail, addresses))).stored == tuple(tail)
+        await bounded(store.load(keys, dst))
+        assert all(dst[k].tobytes() == page(k) for k in keys)
+        # A page larger than a slot changes nothing.
+        with pytest.raises(ValueError, match="does not fit"):
+            await bounded(store.store([99], np.frombuffer(src_mem.view(), dtype=np.uint8)[: 2 * SLOT].reshape(1, -1)))
+        assert 99 not in store
+        store._engine = None  # type: ignore[assignment]
+        whole(tier, store, keys)
+        await exact(store)

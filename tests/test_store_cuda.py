@@ -84,3 +84,20 @@ async def test_a_cancelled_device_load_has_landed_when_cancellation_arrives() ->
             torch.cuda.synchronize()
             assert int(dst.sum()) == 0
         assert tier.statistics().slots_allocated == len(store) == len(keys)
+
+
+async def test_device_pages_by_address_and_present_keys_among_new_ones() -> None:
+    """Pages named by device address, and a store whose present keys sit among new ones: the engine is
+    handed the checked addresses of the new keys' pages only, in the caller's order."""
+    torch = torch_cuda()
+    async with HostTier(gpu_config("vmm")) as tier, CopyEngine(0) as engine, BlockStore(tier, engine) as store:
+        src = pages(torch, 8, 11)
+        base, row = src.data_ptr(), src.stride(0) * src.element_size()
+        assert (await store.store([0, 2], [base, base + 2 * row])).stored == (0, 2)
+        result = await store.store(list(range(8)), src)
+        assert result.stored == (1, 3, 4, 5, 6, 7) and result.present == (0, 2)
+        dst = torch.zeros_like(src)
+        await store.load(list(range(8))[::-1], [dst.data_ptr() + i * row for i in range(8)])
+        torch.cuda.synchronize()
+        assert torch.equal(dst, src.flip(0))
+        assert tier.statistics().slots_allocated == len(store) == 8

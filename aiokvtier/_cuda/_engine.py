@@ -38,7 +38,7 @@ from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
 from ._crossover import Crossover, parse_thresholds
 from ._kernel import DEFAULT_SM_BUDGET
 from ._plan import Plan, plan
-from ._requests import check_disjoint, copy_table, plan_slots, registrations
+from ._requests import Side, check_disjoint, copy_table, plan_side, plan_slots, registrations
 from ._requests import stream_handle as _stream_handle
 from ._sm import METHODS, SmPath, device_side_problem, pick_method
 
@@ -383,6 +383,23 @@ class CopyEngine(Owner):
         assert job.on_submit is not None
         return StartedCopy(job.on_submit, job.future)
 
+    def _begin_checked(
+        self, tier: HostTier, slots: Any, side: Side, direction: str, keepalive: Any, *, after: Any = None
+    ) -> StartedCopy:
+        """:meth:`begin` with the buffer side already checked by ``buffer_addresses`` (the BlockStore's
+        pages: checked once per call, then a subset copied). ``keepalive``: the buffer's owner.
+
+        The addresses are not checked or located again (their regions came
+        with them); the slots and the page are, as in :meth:`begin`.
+        """
+        if direction not in ("h2d", "d2h"):
+            raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
+        self._check_device(tier)
+        planned, owners = plan_side(tier, tier.slot_addresses(slots), side, direction)
+        job = self._enqueue(planned, direction, after, (tier, keepalive), owners, signal_submit=True)
+        assert job.on_submit is not None
+        return StartedCopy(job.on_submit, job.future)
+
     async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
         """Raw ``(dst, src, nbytes)`` copies: tier slots, StaticHostMem, device to device.
 
@@ -454,12 +471,15 @@ class CopyEngine(Owner):
 
         Returns the plan and the regions whose close must wait for it.
         """
+        self._check_device(tier)
+        return plan_slots(tier, slots, buffer, direction, page_size, host_only=self.device is None)
+
+    def _check_device(self, tier: HostTier) -> None:
         self._check_open()
         if self.device is not None and tier.config.device not in (None, self.device):
             raise CopyPlanError(
                 f"the tier is registered for device {tier.config.device}, this engine copies on device {self.device}"
             )
-        return plan_slots(tier, slots, buffer, direction, page_size, host_only=self.device is None)
 
     def _enqueue(
         self,

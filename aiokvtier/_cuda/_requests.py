@@ -45,6 +45,7 @@ __all__ = [
     "check_disjoint",
     "copy_table",
     "integers",
+    "plan_side",
     "plan_slots",
     "registrations",
     "stream_handle",
@@ -313,9 +314,24 @@ def plan_slots(
         raise ValueError("no slots to copy")
     page = tier.slot_size if page_size is None else positive_count(page_size, "page")
     _check_page(tier, page)  # before the addresses are located: a page of 2**64 does not fit numpy's uint64
-    h2d = direction == "h2d"
-    other, page, regions = buffer_addresses(buffer, len(host), page, writable=h2d, host_only=host_only)
+    side = buffer_addresses(buffer, len(host), page, writable=direction == "h2d", host_only=host_only)
+    return plan_side(tier, host, side, direction)
+
+
+def plan_side(tier: HostTier, host: U64, side: Side, direction: str) -> tuple[Plan, list[Any]]:
+    """Plan a per-slot copy between the slots at ``host`` (``tier.slot_addresses``) and a side that
+    :func:`buffer_addresses` checked (a subset of its addresses, in any order, stays checked).
+
+    :raises CopyPlanError: the side's page is larger than a slot.
+    :raises ValueError: no slots, or not one address per slot.
+    """
+    other, page, regions = side
+    if host.size == 0:
+        raise ValueError("no slots to copy")
+    if other.shape != host.shape:
+        raise ValueError(f"expected one address per slot ({len(host)}), got {len(other)}")
     _check_page(tier, page)  # an array's page is its row, whatever page= said
+    h2d = direction == "h2d"
     if h2d:
         check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
     owners = [tier, *(r for r in regions if r is not tier)]

@@ -28,7 +28,6 @@ import operator
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -36,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._config import parse_quota
+from .._cuda._requests import Side, buffer_addresses
 from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._lifecycle import Lifecycle, Owner, finish
 from ._events import BlockEvent, EventHub
@@ -67,8 +67,9 @@ class StoreResult:
     present: tuple[Key, ...]
     """Already stored, or stored meanwhile by a concurrent call that this one waited for: not copied again."""
     skipped: tuple[Key, ...]
-    """Not stored: no room even after eviction (the suffix of the call), or, with ``wait=False``, not resident yet
-    (also a key that another store, waiting for the fill, is storing)."""
+    """Not stored: no room even after eviction, or, with ``wait=False``, no resident slot (or a key that another
+    store, waiting for the fill, is storing). No key after the first skipped one is in ``stored``: every key
+    before it was stored or present, and from it on the call stored nothing (keys found present may follow)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,14 +133,26 @@ def _keys(keys: Iterable[object]) -> list[Key]:
     return [_key(k) for k in given]
 
 
+def _key_seq(keys: Iterable[object]) -> Sequence[Key]:
+    """The caller's list or tuple itself when every key is a bytes or an int: for a call that does not keep
+    its keys across an await (lookup, load, discard); else as :func:`_keys`."""
+    if type(keys) is list or type(keys) is tuple:
+        if _canonical(keys):
+            return keys
+        return [_key(k) for k in keys]
+    return _keys(keys)
+
+
 def _key_list(keys: Iterable[object]) -> list[object]:
     if isinstance(keys, bytes | bytearray | memoryview | str | int):
         raise TypeError(f"keys must be a sequence of keys, not one {type(keys).__name__}")
     return list(keys)  # a copy: the call keeps it across awaits, whatever the caller does to theirs
 
 
-def _canonical(keys: list[object]) -> bool:
+def _canonical(keys: Sequence[object]) -> bool:
     """Every key is a bytes or an int already (one pass in C)."""
+    if keys and type(keys[0]) in (bytes, int) and operator.countOf(map(type, keys), type(keys[0])) == len(keys):
+        return True  # one kind of key, the usual case: a fifth cheaper than the set of types
     return set(map(type, keys)) <= {bytes, int}
 
 
@@ -153,9 +166,17 @@ class _Pages(NamedTuple):
     addresses: U64
     lengths: U64
     owners: list[Any]
+    page: int = 0
+    """The one length of every page (a CopyEngine's pages, checked by ``buffer_addresses``); 0: host pages."""
+    regions: tuple[Any, ...] = ()
+    """Where a CopyEngine's page addresses lie (a StaticHostMem, a tier): owners the copy must outlive."""
 
     def take(self, ids: I64) -> _Pages:
-        return _Pages(self.addresses[ids], self.lengths[ids], self.owners)
+        return _Pages(self.addresses[ids], self.lengths[ids], self.owners, self.page, self.regions)
+
+    def side(self, page: int) -> Side:
+        """For :meth:`CopyEngine._begin_checked`: the addresses were checked when the call began."""
+        return Side(self.addresses, page, list(self.regions))
 
 
 _Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
@@ -180,6 +201,37 @@ class _Claim:
         if self._set is None:
             self._set = set(self._keys)
         return self._set
+
+
+class _Own:
+    """A block one store call stored, kept pinned by the call while it retries other keys."""
+
+    __slots__ = ("key", "position", "slot")
+
+    def __init__(self, position: int, key: Key, slot: int) -> None:
+        self.position = position
+        """In the call's keys."""
+        self.key = key
+        self.slot = slot
+        """Pinned by the call; -1 once unpinned or given up (or when the block was gone before the pin)."""
+
+
+class _Call:
+    """One store call across its retries (each retry is a nested pass over some of its keys).
+
+    The contract it keeps: no key past a skipped one is stored. ``limit`` is
+    the position of the first key skipped so far; a pass stores no key at or
+    past it, and a block the call stored past it is given up again.
+    """
+
+    __slots__ = ("given_up", "limit", "own")
+
+    def __init__(self, n: int) -> None:
+        self.limit = n
+        self.own: list[_Own] = []
+        """Blocks stored by earlier passes, pinned while later passes run."""
+        self.given_up: list[int] = []
+        """Positions of blocks the call stored and gave up again: reported skipped."""
 
 
 def _host_pages(obj: Any, n: int, *, writable: bool) -> _Pages:
@@ -366,9 +418,21 @@ class BlockStore(Owner):
             self._length = np.concatenate([self._length, np.zeros(extra, dtype=np.uint64)])
             self._pins = np.concatenate([self._pins, np.zeros(extra, dtype=np.uint32)])
 
-    def _slots(self, keys: list[Key]) -> I64:
+    def _slots(self, keys: Sequence[Key]) -> I64:
         """Each key's slot, -1 for a key without one (one pass over the dict, in C)."""
         return np.fromiter(map(self._slot_of.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
+
+    def _slots_of_all(self, keys: Sequence[Key]) -> I64 | None:
+        """Each key's slot, or None when a key has none: a load's keys, all known unless it fails."""
+        n = len(keys)
+        if n < 2:  # itemgetter of one key returns the value itself
+            slots = self._slots(keys)
+            return None if (slots < 0).any() else slots
+        try:
+            found = operator.itemgetter(*keys)(self._slot_of)  # a third cheaper than map(get) at 4,096 keys
+        except KeyError:
+            return None
+        return np.fromiter(found, dtype=np.int64, count=n)
 
     def _ready(self, slots: I64) -> npt.NDArray[np.bool_]:
         """Which of ``slots`` (from :meth:`_slots`) hold a ready block."""
@@ -411,7 +475,7 @@ class BlockStore(Owner):
         :raises TierClosedError: the store is closed.
         """
         self._check_open()
-        keys = _keys(keys)
+        keys = _key_seq(keys)
         slots = self._slots(keys)
         misses = np.flatnonzero(~self._ready(slots))
         hits = int(misses[0]) if misses.size else len(keys)
@@ -482,7 +546,12 @@ class BlockStore(Owner):
         With a full tier, blocks that no load is reading (and that this call
         did not store) are evicted in the policy's order (least recently used
         first with ``"lru"``); when nothing more can be, the rest of the keys
-        (the suffix) are skipped, never an error.
+        are skipped, never an error. No key after a skipped one is stored
+        (keys found present may follow it): a key whose other store failed
+        is retried, and a retry that finds no room takes the slots of the
+        blocks this call stored after that key, latest first, rather than
+        keep them behind a skipped key; such blocks are given up (evicted)
+        and reported skipped.
 
         :param src: with a CopyEngine, device addresses or a CUDA tensor (one
             page per key), as :meth:`CopyEngine.to_host` takes them; without
@@ -490,7 +559,8 @@ class BlockStore(Owner):
         :param after: a CUDA stream or event the copy waits for on the GPU.
         :param wait: False: skip keys whose slots are not resident yet
             instead of waiting for the fill (and keys that another store is
-            storing while it waits for the fill, rather than wait for it).
+            storing while it waits for the fill, rather than wait for it),
+            and the keys after them.
         :raises ValueError: a page larger than a slot, a key twice in one
             call, pages that do not match the keys (nothing changed).
         :raises TypeError: a key that is not bytes-like or an int.
@@ -522,13 +592,13 @@ class BlockStore(Owner):
     def _pages(self, obj: Any, n: int, *, writable: bool) -> _Pages:
         """The caller's pages, checked against the slot size."""
         slot_size = self._tier.slot_size
-        if self._engine is None:
-            pages = _host_pages(obj, n, writable=writable)
-        else:
-            from .._cuda._requests import buffer_addresses
-
+        if self._engine is not None:
             side = buffer_addresses(obj, n, slot_size, writable=writable, host_only=self._engine.device is None)
-            pages = _Pages(side.addresses, np.full(n, side.page, dtype=np.uint64), [obj])
+            if not writable and n and side.page > slot_size:  # one page size: no pass over the lengths
+                raise ValueError(f"a page of {side.page} bytes does not fit a {slot_size}-byte slot; nothing changed")
+            lengths = np.full(n, side.page, dtype=np.uint64)
+            return _Pages(side.addresses, lengths, [obj], side.page, tuple(side.regions))
+        pages = _host_pages(obj, n, writable=writable)
         if not writable and n:
             longest = int(pages.lengths.max())
             if longest > slot_size:
@@ -537,39 +607,63 @@ class BlockStore(Owner):
                 raise ValueError("an empty page cannot be stored")
         return pages
 
-    async def _store(self, keys: list[Key], pages: _Pages, after: Any, wait: bool, checked: bool) -> StoreResult:
-        """Store ``keys``; ``checked``: their types were checked (else :class:`_NotCanonical` may come)."""
+    async def _store(
+        self,
+        keys: list[Key],
+        pages: _Pages,
+        after: Any,
+        wait: bool,
+        checked: bool,
+        call: _Call | None = None,
+        positions: I64 | None = None,
+    ) -> StoreResult:
+        """Store ``keys``; ``checked``: their types were checked (else :class:`_NotCanonical` may come).
+
+        ``call`` and ``positions`` (each key's position in the call): a retry
+        of some of the call's keys, nested in the call's pass.
+        """
 
         def check_types() -> None:
             nonlocal checked
-            if not checked and not _canonical(keys):  # type: ignore[arg-type]
+            if not checked and not _canonical(keys):
                 raise _NotCanonical
             checked = True
 
         n = len(keys)
+        top = call is None
+        if call is None:
+            call = _Call(n)
+        at: Callable[[int], int] = (lambda i: i) if positions is None else positions.item
         try:
-            if self._slot_of.keys().isdisjoint(keys):  # new blocks only, the common case: no look-ups
-                slots, ready = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.bool_)
-            else:
-                slots = self._slots(keys)
-                ready = self._ready(slots)
+            fresh = self._slot_of.keys().isdisjoint(keys)  # new blocks only, the common case: no look-ups
+            slots = _NO_IDS if fresh else self._slots(keys)
         except TypeError:  # an unhashable key (a bytearray): convert
             check_types()
             raise
-        outcome = np.full(n, _MISSING, dtype=np.uint8)
-        outcome[ready] = _PRESENT
-        present_slots = slots[ready]
-        if has_repeats(present_slots):
-            check_types()
-            raise ValueError("a key appears twice in one store call")
-        missing = np.flatnonzero(~ready)
+        outcome = np.zeros(n, dtype=np.uint8)  # _MISSING
+        if fresh:
+            present_slots, missing = _NO_IDS, np.arange(n, dtype=np.int64)
+        else:
+            ready = self._ready(slots)
+            outcome[ready] = _PRESENT
+            present_slots = slots[ready]
+            if has_repeats(present_slots):
+                check_types()
+                raise ValueError("a key appears twice in one store call")
+            missing = np.flatnonzero(~ready)
         waiting: dict[asyncio.Future[Sequence[Key]], list[int]] = {}
         if missing.size and self._claims:  # a key another call is storing: wait for that call
             check_types()
             if len(set(keys)) != n:
                 raise ValueError("a key appears twice in one store call")
             missing, waiting, filling = self._claimed_elsewhere(keys, missing, wait)
-            outcome[filling] = _SKIPPED
+            if filling:  # skipped (wait=False): so is every key after it
+                outcome[filling] = _SKIPPED
+                self._lower(call, at(filling[0]))
+        if missing.size and at(int(missing[-1])) >= call.limit:  # a retry's keys past a skip made meanwhile
+            keep = int(np.searchsorted(missing if positions is None else positions[missing], call.limit))
+            outcome[missing[keep:]] = _SKIPPED
+            missing = missing[:keep]
         if not missing.size:
             check_types()  # no copy to hide it behind
         # The call claims its missing keys before any await: a concurrent store of one of them
@@ -612,17 +706,24 @@ class BlockStore(Owner):
             taken = chunks[0] if len(chunks) == 1 else np.concatenate([_NO_IDS, *chunks])
             if len(taken) < len(claimed):
                 vet()
+                if call.own:  # blocks an earlier pass stored after these keys: their slots, rather than a skip
+                    wanted = missing if positions is None else positions[missing]
+                    taken = self._make_room(call, wanted, taken, chunks)
+                if len(taken) < len(claimed):
+                    self._lower(call, at(int(missing[len(taken)])))
+            everything = len(taken) == n  # every key, in order: no subsets to take
             chosen = missing[: len(taken)]
             outcome[missing[len(taken) :]] = _SKIPPED
-            chosen_keys = claimed[: len(taken)]
-            chosen_pages = pages.take(chosen)
+            chosen_keys = keys if everything else claimed[: len(taken)]
+            chosen_pages = pages if everything else pages.take(chosen)
             published: tuple[Key, ...] = ()
+            nbytes = 0
 
             def book() -> None:
                 # Runs while the copy is in flight: nobody sees these blocks before they are ready
                 # (lookups want ready, a store of the same key waits on the claim, and eviction
                 # passes over blocks being stored, so the policy may know them already).
-                nonlocal inserted, published
+                nonlocal inserted, published, nbytes
                 check_types()
                 self._key_of[taken] = _objects(chosen_keys)
                 self._state[taken] = _STORING
@@ -637,6 +738,7 @@ class BlockStore(Owner):
                 self._policy.inserted_many(taken, chosen_keys)
                 inserted = taken
                 published = tuple(chosen_keys)
+                nbytes = int(chosen_pages.lengths.sum())
 
             if chosen.size:
                 await self._overlap(self._start_in(taken, chosen_pages, after), book)
@@ -645,11 +747,10 @@ class BlockStore(Owner):
                 unpin()
             landed = True
             self._state[taken] = _READY
-            outcome[chosen] = _STORED
             stored_keys = chosen_keys
             self._visible += len(chosen_keys)
             self._counts["stores"] += len(chosen_keys)
-            self._counts["bytes_stored"] += int(chosen_pages.lengths.sum())
+            self._counts["bytes_stored"] += nbytes
             self._events.publish("stored", published)
         finally:
             unpin()
@@ -671,34 +772,169 @@ class BlockStore(Owner):
             for i in indices:
                 if keys[i] in done:
                     outcome[i] = _PRESENT
-                else:
+                elif at(i) < call.limit:
                     retry.append(i)  # the other store failed or skipped it: try it here
+                else:
+                    outcome[i] = _SKIPPED  # past a key this call skipped
         counts = self._counts
         if len(stored_keys) == n:
-            return StoreResult(stored=tuple(keys), present=(), skipped=())
+            return StoreResult(stored=published if stored_keys is keys else tuple(keys), present=(), skipped=())
+        outcome[chosen] = _STORED
         counts["present"] += int(np.count_nonzero(outcome == _PRESENT))
         counts["skipped"] += int(np.count_nonzero(outcome == _SKIPPED))
         if retry:  # counted by the inner call
             retry.sort()
-            again_pages = pages.take(np.asarray(retry, dtype=np.int64))
-            # The retry makes room as any store does, but not by evicting the blocks this call
-            # stored or found present: they are pinned, as the first pass pins its present ones.
-            own = self._slots(list(compress(keys, ((outcome == _STORED) | (outcome == _PRESENT)).tolist())))
-            own = own[self._ready(own)]
-            self._pin(own)
-            try:
-                again = await self._store([keys[i] for i in retry], again_pages, after, wait, True)
-            finally:
-                self._unpin(own)
-            done_stored, done_present = set(again.stored), set(again.present)
-            for i in retry:
-                key = keys[i]
-                outcome[i] = _STORED if key in done_stored else _PRESENT if key in done_present else _SKIPPED
+            await self._retry(keys, pages, after, wait, call, positions, outcome, retry)
+        if top:
+            outcome[call.given_up] = _SKIPPED
         return StoreResult(
             stored=tuple(compress(keys, (outcome == _STORED).tolist())),
             present=tuple(compress(keys, (outcome == _PRESENT).tolist())),
             skipped=tuple(compress(keys, (outcome == _SKIPPED).tolist())),
         )
+
+    async def _retry(
+        self,
+        keys: list[Key],
+        pages: _Pages,
+        after: Any,
+        wait: bool,
+        call: _Call,
+        positions: I64 | None,
+        outcome: npt.NDArray[np.uint8],
+        retry: list[int],
+    ) -> None:
+        """Store the keys whose other store failed or skipped them, in a nested pass; sets their outcome.
+
+        The retry makes room as any store does, but not by evicting the blocks
+        this call stored or found present: they stay pinned. Those the call
+        stored after a retried key are its last resort (:meth:`_make_room`).
+        """
+        where = np.arange(len(keys), dtype=np.int64) if positions is None else positions
+        stored = np.flatnonzero(outcome == _STORED)
+        present = self._slots([keys[i] for i in np.flatnonzero(outcome == _PRESENT).tolist()])
+        present = present[self._ready(present)]
+        mine = self._slots([keys[i] for i in stored.tolist()])
+        mine[~self._ready(mine)] = -1  # evicted while this call waited: nothing to pin or give up
+        triples = zip(where[stored].tolist(), stored.tolist(), mine.tolist(), strict=True)
+        own = [_Own(p, keys[i], s) for p, i, s in triples]
+        self._pin(present)
+        self._pin(mine[mine >= 0])
+        call.own.extend(own)
+        call.own.sort(key=lambda o: o.position)
+        try:
+            again = await self._store(
+                [keys[i] for i in retry],
+                pages.take(np.asarray(retry, dtype=np.int64)),
+                after,
+                wait,
+                True,
+                call,
+                where[retry],
+            )
+        finally:
+            self._unpin(present)
+            held = [o.slot for o in own if o.slot >= 0]
+            for o in own:
+                o.slot = -1
+            self._unpin(np.asarray(held, dtype=np.int64))
+            gone = set(map(id, own))
+            call.own = [o for o in call.own if id(o) not in gone]
+        done_stored, done_present = set(again.stored), set(again.present)
+        for i in retry:
+            key = keys[i]
+            outcome[i] = _STORED if key in done_stored else _PRESENT if key in done_present else _SKIPPED
+
+    def _lower(self, call: _Call, limit: int) -> None:
+        """Nothing at or past ``limit`` is stored by the call: blocks it stored past it are given up."""
+        if limit >= call.limit:
+            return
+        call.limit = limit
+        past = [o for o in call.own if o.position > limit]
+        if past:
+            self._give_up(call, past, None)
+
+    def _make_room(self, call: _Call, wanted: I64, taken: I64, chunks: list[I64]) -> I64:
+        """A pass got ``taken`` slots, fewer than the keys at positions ``wanted`` (ascending) need.
+
+        Rather than skip a key and keep blocks the call stored after it, take
+        the slots of those blocks, latest first: the call keeps the longest
+        prefix it can. A block a load is reading cannot give its slot now;
+        past the first key skipped it is given up all the same. Returns the
+        slots for the leading keys of ``wanted`` (``chunks`` says the same).
+        """
+        own = [o for o in call.own if o.position > int(wanted[0])]
+        if not own:
+            return taken
+        state, pins = self._state, self._pins
+        at = np.asarray([o.position for o in own], dtype=np.int64)
+        free = np.asarray([o.slot >= 0 and state[o.slot] == _READY and pins[o.slot] == 1 for o in own])
+        tail = np.concatenate([np.cumsum(free[::-1])[::-1], [0]])  # slots to be had from own[j:]
+        m, got = len(wanted), len(taken)
+        s = min(m, got + int(tail[0]))
+        while True:  # the most keys whose slots the blocks after them can give (s == got always can)
+            start = int(np.searchsorted(at, wanted[s - 1], side="right")) if s else 0
+            if got + int(tail[start]) >= s:
+                break
+            s -= 1
+        # Given up: every block past the first key skipped, then, latest first, as many as needed.
+        first = int(np.searchsorted(at, wanted[s], side="right")) if s < m else len(own)
+        while first > start and got + int(tail[first]) < s:
+            first -= 1
+        reused: list[int] = []
+        try:
+            self._give_up(call, own[first:], reused)
+        finally:
+            if reused:
+                chunks.append(np.asarray(reused, dtype=np.int64))
+        if first < len(own):  # what was given up is skipped: nothing after it is stored
+            self._lower(call, own[first].position)
+        taken = np.concatenate([_NO_IDS, *chunks])
+        if len(taken) > s:  # more than the leading keys need: back to the tier
+            spare, taken = taken[s:], taken[:s]
+            chunks[:] = [taken]
+            if not self._tier.closed:
+                self._tier.free_many(spare.tolist())
+        return taken
+
+    def _give_up(self, call: _Call, own: list[_Own], reused: list[int] | None) -> None:
+        """Drop blocks the call stored (reported skipped); a slot only the call pins goes to ``reused``.
+
+        A block a load is reading disappears at once and its slot is given
+        back when the load is done, as with a discard.
+        """
+        state, pins = self._state, self._pins
+        keys: list[Key] = []
+        doomed: list[int] = []
+        done: set[int] = set()
+        try:
+            for o in own:
+                slot = o.slot
+                if slot >= 0 and state[slot] == _READY:  # pinned by the call: still its block
+                    self._policy.removed(slot)  # first: a policy that refuses leaves the block as it was
+                    del self._slot_of[o.key]
+                    self._key_of[slot] = None
+                    keys.append(o.key)
+                    if reused is not None and pins[slot] == 1:
+                        pins[slot] = 0
+                        state[slot] = _FREE
+                        reused.append(slot)
+                        slot = o.slot = -1
+                    else:
+                        state[slot] = _DOOMED
+                if slot >= 0:  # unpinned below: freed now, or when the load reading it is done
+                    doomed.append(slot)
+                    o.slot = -1
+                call.given_up.append(o.position)
+                done.add(id(o))
+        finally:
+            call.own = [o for o in call.own if id(o) not in done]
+            self._unpin(np.asarray(doomed, dtype=np.int64))
+            if keys:
+                self._visible -= len(keys)
+                self._counts["evictions"] += len(keys)
+                self._events.publish("evicted", tuple(keys))
+            self._counts["skipped"] += len(done)
 
     def _claimed_elsewhere(
         self, keys: list[Key], missing: I64, wait: bool
@@ -842,7 +1078,7 @@ class BlockStore(Owner):
         """Queue the copy of the caller's pages into ``slots``."""
         tier, engine = self._tier, self._engine
         if engine is not None:
-            return engine.begin(tier, slots, pages.addresses, "d2h", after=after, page=int(pages.lengths[0]))
+            return engine._begin_checked(tier, slots, pages.side(pages.page), "d2h", pages.owners, after=after)
         copies = list(
             zip(tier.slot_addresses(slots).tolist(), pages.addresses.tolist(), pages.lengths.tolist(), strict=True)
         )
@@ -884,10 +1120,10 @@ class BlockStore(Owner):
         :raises TierClosedError: the store is closed.
         """
         self._check_open()
-        keys = _keys(keys)
-        slots = self._slots(keys)
-        absent = np.flatnonzero(~self._ready(slots))
-        if absent.size:
+        keys = _key_seq(keys)
+        slots = self._slots_of_all(keys)
+        if slots is None or not (self._state[slots] == _READY).all():
+            absent = np.flatnonzero(~self._ready(self._slots(keys) if slots is None else slots))
             raise BlockNotFound(keys[int(absent[0])])
         pages = self._pages(dst, len(keys), writable=True)
         lengths = self._length[slots]  # a copy: the map may grow later
@@ -902,15 +1138,22 @@ class BlockStore(Owner):
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
         if not slots.size:
             return
+        nbytes = 0
+
+        def touch() -> None:  # while the copy runs
+            nonlocal nbytes
+            self._policy.accessed(slots)
+            nbytes = int(lengths.sum())
+
         self._enter()
         self._pin(slots)
         try:
-            await self._overlap(self._start_out(slots, pages, lengths, after), partial(self._policy.accessed, slots))
+            await self._overlap(self._start_out(slots, pages, lengths, after), touch)
         finally:
             self._unpin(slots)
             self._exit()
         self._counts["loads"] += len(slots)
-        self._counts["bytes_loaded"] += int(lengths.sum())
+        self._counts["bytes_loaded"] += nbytes
 
     def _pin(self, slots: I64) -> None:
         if slots.size:
@@ -932,9 +1175,9 @@ class BlockStore(Owner):
     def _start_out(self, slots: I64, pages: _Pages, lengths: U64, after: Any) -> _Started:
         """Queue the copy of ``slots`` into the caller's pages."""
         tier, engine = self._tier, self._engine
-        page = int(pages.lengths[0])
+        page = pages.page or int(pages.lengths[0])
         if engine is not None and bool((lengths == page).all()):
-            return engine.begin(tier, slots, pages.addresses, "h2d", after=after, page=page)
+            return engine._begin_checked(tier, slots, pages.side(page), "h2d", pages.owners, after=after)
         # Host pages, or blocks shorter than the destination pages: each copies its own length.
         copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
         work = engine.copy(copies, after=after) if engine is not None else self._run_copies(copies)
@@ -951,7 +1194,7 @@ class BlockStore(Owner):
         :raises TypeError: a key that is not bytes-like or an int.
         """
         self._check_open()
-        keys = _keys(keys)
+        keys = _key_seq(keys)
         slots = self._slots(keys)
         hit = np.flatnonzero(self._ready(slots))
         if len(hit) < len(keys) or has_repeats(slots[hit]):  # a key given twice is dropped once
