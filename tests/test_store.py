@@ -25,6 +25,7 @@ from aiokvtier import (
     BlockNotFound,
     BlockStore,
     EvictionPolicy,
+    FillError,
     HostTier,
     HostTierConfig,
     QuotaError,
@@ -830,3 +831,28 @@ async def test_length_tells_what_load_copies() -> None:
         assert info.value.key == b"missing"
         with pytest.raises(TypeError):
             store.length(True)
+
+
+@pytest.mark.parametrize("wait", [True, False])
+async def test_after_a_failed_fill_stores_evict_into_the_resident_slots(gate: PopulateGate, wait: bool) -> None:
+    """The slots past a failed fill can never be had: a full store evicts instead of skipping every block."""
+    slot = 64 * KiB
+    async with HostTier(small_config(quota=8 * MiB)) as tier, BlockStore(tier) as store:
+        gate.allow(2)
+        gate.fail(2)  # two 1 MiB units (32 slots) resident, then the fill fails
+        with pytest.raises(FillError):
+            await bounded(tier.wait_resident())
+        first = np.arange(32, dtype=np.uint8)[:, None].repeat(slot, axis=1)
+        result = await bounded(store.store(list(range(32)), first))
+        assert result.stored == tuple(range(32)) and not result.skipped
+        later = np.full((8, slot), 200, dtype=np.uint8)
+        result = await bounded(store.store(list(range(100, 108)), later, wait=wait))
+        assert result.stored == tuple(range(100, 108)) and not result.skipped
+        stats = store.statistics()
+        assert stats.evictions == 8 and stats.blocks == 32 and len(store) == 32
+        assert all(k not in store for k in range(8)) and all(k in store for k in range(8, 32))
+        back = np.zeros((8, slot), dtype=np.uint8)
+        await bounded(store.load(list(range(100, 108)), back))
+        assert (back == 200).all()
+        assert tier.slots_ready == 0
+        settled(tier, store)

@@ -343,6 +343,15 @@ class HostTier(Owner):
         return self._slots.available if "_slots" in self.__dict__ else 0
 
     @property
+    def slots_ready(self) -> int:
+        """Slots that can be allocated without waiting for the fill: freed ones and fresh resident ones."""
+        if "_slots" not in self.__dict__:
+            return 0
+        slots = self._slots
+        resident = min(slots.total, self._filler.watermark // self._slot_size)
+        return slots.freed + max(0, resident - slots.next_fresh)
+
+    @property
     def slot_size(self) -> int:
         return self._config.resolved.slot_size
 

@@ -325,6 +325,7 @@ class BlockStore(Owner):
         self._pins: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
         self._claims: set[_Claim] = set()
         self._capacity = 0
+        self._fill_failure_logged = False
         """Slots the policy and the maps are sized for."""
         self._visible = 0
         self._in_flight = 0
@@ -995,29 +996,36 @@ class BlockStore(Owner):
         """
         tier = self._tier
         got = 0
+        failed = False  # the fill failed: only slots already resident (or freed) can be had
         while got < n:
             need = n - got
-            if tier.slots_free < need:
+            free = tier.slots_ready if failed else tier.slots_free
+            if free < need:
                 vet()
-                self._evict(need - tier.slots_free)
-            want = min(need, tier.slots_free)
+                self._evict(need - free)
+                free = tier.slots_ready if failed else tier.slots_free
+            want = min(need, free)
             if want == 0:
                 return
             if not wait:
                 ids: list[int] = []
+                now_failed = False
                 try:
                     for _ in range(want):
                         ids.append(tier.allocate_nowait())
                 except (WouldBlock, OutOfSlots):
                     pass
-                except Exception as exc:  # FillError: nothing more can be had here
-                    log.warning("aiokvtier: store skips blocks: %s", exc)
+                except Exception as exc:  # FillError: only resident slots can be had from now on
+                    now_failed = not failed
+                    if now_failed:
+                        self._fill_failed(exc)
+                        failed = True
                 finally:
                     taken.append(np.asarray(ids, dtype=np.int64))
                     self._sync_capacity()  # the tier may have grown since the call began (a retry)
-                if len(ids) < want:
-                    return
                 got += len(ids)
+                if len(ids) < want and not now_failed:
+                    return
                 continue
             try:
                 chunk = await tier.allocate_ids(want)
@@ -1025,14 +1033,23 @@ class BlockStore(Owner):
                 continue  # another task took them while this one waited for the fill
             except TierClosedError:
                 raise
-            except Exception as exc:  # FillError: the slots cannot be made resident
-                log.warning("aiokvtier: store skips blocks: %s", exc)
-                return
+            except Exception as exc:  # FillError: only resident slots can be had from now on
+                if failed:
+                    return
+                self._fill_failed(exc)
+                failed = True
+                continue
             taken.append(chunk)
             # The tier may have grown while this call waited. Outside the try: a policy that cannot
             # follow fails the call (which gives the chunk back), it is no fill failure to skip.
             self._sync_capacity()
             got += len(chunk)
+
+    def _fill_failed(self, exc: BaseException) -> None:
+        """Say once per store that the fill failed: stores then recycle resident slots only."""
+        if not self._fill_failure_logged:
+            self._fill_failure_logged = True
+            log.warning("aiokvtier: the tier's fill failed; the store evicts into resident slots only: %s", exc)
 
     def _evict(self, n: int) -> int:
         """Evict up to ``n`` ready, unpinned blocks in the policy's order; returns how many."""
