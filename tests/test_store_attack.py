@@ -23,6 +23,7 @@ from aiokvtier import (
     BlockNotFound,
     BlockStore,
     CopyEngine,
+    CopyPlanError,
     HostTier,
     HostTierConfig,
     OutOfSlots,
@@ -1322,3 +1323,52 @@ async def test_the_engine_path_over_a_host_engine_copies_the_pages_checked_once(
         store._engine = None  # type: ignore[assignment]
         whole(tier, store, keys)
         await exact(store)
+
+
+# -- the engine path: pages checked once, copied later ----------------------------------------------
+
+
+@pytest.mark.parametrize("retried", [False, True])
+async def test_the_engine_path_refuses_pages_whose_buffer_closed_while_the_store_waited(
+    gate: PopulateGate, retried: bool
+) -> None:
+    """Pages named by address in a StaticHostMem are located when the call begins; the store may wait (for
+    the fill, or for another store of a key whose failure it retries) before it copies them. A buffer closed
+    meanwhile is unmapped: the copy is refused (no slot kept) rather than read from memory nobody owns."""
+    engine = CopyEngine(None)
+    gate.allow(2)  # the buffer's populate and the tier's first unit; the second unit waits
+    async with engine, StaticHostMem(4 * 64 * KiB) as mem:
+        cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)
+        async with HostTier(cfg) as tier, BlockStore(tier) as store:
+            store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+            slot = tier.slot_size
+            await bounded(tier.wait_resident(16 * slot))
+            others = await bounded(tier.allocate(15 if retried else 16))  # another user's: one resident slot left
+            src = np.frombuffer(mem.view(), dtype=np.uint8).reshape(4, slot)
+            src[:] = pages([1, 2, 3, 4], slot)
+            del src
+            addresses = [mem.address + i * slot for i in range(4)]
+            other: asyncio.Task[StoreResult] | None = None
+            if retried:  # waits for the fill, claiming 1; the call stores 2, then retries 1 once this fails
+                other = asyncio.create_task(store.store([1, 100], pages([1, 100], slot)))
+                await asyncio.sleep(0.01)
+            call = asyncio.create_task(
+                store.store([1, 2, 3, 4][: 2 if retried else 4], addresses[: 2 if retried else 4])
+            )
+            if retried:
+                await eventually(lambda: 2 in store)
+            await asyncio.sleep(0.01)
+            assert not call.done()
+            await bounded(mem.aclose())  # nothing in flight over it: unmapped at once
+            if other is not None:
+                other.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await bounded(other)
+            gate.release_all()
+            with pytest.raises(CopyPlanError, match="closed"):
+                await bounded(call)
+            assert 1 not in store and (2 in store) == retried
+            tier.free_many(others)
+            whole(tier, store, [1, 2, 3, 4, 100])
+            store._engine = None  # type: ignore[assignment]
+            await exact(store, slot)

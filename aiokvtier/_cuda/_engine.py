@@ -38,7 +38,7 @@ from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
 from ._crossover import Crossover, parse_thresholds
 from ._kernel import DEFAULT_SM_BUDGET
 from ._plan import Plan, plan
-from ._requests import Side, check_disjoint, copy_table, plan_side, plan_slots, registrations
+from ._requests import Side, check_disjoint, copy_table, plan_side, plan_slots, registrations, relocate
 from ._requests import stream_handle as _stream_handle
 from ._sm import METHODS, SmPath, device_side_problem, pick_method
 
@@ -389,13 +389,15 @@ class CopyEngine(Owner):
         """:meth:`begin` with the buffer side already checked by ``buffer_addresses`` (the BlockStore's
         pages: checked once per call, then a subset copied). ``keepalive``: the buffer's owner.
 
-        The addresses are not checked or located again (their regions came
-        with them); the slots and the page are, as in :meth:`begin`.
+        The addresses are not checked again; those named in a tier or a
+        StaticHostMem are located again (the caller may have waited since the
+        check, and the region closed or shrunk meanwhile). The slots and the
+        page are checked as in :meth:`begin`.
         """
         if direction not in ("h2d", "d2h"):
             raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
         self._check_device(tier)
-        planned, owners = plan_side(tier, tier.slot_addresses(slots), side, direction)
+        planned, owners = plan_side(tier, tier.slot_addresses(slots), relocate(side), direction)
         job = self._enqueue(planned, direction, after, (tier, keepalive), owners, signal_submit=True)
         assert job.on_submit is not None
         return StartedCopy(job.on_submit, job.future)

@@ -48,6 +48,7 @@ __all__ = [
     "plan_side",
     "plan_slots",
     "registrations",
+    "relocate",
     "stream_handle",
 ]
 
@@ -340,6 +341,24 @@ def plan_side(tier: HostTier, host: U64, side: Side, direction: str) -> tuple[Pl
         return plan(other, host, page, src_reg=registration, n=len(host)), owners
     planned = plan(host, other, page, dst_reg=registration, n=len(host), order_by="dst", distinct_order_side=True)
     return planned, owners
+
+
+def relocate(side: Side) -> Side:
+    """A side :func:`buffer_addresses` checked some time ago, located again before it is copied.
+
+    Addresses named in a tier or a StaticHostMem were located when checked;
+    the region may have closed (unmapped) or shrunk since, while the caller
+    waited. Without such regions (a device buffer, an array) nothing is done.
+
+    :raises CopyPlanError: a region closed, or a page now leaves its committed range.
+    """
+    if not side.regions:
+        return side
+    for region in side.regions:
+        if region.closed:
+            raise CopyPlanError(f"{region.region_name} closed after the pages were checked; nothing was copied")
+    _, regions = registrations([side.addresses], side.page, known_only=False)
+    return Side(side.addresses, side.page, regions)
 
 
 def _check_page(tier: HostTier, page: int) -> None:
