@@ -1372,3 +1372,35 @@ async def test_the_engine_path_refuses_pages_whose_buffer_closed_while_the_store
             whole(tier, store, [1, 2, 3, 4, 100])
             store._engine = None  # type: ignore[assignment]
             await exact(store, slot)
+
+
+@pytest.mark.parametrize("how", ["engine", "straddling", "views"])
+async def test_pages_in_the_stores_own_blocks_are_not_evicted_under_the_copy(how: str) -> None:
+    """Pages that lie in blocks of the store itself (named by address with a CopyEngine, or tier views):
+    the call pins those blocks, so the room it makes never hands their slots to the blocks it copies
+    from them (the copy would read bytes it had overwritten)."""
+    async with open_store(4) as (tier, store), CopyEngine(None) as engine:
+        await bounded(store.store([10, 11, 12, 13], pages([10, 11, 12, 13])))  # full; 10 and 11 are the LRU
+        s10, s11 = store._slot_of[10], store._slot_of[11]
+        src: Any
+        if how == "views":
+            views = [tier.view(s10), tier.view(s11)]
+            src = views
+            want = [page(10), page(11)]
+        else:
+            store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+            half = SLOT // 2 if how == "straddling" else 0
+            src = [tier.address(s10) + half, tier.address(s11) + half]
+            want = [page(10), page(11)] if not half else [page(10)[half:] + page(11)[:half], None]
+        keys = [1, 2] if how != "straddling" else [1]
+        result = await bounded(store.store(keys, src[: len(keys)]))
+        store._engine = None  # type: ignore[assignment]
+        assert result == StoreResult(stored=tuple(keys), present=(), skipped=())
+        assert 10 in store and 11 in store  # the sources stayed; 12 and 13 made the room
+        dst = np.zeros((len(keys), SLOT), dtype=np.uint8)
+        await bounded(store.load(keys, dst))
+        assert [row.tobytes() for row in dst] == want[: len(keys)]
+        if how == "views":
+            for view in views:
+                view.release()
+        whole(tier, store, [1, 2, 10, 11, 12, 13])

@@ -567,6 +567,11 @@ class BlockStore(Owner):
         :raises TypeError: a key that is not bytes-like or an int.
         :raises TierClosedError: the store (or its tier) is closed.
         :raises CudaError: the driver refused the copy (nothing stored).
+        :raises CopyPlanError: pages named by address in a StaticHostMem or
+            a tier that closed (or shrank past them) while the call waited.
+
+        Pages that lie in the store's own blocks keep those blocks pinned
+        (never evicted for the call's room) until the call returns.
         """
         self._check_open()
         # Whether every key is a bytes or an int is checked while the copy runs (the common case
@@ -582,13 +587,38 @@ class BlockStore(Owner):
         self._sync_capacity()
         pages = self._pages(src, len(given), writable=False)
         self._enter()
+        sources = self._sources(pages)
+        self._pin(sources)
         try:
             try:
                 return await self._store(given, pages, after, wait, checked)  # type: ignore[arg-type]
             except _NotCanonical:  # nothing was stored: convert (or refuse) and start again
                 return await self._store(_keys(given), pages, after, wait, True)
         finally:
+            self._unpin(sources)
             self._exit()
+
+    def _sources(self, pages: _Pages) -> I64:
+        """The ready blocks whose slots the pages lie in (pages in the store's own tier), pinned for the call.
+
+        Unpinned, such a block could be evicted by this call (or another) and
+        its slot handed to a new block while the copy still reads it.
+        """
+        tier = self._tier
+        if self._engine is not None and tier not in pages.regions:
+            return _NO_IDS
+        base, size = tier.region_bounds()
+        offsets = pages.addresses - np.uint64(base)  # below the base: wraps past the size
+        inside = np.flatnonzero(offsets < np.uint64(size))
+        if not inside.size:  # the usual call: pages of the caller's own
+            return _NO_IDS
+        slot_size = np.uint64(tier.slot_size)
+        first = offsets[inside] // slot_size
+        last = (offsets[inside] + pages.lengths[inside] - np.uint64(1)) // slot_size  # a page may straddle two
+        slots: I64 = np.union1d(first, last).astype(np.int64)
+        slots = slots[slots < len(self._state)]
+        ready: I64 = slots[self._state[slots] == _READY]
+        return ready
 
     def _pages(self, obj: Any, n: int, *, writable: bool) -> _Pages:
         """The caller's pages, checked against the slot size."""
