@@ -24,6 +24,7 @@ from aiokvtier import (
     BlockStore,
     CopyEngine,
     CopyPlanError,
+    FillError,
     HostTier,
     HostTierConfig,
     OutOfSlots,
@@ -1404,3 +1405,74 @@ async def test_pages_in_the_stores_own_blocks_are_not_evicted_under_the_copy(how
             for view in views:
                 view.release()
         whole(tier, store, [1, 2, 10, 11, 12, 13])
+
+
+# -- after the tier's fill failed ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wait", [True, False])
+async def test_after_a_failed_fill_a_shrink_and_a_grow_let_stores_take_fresh_slots_again(
+    gate: PopulateGate, wait: bool
+) -> None:
+    """The fill fails: a full store evicts into the resident slots. A shrink to the resident prefix clears the
+    failure and a grow fills again: stores then take the new slots (waiting for them, or skipping the keys
+    whose slots are not resident yet with ``wait=False``) rather than evict. A retry meanwhile does the same."""
+    slot = 64 * KiB
+    async with HostTier(small_config(quota=4 * MiB, max_quota=8 * MiB)) as tier, BlockStore(tier) as store:
+        gate.allow(2)
+        gate.fail(2)  # 32 slots resident, then the fill fails
+        with pytest.raises(FillError):
+            await bounded(tier.wait_resident())
+        first = list(range(32))
+        assert (await bounded(store.store(first, pages(first, slot)))).stored == tuple(first)
+        more = list(range(100, 104))
+        assert (await bounded(store.store(more, pages(more, slot), wait=wait))).stored == tuple(more)
+        assert store.statistics().evictions == 4 and tier.slots_ready == 0
+        await bounded(store.resize(2 * MiB))  # the resident prefix: the failure is cleared
+        await bounded(store.resize(3 * MiB))  # 16 fresh slots, their fill held
+        new = list(range(200, 204))
+        call = asyncio.create_task(store.store(new, pages(new, slot), wait=wait))
+        if wait:
+            await asyncio.sleep(0.01)
+            assert not call.done()  # waits for the fill, evicting nothing
+            gate.allow(1 << 40)
+            assert (await bounded(call)).stored == tuple(new)
+        else:
+            assert (await bounded(call)).skipped == tuple(new)  # not resident yet: skipped, nothing evicted
+            gate.allow(1 << 40)
+            await bounded(tier.wait_resident())
+            assert (await bounded(store.store(new, pages(new, slot), wait=False))).stored == tuple(new)
+        assert store.statistics().evictions == 4 and len(store) == 36
+        whole(tier, store, [*first, *more, *new])
+        await exact(store, slot)
+
+
+@pytest.mark.parametrize("how", ["engine", "straddling", "views"])
+async def test_a_load_into_the_stores_own_blocks_is_refused(how: str) -> None:
+    """Destination pages in the store's own tier that lie in one of its blocks would overwrite that block
+    (its key then names other bytes): refused, nothing copied, nothing pinned. A slot of the same tier that
+    another user holds is that user's memory: a load into it copies."""
+    async with open_store(4) as (tier, store), CopyEngine(None) as engine:
+        await bounded(store.store([1, 2], pages([1, 2])))
+        s2 = store._slot_of[2]
+        (foreign,) = await bounded(tier.allocate(1))
+        dst: Any
+        views: list[memoryview] = []
+        if how == "views":
+            views = [tier.view(s2), tier.view(foreign)]
+            dst, ok = views[:1], views[1:]
+        else:
+            store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+            half = SLOT // 2 if how == "straddling" else 0
+            dst, ok = [tier.address(s2) - half], [tier.address(foreign)]  # straddles the slot before and 2's
+        with pytest.raises(ValueError, match="a block of this store"):
+            await bounded(store.load([1], dst))
+        assert store.statistics().blocks_pinned == 0
+        await bounded(store.load([1], ok))
+        store._engine = None  # type: ignore[assignment]
+        assert bytes(tier.view(foreign)) == page(1) if not views else bytes(views[1]) == page(1)
+        for view in views:
+            view.release()
+        tier.free(foreign)
+        whole(tier, store, [1, 2])
+        await exact(store)

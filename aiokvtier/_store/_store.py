@@ -325,8 +325,8 @@ class BlockStore(Owner):
         self._pins: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
         self._claims: set[_Claim] = set()
         self._capacity = 0
-        self._fill_failure_logged = False
         """Slots the policy and the maps are sized for."""
+        self._fill_failure_logged = False
         self._visible = 0
         self._in_flight = 0
         self._idle: asyncio.Event | None = None
@@ -604,6 +604,12 @@ class BlockStore(Owner):
         Unpinned, such a block could be evicted by this call (or another) and
         its slot handed to a new block while the copy still reads it.
         """
+        slots = self._blocks_under(pages)
+        ready: I64 = slots[self._state[slots] == _READY]
+        return ready
+
+    def _blocks_under(self, pages: _Pages) -> I64:
+        """The slots the pages lie in that hold (or are getting) a block of the store, ascending."""
         tier = self._tier
         if self._engine is not None and tier not in pages.regions:
             return _NO_IDS
@@ -617,8 +623,8 @@ class BlockStore(Owner):
         last = (offsets[inside] + pages.lengths[inside] - np.uint64(1)) // slot_size  # a page may straddle two
         slots: I64 = np.union1d(first, last).astype(np.int64)
         slots = slots[slots < len(self._state)]
-        ready: I64 = slots[self._state[slots] == _READY]
-        return ready
+        used: I64 = slots[self._state[slots] != _FREE]
+        return used
 
     def _pages(self, obj: Any, n: int, *, writable: bool) -> _Pages:
         """The caller's pages, checked against the slot size."""
@@ -1162,7 +1168,8 @@ class BlockStore(Owner):
         :raises BlockNotFound: a key is not stored (the first missing one is
             named); nothing is copied.
         :raises ValueError: a destination page shorter than its block, a
-            read-only destination, pages that do not match the keys.
+            read-only destination, pages that do not match the keys, a
+            destination page in a block of this store (its own tier's slots).
         :raises TypeError: a key that is not bytes-like or an int.
         :raises TierClosedError: the store is closed.
         """
@@ -1185,6 +1192,11 @@ class BlockStore(Owner):
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
         if not slots.size:
             return
+        under = self._blocks_under(pages)
+        if under.size:
+            raise ValueError(
+                f"a destination page lies in slot {int(under[0])}, a block of this store; nothing was copied"
+            )
         nbytes = 0
 
         def touch() -> None:  # while the copy runs
