@@ -834,8 +834,11 @@ async def test_length_tells_what_load_copies() -> None:
 
 
 @pytest.mark.parametrize("wait", [True, False])
-async def test_after_a_failed_fill_stores_evict_into_the_resident_slots(gate: PopulateGate, wait: bool) -> None:
-    """The slots past a failed fill can never be had: a full store evicts instead of skipping every block."""
+async def test_after_a_failed_fill_stores_evict_into_the_resident_slots(
+    gate: PopulateGate, wait: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The slots past a failed fill can never be had: a full store evicts instead of skipping every block,
+    and says so once for the failure, not once per call."""
     slot = 64 * KiB
     async with HostTier(small_config(quota=8 * MiB)) as tier, BlockStore(tier) as store:
         gate.allow(2)
@@ -856,3 +859,7 @@ async def test_after_a_failed_fill_stores_evict_into_the_resident_slots(gate: Po
         assert (back == 200).all()
         assert tier.slots_ready == 0
         settled(tier, store)
+        for key in range(200, 204):  # more full-tier stores after the failure: no more warnings
+            await bounded(store.store([key], later[:1], wait=wait))
+        warned = [r for r in caplog.records if "store evicts into resident slots" in r.getMessage()]
+        assert len(warned) == 1

@@ -326,7 +326,7 @@ class BlockStore(Owner):
         self._claims: set[_Claim] = set()
         self._capacity = 0
         """Slots the policy and the maps are sized for."""
-        self._fill_failure_logged = False
+        self._fill_failure_logged: str | None = None  # the fill failure last warned of
         self._visible = 0
         self._in_flight = 0
         self._idle: asyncio.Event | None = None
@@ -1082,9 +1082,10 @@ class BlockStore(Owner):
             got += len(chunk)
 
     def _fill_failed(self, exc: BaseException) -> None:
-        """Say once per store that the fill failed: stores then recycle resident slots only."""
-        if not self._fill_failure_logged:
-            self._fill_failure_logged = True
+        """Say once per fill failure (not per call) that stores now recycle resident slots only."""
+        error = str(exc)
+        if error != self._fill_failure_logged:
+            self._fill_failure_logged = error
             log.warning("aiokvtier: the tier's fill failed; the store evicts into resident slots only: %s", exc)
 
     def _evict(self, n: int) -> int:
