@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import socket
-import subprocess
 import sys
 import time
 from importlib.metadata import version
@@ -27,71 +24,27 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-import httpx
+from _served import run_load, served
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aiokvtier.bench._common import machine  # noqa: E402  (the repository's, not an installed copy)
+from aiokvtier.bench._common import machine
 
 ARMS = {"blockstore": [], "plain_dict": ["--plain-dict"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _load(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples/server/load.py"), "--url", url, "--clients", str(args.clients),
-         "--seconds", str(args.seconds), "--block-size", str(args.block_size)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    if out.returncode != 0:
-        raise SystemExit(f"load.py failed: {out.stderr[-2000:]}")
-    result: dict[str, Any] = json.loads(out.stdout)
-    return result
-
-
 def _arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One server process, one load run; the run's JSON with how the server started and ended."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples/server/app.py"), "--quota", args.quota, "--max-quota", args.quota,
-         "--slot-size", str(args.block_size), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-         *ARMS[name]],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    started = time.perf_counter()
-    exit_code: int | None = None
-    try:
-        with httpx.Client(base_url=url, timeout=10) as client:
-            while True:
-                try:
-                    client.get("/healthz")
-                    break
-                except httpx.TransportError:
-                    if server.poll() is not None:
-                        raise SystemExit(f"the {name} server exited before it answered") from None
-                    time.sleep(0.02)
-            while not args.during_fill and client.get("/readyz").json().get("fraction", 0.0) < 1.0:
-                time.sleep(0.05)
-            readyz = client.get("/readyz").json()
-            run = _load(url, args)
-            stats = client.get("/v1/stats").json()
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            exit_code = server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    with served(args.quota, "--slot-size", str(args.block_size), *ARMS[name], name=f"the {name}") as server:
+        client = server.client
+        while not args.during_fill and client.get("/readyz").json().get("fraction", 0.0) < 1.0:
+            time.sleep(0.05)
+        readyz = client.get("/readyz").json()
+        run = run_load(server.url, args.clients, args.seconds, args.block_size)
+        stats = client.get("/v1/stats").json()
     run["resident_fraction_at_start"] = round(readyz["fraction"], 4)
-    run["seconds_to_start"] = round(time.perf_counter() - started - run["seconds"], 2)
-    run["server_exit"] = exit_code
+    run["seconds_to_start"] = round(time.perf_counter() - server.started - run["seconds"], 2)
+    run["server_exit"] = server.exit_code
     if "store" in stats:
         run["store"] = {k: stats["store"][k] for k in ("blocks", "evictions", "skipped")}
     return run
