@@ -13,7 +13,7 @@ import ctypes
 import random
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +39,8 @@ from .conftest import PopulateGate
 from .helpers import KiB, MiB, eventually, small_config
 from .test_cancellation import cancel_during, sweep
 from .test_store import SLOT, Events, Gate, bounded, held, hold, open_store, page, pages, store_then_hold
+
+T = TypeVar("T")
 
 __all__ = ["held", "store_then_hold"]  # fixtures used here
 
@@ -88,6 +90,26 @@ async def cancel_after(call: Callable[[], Awaitable[Any]], steps: int) -> bool:
     except asyncio.CancelledError:
         return True
     return False
+
+
+async def perhaps_cancelled(call: Awaitable[T], r: random.Random, steps: int) -> tuple[bool, T | None]:
+    """Run ``call``, cancelled after 0 to ``steps`` loop iterations in 3 draws of 10: whether it ran to
+    the end, and its result if it did. The caller's own cancellation (a sibling failed) propagates."""
+    task = asyncio.ensure_future(call)
+    try:
+        if r.random() < 0.3:
+            for _ in range(r.randint(0, steps)):
+                await asyncio.sleep(0)
+            task.cancel()
+        try:
+            return True, await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # this task's own cancellation: a sibling failed
+            return False, None
+    finally:
+        task.cancel()  # a sibling failed: no call outlives the test
 
 
 # -- cancellation -----------------------------------------------------------------------------------
@@ -816,25 +838,6 @@ async def test_churn_with_resizes_of_the_store_and_of_the_tier_behind_its_back(
                 consistent(tier, store)
                 await asyncio.sleep(0)
 
-        async def perhaps_cancelled(call: Awaitable[Any], r: random.Random) -> bool:
-            """Whether ``call`` ran to the end (a third are cancelled after a few steps)."""
-            task = asyncio.ensure_future(call)
-            try:
-                if r.random() < 0.3:
-                    for _ in range(r.randint(0, 6)):
-                        await asyncio.sleep(0)
-                    task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    current = asyncio.current_task()
-                    if current is not None and current.cancelling():
-                        raise  # this task's own cancellation: a sibling failed
-                    return False
-                return True
-            finally:
-                task.cancel()  # a sibling failed: no call outlives the test
-
         async def storer(r: random.Random) -> None:
             for _ in range(25):
                 keys = r.sample(range(100), r.randint(1, 12))
@@ -844,7 +847,7 @@ async def test_churn_with_resizes_of_the_store_and_of_the_tier_behind_its_back(
                     assert sorted(result.stored + result.present + result.skipped) == sorted(keys)
                     suffix(keys, result)
 
-                await perhaps_cancelled(call(), r)
+                await perhaps_cancelled(call(), r, 6)
                 await asyncio.sleep(0)
 
         async def loader(r: random.Random) -> None:
@@ -852,7 +855,7 @@ async def test_churn_with_resizes_of_the_store_and_of_the_tier_behind_its_back(
                 here = [k for k in r.sample(range(100), 20) if k in store][:8]
                 dst = np.zeros((len(here), slot), dtype=np.uint8)
                 try:
-                    if await perhaps_cancelled(store.load(here, dst), r):
+                    if (await perhaps_cancelled(store.load(here, dst), r, 6))[0]:
                         assert all((dst[i] == data[k]).all() for i, k in enumerate(here))
                 except BlockNotFound:
                     pass  # evicted or discarded before the load began
@@ -866,7 +869,7 @@ async def test_churn_with_resizes_of_the_store_and_of_the_tier_behind_its_back(
         async def resizer(r: random.Random, resize: Callable[[int], Awaitable[None]]) -> None:
             for _ in range(12):
                 try:
-                    await perhaps_cancelled(resize(r.randint(8, 64) * slot), r)
+                    await perhaps_cancelled(resize(r.randint(8, 64) * slot), r, 6)
                 except QuotaError:
                     pass
                 await asyncio.sleep(r.random() * 0.003)
@@ -1236,27 +1239,10 @@ async def test_overlapping_stores_in_a_small_tier_store_no_key_past_a_skipped_on
                 gate.allow(unit)
             gate.release_all()
 
-        async def maybe_cancel(call: Awaitable[Any], r: random.Random) -> Any:
-            task = asyncio.ensure_future(call)
-            try:
-                if r.random() < 0.3:
-                    for _ in range(r.randint(0, 8)):
-                        await asyncio.sleep(0)
-                    task.cancel()
-                try:
-                    return await task
-                except asyncio.CancelledError:
-                    current = asyncio.current_task()
-                    if current is not None and current.cancelling():
-                        raise
-                    return None
-            finally:
-                task.cancel()
-
         async def storer(r: random.Random) -> None:
             for _ in range(30):
                 keys = r.sample(range(16), r.randint(3, 8))
-                result = await maybe_cancel(store.store(keys, pages(keys), wait=r.random() < 0.5), r)
+                _, result = await perhaps_cancelled(store.store(keys, pages(keys), wait=r.random() < 0.5), r, 8)
                 if result is not None:
                     assert sorted(result.stored + result.present + result.skipped) == sorted(keys)
                     suffix(keys, result)
@@ -1267,7 +1253,7 @@ async def test_overlapping_stores_in_a_small_tier_store_no_key_past_a_skipped_on
                 here = [k for k in r.sample(range(16), 6) if k in store][:3]
                 dst = np.zeros((len(here), SLOT), dtype=np.uint8)
                 try:
-                    await maybe_cancel(store.load(here, dst), r)
+                    await perhaps_cancelled(store.load(here, dst), r, 8)
                 except BlockNotFound:
                     pass  # evicted before the load began
                 await asyncio.sleep(0)
