@@ -82,7 +82,8 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _non_negative_float(text: str) -> float:
+def non_negative_seconds(text: str) -> float:
+    """An option's seconds, 0 or more (the demo's and the benchmarks' argparse type)."""
     try:
         value = float(text)
     except ValueError:
@@ -170,7 +171,7 @@ def build_parser(prog: str = "aiokvtier") -> _Parser:
     )
     demo.add_argument(
         "--hold",
-        type=_non_negative_float,
+        type=non_negative_seconds,
         default=0.0,
         metavar="SECONDS",
         help="seconds to keep the tier open once it is resident",

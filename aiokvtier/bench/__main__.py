@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from .._cli import non_negative_seconds as _seconds
 from ._common import UnknownSections, machine
 
 _GIB_STEP = 2 / 1024
@@ -42,16 +43,6 @@ def _int_from(low: int, high: int | None = None) -> Callable[[str], int]:
 
 
 _count = _int_from(1)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not 0 or more seconds")
-    return value
 
 
 def _mib(text: str) -> float:
