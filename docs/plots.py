@@ -64,6 +64,19 @@ def _steps(ax: Any, series: dict[str, Any], end: float, color: str, label: str) 
     ax.plot([series["first_allocation_ms"] / 1e3], [0], "o", color=color, ms=4)
 
 
+def _progress_panel(ax: Any, title: str, quota: float, end: float, note: str) -> None:
+    """Axes, legend and a note of one usable-GiB-against-time panel."""
+    ax.set(
+        xlabel="seconds since the allocation began",
+        ylabel="GiB usable",
+        title=title,
+        xlim=(0, end),
+        ylim=(-quota * 0.03, quota * 1.4),
+    )
+    ax.legend(loc="lower right", fontsize=8)
+    ax.text(0.02, 0.97, note, transform=ax.transAxes, va="top", fontsize=7, color="0.3")
+
+
 def _all_at_once(ax: Any, seconds: float, quota: float, end: float, style: str, label: str) -> None:
     ax.plot([0, seconds, seconds, end], [0, 0, quota, quota], style, color=ARMS["baseline"], label=label)
 
@@ -111,22 +124,12 @@ def fill_vs_upfront(results: Path) -> Figure:
             _all_at_once(left, first[key] / 1e3, quota, end, style, label)
         note = "drawn from the measured first-allocation times and\n1-thread fill rates, not a recorded time series"
         firsts = {b: first[f"aiokvtier_{b}_ms"] for b in ("vmm", "register")}
-    left.set(
-        xlabel="seconds since the allocation began",
-        ylabel="GiB usable",
-        title=f"{quota:.0f} GiB of pinned host memory (H200)",
-        xlim=(0, end),
-        ylim=(-quota * 0.03, quota * 1.4),
-    )
-    left.legend(loc="lower right", fontsize=8)
-    left.text(
-        0.02,
-        0.97,
+    _progress_panel(
+        left,
+        f"{quota:.0f} GiB of pinned host memory (H200)",
+        quota,
+        end,
         f"first allocation after {firsts['vmm']:.1f} ms (vmm), {firsts['register']:.1f} ms (register)\n{note}",
-        transform=left.transAxes,
-        va="top",
-        fontsize=7,
-        color="0.3",
     )
 
     # Middle: the same recorded on the development VM, host backing against populating it all first.
@@ -137,23 +140,13 @@ def fill_vs_upfront(results: Path) -> Figure:
         hend = max(host["upfront_resident_s"], ours["full_s"]) * 1.08
         _steps(middle, ours, hend, ARMS["host"], "aiokvtier host (recorded)")
         _all_at_once(middle, host["upfront_resident_s"], hq, hend, "-", "MADV_POPULATE_WRITE, all at once")
-        middle.set(
-            xlabel="seconds since the allocation began",
-            ylabel="GiB usable",
-            title=f"{hq:.0f} GiB of host memory (2-vCPU VM)",
-            xlim=(0, hend),
-            ylim=(-hq * 0.03, hq * 1.4),
-        )
-        middle.legend(loc="lower right", fontsize=8)
-        middle.text(
-            0.02,
-            0.97,
+        _progress_panel(
+            middle,
+            f"{hq:.0f} GiB of host memory (2-vCPU VM)",
+            hq,
+            hend,
             f"first allocation after {ours['first_allocation_ms']:.1f} ms; resident bytes\n"
             "sampled every 2 ms during the fill",
-            transform=middle.transAxes,
-            va="top",
-            fontsize=7,
-            color="0.3",
         )
 
     # Right: time to the first allocation against making the quota resident up front, per size.
