@@ -977,3 +977,25 @@ async def test_a_device_engine_waits_for_a_staging_buffer_named_by_address(backi
                 with pytest.raises(CopyPlanError, match=what):
                     engine.begin(tier, ids[:1], bad, direction)
         assert engine.statistics().jobs_submitted == before
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40),
+    ties=st.integers(0, 5),
+    narrow=st.booleans(),
+)
+def test_sorted_order_packs_keys_or_falls_back_to_an_argsort(values: list[int], ties: int, narrow: bool) -> None:
+    """The planner's sort: a permutation that sorts, ties in position order where keys are packed,
+    the sorted values read back exactly, whether the span fits the packed keys or not (2**64 - 1)."""
+    from aiokvtier._cuda._plan import _sorted_order
+
+    if narrow:
+        values = [v % (1 << 40) for v in values]
+    values += values[:ties]
+    lead = np.array(values, dtype=np.uint64)
+    order, ordered = _sorted_order(lead)
+    assert sorted(order.tolist()) == list(range(len(values)))
+    assert ordered.tolist() == sorted(values) == lead[order].tolist()
+    if narrow:
+        assert order.tolist() == np.argsort(lead, kind="stable").tolist()

@@ -43,6 +43,27 @@ def test_slab_capacity_is_a_power_of_two_with_a_floor() -> None:
     assert _sm.slab_capacity(32768) == 32768
 
 
+@pytest.mark.parametrize(
+    ("sizes", "limit", "expect"),
+    [
+        ([4096] * 8, 1 << 20, [(0, 8)]),  # under the limit: one launch
+        ([4096] * 8, 8192, [(0, 2), (2, 2), (4, 2), (6, 2)]),
+        ([4096] * 7, 8192, [(0, 2), (2, 2), (4, 2), (6, 1)]),
+        ([4096, 1 << 20, 4096, 4096], 8192, [(0, 1), (1, 1), (2, 2)]),  # a copy over the limit: alone
+        ([100, 200, 300], 250, [(0, 1), (1, 1), (2, 1)]),
+        ([], 8192, []),
+    ],
+)
+def test_slices_cover_every_copy_in_order_within_the_limit(
+    sizes: list[int], limit: int, expect: list[tuple[int, int]]
+) -> None:
+    got = _sm.slices(np.asarray(sizes, dtype=U), limit)
+    assert got == expect
+    assert sum(c for _, c in got) == len(sizes)
+    for first, count in got:
+        assert count == 1 or sum(sizes[first : first + count]) <= limit
+
+
 def test_kernel_spec_options_name_the_arch_and_shape() -> None:
     opts = _kernel.KernelSpec("sm_90", threads=512, unroll=4).options()
     assert "--gpu-architecture=sm_90" in opts and "-DTHREADS=512" in opts and "-DUNROLL=4" in opts

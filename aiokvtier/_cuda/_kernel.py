@@ -359,14 +359,18 @@ class SmKernel:
         self._values = (ctypes.c_uint64 * 4)()
         self._params = (ctypes.c_void_p * 4)(*(ctypes.addressof(self._values) + 8 * i for i in range(4)))
 
-    def launch(self, descriptors: int, n: int, stream: Any, budget: int | None = None) -> None:
-        """Launch over ``n`` copies whose arrays start at device address ``descriptors``
-        (``srcs | dsts | sizes``), on ``stream``. One thread at a time (the submit thread).
+    def launch(
+        self, descriptors: int, n: int, stream: Any, budget: int | None = None, first: int = 0, count: int | None = None
+    ) -> None:
+        """Launch over copies ``first .. first + count`` (default: all) of the ``n`` whose arrays start
+        at device address ``descriptors`` (``srcs | dsts | sizes``), on ``stream``. One thread at a
+        time (the submit thread).
 
         :raises CudaError: the launch was refused.
         """
-        base = int(descriptors)
-        self._values[0], self._values[1], self._values[2], self._values[3] = base, base + 8 * n, base + 16 * n, n
+        base = int(descriptors) + 8 * first
+        count = n - first if count is None else count
+        self._values[0], self._values[1], self._values[2], self._values[3] = base, base + 8 * n, base + 16 * n, count
         blocks = budget or self.budget  # blocks with no page to copy return at once
         rc = self._launch(
             int(self._function), blocks, 1, 1, self.spec.threads, 1, 1, 0, int(stream),
