@@ -54,11 +54,14 @@ __all__ = [
 
 U64 = npt.NDArray[np.uint64]
 
-DEFAULT_SM_BUDGET = 8
-"""Blocks launched, one per SM: 8 of the H200's 132. Every SM the copy takes is
+DEFAULT_SM_BUDGET = 4
+"""Blocks launched, one per SM: 4 of the H200's 132. Every SM the copy takes is
 taken from the model (LMCache measured its scatter kernels waiting ~1.6 ms to
-be scheduled during prefill), so the default is small and the bench reports a
-concurrent matmul's slowdown for it."""
+be scheduled during prefill), so the default is the fewest that reach the
+link's ceiling: on the H200, 4 blocks of this kernel moved shuffled 4-64 KiB
+pages at 92.5-95% of one pinned copy, as 8 and 16 did
+(``python benchmarks/sm_kernel.py``); the bench reports a concurrent matmul's
+slowdown for it."""
 
 DESCRIPTOR_BYTES = 24
 """Per copy: source, destination and length, 8 bytes each (three arrays)."""

@@ -4,9 +4,11 @@ A request runs as consecutive launches of at most :data:`SLICE_BYTES` each
 on one stream: a launch's blocks hold their SMs until its last page lands,
 so a kernel of the model that is queued meanwhile (a persistent matmul
 waits for every SM it was sized for) waits for one slice, not the whole
-request. On the H200 a bf16 matmul loop slowed by 46-48% beside unsliced
-128 MiB launches on 8 SMs, and by 9-12% with 2-8 MiB slices
-(``python benchmarks/sm_kernel.py``).
+request. Each boundary between launches costs the link a few microseconds,
+so the slice is a trade-off, measured on the H200 (docs/benchmarks.md): a
+bf16 matmul loop beside 128 MiB requests on 4 SMs slowed by 16-21% with
+whole-request launches, 4-6% with 8 MiB slices, while the copy alone
+dropped from 0.91-0.93 to 0.90-0.91 of a DMA copy (host to device).
 
 A launch needs its (src, dst, len) arrays in device memory. They are written
 into a pinned staging buffer and uploaded with one async H2D copy on the
@@ -54,9 +56,10 @@ __all__ = [
 MIN_SLAB = 4096
 """Copies per slab at least (96 KiB of descriptors)."""
 
-SLICE_BYTES = 4 << 20
-"""Bytes per launch at most (a copy larger than this is a launch of its own): about 80 us of
-the link, so a model kernel waits at most that long for SMs the copy holds."""
+SLICE_BYTES = 8 << 20
+"""Bytes per launch at most (a copy larger than this is a launch of its own): about 160 us of
+the link. 4 MiB slices lost 6% of the rate alone to the boundaries, 16-32 MiB ones let a
+concurrent matmul slow by 8-18% (``docs/results/sm-slices-h200.jsonl``)."""
 
 
 def slices(sizes: U64, limit: int) -> list[tuple[int, int]]:

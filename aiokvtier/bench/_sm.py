@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .._config import HostTierConfig
-from .._cuda import _kernel
+from .._cuda import _kernel, _sm
 from .._cuda._driver import PrimaryContext, check, driver
 from .._cuda._engine import CopyEngine
 from .._host._tier import HostTier
@@ -20,9 +20,11 @@ from ._common import GiB, MiB
 PAGES = (4 << 10, 16 << 10, 64 << 10, 2 * MiB)
 ARMS = (
     ("dma", {"method": "dma"}),
+    ("sm4", {"method": "sm", "sm_budget": 4}),
     ("sm8", {"method": "sm", "sm_budget": 8}),
-    ("sm16", {"method": "sm", "sm_budget": 16}),
 )
+KERNEL_BUDGETS = (4, 8)
+"""The library's kernel alone (descriptor upload and sliced launches, as the engine submits them), device-timed."""
 
 ANCHOR = r"""
 // The anchor: a plain gather of the kind serving stacks use; PROGRAMS blocks loop over the
@@ -36,6 +38,17 @@ extern "C" __global__ void anchor_copy(const unsigned long long* srcs, const uns
     }
 }
 """
+
+
+MATMUL_ARMS: tuple[tuple[str, dict[str, Any], int | None], ...] = (
+    ("dma", {"method": "dma"}, None),
+    ("sm4", {"method": "sm", "sm_budget": 4}, None),
+    ("sm8", {"method": "sm", "sm_budget": 8}, None),
+    ("sm4_unsliced", {"method": "sm", "sm_budget": 4}, 1 << 62),
+    ("sm8_unsliced", {"method": "sm", "sm_budget": 8}, 1 << 62),
+)
+"""Beside the matmul: the copy engines, the kernel at the default slice (:data:`_sm.SLICE_BYTES`)
+and launched whole per request, as it was."""
 
 
 def _cfg(total: int, page: int) -> HostTierConfig:
@@ -66,16 +79,22 @@ class Anchor:
 
 
 def _sync_time(fn: Any, stream: Any, repeats: int = 3) -> float:
+    """Seconds, the best of ``repeats``, timed by events on ``stream`` (no host time in it)."""
     drv = driver()
-    fn()
-    check("cuStreamSynchronize", drv.cuStreamSynchronize(stream))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    start, end = (check("cuEventCreate", drv.cuEventCreate(0)) for _ in range(2))
+    try:
         fn()
-        check("cuStreamSynchronize", drv.cuStreamSynchronize(stream))
-        best = min(best, time.perf_counter() - t0)
-    return best
+        best = float("inf")
+        for _ in range(repeats):
+            check("cuEventRecord", drv.cuEventRecord(start, stream))
+            fn()
+            check("cuEventRecord", drv.cuEventRecord(end, stream))
+            check("cuEventSynchronize", drv.cuEventSynchronize(end))
+            best = min(best, float(check("cuEventElapsedTime", drv.cuEventElapsedTime(start, end))) / 1e3)
+        return best
+    finally:
+        drv.cuEventDestroy(start)
+        drv.cuEventDestroy(end)
 
 
 async def _page_size(page: int, total: int, dbuf: int, stream: Any, anchor: Anchor, rate: dict[str, float]) -> Any:
@@ -104,6 +123,24 @@ async def _page_size(page: int, total: int, dbuf: int, stream: Any, anchor: Anch
                     for _ in range(5):
                         engine._plan_slots(tier, slots, dev, "h2d")
                     row["planning_us_per_page"] = round((time.perf_counter() - t0) / 5 / n * 1e6, 4)
+        # The library's kernel alone: what the engine queues for a request (the descriptor upload and
+        # the sliced launches), timed on the device, so neither planning nor the hand-offs are in it.
+        for budget in KERNEL_BUDGETS:
+            path = _sm.SmPath(0, budget)
+            try:
+                for direction in ("h2d", "d2h"):
+                    srcs, dsts = (host, dev) if direction == "h2d" else (dev, host)
+                    sizes = np.full(n, page, dtype=np.uint64)
+
+                    def submit(d: Any = dsts, s: Any = srcs, z: Any = sizes, p: Any = path) -> None:
+                        p.give_back(p.submit(d, s, z, stream))  # one stream: the next upload queues behind
+
+                    row[f"kernel{budget}_{direction}"] = round(
+                        n * page / _sync_time(submit, stream) / rate[direction], 3
+                    )
+            finally:
+                check("cuStreamSynchronize", drv.cuStreamSynchronize(stream))
+                path.close()
         # The anchor, on descriptors already in device memory (its best case).
         for direction in ("h2d", "d2h"):
             srcs, dsts = (host, dev) if direction == "h2d" else (dev, host)
@@ -125,7 +162,13 @@ async def _bandwidth(total: int) -> dict[str, Any]:
     stream = check("cuStreamCreate", drv.cuStreamCreate(1))
     dbuf = int(check("cuMemAlloc", drv.cuMemAlloc(total)))
     pinned = int(check("cuMemHostAlloc", drv.cuMemHostAlloc(GiB, 1)))
-    out: dict[str, Any] = {"unit": "fraction of one 1 GiB pinned copy", "total_mib": total // MiB}
+    out: dict[str, Any] = {
+        "unit": "fraction of one 1 GiB pinned copy",
+        "total_mib": total // MiB,
+        "timing": "dma/sm*: awaited engine calls from the loop (planning, hand-offs included); "
+        "kernel*: the engine's upload and launches alone, device-timed; anchor16: device-timed",
+        "slice_bytes": _sm.SLICE_BYTES,
+    }
     try:
         scratch = int(check("cuMemAlloc", drv.cuMemAlloc(GiB)))
         try:
@@ -158,13 +201,15 @@ async def _with_matmul(total: int, page: int) -> dict[str, Any]:
     side = torch.cuda.Stream()
 
     def matmuls(k: int) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        """Seconds of GPU time from the first matmul's start to the last one's end (events on ``side``)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(side):
+            start.record(side)
             for _ in range(k):
                 a @ a
-        side.synchronize()
-        return time.perf_counter() - t0
+            end.record(side)
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
 
     matmuls(3)
     alone = min(matmuls(20) for _ in range(2))
@@ -174,18 +219,27 @@ async def _with_matmul(total: int, page: int) -> dict[str, Any]:
     async with HostTier(_cfg(total, page)) as tier:
         await tier.wait_resident()
         slots = np.asarray(await tier.allocate(n), dtype=np.int64)[np.random.default_rng(3).permutation(n)]
-        for name, kwargs in ARMS:
-            async with CopyEngine(0, **kwargs) as engine:
-                await engine.to_device(tier, slots, dev)
-                loop = asyncio.get_running_loop()
-                busy = loop.run_in_executor(None, matmuls, 20)
-                copies = 0
-                while not busy.done():
+        for name, kwargs, slice_bytes in MATMUL_ARMS:
+            saved, _sm.SLICE_BYTES = _sm.SLICE_BYTES, slice_bytes or _sm.SLICE_BYTES
+            try:
+                async with CopyEngine(0, **kwargs) as engine:
                     await engine.to_device(tier, slots, dev)
-                    await engine.to_host(tier, slots, dev)
-                    copies += 2
-                slowed = await busy
-                out[name] = {"matmul_slowdown": round(slowed / alone - 1, 3), "copies_during": copies}
+                    loop = asyncio.get_running_loop()
+                    busy = loop.run_in_executor(None, matmuls, 20)
+                    copies, started = 0, time.perf_counter()
+                    while not busy.done():
+                        await engine.to_device(tier, slots, dev)
+                        await engine.to_host(tier, slots, dev)
+                        copies += 2
+                    wall = time.perf_counter() - started
+                    slowed = await busy
+            finally:
+                _sm.SLICE_BYTES = saved
+            out[name] = {
+                "matmul_slowdown": round(slowed / alone - 1, 3),
+                "copies_during": copies,
+                "copy_GBps_during": round(copies * n * page / wall / 1e9, 2),
+            }
     return out
 
 
