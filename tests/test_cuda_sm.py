@@ -174,7 +174,8 @@ async def test_auto_measures_once_and_reuses_the_file(monkeypatch: pytest.Monkey
     assert len(files) == 1
     mtime = (await asyncio.to_thread(os.stat, files[0])).st_mtime_ns
     slot = 16 << 10
-    async with HostTier(tier_config("vmm", slot)) as tier, CopyEngine(0, method="auto") as engine:
+    async with HostTier(tier_config("vmm", slot)) as tier, CopyEngine(0) as engine:  # auto: the default
+        assert engine.statistics().method == "auto"
         assert (await asyncio.to_thread(os.stat, files[0])).st_mtime_ns == mtime
         await tier.wait_resident()
         ids = await tier.allocate(4096)

@@ -181,8 +181,8 @@ def test_engine_arguments_are_checked() -> None:
         CopyEngine(None, sm_budget=0)
     with pytest.raises(ValueError, match="per direction"):
         CopyEngine(None, crossover={"sideways": 1})
-    assert CopyEngine(None).method == "dma"  # the default
-    assert CopyEngine(None, method="auto").method == "dma"  # without a device: nothing else to choose
+    assert CopyEngine(None).method == "dma"  # the default is auto; without a device there is nothing to choose
+    assert CopyEngine(None, method="auto").method == "dma"
 
 
 async def test_host_engine_reports_bytes_per_method() -> None:

@@ -130,14 +130,15 @@ class CopyEngine(Owner):
     :param device: CUDA ordinal, or None for host-to-host copies on a worker thread.
     :param streams: the engine's own non-default streams, used round-robin per call.
     :param max_batch: descriptors per driver call; larger plans are split.
-    :param method: ``"dma"`` (default): the copy engines (``cuMemcpyBatchAsync``), which
-        take no SMs from the model; ``"sm"``: a kernel that reads and writes the tier's
-        host memory directly (docs/gpu.md; opt-in: on the H200 it does not yet beat the
-        copy engines, and it slows a concurrent matmul by 15-30%); ``"auto"``: per
-        request, whichever the device's measured crossover predicts is faster for its
-        page size, count and direction. If the kernel cannot be built, ``"auto"`` copies
-        with the copy engines (one warning) and ``"sm"`` fails to open.
-    :param sm_budget: SMs the kernel may occupy (blocks per launch).
+    :param method: ``"auto"`` (default): per request, whichever the device's measured
+        crossover predicts is faster for its page size, count and direction;
+        ``"dma"``: always the copy engines (``cuMemcpyBatchAsync``), which take no SMs
+        from the model; ``"sm"``: always the kernel that reads and writes the tier's host
+        memory directly (docs/gpu.md). If the kernel cannot be built, ``"auto"`` copies
+        with the copy engines (one warning) and ``"sm"`` fails to open. Without a device,
+        every method is ``"dma"`` (``memmove``).
+    :param sm_budget: SMs the kernel may occupy (blocks per launch); a request runs as
+        launches of at most 8 MiB, so a model kernel waits for one slice, not the request.
     :param crossover: a :class:`Crossover`, or ``{"h2d": bytes, "d2h": bytes}`` (the kernel
         for mean page sizes up to so many bytes); default: ``AIOKVTIER_SM_CROSSOVER``, else
         measured once per device and kept on disk.
@@ -154,7 +155,7 @@ class CopyEngine(Owner):
         *,
         streams: int = 2,
         max_batch: int = DEFAULT_MAX_BATCH,
-        method: str = "dma",
+        method: str = "auto",
         sm_budget: int = DEFAULT_SM_BUDGET,
         crossover: Crossover | Mapping[str, int] | None = None,
     ) -> None:
