@@ -327,7 +327,7 @@ async def _gpu_copies(blocks: int, page: int, repeats: int, method: str) -> dict
 
 
 def gpu_copies(blocks: int, page: int, repeats: int) -> dict[str, Any]:
-    """Per engine method: the copy engines (``dma``, the default), and the opt-in ``auto`` (DMA or the SM kernel)."""
+    """Per engine method: the copy engines (``dma``), and ``auto`` (the default: DMA or the SM kernel)."""
     missing = _cuda_missing()
     if missing is not None:
         return {"skipped": f"needs CUDA: {missing}"}
