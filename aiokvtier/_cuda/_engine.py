@@ -138,7 +138,7 @@ class CopyEngine(Owner):
         with the copy engines (one warning) and ``"sm"`` fails to open. Without a device,
         every method is ``"dma"`` (``memmove``).
     :param sm_budget: SMs the kernel may occupy (blocks per launch); a request runs as
-        launches of at most 8 MiB, so a model kernel waits for one slice, not the request.
+        launches of at most 4 MiB, so a model kernel waits for one slice, not the request.
     :param crossover: a :class:`Crossover`, or ``{"h2d": bytes, "d2h": bytes}`` (the kernel
         for mean page sizes up to so many bytes); default: ``AIOKVTIER_SM_CROSSOVER``, else
         measured once per device and kept on disk.

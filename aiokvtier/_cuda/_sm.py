@@ -1,14 +1,16 @@
 """The SM copy path of a CopyEngine: the loaded kernel, its descriptor slabs, the device-side check.
 
-A request runs as consecutive launches of at most :data:`SLICE_BYTES` each
-on one stream: a launch's blocks hold their SMs until its last page lands,
+A request runs as consecutive launches of at most :data:`SLICE_BYTES` each,
+alternating between the copy's stream and a partner stream with half the
+budget each: a launch's blocks hold their SMs until its last page lands,
 so a kernel of the model that is queued meanwhile (a persistent matmul
 waits for every SM it was sized for) waits for one slice, not the whole
-request. Each boundary between launches costs the link a few microseconds,
-so the slice is a trade-off, measured on the H200 (docs/benchmarks.md): a
-bf16 matmul loop beside 128 MiB requests on 4 SMs slowed by 16-21% with
-whole-request launches, 4-6% with 8 MiB slices, while the copy alone
-dropped from 0.91-0.93 to 0.90-0.91 of a DMA copy (host to device).
+request, and while one stream's launch drains and the next starts, the
+other's keeps the link busy. Measured on the H200 (docs/benchmarks.md): a
+bf16 matmul loop beside 128 MiB requests on 4 SMs slowed by 16-30% with
+whole-request launches and by 2-8% with alternating 4 MiB slices, while
+the copy alone went from 0.91-0.93 to 0.89-0.90 of a DMA copy (host to
+device); one stream of 4 MiB slices gave 0.87.
 
 A launch needs its (src, dst, len) arrays in device memory. They are written
 into a pinned staging buffer and uploaded with one async H2D copy on the
@@ -56,10 +58,16 @@ __all__ = [
 MIN_SLAB = 4096
 """Copies per slab at least (96 KiB of descriptors)."""
 
-SLICE_BYTES = 8 << 20
-"""Bytes per launch at most (a copy larger than this is a launch of its own): about 160 us of
-the link. 4 MiB slices lost 6% of the rate alone to the boundaries, 16-32 MiB ones let a
-concurrent matmul slow by 8-18% (``docs/results/sm-slices-h200.jsonl``)."""
+SLICE_BYTES = 4 << 20
+"""Bytes per launch at most (a copy larger than this is a launch of its own). With slices
+alternating between two streams (:data:`ALTERNATE`), 4 MiB ones moved pages as fast as 8 MiB ones
+on one stream and slowed a concurrent matmul less; 16-32 MiB ones let it slow by 8-18%, whole
+requests by 16-30% (``docs/results/sm-slices-h200.jsonl``, ``sm-alternate-h200.jsonl``)."""
+
+
+ALTERNATE = True
+"""Slices alternate between the copy's stream and a partner stream (:meth:`SmPath.submit`); the
+slice study's baseline turns it off."""
 
 
 def slices(sizes: U64, limit: int) -> list[tuple[int, int]]:
@@ -106,6 +114,7 @@ class SmPath:
         self.budget = self.kernel.budget
         self._free: list[Slab] = []
         self._all: list[Slab] = []
+        self._partners: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     def submit(
@@ -124,14 +133,59 @@ class SmPath:
             nbytes = descriptor_block(slab.view, dsts, srcs, sizes)
             drv = driver()
             check("cuMemcpyHtoDAsync", drv.cuMemcpyHtoDAsync(slab.device, slab.host, nbytes, stream))
-            for first, count in slices(sizes, SLICE_BYTES if slice_bytes is None else slice_bytes):
-                self.kernel.launch(slab.device, n, stream, budget, first, count)
+            runs = slices(sizes, SLICE_BYTES if slice_bytes is None else slice_bytes)
+            blocks = budget or self.budget
+            if ALTERNATE and len(runs) > 1 and blocks > 1:
+                self._alternate(slab.device, n, runs, stream, blocks)
+            else:
+                for first, count in runs:
+                    self.kernel.launch(slab.device, n, stream, blocks, first, count)
         except BaseException:
-            # An upload may be queued: the slab is reusable only once the stream has run it.
+            # An upload or launches may be queued: the slab is reusable only once they have run.
             driver().cuStreamSynchronize(stream)
+            partner = self._partners.get(int(stream))
+            if partner is not None:
+                driver().cuStreamSynchronize(partner)
             self.give_back(slab)
             raise
         return slab
+
+    def _alternate(self, descriptors: int, n: int, runs: list[tuple[int, int]], stream: Any, blocks: int) -> None:
+        """The slices in turn on ``stream`` and its partner stream, half the budget each: while one
+        launch drains and the next starts, the other keeps the link busy, and at most ``blocks``
+        SMs are held at once. The partner starts after ``stream``'s upload (and ``after=``), and
+        ``stream`` waits for the partner's last slice, so the request's completion event, recorded
+        on ``stream``, follows every slice."""
+        drv = driver()
+        partner = self._partner(stream)
+        flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        ready = check("cuEventCreate", drv.cuEventCreate(flags))
+        try:
+            check("cuEventRecord", drv.cuEventRecord(ready, stream))
+            check("cuStreamWaitEvent", drv.cuStreamWaitEvent(partner, ready, 0))
+        finally:
+            drv.cuEventDestroy(ready)  # the driver keeps it until the wait has run
+        half = blocks // 2
+        for i, (first, count) in enumerate(runs):
+            if i % 2 == 0:
+                self.kernel.launch(descriptors, n, stream, half, first, count)
+            else:
+                self.kernel.launch(descriptors, n, partner, blocks - half, first, count)
+        done = check("cuEventCreate", drv.cuEventCreate(flags))
+        try:
+            check("cuEventRecord", drv.cuEventRecord(done, partner))
+            check("cuStreamWaitEvent", drv.cuStreamWaitEvent(stream, done, 0))
+        finally:
+            drv.cuEventDestroy(done)
+
+    def _partner(self, stream: Any) -> Any:
+        """The partner of one of the engine's streams, made on first use (submit thread, context current)."""
+        partner = self._partners.get(int(stream))
+        if partner is None:
+            drv = driver()
+            flag = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+            partner = self._partners[int(stream)] = check("cuStreamCreate", drv.cuStreamCreate(flag))
+        return partner
 
     def give_back(self, slab: Slab) -> None:
         """Any thread: the launch that used ``slab`` has completed."""
@@ -170,6 +224,9 @@ class SmPath:
         for slab in slabs:
             drv.cuMemFree(slab.device)
             drv.cuMemFreeHost(slab.host)
+        partners, self._partners = self._partners, {}
+        for partner in partners.values():
+            drv.cuStreamDestroy(partner)
         self.kernel.unload()
 
     def __repr__(self) -> str:
