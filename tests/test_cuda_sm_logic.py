@@ -392,3 +392,35 @@ def test_a_refused_call_midway_leaves_no_slice_running_and_no_event(
         assert last in model.before(done)
         path.close()
         assert not model.streams
+
+
+class _KeyDriver:
+    """What ``device_key`` asks the driver."""
+
+    def cuDeviceGet(self, device: int) -> tuple[int, int]:
+        return 0, device
+
+    def cuDeviceGetName(self, size: int, device: int) -> tuple[int, bytes]:
+        return 0, b"Model GPU\x00"
+
+    def cuDeviceGetUuid(self, device: int) -> tuple[int, bytes]:
+        return 0, bytes(range(16))
+
+    def cuDriverGetVersion(self) -> tuple[int, int]:
+        return 0, 13000
+
+
+def test_the_crossover_key_names_how_requests_are_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crossover measured with other slices (or one stream) is measured again, not reused."""
+    from aiokvtier._cuda import _driver
+
+    monkeypatch.setattr(_driver, "driver", lambda: _KeyDriver())
+    spec = _kernel.KernelSpec("sm_90")
+    key = _crossover.device_key(0, 4, spec)
+    monkeypatch.setattr(_sm, "SLICE_BYTES", 8 << 20)
+    assert _crossover.device_key(0, 4, spec) != key
+    monkeypatch.setattr(_sm, "SLICE_BYTES", key["slice_bytes"])
+    monkeypatch.setattr(_sm, "ALTERNATE", not _sm.ALTERNATE)
+    assert _crossover.device_key(0, 4, spec) != key
+    monkeypatch.setattr(_sm, "ALTERNATE", not _sm.ALTERNATE)
+    assert _crossover.device_key(0, 4, spec) == key
