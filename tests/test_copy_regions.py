@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -999,3 +999,126 @@ def test_sorted_order_packs_keys_or_falls_back_to_an_argsort(values: list[int], 
     assert ordered.tolist() == sorted(values) == lead[order].tolist()
     if narrow:
         assert order.tolist() == np.argsort(lead, kind="stable").tolist()
+
+
+# -- the planner's fast paths against the plain algorithm ------------------------------------------
+
+
+def plain_plan(
+    dsts: list[int], srcs: list[int], sizes: list[int], reg: Any, order_by: str, kind: Literal["quicksort", "stable"]
+) -> tuple[list[int], list[int], list[int]]:
+    """The planner without its fast paths: an argsort of ``kind``, gathers, sums per run."""
+    d, s, z = (np.array(v, dtype=np.uint64) for v in (dsts, srcs, sizes))
+    order = np.argsort(s if order_by == "src" else d, kind=kind)
+    d, s, z = d[order], s[order], z[order]
+    joins = (s[1:] == s[:-1] + z[:-1]) & (d[1:] == d[:-1] + z[:-1])
+    if reg is not None:
+        for side in (d, s):
+            ids = reg(side)
+            joins &= ids[1:] == ids[:-1]
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return d[starts].tolist(), s[starts].tolist(), np.add.reduceat(z, starts).tolist()
+
+
+HIGH = [0, 1, 1 << 48, TOP - 4096, TOP - 1, TOP, 2**64 - 8192, 2**64 - 4096, 2**64 - 1]
+
+
+@st.composite
+def hostile_copies(draw: st.DrawFn) -> tuple[list[int], list[int], int]:
+    """Runs of one page size in shuffled order, near 2**63 and 2**64 - 1, with repeated addresses,
+    or leading addresses spread exactly as wide as the planner's packed keys hold (or one more)."""
+    n = draw(st.integers(1, 40))
+    page = draw(st.sampled_from([1, 8, 4096, 1 << 20, TOP]))
+    if draw(st.booleans()):
+        bits = max(1, (n - 1).bit_length())
+        width = (1 << (64 - bits)) - draw(st.sampled_from([0, 1, 2]))
+        lo = draw(st.one_of(st.just(0), st.integers(0, 2**64 - 1 - width)))
+        srcs = [lo, lo + width] + [lo + draw(st.sampled_from([0, 1, width // 2, width])) for _ in range(n - 2)]
+        srcs = draw(st.permutations(srcs[:n]))
+        dsts = [(i * page) % 2**64 for i in range(n)]
+    else:
+        base = [draw(st.one_of(st.sampled_from(HIGH), st.integers(0, 2**64 - 1))) for _ in range(2)]
+        dsts, srcs = ([(b + i * page) % 2**64 for i in range(n)] for b in base)
+        for _ in range(draw(st.integers(0, 3))):  # repeats: a copy to or from an address taken already
+            i, j = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))
+            dsts[i], srcs[i] = (dsts[j], srcs[i]) if draw(st.booleans()) else (dsts[i], srcs[j])
+        order = draw(st.permutations(range(n)))
+        dsts, srcs = [dsts[i] for i in order], [srcs[i] for i in order]
+    return dsts, srcs, page
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    copies=hostile_copies(),
+    order_by=st.sampled_from(["src", "dst"]),
+    form=st.sampled_from([int, np.int64, np.uint64, "array"]),
+    by_registration=st.booleans(),
+    distinct=st.booleans(),
+)
+def test_plan_agrees_with_the_plain_algorithm_on_hostile_addresses(
+    copies: tuple[list[int], list[int], int], order_by: str, form: Any, by_registration: bool, distinct: bool
+) -> None:
+    """One page for all (an int, a numpy scalar, or an array) plans as per-copy sizes through an argsort
+    do: runs merged across 2**63, never across 2**64 (or as the plain sums wrap, the same), ties in
+    request order where the addresses fit the packed keys, whatever argsort gives where they do not;
+    a repeat on the ordering side refused as before."""
+    from aiokvtier._cuda import _plan
+
+    dsts, srcs, page = copies
+    n = len(dsts)
+    if form is np.int64 and page >= TOP:
+        form = np.uint64
+    sizes: Any = np.full(n, page, dtype=np.uint64) if form == "array" else form(page)
+    reg = (lambda a: (a >> np.uint64(20)).astype(np.int64)) if by_registration else None
+    lead = np.array(srcs if order_by == "src" else dsts, dtype=np.uint64)
+    bits = max(1, (n - 1).bit_length())
+    fits = int(lead.max()) - int(lead.min()) < 1 << (64 - bits)  # packed keys: ties in request order
+    kind: Literal["quicksort", "stable"] = "stable" if fits else _plan.SORT_KIND
+    expect = plain_plan(dsts, srcs, [page] * n, reg, order_by, kind)
+    if distinct and len(set(lead.tolist())) < n:
+        with pytest.raises(SlotError, match="twice"):
+            plan(lead, lead, sizes, dst_reg=reg, src_reg=reg, order_by=order_by, distinct_order_side=True, n=n)
+        return
+    d, s = np.array(dsts, np.uint64), np.array(srcs, np.uint64)  # a list of ints past 2**63 is floats to numpy
+    p = plan(d, s, sizes, dst_reg=reg, src_reg=reg, order_by=order_by, distinct_order_side=distinct, n=n)
+    assert (p.dsts.tolist(), p.srcs.tolist(), p.sizes.tolist()) == expect
+    assert p.requested == n and p.sizes.dtype == np.uint64
+
+
+@pytest.mark.parametrize("zero", [0, np.int64(0), np.uint64(0), [0, 0], np.zeros(2, np.uint64)])
+def test_a_page_of_zero_bytes_is_refused_in_every_form(zero: Any) -> None:
+    with pytest.raises(ValueError, match="a copy of zero bytes"):
+        plan([2, 1], [4, 3], zero, n=2)
+    with pytest.raises(ValueError, match="sizes: negative value"):
+        plan([2, 1], [4, 3], [1, -1], n=2)
+
+
+@st.composite
+def outside_spans(draw: st.DrawFn, regions: Sequence[FakeRegion]) -> tuple[int, int]:
+    """A span whose edges fall on a region's edges: up to its start, from its end, into it from
+    below, over it whole, or sized up to 2**64 - 1."""
+    region = draw(st.sampled_from(regions))
+    start, end = region.base, region.base + region.size
+    before = draw(st.integers(1, 1 << 20))
+    return draw(
+        st.sampled_from(
+            [
+                (max(0, start - before), min(before, start) or 1),  # ends exactly where the region starts
+                (end, before),  # starts exactly at its end
+                (max(0, start - before), min(before, start) + 1),  # one byte into it
+                (max(0, start - 1), region.size + 2),  # over it whole
+                (end, 2**64 - 1 - end),  # from its end to the top of the address space
+                (max(0, start - before), 2**64 - 1),
+            ]
+        )
+    )
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), regions=fake_layouts())
+def test_locate_bounding_span_at_region_edges(data: st.DataObject, regions: list[FakeRegion]) -> None:
+    """``locate`` settles a request whose bounding span meets no region at once: spans that end where
+    a region starts or start where one ends, alone or on both sides of it (the bounding span then covers
+    the region though no span meets it), into one from below, over one, with sizes up to 2**64 - 1."""
+    spans = data.draw(st.lists(outside_spans(regions), min_size=1, max_size=4))
+    _check_against_reference(regions, [[a for a, _ in spans]], [n for _, n in spans], False)

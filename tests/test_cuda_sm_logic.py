@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from aiokvtier import CopyEngine
+from aiokvtier import CopyEngine, CudaError
 from aiokvtier._cuda import _crossover, _kernel, _sm
 from aiokvtier._cuda._crossover import LADDER, Crossover, Curve, load_or_measure, parse_thresholds
 
@@ -203,3 +205,222 @@ def test_kernel_compiles_where_nvrtc_is_installed() -> None:
         pytest.skip(f"NVRTC is not usable here: {exc}")
     assert cubin[:4] == b"\x7fELF"
     assert _kernel.compile_cubin(_kernel.KernelSpec("sm_80", threads=512, unroll=4))[:4] == b"\x7fELF"
+
+
+# -- SmPath.submit on a model of streams and events: ordering, budgets, failures -------------------
+
+
+class _Failed(int):
+    name = "CUDA_ERROR_INJECTED"
+
+
+class StreamModel:
+    """A driver stand-in: per stream, ops in order; an event wait orders a stream after the op the
+    event was recorded behind. ``fail_at``: the fallible call (driver call or launch) to refuse."""
+
+    class CUevent_flags:
+        CU_EVENT_DISABLE_TIMING = 2
+
+    class CUstream_flags:
+        CU_STREAM_NON_BLOCKING = 1
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at, self.calls = fail_at, 0
+        self.ops: list[tuple[str, int, set[int], Any]] = []  # (kind, stream, direct dependencies, detail)
+        self.tail: dict[int, int] = {}  # stream: its last op
+        self.recorded: dict[int, int | None] = {}
+        self.events: set[int] = set()
+        self.streams: set[int] = set()
+        self.synced: list[tuple[int, int]] = []  # (stream, ops enqueued by then)
+        self._handles = itertools.count(1000)
+
+    def _fails(self) -> bool:
+        self.calls += 1
+        return self.calls - 1 == self.fail_at
+
+    def enqueue(self, kind: str, stream: int, detail: Any = None, after: int | None = None) -> int:
+        deps = {d for d in (self.tail.get(stream), after) if d is not None}
+        self.ops.append((kind, stream, deps, detail))
+        self.tail[stream] = len(self.ops) - 1
+        return len(self.ops) - 1
+
+    def before(self, op: int) -> set[int]:
+        """Every op that ``op`` runs after."""
+        seen: set[int] = set()
+        todo = list(self.ops[op][2])
+        while todo:
+            d = todo.pop()
+            if d not in seen:
+                seen.add(d)
+                todo.extend(self.ops[d][2])
+        return seen
+
+    def cuMemcpyHtoDAsync(self, dst: int, src: int, nbytes: int, stream: int) -> tuple[int]:
+        if self._fails():
+            return (_Failed(1),)
+        self.enqueue("upload", int(stream))
+        return (0,)
+
+    def cuEventCreate(self, flags: int) -> tuple[int, int]:
+        if self._fails():
+            return _Failed(1), 0
+        event = next(self._handles)
+        self.events.add(event)
+        self.recorded[event] = None
+        return 0, event
+
+    def cuEventRecord(self, event: int, stream: int) -> tuple[int]:
+        if self._fails():
+            return (_Failed(1),)
+        self.recorded[event] = self.tail.get(int(stream))
+        return (0,)
+
+    def cuStreamWaitEvent(self, stream: int, event: int, flags: int) -> tuple[int]:
+        if self._fails():
+            return (_Failed(1),)
+        self.enqueue("wait", int(stream), after=self.recorded[event])
+        return (0,)
+
+    def cuEventDestroy(self, event: int) -> tuple[int]:
+        self.events.remove(event)
+        return (0,)
+
+    def cuStreamCreate(self, flags: int) -> tuple[int, int]:
+        if self._fails():
+            return _Failed(1), 0
+        stream = next(self._handles)
+        self.streams.add(stream)
+        return 0, stream
+
+    def cuStreamDestroy(self, stream: int) -> tuple[int]:
+        self.streams.remove(stream)
+        return (0,)
+
+    def cuStreamSynchronize(self, stream: int) -> tuple[int]:
+        self.synced.append((int(stream), len(self.ops)))
+        return (0,)
+
+    def cuMemFree(self, ptr: int) -> tuple[int]:
+        return (0,)
+
+    def cuMemFreeHost(self, ptr: int) -> tuple[int]:
+        return (0,)
+
+
+class ModelKernel:
+    def __init__(self, model: StreamModel, budget: int) -> None:
+        self.model, self.budget = model, budget
+
+    def launch(self, descriptors: int, n: int, stream: Any, budget: int | None, first: int, count: int) -> None:
+        if self.model._fails():
+            raise CudaError("cuLaunchKernel", "CUDA_ERROR_INJECTED", 1)
+        self.model.enqueue("launch", int(stream), (budget or self.budget, first, count))
+
+    def unload(self) -> None:
+        pass
+
+
+def model_path(monkeypatch: pytest.MonkeyPatch, budget: int, fail_at: int | None = None) -> tuple[Any, StreamModel]:
+    """An SmPath over the model (no GPU): one slab free, the kernel recording its launches."""
+    model = StreamModel(fail_at)
+    monkeypatch.setattr(_sm, "driver", lambda: model)
+    path: Any = object.__new__(_sm.SmPath)
+    slab = _sm.Slab(_sm.MIN_SLAB, 1, 2, np.zeros(3 * _sm.MIN_SLAB, dtype=U))
+    path.device, path.kernel, path.budget = 0, ModelKernel(model, budget), budget
+    path._free, path._all, path._partners, path._lock = [slab], [slab], {}, threading.Lock()
+    return path, model
+
+
+STREAM = 7
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("pages", [1, 2, 3, 4, 7])
+def test_sliced_launches_follow_the_upload_and_precede_the_completion(
+    monkeypatch: pytest.MonkeyPatch, budget: int, pages: int
+) -> None:
+    """Every slice runs after the upload, the request's completion (recorded on the copy's stream next)
+    runs after every slice, each copy is launched once, every launch has a block, at most ``budget``
+    blocks run at once, and no event is left behind; the partner stream goes at close."""
+    path, model = model_path(monkeypatch, budget)
+    sizes = np.full(pages, 4096, dtype=U)
+    slab = path.submit(np.arange(pages, dtype=U), np.arange(pages, dtype=U), sizes, STREAM, slice_bytes=4096)
+    path.give_back(slab)
+    done = model.enqueue("completion", STREAM)
+    launches = [i for i, op in enumerate(model.ops) if op[0] == "launch"]
+    (upload,) = [i for i, op in enumerate(model.ops) if op[0] == "upload"]
+    assert sorted(c for i in launches for c in range(model.ops[i][3][1], sum(model.ops[i][3][1:]))) == list(
+        range(pages)
+    )
+    ancestors = model.before(done)
+    for i in launches:
+        assert upload in model.before(i) and i in ancestors
+        assert model.ops[i][3][0] >= 1
+    for i, j in itertools.combinations(launches, 2):
+        if i not in model.before(j):  # may run together
+            assert model.ops[i][3][0] + model.ops[j][3][0] <= budget
+    assert len({model.ops[i][1] for i in launches}) == (2 if budget > 1 and pages > 1 else 1)
+    assert not model.events
+    path.close()
+    assert not model.streams and not path._partners
+
+
+@pytest.mark.parametrize("budget", [2, 3, 4])
+def test_a_refused_call_midway_leaves_no_slice_running_and_no_event(
+    monkeypatch: pytest.MonkeyPatch, budget: int
+) -> None:
+    """Whichever driver call or launch of a sliced request is refused, the error comes out, both
+    streams are synchronized after everything queued (the slab is reusable), the slab is free, and no
+    event is left; a later request on the same stream still orders its slices."""
+    path, model = model_path(monkeypatch, budget)
+    pages = 5
+    args = (np.arange(pages, dtype=U), np.arange(pages, dtype=U), np.full(pages, 4096, dtype=U), STREAM)
+    path.give_back(path.submit(*args, slice_bytes=4096))
+    fallible = model.calls
+    for fail_at in range(fallible):
+        path, model = model_path(monkeypatch, budget, fail_at)
+        with pytest.raises(CudaError, match="INJECTED"):
+            path.submit(*args, slice_bytes=4096)
+        assert len(path._free) == 1 and not model.events
+        for i, (kind, stream, _, _) in enumerate(model.ops):
+            assert any(s == stream and i < count for s, count in model.synced), (fail_at, kind)
+        model.fail_at = None
+        path.give_back(path.submit(*args, slice_bytes=4096))
+        done = model.enqueue("completion", STREAM)
+        assert not model.events
+        last = max(i for i, op in enumerate(model.ops) if op[0] == "launch")
+        assert last in model.before(done)
+        path.close()
+        assert not model.streams
+
+
+class _KeyDriver:
+    """What ``device_key`` asks the driver."""
+
+    def cuDeviceGet(self, device: int) -> tuple[int, int]:
+        return 0, device
+
+    def cuDeviceGetName(self, size: int, device: int) -> tuple[int, bytes]:
+        return 0, b"Model GPU\x00"
+
+    def cuDeviceGetUuid(self, device: int) -> tuple[int, bytes]:
+        return 0, bytes(range(16))
+
+    def cuDriverGetVersion(self) -> tuple[int, int]:
+        return 0, 13000
+
+
+def test_the_crossover_key_names_how_requests_are_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crossover measured with other slices (or one stream) is measured again, not reused."""
+    from aiokvtier._cuda import _driver
+
+    monkeypatch.setattr(_driver, "driver", lambda: _KeyDriver())
+    spec = _kernel.KernelSpec("sm_90")
+    key = _crossover.device_key(0, 4, spec)
+    monkeypatch.setattr(_sm, "SLICE_BYTES", 8 << 20)
+    assert _crossover.device_key(0, 4, spec) != key
+    monkeypatch.setattr(_sm, "SLICE_BYTES", key["slice_bytes"])
+    monkeypatch.setattr(_sm, "ALTERNATE", not _sm.ALTERNATE)
+    assert _crossover.device_key(0, 4, spec) != key
+    monkeypatch.setattr(_sm, "ALTERNATE", not _sm.ALTERNATE)
+    assert _crossover.device_key(0, 4, spec) == key

@@ -216,6 +216,7 @@ def load_or_measure(
 
 def device_key(device: int, budget: int, spec: Any) -> dict[str, Any]:
     """What a measurement depends on. Driver calls: the engine's context current."""
+    from . import _sm
     from ._driver import check, driver
     from ._kernel import KERNEL_VERSION
 
@@ -232,6 +233,9 @@ def device_key(device: int, budget: int, spec: Any) -> dict[str, Any]:
         "kernel": KERNEL_VERSION,
         "threads": spec.threads,
         "unroll": spec.unroll,
+        # How a request is launched: the slices' size and streams change what a launch costs.
+        "slice_bytes": _sm.SLICE_BYTES,
+        "alternate": _sm.ALTERNATE,
     }
 
 
