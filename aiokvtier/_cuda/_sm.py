@@ -135,8 +135,9 @@ class SmPath:
             check("cuMemcpyHtoDAsync", drv.cuMemcpyHtoDAsync(slab.device, slab.host, nbytes, stream))
             runs = slices(sizes, SLICE_BYTES if slice_bytes is None else slice_bytes)
             blocks = budget or self.budget
-            if ALTERNATE and len(runs) > 1 and blocks > 1:
-                self._alternate(slab.device, n, runs, stream, blocks)
+            partner = self._partner(stream) if ALTERNATE and len(runs) > 1 and blocks > 1 else None
+            if partner is not None:
+                self._alternate(slab.device, n, runs, stream, partner, blocks)
             else:
                 for first, count in runs:
                     self.kernel.launch(slab.device, n, stream, blocks, first, count)
@@ -150,14 +151,15 @@ class SmPath:
             raise
         return slab
 
-    def _alternate(self, descriptors: int, n: int, runs: list[tuple[int, int]], stream: Any, blocks: int) -> None:
+    def _alternate(
+        self, descriptors: int, n: int, runs: list[tuple[int, int]], stream: Any, partner: Any, blocks: int
+    ) -> None:
         """The slices in turn on ``stream`` and its partner stream, half the budget each: while one
         launch drains and the next starts, the other keeps the link busy, and at most ``blocks``
         SMs are held at once. The partner starts after ``stream``'s upload (and ``after=``), and
         ``stream`` waits for the partner's last slice, so the request's completion event, recorded
         on ``stream``, follows every slice."""
         drv = driver()
-        partner = self._partner(stream)
         flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
         ready = check("cuEventCreate", drv.cuEventCreate(flags))
         try:
@@ -165,12 +167,12 @@ class SmPath:
             check("cuStreamWaitEvent", drv.cuStreamWaitEvent(partner, ready, 0))
         finally:
             drv.cuEventDestroy(ready)  # the driver keeps it until the wait has run
-        half = blocks // 2
+        half = blocks // 2  # the copy's stream runs the odd slice out: it takes the larger half
         for i, (first, count) in enumerate(runs):
             if i % 2 == 0:
-                self.kernel.launch(descriptors, n, stream, half, first, count)
+                self.kernel.launch(descriptors, n, stream, blocks - half, first, count)
             else:
-                self.kernel.launch(descriptors, n, partner, blocks - half, first, count)
+                self.kernel.launch(descriptors, n, partner, half, first, count)
         done = check("cuEventCreate", drv.cuEventCreate(flags))
         try:
             check("cuEventRecord", drv.cuEventRecord(done, partner))
@@ -179,12 +181,16 @@ class SmPath:
             drv.cuEventDestroy(done)
 
     def _partner(self, stream: Any) -> Any:
-        """The partner of one of the engine's streams, made on first use (submit thread, context current)."""
+        """The partner of one of the engine's streams, made on first use (submit thread, context
+        current); None where the driver refuses a stream: the slices then run on ``stream`` alone
+        (slower across their boundaries, never wrong), and the next request asks again."""
         partner = self._partners.get(int(stream))
         if partner is None:
             drv = driver()
-            flag = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
-            partner = self._partners[int(stream)] = check("cuStreamCreate", drv.cuStreamCreate(flag))
+            err, made = drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            if int(err) != 0:
+                return None
+            partner = self._partners[int(stream)] = made
         return partner
 
     def give_back(self, slab: Slab) -> None:
