@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiokvtier import CopyEngine, CudaError
 from aiokvtier._cuda import _crossover, _kernel, _sm
@@ -50,7 +52,8 @@ def test_slab_capacity_is_a_power_of_two_with_a_floor() -> None:
     [
         ([4096] * 8, 1 << 20, [(0, 8)]),  # under the limit: one launch
         ([4096] * 8, 8192, [(0, 2), (2, 2), (4, 2), (6, 2)]),
-        ([4096] * 7, 8192, [(0, 2), (2, 2), (4, 2), (6, 1)]),
+        ([4096] * 7, 8192, [(0, 1), (1, 2), (3, 2), (5, 2)]),  # the fewest runs, cut evenly
+        ([4096] * 5, 16384, [(0, 2), (2, 3)]),  # 20 KiB at 16 KiB: two runs, not 16 + 4
         ([4096, 1 << 20, 4096, 4096], 8192, [(0, 1), (1, 1), (2, 2)]),  # a copy over the limit: alone
         ([100, 200, 300], 250, [(0, 1), (1, 1), (2, 1)]),
         ([], 8192, []),
@@ -429,3 +432,21 @@ def test_the_crossover_key_names_how_requests_are_launched(monkeypatch: pytest.M
     assert _crossover.device_key(0, 4, spec) != key
     monkeypatch.setattr(_sm, "ALTERNATE", not _sm.ALTERNATE)
     assert _crossover.device_key(0, 4, spec) == key
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 1 << 22), min_size=1, max_size=60),
+    limit=st.integers(1, 1 << 23),
+)
+def test_slices_are_even_and_within_the_limit(sizes: list[int], limit: int) -> None:
+    """Every copy once, in order; a run over the limit is one copy; runs of one page size are as
+    few as fit and differ by at most one page."""
+    got = _sm.slices(np.asarray(sizes, dtype=U), limit)
+    assert [i for first, count in got for i in range(first, first + count)] == list(range(len(sizes)))
+    for first, count in got:
+        assert count >= 1 and (count == 1 or sum(sizes[first : first + count]) <= limit)
+    if len(set(sizes)) == 1 and sizes[0] <= limit:
+        counts = [c for _, c in got]
+        assert max(counts) - min(counts) <= 1
+        assert len(got) == -(-len(sizes) // (limit // sizes[0]))

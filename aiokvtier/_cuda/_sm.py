@@ -71,21 +71,35 @@ slice study's baseline turns it off."""
 
 
 def slices(sizes: U64, limit: int) -> list[tuple[int, int]]:
-    """``(first, count)`` runs of consecutive copies of at most ``limit`` bytes each (a larger
-    copy alone), in order, covering every copy."""
+    """``(first, count)`` runs of consecutive copies, in order, covering every copy, each at
+    most ``limit`` bytes (a larger copy alone), as few as that allows and of about equal bytes.
+
+    Equal runs keep the two streams' launches alike: a 5 MiB request at a 4 MiB limit is two
+    launches of 2.5 MiB, not 4 MiB on half the budget while 1 MiB finishes beside it. The
+    fewest runs come from filling each to the limit; the runs are then cut where the request's
+    bytes pass each equal share, unless a cut would leave a run empty or over the limit.
+    """
     n = int(sizes.shape[0])
     total = int(sizes.sum())
     if total <= limit:
         return [(0, n)] if n else []
     ends = np.cumsum(sizes)
-    out, first, done = [], 0, 0
-    while first < n:
+    stops: list[int] = []
+    done = 0
+    while not stops or stops[-1] < n:  # filled to the limit: the fewest runs
         stop = int(np.searchsorted(ends, np.uint64(done + limit), side="right"))
-        stop = max(stop, first + 1)
-        out.append((first, stop - first))
-        done = int(ends[stop - 1])
-        first = stop
-    return out
+        stops.append(max(stop, (stops[-1] if stops else 0) + 1))
+        done = int(ends[stops[-1] - 1])
+    k = len(stops)
+    shares = np.array([i * total // k for i in range(1, k)], dtype=np.uint64)
+    even = [*np.searchsorted(ends, shares, side="right").tolist(), n]
+    starts = [0, *even[:-1]]
+    if all(
+        stop > first and (stop - first == 1 or int(ends[stop - 1]) - (int(ends[first - 1]) if first else 0) <= limit)
+        for first, stop in zip(starts, even, strict=True)
+    ):
+        stops = even
+    return [(first, stop - first) for first, stop in zip([0, *stops[:-1]], stops, strict=True)]
 
 
 def slab_capacity(n: int) -> int:
