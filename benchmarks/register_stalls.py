@@ -8,10 +8,14 @@ default ``fill_threads``, per commit unit, in three ways: registrations one at
 a time with a short gap after each (the library's default), one at a time with
 no gap, and all fill threads registering at once (the lock swapped for a
 no-op); and a host-backed tier as the reference with no registration at all.
-Meanwhile a thread times ``cuPointerGetAttribute`` every millisecond (the
-bench's driver probe), and each registration is timed. Arms are interleaved
-round by round, with a rest before each fill; medians are printed as JSON.
-Needs a CUDA device.
+``--gaps-ms`` sets the gaps tried after each registration (default: the
+library's). Meanwhile a thread times ``cuPointerGetAttribute`` every
+millisecond (the bench's driver probe), and each registration is timed. For
+the probe's worst stall, ``worst_window_*`` say what ran during it: how many
+registrations overlapped it and for how long, so a stall made of a chain of
+registrations tells itself apart from one that no registration explains.
+Arms are interleaved round by round, with a rest before each fill; medians
+are printed as JSON. Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class _TimedDriver:
     def __init__(self, real: Any) -> None:
         self._real = real
         self.durations: list[float] = []
+        self.spans: list[tuple[float, float]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
@@ -55,7 +60,23 @@ class _TimedDriver:
         try:
             return self._real.cuMemHostRegister(*args)
         finally:
-            self.durations.append(time.perf_counter() - started)
+            ended = time.perf_counter()
+            self.durations.append(ended - started)
+            self.spans.append((started, ended))
+
+
+def worst_window(starts: list[float], samples: list[float], spans: list[tuple[float, float]]) -> dict[str, float]:
+    """What overlapped the probe's longest call: registrations, their time inside it, its place in the fill."""
+    if not samples:
+        return {}
+    i = max(range(len(samples)), key=samples.__getitem__)
+    lo, hi = starts[i], starts[i] + samples[i]
+    inside = [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]
+    return {
+        "worst_window_registrations": len(inside),
+        "worst_window_registering_ms": round(sum(b - a for a, b in inside) * 1e3, 3),
+        "worst_window_at_s": round(lo - starts[0], 3),
+    }
 
 
 async def _fill(size: int, unit: int, backing: str, ctx: PrimaryContext, dptr: int) -> dict[str, float]:
@@ -70,7 +91,7 @@ async def _fill(size: int, unit: int, backing: str, ctx: PrimaryContext, dptr: i
                 wall = time.perf_counter() - started
     finally:
         _backings.driver = driver
-    row = {"gib_s": size / GiB / wall, **probe.report(wall)}
+    row = {"gib_s": size / GiB / wall, **probe.report(wall), **worst_window(probe.starts, probe.samples, timed.spans)}
     if timed.durations:
         ms = sorted(d * 1e3 for d in timed.durations)
         row |= {"register_p50_ms": ms[len(ms) // 2], "register_max_ms": ms[-1]}
@@ -84,14 +105,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--settle", type=float, default=3)
     parser.add_argument("--units-mib", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--gaps-ms", type=float, nargs="+", default=None, help="gaps after each registration")
+    parser.add_argument(
+        "--ways", nargs="+", default=["gap", "serial", "parallel"], choices=["gap", "serial", "parallel"]
+    )
     args = parser.parse_args()
     size = int(args.gib * GiB)
     ctx = PrimaryContext(0)
     ctx.make_current()
     dptr = check("cuMemAlloc", driver().cuMemAlloc(1 << 20))
     serial, gap = _backings._REGISTERING, _backings._REGISTER_GAP_S
-    ways = {"serial_gap": (serial, gap), "serial": (serial, 0.0), "parallel": (_NoLock(), 0.0)}
-    arms = [("host", 64, "serial_gap")] + [("register", u, way) for u in args.units_mib for way in ways]
+    ways: dict[str, tuple[Any, float]] = {}
+    if "gap" in args.ways:
+        for g in [gap * 1e3] if args.gaps_ms is None else args.gaps_ms:
+            ways["serial_gap" if g == gap * 1e3 else f"serial_gap{g:g}ms"] = (serial, g / 1e3)
+    if "serial" in args.ways:
+        ways["serial"] = (serial, 0.0)
+    if "parallel" in args.ways:
+        ways["parallel"] = (_NoLock(), 0.0)
+    arms = [("host", 64, "host")] + [("register", u, way) for u in args.units_mib for way in ways]
+    ways["host"] = (serial, gap)
     name = {arm: "host" if arm[0] == "host" else f"unit_{arm[1]}mib_{arm[2]}" for arm in arms}
     rows: dict[str, list[dict[str, float]]] = {name[arm]: [] for arm in arms}
     try:

@@ -127,6 +127,8 @@ class Probe:
     def __init__(self, ctx: PrimaryContext, dptr: int) -> None:
         self._ctx, self._dptr = ctx, dptr
         self.samples: list[float] = []
+        self.starts: list[float] = []
+        """``time.perf_counter()`` at each sample's call, for placing a stall among other events."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -138,6 +140,7 @@ class Probe:
             t0 = time.perf_counter()
             drv.cuPointerGetAttribute(attr, self._dptr)
             self.samples.append(time.perf_counter() - t0)
+            self.starts.append(t0)
             time.sleep(0.001)
 
     def __enter__(self) -> Probe:
