@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -489,3 +490,34 @@ def test_partial_copies_resume_where_they_stopped(monkeypatch: pytest.MonkeyPatc
         assert "um" not in smaps_flags(addr) and not stops
     finally:
         _linux.munmap(addr, length)
+
+
+@needs_uffd
+def test_a_forked_child_opens_its_own_userfaultfd() -> None:
+    """The parent's userfaultfd speaks for the parent's address space: a child that fills a range
+    must not register it through the inherited one (it would be the parent's range)."""
+    _uffd._open()
+    parent_fd = _uffd._fd
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: fill a range, report which fd did it
+        code = 1
+        try:
+            os.close(read)
+            length = 4 * MiB
+            addr = _linux.map_anonymous(length)
+            ok = _uffd.fill_zeros(addr, length)
+            zero = bytes((ctypes.c_ubyte * length).from_address(addr)) == bytes(length)
+            os.write(write, f"{int(ok)} {int(zero)} {_uffd._fd}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        ok, zero, child_fd = pipe.read().split()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert zero == "1"
+    assert ok == "1"  # through the inherited descriptor the range would be the parent's: refused
+    assert _uffd._fd == parent_fd and int(child_fd) >= 0
+    os.fstat(parent_fd)  # the parent's is still open

@@ -64,11 +64,25 @@ _mmap.restype = ctypes.c_void_p
 _mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _madvise = _libc.madvise
 _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_munmap = _libc.munmap
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 _lock = threading.Lock()
 _fd = -1
 _source = 0
 _refused: str | None = None
+
+
+def _forget_in_child() -> None:
+    """After fork: the inherited userfaultfd still speaks for the parent's address space (a
+    range registered through it would be the parent's), so the child drops it and opens its own."""
+    global _fd, _source, _refused, _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    if _fd >= 0:
+        os.close(_fd)
+    if _source:
+        _munmap(_source, SOURCE_BYTES)
+    _fd, _source, _refused = -1, 0, None
 
 
 def refused() -> str | None:
@@ -140,3 +154,6 @@ def fill_zeros(addr: int, length: int) -> bool:
             err = ctypes.get_errno()
             raise OSError(err, f"UFFDIO_UNREGISTER: {os.strerror(err)}")
     return True
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
