@@ -521,3 +521,29 @@ def test_a_forked_child_opens_its_own_userfaultfd() -> None:
     assert ok == "1"  # through the inherited descriptor the range would be the parent's: refused
     assert _uffd._fd == parent_fd and int(child_fd) >= 0
     os.fstat(parent_fd)  # the parent's is still open
+
+
+@pytest.mark.parametrize(
+    ("release", "uses"), [("6.18.44-fc-v1045", True), ("6.9.0", True), ("6.8.12-generic", False), ("5.15.0", False)]
+)
+def test_kernels_before_per_vma_userfaultfd_locking_touch_instead(
+    monkeypatch: pytest.MonkeyPatch, release: str, uses: bool
+) -> None:
+    """Before 6.9 a copy holds the address space's lock as populate does: those kernels touch."""
+    import platform
+
+    monkeypatch.setattr(_uffd, "_fd", -1)
+    monkeypatch.setattr(_uffd, "_source", 0)
+    monkeypatch.setattr(_uffd, "_refused", None)
+    monkeypatch.setattr(platform, "release", lambda: release)
+    fd = _uffd._open()
+    try:
+        if uses:
+            assert fd >= 0 or (_uffd.refused() is not None and "kernel" not in (_uffd.refused() or ""))
+        else:
+            assert fd < 0 and release in (_uffd.refused() or "")
+    finally:
+        if fd >= 0:
+            os.close(fd)
+            _uffd._munmap(_uffd._source, _uffd.SOURCE_BYTES)
+    assert _uffd.kernel_version("garbage") == (0, 0)

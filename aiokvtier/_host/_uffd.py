@@ -18,8 +18,9 @@ read-only source that maps the zero page, and unregistered. A thread that
 faults in the range meanwhile waits until the copy reaches its page (the
 copy wakes it), so nothing can hang on it; unregistering wakes any waiter
 left. Where the architecture, the kernel or a seccomp filter refuses a
-userfaultfd, :func:`fill_zeros` says so once and for all (``False``) and
-the caller writes the pages itself.
+userfaultfd, or the kernel predates per-VMA locking of its operations
+(:data:`PER_VMA_KERNEL`), :func:`fill_zeros` says so once and for all
+(``False``) and the caller writes the pages itself.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import errno
 import logging
 import os
 import platform
+import re
 import threading
 
 __all__ = ["SOURCE_BYTES", "fill_zeros", "refused"]
@@ -39,6 +41,9 @@ SOURCE_BYTES = 64 << 20
 """Bytes per ``UFFDIO_COPY`` call (the source's size): one GIL hand-off per 64 MiB."""
 
 _SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282, "ppc64le": 364}.get(platform.machine())
+PER_VMA_KERNEL = (6, 9)
+"""The first kernel whose userfaultfd operations take the VMA's lock: before it a copy holds the
+address space's lock for reading, as populate does, and a neighbour's ``mmap`` would wait."""
 _O_CLOEXEC, _O_NONBLOCK, _UFFD_USER_MODE_ONLY = 0o2000000, 0o4000, 1
 _UFFD_API = 0xAA
 _MODE_MISSING = 1
@@ -86,6 +91,12 @@ def _forget_in_child() -> None:
     _fd, _source, _refused = -1, 0, None
 
 
+def kernel_version(release: str) -> tuple[int, int]:
+    """``(major, minor)`` of a kernel release string (``"6.18.44-fc"``); ``(0, 0)`` where unreadable."""
+    match = re.match(r"(\d+)\.(\d+)", release)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
 def refused() -> str | None:
     """Why this process fills by writing each page instead (None: ``UFFDIO_COPY`` is used, or not tried yet)."""
     return _refused
@@ -99,6 +110,13 @@ def _open() -> int:
             return _fd
         if _SYS_USERFAULTFD is None:
             _refused = f"no userfaultfd system call known for {platform.machine()}"
+            return -1
+        release = kernel_version(platform.release())
+        if release < PER_VMA_KERNEL:
+            _refused = (
+                f"kernel {platform.release()} copies under the address space's lock "
+                f"(per-VMA from {'.'.join(map(str, PER_VMA_KERNEL))})"
+            )
             return -1
         fd = int(_syscall(_SYS_USERFAULTFD, _O_CLOEXEC | _O_NONBLOCK | _UFFD_USER_MODE_ONLY))
         if fd < 0:
