@@ -7,7 +7,7 @@ The tier fills 4 KiB pages by touching them (a write per page) because
 each call, and a neighbour's ``mmap`` then waits (milliseconds per call); a
 touch fault takes the VMA's own lock instead, but costs an exception per
 page, so it runs at 0.64-0.75x populate per thread. ``UFFDIO_COPY`` fills a
-range in one call, like populate, and on recent kernels takes the per-VMA lock,
+range in one call, like populate, and on Linux 6.9+ takes the per-VMA lock,
 like a fault. This program measures the three side by side, per thread
 count, over shares of one read-write mapping (huge pages off): the fill
 rate and a neighbour thread's ``mmap`` + ``munmap`` of 1 MiB every 5 ms.

@@ -5,8 +5,8 @@ kernel's own loop, but holds the address space's lock for reading through
 each call, and a neighbour's ``mmap`` waits (milliseconds per call). A write
 per page (``_linux.touch``) takes only the VMA's lock (Linux 6.4+), but pays
 an exception per page: 0.64-0.75x populate per thread. ``UFFDIO_COPY`` fills
-a whole range in one call under the VMA's lock (recent kernels; older
-ones take the address space's lock for reading, as populate does): on the
+a whole range in one call under the VMA's lock (Linux 6.9+; older kernels
+take the address space's lock for reading, as populate does): on the
 development VM 1.04x populate at one thread and 1.41x at two, with a
 neighbour's ``mmap`` at 0.05 ms p99 where populate's waited 15 ms
 (``python benchmarks/fill_uffd.py``).
