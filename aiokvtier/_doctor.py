@@ -179,26 +179,6 @@ def check_populate() -> Check:
     return Check("populate", "ok", "MADV_POPULATE_WRITE works on a scratch mapping", "", {"supported": True})
 
 
-def check_userfaultfd() -> Check:
-    """Whether the fill can copy 4 KiB units in with ``UFFDIO_COPY`` (populate's rate, no stall for
-    other threads) or touches every page instead: a scratch range is filled the fill's way."""
-    from ._host import _linux, _uffd
-
-    with _scratch() as base:
-        used = _uffd.fill_zeros(base, _SCRATCH // 2)
-    if used:
-        return Check("userfaultfd", "ok", "4 KiB units are filled with UFFDIO_COPY", "", {"copy": True})
-    why = _uffd.refused() or "the kernel would not register an anonymous range"
-    return Check(
-        "userfaultfd",
-        "info",
-        f"4 KiB units are filled by touching each page ({why})",
-        "touching is 0.64-0.75x as fast per fill thread; a seccomp profile that allows userfaultfd "
-        "(user-mode faults only, no capability needed) lets the fill copy units in",
-        {"copy": False, "reason": why, "page_size": _linux.PAGE_SIZE},
-    )
-
-
 def _cap_sys_nice(status: Path = Path("/proc/self/status")) -> tuple[bool | None, int | None]:
     """(CAP_SYS_NICE in the effective set, seccomp mode), None where unreadable."""
     text = _read(status) or ""
@@ -517,7 +497,6 @@ _CHECKS: tuple[Callable[[], Check | list[Check]], ...] = (
     check_memory,
     check_virtualization,
     check_populate,
-    check_userfaultfd,
     check_mbind,
     check_thp,
     check_numa,

@@ -15,9 +15,11 @@ Arms are interleaved round by round with a rest before each; medians are
 printed as JSON, with each arm's rate over populate's.
 
 The userfaultfd is opened with ``UFFD_USER_MODE_ONLY`` (allowed without
-privileges since Linux 5.11) and the range registered for missing pages
-only for its fill; where the kernel or a seccomp filter refuses it, the arm
-reports why.
+privileges since Linux 5.11); where the kernel or a seccomp filter refuses
+it, the arm reports why. ``uffd_copy`` registers the whole mapping for
+missing pages once; ``uffd_units{U}_calls{C}`` is what a tier's fill would
+do, each thread taking ``U`` MiB units in turn, registering one, copying it
+in ``C`` MiB calls and unregistering it (``--units-mib``, ``--calls-mib``).
 """
 
 from __future__ import annotations
@@ -101,21 +103,37 @@ def open_uffd() -> int:
     return fd
 
 
-def uffd_copy(fd: int, addr: int, length: int) -> None:
-    """Fill ``[addr, addr + length)`` (registered on ``fd``) with zeros, ``CHUNK`` per call."""
-    src = _map(CHUNK)
-    try:
-        ctypes.memset(src, 0, CHUNK)
-        copy = (ctypes.c_int64 * 5)()
-        off = 0
-        while off < length:
-            n = min(CHUNK, length - off)
-            copy[0], copy[1], copy[2], copy[3], copy[4] = addr + off, src, n, 0, 0
-            if _libc.ioctl(fd, UFFDIO_COPY, copy) and ctypes.get_errno() != errno.EAGAIN:
-                raise _fail("UFFDIO_COPY")
-            off += max(0, int(copy[4]))  # a partial copy (EAGAIN) resumes where it stopped
-    finally:
-        _libc.munmap(src, CHUNK)
+def uffd_copy(fd: int, addr: int, length: int, src: int, call: int = CHUNK) -> None:
+    """Fill ``[addr, addr + length)`` (registered on ``fd``) from the zeros at ``src``, ``call`` bytes per call."""
+    copy = (ctypes.c_int64 * 5)()
+    off = 0
+    while off < length:
+        n = min(call, length - off)
+        copy[0], copy[1], copy[2], copy[3], copy[4] = addr + off, src, n, 0, 0
+        if _libc.ioctl(fd, UFFDIO_COPY, copy) and ctypes.get_errno() != errno.EAGAIN:
+            raise _fail("UFFDIO_COPY")
+        off += max(0, int(copy[4]))  # a partial copy (EAGAIN) resumes where it stopped
+
+
+def uffd_units(
+    fd: int, addr: int, length: int, src: int, unit: int, call: int, units: list[int], lock: threading.Lock
+) -> None:
+    """A fill thread of a tier: take the next unit, register it, copy it in, unregister it."""
+    while True:
+        with lock:
+            if not units:
+                return
+            off = units.pop(0)
+        n = min(unit, length - off)
+        reg = (ctypes.c_uint64 * 4)(addr + off, n, UFFDIO_REGISTER_MODE_MISSING, 0)
+        if _libc.ioctl(fd, UFFDIO_REGISTER, reg):
+            raise _fail("UFFDIO_REGISTER")
+        try:
+            uffd_copy(fd, addr + off, n, src, call)
+        finally:
+            rng = (ctypes.c_uint64 * 2)(addr + off, n)
+            if _libc.ioctl(fd, UFFDIO_UNREGISTER, rng):
+                raise _fail("UFFDIO_UNREGISTER")
 
 
 def _neighbour(stop: threading.Event, out: list[float]) -> None:
@@ -127,21 +145,28 @@ def _neighbour(stop: threading.Event, out: list[float]) -> None:
         time.sleep(0.005)
 
 
-def fill(size: int, threads: int, method: str) -> dict[str, float]:
-    """One fill of ``size`` bytes by ``threads`` threads over equal shares, with the neighbour."""
+def fill(size: int, threads: int, method: str, unit: int = 0, call: int = CHUNK) -> dict[str, float]:
+    """One fill of ``size`` bytes by ``threads`` threads, with the neighbour: over equal shares, or
+    (``unit``) units taken in turn and registered one at a time."""
     addr = _map(size)
+    src = _map(max(call, CHUNK))  # zeros to copy from, set up once per fill (not timed)
+    ctypes.memset(src, 0, max(call, CHUNK))
     fd = -1
     try:
-        if method == "uffd_copy":
+        if method.startswith("uffd"):
             fd = open_uffd()
+        if method == "uffd_copy":
             reg = (ctypes.c_uint64 * 4)(addr, size, UFFDIO_REGISTER_MODE_MISSING, 0)
             if _libc.ioctl(fd, UFFDIO_REGISTER, reg):
                 raise _fail("UFFDIO_REGISTER")
         share = size // threads // CHUNK * CHUNK
         spans = [(addr + i * share, share if i < threads - 1 else size - i * share) for i in range(threads)]
+        queue, lock = list(range(0, size, unit or size)), threading.Lock()
         work: Callable[[int, int], None] = {"touch": touch, "populate": populate}.get(
-            method, lambda a, n: uffd_copy(fd, a, n)
+            method, lambda a, n: uffd_copy(fd, a, n, src)
         )
+        if unit:
+            work = lambda a, n: uffd_units(fd, addr, size, src, unit, call, queue, lock)  # noqa: E731
         errors: list[BaseException] = []
 
         def run(a: int, n: int) -> None:
@@ -164,7 +189,7 @@ def fill(size: int, threads: int, method: str) -> dict[str, float]:
         probe.join()
         if errors:
             raise errors[0]
-        if fd >= 0:
+        if method == "uffd_copy":
             rng = (ctypes.c_uint64 * 2)(addr, size)
             if _libc.ioctl(fd, UFFDIO_UNREGISTER, rng):
                 raise _fail("UFFDIO_UNREGISTER")
@@ -181,6 +206,7 @@ def fill(size: int, threads: int, method: str) -> dict[str, float]:
     finally:
         if fd >= 0:
             os.close(fd)
+        _libc.munmap(src, max(call, CHUNK))
         _libc.munmap(addr, size)
 
 
@@ -190,27 +216,35 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--settle", type=float, default=1)
+    parser.add_argument("--units-mib", type=int, nargs="*", default=[64], help="per-unit arms: unit sizes")
+    parser.add_argument("--calls-mib", type=int, nargs="*", default=[64, 2], help="per-unit arms: bytes per copy")
     args = parser.parse_args()
     size = int(args.gib * GiB) // CHUNK * CHUNK
     methods = ["touch", "populate", "uffd_copy"]
+    per_unit = [(u * MiB, c * MiB) for u in args.units_mib for c in args.calls_mib]
     refused: str | None = None
     try:
         os.close(open_uffd())
     except OSError as exc:
-        refused, methods = str(exc), methods[:2]
+        refused, methods, per_unit = str(exc), methods[:2], []
     rows: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.repeats):
         for threads in args.threads:
             for method in methods:
                 time.sleep(args.settle)
                 rows.setdefault(f"{method}_{threads}t", []).append(fill(size, threads, method))
+            for unit, call in per_unit:
+                time.sleep(args.settle)
+                name = f"uffd_units{unit >> 20}_calls{call >> 20}_{threads}t"
+                rows.setdefault(name, []).append(fill(size, threads, "uffd_units", unit, call))
     arms: dict[str, Any] = {
         name: {key: round(statistics.median(r[key] for r in runs), 3) for key in runs[0]} for name, runs in rows.items()
     }
     for threads in args.threads:
         base = arms[f"populate_{threads}t"]["gib_s"]
-        for method in methods:
-            arms[f"{method}_{threads}t"]["vs_populate"] = round(arms[f"{method}_{threads}t"]["gib_s"] / base, 3)
+        for name, arm in arms.items():
+            if name.endswith(f"_{threads}t"):
+                arm["vs_populate"] = round(arm["gib_s"] / base, 3)
     report = {
         "machine": machine(),
         "gib": args.gib,

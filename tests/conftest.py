@@ -130,7 +130,7 @@ class PopulateGate:
         self.held_addresses: list[int] = []
         self.seen: list[tuple[int, int, str, set[int]]] = []
 
-    def __call__(self, addr: int, length: int, **how: bool) -> None:
+    def __call__(self, addr: int, length: int) -> None:
         with self._cond:
             index = self.calls
             self.calls += 1
@@ -141,7 +141,7 @@ class PopulateGate:
             )
             if index in self.fail_at:
                 raise OSError(errno.ENOMEM, f"injected failure at call {index}")
-        self._real(addr, length, **how)
+        self._real(addr, length)
 
     def allow(self, n: int) -> None:
         with self._cond:

@@ -59,23 +59,6 @@ def test_populate_is_tried_on_a_scratch_mapping() -> None:
     assert Path("/proc/self/maps").read_text().count("\n") == before  # the scratch mapping is gone
 
 
-def test_userfaultfd_is_tried_the_fills_way(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokvtier._host import _uffd
-
-    _uffd._open()  # the process's userfaultfd and its zero source stay: they are not the check's
-    before = Path("/proc/self/maps").read_text().count("\n")
-    check = _doctor.check_userfaultfd()
-    _well_formed(check)
-    assert check.data["copy"] is (check.verdict == "ok") is (_uffd.refused() is None)
-    assert Path("/proc/self/maps").read_text().count("\n") == before  # the scratch mapping is gone
-    monkeypatch.setattr(_uffd, "_fd", -1)
-    monkeypatch.setattr(_uffd, "_refused", "userfaultfd: Operation not permitted")
-    refused = _doctor.check_userfaultfd()
-    _well_formed(refused)
-    assert refused.verdict == "info" and "Operation not permitted" in refused.summary
-    assert "seccomp" in refused.advice and refused.data["copy"] is False
-
-
 def test_mbind_is_tried_on_a_scratch_mapping() -> None:
     check = _doctor.check_mbind()
     _well_formed(check)
@@ -143,7 +126,7 @@ def test_cuda_lists_every_gpu_with_bus_id_node_and_auto_backing() -> None:
 def test_run_checks_orders_every_check_and_none_is_fatal_here() -> None:
     checks = _doctor.run_checks(cuda=False)
     names = [c.name for c in checks]
-    assert names[:6] == ["platform", "memory", "vm", "populate", "userfaultfd", "mbind"]
+    assert names[:5] == ["platform", "memory", "vm", "populate", "mbind"]
     assert {"thp", "memlock", "cuda"} <= set(names)
     assert not any(c.fatal for c in checks)
 
@@ -306,7 +289,7 @@ def test_doctor_json_shape() -> None:
         assert check["verdict"] in VERDICTS and isinstance(check["data"], dict)
     names = [c["name"] for c in report["checks"]]
     assert len(names) == len(set(names))
-    assert {"platform", "memory", "populate", "userfaultfd", "mbind", "thp", "memlock", "cuda"} <= set(names)
+    assert {"platform", "memory", "populate", "mbind", "thp", "memlock", "cuda"} <= set(names)
 
 
 def test_doctor_prints_one_line_per_check() -> None:

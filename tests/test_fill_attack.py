@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from aiokvtier import FillError, HostTier, TierClosedError, _regions
-from aiokvtier._host import _headroom, _linux, _uffd
+from aiokvtier._host import _headroom, _linux
 from aiokvtier._sysinfo import read_text
 
 from .helpers import MiB, eventually, small_config
@@ -54,9 +54,9 @@ def slow_populate(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every unit takes ~2 ms more: a 16-unit fill lasts long enough to be interrupted anywhere."""
     real = _linux.populate
 
-    def slow(addr: int, length: int, **how: bool) -> None:
+    def slow(addr: int, length: int) -> None:
         time.sleep(0.002)
-        real(addr, length, **how)
+        real(addr, length)
 
     monkeypatch.setattr(_linux, "populate", slow)
     yield
@@ -235,9 +235,9 @@ from aiokvtier import HostTier, TierClosedError
 from aiokvtier._host import _linux
 from tests.helpers import MiB, small_config
 real = _linux.populate
-def slow(addr, length, **how):
+def slow(addr, length):
     time.sleep(0.003)
-    real(addr, length, **how)
+    real(addr, length)
 _linux.populate = slow
 factory = asyncio.new_event_loop
 if sys.argv[1] == "uvloop":
@@ -365,7 +365,7 @@ async def test_enomem_with_waiters_and_a_busy_loop(monkeypatch: pytest.MonkeyPat
     calls = 0
     lock = threading.Lock()
 
-    def failing(addr: int, length: int, **how: bool) -> None:
+    def failing(addr: int, length: int) -> None:
         nonlocal calls
         with lock:
             calls += 1
@@ -373,7 +373,7 @@ async def test_enomem_with_waiters_and_a_busy_loop(monkeypatch: pytest.MonkeyPat
         if n == 6:
             raise OSError(errno.ENOMEM, "injected")
         time.sleep(0.001)
-        real(addr, length, **how)
+        real(addr, length)
 
     monkeypatch.setattr(_linux, "populate", failing)
     config = small_config(quota=16 * MiB, max_quota=32 * MiB, fill_threads=2)
@@ -561,22 +561,7 @@ def test_two_tiers_filling_at_once_stay_within_the_room(
             with lock:
                 touching -= length
 
-    real_copy = _uffd.fill_zeros
-
-    def counted_copy(addr: int, length: int) -> bool:
-        nonlocal touching, peak
-        with lock:
-            touching += length
-            peak = max(peak, touching)
-        try:
-            time.sleep(0.001)
-            return real_copy(addr, length)
-        finally:
-            with lock:
-                touching -= length
-
     monkeypatch.setattr(_linux, "touch", counted)
-    monkeypatch.setattr(_uffd, "fill_zeros", counted_copy)
     before = _headroom.counters()
 
     async def main() -> None:

@@ -1,9 +1,7 @@
-"""How the fill makes pages resident: copied in (UFFDIO_COPY) or touched where memory allows,
-populated in short calls where not.
+"""How the fill makes pages resident: touched where memory allows, populated in short calls where not.
 
-The calls that reach the kernel are recorded by spies on ``_linux`` and
-``_uffd``: every touch step and every MADV_POPULATE_WRITE call is bounded in
-size, a userfaultfd range is registered only while it fills, mprotect
+The calls that reach the kernel are recorded by spies on ``_linux``: every
+touch step and every MADV_POPULATE_WRITE call is bounded in size, mprotect
 runs once per resize and never per unit, a fill short of memory still
 reports ENOMEM as a partial failure, and the guard that replaced per-unit
 PROT_NONE (nothing hands out or copies into memory above the watermark)
@@ -15,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +21,7 @@ import pytest
 
 from aiokvtier import CopyEngine, CopyPlanError, FillError, HostTier, HostTierConfig, SlotError, WouldBlock
 from aiokvtier._config import default_fill_threads
-from aiokvtier._host import _headroom, _hugepages, _linux, _uffd
+from aiokvtier._host import _headroom, _hugepages, _linux
 
 from .conftest import PopulateGate, smaps_flags
 from .helpers import MiB, small_config
@@ -37,7 +34,6 @@ class Calls:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.touch: list[int] = []
-        self.copy: list[int] = []
         self.populate: list[int] = []
         self.mprotect: list[tuple[int, bool]] = []
 
@@ -64,16 +60,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
         seen.add("mprotect", (length, writable))
         mprotect(addr, length, writable)
 
-    fill_zeros = _uffd.fill_zeros
-
-    def spy_copy(addr: int, length: int) -> bool:
-        done = fill_zeros(addr, length)
-        if done:
-            seen.add("copy", length)
-        return done
-
     monkeypatch.setattr(_linux, "_touch_step", spy_touch)
-    monkeypatch.setattr(_uffd, "fill_zeros", spy_copy)
     monkeypatch.setattr(_linux, "_madvise", spy_madvise)
     monkeypatch.setattr(_linux, "mprotect", spy_mprotect)
     yield seen
@@ -93,9 +80,8 @@ async def test_touching_is_bounded_and_mprotect_runs_once_per_resize(calls: Call
     async with HostTier(big_units(fill_threads=3)) as tier:
         await tier.wait_resident()
         check_tier(tier, settled=True)
-        assert max(calls.touch, default=0) <= _linux.TOUCH_STEP
-        assert sum(calls.touch) + sum(calls.copy) == 96 * MiB and not calls.populate
-        assert bool(calls.copy) == (_uffd.refused() is None)  # copied in wherever the kernel allows
+        assert calls.touch and max(calls.touch) <= _linux.TOUCH_STEP
+        assert sum(calls.touch) == 96 * MiB and not calls.populate
         assert calls.mprotect == [(96 * MiB, True)]  # the whole target at once, no unit alone
         await tier.resize(160 * MiB)
         await tier.wait_resident()
@@ -111,7 +97,7 @@ async def test_short_of_memory_the_fill_populates_in_bounded_calls(calls: Calls,
     async with HostTier(big_units(fill_threads=2)) as tier:
         await tier.wait_resident()
         check_tier(tier, settled=True)
-    assert not calls.touch and not calls.copy
+    assert not calls.touch
     assert calls.populate and max(calls.populate) <= _linux.POPULATE_STEP
     assert sum(calls.populate) == 96 * MiB
 
@@ -361,189 +347,3 @@ def test_gil_handoff_sleeps_on_its_loop_while_there_is_demand() -> None:
 
     by_source, total = asyncio.run(main())
     assert by_source == 3 and total > 3
-
-
-needs_uffd = pytest.mark.skipif(
-    _uffd._open() < 0, reason=f"this kernel or sandbox refuses a userfaultfd: {_uffd.refused()}"
-)
-
-
-def registered_for_faults(tier: HostTier) -> list[int]:
-    """Units of the tier whose mapping is still registered with a userfaultfd (VmFlags ``um``)."""
-    unit = tier.config.commit_unit
-    return [
-        a for a in range(tier.base_address, tier.base_address + tier.statistics().quota, unit) if "um" in smaps_flags(a)
-    ]
-
-
-@needs_uffd
-async def test_small_pages_are_copied_in_and_no_range_stays_registered(calls: Calls) -> None:
-    """4 KiB units are filled by UFFDIO_COPY in calls of at most SOURCE_BYTES; each range is
-    registered only for its fill, so a page dropped by a shrink and touched later faults as usual."""
-    async with HostTier(big_units(fill_threads=2)) as tier:
-        await tier.wait_resident()
-        assert sum(calls.copy) == 96 * MiB and not calls.touch
-        assert not registered_for_faults(tier)
-        check_tier(tier, settled=True)
-        slots = await tier.allocate(16)
-        for s in slots:
-            assert bytes(tier.view(s)) == bytes(tier.slot_size)
-            tier.view(s)[:4] = b"kv!!"
-        await tier.resize(32 * MiB)
-        await tier.resize(96 * MiB)
-        await tier.wait_resident()
-        assert not registered_for_faults(tier)
-        check_tier(tier, settled=True)
-
-
-@needs_uffd
-async def test_huge_page_units_are_touched_not_copied(calls: Calls) -> None:
-    async with HostTier(big_units(fill_threads=2, transparent_huge_pages=True)) as tier:
-        await tier.wait_resident()
-    assert not calls.copy and sum(calls.touch) == 96 * MiB
-
-
-async def test_a_refused_userfaultfd_falls_back_to_touching(calls: Calls, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_uffd, "_fd", -1)
-    monkeypatch.setattr(_uffd, "_refused", "userfaultfd: Operation not permitted (test)")
-    async with HostTier(big_units(fill_threads=2)) as tier:
-        await tier.wait_resident()
-        check_tier(tier, settled=True)
-    assert not calls.copy and sum(calls.touch) == 96 * MiB
-
-
-@needs_uffd
-async def test_a_range_the_kernel_will_not_register_is_touched(calls: Calls, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = _uffd._ioctl
-
-    def refuse_register(fd: int, request: int, arg: object) -> int:
-        if request == _uffd._UFFDIO_REGISTER:
-            ctypes.set_errno(errno.EINVAL)
-            return -1
-        return int(real(fd, request, arg))
-
-    monkeypatch.setattr(_uffd, "_ioctl", refuse_register)
-    async with HostTier(big_units(fill_threads=2)) as tier:
-        await tier.wait_resident()
-        check_tier(tier, settled=True)
-    assert not calls.copy and sum(calls.touch) == 96 * MiB
-
-
-@needs_uffd
-@pytest.mark.parametrize("err", [errno.ENOMEM, errno.EFAULT])
-async def test_a_failed_copy_is_a_partial_failure_and_unregisters(monkeypatch: pytest.MonkeyPatch, err: int) -> None:
-    """The copy fails in the second unit: the fill stops there with the error, the failed
-    range is unregistered (no fault can wait on it), and the resident prefix serves."""
-    real = _uffd._ioctl
-    copied = [0]
-    lock = threading.Lock()
-
-    def run_out(fd: int, request: int, arg: object) -> int:
-        if request == _uffd._UFFDIO_COPY:
-            with lock:
-                copied[0] += 1
-                if copied[0] > 1:  # one copy per unit (units under SOURCE_BYTES): the second unit fails
-                    ctypes.set_errno(err)
-                    return -1
-        return int(real(fd, request, arg))
-
-    monkeypatch.setattr(_uffd, "_ioctl", run_out)
-    async with HostTier(big_units(fill_threads=1)) as tier:
-        with pytest.raises(FillError) as info:
-            await tier.wait_resident()
-        assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == err
-        prefix = info.value.resident_bytes  # the first unit (the ramp's first step)
-        assert 0 < prefix == tier.statistics().resident_bytes < 96 * MiB
-        assert not registered_for_faults(tier)
-        n = prefix // tier.slot_size
-        assert len(await tier.allocate(n)) == n
-        await tier.resize(prefix)
-        check_tier(tier, settled=True)
-
-
-@needs_uffd
-def test_partial_copies_resume_where_they_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """EAGAIN after part of a call resumes at its end; a page already resident (EEXIST) is stepped
-    over and keeps its bytes."""
-    real = _uffd._ioctl
-    stops = [True]
-
-    def stop_once(fd: int, request: int, arg: object) -> int:
-        if request == _uffd._UFFDIO_COPY and stops:
-            stops.pop()
-            copy = ctypes.cast(arg, ctypes.POINTER(ctypes.c_int64))
-            copy[2] = _linux.PAGE_SIZE  # the kernel copied one page of the call, then stopped
-            assert real(fd, request, arg) == 0
-            ctypes.set_errno(errno.EAGAIN)
-            return -1
-        return int(real(fd, request, arg))
-
-    page = _linux.PAGE_SIZE
-    length = 8 * page
-    addr = _linux.map_anonymous(length)
-    try:
-        ctypes.memset(addr + 3 * page, 7, page)  # resident before the fill
-        monkeypatch.setattr(_uffd, "_ioctl", stop_once)
-        assert _uffd.fill_zeros(addr, length)
-        view = bytes((ctypes.c_ubyte * length).from_address(addr))
-        assert view == bytes(3 * page) + b"\x07" * page + bytes(4 * page)
-        assert "um" not in smaps_flags(addr) and not stops
-    finally:
-        _linux.munmap(addr, length)
-
-
-@needs_uffd
-def test_a_forked_child_opens_its_own_userfaultfd() -> None:
-    """The parent's userfaultfd speaks for the parent's address space: a child that fills a range
-    must not register it through the inherited one (it would be the parent's range)."""
-    _uffd._open()
-    parent_fd = _uffd._fd
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: fill a range, report which fd did it
-        code = 1
-        try:
-            os.close(read)
-            length = 4 * MiB
-            addr = _linux.map_anonymous(length)
-            ok = _uffd.fill_zeros(addr, length)
-            zero = bytes((ctypes.c_ubyte * length).from_address(addr)) == bytes(length)
-            os.write(write, f"{int(ok)} {int(zero)} {_uffd._fd}".encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        ok, zero, child_fd = pipe.read().split()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert zero == "1"
-    assert ok == "1"  # through the inherited descriptor the range would be the parent's: refused
-    assert _uffd._fd == parent_fd and int(child_fd) >= 0
-    os.fstat(parent_fd)  # the parent's is still open
-
-
-@pytest.mark.parametrize(
-    ("release", "uses"), [("6.18.44-fc-v1045", True), ("6.9.0", True), ("6.8.12-generic", False), ("5.15.0", False)]
-)
-def test_kernels_before_per_vma_userfaultfd_locking_touch_instead(
-    monkeypatch: pytest.MonkeyPatch, release: str, uses: bool
-) -> None:
-    """Before 6.9 a copy holds the address space's lock as populate does: those kernels touch."""
-    import platform
-
-    monkeypatch.setattr(_uffd, "_fd", -1)
-    monkeypatch.setattr(_uffd, "_source", 0)
-    monkeypatch.setattr(_uffd, "_refused", None)
-    monkeypatch.setattr(platform, "release", lambda: release)
-    fd = _uffd._open()
-    try:
-        if uses:
-            assert fd >= 0 or (_uffd.refused() is not None and "kernel" not in (_uffd.refused() or ""))
-        else:
-            assert fd < 0 and release in (_uffd.refused() or "")
-    finally:
-        if fd >= 0:
-            os.close(fd)
-            _uffd._munmap(_uffd._source, _uffd.SOURCE_BYTES)
-    assert _uffd.kernel_version("garbage") == (0, 0)

@@ -133,7 +133,6 @@ class HostBacking(Backing):
         self._per_unit = False
         # "auto": 4 KiB pages for the range, and huge pages advised unit by unit where they cannot lose.
         self._thp = HugePagePolicy(node) if huge_pages == "auto" else None
-        self._huge = huge_pages is True
         self._thp_lock = threading.Lock()
         self._advised_huge: set[int] = set()
         self._huge_units: set[int] = set()
@@ -172,7 +171,7 @@ class HostBacking(Backing):
             _linux.mprotect(addr, length, writable=True)
         try:
             if self._thp is None:
-                _linux.populate(addr, length, small_pages=not self._huge)
+                _linux.populate(addr, length)
             else:
                 self._commit_auto(offset, length)
         except BaseException:
@@ -192,7 +191,7 @@ class HostBacking(Backing):
             with self._thp_lock:
                 (self._advised_huge.add if huge else self._advised_huge.discard)(offset)
         started = time.perf_counter()
-        _linux.populate(addr, length, small_pages=not huge)
+        _linux.populate(addr, length)
         self._thp.record(huge, length, time.perf_counter() - started)
         if huge:
             with self._thp_lock:

@@ -16,7 +16,7 @@ import platform
 
 import numpy as np
 
-from . import _headroom, _uffd
+from . import _headroom
 
 __all__ = [
     "MADV_DONTNEED",
@@ -192,22 +192,17 @@ def populate_write(addr: int, length: int, step: int = POPULATE_STEP) -> None:
         _memset(piece, 0, n)
 
 
-def populate(addr: int, length: int, *, small_pages: bool = False) -> None:
+def populate(addr: int, length: int) -> None:
     """Make ``length`` writable bytes at ``addr`` resident (zeroed), GIL released.
 
-    While the process has memory to spare: with ``UFFDIO_COPY`` where the
-    range takes 4 KiB pages (``small_pages``) and the kernel allows it
-    (:mod:`aiokvtier._host._uffd`: populate's rate, no stall for other
-    threads), else by touching every page (no stall either, slower per
-    thread); without memory to spare, populated in short calls that report
-    ENOMEM.
+    Touches the pages while the process has memory to spare (no stall for
+    other threads), else populates them in short calls that report ENOMEM.
 
     :raises OSError: ENOMEM when memory runs out, EFAULT/EINVAL on a bad range.
     """
     with _headroom.Claim(length) as claim:
         if claim.granted:
-            if not (small_pages and _uffd.fill_zeros(addr, length)):
-                touch(addr, length)
+            touch(addr, length)
         else:
             populate_write(addr, length)
 
