@@ -38,20 +38,10 @@ import numpy as np
 from aiokvtier._cuda import _kernel
 from aiokvtier._cuda._batch import BatchCall, resolve_batch_function
 from aiokvtier._cuda._driver import PrimaryContext, check, driver
+from aiokvtier.bench._sm import ANCHOR, PAGES  # the bench's plain gather and page sizes
 
 MiB, GiB = 1 << 20, 1 << 30
-PAGES = (4 << 10, 16 << 10, 64 << 10, 2 * MiB)
 
-ANCHOR = r"""
-extern "C" __global__ void anchor_copy(const unsigned long long* srcs, const unsigned long long* dsts,
-                                       const unsigned long long* sizes, unsigned long long n) {
-    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x) {
-        const unsigned long long* s = (const unsigned long long*)srcs[p];
-        unsigned long long* d = (unsigned long long*)dsts[p];
-        for (unsigned long long i = threadIdx.x; i < sizes[p] / 8; i += blockDim.x) d[i] = s[i];
-    }
-}
-"""
 
 # Each thread is a channel with its own PIECE bytes of shared memory and its own mbarrier:
 # bulk load global -> shared (completes on the barrier), then bulk store shared -> global;
