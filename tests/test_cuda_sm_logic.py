@@ -314,7 +314,9 @@ class ModelKernel:
     def __init__(self, model: StreamModel, budget: int) -> None:
         self.model, self.budget = model, budget
 
-    def launch(self, descriptors: int, n: int, stream: Any, budget: int | None, first: int, count: int) -> None:
+    def launch(
+        self, descriptors: int, n: int, stream: Any, budget: int | None, first: int, count: int, pdl: bool = False
+    ) -> None:
         if self.model._fails():
             raise CudaError("cuLaunchKernel", "CUDA_ERROR_INJECTED", 1)
         self.model.enqueue("launch", int(stream), (budget or self.budget, first, count))
@@ -432,6 +434,8 @@ def test_the_crossover_key_names_how_requests_are_launched(monkeypatch: pytest.M
     assert _crossover.device_key(0, 4, spec) != key
     monkeypatch.setattr(_sm, "ALTERNATE", not _sm.ALTERNATE)
     assert _crossover.device_key(0, 4, spec) == key
+    monkeypatch.setattr(_sm, "PDL", not _sm.PDL)
+    assert _crossover.device_key(0, 4, spec) != key
 
 
 @settings(max_examples=300, deadline=None)

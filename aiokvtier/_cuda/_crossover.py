@@ -236,6 +236,7 @@ def device_key(device: int, budget: int, spec: Any) -> dict[str, Any]:
         # How a request is launched: the slices' size and streams change what a launch costs.
         "slice_bytes": _sm.SLICE_BYTES,
         "alternate": _sm.ALTERNATE,
+        "pdl": _sm.PDL,
     }
 
 

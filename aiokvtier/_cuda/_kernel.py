@@ -67,7 +67,7 @@ DESCRIPTOR_BYTES = 24
 """Per copy: source, destination and length, 8 bytes each (three arrays)."""
 
 KERNEL_NAME = "aiokvtier_copy_pages"
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2
 """Bumped when the source changes meaning: part of the crossover file's key."""
 
 SOURCE = r"""
@@ -101,9 +101,8 @@ aiokvtier_copy_pages(const u64* __restrict__ srcs, const u64* __restrict__ dsts,
     const u64 groups = warps / share;
     const u64 group = warp / share;
     const u64 rank = warp % share;
-    if (group >= groups) return;
     const u64 step = 32ull * UNROLL;
-    for (u64 p = group; p < n; p += groups) {
+    for (u64 p = group; group < groups && p < n; p += groups) {
         const char* s = (const char*)srcs[p];
         char* d = (char*)dsts[p];
         const u64 len = sizes[p];
@@ -134,6 +133,14 @@ aiokvtier_copy_pages(const u64* __restrict__ srcs, const u64* __restrict__ dsts,
             }
         }
     }
+#if __CUDA_ARCH__ >= 900
+    // Launched as a programmatic dependent of the previous slice (SmKernel.launch(pdl=True)):
+    // a block whose first warp is done lets the next slice's blocks start while the rest of it
+    // drains (no idle link between slices), and every thread ends only after the previous slice
+    // has, so the stream's order of completion holds. Without the launch attribute both are no-ops.
+    if (group < groups) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 """
 
@@ -297,16 +304,58 @@ _LAUNCH = ctypes.CFUNCTYPE(
 _launch_fn: Any = None
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [
+        ("id", ctypes.c_uint),
+        ("pad", ctypes.c_char * 4),
+        ("value", ctypes.c_int),
+        ("rest", ctypes.c_char * 60),
+    ]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (CUDA 12+)."""
+
+    _fields_ = [
+        *((name, ctypes.c_uint) for name in ("gx", "gy", "gz", "bx", "by", "bz", "shared")),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("count", ctypes.c_uint),
+    ]
+
+
+_LAUNCH_EX = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+)
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+"""``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``."""
+_launch_ex_fn: Any = None
+
+
+def _proc(drv: Any, name: str, version: int) -> int:
+    flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+    pfn, status = check("cuGetProcAddress", drv.cuGetProcAddress(name.encode(), version, flags))
+    if int(status) != 0 or not pfn:
+        raise CudaUnavailableError(f"the driver has no {name} (status {status})")
+    return int(pfn)
+
+
 def _launch_function(drv: Any) -> Any:
     """``cuLaunchKernel`` through ctypes (its signature has not changed since CUDA 4.0)."""
     global _launch_fn
     if _launch_fn is None:
-        flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-        pfn, status = check("cuGetProcAddress", drv.cuGetProcAddress(b"cuLaunchKernel", 12000, flags))
-        if int(status) != 0 or not pfn:
-            raise CudaUnavailableError(f"the driver has no cuLaunchKernel (status {status})")
-        _launch_fn = _LAUNCH(int(pfn))
+        _launch_fn = _LAUNCH(_proc(drv, "cuLaunchKernel", 12000))
     return _launch_fn
+
+
+def _launch_ex_function(drv: Any) -> Any:
+    """``cuLaunchKernelEx`` through ctypes (CUDA 12.0+), for launch attributes."""
+    global _launch_ex_fn
+    if _launch_ex_fn is None:
+        _launch_ex_fn = _LAUNCH_EX(_proc(drv, "cuLaunchKernelEx", 12000))
+    return _launch_ex_fn
 
 
 def device_arch(device: int) -> str:
@@ -361,13 +410,29 @@ class SmKernel:
         self._launch = _launch_function(drv)
         self._values = (ctypes.c_uint64 * 4)()
         self._params = (ctypes.c_void_p * 4)(*(ctypes.addressof(self._values) + 8 * i for i in range(4)))
+        # Programmatic dependent launch (compute capability 9.0+): a slice may start while the
+        # previous one on its stream drains; the kernel keeps completion in order (SOURCE).
+        self.pdl_capable = int(self.spec.arch.removeprefix("sm_")[:-1] or 0) >= 9
+        self._launch_ex: Any = None
+        self._attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._config = _LaunchConfig(gy=1, gz=1, by=1, bz=1, shared=0, count=1)
+        self._config.bx = self.spec.threads
+        self._config.attrs = ctypes.pointer(self._attr)
 
     def launch(
-        self, descriptors: int, n: int, stream: Any, budget: int | None = None, first: int = 0, count: int | None = None
+        self,
+        descriptors: int,
+        n: int,
+        stream: Any,
+        budget: int | None = None,
+        first: int = 0,
+        count: int | None = None,
+        pdl: bool = False,
     ) -> None:
         """Launch over copies ``first .. first + count`` (default: all) of the ``n`` whose arrays start
         at device address ``descriptors`` (``srcs | dsts | sizes``), on ``stream``. One thread at a
-        time (the submit thread).
+        time (the submit thread). ``pdl``: as a programmatic dependent of the kernel before it on
+        ``stream`` (ignored where not :attr:`pdl_capable`).
 
         :raises CudaError: the launch was refused.
         """
@@ -375,12 +440,20 @@ class SmKernel:
         count = n - first if count is None else count
         self._values[0], self._values[1], self._values[2], self._values[3] = base, base + 8 * n, base + 16 * n, count
         blocks = budget or self.budget  # blocks with no page to copy return at once
-        rc = self._launch(
-            int(self._function), blocks, 1, 1, self.spec.threads, 1, 1, 0, int(stream),
-            ctypes.addressof(self._params), None,
-        )  # fmt: skip
+        if pdl and self.pdl_capable:
+            if self._launch_ex is None:
+                self._launch_ex = _launch_ex_function(driver())
+            self._config.gx, self._config.stream = blocks, int(stream)
+            rc = self._launch_ex(ctypes.byref(self._config), int(self._function), ctypes.addressof(self._params), None)
+            call = "cuLaunchKernelEx"
+        else:
+            rc = self._launch(
+                int(self._function), blocks, 1, 1, self.spec.threads, 1, 1, 0, int(stream),
+                ctypes.addressof(self._params), None,
+            )  # fmt: skip
+            call = "cuLaunchKernel"
         if rc != 0:
-            raise CudaError(f"cuLaunchKernel({KERNEL_NAME})", driver().CUresult(rc).name, rc)
+            raise CudaError(f"{call}({KERNEL_NAME})", driver().CUresult(rc).name, rc)
 
     def unload(self) -> None:
         """Unload the module (in the context it was loaded in, current on the calling thread)."""

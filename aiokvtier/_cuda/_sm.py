@@ -69,6 +69,10 @@ ALTERNATE = True
 """Slices alternate between the copy's stream and a partner stream (:meth:`SmPath.submit`); the
 slice study's baseline turns it off."""
 
+PDL = False
+"""Each slice is a programmatic dependent of the one before it on its stream (compute capability
+9.0+): its blocks start while the previous slice's last pages drain, instead of after a launch gap."""
+
 
 def slices(sizes: U64, limit: int) -> list[tuple[int, int]]:
     """``(first, count)`` runs of consecutive copies, in order, covering every copy, each at
@@ -154,7 +158,7 @@ class SmPath:
                 self._alternate(slab.device, n, runs, stream, partner, blocks)
             else:
                 for first, count in runs:
-                    self.kernel.launch(slab.device, n, stream, blocks, first, count)
+                    self.kernel.launch(slab.device, n, stream, blocks, first, count, PDL)
         except BaseException:
             # An upload or launches may be queued: the slab is reusable only once they have run.
             driver().cuStreamSynchronize(stream)
@@ -184,9 +188,9 @@ class SmPath:
         half = blocks // 2  # the copy's stream runs the odd slice out: it takes the larger half
         for i, (first, count) in enumerate(runs):
             if i % 2 == 0:
-                self.kernel.launch(descriptors, n, stream, blocks - half, first, count)
+                self.kernel.launch(descriptors, n, stream, blocks - half, first, count, PDL)
             else:
-                self.kernel.launch(descriptors, n, partner, half, first, count)
+                self.kernel.launch(descriptors, n, partner, half, first, count, PDL)
         done = check("cuEventCreate", drv.cuEventCreate(flags))
         try:
             check("cuEventRecord", drv.cuEventRecord(done, partner))
