@@ -65,11 +65,15 @@ class _TimedDriver:
             self.spans.append((started, ended))
 
 
-def worst_window(starts: list[float], samples: list[float], spans: list[tuple[float, float]]) -> dict[str, float]:
-    """What overlapped the probe's longest call: registrations, their time inside it, its place in the fill."""
-    if not samples:
+def worst_window(
+    starts: list[float], samples: list[float], spans: list[tuple[float, float]], end: float
+) -> dict[str, float]:
+    """What overlapped the probe's longest call that began before ``end`` (the fill's): registrations,
+    their time inside it, its place in the fill."""
+    during = [i for i, t in enumerate(starts) if t < end]
+    if not during:
         return {}
-    i = max(range(len(samples)), key=samples.__getitem__)
+    i = max(during, key=samples.__getitem__)
     lo, hi = starts[i], starts[i] + samples[i]
     inside = [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]
     return {
@@ -91,7 +95,11 @@ async def _fill(size: int, unit: int, backing: str, ctx: PrimaryContext, dptr: i
                 wall = time.perf_counter() - started
     finally:
         _backings.driver = driver
-    row = {"gib_s": size / GiB / wall, **probe.report(wall), **worst_window(probe.starts, probe.samples, timed.spans)}
+    row = {
+        "gib_s": size / GiB / wall,
+        **probe.report(wall, started),
+        **worst_window(probe.starts, probe.samples, timed.spans, started + wall),
+    }
     if timed.durations:
         ms = sorted(d * 1e3 for d in timed.durations)
         row |= {"register_p50_ms": ms[len(ms) // 2], "register_max_ms": ms[-1]}

@@ -151,13 +151,23 @@ class Probe:
         self._stop.set()
         self._thread.join()
 
-    def report(self, wall: float) -> dict[str, float]:
-        s = self.samples
-        return {
+    def report(self, wall: float, started: float | None = None) -> dict[str, float]:
+        """The calls of the ``wall`` seconds from ``started`` (default: every call); those that began
+        after that window (a tier's close: unregistering, unmapping) as ``after_*``."""
+        if started is None:
+            s, rest = self.samples, []
+        else:
+            end = started + wall
+            s = [d for t, d in zip(self.starts, self.samples, strict=True) if t < end]
+            rest = [d for t, d in zip(self.starts, self.samples, strict=True) if t >= end]
+        row = {
             "blocked_fraction": round(sum(s) / wall, 4) if wall else 0.0,
             "p99_ms": round(float(np.percentile(s, 99)) * 1e3, 3) if s else 0.0,
             "worst_stall_ms": round(max(s) * 1e3, 3) if s else 0.0,
         }
+        if started is not None:
+            row["after_worst_stall_ms"] = round(max(rest) * 1e3, 3) if rest else 0.0
+        return row
 
 
 async def _fill(
@@ -177,7 +187,7 @@ async def _fill(
         "fill_threads": config.resolved.fill_threads,
         "commit_unit_mib": config.resolved.commit_unit / MiB,
         "registered_gib": registered / GiB,
-        **probe.report(wall),
+        **probe.report(wall, started),
     }
 
 
