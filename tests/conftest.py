@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from aiokvtier._host import _linux
+from aiokvtier._host import _linux, _userfault
 
 try:
     import uvloop
@@ -175,6 +175,13 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[PopulateGate]:
     monkeypatch.setattr(_linux, "populate", g)
     yield g
     g.release_all()
+
+
+@pytest.fixture
+def touch_fill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiers opened in the test fill by touching (and populate calls), as where the kernel has no
+    userfaultfd copies: for tests of that path on kernels that have them."""
+    monkeypatch.setattr(_userfault, "supported", lambda: False)
 
 
 @pytest.fixture

@@ -539,6 +539,7 @@ def test_a_claim_ending_between_the_reading_and_the_grant_is_counted(
         assert not claim.granted, "granted 60 MiB though 80 of 100 MiB were just touched"
 
 
+@pytest.mark.usefixtures("touch_fill")
 def test_two_tiers_filling_at_once_stay_within_the_room(
     fixed_memory: Callable[[int], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:

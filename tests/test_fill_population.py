@@ -1,4 +1,6 @@
-"""How the fill makes pages resident: touched where memory allows, populated in short calls where not.
+"""How the fill makes pages resident where it does not copy them in (a kernel before 6.9, a
+refused userfaultfd, huge pages): touched where memory allows, populated in short calls where not.
+Every test here fills that way (the ``touch_fill`` fixture); tests/test_fill_copy.py has the copy.
 
 The calls that reach the kernel are recorded by spies on ``_linux``: every
 touch step and every MADV_POPULATE_WRITE call is bounded in size, mprotect
@@ -40,6 +42,11 @@ class Calls:
     def add(self, kind: str, value: object) -> None:
         with self._lock:
             getattr(self, kind).append(value)
+
+
+@pytest.fixture(autouse=True)
+def _touching(touch_fill: None) -> None:
+    """Every tier here fills by touching or populating."""
 
 
 @pytest.fixture

@@ -573,6 +573,7 @@ async def test_close_during_open_closes_once_the_open_is_whole_and_the_opener_le
     assert reserved and not mappings_in(reserved[0], tier.config.max_quota)
 
 
+@pytest.mark.usefixtures("touch_fill")
 async def test_fill_falls_back_to_touching_pages_without_populate_write(monkeypatch: pytest.MonkeyPatch) -> None:
     # Kernels before 5.14 answer MADV_POPULATE_WRITE with EINVAL; where memory is short (the one
     # case the fill populates rather than touches) the fill then writes the pages itself.

@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from typing import Literal
 
 from .._errors import NumaPolicyError
-from . import _linux
+from . import _linux, _userfault
 from ._hugepages import HugePagePolicy
 
 __all__ = ["Backing", "HostBacking"]
@@ -44,6 +44,9 @@ class Backing(ABC):
     """``"preferred"``, ``"bind"``, ``"first-touch"`` (mbind denied) or ``"none"``."""
     numa_warning: str | None = None
     registered_bytes: int = 0
+    fill_method: str = "touch"
+    """How units are made resident: ``"copy"`` (``UFFDIO_COPY``), ``"touch"`` (page faults, or
+    ``MADV_POPULATE_WRITE`` when memory is short) or ``"driver"`` (the vmm backing's ``cuMemCreate``)."""
 
     @property
     def huge_page_units(self) -> int:
@@ -117,8 +120,10 @@ class HostBacking(Backing):
     exclusively, and one per unit made fill threads wait for each other and
     stalled every other thread's mmap (docs/guide.md, "How the fill works").
     Past the target the range stays PROT_NONE. Below it, a unit not yet
-    committed is readable memory that the tier never hands out: slots are
-    taken only below the watermark, and raw copies past it are refused.
+    committed is memory that the tier never hands out (slots are taken only
+    below the watermark, and raw copies past it are refused); where the fill
+    copies its units in (:mod:`._userfault`, the default on Linux 6.9+ with
+    4 KiB pages), touching such a page raises SIGBUS, elsewhere it reads zeros.
     Where the kernel charges a writable private mapping in full (strict
     overcommit, ``vm.overcommit_memory=2``), the one large ``mprotect`` fails
     with ENOMEM; the backing then opens each unit as it commits it, as
@@ -146,7 +151,22 @@ class HostBacking(Backing):
                 if huge_pages is True or exc.errno != errno.EINVAL:
                     raise
             self.numa_policy, self.numa_warning = apply_numa_policy(self.base, self.size, node, strict_numa)
+            self._userfault = self._register(huge_pages)
             undo.pop_all()
+
+    def _register(self, huge_pages: bool | Literal["auto"]) -> _userfault.Userfault | None:
+        """The whole reservation registered for ``UFFDIO_COPY`` fills where the kernel allows it
+        (4 KiB pages only: the kernel copies into small pages); else None, and units are touched."""
+        if huge_pages is not False or not _userfault.supported():
+            return None
+        try:
+            uf = _userfault.Userfault(self.base, self.size)
+        except OSError as exc:
+            log.info("aiokvtier: the fill touches its pages (userfaultfd refused: %s)", exc)
+            return None
+        _userfault.activate(uf)
+        self.fill_method = "copy"
+        return uf
 
     def expose(self, end: int) -> None:
         end = min(end, self.size)
@@ -219,4 +239,11 @@ class HostBacking(Backing):
             _linux.mprotect(addr, length, writable=False)
 
     def release(self, committed: list[tuple[int, int]]) -> None:
-        _linux.munmap(self.base, self.size)
+        uf, self._userfault = self._userfault, None
+        if uf is not None:
+            _userfault.deactivate(uf)
+        try:
+            _linux.munmap(self.base, self.size)
+        finally:
+            if uf is not None:
+                uf.close()

@@ -16,7 +16,7 @@ import platform
 
 import numpy as np
 
-from . import _headroom
+from . import _headroom, _userfault
 
 __all__ = [
     "MADV_DONTNEED",
@@ -198,10 +198,16 @@ def populate(addr: int, length: int) -> None:
     Touches the pages while the process has memory to spare (no stall for
     other threads), else populates them in short calls that report ENOMEM.
 
+    Inside a range registered for ``UFFDIO_COPY`` (:mod:`._userfault`) the pages are copied in
+    instead: as fast as populate, no stall, ENOMEM reported (touching would raise SIGBUS there).
+
     :raises OSError: ENOMEM when memory runs out, EFAULT/EINVAL on a bad range.
     """
+    uf = _userfault.covering(addr, length)
     with _headroom.Claim(length) as claim:
-        if claim.granted:
+        if uf is not None:
+            uf.copy(addr, length)
+        elif claim.granted:
             touch(addr, length)
         else:
             populate_write(addr, length)

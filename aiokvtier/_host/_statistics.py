@@ -54,3 +54,7 @@ class TierStatistics:
     (``placement().huge_page_bytes`` says what the kernel gave them)."""
     huge_pages_given_up: bool = False
     """With ``"auto"``: a huge-page unit filled slower than 4 KiB pages, so no later unit gets them."""
+    fill_method: str = "touch"
+    """How the fill makes units resident: ``"copy"`` (``UFFDIO_COPY`` into a range registered
+    once; Linux 6.9+, 4 KiB pages), ``"touch"`` (page faults, or ``MADV_POPULATE_WRITE`` when
+    memory is short) or ``"driver"`` (the vmm backing: ``cuMemCreate``)."""

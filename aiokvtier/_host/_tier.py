@@ -613,6 +613,7 @@ class HostTier(Owner):
             allocation_wait_seconds=self._allocation_wait_seconds,
             huge_page_units=self._backing.huge_page_units,
             huge_pages_given_up=self._backing.huge_pages_given_up,
+            fill_method=self._backing.fill_method,
         )
 
     def __repr__(self) -> str:
