@@ -93,11 +93,18 @@ async def test_sm_pages_smaller_than_the_slot(backing: str, short: int) -> None:
 
 
 @pytest.mark.parametrize("backing", BACKINGS)
-async def test_sm_request_in_many_slices_is_bit_exact(backing: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request runs as launches of at most SLICE_BYTES: uneven slices (2 pages and a bit) land every page."""
+@pytest.mark.parametrize(("alternate", "pdl"), [(False, True), (True, True), (False, False)])
+async def test_sm_request_in_many_slices_is_bit_exact(
+    backing: str, alternate: bool, pdl: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request runs as launches of at most SLICE_BYTES (uneven: 2 pages and a bit), each a
+    programmatic dependent of the one before (the default) or not, on one stream (the default)
+    or alternating with a partner stream: every page lands, in both directions."""
     from aiokvtier._cuda import _sm
 
     monkeypatch.setattr(_sm, "SLICE_BYTES", 40 << 10)
+    monkeypatch.setattr(_sm, "ALTERNATE", alternate)
+    monkeypatch.setattr(_sm, "PDL", pdl)
     torch = torch_cuda()
     slot = 16 << 10
     async with HostTier(tier_config(backing, slot)) as tier, CopyEngine(0, method="sm") as engine:

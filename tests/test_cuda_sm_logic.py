@@ -339,10 +339,17 @@ def model_path(monkeypatch: pytest.MonkeyPatch, budget: int, fail_at: int | None
 STREAM = 7
 
 
+@pytest.fixture(params=[False, True], ids=["one-stream", "alternate"])
+def alternate(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Slices on the copy's stream alone (the default) and alternating with a partner stream."""
+    monkeypatch.setattr(_sm, "ALTERNATE", request.param)
+    return bool(request.param)
+
+
 @pytest.mark.parametrize("budget", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("pages", [1, 2, 3, 4, 7])
 def test_sliced_launches_follow_the_upload_and_precede_the_completion(
-    monkeypatch: pytest.MonkeyPatch, budget: int, pages: int
+    monkeypatch: pytest.MonkeyPatch, budget: int, pages: int, alternate: bool
 ) -> None:
     """Every slice runs after the upload, the request's completion (recorded on the copy's stream next)
     runs after every slice, each copy is launched once, every launch has a block, at most ``budget``
@@ -364,13 +371,14 @@ def test_sliced_launches_follow_the_upload_and_precede_the_completion(
     for i, j in itertools.combinations(launches, 2):
         if i not in model.before(j):  # may run together
             assert model.ops[i][3][0] + model.ops[j][3][0] <= budget
-    assert len({model.ops[i][1] for i in launches}) == (2 if budget > 1 and pages > 1 else 1)
+    assert len({model.ops[i][1] for i in launches}) == (2 if alternate and budget > 1 and pages > 1 else 1)
     assert not model.events
     path.close()
     assert not model.streams and not path._partners
 
 
 @pytest.mark.parametrize("budget", [2, 3, 4])
+@pytest.mark.usefixtures("alternate")
 def test_a_refused_call_midway_leaves_no_slice_running_and_no_event(
     monkeypatch: pytest.MonkeyPatch, budget: int
 ) -> None:
@@ -427,7 +435,7 @@ def test_the_crossover_key_names_how_requests_are_launched(monkeypatch: pytest.M
     monkeypatch.setattr(_driver, "driver", lambda: _KeyDriver())
     spec = _kernel.KernelSpec("sm_90")
     key = _crossover.device_key(0, 4, spec)
-    monkeypatch.setattr(_sm, "SLICE_BYTES", 8 << 20)
+    monkeypatch.setattr(_sm, "SLICE_BYTES", 2 * key["slice_bytes"])
     assert _crossover.device_key(0, 4, spec) != key
     monkeypatch.setattr(_sm, "SLICE_BYTES", key["slice_bytes"])
     monkeypatch.setattr(_sm, "ALTERNATE", not _sm.ALTERNATE)

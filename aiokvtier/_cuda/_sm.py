@@ -1,16 +1,15 @@
 """The SM copy path of a CopyEngine: the loaded kernel, its descriptor slabs, the device-side check.
 
-A request runs as consecutive launches of at most :data:`SLICE_BYTES` each,
-alternating between the copy's stream and a partner stream with half the
-budget each: a launch's blocks hold their SMs until its last page lands,
-so a kernel of the model that is queued meanwhile (a persistent matmul
-waits for every SM it was sized for) waits for one slice, not the whole
-request, and while one stream's launch drains and the next starts, the
-other's keeps the link busy. Measured on the H200 (docs/benchmarks.md): a
-bf16 matmul loop beside 128 MiB requests on 4 SMs slowed by 16-30% with
-whole-request launches and by 2-8% with alternating 4 MiB slices, while
-the copy alone went from 0.91-0.93 to 0.89-0.90 of a DMA copy (host to
-device); one stream of 4 MiB slices gave 0.87.
+A request runs as consecutive launches of at most :data:`SLICE_BYTES` each
+on the copy's stream: a launch's blocks hold their SMs until its last page
+lands, so a kernel of the model that is queued meanwhile (a persistent
+matmul waits for every SM it was sized for) waits for one slice, not the
+whole request. Each slice is launched as a programmatic dependent of the one
+before (:data:`PDL`), so the link does not idle between them. Measured on the
+H200 (docs/benchmarks.md): a bf16 matmul loop beside 128 MiB requests on 4
+SMs slowed by 16-30% with whole-request launches and by 7-9% with 8 MiB
+slices, and the copy alone moved shuffled pages host to device at
+0.913-0.924 of a DMA copy (0.87-0.90 with the launch gap between slices).
 
 A launch needs its (src, dst, len) arrays in device memory. They are written
 into a pinned staging buffer and uploaded with one async H2D copy on the
@@ -58,20 +57,25 @@ __all__ = [
 MIN_SLAB = 4096
 """Copies per slab at least (96 KiB of descriptors)."""
 
-SLICE_BYTES = 4 << 20
-"""Bytes per launch at most (a copy larger than this is a launch of its own). With slices
-alternating between two streams (:data:`ALTERNATE`), 4 MiB ones moved pages as fast as 8 MiB ones
-on one stream and slowed a concurrent matmul less; 16-32 MiB ones let it slow by 8-18%, whole
-requests by 16-30% (``docs/results/sm-slices-h200.jsonl``, ``sm-alternate-h200.jsonl``)."""
+SLICE_BYTES = 8 << 20
+"""Bytes per launch at most (a copy larger than this is a launch of its own). A launch's blocks
+hold their SMs until its last page lands, so a kernel of the model queued meanwhile waits for one
+slice, not a whole request: a concurrent matmul slowed by 16-30% beside whole-request launches
+and by 7-9% beside 8 MiB slices (``docs/results/sm-launches-h200.jsonl``)."""
 
 
-ALTERNATE = True
-"""Slices alternate between the copy's stream and a partner stream (:meth:`SmPath.submit`); the
-slice study's baseline turns it off."""
+ALTERNATE = False
+"""Slices alternate between the copy's stream and a partner stream with half the budget each
+(:meth:`SmPath._alternate`). Without :data:`PDL` that hid the launch gap between slices (0.89 of a
+DMA copy host to device, against 0.87 for one stream of 4 MiB slices); with it, one stream does as
+well (0.913-0.924 against 0.915-0.921), so the partner is kept for the launch study only."""
 
-PDL = False
+PDL = True
 """Each slice is a programmatic dependent of the one before it on its stream (compute capability
-9.0+): its blocks start while the previous slice's last pages drain, instead of after a launch gap."""
+9.0+): its blocks start while the previous slice's last pages drain, instead of after a launch
+gap; the kernel's ``griddepcontrol.wait`` keeps completion in stream order. Host to device, shuffled
+4-64 KiB pages on the H200: 0.913-0.924 of a DMA copy, against 0.889-0.896 without
+(``docs/results/sm-launches-h200.jsonl``)."""
 
 
 def slices(sizes: U64, limit: int) -> list[tuple[int, int]]:

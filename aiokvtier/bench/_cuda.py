@@ -284,6 +284,7 @@ def contention(processes: int, size: int, one_per_gpu: bool = False) -> dict[str
             "aggregate_gib_s": round(sum(a["gib_s"] for a in arms), 3),
             "blocked_fraction_max": max(a["blocked_fraction"] for a in arms),
             "worst_stall_ms": max(a["worst_stall_ms"] for a in arms),
+            "after_worst_stall_ms": max(a["after_worst_stall_ms"] for a in arms),
         }
     return summary
 

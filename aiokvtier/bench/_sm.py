@@ -168,6 +168,8 @@ async def _bandwidth(total: int) -> dict[str, Any]:
         "timing": "dma/sm*: awaited engine calls from the loop (planning, hand-offs included); "
         "kernel*: the engine's upload and launches alone, device-timed; anchor16: device-timed",
         "slice_bytes": _sm.SLICE_BYTES,
+        "alternate": _sm.ALTERNATE,
+        "pdl": _sm.PDL,
     }
     try:
         scratch = int(check("cuMemAlloc", drv.cuMemAlloc(GiB)))
