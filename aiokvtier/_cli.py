@@ -143,7 +143,7 @@ def build_parser(prog: str = "aiokvtier") -> _Parser:
         choices=["auto", "host", "register", "vmm"],
         default="auto",
         help="host memory only, or GPU-usable through cuMemHostRegister or cuMemCreate; "
-        "auto: vmm with --device, host without",
+        "auto: register with --device, host without",
     )
     demo.add_argument(
         "--device", type=int, metavar="N", help="CUDA ordinal that will copy to and from the tier (cuda extra)"

@@ -137,7 +137,7 @@ def test_resolved_holds_plain_values() -> None:
         allow_remote_numa_fallback=True,
         transparent_huge_pages=False,
         device=0,
-        backing="vmm",
+        backing="register",
     )
     for name in ("quota", "max_quota", "slot_size", "fill_chunk", "commit_unit", "fill_threads", "device"):
         assert type(getattr(r, name)) is int, name  # not ByteSize, not numpy

@@ -118,7 +118,7 @@ def test_cuda_lists_every_gpu_with_bus_id_node_and_auto_backing() -> None:
     gpus = [c for c in checks if c.name.startswith("gpu")]
     assert len(gpus) == _driver.device_count()
     for i, gpu in enumerate(gpus):
-        assert gpu.data["device"] == i and gpu.data["auto_backing"] == "vmm"
+        assert gpu.data["device"] == i and gpu.data["auto_backing"] == "register"
         assert gpu.data["bus_id"].count(":") == 2
         assert gpu.data["numa_node"] == _driver.device_numa_node(i)
 
