@@ -69,6 +69,11 @@ _ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
 _mmap = _libc.mmap
 _mmap.restype = ctypes.c_void_p
 _mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_munmap = _libc.munmap
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MADV_NOHUGEPAGE = 15
 
 _source = 0
 _source_lock = threading.Lock()
@@ -97,6 +102,12 @@ def _zeros() -> int:
             if raw is None or raw == ctypes.c_void_p(-1).value:
                 err = ctypes.get_errno()
                 raise OSError(err, f"mmap of the zero source: {os.strerror(err)}")
+            # Read faults on a mapping THP may back take the huge zero page, or, where the kernel's
+            # use_zero_page is off, allocate a real 2 MiB page each: 256 MiB for zeros.
+            if _madvise(raw, SOURCE_BYTES, _MADV_NOHUGEPAGE) and ctypes.get_errno() != errno.EINVAL:
+                err = ctypes.get_errno()
+                _munmap(raw, SOURCE_BYTES)
+                raise OSError(err, f"madvise of the zero source: {os.strerror(err)}")
             _source = int(raw)
         return _source
 
