@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -129,5 +130,41 @@ def test_the_zero_source_costs_no_memory_and_never_takes_huge_pages() -> None:
         assert "nh" in flags, f"the zero source may take huge pages: VmFlags {sorted(flags)}"
         assert "wr" not in flags
         assert rss == 0, f"the zero source holds {rss} kB"
+    finally:
+        b.release([])
+
+
+_MADV_DONTFORK, _MADV_DOFORK = 10, 11
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+@pytest.mark.parametrize("cut", [4096, 512 * 1024, MiB - 4096, 3 * MiB + 8192])
+def test_a_unit_split_into_several_mappings_is_still_copied_in(cut: int) -> None:
+    """Anything of the process that advises part of a range (an RDMA registration's MADV_DONTFORK,
+    an mlock, a madvise) splits its mapping, and the kernel copies within one mapping per call
+    (ENOENT across two): the unit is copied in mapping by mapping, as touching would have filled it."""
+    b = HostBacking(8 * MiB, node=None, strict_numa=False, huge_pages=False)
+    try:
+        b.expose(8 * MiB)
+        assert _libc.madvise(b.base + cut, 8192, _MADV_DONTFORK) == 0  # three mappings now
+        b.commit(0, 4 * MiB)
+        b.commit(4 * MiB, 4 * MiB)
+        assert resident_pages(b.base, 8 * MiB) == 8 * MiB // _linux.PAGE_SIZE
+        assert not memory(b.base, 8 * MiB).any()
+    finally:
+        b.release([])
+
+
+def test_a_copy_outside_any_registered_mapping_still_fails_with_enoent() -> None:
+    b = HostBacking(8 * MiB, node=None, strict_numa=False, huge_pages=False)
+    uf = b._userfault
+    assert uf is not None
+    try:
+        b.expose(8 * MiB)
+        _linux.munmap(b.base + 6 * MiB, 2 * MiB)  # gone: no mapping to copy into
+        with pytest.raises(OSError) as info:
+            uf.copy(b.base + 4 * MiB, 4 * MiB)
+        assert info.value.errno == errno.ENOENT
     finally:
         b.release([])

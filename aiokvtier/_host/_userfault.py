@@ -74,6 +74,7 @@ _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _munmap = _libc.munmap
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MADV_NOHUGEPAGE = 15
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 _source = 0
 _source_lock = threading.Lock()
@@ -159,7 +160,8 @@ class Userfault:
         of threads at once, each call without the GIL.
 
         :raises OSError: ENOMEM when memory runs out (what was copied stays resident), EEXIST where
-            a page was present, EBADF after :meth:`close` or in a forked child.
+            a page was present, ENOENT where no registered mapping is, EBADF after :meth:`close`
+            or in a forked child.
         """
         if os.getpid() != self._pid:
             raise OSError(errno.EBADF, "UFFDIO_COPY: this userfaultfd belongs to the parent process")
@@ -181,15 +183,23 @@ class Userfault:
     def _copy(self, addr: int, length: int) -> None:
         args = (ctypes.c_int64 * 5)()
         done = stalled = 0
+        most = SOURCE_BYTES
         while done < length:
-            n = min(SOURCE_BYTES, length - done)
+            n = min(most, length - done)
             args[0], args[1], args[2], args[3], args[4] = addr + done, self._source, n, 0, 0
             failed = _ioctl(self._fd, _UFFDIO_COPY, args) != 0
             moved = max(0, int(args[4]))
             done += moved
             if not failed:
+                most = SOURCE_BYTES
                 continue
             err = ctypes.get_errno()
+            if err == errno.ENOENT and not moved and n > _PAGE:
+                # One call copies into one mapping: the range spans two where something of the
+                # process advised part of it (an RDMA registration's MADV_DONTFORK, an mlock).
+                # Halve the call until it ends before the boundary (a few calls per boundary).
+                most = n // 2 // _PAGE * _PAGE or _PAGE
+                continue
             # EAGAIN: the address space changed under the call (the part copied is counted); retry.
             stalled = 0 if moved else stalled + 1
             if err != errno.EAGAIN or stalled > 100:
