@@ -131,6 +131,9 @@ class Userfault:
             raise OSError(errno.ENOSYS, f"filling by UFFDIO_COPY needs Linux {version}+ on x86-64 or arm64")
         self.start, self.end = addr, addr + length
         self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._copying = 0  # calls in flight: the descriptor is closed after the last one
+        self._closed = False
         # User-mode faults only: allowed without privileges (Linux 5.11+); a fault the kernel takes
         # on a missing page (a read(2) into it) fails with EFAULT, as in a PROT_NONE range.
         flags = _O_CLOEXEC | _O_NONBLOCK | _UFFD_USER_MODE_ONLY
@@ -151,9 +154,6 @@ class Userfault:
             os.close(fd)
             raise
         self._fd = fd
-        self._lock = threading.Lock()
-        self._copying = 0  # calls in flight: the descriptor is closed after the last one
-        self._closed = False
 
     def copy(self, addr: int, length: int) -> None:
         """Make ``[addr, addr + length)`` resident and zero; every page must be missing. Any number
