@@ -164,7 +164,11 @@ class HostBacking(Backing):
         except OSError as exc:
             log.info("aiokvtier: the fill touches its pages (userfaultfd refused: %s)", exc)
             return None
-        _userfault.activate(uf)
+        try:
+            _userfault.activate(uf)
+        except BaseException:
+            uf.close()
+            raise
         self.fill_method = "copy"
         return uf
 

@@ -69,6 +69,12 @@ _ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
 _mmap = _libc.mmap
 _mmap.restype = ctypes.c_void_p
 _mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_munmap = _libc.munmap
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MADV_NOHUGEPAGE = 15
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 _source = 0
 _source_lock = threading.Lock()
@@ -97,6 +103,12 @@ def _zeros() -> int:
             if raw is None or raw == ctypes.c_void_p(-1).value:
                 err = ctypes.get_errno()
                 raise OSError(err, f"mmap of the zero source: {os.strerror(err)}")
+            # Read faults on a mapping THP may back take the huge zero page, or, where the kernel's
+            # use_zero_page is off, allocate a real 2 MiB page each: 256 MiB for zeros.
+            if _madvise(raw, SOURCE_BYTES, _MADV_NOHUGEPAGE) and ctypes.get_errno() != errno.EINVAL:
+                err = ctypes.get_errno()
+                _munmap(raw, SOURCE_BYTES)
+                raise OSError(err, f"madvise of the zero source: {os.strerror(err)}")
             _source = int(raw)
         return _source
 
@@ -119,6 +131,9 @@ class Userfault:
             raise OSError(errno.ENOSYS, f"filling by UFFDIO_COPY needs Linux {version}+ on x86-64 or arm64")
         self.start, self.end = addr, addr + length
         self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._copying = 0  # calls in flight: the descriptor is closed after the last one
+        self._closed = False
         # User-mode faults only: allowed without privileges (Linux 5.11+); a fault the kernel takes
         # on a missing page (a read(2) into it) fails with EFAULT, as in a PROT_NONE range.
         flags = _O_CLOEXEC | _O_NONBLOCK | _UFFD_USER_MODE_ONLY
@@ -139,16 +154,14 @@ class Userfault:
             os.close(fd)
             raise
         self._fd = fd
-        self._lock = threading.Lock()
-        self._copying = 0  # calls in flight: the descriptor is closed after the last one
-        self._closed = False
 
     def copy(self, addr: int, length: int) -> None:
         """Make ``[addr, addr + length)`` resident and zero; every page must be missing. Any number
         of threads at once, each call without the GIL.
 
         :raises OSError: ENOMEM when memory runs out (what was copied stays resident), EEXIST where
-            a page was present, EBADF after :meth:`close` or in a forked child.
+            a page was present, ENOENT where no registered mapping is, EBADF after :meth:`close`
+            or in a forked child.
         """
         if os.getpid() != self._pid:
             raise OSError(errno.EBADF, "UFFDIO_COPY: this userfaultfd belongs to the parent process")
@@ -170,15 +183,23 @@ class Userfault:
     def _copy(self, addr: int, length: int) -> None:
         args = (ctypes.c_int64 * 5)()
         done = stalled = 0
+        most = SOURCE_BYTES
         while done < length:
-            n = min(SOURCE_BYTES, length - done)
+            n = min(most, length - done)
             args[0], args[1], args[2], args[3], args[4] = addr + done, self._source, n, 0, 0
             failed = _ioctl(self._fd, _UFFDIO_COPY, args) != 0
             moved = max(0, int(args[4]))
             done += moved
             if not failed:
+                most = SOURCE_BYTES
                 continue
             err = ctypes.get_errno()
+            if err == errno.ENOENT and not moved and n > _PAGE:
+                # One call copies into one mapping: the range spans two where something of the
+                # process advised part of it (an RDMA registration's MADV_DONTFORK, an mlock).
+                # Halve the call until it ends before the boundary (a few calls per boundary).
+                most = n // 2 // _PAGE * _PAGE or _PAGE
+                continue
             # EAGAIN: the address space changed under the call (the part copied is counted); retry.
             stalled = 0 if moved else stalled + 1
             if err != errno.EAGAIN or stalled > 100:
