@@ -287,9 +287,9 @@ def test_a_device_without_cuda_is_one_line_and_exit_1() -> None:
 
 
 @pytest.mark.cuda
-def test_demo_on_a_gpu_picks_vmm() -> None:
+def test_demo_on_a_gpu_picks_register() -> None:
     done = _cli_run("demo", "--quota", "256MiB", "--max-quota", "256MiB", "--device", "0", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert report["backing"] == "vmm" and report["device"] == 0
+    assert report["backing"] == "register" and report["device"] == 0
     assert report["resident_bytes"] >= report["quota_bytes"] == 256 << 20

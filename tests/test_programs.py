@@ -224,10 +224,12 @@ def _check_offload(report: dict[str, Any], quota: int) -> None:
 
 @pytest.mark.cuda
 def test_engine_offload_offloads_and_onboards_bit_exact_while_the_tier_fills() -> None:
-    report = json.loads(_run("examples/engine_offload.py", "--quota", "2GiB"))
-    _check_offload(report, 2 << 30)
+    # 16 GiB: the default backing (register) fills about 17 GiB/s on the H200 machine, and the
+    # first offload comes about 0.35 s after the open; a 2 GiB tier was resident by then.
+    report = json.loads(_run("examples/engine_offload.py", "--quota", "16GiB"))
+    _check_offload(report, 16 << 30)
     first = report["first_offload"]
-    assert first["tier_filling"] and 0 < first["resident_bytes"] < 2 << 30, first
+    assert first["tier_filling"] and 0 < first["resident_bytes"] < 16 << 30, first
     assert report["store"]["evictions"] == 0 and report["lost_to_eviction"] == 0
 
 
