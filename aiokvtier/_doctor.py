@@ -179,6 +179,49 @@ def check_populate() -> Check:
     return Check("populate", "ok", "MADV_POPULATE_WRITE works on a scratch mapping", "", {"supported": True})
 
 
+def check_copy_fill() -> Check:
+    """Whether the fill copies units in (``UFFDIO_COPY``): a scratch range registered and filled."""
+    from ._host import _linux, _userfault
+
+    version = ".".join(map(str, _userfault.MIN_KERNEL))
+    if not _userfault.supported():
+        return Check(
+            "copy-fill",
+            "info",
+            f"the fill touches its pages: copying them in needs Linux {version}+ on x86-64 or arm64 "
+            f"(kernel {platform.release()}, {platform.machine()})",
+            f"on Linux {version}+ the fill copies 4 KiB pages 1.5-1.7x faster than it touches them",
+            {"supported": False, "reason": "kernel"},
+        )
+    base, length = _linux.mmap_reserve(_SCRATCH, 2 << 20)
+    try:
+        try:
+            uf = _userfault.Userfault(base, length)
+        except OSError as exc:
+            return Check(
+                "copy-fill",
+                "warn",
+                f"the fill touches its pages: userfaultfd was refused ({exc.strerror or exc})",
+                "a seccomp filter (Docker's default profile denies userfaultfd) or "
+                "vm.unprivileged_userfaultfd; allowing it makes the fill 1.5-1.7x faster",
+                {"supported": False, "reason": "refused", "errno": exc.errno},
+            )
+        try:
+            _linux.mprotect(base, length, writable=True)
+            uf.copy(base, length)
+        finally:
+            uf.close()
+    finally:
+        _linux.munmap(base, length)
+    return Check(
+        "copy-fill",
+        "ok",
+        f"the fill copies units in (UFFDIO_COPY) on a scratch range of {format_bytes(length)}",
+        "",
+        {"supported": True},
+    )
+
+
 def _cap_sys_nice(status: Path = Path("/proc/self/status")) -> tuple[bool | None, int | None]:
     """(CAP_SYS_NICE in the effective set, seccomp mode), None where unreadable."""
     text = _read(status) or ""
@@ -497,6 +540,7 @@ _CHECKS: tuple[Callable[[], Check | list[Check]], ...] = (
     check_memory,
     check_virtualization,
     check_populate,
+    check_copy_fill,
     check_mbind,
     check_thp,
     check_numa,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -57,6 +58,33 @@ def test_populate_is_tried_on_a_scratch_mapping() -> None:
     assert check.verdict in ("ok", "warn")
     assert check.data["supported"] is (check.verdict == "ok")
     assert Path("/proc/self/maps").read_text().count("\n") == before  # the scratch mapping is gone
+
+
+def test_the_copy_fill_is_tried_on_a_scratch_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokvtier._host import _userfault
+
+    if _userfault.supported():
+        _userfault._zeros()  # the process's zero source, mapped once and kept, is no leak
+    before = Path("/proc/self/maps").read_text().count("\n")
+    check = _doctor.check_copy_fill()
+    _well_formed(check)
+    assert check.data["supported"] is (check.verdict == "ok")
+    assert check.data["supported"] is _userfault.supported() or check.verdict == "warn"
+    assert Path("/proc/self/maps").read_text().count("\n") == before  # the scratch range is gone
+    monkeypatch.setattr(_userfault, "supported", lambda: False)
+    assert _doctor.check_copy_fill().data == {"supported": False, "reason": "kernel"}
+
+
+def test_a_refused_userfaultfd_is_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokvtier._host import _userfault
+
+    def refused(self: object, addr: int, length: int) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(_userfault, "supported", lambda: True)
+    monkeypatch.setattr(_userfault.Userfault, "__init__", refused)
+    check = _doctor.check_copy_fill()
+    assert check.verdict == "warn" and "seccomp" in check.advice and check.data["errno"] == errno.EPERM
 
 
 def test_mbind_is_tried_on_a_scratch_mapping() -> None:
@@ -126,7 +154,7 @@ def test_cuda_lists_every_gpu_with_bus_id_node_and_auto_backing() -> None:
 def test_run_checks_orders_every_check_and_none_is_fatal_here() -> None:
     checks = _doctor.run_checks(cuda=False)
     names = [c.name for c in checks]
-    assert names[:5] == ["platform", "memory", "vm", "populate", "mbind"]
+    assert names[:6] == ["platform", "memory", "vm", "populate", "copy-fill", "mbind"]
     assert {"thp", "memlock", "cuda"} <= set(names)
     assert not any(c.fatal for c in checks)
 
