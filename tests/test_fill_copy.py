@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from aiokvtier import FillError, HostTier
-from aiokvtier._host import _linux, _userfault
+from aiokvtier._host import _headroom, _linux, _userfault
 from aiokvtier._host._backing import HostBacking
 
 from .helpers import MiB, small_config
@@ -64,10 +64,15 @@ def no_touching(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 @needs_copy
 @pytest.mark.usefixtures("no_touching")
 async def test_the_fill_copies_every_unit_in_and_the_pages_are_resident() -> None:
+    before = _headroom.counters()
     async with HostTier(small_config(quota=48 * MiB, max_quota=128 * MiB, fill_threads=3)) as tier:
         await tier.wait_resident()
         s = check_tier(tier, settled=True)
         assert s.fill_method == "copy"
+        after = _headroom.counters()
+        assert after["copied_bytes"] - before["copied_bytes"] == s.resident_bytes
+        assert after["touched_bytes"] == before["touched_bytes"]
+        assert after["populated_bytes"] == before["populated_bytes"]
         assert resident_pages(s.base_address, s.resident_bytes) == s.resident_bytes // _linux.PAGE_SIZE
         assert resident_pages(s.base_address + s.resident_bytes, 16 * MiB) == 0
         slots = await tier.allocate(s.slots_total)

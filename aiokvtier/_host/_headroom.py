@@ -31,6 +31,7 @@ _lock = threading.Lock()
 _in_flight = 0  # bytes being touched right now, across every tier of the process
 _touched = 0
 _populated = 0
+_copied = 0
 
 
 def reserve_bytes() -> int:
@@ -56,8 +57,8 @@ _refreshing = False
 
 
 def _made() -> int:
-    """Bytes made resident through the ledger so far, touched or populated (hold ``_lock``)."""
-    return _touched + _populated
+    """Bytes made resident through the ledger so far, touched, populated or copied (hold ``_lock``)."""
+    return _touched + _populated + _copied
 
 
 def _after_fork_in_child() -> None:
@@ -116,11 +117,13 @@ class Claim:
     caller must then populate (which reports ENOMEM) instead of touching.
     """
 
-    __slots__ = ("granted", "length")
+    __slots__ = ("copied", "granted", "length")
 
     def __init__(self, length: int) -> None:
         self.length = length
         self.granted = False
+        self.copied = False
+        """Set by the caller that copied the range in (``UFFDIO_COPY``) instead: counted as copied."""
 
     def __enter__(self) -> Claim:
         global _in_flight
@@ -138,16 +141,19 @@ class Claim:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        global _in_flight, _touched, _populated
+        global _in_flight, _touched, _populated, _copied
         with _lock:
             if self.granted:
                 _in_flight -= self.length
+            if self.copied:
+                _copied += self.length
+            elif self.granted:
                 _touched += self.length
             else:
                 _populated += self.length
 
 
 def counters() -> dict[str, int]:
-    """Bytes this process made resident by touching and by populating, so far."""
+    """Bytes this process made resident by touching, by populating and by copying in, so far."""
     with _lock:
-        return {"touched_bytes": _touched, "populated_bytes": _populated}
+        return {"touched_bytes": _touched, "populated_bytes": _populated, "copied_bytes": _copied}

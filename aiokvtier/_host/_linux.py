@@ -206,6 +206,7 @@ def populate(addr: int, length: int) -> None:
     uf = _userfault.covering(addr, length)
     with _headroom.Claim(length) as claim:
         if uf is not None:
+            claim.copied = True
             uf.copy(addr, length)
         elif claim.granted:
             touch(addr, length)
