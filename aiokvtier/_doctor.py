@@ -190,7 +190,7 @@ def check_copy_fill() -> Check:
             "info",
             f"the fill touches its pages: copying them in needs Linux {version}+ on x86-64 or arm64 "
             f"(kernel {platform.release()}, {platform.machine()})",
-            f"on Linux {version}+ the fill copies 4 KiB pages 1.5-1.7x faster than it touches them",
+            f"on Linux {version}+ the fill copies 4 KiB pages 1.5-1.8x faster than it touches them",
             {"supported": False, "reason": "kernel"},
         )
     base, length = _linux.mmap_reserve(_SCRATCH, 2 << 20)
@@ -203,7 +203,7 @@ def check_copy_fill() -> Check:
                 "warn",
                 f"the fill touches its pages: userfaultfd was refused ({exc.strerror or exc})",
                 "a seccomp filter (Docker's default profile denies userfaultfd) or "
-                "vm.unprivileged_userfaultfd; allowing it makes the fill 1.5-1.7x faster",
+                "vm.unprivileged_userfaultfd; allowing it makes the fill 1.5-1.8x faster",
                 {"supported": False, "reason": "refused", "errno": exc.errno},
             )
         try:
