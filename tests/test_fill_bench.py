@@ -25,7 +25,7 @@ def test_neighbours_and_fill_scaling_print_their_json() -> None:
     for loop in neighbours["loop_lag_allocating_1mib"].values():
         assert set(loop) == {"tier_host_default", "populate_512mib_calls"}
         assert {"n", "p50_ms", "p99_ms", "max_ms"} <= set(loop["tier_host_default"])
-    assert set(neighbours["population_counters"]) == {"touched_bytes", "populated_bytes"}
+    assert set(neighbours["population_counters"]) == {"touched_bytes", "populated_bytes", "copied_bytes"}
     rows = report["fill_scaling"]["rows"]
     assert [(r["pages"], r["threads"]) for r in rows] == [(p, k) for p in ("4k", "thp") for k in (1, 2, 4, 8)]
     for row in rows:
