@@ -368,6 +368,14 @@ def load_app() -> ModuleType:
 APP_MODULE: Any = load_app()  # imported here, not on a test's loop: importing reads files
 
 
+def test_the_backing_help_names_what_auto_picks() -> None:
+    """``--backing``'s help says what ``"auto"`` resolves to with ``--device``, as the config does."""
+    picked = HostTierConfig(quota="64MiB", device=0).resolved_backing
+    (action,) = [a for a in APP_MODULE.build_parser()._actions if "--backing" in a.option_strings]
+    assert f"auto: {picked} with --device" in action.help
+    assert not any(f"auto: {other} with" in action.help for other in ("host", "register", "vmm") if other != picked)
+
+
 async def test_readyz_is_503_before_the_tier_opens_and_while_draining() -> None:
     app_module = APP_MODULE
     config = HostTierConfig(quota="64MiB", max_quota="64MiB", slot_size="64KiB", backing="host")

@@ -494,7 +494,7 @@ def build_parser() -> Parser:
         "--backing",
         choices=["host", "register", "vmm", "auto"],
         default="host",
-        help="host memory only, or GPU-usable (register, vmm: need --device); auto: vmm with --device",
+        help="host memory only, or GPU-usable (register, vmm: need --device); auto: register with --device",
     )
     parser.add_argument(
         "--device", type=int, default=None, metavar="N", help="CUDA ordinal of the GPU the tier serves (default: none)"
