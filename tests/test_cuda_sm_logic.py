@@ -462,3 +462,9 @@ def test_slices_are_even_and_within_the_limit(sizes: list[int], limit: int) -> N
         counts = [c for _, c in got]
         assert max(counts) - min(counts) <= 1
         assert len(got) == -(-len(sizes) // (limit // sizes[0]))
+
+
+def test_the_engine_states_the_present_slice_size() -> None:
+    """``sm_budget``'s documentation names the slice size requests are cut to."""
+    doc = " ".join((CopyEngine.__doc__ or "").split())
+    assert f"launches of at most {_sm.SLICE_BYTES >> 20} MiB" in doc

@@ -137,8 +137,10 @@ class CopyEngine(Owner):
         memory directly (docs/gpu.md). If the kernel cannot be built, ``"auto"`` copies
         with the copy engines (one warning) and ``"sm"`` fails to open. Without a device,
         every method is ``"dma"`` (``memmove``).
-    :param sm_budget: SMs the kernel may occupy (blocks per launch); a request runs as
-        launches of at most 4 MiB, so a model kernel waits for one slice, not the request.
+    :param sm_budget: SMs a launch of the kernel occupies (blocks per launch); a request runs
+        as launches of at most 8 MiB, so a model kernel waits for one slice, not the request.
+        Where slices launch as programmatic dependents (compute capability 9.0+), the next
+        slice's blocks may start on other SMs while one drains.
     :param crossover: a :class:`Crossover`, or ``{"h2d": bytes, "d2h": bytes}`` (the kernel
         for mean page sizes up to so many bytes); default: ``AIOKVTIER_SM_CROSSOVER``, else
         measured once per device and kept on disk.

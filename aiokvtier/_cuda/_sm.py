@@ -177,8 +177,9 @@ class SmPath:
         self, descriptors: int, n: int, runs: list[tuple[int, int]], stream: Any, partner: Any, blocks: int
     ) -> None:
         """The slices in turn on ``stream`` and its partner stream, half the budget each: while one
-        launch drains and the next starts, the other keeps the link busy, and at most ``blocks``
-        SMs are held at once. The partner starts after ``stream``'s upload (and ``after=``), and
+        launch drains and the next starts, the other keeps the link busy, and launched plainly at
+        most ``blocks`` SMs are held at once (with :data:`PDL`, a slice's successor on its stream
+        may start while it drains). The partner starts after ``stream``'s upload (and ``after=``), and
         ``stream`` waits for the partner's last slice, so the request's completion event, recorded
         on ``stream``, follows every slice."""
         drv = driver()
