@@ -235,6 +235,7 @@ class StreamModel:
         self.events: set[int] = set()
         self.streams: set[int] = set()
         self.synced: list[tuple[int, int]] = []  # (stream, ops enqueued by then)
+        self.pdl: set[int] = set()  # launches made as programmatic dependents
         self._handles = itertools.count(1000)
 
     def _fails(self) -> bool:
@@ -320,6 +321,8 @@ class ModelKernel:
         if self.model._fails():
             raise CudaError("cuLaunchKernel", "CUDA_ERROR_INJECTED", 1)
         self.model.enqueue("launch", int(stream), (budget or self.budget, first, count))
+        if pdl:
+            self.model.pdl.add(len(self.model.ops) - 1)
 
     def unload(self) -> None:
         pass
@@ -375,6 +378,35 @@ def test_sliced_launches_follow_the_upload_and_precede_the_completion(
     assert not model.events
     path.close()
     assert not model.streams and not path._partners
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.usefixtures("alternate")
+def test_a_programmatic_launch_follows_only_a_slice_of_its_own_request(
+    monkeypatch: pytest.MonkeyPatch, pdl: bool
+) -> None:
+    """A programmatic launch may start while the kernel just before it on its stream drains: that
+    kernel is always a slice of the same request (between requests the upload, an event or a wait
+    comes first), so a request never overlaps another's copies; launched so or not, each request's
+    completion follows its every slice."""
+    monkeypatch.setattr(_sm, "PDL", pdl)
+    path, model = model_path(monkeypatch, 4)
+    requests: list[range] = []
+    for pages in (3, 1, 5, 2):
+        start = len(model.ops)
+        args = (np.arange(pages, dtype=U), np.arange(pages, dtype=U), np.full(pages, 4096, dtype=U), STREAM)
+        path.give_back(path.submit(*args, slice_bytes=4096))
+        done = model.enqueue("completion", STREAM)
+        requests.append(range(start, done + 1))
+        assert all(i in model.before(done) for i in requests[-1] if model.ops[i][0] == "launch")
+    owner = {i: r for r in requests for i in r}
+    assert bool(model.pdl) == pdl
+    for i in model.pdl:
+        previous = [j for j in range(i) if model.ops[j][1] == model.ops[i][1]]
+        assert previous, i
+        j = previous[-1]
+        assert model.ops[j][0] != "launch" or owner[j] is owner[i], (i, j)
+    path.close()
 
 
 @pytest.mark.parametrize("budget", [2, 3, 4])
