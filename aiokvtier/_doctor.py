@@ -181,7 +181,7 @@ def check_populate() -> Check:
 
 def check_copy_fill() -> Check:
     """Whether the fill copies units in (``UFFDIO_COPY``): a scratch range registered and filled."""
-    from ._host import _linux, _userfault
+    from ._host import _userfault
 
     version = ".".join(map(str, _userfault.MIN_KERNEL))
     if not _userfault.supported():
@@ -193,10 +193,9 @@ def check_copy_fill() -> Check:
             f"on Linux {version}+ the fill copies 4 KiB pages 1.5-1.8x faster than it touches them",
             {"supported": False, "reason": "kernel"},
         )
-    base, length = _linux.mmap_reserve(_SCRATCH, 2 << 20)
-    try:
+    with _scratch() as base:
         try:
-            uf = _userfault.Userfault(base, length)
+            uf = _userfault.Userfault(base, _SCRATCH)
         except OSError as exc:
             return Check(
                 "copy-fill",
@@ -207,16 +206,13 @@ def check_copy_fill() -> Check:
                 {"supported": False, "reason": "refused", "errno": exc.errno},
             )
         try:
-            _linux.mprotect(base, length, writable=True)
-            uf.copy(base, length)
+            uf.copy(base, _SCRATCH)
         finally:
             uf.close()
-    finally:
-        _linux.munmap(base, length)
     return Check(
         "copy-fill",
         "ok",
-        f"the fill copies units in (UFFDIO_COPY) on a scratch range of {format_bytes(length)}",
+        f"the fill copies units in (UFFDIO_COPY) on a scratch range of {format_bytes(_SCRATCH)}",
         "",
         {"supported": True},
     )
