@@ -38,7 +38,7 @@ import numpy as np
 from aiokvtier._cuda import _kernel
 from aiokvtier._cuda._batch import BatchCall, resolve_batch_function
 from aiokvtier._cuda._driver import PrimaryContext, check, driver
-from aiokvtier.bench._sm import ANCHOR, PAGES  # the bench's plain gather and page sizes
+from aiokvtier.bench._sm import ANCHOR, PAGES, queue_matmuls  # the bench's gather, pages, matmul loop
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -254,13 +254,7 @@ def with_matmul(args: argparse.Namespace, host: int, dev: int, stream: Any) -> d
     side = torch.cuda.Stream()
 
     def matmuls(k: int = 20) -> tuple[Any, Any]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(side):
-            start.record(side)
-            for _ in range(k):
-                a @ a
-            end.record(side)
-        return start, end
+        return queue_matmuls(a, side, k)
 
     s, e = matmuls(3)
     e.synchronize()

@@ -196,6 +196,20 @@ def copy_bandwidth_sm(total: int) -> dict[str, Any]:
     return asyncio.run(_bandwidth(total))
 
 
+def queue_matmuls(a: Any, side: Any, k: int) -> tuple[Any, Any]:
+    """Queue ``k`` matmuls ``a @ a`` on the torch stream ``side`` between two timing events; returns
+    them (the concurrent-compute check of DESIGN section 7; the caller synchronizes)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):
+        start.record(side)
+        for _ in range(k):
+            a @ a
+        end.record(side)
+    return start, end
+
+
 async def _with_matmul(total: int, page: int) -> dict[str, Any]:
     import torch
 
@@ -204,12 +218,7 @@ async def _with_matmul(total: int, page: int) -> dict[str, Any]:
 
     def matmuls(k: int) -> float:
         """Seconds of GPU time from the first matmul's start to the last one's end (events on ``side``)."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(side):
-            start.record(side)
-            for _ in range(k):
-                a @ a
-            end.record(side)
+        start, end = queue_matmuls(a, side, k)
         end.synchronize()
         return float(start.elapsed_time(end)) / 1e3
 
