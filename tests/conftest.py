@@ -178,6 +178,19 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[PopulateGate]:
 
 
 @pytest.fixture
+def fill_threads_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting a fill thread raises what CPython raises when the system has no thread to give."""
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("aiokvtier-fill-"):
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+@pytest.fixture
 def touch_fill(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiers opened in the test fill by touching (and populate calls), as where the kernel has no
     userfaultfd copies: for tests of that path on kernels that have them."""

@@ -478,15 +478,8 @@ async def test_the_fill_goes_on_when_a_second_thread_cannot_start(
     await no_fill_threads()
 
 
-async def test_no_fill_thread_starts_at_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = threading.Thread.start
-
-    def start(self: threading.Thread) -> None:
-        if self.name.startswith("aiokvtier-fill-"):
-            raise RuntimeError("can't start new thread")
-        real(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+@pytest.mark.usefixtures("fill_threads_cannot_start")
+async def test_no_fill_thread_starts_at_all() -> None:
     tier = HostTier(small_config(quota=4 * MiB))
     with pytest.raises(FillError):
         await tier.__aenter__()
