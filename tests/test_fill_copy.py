@@ -16,7 +16,8 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
@@ -44,6 +45,17 @@ def resident_pages(addr: int, length: int) -> int:
     if _libc.mincore(addr, length, vec):
         raise OSError(ctypes.get_errno(), "mincore")
     return int(np.frombuffer(vec, dtype=np.uint8).astype(bool).sum())
+
+
+@asynccontextmanager
+async def touch_filled_tier(quota: int = 8 * MiB) -> AsyncIterator[HostTier]:
+    """A tier opened where the copy fill was refused: it fills by touching, every page resident."""
+    async with HostTier(small_config(quota=quota)) as tier:
+        await tier.wait_resident()
+        s = check_tier(tier, settled=True)
+        assert s.fill_method == "touch"
+        assert resident_pages(s.base_address, quota) == quota // _linux.PAGE_SIZE
+        yield tier
 
 
 @pytest.fixture
@@ -117,11 +129,8 @@ async def test_a_refused_userfaultfd_leaves_the_fill_touching(monkeypatch: pytes
 
     monkeypatch.setattr(_userfault, "supported", lambda: True)
     monkeypatch.setattr(_userfault.Userfault, "__init__", refused)
-    async with HostTier(small_config(quota=8 * MiB)) as tier:
-        await tier.wait_resident()
-        s = check_tier(tier, settled=True)
-        assert s.fill_method == "touch"
-        assert resident_pages(s.base_address, 8 * MiB) == 8 * MiB // _linux.PAGE_SIZE
+    async with touch_filled_tier():
+        pass
     assert not _userfault._active
 
 

@@ -32,7 +32,7 @@ from aiokvtier._host._backing import HostBacking
 
 from .helpers import MiB, small_config
 from .invariants import check_tier, wait_no_library_threads
-from .test_fill_copy import resident_pages
+from .test_fill_copy import resident_pages, touch_filled_tier
 
 needs_copy = pytest.mark.skipif(
     not _userfault.supported(),
@@ -395,11 +395,7 @@ async def test_a_refused_userfaultfd_syscall_falls_back_to_touching(monkeypatch:
         return -1
 
     monkeypatch.setattr(_userfault, "_syscall", refuse)
-    async with HostTier(small_config(quota=8 * MiB)) as tier:
-        await tier.wait_resident()
-        s = check_tier(tier, settled=True)
-        assert s.fill_method == "touch"
-        assert resident_pages(s.base_address, 8 * MiB) == 8 * MiB // _linux.PAGE_SIZE
+    async with touch_filled_tier():
         assert not _userfault._active
     await wait_no_library_threads()
 
@@ -435,26 +431,14 @@ async def test_a_failed_registration_closes_its_fd_and_touches(monkeypatch: pyte
     monkeypatch.setattr(_userfault, "_ioctl", ioctl)
     if stage == "zeros":
         monkeypatch.setattr(_userfault, "_zeros", no_zeros)
-    async with HostTier(small_config(quota=8 * MiB)) as tier:
-        await tier.wait_resident()
-        s = check_tier(tier, settled=True)
-        assert s.fill_method == "touch"
-        assert resident_pages(s.base_address, 8 * MiB) == 8 * MiB // _linux.PAGE_SIZE
+    async with touch_filled_tier():
         assert opened and opened[0] >= 0
         assert not await userfaultfds_async(), "the refused userfaultfd was left open"
     await wait_no_library_threads()
 
 
-@pytest.mark.usefixtures("clean")
-async def test_no_fill_thread_can_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = threading.Thread.start
-
-    def start(self: threading.Thread) -> None:
-        if self.name.startswith("aiokvtier-fill-"):
-            raise RuntimeError("can't start new thread")
-        real(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+@pytest.mark.usefixtures("clean", "fill_threads_cannot_start")
+async def test_no_fill_thread_can_start() -> None:
     tier = HostTier(small_config(quota=4 * MiB))
     with pytest.raises(FillError):
         await tier.__aenter__()
