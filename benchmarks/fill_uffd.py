@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from aiokvtier._host import _userfault as uffd  # the library's userfaultfd ABI: syscall, ioctls, flags
 from aiokvtier.bench._common import machine
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -49,32 +50,15 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
 
-NR_USERFAULTFD = 323  # x86-64
-O_CLOEXEC, O_NONBLOCK, UFFD_USER_MODE_ONLY = 0o2000000, 0o4000, 1
 PROT_RW, MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE = 3, 0x02, 0x20, 0x4000
 MADV_NOHUGEPAGE, MADV_POPULATE_WRITE = 15, 23
-UFFDIO_REGISTER_MODE_MISSING = 1
-
-
-def _ioc(direction: int, nr: int, size: int) -> int:
-    return (direction << 30) | (size << 16) | (0xAA << 8) | nr
-
-
-UFFDIO_API = _ioc(3, 0x3F, 24)
-UFFDIO_REGISTER = _ioc(3, 0x00, 32)
-UFFDIO_UNREGISTER = _ioc(2, 0x01, 16)
-UFFDIO_COPY = _ioc(3, 0x03, 40)
-
-
-def _fail(call: str) -> OSError:
-    err = ctypes.get_errno()
-    return OSError(err, f"{call}: {os.strerror(err)}")
+UFFDIO_UNREGISTER = uffd._ioc(2, 0x01, 16)  # the library never unregisters: the per-unit arms do
 
 
 def _map(size: int) -> int:
     addr = _libc.mmap(None, size, PROT_RW, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
-        raise _fail("mmap")
+        raise uffd._fail("mmap")
     _libc.madvise(addr, size, MADV_NOHUGEPAGE)
     return int(addr)
 
@@ -88,18 +72,21 @@ def touch(addr: int, length: int) -> None:
 def populate(addr: int, length: int) -> None:
     for off in range(0, length, CHUNK):
         if _libc.madvise(addr + off, min(CHUNK, length - off), MADV_POPULATE_WRITE):
-            raise _fail("madvise(MADV_POPULATE_WRITE)")
+            raise uffd._fail("madvise(MADV_POPULATE_WRITE)")
 
 
 def open_uffd() -> int:
     """A userfaultfd for user-mode faults, its API handshake done. :raises OSError: refused."""
-    fd = int(_libc.syscall(NR_USERFAULTFD, O_CLOEXEC | O_NONBLOCK | UFFD_USER_MODE_ONLY))
+    if uffd._SYS_USERFAULTFD is None:
+        raise OSError(errno.ENOSYS, "userfaultfd: no syscall number for this architecture")
+    flags = uffd._O_CLOEXEC | uffd._O_NONBLOCK | uffd._UFFD_USER_MODE_ONLY
+    fd = int(_libc.syscall(uffd._SYS_USERFAULTFD, flags))
     if fd < 0:
-        raise _fail("userfaultfd")
+        raise uffd._fail("userfaultfd")
     api = (ctypes.c_uint64 * 3)(0xAA, 0, 0)
-    if _libc.ioctl(fd, UFFDIO_API, api):
+    if _libc.ioctl(fd, uffd._UFFDIO_API, api):
         os.close(fd)
-        raise _fail("UFFDIO_API")
+        raise uffd._fail("UFFDIO_API")
     return fd
 
 
@@ -110,8 +97,8 @@ def uffd_copy(fd: int, addr: int, length: int, src: int, call: int = CHUNK) -> N
     while off < length:
         n = min(call, length - off)
         copy[0], copy[1], copy[2], copy[3], copy[4] = addr + off, src, n, 0, 0
-        if _libc.ioctl(fd, UFFDIO_COPY, copy) and ctypes.get_errno() != errno.EAGAIN:
-            raise _fail("UFFDIO_COPY")
+        if _libc.ioctl(fd, uffd._UFFDIO_COPY, copy) and ctypes.get_errno() != errno.EAGAIN:
+            raise uffd._fail("UFFDIO_COPY")
         off += max(0, int(copy[4]))  # a partial copy (EAGAIN) resumes where it stopped
 
 
@@ -125,15 +112,15 @@ def uffd_units(
                 return
             off = units.pop(0)
         n = min(unit, length - off)
-        reg = (ctypes.c_uint64 * 4)(addr + off, n, UFFDIO_REGISTER_MODE_MISSING, 0)
-        if _libc.ioctl(fd, UFFDIO_REGISTER, reg):
-            raise _fail("UFFDIO_REGISTER")
+        reg = (ctypes.c_uint64 * 4)(addr + off, n, uffd._MODE_MISSING, 0)
+        if _libc.ioctl(fd, uffd._UFFDIO_REGISTER, reg):
+            raise uffd._fail("UFFDIO_REGISTER")
         try:
             uffd_copy(fd, addr + off, n, src, call)
         finally:
             rng = (ctypes.c_uint64 * 2)(addr + off, n)
             if _libc.ioctl(fd, UFFDIO_UNREGISTER, rng):
-                raise _fail("UFFDIO_UNREGISTER")
+                raise uffd._fail("UFFDIO_UNREGISTER")
 
 
 def _neighbour(stop: threading.Event, out: list[float]) -> None:
@@ -156,9 +143,9 @@ def fill(size: int, threads: int, method: str, unit: int = 0, call: int = CHUNK)
         if method.startswith("uffd"):
             fd = open_uffd()
         if method == "uffd_copy":
-            reg = (ctypes.c_uint64 * 4)(addr, size, UFFDIO_REGISTER_MODE_MISSING, 0)
-            if _libc.ioctl(fd, UFFDIO_REGISTER, reg):
-                raise _fail("UFFDIO_REGISTER")
+            reg = (ctypes.c_uint64 * 4)(addr, size, uffd._MODE_MISSING, 0)
+            if _libc.ioctl(fd, uffd._UFFDIO_REGISTER, reg):
+                raise uffd._fail("UFFDIO_REGISTER")
         share = size // threads // CHUNK * CHUNK
         spans = [(addr + i * share, share if i < threads - 1 else size - i * share) for i in range(threads)]
         queue, lock = list(range(0, size, unit or size)), threading.Lock()
@@ -192,7 +179,7 @@ def fill(size: int, threads: int, method: str, unit: int = 0, call: int = CHUNK)
         if method == "uffd_copy":
             rng = (ctypes.c_uint64 * 2)(addr, size)
             if _libc.ioctl(fd, UFFDIO_UNREGISTER, rng):
-                raise _fail("UFFDIO_UNREGISTER")
+                raise uffd._fail("UFFDIO_UNREGISTER")
         view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr))
         if int(view[::4096].max()) != 0:
             raise RuntimeError(f"{method}: the filled memory is not zero")
