@@ -1,10 +1,13 @@
-"""How a request's slices are launched on the SM copy path: slice size, streams, programmatic launch.
+"""How a request's slices are launched on the SM copy path: slice size, streams, programmatic launch,
+descriptor size.
 
-    python benchmarks/sm_launches.py [--repeats 2] [--configs alt4 alt4_pdl one4_pdl one8_pdl alt8_pdl] > OUT.jsonl
+    python benchmarks/sm_launches.py [--repeats 2] [--configs one8_pdl one8_pdl_pack_bound ...] > OUT.jsonl
 
 Each configuration sets ``_sm.SLICE_BYTES``, ``_sm.ALTERNATE`` (slices alternating between the
-copy's stream and a partner stream, half the budget each) and ``_sm.PDL`` (each slice a
-programmatic dependent of the one before it on its stream), then runs the bench's own
+copy's stream and a partner stream, half the budget each), ``_sm.PDL`` (each slice a
+programmatic dependent of the one before it on its stream), ``_sm.PACK`` (8-byte descriptors
+for requests of one page size, instead of 24) and ``_sm.BOUNDED`` (a slice's successor starts
+only once the slice before it has ended), then runs the bench's own
 measurements (``aiokvtier.bench._sm``) at the default budget of 4 SMs: the kernel's upload and
 launches as the engine queues them, device-timed, over 128 MiB of shuffled 4, 16 and 64 KiB
 pages (with the 16-program anchor gather of the same run), and a bf16 matmul loop's slowdown
@@ -21,13 +24,17 @@ from aiokvtier._cuda import _sm as sm
 from aiokvtier.bench import _sm
 
 MiB = 1 << 20
-CONFIGS = {  # name: (alternate, pdl, slice MiB)
-    "one4": (False, False, 4),
-    "alt4": (True, False, 4),
-    "alt4_pdl": (True, True, 4),
-    "one4_pdl": (False, True, 4),
-    "one8_pdl": (False, True, 8),
-    "alt8_pdl": (True, True, 8),
+CONFIGS = {  # name: (alternate, pdl, slice MiB, pack, bounded); without pack or bound: as before either existed
+    "one4": (False, False, 4, False, False),
+    "alt4": (True, False, 4, False, False),
+    "alt4_pdl": (True, True, 4, False, False),
+    "one4_pdl": (False, True, 4, False, False),
+    "one8_pdl": (False, True, 8, False, False),
+    "alt8_pdl": (True, True, 8, False, False),
+    "one8_pdl_pack": (False, True, 8, True, False),
+    "one8_pdl_bound": (False, True, 8, False, True),
+    "one8_pdl_pack_bound": (False, True, 8, True, True),
+    "one16_pdl_pack_bound": (False, True, 16, True, True),
 }
 
 
@@ -38,7 +45,7 @@ def main() -> None:
         "--configs",
         nargs="+",
         choices=sorted(CONFIGS),
-        default=["alt4", "alt4_pdl", "one4_pdl", "one8_pdl", "alt8_pdl"],
+        default=["one8_pdl", "one8_pdl_pack", "one8_pdl_bound", "one8_pdl_pack_bound"],
     )
     args = parser.parse_args()
     _sm.ARMS = ()
@@ -47,7 +54,7 @@ def main() -> None:
     _sm.MATMUL_ARMS = (("sm4", {"method": "sm", "sm_budget": 4}, None), ("dma", {"method": "dma"}, None))
     for rep in range(args.repeats):
         for name in args.configs:
-            sm.ALTERNATE, sm.PDL, mib = CONFIGS[name]
+            sm.ALTERNATE, sm.PDL, mib, sm.PACK, sm.BOUNDED = CONFIGS[name]
             sm.SLICE_BYTES = mib * MiB
             bw = _sm.copy_bandwidth_sm(128 * MiB)
             mm = _sm.concurrent_compute(128 * MiB)

@@ -27,10 +27,82 @@ def arrays(*values: list[int]) -> tuple[Any, ...]:
 def test_descriptor_block_is_srcs_then_dsts_then_sizes() -> None:
     dsts, srcs, sizes = arrays([0x1000, 0x3000], [0x9000, 0x7000], [4096, 16])
     out = np.zeros(3 * 4, dtype=U)
-    assert _kernel.descriptor_block(out, dsts, srcs, sizes) == 2 * _kernel.DESCRIPTOR_BYTES
+    layout = _kernel.descriptor_block(out, dsts, srcs, sizes)
+    assert layout == _kernel.Descriptors(2, 2 * _kernel.DESCRIPTOR_BYTES, False)
     assert out[:6].tolist() == [0x9000, 0x7000, 0x1000, 0x3000, 4096, 16]
     with pytest.raises(ValueError, match="holds 1 copies, 2 needed"):
         _kernel.descriptor_block(np.zeros(3, dtype=U), dsts, srcs, sizes)
+
+
+def unpack(out: Any, layout: Any) -> tuple[list[int], list[int]]:
+    """The (srcs, dsts) a packed layout stands for, as the kernel computes them."""
+    words = out.view(np.uint32)
+    n = layout.n
+    srcs = [layout.src_base + (int(i) << layout.src_shift) for i in words[:n]]
+    dsts = [layout.dst_base + (int(i) << layout.dst_shift) for i in words[n : 2 * n]]
+    return srcs, dsts
+
+
+def test_copies_of_one_length_are_packed_in_eight_bytes() -> None:
+    """One length and spans that fit: two 32-bit indices per copy, each side from its own base in
+    steps of its own alignment; the kernel's arithmetic gives back every address."""
+    tier, dev = 0x7F00_0000_0000, 0x7000_0000_0000
+    srcs = np.asarray([tier + 4096 * s for s in (9, 3, 700_000, 0)], dtype=U)  # steps of 4 KiB
+    dsts = np.asarray([dev + 48 * i + 16 for i in (1, 0, 3, 2)], dtype=U)  # steps of 16 bytes
+    out = np.zeros(3 * 4, dtype=U)
+    layout = _kernel.descriptor_block(out, dsts, srcs, np.full(4, 48, dtype=U))
+    assert layout.packed and layout.nbytes == 4 * _kernel.PACKED_BYTES == 32
+    assert (layout.src_base, layout.src_shift, layout.dst_base, layout.dst_shift, layout.size) == (
+        tier,
+        12,
+        dev + 16,
+        4,
+        48,
+    )
+    assert unpack(out, layout) == (srcs.tolist(), dsts.tolist())
+
+
+@pytest.mark.parametrize(
+    ("dsts", "srcs", "sizes", "why"),
+    [
+        ([0x1000, 0x2000], [0x9000, 0xA000], [4096, 2048], "two lengths"),
+        ([0x10, 0x20, 0x10 + (1 << 36)], [0x9000, 0xA000, 0xB000], [16] * 3, "destination: 2**32 16-byte steps"),
+        ([0x1000, 0x2000, 0x3000], [0x8, 0x10, 0x8 + (1 << 40)], [4096] * 3, "source: 2**37 8-byte steps"),
+    ],
+)
+def test_requests_that_do_not_pack_take_the_wide_layout(
+    dsts: list[int], srcs: list[int], sizes: list[int], why: str
+) -> None:
+    out = np.zeros(3 * 4, dtype=U)
+    layout = _kernel.descriptor_block(out, *arrays(dsts, srcs, sizes))
+    n = len(dsts)
+    assert not layout.packed and layout.nbytes == n * _kernel.DESCRIPTOR_BYTES, why
+    assert out[: 3 * n].tolist() == [*srcs, *dsts, *sizes]
+
+
+def test_packing_can_be_turned_off_and_a_lone_copy_packs() -> None:
+    out = np.zeros(3 * 4, dtype=U)
+    dsts, srcs, sizes = arrays([0x1000, 0x3000], [0x9000, 0x7000], [4096, 4096])
+    assert not _kernel.descriptor_block(out, dsts, srcs, sizes, pack=False).packed
+    layout = _kernel.descriptor_block(out, *arrays([0x1234], [0x98765], [7]))
+    assert layout.packed and unpack(out, layout) == ([0x98765], [0x1234])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, (1 << 47) - 1), st.integers(0, (1 << 47) - 1)), min_size=1, max_size=40),
+    st.integers(1, 1 << 21),
+)
+def test_packed_descriptors_give_back_every_address(pairs: list[tuple[int, int]], size: int) -> None:
+    """Whatever the addresses, a request either packs to exactly its addresses or is written wide."""
+    srcs = np.asarray([p[0] for p in pairs], dtype=U)
+    dsts = np.asarray([p[1] for p in pairs], dtype=U)
+    out = np.zeros(3 * len(pairs), dtype=U)
+    layout = _kernel.descriptor_block(out, dsts, srcs, np.full(len(pairs), size, dtype=U))
+    if layout.packed:
+        assert unpack(out, layout) == (srcs.tolist(), dsts.tolist()) and layout.size == size
+    else:
+        assert out.tolist() == [*srcs.tolist(), *dsts.tolist(), *[size] * len(pairs)]
 
 
 def test_vector_alignment_covers_both_sides_and_the_length() -> None:
@@ -316,7 +388,7 @@ class ModelKernel:
         self.model, self.budget = model, budget
 
     def launch(
-        self, descriptors: int, n: int, stream: Any, budget: int | None, first: int, count: int, pdl: bool = False
+        self, descriptors: int, layout: Any, stream: Any, budget: int | None, first: int, count: int, pdl: bool = False
     ) -> None:
         if self.model._fails():
             raise CudaError("cuLaunchKernel", "CUDA_ERROR_INJECTED", 1)
@@ -476,6 +548,11 @@ def test_the_crossover_key_names_how_requests_are_launched(monkeypatch: pytest.M
     assert _crossover.device_key(0, 4, spec) == key
     monkeypatch.setattr(_sm, "PDL", not _sm.PDL)
     assert _crossover.device_key(0, 4, spec) != key
+    monkeypatch.setattr(_sm, "PDL", not _sm.PDL)
+    monkeypatch.setattr(_sm, "PACK", not _sm.PACK)
+    assert _crossover.device_key(0, 4, spec) != key
+    monkeypatch.setattr(_sm, "PACK", not _sm.PACK)
+    assert _crossover.device_key(0, 4, _kernel.KernelSpec("sm_90", bounded=False)) != key
 
 
 @settings(max_examples=300, deadline=None)

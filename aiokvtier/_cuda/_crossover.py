@@ -233,10 +233,13 @@ def device_key(device: int, budget: int, spec: Any) -> dict[str, Any]:
         "kernel": KERNEL_VERSION,
         "threads": spec.threads,
         "unroll": spec.unroll,
-        # How a request is launched: the slices' size and streams change what a launch costs.
+        "bounded": spec.bounded,
+        # How a request is launched: the slices' size and streams and the descriptors' size
+        # change what a launch costs.
         "slice_bytes": _sm.SLICE_BYTES,
         "alternate": _sm.ALTERNATE,
         "pdl": _sm.PDL,
+        "pack": _sm.PACK,
     }
 
 

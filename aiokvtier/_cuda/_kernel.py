@@ -45,6 +45,8 @@ __all__ = [
     "DEFAULT_SM_BUDGET",
     "DESCRIPTOR_BYTES",
     "KERNEL_NAME",
+    "PACKED_BYTES",
+    "Descriptors",
     "KernelSpec",
     "SmKernel",
     "compile_cubin",
@@ -64,10 +66,15 @@ pages at 92.5-95% of one pinned copy, as 8 and 16 did
 slowdown for it."""
 
 DESCRIPTOR_BYTES = 24
-"""Per copy: source, destination and length, 8 bytes each (three arrays)."""
+"""Per copy, wide: source, destination and length, 8 bytes each (three arrays)."""
+
+PACKED_BYTES = 8
+"""Per copy, packed: a 32-bit index on each side (copies of one length). The upload crosses the
+link the copy uses: at 4 KiB pages host to device, 24 bytes per page cost 0.6% of the link, 8 cost 0.2%."""
 
 KERNEL_NAME = "aiokvtier_copy_pages"
-KERNEL_VERSION = 2
+PACKED_NAME = "aiokvtier_copy_packed"
+KERNEL_VERSION = 3
 """Bumped when the source changes meaning: part of the crossover file's key."""
 
 SOURCE = r"""
@@ -86,61 +93,94 @@ static __device__ __forceinline__ void store_stream(v4* p, v4 v) {
                  :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// One copy per (src, dst, len) descriptor. A group of `share` warps copies a
-// page; groups stride over the pages. Lanes issue UNROLL 16-byte loads before
-// their first store: that is what keeps host reads in flight.
+// A group of `share` warps copies a page; groups stride over the pages.
+struct Work { u64 lane, share, groups, group, rank; };
+
+static __device__ __forceinline__ Work split(u64 n) {
+    Work w;
+    w.lane = threadIdx.x & 31u;
+    const u64 warps_per_block = blockDim.x >> 5;
+    const u64 warp = (u64)blockIdx.x * warps_per_block + (threadIdx.x >> 5);
+    const u64 warps = (u64)gridDim.x * warps_per_block;
+    w.share = n >= warps ? 1 : warps / n;
+    w.groups = warps / w.share;
+    w.group = warp / w.share;
+    w.rank = warp % w.share;
+    return w;
+}
+
+// This lane's part of one page. Lanes issue UNROLL 16-byte loads before their first store:
+// that is what keeps host reads in flight.
+static __device__ __forceinline__ void copy_page(const char* s, char* d, u64 len, const Work& w) {
+    if ((((u64)s ^ (u64)d) & 15u) != 0) {
+        // Mutually misaligned: bytes (correct, slow; "auto" never sends these here).
+        for (u64 i = w.rank * 32 + w.lane; i < len; i += w.share * 32) d[i] = s[i];
+        return;
+    }
+    u64 head = (16u - ((u64)s & 15u)) & 15u;
+    if (head > len) head = len;
+    const u64 nv = (len - head) >> 4;
+    const u64 tail = head + (nv << 4);
+    if (w.rank == 0 && w.lane < head) d[w.lane] = s[w.lane];
+    if (w.rank == 0 && w.lane < len - tail) d[tail + w.lane] = s[tail + w.lane];
+    const v4* vs = (const v4*)(s + head);
+    v4* vd = (v4*)(d + head);
+    const u64 step = 32ull * UNROLL;
+    for (u64 v0 = w.rank * step + w.lane; v0 < nv; v0 += w.share * step) {
+        v4 r[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u64 v = v0 + (u64)u * 32;
+            if (v < nv) r[u] = load_stream(vs + v);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u64 v = v0 + (u64)u * 32;
+            if (v < nv) store_stream(vd + v, r[u]);
+        }
+    }
+}
+
+// Launched as a programmatic dependent of the previous slice (SmKernel.launch(pdl=True)), a
+// block that has copied its pages lets the next slice's blocks start while the rest of its
+// slice drains (no idle link between slices), and every thread ends only after the previous
+// slice has, so the stream's order of completion holds. BOUNDED: a block lets the next slice
+// start only once the previous one has ended, so at most two slices (this one draining, the
+// next starting) hold SMs at a time. Without the launch attribute both are no-ops.
+static __device__ __forceinline__ void finish(bool worked) {
+#if __CUDA_ARCH__ >= 900
+#if BOUNDED
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (worked) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#else
+    if (worked) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#endif
+}
+
+// Wide descriptors: one (src, dst, len) per copy, 24 bytes.
 extern "C" __global__ void __launch_bounds__(THREADS)
 aiokvtier_copy_pages(const u64* __restrict__ srcs, const u64* __restrict__ dsts,
                      const u64* __restrict__ sizes, u64 n)
 {
-    const u64 lane = threadIdx.x & 31u;
-    const u64 warps_per_block = blockDim.x >> 5;
-    const u64 warp = (u64)blockIdx.x * warps_per_block + (threadIdx.x >> 5);
-    const u64 warps = (u64)gridDim.x * warps_per_block;
-    const u64 share = n >= warps ? 1 : warps / n;
-    const u64 groups = warps / share;
-    const u64 group = warp / share;
-    const u64 rank = warp % share;
-    const u64 step = 32ull * UNROLL;
-    for (u64 p = group; group < groups && p < n; p += groups) {
-        const char* s = (const char*)srcs[p];
-        char* d = (char*)dsts[p];
-        const u64 len = sizes[p];
-        if ((((u64)s ^ (u64)d) & 15u) != 0) {
-            // Mutually misaligned: bytes (correct, slow; "auto" never sends these here).
-            for (u64 i = rank * 32 + lane; i < len; i += share * 32) d[i] = s[i];
-            continue;
-        }
-        u64 head = (16u - ((u64)s & 15u)) & 15u;
-        if (head > len) head = len;
-        const u64 nv = (len - head) >> 4;
-        const u64 tail = head + (nv << 4);
-        if (rank == 0 && lane < head) d[lane] = s[lane];
-        if (rank == 0 && lane < len - tail) d[tail + lane] = s[tail + lane];
-        const v4* vs = (const v4*)(s + head);
-        v4* vd = (v4*)(d + head);
-        for (u64 v0 = rank * step + lane; v0 < nv; v0 += share * step) {
-            v4 r[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const u64 v = v0 + (u64)u * 32;
-                if (v < nv) r[u] = load_stream(vs + v);
-            }
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const u64 v = v0 + (u64)u * 32;
-                if (v < nv) store_stream(vd + v, r[u]);
-            }
-        }
-    }
-#if __CUDA_ARCH__ >= 900
-    // Launched as a programmatic dependent of the previous slice (SmKernel.launch(pdl=True)):
-    // a block whose first warp is done lets the next slice's blocks start while the rest of it
-    // drains (no idle link between slices), and every thread ends only after the previous slice
-    // has, so the stream's order of completion holds. Without the launch attribute both are no-ops.
-    if (group < groups) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    const Work w = split(n);
+    for (u64 p = w.group; w.group < w.groups && p < n; p += w.groups)
+        copy_page((const char*)srcs[p], (char*)dsts[p], sizes[p], w);
+    finish(w.group < w.groups);
+}
+
+// Packed descriptors: copies of one length, each side a 32-bit index of 2^shift-byte steps
+// from that side's base, 8 bytes per copy (the upload crosses the link the copy uses).
+extern "C" __global__ void __launch_bounds__(THREADS)
+aiokvtier_copy_packed(const unsigned* __restrict__ sidx, const unsigned* __restrict__ didx,
+                      u64 src_base, u64 dst_base, u64 src_shift, u64 dst_shift, u64 len, u64 n)
+{
+    const Work w = split(n);
+    for (u64 p = w.group; w.group < w.groups && p < n; p += w.groups)
+        copy_page((const char*)(src_base + ((u64)sidx[p] << src_shift)),
+                  (char*)(dst_base + ((u64)didx[p] << dst_shift)), len, w);
+    finish(w.group < w.groups);
 }
 """
 
@@ -156,14 +196,15 @@ class KernelSpec:
     registers (``__launch_bounds__`` caps them at 64), so a block is one SM."""
     unroll: int = 8
     """16-byte loads in flight per lane: 128 KiB per block of 1024 threads."""
+    bounded: bool = True
+    """A programmatic slice lets its successor start only once its predecessor has ended, so at
+    most two slices of a request hold SMs at a time (``finish`` in :data:`SOURCE`)."""
+
+    def macros(self) -> list[tuple[str, str]]:
+        return [("THREADS", str(self.threads)), ("UNROLL", str(self.unroll)), ("BOUNDED", str(int(self.bounded)))]
 
     def options(self) -> list[str]:
-        return [
-            f"--gpu-architecture={self.arch}",
-            "--std=c++17",
-            f"-DTHREADS={self.threads}",
-            f"-DUNROLL={self.unroll}",
-        ]
+        return [f"--gpu-architecture={self.arch}", "--std=c++17", *(f"-D{k}={v}" for k, v in self.macros())]
 
 
 def vector_aligned(dsts: U64, srcs: U64, sizes: U64) -> bool:
@@ -174,18 +215,61 @@ def vector_aligned(dsts: U64, srcs: U64, sizes: U64) -> bool:
     return not int(np.bitwise_or.reduce(dsts | srcs | sizes) & mask)
 
 
-def descriptor_block(out: U64, dsts: U64, srcs: U64, sizes: U64) -> int:
-    """Write the kernel's three arrays (sources, destinations, lengths) into ``out``; return the bytes used.
+@dataclass(frozen=True, slots=True)
+class Descriptors:
+    """How a request's copies are written in a descriptor buffer: what a launch passes the kernel
+    besides the buffer's device address."""
 
-    ``out`` must hold ``3 * len(dsts)`` values; the layout is ``srcs | dsts | sizes``.
+    n: int
+    nbytes: int
+    """Bytes of the buffer used: what is uploaded."""
+    packed: bool
+    """``aiokvtier_copy_packed``'s layout (``u32 sidx[n] | u32 didx[n]``) rather than the
+    wide ``srcs | dsts | sizes``."""
+    src_base: int = 0
+    dst_base: int = 0
+    src_shift: int = 0
+    dst_shift: int = 0
+    size: int = 0
+    """The one length of every copy (packed)."""
+
+
+def _indices(addrs: U64, scratch: U64, words: npt.NDArray[np.uint32]) -> tuple[int, int] | None:
+    """Write ``(addrs - base) >> shift`` into ``words`` and return ``(base, shift)``: the lowest
+    address and the largest power of two dividing every offset from it; None (``words`` left
+    unspecified) where an index would not fit 32 bits. ``scratch``: room for ``len(addrs)`` values."""
+    base, top = int(addrs.min()), int(addrs.max())
+    # Offsets from the lowest share their low bits up to the lowest bit where the addresses differ.
+    differ = int(np.bitwise_or.reduce(addrs)) ^ int(np.bitwise_and.reduce(addrs))
+    shift = (differ & -differ).bit_length() - 1 if differ else 0
+    if (top - base) >> shift >= 1 << 32:
+        return None
+    np.subtract(addrs, np.uint64(base), out=scratch)
+    np.right_shift(scratch, np.uint64(shift), out=words, casting="unsafe")
+    return base, shift
+
+
+def descriptor_block(out: U64, dsts: U64, srcs: U64, sizes: U64, pack: bool = True) -> Descriptors:
+    """Write a request's descriptors into ``out`` (room for ``3 * len(dsts)`` values).
+
+    Copies of one length whose sides each span under 2**32 steps of their common alignment
+    (a KV request: slots of a tier, pages of a cache) are packed, :data:`PACKED_BYTES` per copy;
+    others, or every request where ``pack`` is false, take the wide :data:`DESCRIPTOR_BYTES`.
     """
     n = int(dsts.shape[0])
     if out.shape[0] < 3 * n:
         raise ValueError(f"descriptor buffer holds {out.shape[0] // 3} copies, {n} needed")
+    one_size = n > 0 and (sizes.strides[0] == 0 or int(sizes.min()) == int(sizes.max()))  # a broadcast: one
+    if pack and one_size:
+        words = out[:n].view(np.uint32)  # sidx | didx; the rest of ``out`` is scratch meanwhile
+        src = _indices(srcs, out[n : 2 * n], words[:n])
+        dst = None if src is None else _indices(dsts, out[2 * n : 3 * n], words[n:])
+        if src is not None and dst is not None:
+            return Descriptors(n, PACKED_BYTES * n, True, src[0], dst[0], src[1], dst[1], int(sizes[0]))
     out[:n] = srcs
     out[n : 2 * n] = dsts
     out[2 * n : 3 * n] = sizes
-    return DESCRIPTOR_BYTES * n
+    return Descriptors(n, DESCRIPTOR_BYTES * n, False)
 
 
 _cubins: dict[KernelSpec, bytes] = {}
@@ -241,7 +325,7 @@ def _compile(spec: KernelSpec, source: str | None = None) -> bytes:
         name="aiokvtier_copy.cu",
         arch=spec.arch,
         std="c++17",
-        define_macro=[("THREADS", str(spec.threads)), ("UNROLL", str(spec.unroll))],
+        define_macro=spec.macros(),
     )
     try:
         code = Program(source, "c++", options=options).compile("cubin", logs=log).code
@@ -403,13 +487,15 @@ class SmKernel:
         self._image = np.frombuffer(cubin, dtype=np.uint8).copy()
         self._module = check("cuModuleLoadData", drv.cuModuleLoadData(self._image.ctypes.data))
         try:
-            self._function = check("cuModuleGetFunction", drv.cuModuleGetFunction(self._module, KERNEL_NAME.encode()))
+            self._wide = check("cuModuleGetFunction", drv.cuModuleGetFunction(self._module, KERNEL_NAME.encode()))
+            self._packed = check("cuModuleGetFunction", drv.cuModuleGetFunction(self._module, PACKED_NAME.encode()))
         except BaseException:
             drv.cuModuleUnload(self._module)
             raise
         self._launch = _launch_function(drv)
-        self._values = (ctypes.c_uint64 * 4)()
-        self._params = (ctypes.c_void_p * 4)(*(ctypes.addressof(self._values) + 8 * i for i in range(4)))
+        # The arguments, written in place per launch: 4 for the wide kernel, 8 for the packed one.
+        self._values = (ctypes.c_uint64 * 8)()
+        self._params = (ctypes.c_void_p * 8)(*(ctypes.addressof(self._values) + 8 * i for i in range(8)))
         # Programmatic dependent launch (compute capability 9.0+): a slice may start while the
         # previous one on its stream drains; the kernel keeps completion in order (SOURCE).
         self.pdl_capable = int(self.spec.arch.removeprefix("sm_")[:-1] or 0) >= 9
@@ -422,38 +508,45 @@ class SmKernel:
     def launch(
         self,
         descriptors: int,
-        n: int,
+        layout: Descriptors,
         stream: Any,
         budget: int | None = None,
         first: int = 0,
         count: int | None = None,
         pdl: bool = False,
     ) -> None:
-        """Launch over copies ``first .. first + count`` (default: all) of the ``n`` whose arrays start
-        at device address ``descriptors`` (``srcs | dsts | sizes``), on ``stream``. One thread at a
-        time (the submit thread). ``pdl``: as a programmatic dependent of the kernel before it on
-        ``stream`` (ignored where not :attr:`pdl_capable`).
+        """Launch over copies ``first .. first + count`` (default: all) of those written as
+        ``layout`` at device address ``descriptors``, on ``stream``. One thread at a time (the
+        submit thread). ``pdl``: as a programmatic dependent of the kernel before it on ``stream``
+        (ignored where not :attr:`pdl_capable`).
 
         :raises CudaError: the launch was refused.
         """
-        base = int(descriptors) + 8 * first
+        n, v = layout.n, self._values
         count = n - first if count is None else count
-        self._values[0], self._values[1], self._values[2], self._values[3] = base, base + 8 * n, base + 16 * n, count
+        if layout.packed:
+            function, base = self._packed, int(descriptors) + 4 * first
+            v[0], v[1], v[2], v[3] = base, base + 4 * n, layout.src_base, layout.dst_base
+            v[4], v[5], v[6], v[7] = layout.src_shift, layout.dst_shift, layout.size, count
+        else:
+            function, base = self._wide, int(descriptors) + 8 * first
+            v[0], v[1], v[2], v[3] = base, base + 8 * n, base + 16 * n, count
         blocks = budget or self.budget  # blocks with no page to copy return at once
         if pdl and self.pdl_capable:
             if self._launch_ex is None:
                 self._launch_ex = _launch_ex_function(driver())
             self._config.gx, self._config.stream = blocks, int(stream)
-            rc = self._launch_ex(ctypes.byref(self._config), int(self._function), ctypes.addressof(self._params), None)
+            rc = self._launch_ex(ctypes.byref(self._config), int(function), ctypes.addressof(self._params), None)
             call = "cuLaunchKernelEx"
         else:
             rc = self._launch(
-                int(self._function), blocks, 1, 1, self.spec.threads, 1, 1, 0, int(stream),
+                int(function), blocks, 1, 1, self.spec.threads, 1, 1, 0, int(stream),
                 ctypes.addressof(self._params), None,
             )  # fmt: skip
             call = "cuLaunchKernel"
         if rc != 0:
-            raise CudaError(f"{call}({KERNEL_NAME})", driver().CUresult(rc).name, rc)
+            name = PACKED_NAME if layout.packed else KERNEL_NAME
+            raise CudaError(f"{call}({name})", driver().CUresult(rc).name, rc)
 
     def unload(self) -> None:
         """Unload the module (in the context it was loaded in, current on the calling thread)."""
