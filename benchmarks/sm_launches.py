@@ -59,7 +59,8 @@ def main() -> None:
             bw = _sm.copy_bandwidth_sm(128 * MiB)
             mm = _sm.concurrent_compute(128 * MiB)
             shuffled = {k: v for k, v in bw.items() if k.startswith("shuffled")}
-            print(json.dumps({"config": name, "rep": rep, "bw": shuffled, "mm": mm}), flush=True)
+            ceiling = {"one_copy_GBps": bw["one_copy_GBps"], "gated": bw["gated"]}
+            print(json.dumps({"config": name, "rep": rep, **ceiling, "bw": shuffled, "mm": mm}), flush=True)
 
 
 if __name__ == "__main__":
