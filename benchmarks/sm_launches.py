@@ -24,7 +24,7 @@ from aiokvtier._cuda import _sm as sm
 from aiokvtier.bench import _sm
 
 MiB = 1 << 20
-CONFIGS = {  # name: (alternate, pdl, slice MiB, pack, bounded); without pack or bound: as before either existed
+CONFIGS = {  # name: (alternate, pdl, slice MiB, pack, bounded[, early, prefetch]); unnamed: off
     "one4": (False, False, 4, False, False),
     "alt4": (True, False, 4, False, False),
     "alt4_pdl": (True, True, 4, False, False),
@@ -35,6 +35,10 @@ CONFIGS = {  # name: (alternate, pdl, slice MiB, pack, bounded); without pack or
     "one8_pdl_bound": (False, True, 8, False, True),
     "one8_pdl_pack_bound": (False, True, 8, True, True),
     "one16_pdl_pack_bound": (False, True, 16, True, True),
+    "one8_pdl_pack_bound_early": (False, True, 8, True, True, True, False),
+    "one8_pdl_pack_bound_prefetch": (False, True, 8, True, True, False, True),
+    "one8_pdl_pack_bound_early_prefetch": (False, True, 8, True, True, True, True),
+    "one16_pdl_pack_bound_early_prefetch": (False, True, 16, True, True, True, True),
 }
 
 
@@ -54,7 +58,7 @@ def main() -> None:
     _sm.MATMUL_ARMS = (("sm4", {"method": "sm", "sm_budget": 4}, None), ("dma", {"method": "dma"}, None))
     for rep in range(args.repeats):
         for name in args.configs:
-            sm.ALTERNATE, sm.PDL, mib, sm.PACK, sm.BOUNDED = CONFIGS[name]
+            sm.ALTERNATE, sm.PDL, mib, sm.PACK, sm.BOUNDED, sm.EARLY, sm.PREFETCH = (*CONFIGS[name], False, False)[:7]
             sm.SLICE_BYTES = mib * MiB
             bw = _sm.copy_bandwidth_sm(128 * MiB)
             mm = _sm.concurrent_compute(128 * MiB)

@@ -94,31 +94,47 @@ async def test_sm_pages_smaller_than_the_slot(backing: str, short: int) -> None:
 
 @pytest.mark.parametrize("backing", BACKINGS)
 @pytest.mark.parametrize(
-    ("alternate", "pdl", "pack", "bounded"),
+    ("alternate", "pdl", "pack", "bounded", "early", "prefetch"),
     [
-        (False, True, True, True),  # the defaults
-        (False, True, False, True),
-        (False, True, True, False),
-        (True, True, True, True),
-        (False, False, True, True),
-        (False, False, False, False),
+        (False, True, True, True, False, False),  # the defaults
+        (False, True, False, True, False, False),
+        (False, True, True, False, False, False),
+        (False, True, True, True, True, False),
+        (False, True, True, True, False, True),
+        (False, True, True, True, True, True),
+        (True, True, True, True, True, True),
+        (False, False, True, True, False, False),
+        (False, False, False, False, False, False),
     ],
 )
 async def test_sm_request_in_many_slices_is_bit_exact(
-    backing: str, alternate: bool, pdl: bool, pack: bool, bounded: bool, monkeypatch: pytest.MonkeyPatch
+    backing: str,
+    alternate: bool,
+    pdl: bool,
+    pack: bool,
+    bounded: bool,
+    early: bool,
+    prefetch: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A request runs as launches of at most SLICE_BYTES (uneven: 2 pages and a bit), each a
     programmatic dependent of the one before (the default) or not, on one stream (the default)
     or alternating with a partner stream, with packed descriptors (the default) or wide ones,
-    each slice's successor held until the slice before it has ended (the default) or not:
-    every page lands, in both directions."""
+    each slice's successor held until the slice before it has ended (the default) or not,
+    released early or not, the next page's indices loaded ahead or not: every page lands, in
+    both directions."""
     from aiokvtier._cuda import _sm
 
     monkeypatch.setattr(_sm, "SLICE_BYTES", 40 << 10)
-    monkeypatch.setattr(_sm, "ALTERNATE", alternate)
-    monkeypatch.setattr(_sm, "PDL", pdl)
-    monkeypatch.setattr(_sm, "PACK", pack)
-    monkeypatch.setattr(_sm, "BOUNDED", bounded)
+    for name, value in [
+        ("ALTERNATE", alternate),
+        ("PDL", pdl),
+        ("PACK", pack),
+        ("BOUNDED", bounded),
+        ("EARLY", early),
+        ("PREFETCH", prefetch),
+    ]:
+        monkeypatch.setattr(_sm, name, value)
     torch = torch_cuda()
     slot = 16 << 10
     async with HostTier(tier_config(backing, slot)) as tier, CopyEngine(0, method="sm") as engine:

@@ -147,15 +147,21 @@ static __device__ __forceinline__ void copy_page(const char* s, char* d, u64 len
 // slice has, so the stream's order of completion holds. BOUNDED: a block lets the next slice
 // start only once the previous one has ended, so at most two slices (this one draining, the
 // next starting) hold SMs at a time. Without the launch attribute both are no-ops.
-static __device__ __forceinline__ void finish(bool worked) {
+// No "memory" clobbers: no copy reads what an earlier slice wrote, so only the order of
+// completion matters, which the last wait gives.
+static __device__ __forceinline__ void release_next() {
 #if __CUDA_ARCH__ >= 900
 #if BOUNDED
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    if (worked) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#else
-    if (worked) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.wait;");
 #endif
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+static __device__ __forceinline__ void finish(bool worked) {
+#if __CUDA_ARCH__ >= 900
+    if (worked) release_next();  // a repeat within a block is a no-op
+    asm volatile("griddepcontrol.wait;");
 #endif
 }
 
@@ -177,9 +183,27 @@ aiokvtier_copy_packed(const unsigned* __restrict__ sidx, const unsigned* __restr
                       u64 src_base, u64 dst_base, u64 src_shift, u64 dst_shift, u64 len, u64 n)
 {
     const Work w = split(n);
-    for (u64 p = w.group; w.group < w.groups && p < n; p += w.groups)
-        copy_page((const char*)(src_base + ((u64)sidx[p] << src_shift)),
-                  (char*)(dst_base + ((u64)didx[p] << dst_shift)), len, w);
+    if (w.group < w.groups && w.group < n) {
+        unsigned si = sidx[w.group], di = didx[w.group];
+        for (u64 p = w.group; p < n; p += w.groups) {
+            const bool last = p + w.groups >= n;
+            unsigned next_si = 0, next_di = 0;
+#if PREFETCH
+            // The next page's indices load while this page copies: no descriptor latency between pages.
+            if (!last) { next_si = sidx[p + w.groups]; next_di = didx[p + w.groups]; }
+#endif
+#if EARLY
+            if (last) release_next();  // the next slice's blocks start while this warp's last page moves
+#endif
+            copy_page((const char*)(src_base + ((u64)si << src_shift)),
+                      (char*)(dst_base + ((u64)di << dst_shift)), len, w);
+#if !PREFETCH
+            if (!last) { next_si = sidx[p + w.groups]; next_di = didx[p + w.groups]; }
+#endif
+            si = next_si;
+            di = next_di;
+        }
+    }
     finish(w.group < w.groups);
 }
 """
@@ -198,10 +222,18 @@ class KernelSpec:
     """16-byte loads in flight per lane: 128 KiB per block of 1024 threads."""
     bounded: bool = True
     """A programmatic slice lets its successor start only once its predecessor has ended, so at
-    most two slices of a request hold SMs at a time (``finish`` in :data:`SOURCE`)."""
+    most two slices of a request hold SMs at a time (``release_next`` in :data:`SOURCE`)."""
+    early: bool = False
+    """Packed copies: a block lets the next slice start when its first warp begins its last page,
+    not when that warp has finished."""
+    prefetch: bool = False
+    """Packed copies: a warp loads its next page's indices before copying the present page."""
 
     def macros(self) -> list[tuple[str, str]]:
-        return [("THREADS", str(self.threads)), ("UNROLL", str(self.unroll)), ("BOUNDED", str(int(self.bounded)))]
+        flags = {"BOUNDED": self.bounded, "EARLY": self.early, "PREFETCH": self.prefetch}
+        return [("THREADS", str(self.threads)), ("UNROLL", str(self.unroll))] + [
+            (k, str(int(v))) for k, v in flags.items()
+        ]
 
     def options(self) -> list[str]:
         return [f"--gpu-architecture={self.arch}", "--std=c++17", *(f"-D{k}={v}" for k, v in self.macros())]

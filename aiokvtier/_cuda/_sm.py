@@ -78,6 +78,13 @@ BOUNDED = True
 (:attr:`KernelSpec.bounded`): a request then holds at most two slices' blocks at a time, its
 budget twice over while one drains and the next starts."""
 
+EARLY = False
+"""Packed copies: the next slice may start when a block's first warp begins its last page
+(:attr:`KernelSpec.early`)."""
+
+PREFETCH = False
+"""Packed copies: a warp loads its next page's indices while it copies (:attr:`KernelSpec.prefetch`)."""
+
 PACK = True
 """Requests of one page size are described in 8 bytes per copy, not 24 (:func:`descriptor_block`):
 the upload crosses the link the copy uses, so host to device at 4 KiB pages it takes 0.2% of the
@@ -151,7 +158,8 @@ class SmPath:
 
     def __init__(self, device: int, budget: int = DEFAULT_SM_BUDGET, spec: KernelSpec | None = None) -> None:
         self.device = device
-        self.kernel = SmKernel(device, budget, spec or KernelSpec(device_arch(device), bounded=BOUNDED))
+        spec = spec or KernelSpec(device_arch(device), bounded=BOUNDED, early=EARLY, prefetch=PREFETCH)
+        self.kernel = SmKernel(device, budget, spec)
         self.budget = self.kernel.budget
         self._free: list[Slab] = []
         self._all: list[Slab] = []

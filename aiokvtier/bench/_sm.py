@@ -224,6 +224,8 @@ async def _bandwidth(total: int) -> dict[str, Any]:
         "pdl": _sm.PDL,
         "pack": _sm.PACK,
         "bounded": _sm.BOUNDED,
+        "early": _sm.EARLY,
+        "prefetch": _sm.PREFETCH,
     }
     gate = Gate()
     try:
