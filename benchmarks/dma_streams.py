@@ -11,9 +11,17 @@ and both at 96-97% of one copy: the batch itself loses ~3%. This program asks wh
 - ``batch_tier_s{S}``: the pages of a tier (default backing: registered 4 KiB pages), shuffled,
   split into S equal batches on S streams that start together and are joined by events.
 
-Every arm is queued behind a gate (a stream waiting on a host word) and timed with CUDA events,
-so no host time is in it; arms are interleaved round by round, medians of ``--repeats``; each
-figure is a fraction of ``one_copy`` in the same round. Needs a CUDA device.
+These arms are queued behind a gate (a stream waiting on a host word) and timed with CUDA events,
+so no host time is in them. Then, timed from the host as ``bench cuda --sections copy_bandwidth``
+times them (synchronize, start the clock, queue, synchronize):
+
+- ``host_one_copy``: the one copy;
+- ``host_batch_tier``: the tier's pages as one stream of batches;
+- ``engine``: ``await CopyEngine.to_device/to_host(tier, slots, pages)`` from the event loop
+  (planning, the hand-offs and the completion's wake-up included), as a fraction of ``host_one_copy``.
+
+Arms are interleaved round by round, medians of ``--repeats``; each figure is a fraction of the
+one copy timed the same way in the same round. Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -22,11 +30,12 @@ import argparse
 import asyncio
 import json
 import statistics
+import time
 from typing import Any
 
 import numpy as np
 
-from aiokvtier import HostTier, HostTierConfig
+from aiokvtier import CopyEngine, HostTier, HostTierConfig
 from aiokvtier._cuda._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
 from aiokvtier._cuda._driver import PrimaryContext, check, driver
 from aiokvtier.bench._sm import Gate
@@ -55,6 +64,7 @@ class Arms:
     async def tier_pages(self) -> None:
         slots = np.asarray(await self.tier.allocate(self.n), dtype=np.int64)
         slots = slots[np.random.default_rng(8).permutation(self.n)]
+        self.slots = slots
         self.tier_addrs = np.uint64(self.tier.base_address) + slots.astype(np.uint64) * np.uint64(self.page)
 
     def queue(self, name: str, direction: str) -> None:
@@ -64,6 +74,19 @@ class Arms:
             self.batch(direction, self.pinned_pages, 1)
         else:
             self.batch(direction, self.tier_addrs, int(name.removeprefix("batch_tier_s")))
+
+    async def host_timed(self, name: str, direction: str, engine: CopyEngine) -> float:
+        """Seconds from the host's clock, the stream idle at the start, as the bench's section 5 times."""
+        drv, main = self.drv, self.streams[0]
+        check("cuStreamSynchronize", drv.cuStreamSynchronize(main))
+        started = time.perf_counter()
+        if name == "engine":
+            call = engine.to_device if direction == "h2d" else engine.to_host
+            await call(self.tier, self.slots, self.dev)
+        else:
+            self.queue("one_copy" if name == "host_one_copy" else "batch_tier_s1", direction)
+            check("cuStreamSynchronize", drv.cuStreamSynchronize(main))
+        return time.perf_counter() - started
 
     def timed(self, name: str, direction: str) -> float:
         drv, main = self.drv, self.streams[0]
@@ -123,26 +146,37 @@ async def study(args: argparse.Namespace) -> dict[str, Any]:
             cfg = HostTierConfig.model_validate(
                 {"quota": total, "max_quota": total, "slot_size": page, "device": 0, "backing": "register"}
             )
-            async with HostTier(cfg) as tier:
+            async with HostTier(cfg) as tier, CopyEngine(0) as engine:
                 await tier.wait_resident()
                 arms = Arms(total, page, tier, pinned, dbuf, streams)
                 await arms.tier_pages()
                 names = ["one_copy", "batch_pinned", *(f"batch_tier_s{w}" for w in STREAMS)]
+                hosted = ["host_one_copy", "host_batch_tier", "engine"]
                 try:
                     row: dict[str, Any] = {}
                     for direction in ("h2d", "d2h"):
                         for name in names:
                             arms.timed(name, direction)  # warm
-                        ratios: dict[str, list[float]] = {k: [] for k in names}
+                        for name in hosted:
+                            await arms.host_timed(name, direction, engine)
+                        ratios: dict[str, list[float]] = {k: [] for k in names + hosted}
                         ref_gbps: list[float] = []
                         for _ in range(args.repeats):
                             secs = {k: arms.timed(k, direction) for k in names}
+                            for k in hosted:
+                                secs[k] = await arms.host_timed(k, direction, engine)
                             ref_gbps.append(total / secs["one_copy"] / 1e9)
                             for k in names:
                                 ratios[k].append(secs["one_copy"] / secs[k])
+                            for k in hosted:
+                                ratios[k].append(secs["host_one_copy"] / secs[k])
                         row[direction] = {
                             "one_copy_GBps": round(statistics.median(ref_gbps), 2),
-                            **{k: round(statistics.median(v), 4) for k, v in ratios.items() if k != "one_copy"},
+                            **{
+                                k: round(statistics.median(v), 4)
+                                for k, v in ratios.items()
+                                if k not in ("one_copy", "host_one_copy")
+                            },
                             "ranges": {k: [round(min(v), 4), round(max(v), 4)] for k, v in ratios.items()},
                         }
                     row["gated"] = arms.gate.usable

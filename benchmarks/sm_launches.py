@@ -24,7 +24,7 @@ from aiokvtier._cuda import _sm as sm
 from aiokvtier.bench import _sm
 
 MiB = 1 << 20
-CONFIGS = {  # name: (alternate, pdl, slice MiB, pack, bounded[, early, prefetch]); unnamed: off
+CONFIGS = {  # name: (alternate, pdl, slice MiB, pack, bounded[, early, prefetch, head]); unnamed: off
     "one4": (False, False, 4, False, False),
     "alt4": (True, False, 4, False, False),
     "alt4_pdl": (True, True, 4, False, False),
@@ -39,6 +39,8 @@ CONFIGS = {  # name: (alternate, pdl, slice MiB, pack, bounded[, early, prefetch
     "one8_pdl_pack_bound_prefetch": (False, True, 8, True, True, False, True),
     "one8_pdl_pack_bound_early_prefetch": (False, True, 8, True, True, True, True),
     "one16_pdl_pack_bound_early_prefetch": (False, True, 16, True, True, True, True),
+    "one8_pdl_pack_bound_head": (False, True, 8, True, True, False, False, True),
+    "one8_pdl_pack_bound_head_prefetch": (False, True, 8, True, True, False, True, True),
 }
 
 
@@ -58,7 +60,8 @@ def main() -> None:
     _sm.MATMUL_ARMS = (("sm4", {"method": "sm", "sm_budget": 4}, None), ("dma", {"method": "dma"}, None))
     for rep in range(args.repeats):
         for name in args.configs:
-            sm.ALTERNATE, sm.PDL, mib, sm.PACK, sm.BOUNDED, sm.EARLY, sm.PREFETCH = (*CONFIGS[name], False, False)[:7]
+            config = (*CONFIGS[name], False, False, False)[:8]
+            sm.ALTERNATE, sm.PDL, mib, sm.PACK, sm.BOUNDED, sm.EARLY, sm.PREFETCH, sm.HEAD = config
             sm.SLICE_BYTES = mib * MiB
             bw = _sm.copy_bandwidth_sm(128 * MiB)
             mm = _sm.concurrent_compute(128 * MiB)

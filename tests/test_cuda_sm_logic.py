@@ -308,6 +308,7 @@ class StreamModel:
         self.streams: set[int] = set()
         self.synced: list[tuple[int, int]] = []  # (stream, ops enqueued by then)
         self.pdl: set[int] = set()  # launches made as programmatic dependents
+        self.sources: dict[int, str] = {}  # launch: where its descriptors are read, "host" or "device"
         self._handles = itertools.count(1000)
 
     def _fails(self) -> bool:
@@ -393,6 +394,7 @@ class ModelKernel:
         if self.model._fails():
             raise CudaError("cuLaunchKernel", "CUDA_ERROR_INJECTED", 1)
         self.model.enqueue("launch", int(stream), (budget or self.budget, first, count))
+        self.model.sources[len(self.model.ops) - 1] = "host" if descriptors == SLAB_HOST else "device"
         if pdl:
             self.model.pdl.add(len(self.model.ops) - 1)
 
@@ -405,13 +407,14 @@ def model_path(monkeypatch: pytest.MonkeyPatch, budget: int, fail_at: int | None
     model = StreamModel(fail_at)
     monkeypatch.setattr(_sm, "driver", lambda: model)
     path: Any = object.__new__(_sm.SmPath)
-    slab = _sm.Slab(_sm.MIN_SLAB, 1, 2, np.zeros(3 * _sm.MIN_SLAB, dtype=U))
+    slab = _sm.Slab(_sm.MIN_SLAB, SLAB_HOST, SLAB_DEVICE, np.zeros(3 * _sm.MIN_SLAB, dtype=U))
     path.device, path.kernel, path.budget = 0, ModelKernel(model, budget), budget
     path._free, path._all, path._partners, path._lock = [slab], [slab], {}, threading.Lock()
     return path, model
 
 
 STREAM = 7
+SLAB_HOST, SLAB_DEVICE = 1, 2
 
 
 @pytest.fixture(params=[False, True], ids=["one-stream", "alternate"])
@@ -421,27 +424,44 @@ def alternate(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return bool(request.param)
 
 
+@pytest.fixture(params=[False, True], ids=["upload-first", "head"])
+def head(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The descriptors uploaded before the first slice, or the first slice reading them from the
+    staging slab while the partner stream uploads them for the rest (``_sm.HEAD``)."""
+    monkeypatch.setattr(_sm, "HEAD", request.param)
+    return bool(request.param)
+
+
 @pytest.mark.parametrize("budget", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("pages", [1, 2, 3, 4, 7])
 def test_sliced_launches_follow_the_upload_and_precede_the_completion(
-    monkeypatch: pytest.MonkeyPatch, budget: int, pages: int, alternate: bool
+    monkeypatch: pytest.MonkeyPatch, budget: int, pages: int, alternate: bool, head: bool
 ) -> None:
-    """Every slice runs after the upload, the request's completion (recorded on the copy's stream next)
-    runs after every slice, each copy is launched once, every launch has a block, at most ``budget``
-    blocks run at once, and no event is left behind; the partner stream goes at close."""
+    """Every slice that reads the uploaded descriptors runs after the upload (with ``HEAD``, only
+    the first slice reads them from the slab, launched plainly, and a request of one slice uploads
+    nothing), the request's completion (recorded on the copy's stream next) runs after every slice
+    and the upload, each copy is launched once, every launch has a block, at most ``budget`` blocks
+    run at once, and no event is left behind; the partner stream goes at close."""
     path, model = model_path(monkeypatch, budget)
     sizes = np.full(pages, 4096, dtype=U)
     slab = path.submit(np.arange(pages, dtype=U), np.arange(pages, dtype=U), sizes, STREAM, slice_bytes=4096)
     path.give_back(slab)
     done = model.enqueue("completion", STREAM)
     launches = [i for i, op in enumerate(model.ops) if op[0] == "launch"]
-    (upload,) = [i for i, op in enumerate(model.ops) if op[0] == "upload"]
+    uploads = [i for i, op in enumerate(model.ops) if op[0] == "upload"]
     assert sorted(c for i in launches for c in range(model.ops[i][3][1], sum(model.ops[i][3][1:]))) == list(
         range(pages)
     )
+    headed = head and not alternate
+    assert len(uploads) == (0 if headed and len(launches) == 1 else 1)
     ancestors = model.before(done)
-    for i in launches:
-        assert upload in model.before(i) and i in ancestors
+    assert all(u in ancestors for u in uploads)
+    for k, i in enumerate(launches):
+        if headed and k == 0:
+            assert model.sources[i] == "host" and i not in model.pdl
+        else:
+            assert model.sources[i] == "device" and uploads[0] in model.before(i)
+        assert i in ancestors
         assert model.ops[i][3][0] >= 1
     for i, j in itertools.combinations(launches, 2):
         if i not in model.before(j):  # may run together
@@ -453,7 +473,7 @@ def test_sliced_launches_follow_the_upload_and_precede_the_completion(
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.usefixtures("alternate")
+@pytest.mark.usefixtures("alternate", "head")
 def test_a_programmatic_launch_follows_only_a_slice_of_its_own_request(
     monkeypatch: pytest.MonkeyPatch, pdl: bool
 ) -> None:
@@ -482,7 +502,7 @@ def test_a_programmatic_launch_follows_only_a_slice_of_its_own_request(
 
 
 @pytest.mark.parametrize("budget", [2, 3, 4])
-@pytest.mark.usefixtures("alternate")
+@pytest.mark.usefixtures("alternate", "head")
 def test_a_refused_call_midway_leaves_no_slice_running_and_no_event(
     monkeypatch: pytest.MonkeyPatch, budget: int
 ) -> None:
@@ -552,6 +572,9 @@ def test_the_crossover_key_names_how_requests_are_launched(monkeypatch: pytest.M
     monkeypatch.setattr(_sm, "PACK", not _sm.PACK)
     assert _crossover.device_key(0, 4, spec) != key
     monkeypatch.setattr(_sm, "PACK", not _sm.PACK)
+    monkeypatch.setattr(_sm, "HEAD", not _sm.HEAD)
+    assert _crossover.device_key(0, 4, spec) != key
+    monkeypatch.setattr(_sm, "HEAD", not _sm.HEAD)
     assert _crossover.device_key(0, 4, _kernel.KernelSpec("sm_90", bounded=False)) != key
 
 

@@ -242,6 +242,7 @@ def device_key(device: int, budget: int, spec: Any) -> dict[str, Any]:
         "alternate": _sm.ALTERNATE,
         "pdl": _sm.PDL,
         "pack": _sm.PACK,
+        "head": _sm.HEAD,
     }
 
 

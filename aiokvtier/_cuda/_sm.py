@@ -82,6 +82,11 @@ EARLY = False
 """Packed copies: the next slice may start when a block's first warp begins its last page
 (:attr:`KernelSpec.early`)."""
 
+HEAD = False
+"""The first slice of a request reads its descriptors from the pinned staging slab over the link
+instead of waiting for their upload, which the partner stream runs meanwhile for the other slices
+(:meth:`SmPath._headed`); a request of one slice needs no upload at all."""
+
 PREFETCH = False
 """Packed copies: a warp loads its next page's indices while it copies (:attr:`KernelSpec.prefetch`)."""
 
@@ -180,10 +185,12 @@ class SmPath:
         slab = self._take(n)
         try:
             layout = descriptor_block(slab.view, dsts, srcs, sizes, PACK)
-            drv = driver()
-            check("cuMemcpyHtoDAsync", drv.cuMemcpyHtoDAsync(slab.device, slab.host, layout.nbytes, stream))
             runs = slices(sizes, SLICE_BYTES if slice_bytes is None else slice_bytes)
             blocks = budget or self.budget
+            if HEAD and not ALTERNATE and self._headed(slab, layout, runs, stream, blocks):
+                return slab
+            drv = driver()
+            check("cuMemcpyHtoDAsync", drv.cuMemcpyHtoDAsync(slab.device, slab.host, layout.nbytes, stream))
             partner = self._partner(stream) if ALTERNATE and len(runs) > 1 and blocks > 1 else None
             if partner is not None:
                 self._alternate(slab.device, layout, runs, stream, partner, blocks)
@@ -199,6 +206,35 @@ class SmPath:
             self.give_back(slab)
             raise
         return slab
+
+    def _headed(self, slab: Slab, layout: Descriptors, runs: list[tuple[int, int]], stream: Any, blocks: int) -> bool:
+        """The first slice reads its descriptors from the pinned staging slab itself (mapped for the
+        device at its host address), so it waits for no upload; the other slices read the device
+        copy that the partner stream uploads meanwhile, and ``stream`` waits for that upload before
+        the second slice. The first slice is launched plainly: it follows whatever ``stream`` ran
+        before (another request's slices) as an upload would have made it. False, with nothing
+        queued, where the partner stream is refused: the caller uploads in order instead."""
+        (first, count), rest = runs[0], runs[1:]
+        partner = self._partner(stream) if rest else None
+        if rest and partner is None:
+            return False
+        drv = driver()
+        ready = None
+        if partner is not None:
+            check("cuMemcpyHtoDAsync", drv.cuMemcpyHtoDAsync(slab.device, slab.host, layout.nbytes, partner))
+            ready = check("cuEventCreate", drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        try:
+            if ready is not None:
+                check("cuEventRecord", drv.cuEventRecord(ready, partner))
+            self.kernel.launch(slab.host, layout, stream, blocks, first, count, False)
+            if ready is not None:
+                check("cuStreamWaitEvent", drv.cuStreamWaitEvent(stream, ready, 0))
+        finally:
+            if ready is not None:
+                drv.cuEventDestroy(ready)  # the driver keeps it until the wait has run
+        for first, count in rest:
+            self.kernel.launch(slab.device, layout, stream, blocks, first, count, PDL)
+        return True
 
     def _alternate(
         self, descriptors: int, layout: Descriptors, runs: list[tuple[int, int]], stream: Any, partner: Any, blocks: int

@@ -97,17 +97,20 @@ class Gate:
         self.usable = True
         """False once the driver has refused a wait (no stream memory operations): timing is then ungated."""
 
-    def hold(self, stream: Any) -> bool:
-        """Queue a wait for the next value on ``stream``; False where the driver refuses it."""
+    def hold(self, *streams: Any) -> bool:
+        """Queue a wait for the next value on each of ``streams``; False where the driver refuses it
+        (the streams already held then run at once)."""
         if not self.usable:
             return False
         drv = driver()
         flags = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        (err,) = drv.cuStreamWaitValue32(stream, self.device, self.value + 1, flags)
-        if int(err) != 0:
-            self.usable = False
-            return False
         self.value += 1
+        for stream in streams:
+            (err,) = drv.cuStreamWaitValue32(stream, self.device, self.value, flags)
+            if int(err) != 0:
+                self.usable = False
+                self.release()
+                return False
         return True
 
     def release(self) -> None:
@@ -117,16 +120,17 @@ class Gate:
         driver().cuMemFreeHost(self.host)
 
 
-def _sync_time(fn: Any, stream: Any, repeats: int = 3, gate: Gate | None = None) -> float:
+def _sync_time(fn: Any, stream: Any, repeats: int = 3, gate: Gate | None = None, also: tuple[Any, ...] = ()) -> float:
     """Seconds, the best of ``repeats``, timed by events on ``stream``; with a ``gate``, the work is
-    all queued before it starts (no host time in it), else it starts as it is queued."""
+    all queued before it starts (no host time in it), else it starts as it is queued. ``also``:
+    other streams the work uses, held by the gate too."""
     drv = driver()
     start, end = (check("cuEventCreate", drv.cuEventCreate(0)) for _ in range(2))
     try:
         fn()
         best = float("inf")
         for _ in range(repeats):
-            held = gate is not None and gate.hold(stream)
+            held = gate is not None and gate.hold(stream, *also)
             try:
                 check("cuEventRecord", drv.cuEventRecord(start, stream))
                 fn()
@@ -181,13 +185,16 @@ async def _page_size(
                     sizes = np.full(n, page, dtype=np.uint64)
 
                     def submit(d: Any = dsts, s: Any = srcs, z: Any = sizes, p: Any = path) -> None:
-                        p.give_back(p.submit(d, s, z, stream))  # one stream: the next upload queues behind
+                        # The slab goes back at once: the next call writes the same descriptors into it.
+                        p.give_back(p.submit(d, s, z, stream))
 
+                    partner = (path._partner(stream),)  # the upload may run there (_sm.HEAD): held too
                     for key, held in (
                         (f"kernel{budget}_{direction}", gate),
                         (f"kernel{budget}_{direction}_ungated", None),
                     ):
-                        row[key] = round(n * page / _sync_time(submit, stream, gate=held) / rate[direction], 3)
+                        secs = _sync_time(submit, stream, gate=held, also=partner)
+                        row[key] = round(n * page / secs / rate[direction], 3)
             finally:
                 check("cuStreamSynchronize", drv.cuStreamSynchronize(stream))
                 path.close()
@@ -226,6 +233,7 @@ async def _bandwidth(total: int) -> dict[str, Any]:
         "bounded": _sm.BOUNDED,
         "early": _sm.EARLY,
         "prefetch": _sm.PREFETCH,
+        "head": _sm.HEAD,
     }
     gate = Gate()
     try:
