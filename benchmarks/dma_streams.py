@@ -17,8 +17,10 @@ times them (synchronize, start the clock, queue, synchronize):
 
 - ``host_one_copy``: the one copy;
 - ``host_batch_tier``: the tier's pages as one stream of batches;
-- ``engine``: ``await CopyEngine.to_device/to_host(tier, slots, pages)`` from the event loop
-  (planning, the hand-offs and the completion's wake-up included), as a fraction of ``host_one_copy``.
+- ``engine``: ``CopyEngine.begin(tier, slots, pages, direction)`` from the event loop, awaited to
+  its end (planning, the hand-offs and the completion's wake-up included), as a fraction of
+  ``host_one_copy``; ``{direction}_engine_ms`` splits its time into planning (``begin``), the wait
+  for submission and the rest (the copy, the completion's wake-up).
 
 Arms are interleaved round by round, medians of ``--repeats``; each figure is a fraction of the
 one copy timed the same way in the same round. Needs a CUDA device.
@@ -60,6 +62,7 @@ class Arms:
         self.pinned_pages = np.uint64(pinned) + rng.permutation(n).astype(np.uint64) * np.uint64(page)
         self.tier = tier
         self.sizes = np.full(n, page, dtype=np.uint64)
+        self.phases: list[tuple[float, float, float]] = []  # the engine's: planned, submitted, landed
 
     async def tier_pages(self) -> None:
         slots = np.asarray(await self.tier.allocate(self.n), dtype=np.int64)
@@ -81,8 +84,12 @@ class Arms:
         check("cuStreamSynchronize", drv.cuStreamSynchronize(main))
         started = time.perf_counter()
         if name == "engine":
-            call = engine.to_device if direction == "h2d" else engine.to_host
-            await call(self.tier, self.slots, self.dev)
+            started_copy = engine.begin(self.tier, self.slots, self.dev, direction)
+            planned = time.perf_counter()
+            await started_copy.submitted
+            submitted = time.perf_counter()
+            await started_copy.done
+            self.phases.append((planned - started, submitted - planned, time.perf_counter() - submitted))
         else:
             self.queue("one_copy" if name == "host_one_copy" else "batch_tier_s1", direction)
             check("cuStreamSynchronize", drv.cuStreamSynchronize(main))
@@ -170,6 +177,11 @@ async def study(args: argparse.Namespace) -> dict[str, Any]:
                                 ratios[k].append(secs["one_copy"] / secs[k])
                             for k in hosted:
                                 ratios[k].append(secs["host_one_copy"] / secs[k])
+                        phases = arms.phases[-args.repeats :]
+                        row[direction + "_engine_ms"] = {
+                            name: round(statistics.median(p[i] for p in phases) * 1e3, 3)
+                            for i, name in enumerate(("plan", "submit", "copy_and_wake"))
+                        }
                         row[direction] = {
                             "one_copy_GBps": round(statistics.median(ref_gbps), 2),
                             **{

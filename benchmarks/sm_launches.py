@@ -24,7 +24,7 @@ from aiokvtier._cuda import _sm as sm
 from aiokvtier.bench import _sm
 
 MiB = 1 << 20
-CONFIGS = {  # name: (alternate, pdl, slice MiB, pack, bounded[, early, prefetch, head]); unnamed: off
+CONFIGS = {  # name: (alternate, pdl, slice MiB, pack, bounded[, head]); without pack, bound or head: off
     "one4": (False, False, 4, False, False),
     "alt4": (True, False, 4, False, False),
     "alt4_pdl": (True, True, 4, False, False),
@@ -35,12 +35,7 @@ CONFIGS = {  # name: (alternate, pdl, slice MiB, pack, bounded[, early, prefetch
     "one8_pdl_bound": (False, True, 8, False, True),
     "one8_pdl_pack_bound": (False, True, 8, True, True),
     "one16_pdl_pack_bound": (False, True, 16, True, True),
-    "one8_pdl_pack_bound_early": (False, True, 8, True, True, True, False),
-    "one8_pdl_pack_bound_prefetch": (False, True, 8, True, True, False, True),
-    "one8_pdl_pack_bound_early_prefetch": (False, True, 8, True, True, True, True),
-    "one16_pdl_pack_bound_early_prefetch": (False, True, 16, True, True, True, True),
-    "one8_pdl_pack_bound_head": (False, True, 8, True, True, False, False, True),
-    "one8_pdl_pack_bound_head_prefetch": (False, True, 8, True, True, False, True, True),
+    "one8_pdl_pack_bound_head": (False, True, 8, True, True, True),
 }
 
 
@@ -51,7 +46,7 @@ def main() -> None:
         "--configs",
         nargs="+",
         choices=sorted(CONFIGS),
-        default=["one8_pdl", "one8_pdl_pack", "one8_pdl_bound", "one8_pdl_pack_bound"],
+        default=["one8_pdl", "one8_pdl_pack", "one8_pdl_bound", "one8_pdl_pack_bound", "one8_pdl_pack_bound_head"],
     )
     args = parser.parse_args()
     _sm.ARMS = ()
@@ -60,8 +55,7 @@ def main() -> None:
     _sm.MATMUL_ARMS = (("sm4", {"method": "sm", "sm_budget": 4}, None), ("dma", {"method": "dma"}, None))
     for rep in range(args.repeats):
         for name in args.configs:
-            config = (*CONFIGS[name], False, False, False)[:8]
-            sm.ALTERNATE, sm.PDL, mib, sm.PACK, sm.BOUNDED, sm.EARLY, sm.PREFETCH, sm.HEAD = config
+            sm.ALTERNATE, sm.PDL, mib, sm.PACK, sm.BOUNDED, sm.HEAD = (*CONFIGS[name], False)[:6]
             sm.SLICE_BYTES = mib * MiB
             bw = _sm.copy_bandwidth_sm(128 * MiB)
             mm = _sm.concurrent_compute(128 * MiB)

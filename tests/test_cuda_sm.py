@@ -94,21 +94,18 @@ async def test_sm_pages_smaller_than_the_slot(backing: str, short: int) -> None:
 
 @pytest.mark.parametrize("backing", BACKINGS)
 @pytest.mark.parametrize(
-    ("alternate", "pdl", "pack", "bounded", "early", "prefetch", "head", "slice_kib"),
+    ("alternate", "pdl", "pack", "bounded", "head", "slice_kib"),
     [
-        (False, True, True, True, False, False, False, 40),  # the defaults, small slices
-        (False, True, False, True, False, False, False, 40),
-        (False, True, True, False, False, False, False, 40),
-        (False, True, True, True, True, False, False, 40),
-        (False, True, True, True, False, True, False, 40),
-        (False, True, True, True, True, True, False, 40),
-        (True, True, True, True, True, True, False, 40),
-        (False, False, True, True, False, False, False, 40),
-        (False, False, False, False, False, False, False, 40),
-        (False, True, True, True, False, False, True, 40),
-        (False, True, False, True, False, True, True, 40),
-        (False, True, True, True, False, False, True, 65536),  # one slice: no upload at all
-        (False, True, False, True, False, False, True, 65536),
+        (False, True, True, True, True, 40),  # the defaults, small slices
+        (False, True, True, True, True, 65536),  # the defaults, one slice: no upload at all
+        (False, True, False, True, True, 40),
+        (False, True, False, True, True, 65536),
+        (False, True, True, True, False, 40),
+        (False, True, False, True, False, 40),
+        (False, True, True, False, True, 40),
+        (True, True, True, True, True, 40),
+        (False, False, True, True, True, 40),
+        (False, False, False, False, False, 40),
     ],
 )
 async def test_sm_request_in_many_slices_is_bit_exact(
@@ -117,8 +114,6 @@ async def test_sm_request_in_many_slices_is_bit_exact(
     pdl: bool,
     pack: bool,
     bounded: bool,
-    early: bool,
-    prefetch: bool,
     head: bool,
     slice_kib: int,
     monkeypatch: pytest.MonkeyPatch,
@@ -126,9 +121,9 @@ async def test_sm_request_in_many_slices_is_bit_exact(
     """A request runs as launches of at most SLICE_BYTES (uneven: 2 pages and a bit), each a
     programmatic dependent of the one before (the default) or not, on one stream (the default)
     or alternating with a partner stream, with packed descriptors (the default) or wide ones,
-    each slice's successor held until the slice before it has ended (the default) or not,
-    released early or not, the next page's indices loaded ahead or not, the first slice reading
-    its descriptors from the staging slab or not: every page lands, in both directions."""
+    each slice's successor held until the slice before it has ended (the default) or not, the
+    first slice reading its descriptors from the staging slab (the default) or after their
+    upload: every page lands, in both directions."""
     from aiokvtier._cuda import _sm
 
     monkeypatch.setattr(_sm, "SLICE_BYTES", slice_kib << 10)
@@ -137,8 +132,6 @@ async def test_sm_request_in_many_slices_is_bit_exact(
         ("PDL", pdl),
         ("PACK", pack),
         ("BOUNDED", bounded),
-        ("EARLY", early),
-        ("PREFETCH", prefetch),
         ("HEAD", head),
     ]:
         monkeypatch.setattr(_sm, name, value)

@@ -144,6 +144,7 @@ def test_slices_cover_every_copy_in_order_within_the_limit(
 def test_kernel_spec_options_name_the_arch_and_shape() -> None:
     opts = _kernel.KernelSpec("sm_90", threads=512, unroll=4).options()
     assert "--gpu-architecture=sm_90" in opts and "-DTHREADS=512" in opts and "-DUNROLL=4" in opts
+    assert "-DBOUNDED=1" in opts and "-DBOUNDED=0" in _kernel.KernelSpec("sm_90", bounded=False).options()
 
 
 def curves(sm_per_page: float, dma_per_page: float, sm_fixed: float = 20e-6, dma_fixed: float = 10e-6) -> Any:

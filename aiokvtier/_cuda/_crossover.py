@@ -234,8 +234,6 @@ def device_key(device: int, budget: int, spec: Any) -> dict[str, Any]:
         "threads": spec.threads,
         "unroll": spec.unroll,
         "bounded": spec.bounded,
-        "early": spec.early,
-        "prefetch": spec.prefetch,
         # How a request is launched: the slices' size and streams and the descriptors' size
         # change what a launch costs.
         "slice_bytes": _sm.SLICE_BYTES,

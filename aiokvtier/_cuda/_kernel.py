@@ -160,7 +160,7 @@ static __device__ __forceinline__ void release_next() {
 
 static __device__ __forceinline__ void finish(bool worked) {
 #if __CUDA_ARCH__ >= 900
-    if (worked) release_next();  // a repeat within a block is a no-op
+    if (worked) release_next();  // the first in a block releases it; a repeat is a no-op
     asm volatile("griddepcontrol.wait;");
 #endif
 }
@@ -183,27 +183,9 @@ aiokvtier_copy_packed(const unsigned* __restrict__ sidx, const unsigned* __restr
                       u64 src_base, u64 dst_base, u64 src_shift, u64 dst_shift, u64 len, u64 n)
 {
     const Work w = split(n);
-    if (w.group < w.groups && w.group < n) {
-        unsigned si = sidx[w.group], di = didx[w.group];
-        for (u64 p = w.group; p < n; p += w.groups) {
-            const bool last = p + w.groups >= n;
-            unsigned next_si = 0, next_di = 0;
-#if PREFETCH
-            // The next page's indices load while this page copies: no descriptor latency between pages.
-            if (!last) { next_si = sidx[p + w.groups]; next_di = didx[p + w.groups]; }
-#endif
-#if EARLY
-            if (last) release_next();  // the next slice's blocks start while this warp's last page moves
-#endif
-            copy_page((const char*)(src_base + ((u64)si << src_shift)),
-                      (char*)(dst_base + ((u64)di << dst_shift)), len, w);
-#if !PREFETCH
-            if (!last) { next_si = sidx[p + w.groups]; next_di = didx[p + w.groups]; }
-#endif
-            si = next_si;
-            di = next_di;
-        }
-    }
+    for (u64 p = w.group; w.group < w.groups && p < n; p += w.groups)
+        copy_page((const char*)(src_base + ((u64)sidx[p] << src_shift)),
+                  (char*)(dst_base + ((u64)didx[p] << dst_shift)), len, w);
     finish(w.group < w.groups);
 }
 """
@@ -223,17 +205,9 @@ class KernelSpec:
     bounded: bool = True
     """A programmatic slice lets its successor start only once its predecessor has ended, so at
     most two slices of a request hold SMs at a time (``release_next`` in :data:`SOURCE`)."""
-    early: bool = False
-    """Packed copies: a block lets the next slice start when its first warp begins its last page,
-    not when that warp has finished."""
-    prefetch: bool = False
-    """Packed copies: a warp loads its next page's indices before copying the present page."""
 
     def macros(self) -> list[tuple[str, str]]:
-        flags = {"BOUNDED": self.bounded, "EARLY": self.early, "PREFETCH": self.prefetch}
-        return [("THREADS", str(self.threads)), ("UNROLL", str(self.unroll))] + [
-            (k, str(int(v))) for k, v in flags.items()
-        ]
+        return [("THREADS", str(self.threads)), ("UNROLL", str(self.unroll)), ("BOUNDED", str(int(self.bounded)))]
 
     def options(self) -> list[str]:
         return [f"--gpu-architecture={self.arch}", "--std=c++17", *(f"-D{k}={v}" for k, v in self.macros())]

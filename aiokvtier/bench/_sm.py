@@ -231,8 +231,6 @@ async def _bandwidth(total: int) -> dict[str, Any]:
         "pdl": _sm.PDL,
         "pack": _sm.PACK,
         "bounded": _sm.BOUNDED,
-        "early": _sm.EARLY,
-        "prefetch": _sm.PREFETCH,
         "head": _sm.HEAD,
     }
     gate = Gate()
