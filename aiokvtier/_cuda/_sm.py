@@ -8,15 +8,18 @@ whole request. Each slice is launched as a programmatic dependent of the one
 before (:data:`PDL`), so the link does not idle between them. Measured on the
 H200 (docs/benchmarks.md): a bf16 matmul loop beside 128 MiB requests on 4
 SMs slowed by 16-30% with whole-request launches and by 7-9% with 8 MiB
-slices, and the copy alone moved shuffled pages host to device at
-0.913-0.924 of a DMA copy (0.87-0.90 with the launch gap between slices).
+slices, and the copy alone moved shuffled 4-64 KiB pages host to device at
+0.921-0.922 of a DMA copy (0.87-0.90 with the launch gap between slices).
 
-A launch needs its (src, dst, len) arrays in device memory. They are written
-into a pinned staging buffer and uploaded with one async H2D copy on the
-launch's own stream, right before the kernel, so stream order alone makes
-the kernel see them. A slab (staging buffer + device buffer) belongs to one
-launch until that launch's completion event has fired: the completion
-thread hands it back, so a later launch on any stream never overwrites
+A launch reads its descriptors (8 bytes per copy for a request of one page
+size, else 24: :func:`~._kernel.descriptor_block`) from a slab: a pinned
+staging buffer the host writes them into, and a device buffer. The first
+slice reads the staging buffer itself over the link (:data:`HEAD`), so it
+waits for no upload; the other slices read the device buffer, which one
+async H2D copy on a partner stream fills meanwhile, and the copy's stream
+waits for that copy before the second slice. A slab belongs to one request
+until that request's completion event has fired: the completion thread
+hands it back, so a later launch on any stream never overwrites
 descriptors that an earlier upload or kernel has yet to read. Slabs are
 kept and reused; they grow in powers of two.
 
