@@ -85,8 +85,8 @@ HEAD = True
 """The first slice of a request reads its descriptors from the pinned staging slab over the link
 instead of waiting for their upload, which the partner stream runs meanwhile for the other slices
 (:meth:`SmPath._headed`); a request of one slice needs no upload at all. Host to device on the H200,
-shuffled 4 / 16 / 64 KiB pages: 0.921 / 0.922 / 0.921 of a DMA copy, against 0.919 / 0.920 / 0.921
-with the upload first (medians of 8 rounds, ``docs/results/sm-head-h200.jsonl``)."""
+shuffled 4 / 16 / 64 KiB pages: 0.921 / 0.922 / 0.921 of a DMA copy, against 0.9185 / 0.9195 / 0.921
+with the upload first (medians of 8 interleaved rounds, ``docs/results/sm-head-h200.jsonl``)."""
 
 PACK = True
 """Requests of one page size are described in 8 bytes per copy, not 24 (:func:`descriptor_block`):
@@ -172,9 +172,10 @@ class SmPath:
     def submit(
         self, dsts: U64, srcs: U64, sizes: U64, stream: Any, budget: int | None = None, slice_bytes: int | None = None
     ) -> Slab:
-        """Upload the descriptors and launch, in slices of ``slice_bytes`` (default
-        :data:`SLICE_BYTES`), on ``stream`` (submit thread). The slab is the
-        launches' until :meth:`give_back` (after the request's completion event).
+        """Write the descriptors, upload them (on the partner stream behind the first slice, with
+        :data:`HEAD`) and launch, in slices of ``slice_bytes`` (default :data:`SLICE_BYTES`), on
+        ``stream`` (submit thread). The slab is the launches' until :meth:`give_back` (after the
+        request's completion event, recorded on ``stream`` next).
 
         :raises CudaError: the upload or the launch was refused (nothing is left half-done
             that could touch a later launch's slab).
