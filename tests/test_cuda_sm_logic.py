@@ -105,6 +105,115 @@ def test_packed_descriptors_give_back_every_address(pairs: list[tuple[int, int]]
         assert out.tolist() == [*srcs.tolist(), *dsts.tolist(), *[size] * len(pairs)]
 
 
+SENTINEL = 0xDEAD_BEEF_0BAD_F00D
+
+
+def check_block(dsts: Any, srcs: Any, sizes: Any, spare: int = 0) -> Any:
+    """``descriptor_block`` into a buffer ``spare`` values longer than needed: the inputs are left
+    as they were, nothing past ``3 * n`` is touched, and the block stands for exactly the request
+    (packed only where every copy has one length)."""
+    n = len(dsts)
+    inputs = [np.array(a, copy=True) for a in (dsts, srcs, sizes)]
+    out = np.full(3 * n + spare, SENTINEL, dtype=U)
+    layout = _kernel.descriptor_block(out, dsts, srcs, sizes)
+    assert all(np.array_equal(a, b) for a, b in zip((dsts, srcs, sizes), inputs, strict=True))
+    assert (out[3 * n :] == U(SENTINEL)).all()
+    assert layout.n == n
+    assert layout.packed == (n > 0 and len(set(np.asarray(sizes).tolist())) == 1 and fits(srcs) and fits(dsts))
+    if layout.packed:
+        assert len(set(np.asarray(sizes).tolist())) == 1 and layout.size == int(sizes[0])
+        assert layout.nbytes == n * _kernel.PACKED_BYTES
+        assert unpack(out, layout) == (srcs.tolist(), dsts.tolist())
+    else:
+        assert layout.nbytes == n * _kernel.DESCRIPTOR_BYTES
+        assert out[: 3 * n].tolist() == [*srcs.tolist(), *dsts.tolist(), *np.asarray(sizes).tolist()]
+    return layout
+
+
+def fits(addrs: Any) -> bool:
+    """Every address is the lowest plus a 32-bit multiple of the largest power of two dividing
+    every offset from it (counted here offset by offset)."""
+    offsets = [int(a) - int(addrs.min()) for a in addrs]
+    shift = min(((o & -o).bit_length() - 1 for o in offsets if o), default=0)
+    return max(offsets) >> shift <= 0xFFFF_FFFF
+
+
+TOP = (1 << 64) - 1
+STEPS_FIT = (1 << 32) - 1  # the largest index a packed side holds
+
+
+@pytest.mark.parametrize(
+    ("dsts", "srcs", "packed"),
+    [
+        ([], [], False),  # nothing: an empty wide block
+        ([0], [TOP], True),
+        ([TOP, TOP - 16], [0, 16], True),
+        ([0, TOP], [0, 1], False),  # the lowest differing bit is bit 0: a span of 2**64 - 1 steps does not fit
+        ([5, 5, 5], [7, 7, 7], True),  # every address equal: every index 0
+        ([0, 16, 16 * STEPS_FIT], [0, 16, 32], True),
+        ([0, 16, 16 * (STEPS_FIT + 1)], [0, 16, 32], False),
+        ([TOP + 1 - 16 * (STEPS_FIT + 1), TOP + 1 - 16, TOP + 1 - 32], [0, 16, 32], True),
+        ([0, 16, 32], [TOP - 16 * STEPS_FIT, TOP, TOP - 16], True),
+        ([0, 16, 32], [TOP - 16 * (STEPS_FIT + 1), TOP, TOP - 16], False),
+        ([0, 1 << 63], [1 << 63, (1 << 63) + (1 << 62)], True),  # shifts of 63 and 62
+    ],
+)
+@pytest.mark.parametrize("spare", [0, 5])
+def test_descriptor_block_at_the_edges(dsts: list[int], srcs: list[int], packed: bool, spare: int) -> None:
+    d, s = arrays(dsts, srcs)
+    assert check_block(d, s, np.full(len(dsts), 4096, dtype=U), spare).packed == packed
+
+
+@pytest.mark.parametrize(
+    ("sizes", "packed"),
+    [
+        (np.broadcast_to(U(4096), (4,)), True),  # one length given once (stride 0)
+        (np.full(4, 4096, dtype=U), True),
+        (np.asarray([4096, 4096, 4096, 4112], dtype=U), False),
+        (np.asarray([4112, 4096, 4096, 4096], dtype=U), False),
+        (np.full(8, 4096, dtype=U)[::2], True),  # strided
+    ],
+)
+def test_descriptor_block_packs_one_length_however_given(sizes: Any, packed: bool) -> None:
+    d, s = arrays([0x10000, 0x20000, 0x30000, 0x40000], [0x1000, 0x5000, 0x2000, 0x9000])
+    assert check_block(d, s, sizes, 3).packed == packed
+
+
+def test_descriptor_block_reads_strided_and_reversed_views() -> None:
+    base = np.arange(64, dtype=U) * U(4096) + U(1 << 40)
+    layout = check_block(base[::4], base[62::-3][:16], np.broadcast_to(U(4096), (16,)), 2)
+    assert layout.packed
+    assert not check_block(base[::4], base[::-4], (base % U(3) + U(1))[::4]).packed
+
+
+def edge_addresses(n: int) -> st.SearchStrategy[list[int]]:
+    """``n`` addresses of one side: a base near 0, 2**32, 2**63 or 2**64 (or anywhere), a step of
+    2**shift, indices biased to 0 and the edges of 32 bits; wrapped into 64 bits."""
+    base = st.one_of(st.sampled_from([0, 1, (1 << 32) - 16, 1 << 63, TOP + 1 - (1 << 40), TOP]), st.integers(0, TOP))
+    index = st.one_of(st.sampled_from([0, 1, STEPS_FIT - 1, STEPS_FIT, STEPS_FIT + 1]), st.integers(0, 1 << 33))
+    return st.tuples(base, st.integers(0, 63), st.lists(index, min_size=n, max_size=n)).map(
+        lambda t: [(t[0] + (i << t[1])) & TOP for i in t[2]]
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data(), st.integers(1, 12), st.sampled_from(["broadcast", "equal", "one-differs"]), st.booleans())
+def test_edge_biased_requests_pack_exactly_or_go_wide(data: Any, n: int, sizes_as: str, strided: bool) -> None:
+    srcs = np.asarray(data.draw(edge_addresses(n)), dtype=U)
+    dsts = np.asarray(data.draw(edge_addresses(n)), dtype=U)
+    if strided:  # views with a stride: every other element of a longer array
+        srcs, dsts = np.repeat(srcs, 2)[::2], np.repeat(dsts, 2)[::-2][::-1]
+    if sizes_as == "broadcast":
+        sizes: Any = np.broadcast_to(U(16), (n,))
+    else:
+        sizes = np.full(n, 16, dtype=U)
+        if sizes_as == "one-differs":
+            sizes[data.draw(st.integers(0, n - 1))] = 32
+    layout = check_block(dsts, srcs, sizes, data.draw(st.integers(0, 3)))
+    if sizes_as != "one-differs" and n == 1:
+        assert layout.packed
+
+
 def test_vector_alignment_covers_both_sides_and_the_length() -> None:
     assert _kernel.vector_aligned(*arrays([16, 4096], [32, 8192], [4096, 64]))
     assert not _kernel.vector_aligned(*arrays([16, 4104], [32, 8192], [4096, 64]))
