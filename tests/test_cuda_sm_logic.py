@@ -413,7 +413,7 @@ class StreamModel:
         self.fail_at, self.calls = fail_at, 0
         self.ops: list[tuple[str, int, set[int], Any]] = []  # (kind, stream, direct dependencies, detail)
         self.tail: dict[int, int] = {}  # stream: its last op
-        self.recorded: dict[int, int | None] = {}
+        self.recorded: dict[int, int | None] = {}  # event: the op it follows, once recorded
         self.events: set[int] = set()
         self.streams: set[int] = set()
         self.synced: list[tuple[int, int]] = []  # (stream, ops enqueued by then)
@@ -453,7 +453,6 @@ class StreamModel:
             return _Failed(1), 0
         event = next(self._handles)
         self.events.add(event)
-        self.recorded[event] = None
         return 0, event
 
     def cuEventRecord(self, event: int, stream: int) -> tuple[int]:
@@ -465,11 +464,14 @@ class StreamModel:
     def cuStreamWaitEvent(self, stream: int, event: int, flags: int) -> tuple[int]:
         if self._fails():
             return (_Failed(1),)
+        # A wait for an event never recorded waits for nothing: the stream would run ahead.
+        assert event in self.recorded, "a stream waits for an event that was never recorded"
         self.enqueue("wait", int(stream), after=self.recorded[event])
         return (0,)
 
     def cuEventDestroy(self, event: int) -> tuple[int]:
         self.events.remove(event)
+        self.recorded.pop(event, None)
         return (0,)
 
     def cuStreamCreate(self, flags: int) -> tuple[int, int]:
@@ -644,6 +646,69 @@ def test_a_refused_call_midway_leaves_no_slice_running_and_no_event(
         assert last in model.before(done)
         path.close()
         assert not model.streams
+
+
+def request(pages: int) -> tuple[Any, ...]:
+    return np.arange(pages, dtype=U), np.arange(pages, dtype=U), np.full(pages, 4096, dtype=U), STREAM
+
+
+@pytest.mark.usefixtures("alternate", "head")
+def test_an_empty_request_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No copies: no launch, no event, no error; the slab comes back."""
+    path, model = model_path(monkeypatch, 4)
+    path.give_back(path.submit(*request(0), slice_bytes=4096))
+    assert not [op for op in model.ops if op[0] == "launch"] and not model.events and len(path._free) == 1
+    path.close()
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.usefixtures("alternate")
+def test_each_request_starts_after_the_one_before_on_its_stream(
+    monkeypatch: pytest.MonkeyPatch, head: bool, pdl: bool
+) -> None:
+    """A request's first slice follows every slice of the request before it on the copy's stream
+    (the partner's included), and may not overlap it: with ``HEAD`` it is launched plainly (its
+    descriptors read from the slab); otherwise what comes just before it is the upload."""
+    monkeypatch.setattr(_sm, "PDL", pdl)
+    path, model = model_path(monkeypatch, 4)
+    previous: list[int] = []
+    for pages in (3, 1, 5, 1, 2, 7):
+        start = len(model.ops)
+        path.give_back(path.submit(*request(pages), slice_bytes=4096))
+        launches = [i for i in range(start, len(model.ops)) if model.ops[i][0] == "launch"]
+        first = min(launches)
+        assert all(j in model.before(first) for j in previous), pages
+        if first in model.pdl:
+            before_first = [j for j in range(first) if model.ops[j][1] == model.ops[first][1]][-1]
+            assert model.ops[before_first][0] == "upload" and before_first >= start
+        if head and not _sm.ALTERNATE:
+            assert first not in model.pdl and model.sources[first] == "host"
+        previous = launches
+    path.close()
+
+
+@pytest.mark.usefixtures("head")
+@pytest.mark.parametrize("pages", [1, 2, 5])
+def test_a_refused_partner_stream_uploads_on_the_copy_stream_first(monkeypatch: pytest.MonkeyPatch, pages: int) -> None:
+    """Where the driver refuses the partner stream, the descriptors go up on the copy's stream ahead
+    of every slice that reads them; a request of one slice with ``HEAD`` needs neither. The next
+    request asks for the partner again."""
+    path, model = model_path(monkeypatch, 4)
+    refuse = model.cuStreamCreate
+    model.cuStreamCreate = lambda flags: (_Failed(1), 0)  # type: ignore[method-assign]
+    path.give_back(path.submit(*request(pages), slice_bytes=4096))
+    launches = [i for i, op in enumerate(model.ops) if op[0] == "launch"]
+    uploads = [i for i, op in enumerate(model.ops) if op[0] == "upload"]
+    assert {op[1] for op in model.ops} == {STREAM} and not path._partners and not model.events
+    if _sm.HEAD and pages == 1:
+        assert not uploads and model.sources[launches[0]] == "host"
+    else:
+        assert len(uploads) == 1 and uploads[0] < launches[0]
+        assert all(model.sources[i] == "device" and uploads[0] in model.before(i) for i in launches)
+    model.cuStreamCreate = refuse  # type: ignore[method-assign]
+    path.give_back(path.submit(*request(pages), slice_bytes=4096))
+    assert bool(path._partners) == (_sm.HEAD and pages > 1)
+    path.close()
 
 
 class _KeyDriver:

@@ -212,6 +212,8 @@ class SmPath:
         the second slice. The first slice is launched plainly: it follows whatever ``stream`` ran
         before (another request's slices) as an upload would have made it. False, with nothing
         queued, where the partner stream is refused: the caller uploads in order instead."""
+        if not runs:
+            return True  # no copies: nothing to read the descriptors
         (first, count), rest = runs[0], runs[1:]
         partner = self._partner(stream) if rest else None
         if rest and partner is None:
