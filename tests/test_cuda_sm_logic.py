@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -514,9 +516,11 @@ class ModelKernel:
         pass
 
 
-def model_path(monkeypatch: pytest.MonkeyPatch, budget: int, fail_at: int | None = None) -> tuple[Any, StreamModel]:
+def model_path(
+    monkeypatch: pytest.MonkeyPatch, budget: int, fail_at: int | None = None, model: StreamModel | None = None
+) -> tuple[Any, StreamModel]:
     """An SmPath over the model (no GPU): one slab free, the kernel recording its launches."""
-    model = StreamModel(fail_at)
+    model = StreamModel(fail_at) if model is None else model
     monkeypatch.setattr(_sm, "driver", lambda: model)
     path: Any = object.__new__(_sm.SmPath)
     slab = _sm.Slab(_sm.MIN_SLAB, SLAB_HOST, SLAB_DEVICE, np.zeros(3 * _sm.MIN_SLAB, dtype=U))
@@ -775,3 +779,115 @@ def test_the_engine_states_the_present_slice_size() -> None:
     """``sm_budget``'s documentation names the slice size requests are cut to."""
     doc = " ".join((CopyEngine.__doc__ or "").split())
     assert f"launches of at most {_sm.SLICE_BYTES >> 20} MiB" in doc
+
+
+# -- the bench's gate: a stream it holds is always let go ------------------------------------------
+
+
+class GateModel(StreamModel):
+    """The stream model with stream memory waits: a stream held by a wait on a pinned word blocks a
+    synchronization until the word reaches the value (failing after a few seconds, not hanging)."""
+
+    class CUstreamWaitValue_flags:
+        CU_STREAM_WAIT_VALUE_GEQ = 0
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__(fail_at)
+        self.words: list[Any] = []
+        self.holds: list[tuple[int, int, int]] = []  # (stream, word address, value)
+        self.wait_value: Any = None  # replaces cuStreamWaitValue32's result where set
+
+    def cuMemHostAlloc(self, nbytes: int, flags: int) -> tuple[int, int]:
+        self.words.append(ctypes.create_string_buffer(nbytes))
+        return 0, ctypes.addressof(self.words[-1])
+
+    def cuMemHostGetDevicePointer(self, host: int, flags: int) -> tuple[int, int]:
+        return 0, host
+
+    def cuStreamWaitValue32(self, stream: int, address: int, value: int, flags: int) -> tuple[int]:
+        if self.wait_value is not None:
+            return self.wait_value(stream)  # type: ignore[no-any-return]
+        self.holds.append((int(stream), address, value))
+        return (0,)
+
+    def held(self, stream: int) -> bool:
+        return any(s == stream and ctypes.c_uint32.from_address(a).value < v for s, a, v in self.holds)
+
+    def cuStreamSynchronize(self, stream: int) -> tuple[int]:
+        deadline = time.monotonic() + 5
+        while self.held(int(stream)):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"stream {stream} is held by a gate nothing releases")
+            time.sleep(0.001)
+        return super().cuStreamSynchronize(stream)
+
+    def cuEventSynchronize(self, event: int) -> tuple[int]:
+        for stream in {s for s, _, _ in self.holds}:
+            self.cuStreamSynchronize(stream)
+        return (0,)
+
+    def cuEventElapsedTime(self, start: int, end: int) -> tuple[int, float]:
+        return 0, 1.0
+
+
+def gate_model(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, GateModel]:
+    from aiokvtier.bench import _sm as bench
+
+    model = GateModel()
+    monkeypatch.setattr(bench, "driver", lambda: model)
+    return bench.Gate(), model
+
+
+def test_a_gate_refused_or_raising_on_one_stream_lets_the_others_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait the driver refuses, or one that raises, after another stream is held: that stream
+    runs at once (and a refusal turns the gate off)."""
+    gate, model = gate_model(monkeypatch)
+    assert gate.hold(1) and model.held(1)
+    gate.release()
+    assert not model.held(1)
+
+    def wait(stream: Any) -> tuple[int]:
+        if stream is None:
+            raise TypeError("not a stream")
+        if stream == 2:
+            return (_Failed(1),)
+        model.holds.append((stream, gate.device, gate.value))
+        return (0,)
+
+    model.wait_value = wait
+    with pytest.raises(TypeError):
+        gate.hold(1, None)
+    assert not model.held(1) and gate.usable
+    assert not gate.hold(1, 2) and not gate.usable
+    assert not model.held(1) and not gate.hold(1)
+    gate.close()
+
+
+@pytest.mark.usefixtures("head")
+def test_a_failing_submit_behind_the_gate_does_not_hold_its_stream_forever(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch refused while the gate holds the streams: the SM path's clean-up synchronizes the
+    copy's stream, which the gate still holds; the gate lets go by itself, the error comes out, and
+    the timing after it is no longer gated."""
+    from aiokvtier.bench import _sm as bench
+
+    monkeypatch.setattr(bench, "HOLD_LIMIT", 0.05)
+    gate, model = gate_model(monkeypatch)
+    path, _ = model_path(monkeypatch, 4, model=model)
+    calls = 0
+
+    def submit() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the first timed call: its first launch is refused
+            model.fail_at = model.calls + (3 if _sm.HEAD else 1)
+        path.give_back(path.submit(*request(5), slice_bytes=4096))
+
+    partner = (path._partner(STREAM),)
+    started = time.monotonic()
+    with pytest.raises(CudaError, match="INJECTED"):
+        bench._sync_time(submit, STREAM, gate=gate, also=partner)
+    assert time.monotonic() - started < 4
+    assert not model.held(STREAM) and not model.held(partner[0]) and not gate.usable
+    assert len(path._free) == 1 and not model.events
+    gate.close()
+    path.close()
