@@ -188,6 +188,17 @@ def test_descriptor_block_reads_strided_and_reversed_views() -> None:
     assert not check_block(base[::4], base[::-4], (base % U(3) + U(1))[::4]).packed
 
 
+def test_a_partly_contiguous_request_of_one_page_size_is_written_wide() -> None:
+    """The planner merges neighbours on both sides into runs: where some merge and others do not,
+    the copies have several lengths and take the wide layout; where none merge, they pack."""
+    from aiokvtier._cuda._plan import plan
+
+    page, tier, dev = 4096, U(1 << 30), U(1 << 40)
+    for slots, pages, packed in (([0, 1, 2, 5, 9], [7, 8, 9, 3, 20], False), ([0, 2, 5, 9], [7, 3, 9, 20], True)):
+        p = plan(dev + np.asarray(pages, dtype=U) * U(page), tier + np.asarray(slots, dtype=U) * U(page), page)
+        assert check_block(p.dsts, p.srcs, p.sizes).packed == packed
+
+
 def edge_addresses(n: int) -> st.SearchStrategy[list[int]]:
     """``n`` addresses of one side: a base near 0, 2**32, 2**63 or 2**64 (or anywhere), a step of
     2**shift, indices biased to 0 and the edges of 32 bits; wrapped into 64 bits."""
