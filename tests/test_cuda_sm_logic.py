@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,126 @@ def test_packed_descriptors_give_back_every_address(pairs: list[tuple[int, int]]
         assert unpack(out, layout) == (srcs.tolist(), dsts.tolist()) and layout.size == size
     else:
         assert out.tolist() == [*srcs.tolist(), *dsts.tolist(), *[size] * len(pairs)]
+
+
+SENTINEL = 0xDEAD_BEEF_0BAD_F00D
+
+
+def check_block(dsts: Any, srcs: Any, sizes: Any, spare: int = 0) -> Any:
+    """``descriptor_block`` into a buffer ``spare`` values longer than needed: the inputs are left
+    as they were, nothing past ``3 * n`` is touched, and the block stands for exactly the request
+    (packed only where every copy has one length)."""
+    n = len(dsts)
+    inputs = [np.array(a, copy=True) for a in (dsts, srcs, sizes)]
+    out = np.full(3 * n + spare, SENTINEL, dtype=U)
+    layout = _kernel.descriptor_block(out, dsts, srcs, sizes)
+    assert all(np.array_equal(a, b) for a, b in zip((dsts, srcs, sizes), inputs, strict=True))
+    assert (out[3 * n :] == U(SENTINEL)).all()
+    assert layout.n == n
+    assert layout.packed == (n > 0 and len(set(np.asarray(sizes).tolist())) == 1 and fits(srcs) and fits(dsts))
+    if layout.packed:
+        assert len(set(np.asarray(sizes).tolist())) == 1 and layout.size == int(sizes[0])
+        assert layout.nbytes == n * _kernel.PACKED_BYTES
+        assert unpack(out, layout) == (srcs.tolist(), dsts.tolist())
+    else:
+        assert layout.nbytes == n * _kernel.DESCRIPTOR_BYTES
+        assert out[: 3 * n].tolist() == [*srcs.tolist(), *dsts.tolist(), *np.asarray(sizes).tolist()]
+    return layout
+
+
+def fits(addrs: Any) -> bool:
+    """Every address is the lowest plus a 32-bit multiple of the largest power of two dividing
+    every offset from it (counted here offset by offset)."""
+    offsets = [int(a) - int(addrs.min()) for a in addrs]
+    shift = min(((o & -o).bit_length() - 1 for o in offsets if o), default=0)
+    return max(offsets) >> shift <= 0xFFFF_FFFF
+
+
+TOP = (1 << 64) - 1
+STEPS_FIT = (1 << 32) - 1  # the largest index a packed side holds
+
+
+@pytest.mark.parametrize(
+    ("dsts", "srcs", "packed"),
+    [
+        ([], [], False),  # nothing: an empty wide block
+        ([0], [TOP], True),
+        ([TOP, TOP - 16], [0, 16], True),
+        ([0, TOP], [0, 1], False),  # the lowest differing bit is bit 0: a span of 2**64 - 1 steps does not fit
+        ([5, 5, 5], [7, 7, 7], True),  # every address equal: every index 0
+        ([0, 16, 16 * STEPS_FIT], [0, 16, 32], True),
+        ([0, 16, 16 * (STEPS_FIT + 1)], [0, 16, 32], False),
+        ([TOP + 1 - 16 * (STEPS_FIT + 1), TOP + 1 - 16, TOP + 1 - 32], [0, 16, 32], True),
+        ([0, 16, 32], [TOP - 16 * STEPS_FIT, TOP, TOP - 16], True),
+        ([0, 16, 32], [TOP - 16 * (STEPS_FIT + 1), TOP, TOP - 16], False),
+        ([0, 1 << 63], [1 << 63, (1 << 63) + (1 << 62)], True),  # shifts of 63 and 62
+    ],
+)
+@pytest.mark.parametrize("spare", [0, 5])
+def test_descriptor_block_at_the_edges(dsts: list[int], srcs: list[int], packed: bool, spare: int) -> None:
+    d, s = arrays(dsts, srcs)
+    assert check_block(d, s, np.full(len(dsts), 4096, dtype=U), spare).packed == packed
+
+
+@pytest.mark.parametrize(
+    ("sizes", "packed"),
+    [
+        (np.broadcast_to(U(4096), (4,)), True),  # one length given once (stride 0)
+        (np.full(4, 4096, dtype=U), True),
+        (np.asarray([4096, 4096, 4096, 4112], dtype=U), False),
+        (np.asarray([4112, 4096, 4096, 4096], dtype=U), False),
+        (np.full(8, 4096, dtype=U)[::2], True),  # strided
+    ],
+)
+def test_descriptor_block_packs_one_length_however_given(sizes: Any, packed: bool) -> None:
+    d, s = arrays([0x10000, 0x20000, 0x30000, 0x40000], [0x1000, 0x5000, 0x2000, 0x9000])
+    assert check_block(d, s, sizes, 3).packed == packed
+
+
+def test_descriptor_block_reads_strided_and_reversed_views() -> None:
+    base = np.arange(64, dtype=U) * U(4096) + U(1 << 40)
+    layout = check_block(base[::4], base[62::-3][:16], np.broadcast_to(U(4096), (16,)), 2)
+    assert layout.packed
+    assert not check_block(base[::4], base[::-4], (base % U(3) + U(1))[::4]).packed
+
+
+def test_a_partly_contiguous_request_of_one_page_size_is_written_wide() -> None:
+    """The planner merges neighbours on both sides into runs: where some merge and others do not,
+    the copies have several lengths and take the wide layout; where none merge, they pack."""
+    from aiokvtier._cuda._plan import plan
+
+    page, tier, dev = 4096, U(1 << 30), U(1 << 40)
+    for slots, pages, packed in (([0, 1, 2, 5, 9], [7, 8, 9, 3, 20], False), ([0, 2, 5, 9], [7, 3, 9, 20], True)):
+        p = plan(dev + np.asarray(pages, dtype=U) * U(page), tier + np.asarray(slots, dtype=U) * U(page), page)
+        assert check_block(p.dsts, p.srcs, p.sizes).packed == packed
+
+
+def edge_addresses(n: int) -> st.SearchStrategy[list[int]]:
+    """``n`` addresses of one side: a base near 0, 2**32, 2**63 or 2**64 (or anywhere), a step of
+    2**shift, indices biased to 0 and the edges of 32 bits; wrapped into 64 bits."""
+    base = st.one_of(st.sampled_from([0, 1, (1 << 32) - 16, 1 << 63, TOP + 1 - (1 << 40), TOP]), st.integers(0, TOP))
+    index = st.one_of(st.sampled_from([0, 1, STEPS_FIT - 1, STEPS_FIT, STEPS_FIT + 1]), st.integers(0, 1 << 33))
+    return st.tuples(base, st.integers(0, 63), st.lists(index, min_size=n, max_size=n)).map(
+        lambda t: [(t[0] + (i << t[1])) & TOP for i in t[2]]
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data(), st.integers(1, 12), st.sampled_from(["broadcast", "equal", "one-differs"]), st.booleans())
+def test_edge_biased_requests_pack_exactly_or_go_wide(data: Any, n: int, sizes_as: str, strided: bool) -> None:
+    srcs = np.asarray(data.draw(edge_addresses(n)), dtype=U)
+    dsts = np.asarray(data.draw(edge_addresses(n)), dtype=U)
+    if strided:  # views with a stride: every other element of a longer array
+        srcs, dsts = np.repeat(srcs, 2)[::2], np.repeat(dsts, 2)[::-2][::-1]
+    if sizes_as == "broadcast":
+        sizes: Any = np.broadcast_to(U(16), (n,))
+    else:
+        sizes = np.full(n, 16, dtype=U)
+        if sizes_as == "one-differs":
+            sizes[data.draw(st.integers(0, n - 1))] = 32
+    layout = check_block(dsts, srcs, sizes, data.draw(st.integers(0, 3)))
+    if sizes_as != "one-differs" and n == 1:
+        assert layout.packed
 
 
 def test_vector_alignment_covers_both_sides_and_the_length() -> None:
@@ -304,7 +426,7 @@ class StreamModel:
         self.fail_at, self.calls = fail_at, 0
         self.ops: list[tuple[str, int, set[int], Any]] = []  # (kind, stream, direct dependencies, detail)
         self.tail: dict[int, int] = {}  # stream: its last op
-        self.recorded: dict[int, int | None] = {}
+        self.recorded: dict[int, int | None] = {}  # event: the op it follows, once recorded
         self.events: set[int] = set()
         self.streams: set[int] = set()
         self.synced: list[tuple[int, int]] = []  # (stream, ops enqueued by then)
@@ -344,7 +466,6 @@ class StreamModel:
             return _Failed(1), 0
         event = next(self._handles)
         self.events.add(event)
-        self.recorded[event] = None
         return 0, event
 
     def cuEventRecord(self, event: int, stream: int) -> tuple[int]:
@@ -356,11 +477,14 @@ class StreamModel:
     def cuStreamWaitEvent(self, stream: int, event: int, flags: int) -> tuple[int]:
         if self._fails():
             return (_Failed(1),)
+        # A wait for an event never recorded waits for nothing: the stream would run ahead.
+        assert event in self.recorded, "a stream waits for an event that was never recorded"
         self.enqueue("wait", int(stream), after=self.recorded[event])
         return (0,)
 
     def cuEventDestroy(self, event: int) -> tuple[int]:
         self.events.remove(event)
+        self.recorded.pop(event, None)
         return (0,)
 
     def cuStreamCreate(self, flags: int) -> tuple[int, int]:
@@ -403,9 +527,11 @@ class ModelKernel:
         pass
 
 
-def model_path(monkeypatch: pytest.MonkeyPatch, budget: int, fail_at: int | None = None) -> tuple[Any, StreamModel]:
+def model_path(
+    monkeypatch: pytest.MonkeyPatch, budget: int, fail_at: int | None = None, model: StreamModel | None = None
+) -> tuple[Any, StreamModel]:
     """An SmPath over the model (no GPU): one slab free, the kernel recording its launches."""
-    model = StreamModel(fail_at)
+    model = StreamModel(fail_at) if model is None else model
     monkeypatch.setattr(_sm, "driver", lambda: model)
     path: Any = object.__new__(_sm.SmPath)
     slab = _sm.Slab(_sm.MIN_SLAB, SLAB_HOST, SLAB_DEVICE, np.zeros(3 * _sm.MIN_SLAB, dtype=U))
@@ -537,6 +663,69 @@ def test_a_refused_call_midway_leaves_no_slice_running_and_no_event(
         assert not model.streams
 
 
+def request(pages: int) -> tuple[Any, ...]:
+    return np.arange(pages, dtype=U), np.arange(pages, dtype=U), np.full(pages, 4096, dtype=U), STREAM
+
+
+@pytest.mark.usefixtures("alternate", "head")
+def test_an_empty_request_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No copies: no launch, no event, no error; the slab comes back."""
+    path, model = model_path(monkeypatch, 4)
+    path.give_back(path.submit(*request(0), slice_bytes=4096))
+    assert not [op for op in model.ops if op[0] == "launch"] and not model.events and len(path._free) == 1
+    path.close()
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.usefixtures("alternate")
+def test_each_request_starts_after_the_one_before_on_its_stream(
+    monkeypatch: pytest.MonkeyPatch, head: bool, pdl: bool
+) -> None:
+    """A request's first slice follows every slice of the request before it on the copy's stream
+    (the partner's included), and may not overlap it: with ``HEAD`` it is launched plainly (its
+    descriptors read from the slab); otherwise what comes just before it is the upload."""
+    monkeypatch.setattr(_sm, "PDL", pdl)
+    path, model = model_path(monkeypatch, 4)
+    previous: list[int] = []
+    for pages in (3, 1, 5, 1, 2, 7):
+        start = len(model.ops)
+        path.give_back(path.submit(*request(pages), slice_bytes=4096))
+        launches = [i for i in range(start, len(model.ops)) if model.ops[i][0] == "launch"]
+        first = min(launches)
+        assert all(j in model.before(first) for j in previous), pages
+        if first in model.pdl:
+            before_first = [j for j in range(first) if model.ops[j][1] == model.ops[first][1]][-1]
+            assert model.ops[before_first][0] == "upload" and before_first >= start
+        if head and not _sm.ALTERNATE:
+            assert first not in model.pdl and model.sources[first] == "host"
+        previous = launches
+    path.close()
+
+
+@pytest.mark.usefixtures("head")
+@pytest.mark.parametrize("pages", [1, 2, 5])
+def test_a_refused_partner_stream_uploads_on_the_copy_stream_first(monkeypatch: pytest.MonkeyPatch, pages: int) -> None:
+    """Where the driver refuses the partner stream, the descriptors go up on the copy's stream ahead
+    of every slice that reads them; a request of one slice with ``HEAD`` needs neither. The next
+    request asks for the partner again."""
+    path, model = model_path(monkeypatch, 4)
+    refuse = model.cuStreamCreate
+    model.cuStreamCreate = lambda flags: (_Failed(1), 0)  # type: ignore[method-assign]
+    path.give_back(path.submit(*request(pages), slice_bytes=4096))
+    launches = [i for i, op in enumerate(model.ops) if op[0] == "launch"]
+    uploads = [i for i, op in enumerate(model.ops) if op[0] == "upload"]
+    assert {op[1] for op in model.ops} == {STREAM} and not path._partners and not model.events
+    if _sm.HEAD and pages == 1:
+        assert not uploads and model.sources[launches[0]] == "host"
+    else:
+        assert len(uploads) == 1 and uploads[0] < launches[0]
+        assert all(model.sources[i] == "device" and uploads[0] in model.before(i) for i in launches)
+    model.cuStreamCreate = refuse  # type: ignore[method-assign]
+    path.give_back(path.submit(*request(pages), slice_bytes=4096))
+    assert bool(path._partners) == (_sm.HEAD and pages > 1)
+    path.close()
+
+
 class _KeyDriver:
     """What ``device_key`` asks the driver."""
 
@@ -601,3 +790,115 @@ def test_the_engine_states_the_present_slice_size() -> None:
     """``sm_budget``'s documentation names the slice size requests are cut to."""
     doc = " ".join((CopyEngine.__doc__ or "").split())
     assert f"launches of at most {_sm.SLICE_BYTES >> 20} MiB" in doc
+
+
+# -- the bench's gate: a stream it holds is always let go ------------------------------------------
+
+
+class GateModel(StreamModel):
+    """The stream model with stream memory waits: a stream held by a wait on a pinned word blocks a
+    synchronization until the word reaches the value (failing after a few seconds, not hanging)."""
+
+    class CUstreamWaitValue_flags:
+        CU_STREAM_WAIT_VALUE_GEQ = 0
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__(fail_at)
+        self.words: list[Any] = []
+        self.holds: list[tuple[int, int, int]] = []  # (stream, word address, value)
+        self.wait_value: Any = None  # replaces cuStreamWaitValue32's result where set
+
+    def cuMemHostAlloc(self, nbytes: int, flags: int) -> tuple[int, int]:
+        self.words.append(ctypes.create_string_buffer(nbytes))
+        return 0, ctypes.addressof(self.words[-1])
+
+    def cuMemHostGetDevicePointer(self, host: int, flags: int) -> tuple[int, int]:
+        return 0, host
+
+    def cuStreamWaitValue32(self, stream: int, address: int, value: int, flags: int) -> tuple[int]:
+        if self.wait_value is not None:
+            return self.wait_value(stream)  # type: ignore[no-any-return]
+        self.holds.append((int(stream), address, value))
+        return (0,)
+
+    def held(self, stream: int) -> bool:
+        return any(s == stream and ctypes.c_uint32.from_address(a).value < v for s, a, v in self.holds)
+
+    def cuStreamSynchronize(self, stream: int) -> tuple[int]:
+        deadline = time.monotonic() + 5
+        while self.held(int(stream)):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"stream {stream} is held by a gate nothing releases")
+            time.sleep(0.001)
+        return super().cuStreamSynchronize(stream)
+
+    def cuEventSynchronize(self, event: int) -> tuple[int]:
+        for stream in {s for s, _, _ in self.holds}:
+            self.cuStreamSynchronize(stream)
+        return (0,)
+
+    def cuEventElapsedTime(self, start: int, end: int) -> tuple[int, float]:
+        return 0, 1.0
+
+
+def gate_model(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, GateModel]:
+    from aiokvtier.bench import _sm as bench
+
+    model = GateModel()
+    monkeypatch.setattr(bench, "driver", lambda: model)
+    return bench.Gate(), model
+
+
+def test_a_gate_refused_or_raising_on_one_stream_lets_the_others_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait the driver refuses, or one that raises, after another stream is held: that stream
+    runs at once (and a refusal turns the gate off)."""
+    gate, model = gate_model(monkeypatch)
+    assert gate.hold(1) and model.held(1)
+    gate.release()
+    assert not model.held(1)
+
+    def wait(stream: Any) -> tuple[int]:
+        if stream is None:
+            raise TypeError("not a stream")
+        if stream == 2:
+            return (_Failed(1),)
+        model.holds.append((stream, gate.device, gate.value))
+        return (0,)
+
+    model.wait_value = wait
+    with pytest.raises(TypeError):
+        gate.hold(1, None)
+    assert not model.held(1) and gate.usable
+    assert not gate.hold(1, 2) and not gate.usable
+    assert not model.held(1) and not gate.hold(1)
+    gate.close()
+
+
+@pytest.mark.usefixtures("head")
+def test_a_failing_submit_behind_the_gate_does_not_hold_its_stream_forever(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch refused while the gate holds the streams: the SM path's clean-up synchronizes the
+    copy's stream, which the gate still holds; the gate lets go by itself, the error comes out, and
+    the timing after it is no longer gated."""
+    from aiokvtier.bench import _sm as bench
+
+    monkeypatch.setattr(bench, "HOLD_LIMIT", 0.05)
+    gate, model = gate_model(monkeypatch)
+    path, _ = model_path(monkeypatch, 4, model=model)
+    calls = 0
+
+    def submit() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the first timed call: its first launch is refused
+            model.fail_at = model.calls + (3 if _sm.HEAD else 1)
+        path.give_back(path.submit(*request(5), slice_bytes=4096))
+
+    partner = (path._partner(STREAM),)
+    started = time.monotonic()
+    with pytest.raises(CudaError, match="INJECTED"):
+        bench._sync_time(submit, STREAM, gate=gate, also=partner)
+    assert time.monotonic() - started < 4
+    assert not model.held(STREAM) and not model.held(partner[0]) and not gate.usable
+    assert len(path._free) == 1 and not model.events
+    gate.close()
+    path.close()

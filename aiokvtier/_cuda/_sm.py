@@ -11,8 +11,8 @@ SMs slowed by 16-30% with whole-request launches and by 7-9% with 8 MiB
 slices, and the copy alone moved shuffled 4-64 KiB pages host to device at
 0.921-0.922 of a DMA copy (0.87-0.90 with the launch gap between slices).
 
-A launch reads its descriptors (8 bytes per copy for a request of one page
-size, else 24: :func:`~._kernel.descriptor_block`) from a slab: a pinned
+A launch reads its descriptors (8 bytes per copy for a request whose copies
+have one length, else 24: :func:`~._kernel.descriptor_block`) from a slab: a pinned
 staging buffer the host writes them into, and a device buffer. The first
 slice reads the staging buffer itself over the link (:data:`HEAD`), so it
 waits for no upload; the other slices read the device buffer, which one
@@ -89,9 +89,9 @@ shuffled 4 / 16 / 64 KiB pages: 0.921 / 0.922 / 0.921 of a DMA copy, against 0.9
 with the upload first (medians of 8 interleaved rounds, ``docs/results/sm-head-h200.jsonl``)."""
 
 PACK = True
-"""Requests of one page size are described in 8 bytes per copy, not 24 (:func:`descriptor_block`):
-the upload crosses the link the copy uses, so host to device at 4 KiB pages it takes 0.2% of the
-bytes instead of 0.6%."""
+"""Requests whose copies have one length (pages the planner merged into no longer runs) are
+described in 8 bytes per copy, not 24 (:func:`descriptor_block`): the upload crosses the link the
+copy uses, so host to device at 4 KiB pages it takes 0.2% of the bytes instead of 0.6%."""
 
 ALTERNATE = False
 """Slices alternate between the copy's stream and a partner stream with half the budget each
@@ -213,6 +213,8 @@ class SmPath:
         the second slice. The first slice is launched plainly: it follows whatever ``stream`` ran
         before (another request's slices) as an upload would have made it. False, with nothing
         queued, where the partner stream is refused: the caller uploads in order instead."""
+        if not runs:
+            return True  # no copies: nothing to read the descriptors
         (first, count), rest = runs[0], runs[1:]
         partner = self._partner(stream) if rest else None
         if rest and partner is None:

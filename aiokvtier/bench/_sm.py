@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -82,6 +83,11 @@ class Anchor:
             raise RuntimeError(f"anchor launch failed: {rc}")
 
 
+HOLD_LIMIT = 10.0
+"""Seconds a gate holds its streams at most: work queued behind it that synchronizes a held stream
+(the SM path's clean-up after a refused launch) would otherwise wait for a release that never comes."""
+
+
 class Gate:
     """A pinned word that a stream waits on (``cuStreamWaitValue32``): work queued behind a held gate
     starts only once all of it is queued, so events around it time the device alone. Without the
@@ -95,7 +101,9 @@ class Gate:
         self.word.value = self.value = 0
         self.device = int(check("cuMemHostGetDevicePointer", drv.cuMemHostGetDevicePointer(self.host, 0)))
         self.usable = True
-        """False once the driver has refused a wait (no stream memory operations): timing is then ungated."""
+        """False once the driver has refused a wait (no stream memory operations) or a hold ran past
+        :data:`HOLD_LIMIT`: timing is then ungated."""
+        self._timer: threading.Timer | None = None
 
     def hold(self, *streams: Any) -> bool:
         """Queue a wait for the next value on each of ``streams``; False where the driver refuses it
@@ -105,18 +113,33 @@ class Gate:
         drv = driver()
         flags = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         self.value += 1
-        for stream in streams:
-            (err,) = drv.cuStreamWaitValue32(stream, self.device, self.value, flags)
-            if int(err) != 0:
-                self.usable = False
-                self.release()
-                return False
+        try:
+            for stream in streams:
+                (err,) = drv.cuStreamWaitValue32(stream, self.device, self.value, flags)
+                if int(err) != 0:
+                    self.usable = False
+                    self.release()
+                    return False
+        except BaseException:
+            self.release()
+            raise
+        self._timer = threading.Timer(HOLD_LIMIT, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
         return True
 
+    def _expire(self) -> None:
+        self.usable = False
+        self.word.value = self.value
+
     def release(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.word.value = self.value
 
     def close(self) -> None:
+        self.release()
         driver().cuMemFreeHost(self.host)
 
 
@@ -188,7 +211,9 @@ async def _page_size(
                         # The slab goes back at once: the next call writes the same descriptors into it.
                         p.give_back(p.submit(d, s, z, stream))
 
-                    partner = (path._partner(stream),)  # the upload may run there (_sm.HEAD): held too
+                    # The partner stream, where the upload may run (_sm.HEAD), is held too; where it is
+                    # refused, nothing is (None would name the default stream).
+                    partner = tuple(x for x in (path._partner(stream),) if x is not None)
                     for key, held in (
                         (f"kernel{budget}_{direction}", gate),
                         (f"kernel{budget}_{direction}_ungated", None),
