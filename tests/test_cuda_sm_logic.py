@@ -765,6 +765,9 @@ def test_the_crossover_key_names_how_requests_are_launched(monkeypatch: pytest.M
     monkeypatch.setattr(_sm, "HEAD", not _sm.HEAD)
     assert _crossover.device_key(0, 4, spec) != key
     monkeypatch.setattr(_sm, "HEAD", not _sm.HEAD)
+    monkeypatch.setattr(_sm, "SPLIT_RUNS", not _sm.SPLIT_RUNS)
+    assert _crossover.device_key(0, 4, spec) != key
+    monkeypatch.setattr(_sm, "SPLIT_RUNS", not _sm.SPLIT_RUNS)
     assert _crossover.device_key(0, 4, _kernel.KernelSpec("sm_90", bounded=False)) != key
 
 
@@ -902,3 +905,50 @@ def test_a_failing_submit_behind_the_gate_does_not_hold_its_stream_forever(monke
     assert len(path._free) == 1 and not model.events
     gate.close()
     path.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 1 << 20)), min_size=1, max_size=30),
+    page=st.sampled_from([4096, 16384, 65536, 2 << 20]),
+)
+def test_runs_are_cut_back_into_pages_covering_the_same_bytes(runs: list[tuple[int, int]], page: int) -> None:
+    """Runs of whole pages become pages of one length, in order, each inside the run it came from,
+    together exactly the run's bytes on both sides."""
+    sizes = np.asarray([k * page for k, _ in runs], dtype=U)
+    srcs = np.asarray([(i << 36) + (gap << 4) for i, (_, gap) in enumerate(runs)], dtype=U)
+    dsts = srcs + np.uint64(1 << 44)
+    d, s, z = _sm.pieces(dsts, srcs, sizes)
+    if len(set(sizes.tolist())) == 1 or len(runs) == 1:
+        assert d is dsts and s is srcs and z is sizes  # one length already: as given
+        return
+    g = int(np.gcd.reduce(sizes))
+    assert set(z.tolist()) == {g} and int(z.sum()) == int(sizes.sum())
+    expect = [(int(b) + o, int(a) + o) for a, b, n in zip(srcs, dsts, sizes, strict=True) for o in range(0, int(n), g)]
+    assert list(zip(d.tolist(), s.tolist(), strict=True)) == expect
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[4096, 6144], [16, 32, 48], [4104, 8208], [4096], [8192, 8192]],
+    ids=["gcd-2KiB", "gcd-16B", "gcd-not-16", "one-copy", "one-length"],
+)
+def test_copies_that_are_not_runs_of_pages_stay_whole(sizes: list[int]) -> None:
+    n = len(sizes)
+    dsts, srcs, z = arrays([i << 20 for i in range(n)], [i << 24 for i in range(n)], sizes)
+    assert _sm.pieces(dsts, srcs, z) == (dsts, srcs, z)
+
+
+def test_a_merged_request_is_launched_as_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of three pages among single ones reaches the kernel as three pages, packed."""
+    path, model = model_path(monkeypatch, 4)
+    dsts, srcs, sizes = arrays([0x10000, 0x50000, 0x90000], [0x7000000, 0x8000000, 0x9000000], [4096, 12288, 8192])
+    path.give_back(path.submit(dsts, srcs, sizes, STREAM))
+    launches = [op[3] for op in model.ops if op[0] == "launch"]
+    assert sum(count for _, _, count in launches) == 6
+    view = path._free[0].view
+    assert view[:3].view(np.uint32).tolist() == [0, 0x1000, 0x1001, 0x1002, 0x2000, 0x2001]  # srcs, 4 KiB steps
+    monkeypatch.setattr(_sm, "SPLIT_RUNS", False)
+    path, model = model_path(monkeypatch, 4)
+    path.give_back(path.submit(dsts, srcs, sizes, STREAM))
+    assert sum(op[3][2] for op in model.ops if op[0] == "launch") == 3

@@ -241,6 +241,7 @@ def device_key(device: int, budget: int, spec: Any) -> dict[str, Any]:
         "pdl": _sm.PDL,
         "pack": _sm.PACK,
         "head": _sm.HEAD,
+        "split_runs": _sm.SPLIT_RUNS,
     }
 
 

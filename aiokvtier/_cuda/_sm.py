@@ -56,12 +56,14 @@ from ._plan import U64
 
 __all__ = [
     "METHODS",
+    "MIN_PIECE",
     "MIN_SLAB",
     "SLICE_BYTES",
     "Slab",
     "SmPath",
     "device_side_problem",
     "pick_method",
+    "pieces",
     "slab_capacity",
     "slices",
 ]
@@ -139,6 +141,34 @@ def slices(sizes: U64, limit: int) -> list[tuple[int, int]]:
     return [(first, stop - first) for first, stop in zip([0, *stops[:-1]], stops, strict=True)]
 
 
+MIN_PIECE = 4096
+"""Bytes at least of the pieces :func:`pieces` cuts runs into (smaller ones stay whole)."""
+
+SPLIT_RUNS = True
+"""Runs the planner merged from neighbouring pages are cut back into pages before a launch
+(:func:`pieces`): the kernel gives each copy to one warp, so a long run among single pages would
+keep its warp, and the slice's SMs, long after the others are done; and copies of one length pack
+into 8-byte descriptors."""
+
+
+def pieces(dsts: U64, srcs: U64, sizes: U64) -> tuple[U64, U64, U64]:
+    """Copies of several lengths that are all multiples of their greatest common divisor ``g``
+    (a multiple of 16 and at least :data:`MIN_PIECE`: pages, some merged into runs) cut into copies
+    of ``g`` bytes, in order; anything else as given."""
+    n = int(sizes.shape[0])
+    if n < 2 or sizes.strides[0] == 0 or int(sizes.min()) == int(sizes.max()):
+        return dsts, srcs, sizes
+    g = int(np.gcd.reduce(sizes))
+    if g < MIN_PIECE or g % 16:
+        return dsts, srcs, sizes
+    step = np.uint64(g)
+    counts = (sizes // step).astype(np.int64)
+    owner = np.repeat(np.arange(n), counts)  # the copy each piece comes from
+    first = np.cumsum(counts) - counts  # each copy's first piece
+    within = (np.arange(int(counts.sum())) - first[owner]).astype(np.uint64) * step
+    return dsts[owner] + within, srcs[owner] + within, np.broadcast_to(step, within.shape)
+
+
 def slab_capacity(n: int) -> int:
     """The slab size that holds ``n`` copies: a power of two, at least :data:`MIN_SLAB`."""
     return max(MIN_SLAB, 1 << max(0, n - 1).bit_length())
@@ -180,6 +210,8 @@ class SmPath:
         :raises CudaError: the upload or the launch was refused (nothing is left half-done
             that could touch a later launch's slab).
         """
+        if SPLIT_RUNS:
+            dsts, srcs, sizes = pieces(dsts, srcs, sizes)
         n = int(dsts.shape[0])
         slab = self._take(n)
         try:
