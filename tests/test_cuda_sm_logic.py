@@ -188,15 +188,18 @@ def test_descriptor_block_reads_strided_and_reversed_views() -> None:
     assert not check_block(base[::4], base[::-4], (base % U(3) + U(1))[::4]).packed
 
 
-def test_a_partly_contiguous_request_of_one_page_size_is_written_wide() -> None:
+def test_a_partly_contiguous_request_packs_once_its_runs_are_cut() -> None:
     """The planner merges neighbours on both sides into runs: where some merge and others do not,
-    the copies have several lengths and take the wide layout; where none merge, they pack."""
+    the copies have several lengths and would take the wide layout; the SM path cuts the runs back
+    into pages first (``pieces``), and then they pack. Where none merge, they pack as planned."""
     from aiokvtier._cuda._plan import plan
 
     page, tier, dev = 4096, U(1 << 30), U(1 << 40)
     for slots, pages, packed in (([0, 1, 2, 5, 9], [7, 8, 9, 3, 20], False), ([0, 2, 5, 9], [7, 3, 9, 20], True)):
         p = plan(dev + np.asarray(pages, dtype=U) * U(page), tier + np.asarray(slots, dtype=U) * U(page), page)
         assert check_block(p.dsts, p.srcs, p.sizes).packed == packed
+        cut = _sm.pieces(p.dsts, p.srcs, p.sizes)
+        assert len(cut[0]) == len(slots) and check_block(*cut).packed
 
 
 def edge_addresses(n: int) -> st.SearchStrategy[list[int]]:

@@ -259,7 +259,7 @@ def descriptor_block(out: U64, dsts: U64, srcs: U64, sizes: U64, pack: bool = Tr
     """Write a request's descriptors into ``out`` (room for ``3 * len(dsts)`` values).
 
     Copies of one length whose sides each span under 2**32 steps of their common alignment
-    (a KV request whose pages the planner merged into no longer runs, or all into one) are packed,
+    (a KV request's pages, the planner's merged runs cut back into pages) are packed,
     :data:`PACKED_BYTES` per copy;
     others, or every request where ``pack`` is false, take the wide :data:`DESCRIPTOR_BYTES`.
     """

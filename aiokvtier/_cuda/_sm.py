@@ -91,9 +91,10 @@ shuffled 4 / 16 / 64 KiB pages: 0.921 / 0.922 / 0.921 of a DMA copy, against 0.9
 with the upload first (medians of 8 interleaved rounds, ``docs/results/sm-head-h200.jsonl``)."""
 
 PACK = True
-"""Requests whose copies have one length (pages the planner merged into no longer runs) are
-described in 8 bytes per copy, not 24 (:func:`descriptor_block`): the upload crosses the link the
-copy uses, so host to device at 4 KiB pages it takes 0.2% of the bytes instead of 0.6%."""
+"""Requests whose copies have one length (pages, the planner's merged runs cut back into pages by
+:func:`pieces`) are described in 8 bytes per copy, not 24 (:func:`descriptor_block`): the upload
+crosses the link the copy uses, so host to device at 4 KiB pages it takes 0.2% of the bytes instead
+of 0.6%."""
 
 ALTERNATE = False
 """Slices alternate between the copy's stream and a partner stream with half the budget each
