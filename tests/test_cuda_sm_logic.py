@@ -755,22 +755,11 @@ def test_the_crossover_key_names_how_requests_are_launched(monkeypatch: pytest.M
     monkeypatch.setattr(_sm, "SLICE_BYTES", 2 * key["slice_bytes"])
     assert _crossover.device_key(0, 4, spec) != key
     monkeypatch.setattr(_sm, "SLICE_BYTES", key["slice_bytes"])
-    monkeypatch.setattr(_sm, "ALTERNATE", not _sm.ALTERNATE)
-    assert _crossover.device_key(0, 4, spec) != key
-    monkeypatch.setattr(_sm, "ALTERNATE", not _sm.ALTERNATE)
-    assert _crossover.device_key(0, 4, spec) == key
-    monkeypatch.setattr(_sm, "PDL", not _sm.PDL)
-    assert _crossover.device_key(0, 4, spec) != key
-    monkeypatch.setattr(_sm, "PDL", not _sm.PDL)
-    monkeypatch.setattr(_sm, "PACK", not _sm.PACK)
-    assert _crossover.device_key(0, 4, spec) != key
-    monkeypatch.setattr(_sm, "PACK", not _sm.PACK)
-    monkeypatch.setattr(_sm, "HEAD", not _sm.HEAD)
-    assert _crossover.device_key(0, 4, spec) != key
-    monkeypatch.setattr(_sm, "HEAD", not _sm.HEAD)
-    monkeypatch.setattr(_sm, "SPLIT_RUNS", not _sm.SPLIT_RUNS)
-    assert _crossover.device_key(0, 4, spec) != key
-    monkeypatch.setattr(_sm, "SPLIT_RUNS", not _sm.SPLIT_RUNS)
+    for switch in ("ALTERNATE", "PDL", "PACK", "HEAD", "SPLIT_RUNS"):
+        monkeypatch.setattr(_sm, switch, not getattr(_sm, switch))
+        assert _crossover.device_key(0, 4, spec) != key, switch
+        monkeypatch.setattr(_sm, switch, not getattr(_sm, switch))
+        assert _crossover.device_key(0, 4, spec) == key, switch
     assert _crossover.device_key(0, 4, _kernel.KernelSpec("sm_90", bounded=False)) != key
 
 
