@@ -123,8 +123,15 @@ class Lifecycle:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking step on the worker and await its outcome (within build/teardown)."""
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue a blocking step on the worker now; the future (never cancelled by the library) gets its outcome.
+
+        :raises RuntimeError: the worker is stopped (the owner is closed).
+        """
         assert self.worker is not None
-        return await self.worker.submit(fn, *args)
+        return self.worker.submit(fn, *args)
 
     # -- transitions -------------------------------------------------------------
 

@@ -28,14 +28,23 @@ __all__ = ["InflightCopies", "Region", "locate", "register", "unregister"]
 
 
 class InflightCopies:
-    """Copies in flight against one region.
+    """Copies in flight against one region: the one mechanism by which an owner's close and
+    shrink wait for every copy over its memory, whoever issues it (the CopyEngine, the
+    BlockStore's host copies).
 
-    Only the event loop thread adds and snapshots; completion threads only
+    Only the event loop thread adds and snapshots; the threads that copy only
     set events. The owner waits for a snapshot on its worker thread.
     """
 
     def __init__(self) -> None:
         self._events: list[threading.Event] = []
+
+    def begin(self) -> threading.Event:
+        """Track a copy about to start (on the loop, in the same step that checked the region open);
+        whoever copies sets the event once the bytes have landed, also when the copy failed."""
+        done = threading.Event()
+        self.track(done)
+        return done
 
     def track(self, done: threading.Event) -> None:
         events = self._events

@@ -122,11 +122,11 @@ class Gate:
         self.calls = 0
         self._real = store_module._memmove_all
 
-    def __call__(self, copies: list[tuple[int, int, int]]) -> None:
+    def __call__(self, copies: list[tuple[int, int, int]], landed: threading.Event) -> None:
         self.calls += 1
         self.entered.set()
         self.open.wait(TIMEOUT)
-        self._real(copies)
+        self._real(copies, landed)
         self.done.set()
 
     async def release(self) -> None:

@@ -25,6 +25,7 @@ import asyncio
 import ctypes
 import logging
 import operator
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -1136,7 +1137,7 @@ class BlockStore(Owner):
         copies = list(
             zip(tier.slot_addresses(slots).tolist(), pages.addresses.tolist(), pages.lengths.tolist(), strict=True)
         )
-        return (None, asyncio.ensure_future(self._run_copies(copies)))
+        return (None, self._copy_host(copies))
 
     @staticmethod
     async def _overlap(started: _Started, work: Callable[[], None]) -> None:
@@ -1155,8 +1156,15 @@ class BlockStore(Owner):
         finally:
             await finish(done)
 
-    async def _run_copies(self, copies: list[tuple[int, int, int]]) -> None:
-        await self._life.run(_memmove_all, copies)
+    def _copy_host(self, copies: list[tuple[int, int, int]]) -> asyncio.Future[None]:
+        """``memmove`` the copies on the store's thread, tracked by the tier as every copy over its
+        memory is: the tier's close and shrink wait until the thread let go of its slots."""
+        done = self._tier.copies.begin()  # in the step that located the slots: the tier was open
+        try:
+            return self._life.submit(_memmove_all, copies, done)
+        except BaseException:
+            done.set()
+            raise
 
     # -- load ---------------------------------------------------------------------------
 
@@ -1240,8 +1248,9 @@ class BlockStore(Owner):
             return engine._begin_checked(tier, slots, pages.side(page), "h2d", pages.owners, after=after)
         # Host pages, or blocks shorter than the destination pages: each copies its own length.
         copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
-        work = engine.copy(copies, after=after) if engine is not None else self._run_copies(copies)
-        return (None, asyncio.ensure_future(work))
+        if engine is not None:
+            return (None, asyncio.ensure_future(engine.copy(copies, after=after)))
+        return (None, self._copy_host(copies))
 
     # -- discard and resize ---------------------------------------------------------------
 
@@ -1345,8 +1354,11 @@ def _objects(keys: Sequence[Key]) -> npt.NDArray[np.object_]:
     return out
 
 
-def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
-    """On the store's thread (ctypes releases the GIL for each copy)."""
+def _memmove_all(copies: list[tuple[int, int, int]], done: threading.Event) -> None:
+    """On the store's thread (ctypes releases the GIL for each copy); ``done`` tells the tier."""
     move = ctypes.memmove
-    for dst, src, n in copies:
-        move(dst, src, n)
+    try:
+        for dst, src, n in copies:
+            move(dst, src, n)
+    finally:
+        done.set()
