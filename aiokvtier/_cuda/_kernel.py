@@ -28,8 +28,12 @@ through ctypes, like the batch call: no Python object per launch argument.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import io
+import logging
+import os
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +45,8 @@ import numpy.typing as npt
 from .._errors import CudaError, CudaUnavailableError
 from ._driver import check, driver
 
+log = logging.getLogger("aiokvtier")
+
 __all__ = [
     "DEFAULT_SM_BUDGET",
     "DESCRIPTOR_BYTES",
@@ -50,6 +56,7 @@ __all__ = [
     "KernelSpec",
     "SmKernel",
     "compile_cubin",
+    "cubin_path",
     "descriptor_block",
     "vector_aligned",
 ]
@@ -283,17 +290,55 @@ _cubins: dict[KernelSpec, bytes] = {}
 _cubin_lock = threading.Lock()
 
 
-def compile_cubin(spec: KernelSpec) -> bytes:
-    """The kernel compiled for ``spec``, once per process.
+def compile_cubin(spec: KernelSpec, *, cached: bool = True) -> bytes:
+    """The kernel compiled for ``spec``: once per process, and once per machine where the
+    cache directory is writable (a compile costs ~150 ms of an engine's open; reading the
+    file back, well under 1 ms).
 
+    :param cached: read the on-disk copy if there is one (False: a stored copy the driver
+        refused is replaced).
     :raises CudaUnavailableError: no NVRTC (with what to install), or the compile failed
         (with NVRTC's log).
     """
     with _cubin_lock:
-        cubin = _cubins.get(spec)
+        cubin = _cubins.get(spec) if cached else None
         if cubin is None:
-            cubin = _cubins[spec] = _compile(spec)
+            path = cubin_path(spec)
+            cubin = _read_cubin(path) if cached else None
+            if cubin is None:
+                cubin = _compile(spec)
+                _write_cubin(path, cubin)
+            _cubins[spec] = cubin
         return cubin
+
+
+def cubin_path(spec: KernelSpec, directory: Path | None = None) -> Path:
+    """Where the kernel compiled for ``spec`` is kept: named by a hash of everything it is built
+    from (the source, the options, the library's version), so a change never loads a stale one."""
+    from .. import __version__
+    from ._crossover import cache_dir
+
+    digest = hashlib.sha256("\0".join([SOURCE, *spec.options(), __version__]).encode()).hexdigest()[:32]
+    return (directory or cache_dir()) / f"sm-kernel-{spec.arch}-{digest}.cubin"
+
+
+def _read_cubin(path: Path) -> bytes | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return data if data[:4] == b"\x7fELF" else None  # a cubin is an ELF image; anything else is recompiled
+
+
+def _write_cubin(path: Path, cubin: bytes) -> None:
+    """Store atomically (a concurrent reader sees the old file or the whole new one); failure is logged."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False, suffix=".tmp") as f:
+            f.write(cubin)
+        os.replace(f.name, path)
+    except OSError as exc:
+        log.info("aiokvtier: cannot keep the compiled SM copy kernel at %s: %s", path, exc)
 
 
 def _preload_nvrtc() -> None:
@@ -490,9 +535,12 @@ class SmKernel:
         )
         self.budget = min(budget, int(sms))
         self.spec = spec or KernelSpec(device_arch(device))
-        cubin = compile_cubin(self.spec)
-        self._image = np.frombuffer(cubin, dtype=np.uint8).copy()
-        self._module = check("cuModuleLoadData", drv.cuModuleLoadData(self._image.ctypes.data))
+        self._image = np.frombuffer(compile_cubin(self.spec), dtype=np.uint8).copy()
+        err, module = drv.cuModuleLoadData(self._image.ctypes.data)
+        if int(err) != 0:  # a stored image this driver refuses (a file damaged on disk): build it afresh
+            self._image = np.frombuffer(compile_cubin(self.spec, cached=False), dtype=np.uint8).copy()
+            module = check("cuModuleLoadData", drv.cuModuleLoadData(self._image.ctypes.data))
+        self._module = module
         try:
             self._wide = check("cuModuleGetFunction", drv.cuModuleGetFunction(self._module, KERNEL_NAME.encode()))
             self._packed = check("cuModuleGetFunction", drv.cuModuleGetFunction(self._module, PACKED_NAME.encode()))
