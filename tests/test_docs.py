@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,6 +156,48 @@ def test_plots_draw_every_figure_from_the_committed_results(tmp_path: Path) -> N
         assert summary[name] == str(image)
         assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 10_000
         assert (ROOT / "docs" / "figures" / f"{name}.svg").exists()  # the pages show the committed SVGs
+
+
+def _plots() -> Any:
+    spec = importlib.util.spec_from_file_location("_aiokvtier_docs_plots", ROOT / "docs" / "plots.py")
+    assert spec is not None and spec.loader is not None
+    plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plots)
+    return plots
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_figures_read_at_the_width_the_site_shows_them(name: str) -> None:
+    """Drawn for the text column: 1200 px as PNG, text of 10 pt or more, nothing cut off, legends beside
+    the data rather than on it, bar labels inside their axes."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    plots = _plots()
+    with plt.rc_context(plots.STYLE):
+        fig = plots.FIGURES[name](ROOT / "docs" / "results")
+        try:
+            fig.canvas.draw()
+            renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+            width, height = fig.get_size_inches()
+            assert width * plots.DPI >= 1200 and width <= 8.5  # the column shows about 8 in at 1:1
+            small = {
+                t.get_text(): t.get_fontsize() for t in fig.findobj(Text) if t.get_text() and t.get_fontsize() < 10
+            }
+            assert not small, small
+            drawn = fig.get_tightbbox(renderer)  # inches
+            assert drawn.x0 >= -0.01 and drawn.y0 >= -0.01 and drawn.x1 <= width + 0.01 and drawn.y1 <= height + 0.01
+            legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends)
+            for legend in legends:
+                box = legend.get_window_extent(renderer)
+                assert not any(box.overlaps(ax.bbox) for ax in fig.axes), name
+            for ax in fig.axes:
+                for text in ax.texts:
+                    box = text.get_window_extent(renderer)
+                    assert ax.bbox.x0 - 1 <= box.x0 and box.x1 <= ax.bbox.x1 + 1, text.get_text()
+        finally:
+            plt.close(fig)
 
 
 def test_fill_figure_draws_a_recorded_gpu_series_where_the_results_have_one(tmp_path: Path) -> None:
