@@ -90,7 +90,7 @@ def _show(size: int) -> str:
 
 
 def parse_quota(value: object, *, slot_size: int, max_quota: int) -> int:
-    """A new quota for a resize, by the rules of :attr:`HostTierConfig.quota`.
+    """A new quota for a resize, by the rules of ``HostTierConfig.quota``.
 
     ``value`` is an integer or a size string (``"64GiB"``, ``"1GB"``); the
     result is rounded down to whole slots of ``slot_size`` and is at least one
@@ -139,7 +139,7 @@ def default_fill_threads(cpus: set[int] | None = None) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ResolvedHostConfig:
-    """A validated :class:`HostTierConfig` as plain values, for code that must not touch pydantic.
+    """A validated ``HostTierConfig`` as plain values, for code that must not touch pydantic.
 
     Every size is a plain ``int`` in bytes, already rounded (``quota`` and
     ``max_quota`` to whole slots) and with its default resolved. ``numa_node``
@@ -173,53 +173,53 @@ class HostTierConfig(_Frozen):
     Sizes are integers (numpy integers too) or strings such as ``"64GiB"`` or
     ``"1GB"``; bool and float are refused. Every size must be above zero and
     below ``2**63`` bytes. A size that breaks a rule is a ValidationError whose
-    message names the field and the rule.
+    message names the field and the rule. ``fill_threads``, ``numa_node`` and
+    ``device`` take integers (anything ``operator.index`` accepts, numpy
+    integers included) and hold a plain ``int``; bool, float and numeric
+    strings are refused.
 
-    :param quota: bytes to make resident, rounded down to whole slots (the last
+    After validation, [``resolved``][aiokvtier.HostTierConfig.resolved]
+    holds every value as a plain ``int`` (or bool, literal, None) for code
+    that must not touch pydantic.
+
+    :ivar quota: bytes to make resident, rounded down to whole slots (the last
         commit unit may stay partial). The config holds and reports the rounded
         value, so ``quota="1GB"`` with 2 MiB slots is 952 MiB. It must hold at
         least one slot.
-    :param max_quota: the address range reserved once; resizes stay below it.
+    :ivar max_quota: the address range reserved once; resizes stay below it.
         Rounded down to whole slots like ``quota`` (which keeps it page-aligned),
         and at least ``quota`` once both are rounded.
         None: host memory as the OS reports it, capped by the cgroup limit. On
         VMs whose MemTotal grows as memory is used, pass it explicitly.
-    :param slot_size: bytes per slot, a multiple of the page size and at most
+    :ivar slot_size: bytes per slot, a multiple of the page size and at most
         ``quota``.
-    :param fill_chunk: what a fill thread claims at a time; stopping and
+    :ivar fill_chunk: what a fill thread claims at a time; stopping and
         progress are checked between commit units inside it.
-    :param commit_unit: unit of commit, decommit and GPU registration, a
+    :ivar commit_unit: unit of commit, decommit and GPU registration, a
         multiple of ``slot_size``. None: the multiple of ``slot_size`` nearest
         ``fill_chunk``; with a GPU-usable backing (``"register"``, ``"vmm"``, or
         ``"auto"`` with a device) and neither given, nearest 64 MiB (the
         driver stalls the process's ``mmap`` calls while it pins or maps a
         unit).
-    :param fill_threads: threads making the range resident, 1 to 256. None
+    :ivar fill_threads: threads making the range resident, 1 to 256. None
         (the default): one per CPU this process may run on, at most 8, and at
         most the CPUs of the tier's NUMA node (the fill threads are bound to
         it). Touching pages scales with threads up to the memory bandwidth;
         8 is where the measured gain flattens (docs/guide.md).
-    :param numa_node: node to place pages on; ``"auto"`` is the GPU's node when
+    :ivar numa_node: node to place pages on; ``"auto"`` is the GPU's node when
         ``device`` is set and no binding otherwise; None never binds. A node
         must be online.
-    :param allow_remote_numa_fallback: True: MPOL_PREFERRED, and first touch by
+    :ivar allow_remote_numa_fallback: True: MPOL_PREFERRED, and first touch by
         the bound fill thread where mbind is denied. False: MPOL_BIND, and a
         denied mbind fails the open.
-    :param transparent_huge_pages: True opts the range into THP
+    :ivar transparent_huge_pages: True opts the range into THP
         (MADV_HUGEPAGE); default off, since direct compaction can slow
         population tenfold. ``"auto"``: huge pages unit by unit, only where
         the kernel's defrag setting cannot stall the fault or the node has
         free 2 MiB blocks for the unit, and none after a huge-page unit
         filled slower than 4 KiB pages (docs/guide.md).
-    :param device: CUDA ordinal that will copy to and from the tier.
-
-    After validation, :attr:`resolved` holds every value as a plain ``int``
-    (or bool, literal, None) for code that must not touch pydantic.
-
-    ``fill_threads``, ``numa_node`` and ``device`` take integers (anything
-    ``operator.index`` accepts, numpy integers included) and hold a plain
-    ``int``; bool, float and numeric strings are refused.
-    :param backing: ``"host"`` (no GPU registration), ``"register"``,
+    :ivar device: CUDA ordinal that will copy to and from the tier.
+    :ivar backing: ``"host"`` (no GPU registration), ``"register"``,
         ``"vmm"`` or ``"auto"``.
     """
 
@@ -372,7 +372,7 @@ class HostTierConfig(_Frozen):
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy, as pydantic makes it (``update`` is not validated), that resolves its own values.
 
-        The cached :attr:`resolved` lives in the instance ``__dict__``, which
+        The cached ``resolved`` lives in the instance ``__dict__``, which
         pydantic copies: left there, it would describe the original.
         """
         copied = super().model_copy(update=update, deep=deep)

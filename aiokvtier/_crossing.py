@@ -1,15 +1,15 @@
 """The one crossing from library threads into the event loop.
 
 Every result a library thread hands to a coroutine goes through
-:func:`deliver` (one ``call_soon_threadsafe`` per batch of futures), and
-waiting for "``n`` bytes resident" goes through :class:`LoopWaiters`, which
-collapses many publishes into one wake-up. :class:`Worker` is the blocking
+``deliver()`` (one ``call_soon_threadsafe`` per batch of futures), and
+waiting for "``n`` bytes resident" goes through ``LoopWaiters``, which
+collapses many publishes into one wake-up. ``Worker`` is the blocking
 side: a named thread that runs an owner's blocking steps (reserve, resize,
 release) in order and delivers each result here. Nothing polls.
 
 Futures handed out here are never cancelled by the library; a caller that
 must not abandon the work awaits them through
-:func:`aiokvtier._lifecycle.finish`.
+``aiokvtier._lifecycle.finish()``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Worker:
     """A named thread that runs blocking calls one at a time, in submission order.
 
     It is started at construction (so an owner learns at open, before it
-    builds anything, that no thread can be had) and exits after :meth:`stop`,
+    builds anything, that no thread can be had) and exits after ``stop()``,
     once everything submitted before has run.
 
     :raises RuntimeError: the thread cannot start (thread or memory limits).
@@ -109,7 +109,7 @@ class LoopWaiters:
     """Coroutines waiting for "``n`` bytes resident", woken by worker threads.
 
     Futures sit in a heap by threshold. A thread that changes the fill state
-    calls :meth:`notify`, which schedules at most one wake-up until the loop
+    calls ``notify()``, which schedules at most one wake-up until the loop
     has run it: many publishes collapse into one, and one serves every waiter.
 
     Ordering makes this lock-free: a waiter is pushed (and ``_armed`` set)
@@ -143,7 +143,7 @@ class LoopWaiters:
         return len(self._heap)
 
     async def wait(self, nbytes: int) -> None:
-        """Wait on the loop until ``ready(nbytes)`` or a :meth:`kick`.
+        """Wait on the loop until ``ready(nbytes)`` or a ``kick()``.
 
         Callers loop: a kick (after a resize) means "re-read the state".
         Cancelling the wait leaves nothing behind but a cancelled future,

@@ -1,6 +1,6 @@
 """The errors aiokvtier raises, under one base.
 
-::
+Each with its second base, if any, and what it means:
 
     AiokvtierError
     ├── WouldBlock                 the slot is not resident yet (allocate_nowait)
@@ -9,7 +9,7 @@
     ├── SlotError (ValueError)     double free, foreign or out-of-range slot id
     ├── QuotaError (ValueError)    a resize the tier cannot honour
     ├── TierClosedError            the tier (or engine) is closed
-    ├── FillError                  committing part of the tier failed; ``__cause__`` says why
+    ├── FillError                  committing part of the tier failed; __cause__ says why
     ├── NumaPolicyError            a strict NUMA placement that cannot be applied
     ├── CudaUnavailableError       a device was asked for where no CUDA driver is usable
     ├── CudaError                  a driver call failed; keeps the CUresult name
@@ -67,8 +67,8 @@ class TierClosedError(AiokvtierError):
 class FillError(AiokvtierError):
     """Making part of the tier resident failed.
 
-    The original error (``OSError`` with its errno, or a :class:`CudaError`) is
-    the ``__cause__``. Memory below :attr:`resident_bytes` stays usable.
+    The original error (``OSError`` with its errno, or a [``CudaError``][aiokvtier.CudaError]) is
+    the ``__cause__``. Memory below ``resident_bytes`` stays usable.
     """
 
     def __init__(self, message: str, *, resident_bytes: int, failed_offset: int) -> None:
@@ -104,7 +104,7 @@ class CopyPlanError(AiokvtierError, ValueError):
 
 
 class BlockNotFound(AiokvtierError, KeyError):
-    """A :class:`BlockStore` has no block for a key; nothing was copied.
+    """A [``BlockStore``][aiokvtier.BlockStore] has no block for a key; nothing was copied.
 
     :ivar key: the first key that is missing.
     """

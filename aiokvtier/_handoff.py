@@ -30,7 +30,7 @@ __all__ = ["GilHandoff", "handoff"]
 class GilHandoff:
     """Sleeps ``pause`` seconds on its loop every ``every`` seconds while there is demand.
 
-    Demand is a count of pending work (:meth:`hold` / :meth:`release`) plus
+    Demand is a count of pending work (``hold()`` / ``release()``) plus
     sources (callables, e.g. "my fill is running") asked at each tick. Loop
     thread only.
     """
@@ -46,7 +46,7 @@ class GilHandoff:
         """Pauses so far (a figure for tests and statistics)."""
 
     def hold(self) -> None:
-        """One more piece of pending work; pair with :meth:`release`."""
+        """One more piece of pending work; pair with ``release()``."""
         self._held += 1
         self.start()
 
@@ -60,7 +60,7 @@ class GilHandoff:
         self._settle()
 
     def add_source(self, source: Callable[[], bool]) -> None:
-        """Ask ``source()`` at each tick; it keeps the hand-off going while true. Call :meth:`start` after."""
+        """Ask ``source()`` at each tick; it keeps the hand-off going while true. Call ``start()`` after."""
         self._sources.add(source)
 
     def discard_source(self, source: Callable[[], bool]) -> None:

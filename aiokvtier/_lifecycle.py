@@ -8,14 +8,14 @@
     (any state) ──fork()──> forked: the child holds none of the threads
 
 Building and tearing down run as tasks that nobody cancels; the caller awaits
-them through :func:`finish`, which keeps waiting when the caller is cancelled
+them through ``finish()``, which keeps waiting when the caller is cancelled
 and re-raises the cancellation once the work is done. So a cancelled ``open``
 returns only after everything it built is released, and a cancelled
 ``aclose`` only after the teardown is complete. (``anyio.CancelScope(shield=True)``
 does not stop a native ``Task.cancel()``, so it cannot give this guarantee.)
 
 Partial opens unwind through an undo stack of blocking callbacks that run on
-the owner's :class:`~aiokvtier._crossing.Worker`, never on the loop.
+the owner's ``Worker``, never on the loop.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ class Owner:
     """What every owner of memory or threads shares: ``async with`` opens and closes it.
 
     A subclass sets ``self._life`` and defines ``_build`` and ``_teardown``
-    (coroutines run through :class:`Lifecycle`), and documents its own
+    (coroutines run through ``Lifecycle``), and documents its own
     ``aclose``.
     """
 

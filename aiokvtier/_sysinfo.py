@@ -1,7 +1,7 @@
 """What the host reports about itself: memory, cgroup limits, NUMA nodes.
 
 These are small reads from procfs and sysfs; none of them can block on I/O.
-They are read with the GIL held (:func:`read_text`): a fill thread checks the
+They are read with the GIL held (``read_text()``): a fill thread checks the
 memory available as it goes, and every system call that gives up the GIL must
 take it back, which next to a busy event loop can take seconds.
 """

@@ -2,7 +2,7 @@
 
 Needs the ``metrics`` extra (``pip install 'aiokvtier[metrics]'``). Each
 collector reads ``statistics()`` of the objects it was given when Prometheus
-scrapes, so nothing is counted twice and nothing runs between scrapes::
+scrapes, so nothing is counted twice and nothing runs between scrapes:
 
     from prometheus_client import REGISTRY
     from aiokvtier.metrics import EngineCollector, StoreCollector, TierCollector
@@ -13,7 +13,7 @@ scrapes, so nothing is counted twice and nothing runs between scrapes::
 
 Every series carries the object's name as the label ``tier``, ``store`` or
 ``engine``. A registry takes one collector of each kind (the metric names
-would clash otherwise); :meth:`TierCollector.add` puts more objects under
+would clash otherwise); [``TierCollector.add()``][aiokvtier.metrics.TierCollector.add] puts more objects under
 the same one. A closed object still scrapes (its last figures); a tier that
 has not opened yet scrapes as nothing.
 
@@ -132,7 +132,7 @@ _TIER_COUNTERS: tuple[tuple[str, str, Any], ...] = (
 
 
 class TierCollector(_Collector[HostTier, TierStatistics]):
-    """Exports a :class:`~aiokvtier.HostTier`'s statistics, labelled ``tier=name``."""
+    """Exports a [``HostTier``][aiokvtier.HostTier]'s statistics, labelled ``tier=name``."""
 
     _label = "tier"
 
@@ -162,7 +162,7 @@ _STORE_COUNTERS: tuple[tuple[str, str, Any], ...] = (
 
 
 class StoreCollector(_Collector[BlockStore, StoreStatistics]):
-    """Exports a :class:`~aiokvtier.BlockStore`'s statistics, labelled ``store=name``."""
+    """Exports a [``BlockStore``][aiokvtier.BlockStore]'s statistics, labelled ``store=name``."""
 
     _label = "store"
 
@@ -187,7 +187,7 @@ def _table(
 
 
 class EngineCollector(_Collector[CopyEngine, CopyStatistics]):
-    """Exports a :class:`~aiokvtier.CopyEngine`'s statistics, labelled ``engine=name``.
+    """Exports a [``CopyEngine``][aiokvtier.CopyEngine]'s statistics, labelled ``engine=name``.
 
     ``direction`` is ``h2d`` (``to_device``), ``d2h`` (``to_host``) or ``any``
     (the raw ``copy``); a batch is one such call, however many driver calls it took.

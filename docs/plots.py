@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,21 @@ from matplotlib.figure import Figure
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
 ARMS = {"vmm": "tab:blue", "register": "tab:orange", "host": "tab:green", "baseline": "tab:gray"}
+# The site shows a figure across its text column, about 700 px; drawn 8 in wide, its 10-12 pt text
+# stays at least 10 px high there, and a PNG at DPI is 1200 px wide.
+WIDTH = 8.0
+DPI = 150
+STYLE = {
+    "svg.hashsalt": "aiokvtier",
+    "svg.fonttype": "none",
+    "font.size": 11,
+    "axes.titlesize": 12,
+    "figure.titlesize": 12,
+    "axes.labelsize": 11,
+    "legend.fontsize": 10,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
+}
 
 
 class Missing(Exception):
@@ -73,8 +89,13 @@ def _progress_panel(ax: Any, title: str, quota: float, end: float, note: str) ->
         xlim=(0, end),
         ylim=(-quota * 0.03, quota * 1.4),
     )
-    ax.legend(loc="lower right", fontsize=8)
-    ax.text(0.02, 0.97, note, transform=ax.transAxes, va="top", fontsize=7, color="0.3")
+    _legend_below(ax)
+    ax.text(0.01, 0.97, note, transform=ax.transAxes, va="top", fontsize=10, color="0.3")
+
+
+def _legend_below(ax: Any, ncol: int = 2) -> None:
+    """The legend under the axes, outside the data (the layout makes room for it)."""
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, frameon=False)
 
 
 def _all_at_once(ax: Any, seconds: float, quota: float, end: float, style: str, label: str) -> None:
@@ -92,20 +113,20 @@ def fill_vs_upfront(results: Path) -> Figure:
     except Missing:
         host = None
     panels = 3 if host is not None else 2
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2), layout="constrained")
-    left, right = axes[0], axes[-1]
+    fig, axes = plt.subplots(panels, 1, figsize=(WIDTH, 4.3 * panels), layout="constrained")
+    top, bottom = axes[0], axes[-1]
 
-    # Left: usable GiB over time on the GPU machine, recorded where the results have the series.
+    # Top: usable GiB over time on the GPU machine, recorded where the results have the series.
     recorded = cuda.get("fill_progress")
     if recorded is not None:
         quota = float(recorded["quota_gib"])
         up = [recorded["cuMemHostAlloc_s"], recorded.get("torch_pinned_empty_s") or 0.0]
         end = max(*up, *(recorded[f"aiokvtier_{b}"]["full_s"] for b in ("vmm", "register"))) * 1.08
         for backing in ("vmm", "register"):
-            _steps(left, recorded[f"aiokvtier_{backing}"], end, ARMS[backing], f"aiokvtier {backing}")
-        _all_at_once(left, recorded["cuMemHostAlloc_s"], quota, end, "-", "cuMemHostAlloc, all at once")
+            _steps(top, recorded[f"aiokvtier_{backing}"], end, ARMS[backing], f"aiokvtier {backing}")
+        _all_at_once(top, recorded["cuMemHostAlloc_s"], quota, end, "-", "cuMemHostAlloc, all at once")
         if recorded.get("torch_pinned_empty_s"):
-            _all_at_once(left, recorded["torch_pinned_empty_s"], quota, end, "--", "torch pinned empty, all at once")
+            _all_at_once(top, recorded["torch_pinned_empty_s"], quota, end, "--", "torch pinned empty, all at once")
         note = "recorded: resident bytes sampled every 2 ms during the fill"
         firsts = {b: recorded[f"aiokvtier_{b}"]["first_allocation_ms"] for b in ("vmm", "register")}
     else:
@@ -115,17 +136,17 @@ def fill_vs_upfront(results: Path) -> Figure:
             t0 = first[f"aiokvtier_{backing}_ms"] / 1e3
             rate = fill[f"{backing}_threads1"]["gib_s"]
             t_full = t0 + quota / rate
-            left.plot([0, t0, t_full, end], [0, 0, quota, quota], color=ARMS[backing], label=f"aiokvtier {backing}")
-            left.plot([t0], [0], "o", color=ARMS[backing], ms=4)
+            top.plot([0, t0, t_full, end], [0, 0, quota, quota], color=ARMS[backing], label=f"aiokvtier {backing}")
+            top.plot([t0], [0], "o", color=ARMS[backing], ms=4)
         for key, label, style in (
             ("cuMemHostAlloc_ms", "cuMemHostAlloc, all at once", "-"),
             ("torch_pinned_empty_ms", "torch pinned empty, all at once", "--"),
         ):
-            _all_at_once(left, first[key] / 1e3, quota, end, style, label)
+            _all_at_once(top, first[key] / 1e3, quota, end, style, label)
         note = "drawn from the measured first-allocation times and\n1-thread fill rates, not a recorded time series"
         firsts = {b: first[f"aiokvtier_{b}_ms"] for b in ("vmm", "register")}
     _progress_panel(
-        left,
+        top,
         f"{quota:.0f} GiB of pinned host memory (H200)",
         quota,
         end,
@@ -149,7 +170,7 @@ def fill_vs_upfront(results: Path) -> Figure:
             "sampled every 2 ms during the fill",
         )
 
-    # Right: time to the first allocation against making the quota resident up front, per size.
+    # Bottom: time to the first allocation against making the quota resident up front, per size.
     for name, marker in (("host-h200.json", "o"), ("host-ci-machine.json", "s")):
         try:
             rows = _need(_load(results, name), "time_to_first_allocation")
@@ -157,15 +178,15 @@ def fill_vs_upfront(results: Path) -> Figure:
             continue
         sizes = [r["quota_gib"] for r in rows]
         where = "H200" if "h200" in name else "2-vCPU VM"
-        right.plot(sizes, [r["aiokvtier_first_allocation_ms"] for r in rows], marker, ls="-", color=ARMS["host"],
-                   label=f"aiokvtier, first allocation ({where})")  # fmt: skip
-        right.plot(sizes, [r["upfront_resident_ms"] for r in rows], marker, ls="--", color=ARMS["baseline"],
-                   label=f"all resident up front ({where})")  # fmt: skip
-    right.set(xscale="log", yscale="log", xlabel="quota, GiB", ylabel="ms until the first slot is usable",
-              title="Host backing: time to the first allocation")  # fmt: skip
-    right.set_xticks([4, 8, 16], labels=["4", "8", "16"])
-    right.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    right.legend(fontsize=8)
+        bottom.plot(sizes, [r["aiokvtier_first_allocation_ms"] for r in rows], marker, ls="-", color=ARMS["host"],
+                    label=f"aiokvtier, first allocation ({where})")  # fmt: skip
+        bottom.plot(sizes, [r["upfront_resident_ms"] for r in rows], marker, ls="--", color=ARMS["baseline"],
+                    label=f"all resident up front ({where})")  # fmt: skip
+    bottom.set(xscale="log", yscale="log", xlabel="quota, GiB", ylabel="ms until the first slot is usable",
+               title="Host backing: time to the first allocation")  # fmt: skip
+    bottom.set_xticks([4, 8, 16], labels=["4", "8", "16"])
+    bottom.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    _legend_below(bottom)
     return fig
 
 
@@ -183,7 +204,7 @@ def probe_stalls(results: Path) -> Figure:
     ):
         if key in fill:
             color = ARMS["vmm"] if key.startswith("vmm") else ARMS["register"] if key.startswith("reg") else "0.5"
-            arms.append((f"1 process, 16 GiB: {label}", color, fill[key]))
+            arms.append((f"{label}\n1 process, 16 GiB", color, fill[key]))
     responsiveness = cuda.get("executor_responsiveness", {})
     for run in responsiveness.values():
         for backing in ("vmm", "register"):
@@ -194,21 +215,28 @@ def probe_stalls(results: Path) -> Figure:
                     "gib_s": run[backing]["aggregate_gib_s"],
                 }
                 who = "1 process" if run["processes"] == 1 else f"{run['processes']} processes"
-                arms.append((f"{who} sharing the GPU: {backing}", ARMS[backing], row))
+                arms.append((f"{backing}\n{who} sharing the GPU", ARMS[backing], row))
     if not arms:
         raise Missing("no fill arms with probe figures")
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(arms) + 1.4), layout="constrained")
+    fig, ax = plt.subplots(figsize=(WIDTH, 0.6 * len(arms) + 1.8), layout="constrained")
     y = range(len(arms))
-    ax.barh(list(y), [a[2]["worst_stall_ms"] for a in arms], color=[a[1] for a in arms])
-    ax.set_yticks(list(y), labels=[a[0] for a in arms], fontsize=8)
+    stalls = [a[2]["worst_stall_ms"] for a in arms]
+    ax.barh(list(y), stalls, color=[a[1] for a in arms])
+    ax.set_yticks(list(y), labels=[a[0] for a in arms])
     ax.invert_yaxis()
     ax.set_xscale("log")
+    low, high = min(stalls) / 2, max(stalls) * 2
+    ax.set_xlim(low, high)
     ax.set_xlabel("worst stall of a cuPointerGetAttribute probe during the fill, ms (log)")
     for i, (_, _, row) in enumerate(arms):
-        ax.annotate(f" {row['gib_s']:.2f} GiB/s, probe blocked {100 * row['blocked_fraction']:.1f}%",
-                    (row["worst_stall_ms"], i), va="center", fontsize=7)  # fmt: skip
-    ax.set_xlim(right=max(a[2]["worst_stall_ms"] for a in arms) * 60)
-    ax.set_title(f"Probe stalls per backing while filling (H200; {_machine(cuda)})", fontsize=10)
+        # Beside a short bar, inside the end of a long one: either way within the axes.
+        reach = math.log(row["worst_stall_ms"] / low) / math.log(high / low)
+        inside = reach > 0.5
+        ax.annotate(f"{row['gib_s']:.2f} GiB/s, probe blocked {100 * row['blocked_fraction']:.1f}%",
+                    (row["worst_stall_ms"], i), xytext=(-4 if inside else 4, 0), textcoords="offset points",
+                    ha="right" if inside else "left", va="center", fontsize=10,
+                    color="white" if inside else "black")  # fmt: skip
+    fig.suptitle(f"Probe stalls per backing while the tier fills (H200)\n{_machine(cuda)}")
     return fig
 
 
@@ -221,7 +249,7 @@ def copy_bandwidth(results: Path) -> Figure:
     pages = sorted({int(k.split("_")[1].removesuffix("KiB")) for k in rows if k.startswith("slot_")})
     if not pages:
         raise Missing("no slot_* rows in copy_bandwidth")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained", sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 4.8), layout="constrained", sharey=True)
     for ax, direction in zip(axes, ("h2d", "d2h"), strict=True):
 
         def series(order: str, key: str, dirn: str = direction) -> list[float]:
@@ -235,11 +263,11 @@ def copy_bandwidth(results: Path) -> Figure:
         ax.plot(pages, series("shuffled", "per_slot_cuMemcpyAsync_GBps"), "^-", color=ARMS["baseline"],
                 label="cuMemcpyAsync per page")  # fmt: skip
         ax.set(xscale="log", xlabel="page size, KiB", title=f"{direction.upper()} ({backing} backing)", ylim=(0, None))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xticks(pages, labels=[str(p) for p in pages])
     axes[0].set_ylabel("GB/s")
-    axes[0].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Copies between tier slots and GPU memory, {rows.get('total_gib', '?')} GiB per run (H200)",
-                 fontsize=10)  # fmt: skip
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=2, frameon=False)
+    fig.suptitle(f"Copies between tier slots and GPU memory, {rows.get('total_gib', '?')} GiB per run (H200)")
     return fig
 
 
@@ -252,7 +280,7 @@ def server_latency(results: Path) -> Figure:
     if not names:
         raise Missing("no runs")
     endpoints = list(runs[names[0][0]]["endpoints"])
-    fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
+    fig, ax = plt.subplots(figsize=(WIDTH, 4.8), layout="constrained")
     width = 0.8 / len(names)
     for i, (key, label, color) in enumerate(names):
         run = runs[key]
@@ -264,11 +292,10 @@ def server_latency(results: Path) -> Figure:
     ax.set_xticks(range(len(endpoints)), labels=endpoints)
     ax.set_ylabel("latency, ms")
     tallest = max(runs[key]["endpoints"][e]["p99_ms"] for key, _, _ in names for e in endpoints)
-    ax.set_ylim(0, tallest * 1.4)  # room for the legend above the bars
+    ax.set_ylim(0, tallest * 1.08)
     run = runs[names[0][0]]
-    ax.set_title(f"Example server: {run['clients']} clients, {run['block_size'] >> 10} KiB blocks "
-                 f"({_machine(server)})", fontsize=9)  # fmt: skip
-    ax.legend(fontsize=8)
+    ax.set_title(f"Example server: {run['clients']} clients, {run['block_size'] >> 10} KiB blocks\n{_machine(server)}")
+    fig.legend(loc="outside lower center", ncol=2, frameon=False)
     return fig
 
 
@@ -287,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=["svg", "png"], default="svg", help="image format")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    plt.rcParams.update({"svg.hashsalt": "aiokvtier", "svg.fonttype": "none", "font.size": 9})
+    plt.rcParams.update(STYLE)
     summary: dict[str, str] = {}
     for name, draw in FIGURES.items():
         try:
@@ -297,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         path = args.out / f"{name}.{args.format}"
         metadata = {"Date": None} if args.format == "svg" else {"Software": None}
-        fig.savefig(path, metadata=metadata, dpi=120)
+        fig.savefig(path, metadata=metadata, dpi=DPI)
         plt.close(fig)
         summary[name] = str(path)
     json.dump(summary, sys.stdout, indent=2)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import builtins
+import html
+import importlib.util
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+import aiokvtier
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {
@@ -25,19 +32,117 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT)
 
 
-def test_mkdocs_build_strict(tmp_path: Path) -> None:
+class Site:
+    def __init__(self, root: Path, log: str) -> None:
+        self.root, self.log = root, log
+
+    def text(self, page: str) -> str:
+        """A built page's text, its tags stripped and its entities decoded."""
+        return html.unescape(re.sub(r"<[^>]+>", "", (self.root / page / "index.html").read_text()))
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
+    """The site, built once strictly for the tests that read it."""
     pytest.importorskip("mkdocs")
     pytest.importorskip("material")
     pytest.importorskip("mkdocstrings_handlers.python")
-    done = _run("-m", "mkdocs", "build", "--strict", "--config-file", "mkdocs.yml", "--site-dir", str(tmp_path))
+    out = tmp_path_factory.mktemp("site")
+    done = _run("-m", "mkdocs", "build", "--strict", "--config-file", "mkdocs.yml", "--site-dir", str(out))
     assert done.returncode == 0, done.stderr[-4000:]
-    assert (tmp_path / "index.html").exists()
+    return Site(out, done.stderr)
+
+
+def test_mkdocs_build_strict(site: Site) -> None:
+    assert (site.root / "index.html").exists()
     for page in ("guide", "design", "configuration", "operations", "api", "figures", "benchmarks", "changelog"):
-        assert (tmp_path / page / "index.html").exists(), page
-    api = (tmp_path / "api" / "index.html").read_text()
+        assert (site.root / page / "index.html").exists(), page
+    api = (site.root / "api" / "index.html").read_text()
     assert "wait_resident" in api and "BlockStore" in api  # rendered from the docstrings
     for name in FIGURES:
-        assert (tmp_path / "figures" / f"{name}.svg").exists()
+        assert (site.root / "figures" / f"{name}.svg").exists()
+
+
+def test_the_build_logs_nothing_about_the_pages(site: Site) -> None:
+    """No warning, and no INFO line past mkdocs' own three (griffe's docstring notes were INFO before)."""
+    own = ("Cleaning site directory", "Building documentation to directory", "Documentation built in")
+    lines = [line for line in site.log.splitlines() if re.match(r"(INFO|WARNING|ERROR)\b", line)]
+    assert lines, site.log[-2000:]  # the log was captured
+    others = [line for line in lines if not (line.startswith("INFO") and any(o in line for o in own))]
+    assert not others, others
+
+
+SPHINX_ROLE = re.compile(r":(meth|class|func|attr|exc|data|mod|obj):")
+
+
+def test_the_api_reference_renders_no_sphinx_roles(site: Site) -> None:
+    api = site.text("api")
+    assert not SPHINX_ROLE.findall(api), [api[m.start() - 60 : m.end() + 40] for m in SPHINX_ROLE.finditer(api)]
+    for name in ("TierClosedError", "HostTier.statistics", "BlockStore"):  # the markdown that replaced them
+        assert name in api
+    # Field lists render as tables (a field not at the start of a line stays text), literal blocks as code.
+    for leftover in re.finditer(r":(param|raises|ivar|returns|rtype)\b|::$", api, re.M):
+        raise AssertionError(api[leftover.start() - 60 : leftover.end() + 40])
+
+
+def test_the_package_docstrings_use_no_sphinx_roles() -> None:
+    """Cross-references are markdown the API page renders (``x`` or [``x``][aiokvtier.X]), not Sphinx roles."""
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "aiokvtier").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(SPHINX_ROLE.pattern + "`", line)
+    ]
+    assert not found, found
+
+
+def test_the_api_reference_shows_only_public_bases(site: Site) -> None:
+    page = (site.root / "api" / "index.html").read_text()
+    bases = [
+        name.strip()
+        for match in re.findall(r"Bases: (.*?)</p>", page, re.S)
+        for name in html.unescape(re.sub(r"<[^>]+>", "", match)).split(",")
+    ]
+    assert "AiokvtierError" in bases and "ValueError" in bases  # the error hierarchy keeps its bases
+    for name in bases:
+        assert name in aiokvtier.__all__ or isinstance(getattr(builtins, name, None), type), name
+    for private in ("Owner", "_Frozen", "_Collector"):
+        assert private not in bases
+
+
+def test_long_signatures_are_laid_out_one_parameter_a_line(site: Site) -> None:
+    """The formatter the docs extra installs (Ruff) lays them out; without one they would be one long line."""
+    api = site.text("api")
+    assert re.search(r"CopyEngine\(\n    device: int \| None,\n    \*,\n    streams: int = 2,\n", api)
+
+
+def test_the_docs_hooks_warn_when_no_formatter_can_lay_out_signatures(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = importlib.util.spec_from_file_location("_aiokvtier_docs_hooks", ROOT / "docs" / "_hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    with caplog.at_level(logging.WARNING, logger="mkdocs.hooks.aiokvtier"):
+        hooks.on_startup(command="build", dirty=False)
+        assert not caplog.records
+        monkeypatch.setattr(hooks.importlib.util, "find_spec", lambda name: None)
+        hooks.on_startup(command="build", dirty=False)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] and "Ruff" in caplog.text
+
+
+def test_readme_links_are_absolute_and_point_at_files_in_the_repository() -> None:
+    """The README is the package index's long description, where a relative link has nowhere to go."""
+    markdown_it = pytest.importorskip("markdown_it")
+    rendered = markdown_it.MarkdownIt("commonmark").render((ROOT / "README.md").read_text())
+    links = re.findall(r'href="([^"]*)"', rendered)
+    assert len(links) >= 16
+    repo = "https://github.com/aiokvtier/aiokvtier/"
+    for link in links:
+        assert link.startswith("https://"), link
+        if link.startswith(repo):
+            path = re.sub(r"^(blob|tree)/main/", "", link.removeprefix(repo))
+            assert (ROOT / path).exists(), link
 
 
 def test_plots_draw_every_figure_from_the_committed_results(tmp_path: Path) -> None:
@@ -51,6 +156,48 @@ def test_plots_draw_every_figure_from_the_committed_results(tmp_path: Path) -> N
         assert summary[name] == str(image)
         assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 10_000
         assert (ROOT / "docs" / "figures" / f"{name}.svg").exists()  # the pages show the committed SVGs
+
+
+def _plots() -> Any:
+    spec = importlib.util.spec_from_file_location("_aiokvtier_docs_plots", ROOT / "docs" / "plots.py")
+    assert spec is not None and spec.loader is not None
+    plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plots)
+    return plots
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_figures_read_at_the_width_the_site_shows_them(name: str) -> None:
+    """Drawn for the text column: 1200 px as PNG, text of 10 pt or more, nothing cut off, legends beside
+    the data rather than on it, bar labels inside their axes."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    plots = _plots()
+    with plt.rc_context(plots.STYLE):
+        fig = plots.FIGURES[name](ROOT / "docs" / "results")
+        try:
+            fig.canvas.draw()
+            renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+            width, height = fig.get_size_inches()
+            assert width * plots.DPI >= 1200 and width <= 8.5  # the column shows about 8 in at 1:1
+            small = {
+                t.get_text(): t.get_fontsize() for t in fig.findobj(Text) if t.get_text() and t.get_fontsize() < 10
+            }
+            assert not small, small
+            drawn = fig.get_tightbbox(renderer)  # inches
+            assert drawn.x0 >= -0.01 and drawn.y0 >= -0.01 and drawn.x1 <= width + 0.01 and drawn.y1 <= height + 0.01
+            legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends)
+            for legend in legends:
+                box = legend.get_window_extent(renderer)
+                assert not any(box.overlaps(ax.bbox) for ax in fig.axes), name
+            for ax in fig.axes:
+                for text in ax.texts:
+                    box = text.get_window_extent(renderer)
+                    assert ax.bbox.x0 - 1 <= box.x0 and box.x1 <= ax.bbox.x1 + 1, text.get_text()
+        finally:
+            plt.close(fig)
 
 
 def test_fill_figure_draws_a_recorded_gpu_series_where_the_results_have_one(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """GPU-usable backings: ``cuMemHostRegister`` per unit, or ``cuMemCreate`` per unit.
 
-Both implement :class:`aiokvtier._host._backing.Backing`; which wins where is
+Both implement ``aiokvtier._host._backing.Backing``; which wins where is
 measured, not assumed (docs/gpu.md, DESIGN section 3).
 """
 

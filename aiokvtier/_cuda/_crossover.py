@@ -7,7 +7,7 @@ request of ``n`` copies of mean size ``s`` costs, per method,
 ``fixed + n * per_page(s)``; ``per_page`` is measured at a ladder of page
 sizes, shuffled pages, each direction, and interpolated linearly between
 them (beyond the ladder, at the last point's bandwidth). The kernel is
-chosen only when it is at least :data:`SM_MARGIN` faster: SMs it takes are
+chosen only when it is at least ``SM_MARGIN`` faster: SMs it takes are
 the model's, the copy engines' are free.
 
 The measurement is cached as JSON under ``$AIOKVTIER_CACHE_DIR`` (default
@@ -248,9 +248,9 @@ def device_key(device: int, budget: int, spec: Any) -> dict[str, Any]:
 def measure_device(
     sm: Any, batch: Callable[[str], Any], stream: Any, max_batch: int, total: int = 16 << 20
 ) -> dict[str, dict[str, Curve]]:
-    """Time both methods over shuffled pages at each :data:`LADDER` size, both directions.
+    """Time both methods over shuffled pages at each ``LADDER`` size, both directions.
 
-    ``sm``: the engine's :class:`SmPath`; ``batch(direction)``: a ``BatchCall``. Runs on the
+    ``sm``: the engine's ``SmPath``; ``batch(direction)``: a ``BatchCall``. Runs on the
     engine's worker with its context current; allocates ``total`` bytes of pinned host
     memory and of device memory for the duration.
     """

@@ -2,8 +2,8 @@
 
 ``cuda-bindings`` is imported on first use, so the package imports and the
 host-only tier works where there is no GPU or driver; asking for a device
-there raises :class:`CudaUnavailableError` saying what is missing. Driver
-errors are converted here, once, into :class:`CudaError` with the CUresult
+there raises ``CudaUnavailableError`` saying what is missing. Driver
+errors are converted here, once, into ``CudaError`` with the CUresult
 name.
 """
 
@@ -103,9 +103,9 @@ class PrimaryContext:
     """A retained primary context of one device.
 
     A thread starts with no current context whatever its creator chose, so
-    every thread the library starts binds one (:meth:`make_current`) before
+    every thread the library starts binds one (``make_current()``) before
     touching the driver; a blocking step that may run on a thread the
-    library does not own uses :meth:`current`, which restores what was there.
+    library does not own uses ``current()``, which restores what was there.
     """
 
     def __init__(self, device: int) -> None:

@@ -67,13 +67,13 @@ class _Job:
     submitted: float = 0.0
     """``time.perf_counter()`` when it was queued."""
     on_submit: asyncio.Future[None] | None = None
-    """Settled once the submit thread has issued the copy (or failed to): see :meth:`CopyEngine.begin`."""
+    """Settled once the submit thread has issued the copy (or failed to): see ``CopyEngine.begin()``."""
     slab: Any = None
     """The SM path's descriptor slab, handed back once the job's event has fired."""
 
 
 class StartedCopy(NamedTuple):
-    """A queued slot copy (:meth:`CopyEngine.begin`)."""
+    """A queued slot copy (``CopyEngine.begin()``)."""
 
     submitted: asyncio.Future[None]
     """Settles once the copy was issued to the GPU (or failed to be)."""
@@ -141,7 +141,7 @@ class CopyEngine(Owner):
         as launches of at most 8 MiB, so a model kernel waits for one slice, not the request.
         Where slices launch as programmatic dependents (compute capability 9.0+), the next
         slice's blocks may start on other SMs while one drains.
-    :param crossover: a :class:`Crossover`, or ``{"h2d": bytes, "d2h": bytes}`` (the kernel
+    :param crossover: a ``Crossover``, or ``{"h2d": bytes, "d2h": bytes}`` (the kernel
         for mean page sizes up to so many bytes); default: ``AIOKVTIER_SM_CROSSOVER``, else
         measured once per device and kept on disk.
 
@@ -351,12 +351,12 @@ class CopyEngine(Owner):
     async def to_host(
         self, tier: HostTier, slots: Sequence[int] | Any, src: Any, *, after: Any = None, page: int | None = None
     ) -> None:
-        """Copy device pages into slots (one address or page per slot); the reverse of :meth:`to_device`.
+        """Copy device pages into slots (one address or page per slot); the reverse of ``to_device()``.
 
         ``after`` (a stream or event) is waited for on the GPU first, so a
         copy can follow the compute that wrote the pages without a host sync.
 
-        Raises as :meth:`to_device`; a slot given twice is a :class:`SlotError`.
+        Raises as ``to_device()``; a slot given twice is a [``SlotError``][aiokvtier.SlotError].
         """
         await finish(self.begin(tier, slots, src, "d2h", after=after, page=page).done)
 
@@ -370,7 +370,7 @@ class CopyEngine(Owner):
         after: Any = None,
         page: int | None = None,
     ) -> StartedCopy:
-        """Queue :meth:`to_device` (``direction="h2d"``) or :meth:`to_host` (``"d2h"``) without awaiting it.
+        """Queue ``to_device()`` (``direction="h2d"``) or ``to_host()`` (``"d2h"``) without awaiting it.
 
         For a caller with bookkeeping to do while the copy runs: await
         ``submitted`` (the loop idles meanwhile, so the submit thread gets
@@ -389,13 +389,13 @@ class CopyEngine(Owner):
     def _begin_checked(
         self, tier: HostTier, slots: Any, side: Side, direction: str, keepalive: Any, *, after: Any = None
     ) -> StartedCopy:
-        """:meth:`begin` with the buffer side already checked by ``buffer_addresses`` (the BlockStore's
+        """``begin()`` with the buffer side already checked by ``buffer_addresses`` (the BlockStore's
         pages: checked once per call, then a subset copied). ``keepalive``: the buffer's owner.
 
         The addresses are not checked again; those named in a tier or a
         StaticHostMem are located again (the caller may have waited since the
         check, and the region closed or shrunk meanwhile). The slots and the
-        page are checked as in :meth:`begin`.
+        page are checked as in ``begin()``.
         """
         if direction not in ("h2d", "d2h"):
             raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
@@ -499,7 +499,7 @@ class CopyEngine(Owner):
         """Hand a planned copy to the submit thread; its ``future`` settles once the bytes landed.
 
         The buffers are the GPU's until then: a cancelled caller regains them
-        only once ``future`` is settled (await it through :func:`finish`).
+        only once ``future`` is settled (await it through ``finish()``).
         """
         self._check_open()
         after_handle = None if after is None else _stream_handle(after)

@@ -211,7 +211,7 @@ class KernelSpec:
     """16-byte loads in flight per lane: 128 KiB per block of 1024 threads."""
     bounded: bool = True
     """A programmatic slice lets its successor start only once its predecessor has ended, so at
-    most two slices of a request hold SMs at a time (``release_next`` in :data:`SOURCE`)."""
+    most two slices of a request hold SMs at a time (``release_next`` in ``SOURCE``)."""
 
     def macros(self) -> list[tuple[str, str]]:
         return [("THREADS", str(self.threads)), ("UNROLL", str(self.unroll)), ("BOUNDED", str(int(self.bounded)))]
@@ -267,8 +267,8 @@ def descriptor_block(out: U64, dsts: U64, srcs: U64, sizes: U64, pack: bool = Tr
 
     Copies of one length whose sides each span under 2**32 steps of their common alignment
     (a KV request's pages, the planner's merged runs cut back into pages) are packed,
-    :data:`PACKED_BYTES` per copy;
-    others, or every request where ``pack`` is false, take the wide :data:`DESCRIPTOR_BYTES`.
+    ``PACKED_BYTES`` per copy;
+    others, or every request where ``pack`` is false, take the wide ``DESCRIPTOR_BYTES``.
     """
     n = int(dsts.shape[0])
     if out.shape[0] < 3 * n:
@@ -573,7 +573,7 @@ class SmKernel:
         """Launch over copies ``first .. first + count`` (default: all) of those written as
         ``layout`` at device address ``descriptors``, on ``stream``. One thread at a time (the
         submit thread). ``pdl``: as a programmatic dependent of the kernel before it on ``stream``
-        (ignored where not :attr:`pdl_capable`).
+        (ignored where not ``pdl_capable``).
 
         :raises CudaError: the launch was refused.
         """

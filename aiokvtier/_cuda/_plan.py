@@ -24,7 +24,7 @@ function from addresses to ids (asked only about copies that could merge)."""
 
 SORT_KIND: Literal["quicksort", "stable"] = "quicksort"
 """How the planner sorts addresses: numpy's default (introsort, vectorised where the CPU allows),
-5x cheaper than a stable sort at 32k addresses; ties need no order (see :func:`plan`)."""
+5x cheaper than a stable sort at 32k addresses; ties need no order (see ``plan()``)."""
 
 FIRST_CHUNK = 128
 """Descriptors in a plan's first driver call: the GPU starts after ~0.2 ms
@@ -48,7 +48,7 @@ class Plan:
         return int(self.sizes.sum())
 
     def chunks(self, cap: int, first: int = FIRST_CHUNK) -> list[slice]:
-        """This plan's driver calls: see :func:`chunk_slices`."""
+        """This plan's driver calls: see ``chunk_slices()``."""
         return chunk_slices(self.count, cap, first)
 
 
@@ -161,7 +161,7 @@ def _sorted_order(lead: U64) -> tuple[npt.NDArray[np.intp], U64]:
     past the position bits), and the keys are sorted by value, 2-3x cheaper
     than an argsort, and ties come out in position order. The sorted values
     are read back off the keys (no gather). Where the span is too wide, an
-    argsort (:data:`SORT_KIND`: copies sharing a leading address never merge,
+    argsort (``SORT_KIND``: copies sharing a leading address never merge,
     a copy's length being positive, so their order is immaterial).
     """
     n = int(lead.shape[0])

@@ -321,7 +321,7 @@ def plan_slots(
 
 def plan_side(tier: HostTier, host: U64, side: Side, direction: str) -> tuple[Plan, list[Any]]:
     """Plan a per-slot copy between the slots at ``host`` (``tier.slot_addresses``) and a side that
-    :func:`buffer_addresses` checked (a subset of its addresses, in any order, stays checked).
+    ``buffer_addresses()`` checked (a subset of its addresses, in any order, stays checked).
 
     :raises CopyPlanError: the side's page is larger than a slot.
     :raises ValueError: no slots, or not one address per slot.
@@ -344,7 +344,7 @@ def plan_side(tier: HostTier, host: U64, side: Side, direction: str) -> tuple[Pl
 
 
 def relocate(side: Side) -> Side:
-    """A side :func:`buffer_addresses` checked some time ago, located again before it is copied.
+    """A side ``buffer_addresses()`` checked some time ago, located again before it is copied.
 
     Addresses named in a tier or a StaticHostMem were located when checked;
     the region may have closed (unmapped) or shrunk since, while the caller

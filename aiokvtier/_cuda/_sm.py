@@ -1,20 +1,20 @@
 """The SM copy path of a CopyEngine: the loaded kernel, its descriptor slabs, the device-side check.
 
-A request runs as consecutive launches of at most :data:`SLICE_BYTES` each
+A request runs as consecutive launches of at most ``SLICE_BYTES`` each
 on the copy's stream: a launch's blocks hold their SMs until its last page
 lands, so a kernel of the model that is queued meanwhile (a persistent
 matmul waits for every SM it was sized for) waits for one slice, not the
 whole request. Each slice is launched as a programmatic dependent of the one
-before (:data:`PDL`), so the link does not idle between them. Measured on the
+before (``PDL``), so the link does not idle between them. Measured on the
 H200 (docs/benchmarks.md): a bf16 matmul loop beside 128 MiB requests on 4
 SMs slowed by 16-30% with whole-request launches and by 7-9% with 8 MiB
 slices, and the copy alone moved shuffled 4-64 KiB pages host to device at
 0.921-0.922 of a DMA copy (0.87-0.90 with the launch gap between slices).
 
 A launch reads its descriptors (8 bytes per copy for a request whose copies
-have one length, else 24: :func:`~._kernel.descriptor_block`) from a slab: a pinned
+have one length, else 24: ``descriptor_block()``) from a slab: a pinned
 staging buffer the host writes them into, and a device buffer. The first
-slice reads the staging buffer itself over the link (:data:`HEAD`), so it
+slice reads the staging buffer itself over the link (``HEAD``), so it
 waits for no upload; the other slices read the device buffer, which one
 async H2D copy on a partner stream fills meanwhile, and the copy's stream
 waits for that copy before the second slice. A slab belongs to one request
@@ -80,25 +80,25 @@ and by 7-9% beside 8 MiB slices (``docs/results/sm-launches-h200.jsonl``)."""
 
 BOUNDED = True
 """The kernel lets a programmatic slice's successor start only once the slice before it has ended
-(:attr:`KernelSpec.bounded`): a request then holds at most two slices' blocks at a time, its
+(``KernelSpec.bounded``): a request then holds at most two slices' blocks at a time, its
 budget twice over while one drains and the next starts."""
 
 HEAD = True
 """The first slice of a request reads its descriptors from the pinned staging slab over the link
 instead of waiting for their upload, which the partner stream runs meanwhile for the other slices
-(:meth:`SmPath._headed`); a request of one slice needs no upload at all. Host to device on the H200,
+(``SmPath._headed()``); a request of one slice needs no upload at all. Host to device on the H200,
 shuffled 4 / 16 / 64 KiB pages: 0.921 / 0.922 / 0.921 of a DMA copy, against 0.9185 / 0.9195 / 0.921
 with the upload first (medians of 8 interleaved rounds, ``docs/results/sm-head-h200.jsonl``)."""
 
 PACK = True
 """Requests whose copies have one length (pages, the planner's merged runs cut back into pages by
-:func:`pieces`) are described in 8 bytes per copy, not 24 (:func:`descriptor_block`): the upload
+``pieces()``) are described in 8 bytes per copy, not 24 (``descriptor_block()``): the upload
 crosses the link the copy uses, so host to device at 4 KiB pages it takes 0.2% of the bytes instead
 of 0.6%."""
 
 ALTERNATE = False
 """Slices alternate between the copy's stream and a partner stream with half the budget each
-(:meth:`SmPath._alternate`). Without :data:`PDL` that hid the launch gap between slices (0.89 of a
+(``SmPath._alternate()``). Without ``PDL`` that hid the launch gap between slices (0.89 of a
 DMA copy host to device, against 0.87 for one stream of 4 MiB slices); with it, one stream does as
 well (0.913-0.924 against 0.915-0.921), so the partner is kept for the launch study only."""
 
@@ -143,11 +143,11 @@ def slices(sizes: U64, limit: int) -> list[tuple[int, int]]:
 
 
 MIN_PIECE = 4096
-"""Bytes at least of the pieces :func:`pieces` cuts runs into (smaller ones stay whole)."""
+"""Bytes at least of the pieces ``pieces()`` cuts runs into (smaller ones stay whole)."""
 
 SPLIT_RUNS = True
 """Runs the planner merged from neighbouring pages are cut back into pages before a launch
-(:func:`pieces`): the kernel gives each copy to one warp, so a long run among single pages would
+(``pieces()``): the kernel gives each copy to one warp, so a long run among single pages would
 keep its warp, and its block's SM, after the rest of its slice is done; and copies of one length
 pack into 8-byte descriptors. The rate does not show it (programmatic launches let the next slice
 use the link meanwhile): 0.921 of a DMA copy either way, ``docs/results/sm-runs-h200.json``."""
@@ -155,7 +155,7 @@ use the link meanwhile): 0.921 of a DMA copy either way, ``docs/results/sm-runs-
 
 def pieces(dsts: U64, srcs: U64, sizes: U64) -> tuple[U64, U64, U64]:
     """Copies of several lengths that are all multiples of their greatest common divisor ``g``
-    (a multiple of 16 and at least :data:`MIN_PIECE`: pages, some merged into runs) cut into copies
+    (a multiple of 16 and at least ``MIN_PIECE``: pages, some merged into runs) cut into copies
     of ``g`` bytes, in order; anything else as given."""
     n = int(sizes.shape[0])
     if n < 2 or sizes.strides[0] == 0 or int(sizes.min()) == int(sizes.max()):
@@ -172,7 +172,7 @@ def pieces(dsts: U64, srcs: U64, sizes: U64) -> tuple[U64, U64, U64]:
 
 
 def slab_capacity(n: int) -> int:
-    """The slab size that holds ``n`` copies: a power of two, at least :data:`MIN_SLAB`."""
+    """The slab size that holds ``n`` copies: a power of two, at least ``MIN_SLAB``."""
     return max(MIN_SLAB, 1 << max(0, n - 1).bit_length())
 
 
@@ -205,8 +205,8 @@ class SmPath:
         self, dsts: U64, srcs: U64, sizes: U64, stream: Any, budget: int | None = None, slice_bytes: int | None = None
     ) -> Slab:
         """Write the descriptors, upload them (on the partner stream behind the first slice, with
-        :data:`HEAD`) and launch, in slices of ``slice_bytes`` (default :data:`SLICE_BYTES`), on
-        ``stream`` (submit thread). The slab is the launches' until :meth:`give_back` (after the
+        ``HEAD``) and launch, in slices of ``slice_bytes`` (default ``SLICE_BYTES``), on
+        ``stream`` (submit thread). The slab is the launches' until ``give_back()`` (after the
         request's completion event, recorded on ``stream`` next).
 
         :raises CudaError: the upload or the launch was refused (nothing is left half-done
@@ -276,7 +276,7 @@ class SmPath:
     ) -> None:
         """The slices in turn on ``stream`` and its partner stream, half the budget each: while one
         launch drains and the next starts, the other keeps the link busy, and launched plainly at
-        most ``blocks`` SMs are held at once (with :data:`PDL`, a slice's successor on its stream
+        most ``blocks`` SMs are held at once (with ``PDL``, a slice's successor on its stream
         may start while it drains). The partner starts after ``stream``'s upload (and ``after=``), and
         ``stream`` waits for the partner's last slice, so the request's completion event, recorded
         on ``stream``, follows every slice."""

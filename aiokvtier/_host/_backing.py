@@ -1,7 +1,7 @@
 """How the tier's range is reserved, committed and released.
 
-A backing owns the address range. The tier calls :meth:`Backing.commit` and
-:meth:`Backing.decommit` with whole commit units only (so a GPU backing can
+A backing owns the address range. The tier calls ``Backing.commit()`` and
+``Backing.decommit()`` with whole commit units only (so a GPU backing can
 register each unit separately), from its fill threads or off the event loop.
 Each backing undoes its own partial work when a call fails.
 
@@ -65,7 +65,7 @@ class Backing(ABC):
         """
 
     def thread_setup(self) -> None:  # noqa: B027 - an optional hook, empty by default
-        """Prepare a library-started thread before it calls :meth:`commit` (CUDA context)."""
+        """Prepare a library-started thread before it calls ``commit()`` (CUDA context)."""
 
     @abstractmethod
     def commit(self, offset: int, length: int) -> None:
@@ -122,7 +122,7 @@ class HostBacking(Backing):
     Past the target the range stays PROT_NONE. Below it, a unit not yet
     committed is memory that the tier never hands out (slots are taken only
     below the watermark, and raw copies past it are refused); where the fill
-    copies its units in (:mod:`._userfault`, the default on Linux 6.9+ with
+    copies its units in (``_userfault``, the default on Linux 6.9+ with
     4 KiB pages), touching such a page raises SIGBUS, elsewhere it reads zeros.
     Where the kernel charges a writable private mapping in full (strict
     overcommit, ``vm.overcommit_memory=2``), the one large ``mprotect`` fails

@@ -103,7 +103,7 @@ class Filler:
 
         :returns: None for a grow; for a shrink (or same size), the committed
             ranges past the new end, once no unit there is being committed. The
-            caller decommits them and then calls :meth:`finish_shrink`.
+            caller decommits them and then calls ``finish_shrink()``.
         """
         with self._cond:
             self._check_open()
@@ -217,7 +217,7 @@ class Filler:
 
         Until the first unit is resident one worker fills alone: it fills the
         unit the first allocation waits for, and others would only compete
-        with it for the memory bandwidth; they wait for it (see :meth:`_run`).
+        with it for the memory bandwidth; they wait for it (see ``_run()``).
         They are started here rather than by the first worker once it is done:
         ``Thread.start`` waits until the new thread has run, which needs the
         GIL, and a fill thread asking for the GIL next to a busy event loop

@@ -84,7 +84,7 @@ def _read_available() -> int | None:
 def available_bytes() -> int | None:
     """Memory that can still be made resident: MemAvailable, capped by the cgroup limit's room.
 
-    Read at most once per :data:`SNAPSHOT_SECONDS` (one thread reads, the
+    Read at most once per ``SNAPSHOT_SECONDS`` (one thread reads, the
     others use the last reading meanwhile), less the bytes touched since.
     None where the kernel reports neither (the caller then populates).
     """
@@ -113,7 +113,7 @@ class Claim:
     """The right to touch ``length`` bytes, counted while held. Use as a context manager.
 
     ``granted`` is False when the memory available, less what other threads
-    are touching, does not cover ``length`` plus :func:`reserve_bytes`: the
+    are touching, does not cover ``length`` plus ``reserve_bytes()``: the
     caller must then populate (which reports ENOMEM) instead of touching.
     """
 

@@ -60,7 +60,7 @@ class UnitLayout:
         return self.start(index + 1)
 
     def ends_of(self, units: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
-        """:meth:`end` for an array of unit indices."""
+        """``end()`` for an array of unit indices."""
         ramp = np.asarray(self.ramp, dtype=np.int64)
         following = units + 1
         regular = ramp[-1] + (following - len(ramp) + 1) * self.commit_unit
@@ -75,7 +75,7 @@ class UnitLayout:
         return len(ramp) - 1 + (offset - ramp[-1]) // self.commit_unit
 
     def units_at(self, offsets: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
-        """:meth:`unit_at` for an array of offsets (the copy planner's hot path)."""
+        """``unit_at()`` for an array of offsets (the copy planner's hot path)."""
         ramp = np.asarray(self.ramp, dtype=np.uint64)
         end = ramp[-1]
         # Past the ramp the division counts regular units and searchsorted gives len(ramp);

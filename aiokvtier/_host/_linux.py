@@ -132,7 +132,7 @@ TOUCH_STEP = 1 << 30
 Each call gives up the GIL and must take it back; next to a busy event loop
 taking it back can wait a long time, so a fill makes as few calls as it can.
 Far above the 500 elements from which numpy releases the GIL for an
-assignment (a piece under :data:`_TOUCH_MIN_PAGES` pages uses memset, which
+assignment (a piece under ``_TOUCH_MIN_PAGES`` pages uses memset, which
 always runs without it)."""
 POPULATE_STEP = 2 << 20
 """Bytes one MADV_POPULATE_WRITE call covers. The call holds the address
@@ -150,10 +150,10 @@ def touch(addr: int, length: int) -> None:
     Page faults take a per-VMA lock on Linux 6.4+ (on older kernels they hold
     the address space's lock for one fault at a time): other threads' mmap
     and munmap never wait behind the fill. Calls of at most
-    :data:`TOUCH_STEP` bytes, each without the GIL. Only for memory that holds
+    ``TOUCH_STEP`` bytes, each without the GIL. Only for memory that holds
     nothing yet (it writes zeroes), and only where memory is known to be
     available: a fault that finds none ends in SIGBUS or the OOM killer, not
-    in an error (see :mod:`aiokvtier._host._headroom`).
+    in an error (see ``aiokvtier._host._headroom``).
     """
     for offset in range(0, length, TOUCH_STEP):
         _touch_step(addr + offset, min(TOUCH_STEP, length - offset))
@@ -198,7 +198,7 @@ def populate(addr: int, length: int) -> None:
     Touches the pages while the process has memory to spare (no stall for
     other threads), else populates them in short calls that report ENOMEM.
 
-    Inside a range registered for ``UFFDIO_COPY`` (:mod:`._userfault`) the pages are copied in
+    Inside a range registered for ``UFFDIO_COPY`` (``_userfault``) the pages are copied in
     instead: as fast as populate, no stall, ENOMEM reported (touching would raise SIGBUS there).
 
     :raises OSError: ENOMEM when memory runs out, EFAULT/EINVAL on a bad range.

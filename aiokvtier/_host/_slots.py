@@ -74,7 +74,7 @@ class SlotAllocator:
         return taken
 
     def take_ids(self, n: int) -> npt.NDArray[np.int64]:
-        """:meth:`take` as an int64 array."""
+        """``take()`` as an int64 array."""
         if n > self.available:
             raise OutOfSlots(f"{n} slots requested, {self.available} of {self.total} available")
         free = self._free

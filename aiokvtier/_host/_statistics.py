@@ -9,7 +9,7 @@ __all__ = ["TierStatistics"]
 
 @dataclass(frozen=True, slots=True)
 class TierStatistics:
-    """What :meth:`HostTier.statistics` returns: a consistent-enough snapshot.
+    """What [``HostTier.statistics()``][aiokvtier.HostTier.statistics] returns: a consistent-enough snapshot.
 
     Figures are read without stopping the fill, so ``resident_bytes`` may be
     one unit behind by the time you read it.

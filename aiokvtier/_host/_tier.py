@@ -67,8 +67,8 @@ class HostTier(Owner):
 
     Threads: the async methods and the slot calls (``allocate_nowait``,
     ``free``, ``view``, ``address``) belong to the event loop that opened the
-    tier; other threads use :meth:`wait_resident_blocking` and
-    :meth:`statistics`. The tier's blocking work (reserving, resizing,
+    tier; other threads use ``wait_resident_blocking()`` and
+    ``statistics()``. The tier's blocking work (reserving, resizing,
     releasing) runs on its own ``aiokvtier-tier`` thread, never on the loop.
 
     Cancellation: every await is safe to cancel. ``open``, an accepted
@@ -78,7 +78,7 @@ class HostTier(Owner):
 
     Fork: a child process cannot use a tier its parent opened (its threads do
     not exist there); every call but ``statistics()`` and ``aclose()`` raises
-    :class:`TierClosedError` saying so.
+    [``TierClosedError``][aiokvtier.TierClosedError] saying so.
     """
 
     # Set while opening; the methods that read them run only once the tier is open.
@@ -298,20 +298,29 @@ class HostTier(Owner):
         raise WouldBlock(f"slot {slots.next_fresh} is not resident yet ({self._filler.watermark} bytes are)")
 
     def free(self, slot: int) -> None:
-        """Return a slot. :raises SlotError: not an allocated slot of this tier (nothing changes)."""
+        """Return a slot.
+
+        :raises SlotError: not an allocated slot of this tier (nothing changes).
+        """
         if self._life.state != "open":
             self._check_open()
         self._slots.give(slot)
 
     def free_many(self, slots: Iterable[int]) -> None:
-        """Return several slots, all or none. :raises SlotError: any is invalid or repeated."""
+        """Return several slots, all or none.
+
+        :raises SlotError: any is invalid or repeated.
+        """
         self._check_open()
         self._slots.give_many(slots)
 
     # -- memory ------------------------------------------------------------------
 
     def address(self, slot: int) -> int:
-        """Address of an allocated slot. :raises SlotError: not allocated."""
+        """Address of an allocated slot.
+
+        :raises SlotError: not allocated.
+        """
         self._check_open()
         self._slots.check_allocated(slot)
         return self._base + slot * self._slot_size
@@ -442,7 +451,7 @@ class HostTier(Owner):
         :raises FillError: a grow found no fill thread running and could not
             start one (nothing changes; a later grow tries again).
         :raises TierClosedError: the tier is closed.
-        :raises OSError: or :class:`CudaError`: decommitting a unit of the tail
+        :raises OSError: or ``CudaError``: decommitting a unit of the tail
             failed; the shrink stands, and that unit stays committed (it is
             released at close, and a later grow reuses it).
 

@@ -160,7 +160,7 @@ class Userfault:
         of threads at once, each call without the GIL.
 
         :raises OSError: ENOMEM when memory runs out (what was copied stays resident), EEXIST where
-            a page was present, ENOENT where no registered mapping is, EBADF after :meth:`close`
+            a page was present, ENOENT where no registered mapping is, EBADF after ``close()``
             or in a forked child.
         """
         if os.getpid() != self._pid:
@@ -226,7 +226,7 @@ _active_lock = threading.Lock()
 
 
 def activate(uf: Userfault) -> None:
-    """Route :func:`aiokvtier._host._linux.populate` of ``uf``'s range through ``uf``."""
+    """Route ``aiokvtier._host._linux.populate()`` of ``uf``'s range through ``uf``."""
     global _active
     with _active_lock:
         _active = (*_active, uf)

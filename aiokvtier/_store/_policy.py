@@ -2,15 +2,15 @@
 
 A policy sees blocks only as tier slot ids (one block per slot, ids below the
 capacity) and is told everything that happens to them: a block became
-visible (:meth:`EvictionPolicy.inserted`), was hit
-(:meth:`~EvictionPolicy.accessed`, one call per batch), or left
-(:meth:`~EvictionPolicy.removed`). When the store needs room it walks
-:meth:`~EvictionPolicy.victims`, evicting some candidates and skipping others
+visible (``EvictionPolicy.inserted()``), was hit
+(``accessed()``, one call per batch), or left
+(``removed()``). When the store needs room it walks
+``victims()``, evicting some candidates and skipping others
 (blocks a load is reading, or that the same call stored).
 
-- :class:`LRUPolicy` (``"lru"``, the default): exact least recently used, about
+- ``LRUPolicy`` (``"lru"``, the default): exact least recently used, about
   11 bytes of state per block, for stores of millions of blocks.
-- :class:`S3FIFOPolicy` (``"s3fifo"``): S3-FIFO, scan-resistant, heavier per
+- ``S3FIFOPolicy`` (``"s3fifo"``): S3-FIFO, scan-resistant, heavier per
   block (Python objects), recency only approximate.
 
 Synchronous and not thread-safe: the store calls a policy from its event loop
@@ -145,7 +145,7 @@ class LRUPolicy(EvictionPolicy):
 
     Trade-off: LRU is exact and cheap but not scan-resistant: one pass over
     blocks that are never used again (a long prompt nobody repeats) flushes
-    the working set. :class:`S3FIFOPolicy` resists scans at a higher cost per
+    the working set. ``S3FIFOPolicy`` resists scans at a higher cost per
     block.
 
     Blocks hit in the same batch are equally recent; among them the lower slot
@@ -376,7 +376,7 @@ class S3FIFOPolicy(EvictionPolicy):
     insertion order), and the FIFOs and the ghost are Python objects (deques
     of ints, an ordered dict of hashes): at 1 M blocks about 60 bytes per
     block, and about 170 once the ghost is full, against 11 for
-    :class:`LRUPolicy` (tracemalloc).
+    ``LRUPolicy`` (tracemalloc).
 
     The ghost holds as many hashes as the main FIFO's share of the blocks (90%
     of those tracked), as in the paper, where it is sized to the main queue.
@@ -556,11 +556,11 @@ class S3FIFOPolicy(EvictionPolicy):
 def make_policy(policy: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
     """The policy named ``policy`` (``"lru"`` or ``"s3fifo"``) for ``capacity`` slots.
 
-    An :class:`EvictionPolicy` instance is returned itself, resized to ``capacity``.
+    An ``EvictionPolicy`` instance is returned itself, resized to ``capacity``.
 
     :raises ValueError: an unknown name (the message lists the choices), or a
         capacity that is not positive.
-    :raises TypeError: neither a name nor an :class:`EvictionPolicy`.
+    :raises TypeError: neither a name nor an ``EvictionPolicy``.
     """
     if isinstance(policy, EvictionPolicy):
         policy.resize(capacity)

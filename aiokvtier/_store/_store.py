@@ -15,7 +15,7 @@ A block's life::
 
 Only ``ready`` blocks are visible to ``lookup``, ``load`` and ``in``. A store
 of a key that another store is writing waits for that store instead of
-copying twice. Copies go through a :class:`CopyEngine` (device memory) or,
+copying twice. Copies go through a ``CopyEngine`` (device memory) or,
 without one, ``memmove`` on the store's own thread.
 """
 
@@ -61,7 +61,7 @@ _ONE = np.uint32(1)  # the pin counts' own type: ufunc.at with a Python int take
 
 @dataclass(frozen=True, slots=True)
 class StoreResult:
-    """What :meth:`BlockStore.store` did with each key, in the caller's order."""
+    """What [``BlockStore.store()``][aiokvtier.BlockStore.store] did with each key, in the caller's order."""
 
     stored: tuple[Key, ...]
     """Newly stored (copied)."""
@@ -75,7 +75,7 @@ class StoreResult:
 
 @dataclass(frozen=True, slots=True)
 class StoreStatistics:
-    """A snapshot of a :class:`BlockStore`."""
+    """A snapshot of a [``BlockStore``][aiokvtier.BlockStore]."""
 
     policy: str
     blocks: int
@@ -136,7 +136,7 @@ def _keys(keys: Iterable[object]) -> list[Key]:
 
 def _key_seq(keys: Iterable[object]) -> Sequence[Key]:
     """The caller's list or tuple itself when every key is a bytes or an int: for a call that does not keep
-    its keys across an await (lookup, load, discard); else as :func:`_keys`."""
+    its keys across an await (lookup, load, discard); else as ``_keys()``."""
     if type(keys) is list or type(keys) is tuple:
         if _canonical(keys):
             return keys
@@ -176,7 +176,7 @@ class _Pages(NamedTuple):
         return _Pages(self.addresses[ids], self.lengths[ids], self.owners, self.page, self.regions)
 
     def side(self, page: int) -> Side:
-        """For :meth:`CopyEngine._begin_checked`: the addresses were checked when the call began."""
+        """For ``CopyEngine._begin_checked()``: the addresses were checked when the call began."""
         return Side(self.addresses, page, list(self.regions))
 
 
@@ -289,12 +289,12 @@ class BlockStore(Owner):
     partial block visible and no slot taken, and delivers ``CancelledError``
     only once nothing reads or writes the caller's pages any more.
 
-    :param tier: an open :class:`HostTier`; one block per slot.
-    :param engine: a :class:`CopyEngine` for device pages (tensors or
+    :param tier: an open [``HostTier``][aiokvtier.HostTier]; one block per slot.
+    :param engine: a [``CopyEngine``][aiokvtier.CopyEngine] for device pages (tensors or
         addresses), or None for host pages copied on the store's thread.
     :param policy: ``"lru"`` (default), ``"s3fifo"``, or an
-        :class:`EvictionPolicy` instance.
-    :param event_limit: events kept per subscriber of :meth:`events` before
+        [``EvictionPolicy``][aiokvtier.EvictionPolicy] instance.
+    :param event_limit: events kept per subscriber of ``events()`` before
         the oldest are dropped.
     """
 
@@ -437,7 +437,7 @@ class BlockStore(Owner):
         return np.fromiter(found, dtype=np.int64, count=n)
 
     def _ready(self, slots: I64) -> npt.NDArray[np.bool_]:
-        """Which of ``slots`` (from :meth:`_slots`) hold a ready block."""
+        """Which of ``slots`` (from ``_slots()``) hold a ready block."""
         known = slots >= 0
         if known.all():
             ready: npt.NDArray[np.bool_] = self._state[slots] == _READY
@@ -556,7 +556,7 @@ class BlockStore(Owner):
         and reported skipped.
 
         :param src: with a CopyEngine, device addresses or a CUDA tensor (one
-            page per key), as :meth:`CopyEngine.to_host` takes them; without
+            page per key), as [``CopyEngine.to_host()``][aiokvtier.CopyEngine.to_host] takes them; without
             one, a sequence of bytes-like objects or a 2-D uint8 numpy array.
         :param after: a CUDA stream or event the copy waits for on the GPU.
         :param wait: False: skip keys whose slots are not resident yet
@@ -655,7 +655,7 @@ class BlockStore(Owner):
         call: _Call | None = None,
         positions: I64 | None = None,
     ) -> StoreResult:
-        """Store ``keys``; ``checked``: their types were checked (else :class:`_NotCanonical` may come).
+        """Store ``keys``; ``checked``: their types were checked (else ``_NotCanonical`` may come).
 
         ``call`` and ``positions`` (each key's position in the call): a retry
         of some of the call's keys, nested in the call's pass.
@@ -846,7 +846,7 @@ class BlockStore(Owner):
 
         The retry makes room as any store does, but not by evicting the blocks
         this call stored or found present: they stay pinned. Those the call
-        stored after a retried key are its last resort (:meth:`_make_room`).
+        stored after a retried key are its last resort (``_make_room()``).
         """
         where = np.arange(len(keys), dtype=np.int64) if positions is None else positions
         stored = np.flatnonzero(outcome == _STORED)
@@ -1300,7 +1300,7 @@ class BlockStore(Owner):
         resize of the tier made directly (``tier.resize``) evicts, then waits
         for it; if the tier then refuses (a slot past the new end was taken
         meanwhile), the blocks evicted stay evicted. Cancellation: as
-        :meth:`HostTier.resize`; blocks evicted for a shrink stay evicted,
+        [``HostTier.resize()``][aiokvtier.HostTier.resize]; blocks evicted for a shrink stay evicted,
         and the store follows whatever size the tier ends with.
         """
         self._check_open()

@@ -52,7 +52,7 @@ MATMUL_ARMS: tuple[tuple[str, dict[str, Any], int | None], ...] = (
     ("sm4_unsliced", {"method": "sm", "sm_budget": 4}, 1 << 62),
     ("sm8_unsliced", {"method": "sm", "sm_budget": 8}, 1 << 62),
 )
-"""Beside the matmul: the copy engines, the kernel at the default slice (:data:`_sm.SLICE_BYTES`)
+"""Beside the matmul: the copy engines, the kernel at the default slice (``_sm.SLICE_BYTES``)
 and launched whole per request, as it was."""
 
 
@@ -102,7 +102,7 @@ class Gate:
         self.device = int(check("cuMemHostGetDevicePointer", drv.cuMemHostGetDevicePointer(self.host, 0)))
         self.usable = True
         """False once the driver has refused a wait (no stream memory operations) or a hold ran past
-        :data:`HOLD_LIMIT`: timing is then ungated."""
+        ``HOLD_LIMIT``: timing is then ungated."""
         self._timer: threading.Timer | None = None
 
     def hold(self, *streams: Any) -> bool:
