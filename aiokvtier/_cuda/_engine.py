@@ -50,13 +50,6 @@ __all__ = ["CopyEngine", "CopyStatistics", "StartedCopy"]
 log = logging.getLogger("aiokvtier")
 
 
-INLINE_DESCRIPTORS = 256
-"""A request of at most this many descriptors (after merging) that finds the engine with nothing
-queued is issued on the caller's thread: no hop to the submit thread. The driver takes ~0.9 us
-per descriptor (DESIGN section 4), so the loop pays at most ~0.25 ms; a larger request, or one
-behind others, goes to the submit thread."""
-
-
 class _Landed(asyncio.Future[None]):
     """A copy's completion: settled only by the engine, never cancelled.
 
@@ -214,12 +207,6 @@ class CopyEngine(Owner):
         self._batch: Any = None
         self._abi: int | None = None
         self._rr = itertools.count()
-        self._issue_lock = threading.Lock()
-        """Held by whichever thread issues a GPU job: the submit thread, or a caller (``_issue_here``)."""
-        self._queued = 0
-        """Jobs handed to the submit thread (written on the loop)..."""
-        self._issued = 0
-        """...and those it has issued (written by it): equal when it has nothing of its own to issue."""
         self._events: list[Any] = []
         """Completion events whose copies have landed, for reuse (append/pop are atomic)."""
         self._counts = defaultdict(int)  # type: defaultdict[str, int]
@@ -535,7 +522,7 @@ class CopyEngine(Owner):
         *,
         signal_submit: bool = False,
     ) -> _Job:
-        """Issue a planned copy (here, or on the submit thread); its ``future`` settles once the bytes landed.
+        """Hand a planned copy to the submit thread; its ``future`` settles once the bytes landed.
 
         The buffers are the GPU's until then: ``future`` is never cancelled,
         so a cancelled caller regains them only once it is settled.
@@ -559,35 +546,12 @@ class CopyEngine(Owner):
         # The submit and completion threads need the GIL: next to a saturated loop they get it
         # only through the loop's hand-off (aiokvtier._handoff), held until the copy lands.
         handoff(loop).hold_until(job.future)
-        if not self._issue_here(job):
-            self._queued += 1
-            self._submit_q.put(job)
+        self._submit_q.put(job)
         return job
 
-    def _issue_here(self, job: _Job) -> bool:
-        """Issue ``job`` on the caller's thread if the submit thread has nothing of its own to issue
-        and the request is small (:data:`INLINE_DESCRIPTORS`); False: queue it. Two thread hops less
-        per request: the awaited copy then costs the completion thread's wake-up alone."""
-        if (
-            self.device is None
-            or job.plan.count > INLINE_DESCRIPTORS
-            or self._queued != self._issued
-            or not self._issue_lock.acquire(blocking=False)
-        ):
-            return False
-        try:
-            with self._context.current():
-                event = self._issue(job)
-        finally:
-            self._issue_lock.release()
-        if job.on_submit is not None:
-            job.on_submit.set_result(None)
-        self._done_q.put((job, event))
-        return True
-
     def _issue(self, job: _Job) -> Any:
-        """Issue a GPU job (the issue lock held, the context current); returns its completion event,
-        or None with ``job.error`` set when it could not be issued."""
+        """Issue a GPU job (submit thread); returns its completion event, or None with ``job.error``
+        set when it could not be issued."""
         try:
             return self._submit_gpu(job)
         except BaseException as exc:  # reported to the awaiting task
@@ -627,13 +591,10 @@ class CopyEngine(Owner):
                     self._copy_host(job)
                 except BaseException as exc:  # reported to the awaiting task
                     job.error = exc
-                self._issued += 1
                 outcomes: list[Outcome] = [] if job.on_submit is None else [(job.on_submit, None, None)]
                 self._settle([self._wait(None, job, None)], outcomes)
                 continue
-            with self._issue_lock:
-                event = self._issue(job)
-                self._issued += 1
+            event = self._issue(job)
             if job.on_submit is not None:
                 deliver(job.loop, [(job.on_submit, None, None)])
             self._done_q.put((job, event))
