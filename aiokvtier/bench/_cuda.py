@@ -18,7 +18,7 @@ from .._cuda._driver import PrimaryContext, check, driver
 from .._cuda._engine import CopyEngine
 from .._cuda._static import StaticHostMem
 from .._host._tier import HostTier
-from . import _cold, _sm
+from . import _cold, _requests, _sm
 from ._common import GiB, MiB, loop_factories, median, record_fill, run_on, run_sections, sample_loop_lag, summary_ms
 
 
@@ -479,6 +479,7 @@ def run(args: Any) -> dict[str, Any]:
             },
         },
         "sm_concurrent_compute": lambda: _sm.concurrent_compute(128 * MiB),
+        "request_latency": lambda: _requests.section(quick),
         "executor_responsiveness": lambda: {
             "1_process": contention(1, (1 if quick else 8) * GiB),
             "8_processes": contention(8, (1 if quick else 6) * GiB),
