@@ -1060,7 +1060,7 @@ def test_plan_agrees_with_the_plain_algorithm_on_hostile_addresses(
 ) -> None:
     """One page for all (an int, a numpy scalar, or an array) plans as per-copy sizes through an argsort
     do: runs merged across 2**63, never across 2**64 (or as the plain sums wrap, the same), ties in
-    request order where the addresses fit the packed keys, whatever argsort gives where they do not;
+    request order where the addresses fit the packed keys or are few, whatever argsort gives elsewhere;
     a repeat on the ordering side refused as before."""
     from aiokvtier._cuda import _plan
 
@@ -1073,7 +1073,8 @@ def test_plan_agrees_with_the_plain_algorithm_on_hostile_addresses(
     lead = np.array(srcs if order_by == "src" else dsts, dtype=np.uint64)
     bits = max(1, (n - 1).bit_length())
     fits = int(lead.max()) - int(lead.min()) < 1 << (64 - bits)  # packed keys: ties in request order
-    kind: Literal["quicksort", "stable"] = "stable" if fits else _plan.SORT_KIND
+    small = n <= _plan.PACKED_SORT_FROM  # a stable argsort: ties in request order too
+    kind: Literal["quicksort", "stable"] = "stable" if fits or small else _plan.SORT_KIND
     expect = plain_plan(dsts, srcs, [page] * n, reg, order_by, kind)
     if distinct and len(set(lead.tolist())) < n:
         with pytest.raises(SlotError, match="twice"):

@@ -87,6 +87,8 @@ def integers(values: Iterable[Any], what: str) -> I64:
     :raises ValueError: a value does not fit 64 bits.
     """
     if isinstance(values, np.ndarray):
+        if values.dtype == np.int64:
+            return values.reshape(-1)
         if values.dtype.kind == "i":
             return values.astype(np.int64, copy=False).reshape(-1)
         if values.dtype.kind == "u":
@@ -202,7 +204,7 @@ def registrations(
             f"CopyEngine (device=None) copies only between those"
         )
     if not known.any():  # device memory, the caller's own buffers: ids are -1 already
-        return list(np.split(which, np.cumsum(lengths)[:-1])), []
+        return [which] if len(arrays) == 1 else list(np.split(which, np.cumsum(lengths)[:-1])), []
     ids = np.full(len(addrs), -1, dtype=np.int64)
     # Dense ids in order of first appearance, one per (region, registration) pair.
     pairs = which[known] << 32 | registration[known]
@@ -262,12 +264,16 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
         addrs = integers(obj, "address")
         if addrs.shape != (n,):
             raise ValueError(f"expected {n} integer addresses, got {addrs.size}")
-        if (addrs < 0).any():
+        lo = int(addrs.min()) if n else 0
+        if lo < 0:
             raise ValueError(f"address {int(addrs[addrs < 0][0])} is negative")
+        unsigned = addrs.view(np.uint64)
+        if not host_only and n and not _regions.meets_any(lo, int(addrs.max()) + default_page):
+            return Side(unsigned, default_page, [])  # device memory, in no tier or staging buffer
         # Located with a device too: a staging buffer or tier named by address is an owner whose
         # close must wait for the DMA, and a page leaving it is refused, as in a raw copy.
-        _, regions = registrations([addrs], default_page, known_only=host_only)
-        return Side(addrs.astype(np.uint64), default_page, regions)
+        _, regions = registrations([unsigned], default_page, known_only=host_only)
+        return Side(unsigned, default_page, regions)
     data = iface.get("data")
     if n == 0 and tuple(iface["shape"])[:1] == (0,):
         # No pages (a store or load of no keys): no page size to find, and an empty tensor may
