@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import gc
+import logging
 import os
 import types
 
@@ -574,7 +575,9 @@ async def test_close_during_open_closes_once_the_open_is_whole_and_the_opener_le
 
 
 @pytest.mark.usefixtures("touch_fill")
-async def test_fill_falls_back_to_touching_pages_without_populate_write(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_fill_falls_back_to_touching_pages_without_populate_write(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     # Kernels before 5.14 answer MADV_POPULATE_WRITE with EINVAL; where memory is short (the one
     # case the fill populates rather than touches) the fill then writes the pages itself.
     from aiokvtier._host import _headroom
@@ -601,3 +604,6 @@ async def test_fill_falls_back_to_touching_pages_without_populate_write(monkeypa
         placement = tier.placement()
         assert sum(placement.pages_per_node.values()) * placement.kernel_page_size >= 4 * MiB  # resident
     assert refused and _linux._populate_write_supported is False
+    # A fallback, logged as the guide says fallbacks are: once, at WARNING.
+    warned = [r for r in caplog.records if "MADV_POPULATE_WRITE" in r.getMessage()]
+    assert [r.levelno for r in warned] == [logging.WARNING]

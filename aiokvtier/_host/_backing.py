@@ -162,7 +162,7 @@ class HostBacking(Backing):
         try:
             uf = _userfault.Userfault(self.base, self.size)
         except OSError as exc:
-            log.info("aiokvtier: the fill touches its pages (userfaultfd refused: %s)", exc)
+            log.warning("aiokvtier: the fill touches its pages (userfaultfd refused: %s)", exc)
             return None
         try:
             _userfault.activate(uf)
@@ -182,7 +182,7 @@ class HostBacking(Backing):
             except OSError as exc:
                 if exc.errno != errno.ENOMEM:
                     raise
-                log.info("aiokvtier: the kernel charges writable mappings in full; opening the range unit by unit")
+                log.warning("aiokvtier: the kernel charges writable mappings in full; opening the range unit by unit")
                 self._per_unit = True
                 return
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import platform
@@ -45,6 +46,8 @@ MAP_PRIVATE = 0x02
 MAP_ANONYMOUS = 0x20
 MAP_NORESERVE = 0x4000
 MAP_FAILED = ctypes.c_void_p(-1).value
+
+log = logging.getLogger("aiokvtier")
 
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
@@ -189,6 +192,10 @@ def populate_write(addr: int, length: int, step: int = POPULATE_STEP) -> None:
             if err != errno.EINVAL or _populate_write_supported:
                 raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
             _populate_write_supported = False
+            log.warning(
+                "aiokvtier: this kernel has no MADV_POPULATE_WRITE (Linux 5.14+); where memory is short "
+                "the fill writes its pages, and running out ends in SIGBUS or the OOM killer, not ENOMEM"
+            )
         _memset(piece, 0, n)
 
 
