@@ -26,6 +26,7 @@ __all__ = [
     "MPOL_BIND",
     "MPOL_PREFERRED",
     "PAGE_SIZE",
+    "absent_runs",
     "madvise",
     "map_anonymous",
     "mbind",
@@ -71,6 +72,8 @@ _madvise = _libc.madvise
 _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
+_mincore = _libc.mincore
+_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _memset = _libc.memset
 _memset.restype = ctypes.c_void_p
 _memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
@@ -127,6 +130,23 @@ def mprotect(addr: int, length: int, writable: bool) -> None:
 
 def madvise(addr: int, length: int, advice: int) -> None:
     _check(_madvise(addr, length, advice), "madvise")
+
+
+def absent_runs(addr: int, length: int) -> list[tuple[int, int]]:
+    """``(address, length)`` of each run of pages of ``[addr, addr + length)`` that is not resident.
+
+    From ``mincore``: one call, one byte per page, whatever the protection.
+    A page that was swapped out counts as absent too.
+
+    :raises OSError: ENOMEM where part of the range is not mapped.
+    """
+    pages = length // PAGE_SIZE
+    vec = (ctypes.c_ubyte * pages)()
+    _check(_mincore(addr, length, vec), "mincore")
+    absent = (np.frombuffer(memoryview(vec), dtype=np.uint8) & 1) == 0
+    edges = np.diff(absent.astype(np.int8), prepend=np.int8(0), append=np.int8(0))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return [(addr + int(a) * PAGE_SIZE, int(b - a) * PAGE_SIZE) for a, b in zip(starts, ends, strict=True)]
 
 
 TOUCH_STEP = 1 << 30
@@ -207,6 +227,8 @@ def populate(addr: int, length: int) -> None:
 
     Inside a range registered for ``UFFDIO_COPY`` (:mod:`._userfault`) the pages are copied in
     instead: as fast as populate, no stall, ENOMEM reported (touching would raise SIGBUS there).
+    A copy leaves a page that is present already as it is (a unit whose decommit failed
+    part-way holds some).
 
     :raises OSError: ENOMEM when memory runs out, EFAULT/EINVAL on a bad range.
     """
@@ -214,7 +236,7 @@ def populate(addr: int, length: int) -> None:
     with _headroom.Claim(length) as claim:
         if uf is not None:
             claim.copied = True
-            uf.copy(addr, length)
+            uf.copy(addr, length, skip_present=True)
         elif claim.granted:
             touch(addr, length)
         else:
