@@ -15,6 +15,7 @@ import pytest
 
 import aiokvtier
 from aiokvtier import (
+    DecommitError,
     FillError,
     HostTier,
     NumaPolicyError,
@@ -537,9 +538,12 @@ async def test_a_failed_decommit_leaves_the_unit_tracked(monkeypatch: pytest.Mon
     tier = await HostTier.open(small_config(quota=8 * MiB))
     base = tier.statistics().base_address
     await tier.wait_resident()
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(DecommitError, match="stay committed") as info:
         await tier.resize(2 * MiB)
+    assert isinstance(info.value.__cause__, OSError) and "injected" in str(info.value)
+    assert info.value.committed == ((5 * MiB, MiB),)
     assert failed and tier.statistics().resident_bytes == 2 * MiB
+    assert tier.statistics().stranded_bytes == MiB
     assert (5 * MiB, MiB) in tier._filler.committed_ranges()  # still tracked, not leaked
     await tier.resize(8 * MiB)  # the grow skips the unit that is still committed
     await tier.wait_resident()
