@@ -21,6 +21,7 @@ from ._errors import ConfigError as ConfigError
 from ._errors import CopyPlanError as CopyPlanError
 from ._errors import CudaError as CudaError
 from ._errors import CudaUnavailableError as CudaUnavailableError
+from ._errors import DecommitError as DecommitError
 from ._errors import FillError as FillError
 from ._errors import NumaPolicyError as NumaPolicyError
 from ._errors import OutOfSlots as OutOfSlots
@@ -51,6 +52,7 @@ __all__ = [
     "CopyPlanError",
     "CudaError",
     "CudaUnavailableError",
+    "DecommitError",
     "DiskTierConfig",
     "EvictionPolicy",
     "FillError",

@@ -9,7 +9,8 @@ Each with its second base, if any, and what it means:
     ├── SlotError (ValueError)     double free, foreign or out-of-range slot id
     ├── QuotaError (ValueError)    a resize the tier cannot honour
     ├── TierClosedError            the tier (or engine) is closed
-    ├── FillError                  committing part of the tier failed; __cause__ says why
+    ├── FillError                  committing part of the tier failed; ``__cause__`` says why
+    ├── DecommitError              a shrink stands, but part of its tail stays committed
     ├── NumaPolicyError            a strict NUMA placement that cannot be applied
     ├── CudaUnavailableError       a device was asked for where no CUDA driver is usable
     ├── CudaError                  a driver call failed; keeps the CUresult name
@@ -26,6 +27,7 @@ __all__ = [
     "CopyPlanError",
     "CudaError",
     "CudaUnavailableError",
+    "DecommitError",
     "FillError",
     "NumaPolicyError",
     "OutOfSlots",
@@ -75,6 +77,28 @@ class FillError(AiokvtierError):
         super().__init__(message)
         self.resident_bytes = resident_bytes
         self.failed_offset = failed_offset
+
+
+class DecommitError(AiokvtierError):
+    """A shrink stands (quota, slots and fill target are cut), but part of the tail stays committed.
+
+    Handing a unit of the tail back failed: for instance ``madvise(MADV_DONTNEED)``
+    answers EINVAL where the application locked pages of it (``mlock``,
+    ``mlockall``). Those units keep their memory: they are released at close,
+    a later grow over them reuses them (the fill makes whatever the failed call
+    discarded resident again before the watermark passes them), and a later
+    shrink tries to hand them back again. The first failure is the
+    ``__cause__`` (``OSError`` with its errno, or a ``CudaError``).
+
+    :ivar committed: ``(offset, length)`` of each run of the tail that stays
+        committed, offsets from the tier's base, in ascending order.
+    :ivar committed_bytes: their total length.
+    """
+
+    def __init__(self, message: str, *, committed: tuple[tuple[int, int], ...]) -> None:
+        super().__init__(message)
+        self.committed = committed
+        self.committed_bytes = sum(length for _, length in committed)
 
 
 class NumaPolicyError(AiokvtierError):

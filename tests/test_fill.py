@@ -48,6 +48,8 @@ class FakeBacking(Backing):
         self.committed: list[int] = []
         """Offsets whose commit returned, in that order."""
         self.decommits: list[tuple[str, int, int]] = []
+        self.recommits: list[int] = []
+        """Offsets of every recommit call (a stranded unit made usable again)."""
         self.releases: list[list[tuple[int, int]]] = []
         self.failing: set[int] = set()
         self._holds: dict[int, threading.Event] = {}
@@ -106,6 +108,12 @@ class FakeBacking(Backing):
     def decommit(self, offset: int, length: int) -> None:
         with self._lock:
             self.decommits.append((threading.current_thread().name, offset, length))
+
+    def recommit(self, offset: int, length: int) -> None:
+        with self._lock:
+            self.recommits.append(offset)
+        if offset in self.failing:
+            raise OSError(errno.ENOMEM, f"injected recommit failure at +{offset:#x}")
 
     def release(self, committed: list[tuple[int, int]]) -> None:
         with self._lock:
@@ -332,6 +340,76 @@ def test_a_failed_decommit_leaves_the_unit_committed(rigs: Callable[..., Rig]) -
     filler.set_target(6)
     filler.wait_blocking(6 * UNIT, timeout=WAIT)
     assert sorted(offset for _, offset, _ in rig.backing.commits[before:]) == [2 * UNIT, 4 * UNIT, 5 * UNIT]
+
+
+def test_a_grow_over_a_tail_that_no_decommit_gave_back_completes(rigs: Callable[..., Rig]) -> None:
+    # Every unit of the tail is still there (mlock: madvise refuses them all), so the grow back
+    # has nothing to commit. The watermark used to move only when a commit returned: it stayed
+    # at the shrunk end, and every waiter for the grown range waited forever.
+    rig = rigs(threads=2)
+    backing, filler = rig.backing, rig.filler
+    filler.set_target(6)
+    filler.wait_blocking(6 * UNIT, timeout=WAIT)
+    assert filler.set_target(2) == [(i * UNIT, UNIT) for i in range(2, 6)]
+    filler.finish_shrink(2, [])  # no unit of the tail could be decommitted
+    assert filler.watermark == 2 * UNIT and filler.complete
+    before = len(backing.commits)
+    assert filler.set_target(6) is None
+    filler.wait_blocking(6 * UNIT, timeout=WAIT)
+    assert filler.complete and filler.watermark == 6 * UNIT
+    assert backing.commits[before:] == []  # reused, never committed twice
+    assert sorted(backing.recommits) == [i * UNIT for i in range(2, 6)]
+    assert filler.stranded_bytes == 0
+    assert rig.committed_units() == list(range(6))
+
+
+def test_stranded_units_are_counted_retried_by_a_shrink_and_released(rigs: Callable[..., Rig]) -> None:
+    rig = rigs(threads=1)
+    filler = rig.filler
+    filler.set_target(8)
+    filler.wait_blocking(8 * UNIT, timeout=WAIT)
+    tail = filler.set_target(4)
+    assert tail is not None
+    filler.finish_shrink(4, [r for r in tail if r[0] not in (5 * UNIT, 7 * UNIT)])
+    assert filler.stranded_bytes == 2 * UNIT
+    assert rig.committed_units() == [0, 1, 2, 3, 5, 7]
+    # A second shrink hands back its own tail and tries the stranded units again.
+    assert filler.set_target(2) == [(2 * UNIT, UNIT), (3 * UNIT, UNIT), (5 * UNIT, UNIT), (7 * UNIT, UNIT)]
+    filler.finish_shrink(2, [(2 * UNIT, UNIT), (3 * UNIT, UNIT), (5 * UNIT, UNIT)])
+    assert filler.stranded_bytes == UNIT and rig.committed_units() == [0, 1, 7]
+    # A grow short of the stranded unit leaves it stranded, and the fill completes.
+    filler.set_target(6)
+    filler.wait_blocking(6 * UNIT, timeout=WAIT)
+    assert filler.complete and filler.stranded_bytes == UNIT and rig.backing.recommits == []
+    filler.close()
+    assert filler.committed_ranges() == [(i * UNIT, UNIT) for i in (0, 1, 2, 3, 4, 5, 7)]
+
+
+def test_a_failed_recommit_fails_the_fill_there_and_keeps_the_unit_stranded(rigs: Callable[..., Rig]) -> None:
+    rig = rigs(threads=1)
+    backing, filler = rig.backing, rig.filler
+    filler.set_target(6)
+    filler.wait_blocking(6 * UNIT, timeout=WAIT)
+    filler.set_target(2)
+    filler.finish_shrink(2, [])
+    backing.failing.add(3 * UNIT)
+    filler.set_target(6)
+    with pytest.raises(FillError) as info:
+        filler.wait_blocking(6 * UNIT, timeout=WAIT)
+    assert info.value.failed_offset == 3 * UNIT and isinstance(info.value.__cause__, OSError)
+    assert filler.watermark == 3 * UNIT  # unit 2 was recommitted; 3 failed; 4 and 5 wait behind it
+    assert filler.stranded_bytes == 3 * UNIT
+    assert rig.committed_units() == list(range(6))  # all still held: closing releases them
+    # A shrink to the failure clears it and hands the stranded units back.
+    backing.failing.clear()
+    tail = filler.set_target(3)
+    assert tail == [(i * UNIT, UNIT) for i in range(3, 6)]
+    filler.finish_shrink(3, tail)
+    assert filler.error is None and filler.stranded_bytes == 0
+    assert rig.committed_units() == [0, 1, 2]
+    filler.set_target(6)
+    filler.wait_blocking(6 * UNIT, timeout=WAIT)
+    assert sorted(backing.recommits) == [2 * UNIT, 3 * UNIT]  # 4 and 5 came back as fresh commits
 
 
 # -- failures ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import signal
 import subprocess
 import sys
@@ -123,7 +124,9 @@ async def test_huge_pages_are_touched_not_copied(huge: bool | str) -> None:
         assert check_tier(tier, settled=True).fill_method == "touch"
 
 
-async def test_a_refused_userfaultfd_leaves_the_fill_touching(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_refused_userfaultfd_leaves_the_fill_touching(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def refused(self: object, addr: int, length: int) -> None:
         raise OSError(errno.EPERM, "userfaultfd: Operation not permitted (seccomp)")
 
@@ -132,6 +135,9 @@ async def test_a_refused_userfaultfd_leaves_the_fill_touching(monkeypatch: pytes
     async with touch_filled_tier():
         pass
     assert not _userfault._active
+    # A fallback: logged at WARNING, as the guide says fallbacks are.
+    warned = [r for r in caplog.records if "userfaultfd refused" in r.getMessage()]
+    assert [r.levelno for r in warned] == [logging.WARNING]
 
 
 def test_kernels_before_6_9_do_not_copy(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -454,9 +454,9 @@ async def test_several_tiers_route_each_range_to_its_own_userfaultfd(monkeypatch
     seen: list[tuple[_userfault.Userfault, int, int]] = []
     real = _userfault.Userfault.copy
 
-    def spy(self: _userfault.Userfault, addr: int, length: int) -> None:
+    def spy(self: _userfault.Userfault, addr: int, length: int, **options: bool) -> None:
         seen.append((self, addr, length))
-        real(self, addr, length)
+        real(self, addr, length, **options)
 
     monkeypatch.setattr(_userfault.Userfault, "copy", spy)
     config = small_config(quota=16 * MiB, max_quota=32 * MiB, fill_threads=2)

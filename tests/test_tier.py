@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import gc
+import logging
 import os
 import types
 
@@ -14,6 +15,7 @@ import pytest
 
 import aiokvtier
 from aiokvtier import (
+    DecommitError,
     FillError,
     HostTier,
     NumaPolicyError,
@@ -536,9 +538,12 @@ async def test_a_failed_decommit_leaves_the_unit_tracked(monkeypatch: pytest.Mon
     tier = await HostTier.open(small_config(quota=8 * MiB))
     base = tier.statistics().base_address
     await tier.wait_resident()
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(DecommitError, match="stay committed") as info:
         await tier.resize(2 * MiB)
+    assert isinstance(info.value.__cause__, OSError) and "injected" in str(info.value)
+    assert info.value.committed == ((5 * MiB, MiB),)
     assert failed and tier.statistics().resident_bytes == 2 * MiB
+    assert tier.statistics().stranded_bytes == MiB
     assert (5 * MiB, MiB) in tier._filler.committed_ranges()  # still tracked, not leaked
     await tier.resize(8 * MiB)  # the grow skips the unit that is still committed
     await tier.wait_resident()
@@ -574,7 +579,9 @@ async def test_close_during_open_closes_once_the_open_is_whole_and_the_opener_le
 
 
 @pytest.mark.usefixtures("touch_fill")
-async def test_fill_falls_back_to_touching_pages_without_populate_write(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_fill_falls_back_to_touching_pages_without_populate_write(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     # Kernels before 5.14 answer MADV_POPULATE_WRITE with EINVAL; where memory is short (the one
     # case the fill populates rather than touches) the fill then writes the pages itself.
     from aiokvtier._host import _headroom
@@ -601,3 +608,6 @@ async def test_fill_falls_back_to_touching_pages_without_populate_write(monkeypa
         placement = tier.placement()
         assert sum(placement.pages_per_node.values()) * placement.kernel_page_size >= 4 * MiB  # resident
     assert refused and _linux._populate_write_supported is False
+    # A fallback, logged as the guide says fallbacks are: once, at WARNING.
+    warned = [r for r in caplog.records if "MADV_POPULATE_WRITE" in r.getMessage()]
+    assert [r.levelno for r in warned] == [logging.WARNING]

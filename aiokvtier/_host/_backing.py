@@ -3,7 +3,11 @@
 A backing owns the address range. The tier calls ``Backing.commit()`` and
 ``Backing.decommit()`` with whole commit units only (so a GPU backing can
 register each unit separately), from its fill threads or off the event loop.
-Each backing undoes its own partial work when a call fails.
+Each backing undoes its own partial work when a commit fails. A decommit that
+fails may have done part of its work (``madvise`` discards the pages before
+the first locked one, then fails): the unit is *stranded*, still the
+backing's, and ``Backing.recommit()`` makes it whole again before the tier
+uses it.
 
 ::
 
@@ -73,7 +77,21 @@ class Backing(ABC):
 
     @abstractmethod
     def decommit(self, offset: int, length: int) -> None:
-        """Return a committed unit's memory; its contents are lost."""
+        """Return a committed unit's memory; its contents are lost.
+
+        :raises OSError: or ``CudaError``: the unit is stranded (it may be
+            partly decommitted): the caller keeps it, and calls ``recommit()``
+            before using it again, or ``decommit`` again, or lists it at release.
+        """
+
+    def recommit(self, offset: int, length: int) -> None:  # noqa: B027 - nothing to redo by default
+        """Make a stranded unit (one whose ``decommit()`` failed) committed again, as ``commit()`` would.
+
+        Called from a fill thread. The contents it kept are not defined. The
+        default does nothing: a backing whose failed decommit changes nothing.
+
+        :raises OSError: or ``CudaError``: the unit stays stranded.
+        """
 
     @abstractmethod
     def release(self, committed: list[tuple[int, int]]) -> None:
@@ -162,7 +180,7 @@ class HostBacking(Backing):
         try:
             uf = _userfault.Userfault(self.base, self.size)
         except OSError as exc:
-            log.info("aiokvtier: the fill touches its pages (userfaultfd refused: %s)", exc)
+            log.warning("aiokvtier: the fill touches its pages (userfaultfd refused: %s)", exc)
             return None
         try:
             _userfault.activate(uf)
@@ -182,7 +200,7 @@ class HostBacking(Backing):
             except OSError as exc:
                 if exc.errno != errno.ENOMEM:
                     raise
-                log.info("aiokvtier: the kernel charges writable mappings in full; opening the range unit by unit")
+                log.warning("aiokvtier: the kernel charges writable mappings in full; opening the range unit by unit")
                 self._per_unit = True
                 return
         else:
@@ -234,13 +252,40 @@ class HostBacking(Backing):
     def decommit(self, offset: int, length: int) -> None:
         self._discard(offset, length)
 
+    def recommit(self, offset: int, length: int) -> None:
+        """Make resident again the pages of a stranded unit that its failed decommit discarded.
+
+        ``MADV_DONTNEED`` walks the unit mapping by mapping and stops with
+        EINVAL at the first locked one, so the pages before it are gone: with
+        copies they would raise SIGBUS when touched. Only the pages that
+        ``mincore`` reports absent are made resident (present ones, locked or
+        not, keep what they hold).
+        """
+        addr = self.base + offset
+        opened = self._per_unit or offset + length > self._exposed
+        if opened:
+            _linux.mprotect(addr, length, writable=True)
+        try:
+            for start, n in _linux.absent_runs(addr, length):
+                _linux.populate(start, n)
+        except BaseException:
+            if opened:
+                try:
+                    _linux.mprotect(addr, length, writable=False)
+                except OSError as exc:
+                    log.error("aiokvtier: closing the stranded unit at +%d again failed: %s", offset, exc)
+            raise
+
     def _discard(self, offset: int, length: int) -> None:
+        addr = self.base + offset
+        try:
+            _linux.madvise(addr, length, _linux.MADV_DONTNEED)
+        finally:
+            # Closed even where the advice failed: past the target the range stays PROT_NONE.
+            if self._per_unit or offset + length > self._exposed:
+                _linux.mprotect(addr, length, writable=False)
         with self._thp_lock:
             self._huge_units.discard(offset)
-        addr = self.base + offset
-        _linux.madvise(addr, length, _linux.MADV_DONTNEED)
-        if self._per_unit or offset + length > self._exposed:
-            _linux.mprotect(addr, length, writable=False)
 
     def release(self, committed: list[tuple[int, int]]) -> None:
         uf, self._userfault = self._userfault, None

@@ -6,6 +6,12 @@ them through the backing with the GIL released, and publish the *watermark*:
 the byte length of the longest fully committed prefix. With several threads
 units complete out of order; the watermark still only covers the prefix.
 
+A unit whose decommit failed is *stranded*: the backing still holds it, so it
+is released at close and a later shrink tries to decommit it again, but it is
+not part of the prefix. A grow over it hands it to a fill thread like any
+empty unit, which recommits it (``Backing.recommit()``) instead of
+committing it; only then does the watermark pass it.
+
 All state is guarded by one lock. The event loop never takes it: the async
 facade reads the watermark (a plain attribute) and hands every call that must
 lock to a worker thread.
@@ -27,7 +33,7 @@ __all__ = ["Filler"]
 
 log = logging.getLogger("aiokvtier")
 
-_EMPTY, _FILLING, _COMMITTED = 0, 1, 2
+_EMPTY, _FILLING, _COMMITTED, _STRANDED = 0, 1, 2, 3
 _FIRST_FILLING = bytes([_FILLING])
 
 
@@ -57,6 +63,7 @@ class Filler:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._states = bytearray()
+        self._stranded: set[int] = set()  # stranded units, also while a fill thread recommits them
         self._target = 0
         self._next_claim = 0
         self._prefix = 0
@@ -71,6 +78,8 @@ class Filler:
         """The lowest failure not yet cleared by a shrink."""
         self.closed = False
         self.affinity_warning: str | None = None
+        self.stranded_bytes = 0
+        """Bytes of stranded units (a failed decommit left them committed). Read without the lock."""
 
     # -- figures (read without the lock: a racy snapshot is fine) -------------
 
@@ -79,12 +88,12 @@ class Filler:
         return self._layout.start(self._target)
 
     def committed_ranges(self, first: int = 0) -> list[tuple[int, int]]:
-        """``(offset, length)`` of every committed unit from unit ``first`` on."""
+        """``(offset, length)`` of every unit the backing holds from unit ``first`` on: committed or stranded."""
         layout = self._layout
         return [
             (layout.start(i), layout.end(i) - layout.start(i))
             for i in range(first, len(self._states))
-            if self._states[i] == _COMMITTED
+            if self._states[i] in (_COMMITTED, _STRANDED)
         ]
 
     @property
@@ -102,8 +111,8 @@ class Filler:
         """Fill to ``units`` units.
 
         :returns: None for a grow; for a shrink (or same size), the committed
-            ranges past the new end, once no unit there is being committed. The
-            caller decommits them and then calls ``finish_shrink()``.
+            (and stranded) ranges past the new end, once no unit there is being
+            committed. The caller decommits them and then calls ``finish_shrink()``.
         """
         with self._cond:
             self._check_open()
@@ -124,6 +133,8 @@ class Filler:
                     except FillError:
                         self._target = previous  # nothing changed: a later grow tries again
                         raise
+                    self._advance_locked()
+                    self._cond.notify_all()
                     return None
                 self._next_claim = min(self._next_claim, units)
                 self._cond.wait_for(lambda: _FILLING not in self._states[units:])
@@ -136,8 +147,9 @@ class Filler:
     def finish_shrink(self, units: int, decommitted: list[tuple[int, int]]) -> None:
         """Record a shrink to ``units`` units once the tail is decommitted, and close the tail.
 
-        Units whose decommit failed stay recorded as committed, so that
-        closing still releases (and unregisters) them.
+        Units of the tail not in ``decommitted`` (their decommit failed) are
+        stranded: closing still releases (and unregisters) them, a later
+        shrink tries them again, and a grow recommits them.
 
         :raises OSError: the tail could not be made inaccessible (the shrink stands).
         """
@@ -153,7 +165,13 @@ class Filler:
     def _record_shrink(self, units: int, decommitted: list[tuple[int, int]]) -> None:
         with self._cond:
             for offset, _ in decommitted:
-                self._states[self._layout.unit_at(offset)] = _EMPTY
+                index = self._layout.unit_at(offset)
+                self._states[index] = _EMPTY
+                self._unstrand_locked(index)
+            for index in range(units, len(self._states)):
+                if self._states[index] == _COMMITTED:
+                    self._states[index] = _STRANDED
+                    self._strand_locked(index)
             while len(self._states) > units and self._states[-1] == _EMPTY:
                 self._states.pop()
             if self._prefix > units:
@@ -251,6 +269,26 @@ class Filler:
             self._active += 1  # under the lock, so before the worker can count itself out
             self._threads.append(thread)
 
+    def _advance_locked(self) -> bool:
+        """Extend the prefix over committed units and publish it; True when that finished the fill."""
+        states, end = self._states, min(len(self._states), self._target)
+        prefix = self._prefix
+        while prefix < end and states[prefix] == _COMMITTED:
+            prefix += 1
+        self._prefix = prefix
+        self.watermark = self._layout.start(prefix)
+        return self._mark_finished_locked()
+
+    def _strand_locked(self, index: int) -> None:
+        if index not in self._stranded:
+            self._stranded.add(index)
+            self.stranded_bytes += self._layout.end(index) - self._layout.start(index)
+
+    def _unstrand_locked(self, index: int) -> None:
+        if index in self._stranded:
+            self._stranded.discard(index)
+            self.stranded_bytes -= self._layout.end(index) - self._layout.start(index)
+
     def _mark_finished_locked(self) -> bool:
         """Record the end of a fill; True the first time it is reached."""
         if self._prefix >= self._target and self._finished_at is None:
@@ -270,7 +308,6 @@ class Filler:
     def _claim_locked(self) -> range | None:
         states = self._states
         first = self._next_claim
-        # A unit a failed decommit left committed is already there: skip it.
         while first < self._target and states[first] == _COMMITTED:
             first += 1
         self._next_claim = first
@@ -278,9 +315,10 @@ class Filler:
             return None
         layout = self._layout
         last = first + 1
+        # Empty and stranded units alike: each is committed or recommitted in turn.
         while (
             last < self._target
-            and states[last] == _EMPTY
+            and states[last] in (_EMPTY, _STRANDED)
             and layout.start(last) - layout.start(first) < self._fill_chunk
         ):
             last += 1
@@ -292,7 +330,7 @@ class Filler:
     def _release_claim_locked(self, units: range) -> None:
         for i in units:
             if self._states[i] == _FILLING:
-                self._states[i] = _EMPTY
+                self._states[i] = _STRANDED if i in self._stranded else _EMPTY
         if units:
             self._next_claim = min(self._next_claim, units.start)
 
@@ -337,28 +375,28 @@ class Filler:
     def _commit_unit(self, index: int) -> bool:
         layout = self._layout
         start = layout.start(index)
+        stranded = index in self._stranded  # for a claimed unit, only the thread that claimed it changes this
         try:
-            self._backing.commit(start, layout.end(index) - start)
+            if stranded:
+                self._backing.recommit(start, layout.end(index) - start)
+            else:
+                self._backing.commit(start, layout.end(index) - start)
         except BaseException as exc:
             with self._cond:
-                self._states[index] = _EMPTY
+                self._states[index] = _STRANDED if stranded else _EMPTY
                 self._fail_locked(index, exc)
                 self._cond.notify_all()
             self._on_change()
             return False
         with self._cond:
             self._states[index] = _COMMITTED
-            prefix = self._prefix
-            states = self._states
-            while prefix < min(len(states), self._target) and states[prefix] == _COMMITTED:
-                prefix += 1
-            self._prefix = prefix
-            self.watermark = layout.start(prefix)
-            finished = self._mark_finished_locked()
+            self._unstrand_locked(index)
+            finished = self._advance_locked()
             done_bytes, done_seconds = self.watermark, self.fill_seconds
             self._cond.notify_all()
         self._on_change()
-        log.debug("aiokvtier: unit %d committed (%d bytes at +%d)", index, layout.end(index) - start, start)
+        what = "recommitted" if stranded else "committed"
+        log.debug("aiokvtier: unit %d %s (%d bytes at +%d)", index, what, layout.end(index) - start, start)
         if finished:
             self._log_done(done_bytes, done_seconds)
         return True

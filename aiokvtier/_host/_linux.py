@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import platform
@@ -25,6 +26,7 @@ __all__ = [
     "MPOL_BIND",
     "MPOL_PREFERRED",
     "PAGE_SIZE",
+    "absent_runs",
     "madvise",
     "map_anonymous",
     "mbind",
@@ -45,6 +47,8 @@ MAP_PRIVATE = 0x02
 MAP_ANONYMOUS = 0x20
 MAP_NORESERVE = 0x4000
 MAP_FAILED = ctypes.c_void_p(-1).value
+
+log = logging.getLogger("aiokvtier")
 
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
@@ -68,6 +72,8 @@ _madvise = _libc.madvise
 _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
+_mincore = _libc.mincore
+_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _memset = _libc.memset
 _memset.restype = ctypes.c_void_p
 _memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
@@ -124,6 +130,23 @@ def mprotect(addr: int, length: int, writable: bool) -> None:
 
 def madvise(addr: int, length: int, advice: int) -> None:
     _check(_madvise(addr, length, advice), "madvise")
+
+
+def absent_runs(addr: int, length: int) -> list[tuple[int, int]]:
+    """``(address, length)`` of each run of pages of ``[addr, addr + length)`` that is not resident.
+
+    From ``mincore``: one call, one byte per page, whatever the protection.
+    A page that was swapped out counts as absent too.
+
+    :raises OSError: ENOMEM where part of the range is not mapped.
+    """
+    pages = length // PAGE_SIZE
+    vec = (ctypes.c_ubyte * pages)()
+    _check(_mincore(addr, length, vec), "mincore")
+    absent = (np.frombuffer(memoryview(vec), dtype=np.uint8) & 1) == 0
+    edges = np.diff(absent.astype(np.int8), prepend=np.int8(0), append=np.int8(0))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return [(addr + int(a) * PAGE_SIZE, int(b - a) * PAGE_SIZE) for a, b in zip(starts, ends, strict=True)]
 
 
 TOUCH_STEP = 1 << 30
@@ -189,6 +212,10 @@ def populate_write(addr: int, length: int, step: int = POPULATE_STEP) -> None:
             if err != errno.EINVAL or _populate_write_supported:
                 raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
             _populate_write_supported = False
+            log.warning(
+                "aiokvtier: this kernel has no MADV_POPULATE_WRITE (Linux 5.14+); where memory is short "
+                "the fill writes its pages, and running out ends in SIGBUS or the OOM killer, not ENOMEM"
+            )
         _memset(piece, 0, n)
 
 
@@ -200,6 +227,8 @@ def populate(addr: int, length: int) -> None:
 
     Inside a range registered for ``UFFDIO_COPY`` (``_userfault``) the pages are copied in
     instead: as fast as populate, no stall, ENOMEM reported (touching would raise SIGBUS there).
+    A copy leaves a page that is present already as it is (a unit whose decommit failed
+    part-way holds some).
 
     :raises OSError: ENOMEM when memory runs out, EFAULT/EINVAL on a bad range.
     """
@@ -207,7 +236,7 @@ def populate(addr: int, length: int) -> None:
     with _headroom.Claim(length) as claim:
         if uf is not None:
             claim.copied = True
-            uf.copy(addr, length)
+            uf.copy(addr, length, skip_present=True)
         elif claim.granted:
             touch(addr, length)
         else:

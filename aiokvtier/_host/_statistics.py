@@ -38,6 +38,9 @@ class TierStatistics:
     fill_seconds: float
     """Seconds the latest fill (from open, or from the latest grow) has run or took."""
     fill_error: str | None
+    stranded_bytes: int
+    """Bytes past the resident prefix that a failed decommit left committed (see
+    ``DecommitError``): held until a grow reuses them, a shrink hands them back, or close."""
     numa_node: int | None
     numa_policy: str
     """``"preferred"``, ``"bind"``, ``"first-touch"`` (mbind denied) or ``"none"``."""

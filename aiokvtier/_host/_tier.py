@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import operator
 import time
@@ -15,10 +16,11 @@ import numpy.typing as npt
 from .. import _regions
 from .._config import HostTierConfig, ResolvedHostConfig, default_fill_threads, parse_quota
 from .._crossing import LoopWaiters
-from .._errors import CopyPlanError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
+from .._errors import CopyPlanError, DecommitError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._handoff import handoff
 from .._lifecycle import Lifecycle, Owner, finish
 from .._regions import I64, U64, InflightCopies
+from .._units import format_bytes
 from ._backing import Backing, HostBacking
 from ._fill import Filler
 from ._layout import UnitLayout
@@ -445,15 +447,25 @@ class HostTier(Owner):
         the tier, hands whole commit units back and keeps the contents of
         retained slots; it clears a fill error if the new end is at or below
         the resident prefix. ``new_quota`` is rounded down to whole slots.
+        A resize to the current quota does nothing, except where a failed
+        shrink left units committed: then it is a shrink, and tries them again.
 
         :raises QuotaError: past ``max_quota``, below one slot, or a slot
             past the new end is allocated or viewed (nothing changes).
         :raises FillError: a grow found no fill thread running and could not
             start one (nothing changes; a later grow tries again).
         :raises TierClosedError: the tier is closed.
-        :raises OSError: or ``CudaError``: decommitting a unit of the tail
-            failed; the shrink stands, and that unit stays committed (it is
-            released at close, and a later grow reuses it).
+        :raises DecommitError: a shrink could not decommit some units of the
+            tail (``madvise`` refuses pages the application locked with
+            ``mlock``, for one; the first error is the ``__cause__``). The
+            shrink stands; every other unit of the tail was handed back, and
+            those listed in ``DecommitError.committed`` stay committed
+            (``statistics().stranded_bytes``). They are released at close; a
+            later shrink (or resize to the same quota) tries them again; a
+            later grow over them reuses them: the fill makes resident again
+            whatever page the failed call discarded, and the watermark passes
+            them like any unit it commits (if that fails, the grow's waiters
+            get a ``FillError``, as for any unit).
 
         Cancellation: while waiting for another resize, nothing has changed;
         once accepted, the resize runs to the end and the cancellation is
@@ -466,7 +478,8 @@ class HostTier(Owner):
             self._check_open()
             total = quota // self._slot_size
             slots = self._slots
-            if total < slots.total:
+            # The same quota again is a shrink while a failed one left units committed: it retries them.
+            if total < slots.total or (total == slots.total and self._filler.stranded_bytes):
                 highest = max(slots.highest_allocated(), self._views.highest())
                 if highest >= total:
                     raise QuotaError(
@@ -494,7 +507,10 @@ class HostTier(Owner):
                 # MemoryError for the slot map: take the fill back, so a failed grow changes nothing.
                 tail = await life.run(filler.set_target, old_units)
                 if tail is not None:
-                    await life.run(self._decommit_tail, old_units, tail)
+                    try:
+                        await life.run(self._decommit_tail, old_units, tail)
+                    except DecommitError as exc:
+                        log.warning("aiokvtier: taking a failed grow back: %s", exc)
                 raise
             self._quota = quota
         finally:
@@ -517,13 +533,48 @@ class HostTier(Owner):
         log.info("aiokvtier: HostTier at %#x resized: quota %d -> %d bytes", self._base, old_quota, quota)
 
     def _decommit_tail(self, units: int, tail: list[tuple[int, int]]) -> None:
+        """Decommit every unit of ``tail``, each whatever happened to the others.
+
+        :raises DecommitError: some could not be decommitted (they are stranded).
+        """
         done: list[tuple[int, int]] = []
+        failed: list[tuple[int, int]] = []
+        first: Exception | None = None
         try:
             for offset, length in tail:
-                self._backing.decommit(offset, length)
-                done.append((offset, length))
+                try:
+                    self._backing.decommit(offset, length)
+                except Exception as exc:
+                    failed.append((offset, length))
+                    first = first or exc
+                else:
+                    done.append((offset, length))
         finally:
             self._filler.finish_shrink(units, done)
+        if first is not None:
+            error = self._decommit_error(units, len(tail), failed, first)
+            log.error("aiokvtier: %s", error)
+            raise error from first
+
+    def _decommit_error(self, units: int, count: int, failed: list[tuple[int, int]], cause: Exception) -> DecommitError:
+        runs: list[tuple[int, int]] = []
+        for offset, length in failed:
+            if runs and sum(runs[-1]) == offset:
+                runs[-1] = (runs[-1][0], runs[-1][1] + length)
+            else:
+                runs.append((offset, length))
+        where = ", ".join(f"+{offset}..+{offset + length}" for offset, length in runs)
+        held = format_bytes(sum(length for _, length in failed))
+        hint = ""
+        if isinstance(cause, OSError) and cause.errno == errno.EINVAL:
+            hint = " (madvise refuses memory locked with mlock or mlockall: munlock it, then resize again)"
+        return DecommitError(
+            f"{self.region_name}: the tail past +{self._layout.start(units)} could not be decommitted: "
+            f"{len(failed)} of its {count} unit(s), bytes {where} ({held}), stay committed: {cause}{hint}. "
+            f"The shrink to {self._quota} bytes stands; those units are released at close, a later shrink "
+            "tries them again, and a later grow over them reuses them",
+            committed=tuple(runs),
+        )
 
     def _parse_quota(self, value: int | str) -> int:
         return parse_quota(value, slot_size=self._slot_size, max_quota=self._config.resolved.max_quota)
@@ -613,6 +664,7 @@ class HostTier(Owner):
             filling=not filler.complete and error is None and not filler.closed,
             fill_seconds=filler.fill_seconds,
             fill_error=None if error is None else f"{error} (cause: {error.__cause__!r})",
+            stranded_bytes=filler.stranded_bytes,
             numa_node=self._node,
             numa_policy=self._backing.numa_policy,
             numa_warning=self._backing.numa_warning or filler.affinity_warning,

@@ -155,13 +155,14 @@ class Userfault:
             raise
         self._fd = fd
 
-    def copy(self, addr: int, length: int) -> None:
-        """Make ``[addr, addr + length)`` resident and zero; every page must be missing. Any number
-        of threads at once, each call without the GIL.
+    def copy(self, addr: int, length: int, *, skip_present: bool = False) -> None:
+        """Make ``[addr, addr + length)`` resident and zero; every page must be missing, or, with
+        ``skip_present``, a page that is present is left as it is. Any number of threads at once,
+        each call without the GIL.
 
         :raises OSError: ENOMEM when memory runs out (what was copied stays resident), EEXIST where
-            a page was present, ENOENT where no registered mapping is, EBADF after ``close()``
-            or in a forked child.
+            a page was present (without ``skip_present``), ENOENT where no registered mapping is,
+            EBADF after ``close()`` or in a forked child.
         """
         if os.getpid() != self._pid:
             raise OSError(errno.EBADF, "UFFDIO_COPY: this userfaultfd belongs to the parent process")
@@ -172,7 +173,7 @@ class Userfault:
                 raise OSError(errno.EBADF, "UFFDIO_COPY: the userfaultfd is closed")
             self._copying += 1
         try:
-            self._copy(addr, length)
+            self._copy(addr, length, skip_present)
         finally:
             with self._lock:
                 self._copying -= 1
@@ -180,7 +181,7 @@ class Userfault:
             if last:
                 self._close_fd()
 
-    def _copy(self, addr: int, length: int) -> None:
+    def _copy(self, addr: int, length: int, skip_present: bool) -> None:
         args = (ctypes.c_int64 * 5)()
         done = stalled = 0
         most = SOURCE_BYTES
@@ -199,6 +200,10 @@ class Userfault:
                 # process advised part of it (an RDMA registration's MADV_DONTFORK, an mlock).
                 # Halve the call until it ends before the boundary (a few calls per boundary).
                 most = n // 2 // _PAGE * _PAGE or _PAGE
+                continue
+            if err == errno.EEXIST and skip_present:
+                # The call stopped at a present page (after the pages it copied): step over it.
+                done += 0 if moved else _PAGE
                 continue
             # EAGAIN: the address space changed under the call (the part copied is counted); retry.
             stalled = 0 if moved else stalled + 1

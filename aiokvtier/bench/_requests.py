@@ -89,7 +89,7 @@ async def _timed(make: Callable[[], Awaitable[Any]]) -> float:
 
 
 async def _rounds(arms: dict[str, Arm], rounds: int) -> dict[str, float]:
-    """Median seconds of each arm over ``rounds`` (after :data:`WARMUP`), the arms rotated round by round."""
+    """Median seconds of each arm over ``rounds`` (after ``WARMUP``), the arms rotated round by round."""
     names = list(arms)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds + WARMUP):
