@@ -32,6 +32,7 @@ from ._host._placement import Placement as Placement
 from ._host._statistics import TierStatistics as TierStatistics
 from ._host._tier import HostTier as HostTier
 from ._store._events import BlockEvent as BlockEvent
+from ._store._events import EventSubscription as EventSubscription
 from ._store._policy import EvictionPolicy as EvictionPolicy
 from ._store._store import BlockStore as BlockStore
 from ._store._store import StoreResult as StoreResult
@@ -52,6 +53,7 @@ __all__ = [
     "CudaError",
     "CudaUnavailableError",
     "DiskTierConfig",
+    "EventSubscription",
     "EvictionPolicy",
     "FillError",
     "GpuTierConfig",
