@@ -1,11 +1,11 @@
-"""The example server (examples/server/app.py), run as a program on loopback and driven over HTTP."""
+"""The block service (aiokvtier.server), run as a program on loopback and driven over HTTP."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import hashlib
-import importlib.util
+import importlib
 import json
 import os
 import random
@@ -14,21 +14,22 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import httpx
 import pytest
 
+import aiokvtier.server
 from aiokvtier import HostTierConfig
+from aiokvtier.server import _app, _blocks, _options
 
 from .conftest import PopulateGate
 from .helpers import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
-APP = ROOT / "examples" / "server" / "app.py"
+APP = ["-m", "aiokvtier.server"]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 CLIENTS = 32
 BLOCKS_PER_CLIENT = 12
@@ -45,7 +46,7 @@ class Server:
     @classmethod
     async def start(cls, *options: str) -> Server:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(APP), "--host", "127.0.0.1", "--port", "0", *options,
+            sys.executable, *APP, "--host", "127.0.0.1", "--port", "0", *options,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV, cwd=ROOT,
         )  # fmt: skip
         assert proc.stdout is not None
@@ -350,36 +351,24 @@ def test_plain_dict_baseline_serves_the_same_api() -> None:
 )
 def test_a_bad_option_is_one_line_naming_it_and_exit_2(options: list[str], named: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(APP), *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+        [sys.executable, *APP, *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
     )
     assert done.returncode == 2 and done.stdout == ""
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and named in lines[0], done.stderr
 
 
-def load_app() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("server_app", APP)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-APP_MODULE: Any = load_app()  # imported here, not on a test's loop: importing reads files
-
-
 def test_the_backing_help_names_what_auto_picks() -> None:
     """``--backing``'s help says what ``"auto"`` resolves to with ``--device``, as the config does."""
     picked = HostTierConfig(quota="64MiB", device=0).resolved_backing
-    (action,) = [a for a in APP_MODULE.build_parser()._actions if "--backing" in a.option_strings]
+    (action,) = [a for a in _options.build_parser()._actions if "--backing" in a.option_strings]
     assert f"auto: {picked} with --device" in action.help
     assert not any(f"auto: {other} with" in action.help for other in ("host", "register", "vmm") if other != picked)
 
 
 async def test_readyz_is_503_before_the_tier_opens_and_while_draining() -> None:
-    app_module = APP_MODULE
     config = HostTierConfig(quota="64MiB", max_quota="64MiB", slot_size="64KiB", backing="host")
-    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    service = _app.Service(_blocks.StoreBlocks(config, "lru"))
     app = service.app()
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
@@ -401,9 +390,8 @@ async def test_put_is_507_when_every_slot_is_held_by_a_store_still_copying(gate:
     # 17 PUTs on a 16-slot tier before its one unit is resident: they wait in arrival order; when the
     # unit lands, the first 16 take the slots and start copying, and the 17th finds no free slot and
     # no block ready to evict (every slot is a block still being stored), so the store skips it.
-    app_module = APP_MODULE
     config = HostTierConfig(quota="1MiB", max_quota="1MiB", slot_size="64KiB", commit_unit="1MiB", fill_chunk="1MiB")
-    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    service = _app.Service(_blocks.StoreBlocks(config, "lru"))
     app = service.app()
     blocks = {f"{i:02x}": os.urandom(1000 + i) for i in range(17)}
     transport = httpx.ASGITransport(app=app)
@@ -441,9 +429,8 @@ async def test_put_is_507_when_every_slot_is_held_by_a_store_still_copying(gate:
 async def test_a_fill_that_fails_before_any_unit_is_503_failed_and_every_put_507(gate: PopulateGate) -> None:
     # The tier's first commit unit cannot be made resident (populate fails with ENOMEM): no slot
     # can ever be taken, so a PUT is skipped (507), and /readyz says "failed", not "filling".
-    app_module = APP_MODULE
     config = HostTierConfig(quota="2MiB", max_quota="2MiB", slot_size="64KiB", commit_unit="1MiB", fill_chunk="1MiB")
-    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    service = _app.Service(_blocks.StoreBlocks(config, "lru"))
     app = service.app()
     transport = httpx.ASGITransport(app=app)
     gate.fail(0)
@@ -469,15 +456,79 @@ async def test_a_fill_that_fails_before_any_unit_is_503_failed_and_every_put_507
             assert re.search(r'^aiokvtier_tier_fill_errors\{tier="default"\} 1\.0$', metrics, re.M), metrics
 
 
+# -- the package: entry points, the extra -------------------------------------------------------
+
+WEB = ("starlette", "uvicorn", "prometheus_client", "httpx", "h11", "anyio")
+WITHOUT_THE_EXTRA = "import sys\nfor name in {names!r}: sys.modules[name] = None  # as if not installed\n"
+
+
+def _python(code: str, *, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT
+    )
+
+
+def test_importing_aiokvtier_and_its_server_imports_no_web_framework() -> None:
+    done = _python(
+        "import sys, aiokvtier, aiokvtier.server, aiokvtier.server.load, aiokvtier.server.__main__\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {WEB!r}))"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_console_script_and_extras() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    module, _, name = project["scripts"]["aiokvtier-server"].partition(":")
+    assert getattr(importlib.import_module(module), name) is aiokvtier.server.main
+    extras = {extra: " ".join(reqs) for extra, reqs in project["optional-dependencies"].items()}
+    for needed in ("starlette", "uvicorn", "prometheus-client", "httpx"):
+        assert needed in extras["server"], needed
+    assert "torch" in extras["torch"] and "aiokvtier[cuda]" in extras["torch"]
+
+
+@pytest.mark.parametrize("missing", [("starlette",), ("uvicorn",), ("prometheus_client",), WEB])
+def test_without_the_server_extra_the_server_says_what_to_install_and_exits_1(missing: tuple[str, ...]) -> None:
+    prelude = WITHOUT_THE_EXTRA.format(names=missing)
+    done = _python(
+        prelude + "import runpy\nsys.argv = ['x', '--quota', '64MiB', '--port', '0']\n"
+        "runpy.run_module('aiokvtier.server', run_name='__main__')"
+    )
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "pip install 'aiokvtier[server]'" in lines[0], done.stderr
+    assert lines[0].startswith("python -m aiokvtier.server: ")
+    # The options answer without it: --help, and one line for a bad one.
+    helped = _python(prelude + "from aiokvtier.server import main\nsys.exit(main(['--help']))")
+    assert helped.returncode == 0 and "--drain-seconds" in helped.stdout, helped.stderr
+    bad = _python(prelude + "from aiokvtier.server import main\nsys.exit(main(['--quota', '2XB'], prog='serve'))")
+    assert bad.returncode == 2 and bad.stderr.startswith("serve: argument --quota"), bad.stderr
+
+
+def test_the_load_generator_answers_help_and_says_what_to_install_without_httpx() -> None:
+    helped = subprocess.run(
+        [sys.executable, "-m", "aiokvtier.server.load", "--help"],
+        capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert helped.returncode == 0 and "--clients" in helped.stdout, helped.stderr
+    done = _python(
+        WITHOUT_THE_EXTRA.format(names=("httpx",)) + "import runpy\nsys.argv = ['x', '--seconds', '1']\n"
+        "runpy.run_module('aiokvtier.server.load', run_name='__main__')"
+    )
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "httpx" in lines[0] and "pip install 'aiokvtier[server]'" in lines[0], done.stderr
+
+
 def test_help_describes_every_option_with_its_default() -> None:
-    parser = APP_MODULE.build_parser()
+    parser = _options.build_parser()
     formatter = parser._get_formatter()
     for action in parser._actions:
         assert action.help and len(action.help) > 10, action.option_strings
         shown = formatter._get_help_string(action) or ""
         assert action.default in (None, False, argparse.SUPPRESS) or "default" in shown, (action.option_strings, shown)
     done = subprocess.run(
-        [sys.executable, str(APP), "--help"], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+        [sys.executable, *APP, "--help"], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
     )
     text = " ".join(done.stdout.split())
     assert done.returncode == 0
@@ -508,9 +559,8 @@ def _fuzz_request(rng: random.Random) -> tuple[str, str, bytes, dict[str, str]]:
 
 
 async def test_no_malformed_request_gets_a_500_or_changes_a_stored_block() -> None:
-    app_module = APP_MODULE
     config = HostTierConfig(quota="8MiB", max_quota="8MiB", slot_size="64KiB", backing="host")
-    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    service = _app.Service(_blocks.StoreBlocks(config, "lru"))
     app = service.app()
     rng = random.Random(20260)
     victims = {f"f00d{i:04x}" + "0" * 60: rng.randbytes(rng.randrange(1, SLOT + 1)) for i in range(8)}
