@@ -11,6 +11,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,12 +53,12 @@ class Server:
         assert proc.stdout is not None
         try:
             line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+            match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            assert match, line
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
             raise
-        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        assert match, line
         return cls(proc, match.group(1))
 
     async def stop(self, seconds: float = 30) -> tuple[int, str]:
@@ -69,9 +70,10 @@ class Server:
             stderr = await asyncio.wait_for(self.proc.stderr.read(), seconds)
             code = await asyncio.wait_for(self.proc.wait(), seconds)
         except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
             pytest.fail(f"the server did not exit within {seconds} s of SIGTERM")
+        finally:
+            if self.proc.returncode is None:  # timed out, or the test was cancelled meanwhile: never left behind
+                self.proc.kill()
         return code, stderr.decode()
 
 
@@ -312,6 +314,219 @@ def test_drain_seconds_keeps_serving_with_readyz_503_then_exits_0() -> None:
     asyncio.run(asyncio.wait_for(drain_scenario(), 60))
 
 
+# -- shutdown with clients that stall ----------------------------------------------------------------
+
+GRACE = 1.0
+BOUND = GRACE + 8  # the grace, the 503s' second, the connections' second, closing a tier: never 30 s
+
+
+class Raw:
+    """A bare HTTP/1.1 connection that sends what it is told, and reads one answer to the end of the stream."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, url: str, head: str, body: bytes = b"", *, receive_buffer: int | None = None) -> Raw:
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        if receive_buffer is not None:  # before connect: the window it advertises stays small
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(head.encode() + body)
+        await writer.drain()
+        return cls(reader, writer)
+
+    async def answer(self, seconds: float = BOUND) -> tuple[int, dict[str, str], bytes]:
+        """Status, headers and body of the answer; status 0 when the connection closed without one."""
+        data = b""
+        try:
+            data = await asyncio.wait_for(self.reader.read(), seconds)
+        except ConnectionResetError:
+            pass
+        finally:
+            self.close()
+        if not data:
+            return 0, {}, b""
+        head, _, body = data.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode().split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+        return int(status_line.split()[1]), headers, body
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def head(request_line: str, *fields: str) -> str:
+    return "\r\n".join([f"{request_line} HTTP/1.1", "Host: x", *fields]) + "\r\n\r\n"
+
+
+def assert_json_503(answer: tuple[int, dict[str, str], bytes]) -> None:
+    status, headers, body = answer
+    assert status == 503, answer
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close", headers
+    message = json.loads(body)
+    assert list(message) == ["error"] and "shutting down" in message["error"], message
+
+
+async def stopped_within(server: Server, seconds: float) -> str:
+    """The server exits 0 by itself, within ``seconds``, with nothing on stderr that looks like a traceback."""
+    try:
+        code = await asyncio.wait_for(server.proc.wait(), seconds)
+    except TimeoutError:
+        pytest.fail(f"the server was still running {seconds} s after SIGTERM")
+    code, stderr = await server.stop()
+    assert code == 0, stderr
+    assert "Traceback" not in stderr and "Exception in ASGI" not in stderr and "500" not in stderr, stderr
+    return stderr
+
+
+async def stuck_uploads_scenario() -> None:
+    server = await Server.start("--quota", "64MiB", "--grace-seconds", str(GRACE))
+    raws: list[Raw] = []
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+            # A client that goes away mid-body: no answer to send, nothing logged, the server serves on.
+            gone = await Raw.open(server.url, head("PUT /v1/blocks/ab", "Content-Length: 5000"), b"x")
+            await asyncio.sleep(0.1)
+            gone.close()
+            await asyncio.sleep(0.1)
+            assert (await client.get("/v1/stats")).json()["server"]["internal_errors"] == 0
+        raws += [
+            await Raw.open(server.url, head("PUT /v1/blocks/cd", "Content-Length: 5000"), b"x" * 100),
+            await Raw.open(server.url, head("PUT /v1/blocks/ef", "Transfer-Encoding: chunked"), b"10\r\n" + b"y" * 16),
+            await Raw.open(server.url, head("POST /v1/lookup", "Content-Length: 100"), b'{"keys": ['),
+        ]
+        await asyncio.sleep(0.2)  # their handlers are reading the bodies
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        answers = await asyncio.gather(*(raw.answer() for raw in raws))
+        waited = time.monotonic() - started
+        for answer in answers:
+            assert_json_503(answer)
+        assert GRACE * 0.9 <= waited < BOUND, waited  # the grace was given, then it ended
+        stderr = await stopped_within(server, BOUND)
+        assert "3 request(s) still in flight, answered 503" in stderr, stderr
+    finally:
+        for raw in raws:
+            raw.close()
+        await server.stop()
+
+
+def test_sigterm_with_bodies_stuck_mid_upload_answers_json_503_after_the_grace_and_exits_0() -> None:
+    asyncio.run(asyncio.wait_for(stuck_uploads_scenario(), 60))
+
+
+async def idle_scenario() -> None:
+    # Nothing in flight: a slowloris client part way through its headers and an idle keep-alive
+    # connection are closed when the shutdown starts; the grace (long here) is not waited for.
+    server = await Server.start("--quota", "64MiB", "--grace-seconds", "60")
+    slow: Raw | None = None
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+            slow = await Raw.open(server.url, "PUT /v1/blocks/ab HTTP/1.1\r\nHost: x\r\nContent-Le")
+            await asyncio.sleep(0.2)
+            server.proc.send_signal(signal.SIGTERM)
+            assert await slow.answer(10) == (0, {}, b"")  # closed, no answer: there was no request to answer
+            await stopped_within(server, 10)
+    finally:
+        if slow is not None:
+            slow.close()
+        await server.stop()
+
+
+def test_sigterm_with_a_slowloris_header_and_an_idle_keepalive_connection_exits_0_at_once() -> None:
+    asyncio.run(asyncio.wait_for(idle_scenario(), 60))
+
+
+async def stuck_reader_scenario() -> None:
+    # A GET of a 16 MiB block by a client that reads none of it: most of the answer stays in the
+    # server's write buffer, and its connection would stay open for as long as the client likes.
+    server = await Server.start("--quota", "64MiB", "--slot-size", "16MiB", "--grace-seconds", str(GRACE))
+    raw: Raw | None = None
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+            assert (await client.put("/v1/blocks/b16", content=os.urandom(16 << 20))).status_code == 201
+        raw = await Raw.open(server.url, head("GET /v1/blocks/b16"), receive_buffer=4096)
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        await stopped_within(server, BOUND)
+        assert time.monotonic() - started >= GRACE * 0.9  # it had its grace
+    finally:
+        if raw is not None:
+            raw.close()
+        await server.stop()
+
+
+def test_sigterm_with_a_client_not_reading_its_response_exits_0_after_the_grace() -> None:
+    asyncio.run(asyncio.wait_for(stuck_reader_scenario(), 60))
+
+
+async def second_signal_scenario() -> None:
+    server = await Server.start("--quota", "64MiB", "--grace-seconds", "60")
+    raw: Raw | None = None
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+        raw = await Raw.open(server.url, head("PUT /v1/blocks/ab", "Content-Length: 5000"), b"x" * 10)
+        await asyncio.sleep(0.2)
+        server.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        assert server.proc.returncode is None  # waiting for the upload, as long as the grace allows
+        server.proc.send_signal(signal.SIGTERM)  # a second signal ends the grace at once
+        assert_json_503(await raw.answer(10))
+        await stopped_within(server, 10)
+    finally:
+        if raw is not None:
+            raw.close()
+        await server.stop()
+
+
+def test_a_second_sigterm_ends_the_grace_at_once() -> None:
+    asyncio.run(asyncio.wait_for(second_signal_scenario(), 60))
+
+
+async def test_cut_answers_a_request_stuck_in_a_store_call_with_json_503() -> None:
+    # In process: a PUT whose store call never returns (a tier still filling, say) is cancelled by
+    # cut() and answered 503 in JSON; later requests are answered 503 at once. A cancellation that
+    # is not cut()'s (the client's, here) goes through untouched.
+    entered, never = asyncio.Event(), asyncio.Event()
+
+    class Stuck(_blocks.DictBlocks):
+        async def put(self, key: bytes, body: bytes) -> _blocks.Put:
+            entered.set()
+            await never.wait()
+            raise AssertionError("unreachable")
+
+    service = _app.Service(Stuck(1 << 20, 1 << 16))
+    app = service.app()
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        async with app.router.lifespan_context(app):
+            put = asyncio.create_task(client.put("/v1/blocks/ab", content=b"block"))
+            await asyncio.wait_for(entered.wait(), 10)
+            abandoned = asyncio.create_task(client.put("/v1/blocks/cd", content=b"block"))
+            await eventually(lambda: service.in_flight == 2)
+            abandoned.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await abandoned
+            assert service.in_flight == 1
+            assert service.cut() == 1
+            answer = await asyncio.wait_for(put, 10)
+            assert_error(answer, 503)
+            assert answer.headers["connection"] == "close" and "shutting down" in answer.json()["error"]
+            later = await client.get("/healthz")
+            assert_error(later, 503)
+            assert service.in_flight == 0 and service.internal_errors == 0
+            assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
 async def plain_dict_scenario() -> None:
     server = await Server.start("--plain-dict", "--quota", "256KiB")  # four 64 KiB blocks, oldest dropped first
     try:
@@ -347,6 +562,8 @@ def test_plain_dict_baseline_serves_the_same_api() -> None:
         (["--log-level", "loud"], "--log-level"),
         (["--drain-seconds", "-1"], "--drain-seconds"),
         (["--drain-seconds", "nan"], "--drain-seconds"),
+        (["--grace-seconds", "-1"], "--grace-seconds"),
+        (["--grace-seconds", "nan"], "--grace-seconds"),
     ],
 )
 def test_a_bad_option_is_one_line_naming_it_and_exit_2(options: list[str], named: str) -> None:

@@ -19,8 +19,10 @@ of 1 to 128 characters; the store's key is that text as ASCII bytes.
 
 Every error is JSON ``{"error": "..."}``. SIGTERM or SIGINT: ``/readyz`` turns
 503, then (after ``--drain-seconds``, default 0, of serving on) stop accepting,
-finish the requests in flight, close the store and the tier, exit 0. A second
-signal during the drain ends it at once. ``--plain-dict`` serves the same API
+give the requests in flight up to ``--grace-seconds`` (default 10) to finish,
+answer those still running 503 and close every connection left, close the
+store and the tier, exit 0. A second signal ends the drain, or the grace, at
+once. ``--plain-dict`` serves the same API
 from a dict of bytes (the baseline of :mod:`aiokvtier.server.load`).
 
 Importing this package needs none of the ``server`` extra; :func:`main`

@@ -1,15 +1,20 @@
 """The HTTP service: the endpoints over one :class:`Blocks`, as a Starlette app.
 
-Every answer but a success is JSON ``{"error": "..."}``.
+Every answer but a success is JSON ``{"error": "..."}``, including the
+answer to a request that shutdown cuts short (:meth:`Service.cut`): such a
+request is not left to the server's own cancellation, which answers a
+plain-text 500 and logs a traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.applications import Starlette
@@ -29,15 +34,22 @@ KEY = re.compile(r"[0-9a-f]{1,128}")
 LOOKUP_MAX_BYTES = 1 << 20  # a lookup body: 4096 keys of 128 hex characters fit with room to spare
 LOOKUP_MAX_KEYS = 4096
 PUT_STATUS = {"stored": 201, "present": 200}
+SHUTTING_DOWN = "the server is shutting down"
+CLOSE = {"connection": "close"}  # the server closes it after this answer; say so
+_CUT = "aiokvtier server: cut at shutdown"
+"""The message of the cancellation that :meth:`Service.cut` sends: told apart from anyone else's."""
+
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 class ApiError(Exception):
     """An answer other than success: its status and the message of the JSON body."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
 
 
 def store_key(text: str) -> bytes:
@@ -47,14 +59,65 @@ def store_key(text: str) -> bytes:
 
 
 class Service:
-    """The endpoints, over one :class:`Blocks`; ``draining`` is set by SIGTERM / SIGINT."""
+    """The endpoints, over one :class:`Blocks`; ``draining`` is set by SIGTERM / SIGINT.
+
+    Every endpoint runs under :meth:`cut`'s watch: a request still in flight
+    when the shutdown's grace is over (its body still arriving, or a store
+    waiting for the tier's fill) is answered 503 in JSON.
+    """
 
     def __init__(self, blocks: Blocks) -> None:
         self.blocks = blocks
         self.draining = False
         self.opened = False
+        self.cutting = False
         self.internal_errors = 0
         self.registry = CollectorRegistry(auto_describe=True)
+        self._running: set[asyncio.Task[object]] = set()
+        self._cut: set[asyncio.Task[object]] = set()
+
+    def cut(self) -> int:
+        """Answer 503 to every request in flight (its handler is cancelled) and to every later one.
+
+        Returns how many were in flight. A handler is cancelled where it
+        waits: reading its body, or in a store call, whose cancellation
+        leaves no partial block. Event loop only.
+        """
+        self.cutting = True
+        cut = self._running - self._cut
+        for task in cut:
+            self._cut.add(task)
+            task.cancel(_CUT)
+        return len(cut)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests whose handler is running."""
+        return len(self._running)
+
+    def _cuttable(self, endpoint: Endpoint) -> Endpoint:
+        @functools.wraps(endpoint)
+        async def run(request: Request) -> Response:
+            if self.cutting:
+                raise ApiError(503, SHUTTING_DOWN, CLOSE)
+            task = asyncio.current_task()
+            assert task is not None
+            self._running.add(task)
+            try:
+                return await endpoint(request)
+            except asyncio.CancelledError:
+                if task not in self._cut:
+                    raise  # not ours: the server's, or the loop's end
+                self._cut.discard(task)
+                task.uncancel()
+                raise ApiError(503, f"{SHUTTING_DOWN}: the request did not finish in time", CLOSE) from None
+            finally:
+                self._running.discard(task)
+                if task in self._cut:  # the endpoint swallowed the cancellation: take it back
+                    self._cut.discard(task)
+                    task.uncancel()
+
+        return run
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -164,14 +227,14 @@ class Service:
 
     async def api_error(self, request: Request, error: Exception) -> Response:
         assert isinstance(error, ApiError)
-        return JSONResponse({"error": error.message}, status_code=error.status)
+        return JSONResponse({"error": error.message}, status_code=error.status, headers=error.headers)
 
     async def http_error(self, request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
         return JSONResponse({"error": error.detail}, status_code=error.status_code, headers=error.headers)
 
     async def closed_error(self, request: Request, error: Exception) -> Response:
-        return JSONResponse({"error": "the server is shutting down"}, status_code=503)
+        return JSONResponse({"error": SHUTTING_DOWN}, status_code=503, headers=CLOSE)
 
     async def internal_error(self, request: Request, error: Exception) -> Response:
         self.internal_errors += 1
@@ -180,12 +243,12 @@ class Service:
 
     def app(self) -> Starlette:
         routes = [
-            Route("/healthz", self.healthz, methods=["GET"]),
-            Route("/readyz", self.readyz, methods=["GET"]),
-            Route("/v1/blocks/{key}", self.block, methods=["GET", "PUT", "DELETE"]),
-            Route("/v1/lookup", self.lookup, methods=["POST"]),
-            Route("/v1/stats", self.stats, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/healthz", self._cuttable(self.healthz), methods=["GET"]),
+            Route("/readyz", self._cuttable(self.readyz), methods=["GET"]),
+            Route("/v1/blocks/{key}", self._cuttable(self.block), methods=["GET", "PUT", "DELETE"]),
+            Route("/v1/lookup", self._cuttable(self.lookup), methods=["POST"]),
+            Route("/v1/stats", self._cuttable(self.stats), methods=["GET"]),
+            Route("/metrics", self._cuttable(self.metrics), methods=["GET"]),
         ]
         handlers = {
             ApiError: self.api_error,

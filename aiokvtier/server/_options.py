@@ -88,6 +88,13 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
         metavar="SECONDS",
         help="after SIGTERM or SIGINT, serve on this long with readyz 503",
     )
+    parser.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="then, wait this long for the requests in flight before answering them 503 and closing every connection",
+    )
     return parser
 
 
@@ -102,6 +109,8 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
         parser.error(f"argument --port: {args.port} is not a port (0 to 65535)")
     if not 0 <= args.drain_seconds <= 3600:  # also refuses nan
         parser.error(f"argument --drain-seconds: {args.drain_seconds} is not 0 to 3600 seconds")
+    if not 0 <= args.grace_seconds <= 3600:
+        parser.error(f"argument --grace-seconds: {args.grace_seconds} is not 0 to 3600 seconds")
     try:
         config = HostTierConfig(
             quota=args.quota,
