@@ -1,4 +1,4 @@
-"""The example server under its load generator while its tier fills, then once it is resident.
+"""The block server (aiokvtier.server) under its load generator while its tier fills, then once it is resident.
 
 Starts ``python -m aiokvtier.server`` on a free loopback port, runs
 ``python -m aiokvtier.server.load`` for ``--seconds`` as soon as the server answers

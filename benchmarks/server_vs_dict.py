@@ -1,4 +1,4 @@
-"""The example server over a BlockStore against the same server over a plain dict of bytes, in one run.
+"""The block server over a BlockStore against the same server over a plain dict of bytes, in one run.
 
 Starts ``python -m aiokvtier.server`` on a free loopback port, waits until
 ``/readyz`` says its tier is fully resident (``--during-fill``: runs at once,
