@@ -37,7 +37,7 @@ PUT_STATUS = {"stored": 201, "present": 200}
 SHUTTING_DOWN = "the server is shutting down"
 CLOSE = {"connection": "close"}  # the server closes it after this answer; say so
 _CUT = "aiokvtier server: cut at shutdown"
-"""The message of the cancellation that :meth:`Service.cut` sends: told apart from anyone else's."""
+"""The message of the cancellation that :meth:`Service.cut` sends (it names the cause, should one ever escape)."""
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -109,7 +109,8 @@ class Service:
                 if task not in self._cut:
                     raise  # not ours: the server's, or the loop's end
                 self._cut.discard(task)
-                task.uncancel()
+                if task.uncancel() > 0:
+                    raise  # someone else cancelled it too: theirs goes through
                 raise ApiError(503, f"{SHUTTING_DOWN}: the request did not finish in time", CLOSE) from None
             finally:
                 self._running.discard(task)

@@ -35,9 +35,9 @@ __all__ = ["serve"]
 log = logging.getLogger("aiokvtier.server")
 
 CUT_SECONDS = 1.0
-"""After the grace, how long the 503s have to be written before the connections are aborted (and again
-after that, for the aborted connections' handlers to see it): loopback or a LAN writes a small JSON body
-in well under a millisecond, and the client, which sent the request, is reading."""
+"""After the grace, how long the 503s have to go out before the connections left are aborted (and again
+after that, for the aborted connections' handlers to see it). A small JSON answer fits in the socket's
+send buffer whether the client reads or not, so this is ample; it only bounds the wait."""
 
 
 class Server(uvicorn.Server):
