@@ -33,6 +33,7 @@ from ._host._placement import Placement as Placement
 from ._host._statistics import TierStatistics as TierStatistics
 from ._host._tier import HostTier as HostTier
 from ._store._events import BlockEvent as BlockEvent
+from ._store._events import EventSubscription as EventSubscription
 from ._store._policy import EvictionPolicy as EvictionPolicy
 from ._store._store import BlockStore as BlockStore
 from ._store._store import StoreResult as StoreResult
@@ -54,6 +55,7 @@ __all__ = [
     "CudaUnavailableError",
     "DecommitError",
     "DiskTierConfig",
+    "EventSubscription",
     "EvictionPolicy",
     "FillError",
     "GpuTierConfig",

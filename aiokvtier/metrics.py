@@ -145,6 +145,7 @@ _STORE_GAUGES: tuple[tuple[str, str, Any], ...] = (
     ("aiokvtier_store_capacity_blocks", "Blocks the tier's slots can hold.", lambda s: s.capacity),
     ("aiokvtier_store_pinned_blocks", "Blocks a load is reading now.", lambda s: s.blocks_pinned),
     ("aiokvtier_store_calls_in_flight", "store and load calls running now.", lambda s: s.in_flight),
+    ("aiokvtier_store_event_subscribers", "Event subscriptions alive.", lambda s: s.subscribers),
 )
 _STORE_COUNTERS: tuple[tuple[str, str, Any], ...] = (
     ("aiokvtier_store_queries", "lookup calls.", lambda s: s.queries),

@@ -1,4 +1,4 @@
-"""The example server in a subprocess, and its load generator: what the server benchmarks share."""
+"""The block service (aiokvtier.server) in a subprocess, and its load generator: what the server benchmarks share."""
 
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ def free_port() -> int:
 
 
 def run_load(url: str, clients: int, seconds: float, block: int) -> dict[str, Any]:
-    """One run of examples/server/load.py against ``url``: its JSON."""
+    """One run of ``python -m aiokvtier.server.load`` against ``url``: its JSON."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "examples/server/load.py"), "--url", url, "--clients", str(clients),
+        [sys.executable, "-m", "aiokvtier.server.load", "--url", url, "--clients", str(clients),
          "--seconds", str(seconds), "--block-size", str(block)],
-        capture_output=True, text=True, check=False,
+        capture_output=True, text=True, check=False, cwd=ROOT,
     )  # fmt: skip
     if out.returncode != 0:
-        raise SystemExit(f"load.py failed: {out.stderr[-2000:]}")
+        raise SystemExit(f"the load generator failed: {out.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(out.stdout)
     return result
 
@@ -50,16 +50,16 @@ class Served:
 
 @contextmanager
 def served(quota: str, *options: str, name: str = "the") -> Iterator[Served]:
-    """Start examples/server/app.py on a free loopback port and wait until it answers.
+    """Start ``python -m aiokvtier.server`` on a free loopback port and wait until it answers.
 
     On leaving: SIGTERM, then ``exit_code`` (None if it had to be killed after 60 s).
     """
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples/server/app.py"), "--quota", quota, "--max-quota", quota,
+        [sys.executable, "-m", "aiokvtier.server", "--quota", quota, "--max-quota", quota,
          "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *options],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT,
     )  # fmt: skip
     started = time.perf_counter()
     with httpx.Client(base_url=url, timeout=10) as client:

@@ -1,7 +1,7 @@
-"""The example server under its load generator while its tier fills, then once it is resident.
+"""The block server (aiokvtier.server) under its load generator while its tier fills, then once it is resident.
 
-Starts ``examples/server/app.py`` on a free loopback port, runs
-``examples/server/load.py`` for ``--seconds`` as soon as the server answers
+Starts ``python -m aiokvtier.server`` on a free loopback port, runs
+``python -m aiokvtier.server.load`` for ``--seconds`` as soon as the server answers
 (the tier still filling), waits until ``/readyz`` says the tier is fully
 resident, runs the same load again, sends SIGTERM, and prints one JSON
 object with both runs and the p99 ratio per endpoint (during / after; the

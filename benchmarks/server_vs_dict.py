@@ -1,8 +1,8 @@
-"""The example server over a BlockStore against the same server over a plain dict of bytes, in one run.
+"""The block server over a BlockStore against the same server over a plain dict of bytes, in one run.
 
-Starts ``examples/server/app.py`` on a free loopback port, waits until
+Starts ``python -m aiokvtier.server`` on a free loopback port, waits until
 ``/readyz`` says its tier is fully resident (``--during-fill``: runs at once,
-the tier still filling), runs ``examples/server/load.py`` against it, stops
+the tier still filling), runs ``python -m aiokvtier.server.load`` against it, stops
 it with SIGTERM; then the same with ``--plain-dict``. ``--rounds`` repeats the
 pair, alternating the order, and keeps each arm's median round by requests/s
 (the upper middle one of an even count).
@@ -82,8 +82,8 @@ def main() -> None:
         "mode": "server",
         "machine": machine(),
         "commands": [
-            f"python examples/server/app.py --quota {args.quota} --slot-size {args.block_size} [--plain-dict]",
-            f"python examples/server/load.py --clients {args.clients} --seconds {args.seconds:g} "
+            f"python -m aiokvtier.server --quota {args.quota} --slot-size {args.block_size} [--plain-dict]",
+            f"python -m aiokvtier.server.load --clients {args.clients} --seconds {args.seconds:g} "
             f"--block-size {args.block_size}",
         ],
         "uvicorn": version("uvicorn"),

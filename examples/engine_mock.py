@@ -8,8 +8,9 @@ the tier's fill. The quota is small, so later rounds evict earlier blocks
 while the first round runs as the tier still fills. A router task follows the
 event stream. Every loaded block is checked against what its hash computes.
 
-With CUDA (torch and ``aiokvtier[cuda]``) pages are CUDA tensors copied by a
-CopyEngine; without, numpy pages copied on the store's thread.
+With CUDA (``pip install 'aiokvtier[torch]'``: torch and the ``cuda`` extra)
+pages are CUDA tensors copied by a CopyEngine; without, numpy pages copied on
+the store's thread.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ All of it runs while the tier is still filling: the first offload comes
 as soon as the tier's first unit is resident (after the CUDA context's
 creation, about a second on a cold process). The program prints a JSON summary and exits 1 if a page differs.
 
+Needs ``pip install 'aiokvtier[torch]'`` (the ``cuda`` extra and torch).
 Without a CUDA device (or without torch, or the ``cuda`` extra) it prints
 one line saying it skipped and exits 0.
 """

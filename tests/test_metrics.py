@@ -106,6 +106,7 @@ async def test_scrape_matches_statistics() -> None:
         "aiokvtier_store_capacity_blocks": (s.capacity, 1024),
         "aiokvtier_store_pinned_blocks": (s.blocks_pinned, 0),
         "aiokvtier_store_calls_in_flight": (s.in_flight, 0),
+        "aiokvtier_store_event_subscribers": (s.subscribers, 0),
         "aiokvtier_store_present_total": (s.present, 1),
         "aiokvtier_store_queries_total": (s.queries, 1),
         "aiokvtier_store_hits_total": (s.hits, 2),

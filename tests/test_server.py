@@ -1,34 +1,36 @@
-"""The example server (examples/server/app.py), run as a program on loopback and driven over HTTP."""
+"""The block service (aiokvtier.server), run as a program on loopback and driven over HTTP."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import hashlib
-import importlib.util
+import importlib
 import json
 import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import httpx
 import pytest
 
+import aiokvtier.server
 from aiokvtier import HostTierConfig
+from aiokvtier.server import _app, _blocks, _options
 
 from .conftest import PopulateGate
 from .helpers import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
-APP = ROOT / "examples" / "server" / "app.py"
+APP = ["-m", "aiokvtier.server"]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 CLIENTS = 32
 BLOCKS_PER_CLIENT = 12
@@ -45,18 +47,18 @@ class Server:
     @classmethod
     async def start(cls, *options: str) -> Server:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(APP), "--host", "127.0.0.1", "--port", "0", *options,
+            sys.executable, *APP, "--host", "127.0.0.1", "--port", "0", *options,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV, cwd=ROOT,
         )  # fmt: skip
         assert proc.stdout is not None
         try:
             line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+            match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            assert match, line
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
             raise
-        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        assert match, line
         return cls(proc, match.group(1))
 
     async def stop(self, seconds: float = 30) -> tuple[int, str]:
@@ -68,9 +70,10 @@ class Server:
             stderr = await asyncio.wait_for(self.proc.stderr.read(), seconds)
             code = await asyncio.wait_for(self.proc.wait(), seconds)
         except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
             pytest.fail(f"the server did not exit within {seconds} s of SIGTERM")
+        finally:
+            if self.proc.returncode is None:  # timed out, or the test was cancelled meanwhile: never left behind
+                self.proc.kill()
         return code, stderr.decode()
 
 
@@ -311,6 +314,219 @@ def test_drain_seconds_keeps_serving_with_readyz_503_then_exits_0() -> None:
     asyncio.run(asyncio.wait_for(drain_scenario(), 60))
 
 
+# -- shutdown with clients that stall ----------------------------------------------------------------
+
+GRACE = 1.0
+BOUND = GRACE + 8  # the grace, the 503s' second, the connections' second, closing a tier: never 30 s
+
+
+class Raw:
+    """A bare HTTP/1.1 connection that sends what it is told, and reads one answer to the end of the stream."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, url: str, head: str, body: bytes = b"", *, receive_buffer: int | None = None) -> Raw:
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        if receive_buffer is not None:  # before connect: the window it advertises stays small
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(head.encode() + body)
+        await writer.drain()
+        return cls(reader, writer)
+
+    async def answer(self, seconds: float = BOUND) -> tuple[int, dict[str, str], bytes]:
+        """Status, headers and body of the answer; status 0 when the connection closed without one."""
+        data = b""
+        try:
+            data = await asyncio.wait_for(self.reader.read(), seconds)
+        except ConnectionResetError:
+            pass
+        finally:
+            self.close()
+        if not data:
+            return 0, {}, b""
+        head, _, body = data.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode().split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+        return int(status_line.split()[1]), headers, body
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def head(request_line: str, *fields: str) -> str:
+    return "\r\n".join([f"{request_line} HTTP/1.1", "Host: x", *fields]) + "\r\n\r\n"
+
+
+def assert_json_503(answer: tuple[int, dict[str, str], bytes]) -> None:
+    status, headers, body = answer
+    assert status == 503, answer
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close", headers
+    message = json.loads(body)
+    assert list(message) == ["error"] and "shutting down" in message["error"], message
+
+
+async def stopped_within(server: Server, seconds: float) -> str:
+    """The server exits 0 by itself, within ``seconds``, with nothing on stderr that looks like a traceback."""
+    try:
+        code = await asyncio.wait_for(server.proc.wait(), seconds)
+    except TimeoutError:
+        pytest.fail(f"the server was still running {seconds} s after SIGTERM")
+    code, stderr = await server.stop()
+    assert code == 0, stderr
+    assert "Traceback" not in stderr and "Exception in ASGI" not in stderr and "500" not in stderr, stderr
+    return stderr
+
+
+async def stuck_uploads_scenario() -> None:
+    server = await Server.start("--quota", "64MiB", "--grace-seconds", str(GRACE))
+    raws: list[Raw] = []
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+            # A client that goes away mid-body: no answer to send, nothing logged, the server serves on.
+            gone = await Raw.open(server.url, head("PUT /v1/blocks/ab", "Content-Length: 5000"), b"x")
+            await asyncio.sleep(0.1)
+            gone.close()
+            await asyncio.sleep(0.1)
+            assert (await client.get("/v1/stats")).json()["server"]["internal_errors"] == 0
+        raws += [
+            await Raw.open(server.url, head("PUT /v1/blocks/cd", "Content-Length: 5000"), b"x" * 100),
+            await Raw.open(server.url, head("PUT /v1/blocks/ef", "Transfer-Encoding: chunked"), b"10\r\n" + b"y" * 16),
+            await Raw.open(server.url, head("POST /v1/lookup", "Content-Length: 100"), b'{"keys": ['),
+        ]
+        await asyncio.sleep(0.2)  # their handlers are reading the bodies
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        answers = await asyncio.gather(*(raw.answer() for raw in raws))
+        waited = time.monotonic() - started
+        for answer in answers:
+            assert_json_503(answer)
+        assert GRACE * 0.9 <= waited < BOUND, waited  # the grace was given, then it ended
+        stderr = await stopped_within(server, BOUND)
+        assert "3 request(s) still in flight, answered 503" in stderr, stderr
+    finally:
+        for raw in raws:
+            raw.close()
+        await server.stop()
+
+
+def test_sigterm_with_bodies_stuck_mid_upload_answers_json_503_after_the_grace_and_exits_0() -> None:
+    asyncio.run(asyncio.wait_for(stuck_uploads_scenario(), 60))
+
+
+async def idle_scenario() -> None:
+    # Nothing in flight: a slowloris client part way through its headers and an idle keep-alive
+    # connection are closed when the shutdown starts; the grace (long here) is not waited for.
+    server = await Server.start("--quota", "64MiB", "--grace-seconds", "60")
+    slow: Raw | None = None
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+            slow = await Raw.open(server.url, "PUT /v1/blocks/ab HTTP/1.1\r\nHost: x\r\nContent-Le")
+            await asyncio.sleep(0.2)
+            server.proc.send_signal(signal.SIGTERM)
+            assert await slow.answer(10) == (0, {}, b"")  # closed, no answer: there was no request to answer
+            await stopped_within(server, 10)
+    finally:
+        if slow is not None:
+            slow.close()
+        await server.stop()
+
+
+def test_sigterm_with_a_slowloris_header_and_an_idle_keepalive_connection_exits_0_at_once() -> None:
+    asyncio.run(asyncio.wait_for(idle_scenario(), 60))
+
+
+async def stuck_reader_scenario() -> None:
+    # A GET of a 16 MiB block by a client that reads none of it: most of the answer stays in the
+    # server's write buffer, and its connection would stay open for as long as the client likes.
+    server = await Server.start("--quota", "64MiB", "--slot-size", "16MiB", "--grace-seconds", str(GRACE))
+    raw: Raw | None = None
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+            assert (await client.put("/v1/blocks/b16", content=os.urandom(16 << 20))).status_code == 201
+        raw = await Raw.open(server.url, head("GET /v1/blocks/b16"), receive_buffer=4096)
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        await stopped_within(server, BOUND)
+        assert time.monotonic() - started >= GRACE * 0.9  # it had its grace
+    finally:
+        if raw is not None:
+            raw.close()
+        await server.stop()
+
+
+def test_sigterm_with_a_client_not_reading_its_response_exits_0_after_the_grace() -> None:
+    asyncio.run(asyncio.wait_for(stuck_reader_scenario(), 60))
+
+
+async def second_signal_scenario() -> None:
+    server = await Server.start("--quota", "64MiB", "--grace-seconds", "60")
+    raw: Raw | None = None
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+        raw = await Raw.open(server.url, head("PUT /v1/blocks/ab", "Content-Length: 5000"), b"x" * 10)
+        await asyncio.sleep(0.2)
+        server.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        assert server.proc.returncode is None  # waiting for the upload, as long as the grace allows
+        server.proc.send_signal(signal.SIGTERM)  # a second signal ends the grace at once
+        assert_json_503(await raw.answer(10))
+        await stopped_within(server, 10)
+    finally:
+        if raw is not None:
+            raw.close()
+        await server.stop()
+
+
+def test_a_second_sigterm_ends_the_grace_at_once() -> None:
+    asyncio.run(asyncio.wait_for(second_signal_scenario(), 60))
+
+
+async def test_cut_answers_a_request_stuck_in_a_store_call_with_json_503() -> None:
+    # In process: a PUT whose store call never returns (a tier still filling, say) is cancelled by
+    # cut() and answered 503 in JSON; later requests are answered 503 at once. A cancellation that
+    # is not cut()'s (the client's, here) goes through untouched.
+    entered, never = asyncio.Event(), asyncio.Event()
+
+    class Stuck(_blocks.DictBlocks):
+        async def put(self, key: bytes, body: bytes) -> _blocks.Put:
+            entered.set()
+            await never.wait()
+            raise AssertionError("unreachable")
+
+    service = _app.Service(Stuck(1 << 20, 1 << 16))
+    app = service.app()
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        async with app.router.lifespan_context(app):
+            put = asyncio.create_task(client.put("/v1/blocks/ab", content=b"block"))
+            await asyncio.wait_for(entered.wait(), 10)
+            abandoned = asyncio.create_task(client.put("/v1/blocks/cd", content=b"block"))
+            await eventually(lambda: service.in_flight == 2)
+            abandoned.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await abandoned
+            assert service.in_flight == 1
+            assert service.cut() == 1
+            answer = await asyncio.wait_for(put, 10)
+            assert_error(answer, 503)
+            assert answer.headers["connection"] == "close" and "shutting down" in answer.json()["error"]
+            later = await client.get("/healthz")
+            assert_error(later, 503)
+            assert service.in_flight == 0 and service.internal_errors == 0
+            assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
 async def plain_dict_scenario() -> None:
     server = await Server.start("--plain-dict", "--quota", "256KiB")  # four 64 KiB blocks, oldest dropped first
     try:
@@ -346,40 +562,30 @@ def test_plain_dict_baseline_serves_the_same_api() -> None:
         (["--log-level", "loud"], "--log-level"),
         (["--drain-seconds", "-1"], "--drain-seconds"),
         (["--drain-seconds", "nan"], "--drain-seconds"),
+        (["--grace-seconds", "-1"], "--grace-seconds"),
+        (["--grace-seconds", "nan"], "--grace-seconds"),
     ],
 )
 def test_a_bad_option_is_one_line_naming_it_and_exit_2(options: list[str], named: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(APP), *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+        [sys.executable, *APP, *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
     )
     assert done.returncode == 2 and done.stdout == ""
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and named in lines[0], done.stderr
 
 
-def load_app() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("server_app", APP)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-APP_MODULE: Any = load_app()  # imported here, not on a test's loop: importing reads files
-
-
 def test_the_backing_help_names_what_auto_picks() -> None:
     """``--backing``'s help says what ``"auto"`` resolves to with ``--device``, as the config does."""
     picked = HostTierConfig(quota="64MiB", device=0).resolved_backing
-    (action,) = [a for a in APP_MODULE.build_parser()._actions if "--backing" in a.option_strings]
+    (action,) = [a for a in _options.build_parser()._actions if "--backing" in a.option_strings]
     assert f"auto: {picked} with --device" in action.help
     assert not any(f"auto: {other} with" in action.help for other in ("host", "register", "vmm") if other != picked)
 
 
 async def test_readyz_is_503_before_the_tier_opens_and_while_draining() -> None:
-    app_module = APP_MODULE
     config = HostTierConfig(quota="64MiB", max_quota="64MiB", slot_size="64KiB", backing="host")
-    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    service = _app.Service(_blocks.StoreBlocks(config, "lru"))
     app = service.app()
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
@@ -401,9 +607,8 @@ async def test_put_is_507_when_every_slot_is_held_by_a_store_still_copying(gate:
     # 17 PUTs on a 16-slot tier before its one unit is resident: they wait in arrival order; when the
     # unit lands, the first 16 take the slots and start copying, and the 17th finds no free slot and
     # no block ready to evict (every slot is a block still being stored), so the store skips it.
-    app_module = APP_MODULE
     config = HostTierConfig(quota="1MiB", max_quota="1MiB", slot_size="64KiB", commit_unit="1MiB", fill_chunk="1MiB")
-    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    service = _app.Service(_blocks.StoreBlocks(config, "lru"))
     app = service.app()
     blocks = {f"{i:02x}": os.urandom(1000 + i) for i in range(17)}
     transport = httpx.ASGITransport(app=app)
@@ -441,9 +646,8 @@ async def test_put_is_507_when_every_slot_is_held_by_a_store_still_copying(gate:
 async def test_a_fill_that_fails_before_any_unit_is_503_failed_and_every_put_507(gate: PopulateGate) -> None:
     # The tier's first commit unit cannot be made resident (populate fails with ENOMEM): no slot
     # can ever be taken, so a PUT is skipped (507), and /readyz says "failed", not "filling".
-    app_module = APP_MODULE
     config = HostTierConfig(quota="2MiB", max_quota="2MiB", slot_size="64KiB", commit_unit="1MiB", fill_chunk="1MiB")
-    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    service = _app.Service(_blocks.StoreBlocks(config, "lru"))
     app = service.app()
     transport = httpx.ASGITransport(app=app)
     gate.fail(0)
@@ -469,15 +673,79 @@ async def test_a_fill_that_fails_before_any_unit_is_503_failed_and_every_put_507
             assert re.search(r'^aiokvtier_tier_fill_errors\{tier="default"\} 1\.0$', metrics, re.M), metrics
 
 
+# -- the package: entry points, the extra -------------------------------------------------------
+
+WEB = ("starlette", "uvicorn", "prometheus_client", "httpx", "h11", "anyio")
+WITHOUT_THE_EXTRA = "import sys\nfor name in {names!r}: sys.modules[name] = None  # as if not installed\n"
+
+
+def _python(code: str, *, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT
+    )
+
+
+def test_importing_aiokvtier_and_its_server_imports_no_web_framework() -> None:
+    done = _python(
+        "import sys, aiokvtier, aiokvtier.server, aiokvtier.server.load, aiokvtier.server.__main__\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {WEB!r}))"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_console_script_and_extras() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    module, _, name = project["scripts"]["aiokvtier-server"].partition(":")
+    assert getattr(importlib.import_module(module), name) is aiokvtier.server.main
+    extras = {extra: " ".join(reqs) for extra, reqs in project["optional-dependencies"].items()}
+    for needed in ("starlette", "uvicorn", "prometheus-client", "httpx"):
+        assert needed in extras["server"], needed
+    assert "torch" in extras["torch"] and "aiokvtier[cuda]" in extras["torch"]
+
+
+@pytest.mark.parametrize("missing", [("starlette",), ("uvicorn",), ("prometheus_client",), WEB])
+def test_without_the_server_extra_the_server_says_what_to_install_and_exits_1(missing: tuple[str, ...]) -> None:
+    prelude = WITHOUT_THE_EXTRA.format(names=missing)
+    done = _python(
+        prelude + "import runpy\nsys.argv = ['x', '--quota', '64MiB', '--port', '0']\n"
+        "runpy.run_module('aiokvtier.server', run_name='__main__')"
+    )
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "pip install 'aiokvtier[server]'" in lines[0], done.stderr
+    assert lines[0].startswith("python -m aiokvtier.server: ")
+    # The options answer without it: --help, and one line for a bad one.
+    helped = _python(prelude + "from aiokvtier.server import main\nsys.exit(main(['--help']))")
+    assert helped.returncode == 0 and "--drain-seconds" in helped.stdout, helped.stderr
+    bad = _python(prelude + "from aiokvtier.server import main\nsys.exit(main(['--quota', '2XB'], prog='serve'))")
+    assert bad.returncode == 2 and bad.stderr.startswith("serve: argument --quota"), bad.stderr
+
+
+def test_the_load_generator_answers_help_and_says_what_to_install_without_httpx() -> None:
+    helped = subprocess.run(
+        [sys.executable, "-m", "aiokvtier.server.load", "--help"],
+        capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert helped.returncode == 0 and "--clients" in helped.stdout, helped.stderr
+    done = _python(
+        WITHOUT_THE_EXTRA.format(names=("httpx",)) + "import runpy\nsys.argv = ['x', '--seconds', '1']\n"
+        "runpy.run_module('aiokvtier.server.load', run_name='__main__')"
+    )
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "httpx" in lines[0] and "pip install 'aiokvtier[server]'" in lines[0], done.stderr
+
+
 def test_help_describes_every_option_with_its_default() -> None:
-    parser = APP_MODULE.build_parser()
+    parser = _options.build_parser()
     formatter = parser._get_formatter()
     for action in parser._actions:
         assert action.help and len(action.help) > 10, action.option_strings
         shown = formatter._get_help_string(action) or ""
         assert action.default in (None, False, argparse.SUPPRESS) or "default" in shown, (action.option_strings, shown)
     done = subprocess.run(
-        [sys.executable, str(APP), "--help"], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+        [sys.executable, *APP, "--help"], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
     )
     text = " ".join(done.stdout.split())
     assert done.returncode == 0
@@ -508,9 +776,8 @@ def _fuzz_request(rng: random.Random) -> tuple[str, str, bytes, dict[str, str]]:
 
 
 async def test_no_malformed_request_gets_a_500_or_changes_a_stored_block() -> None:
-    app_module = APP_MODULE
     config = HostTierConfig(quota="8MiB", max_quota="8MiB", slot_size="64KiB", backing="host")
-    service = app_module.Service(app_module.StoreBlocks(config, "lru"))
+    service = _app.Service(_blocks.StoreBlocks(config, "lru"))
     app = service.app()
     rng = random.Random(20260)
     victims = {f"f00d{i:04x}" + "0" * 60: rng.randbytes(rng.randrange(1, SLOT + 1)) for i in range(8)}

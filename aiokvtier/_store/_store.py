@@ -27,7 +27,7 @@ import logging
 import operator
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -39,7 +39,7 @@ from .._config import parse_quota
 from .._cuda._requests import Side, buffer_addresses
 from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._lifecycle import Lifecycle, Owner, finish
-from ._events import BlockEvent, EventHub
+from ._events import EventHub, EventSubscription
 from ._policy import EvictionPolicy, has_repeats, make_policy
 
 if TYPE_CHECKING:
@@ -103,6 +103,8 @@ class StoreStatistics:
     """Blocks a load is reading now (never evicted)."""
     in_flight: int
     """Store and load calls running now."""
+    subscribers: int
+    """Event subscriptions alive: made by ``BlockStore.events()`` and neither ended, closed nor dropped."""
 
 
 def _key(key: object) -> Key:
@@ -508,14 +510,19 @@ class BlockStore(Owner):
             bytes_loaded=c["bytes_loaded"],
             blocks_pinned=int(np.count_nonzero(self._pins)),
             in_flight=self._in_flight,
+            subscribers=len(self._events),
         )
 
-    def events(self) -> AsyncIterator[BlockEvent]:
-        """A new subscription: every ``stored``, ``evicted`` and ``discarded`` event from now on.
+    def events(self) -> EventSubscription:
+        """A new subscription: every ``stored``, ``evicted`` and ``discarded`` event from this call on.
 
         Bounded: a subscriber that reads too slowly loses the oldest events,
         and the next one it reads says how many (``BlockEvent.dropped``). The
-        iteration ends when the store closes.
+        iteration ends when the store closes, or at the subscription's
+        ``aclose()``. A subscription that nobody references any more stops
+        receiving and is released (see ``EventSubscription``).
+
+        :raises TierClosedError: the store is closed.
         """
         self._check_open()
         return self._events.subscribe()

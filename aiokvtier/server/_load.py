@@ -1,24 +1,16 @@
-"""A load generator for examples/server/app.py: N concurrent clients, JSON figures per endpoint.
-
-    python examples/server/load.py --url http://127.0.0.1:8077 --clients 16 --seconds 10
-
-Each client loops: PUT a new block (``--block-size`` bytes, 64 KiB by
-default), GET a block it stored earlier, POST a lookup of its last
-``--lookup-keys`` keys. It stops after ``--seconds`` or ``--requests`` in
-all, whichever comes first, and prints requests per second and p50 / p99
-latency per endpoint, and the count of answers other than the expected ones.
-"""
+"""The load generator's clients and figures (needs httpx); ``aiokvtier.server.load`` is the command."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
 
 import httpx
+
+__all__ = ["run"]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -85,19 +77,3 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "endpoints": endpoints,
         "server": "plain dict" if "dict" in stats else "BlockStore",
     }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--url", default="http://127.0.0.1:8077")
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--requests", type=int, default=10**9, help="stop after about this many requests in all")
-    parser.add_argument("--block-size", type=int, default=64 << 10)
-    parser.add_argument("--lookup-keys", type=int, default=32)
-    args = parser.parse_args()
-    print(json.dumps(asyncio.run(run(args)), indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,148 @@
+"""Where the service's blocks live: a BlockStore over a HostTier, or a plain dict (the baseline)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Protocol
+
+from prometheus_client.registry import Collector
+
+from .. import metrics
+from .._config import HostTierConfig
+from .._errors import BlockNotFound
+from .._host._tier import HostTier
+from .._store._store import BlockStore
+
+__all__ = ["Blocks", "DictBlocks", "StoreBlocks"]
+
+Put = Literal["stored", "present", "skipped"]
+
+
+class Blocks(Protocol):
+    """The service's view of where blocks live: the tier's store, or a plain dict (the baseline)."""
+
+    slot_size: int
+
+    async def open(self) -> None: ...
+    async def aclose(self) -> None: ...
+    def residency(self) -> tuple[int, int, str | None]: ...
+    async def put(self, key: bytes, body: bytes) -> Put: ...
+    async def get(self, key: bytes) -> bytes | None: ...
+    def delete(self, key: bytes) -> bool: ...
+    def lookup(self, keys: list[bytes]) -> int: ...
+    def stats(self) -> dict[str, Any]: ...
+    def collectors(self) -> list[Collector]: ...
+
+
+class StoreBlocks:
+    """Blocks in a ``BlockStore`` over a ``HostTier``.
+
+    A GET asks the store for the block's length and loads it into a
+    buffer of that length in the same loop step (nothing can evict it
+    between the two), then answers those bytes.
+    """
+
+    tier: HostTier
+    store: BlockStore
+
+    def __init__(self, config: HostTierConfig, policy: str) -> None:
+        self.config = config
+        self.policy = policy
+        self.slot_size = int(config.slot_size)
+
+    async def open(self) -> None:
+        self.tier = await HostTier.open(self.config)  # returns once the fill has started, not when resident
+        try:
+            self.store = await BlockStore.open(self.tier, None, policy=self.policy)
+        except BaseException:
+            await self.tier.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            if "store" in self.__dict__:
+                await self.store.aclose()
+        finally:
+            if "tier" in self.__dict__:
+                await self.tier.aclose()
+
+    def residency(self) -> tuple[int, int, str | None]:
+        s = self.tier.statistics()
+        return s.resident_bytes, s.target_bytes, s.fill_error
+
+    async def put(self, key: bytes, body: bytes) -> Put:
+        result = await self.store.store([key], [body])
+        return "stored" if result.stored else "present" if result.present else "skipped"
+
+    async def get(self, key: bytes) -> bytes | None:
+        try:
+            buffer = bytearray(self.store.length(key))
+            await self.store.load([key], [buffer])  # checks the key before its first await
+        except BlockNotFound:
+            return None
+        return bytes(buffer)
+
+    def delete(self, key: bytes) -> bool:
+        return self.store.discard([key]) == 1
+
+    def lookup(self, keys: list[bytes]) -> int:
+        return self.store.lookup(keys)
+
+    def stats(self) -> dict[str, Any]:
+        tier, store = self.tier.statistics(), self.store.statistics()
+        return {"tier": dataclasses.asdict(tier), "store": dataclasses.asdict(store)}
+
+    def collectors(self) -> list[Collector]:
+        return [metrics.TierCollector(self.tier), metrics.StoreCollector(self.store)]
+
+
+class DictBlocks:
+    """The baseline: blocks as ``bytes`` in a dict, oldest dropped first past ``quota // slot_size`` blocks."""
+
+    def __init__(self, quota: int, slot_size: int) -> None:
+        self.slot_size = slot_size
+        self.capacity = max(1, quota // slot_size)
+        self.blocks: dict[bytes, bytes] = {}
+        self.hits = self.misses = self.evictions = 0
+
+    async def open(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        self.blocks.clear()
+
+    def residency(self) -> tuple[int, int, str | None]:
+        return 1, 1, None  # nothing to fill: ready at once
+
+    async def put(self, key: bytes, body: bytes) -> Put:
+        if key in self.blocks:
+            return "present"
+        if len(self.blocks) >= self.capacity:
+            del self.blocks[next(iter(self.blocks))]
+            self.evictions += 1
+        self.blocks[key] = body
+        return "stored"
+
+    async def get(self, key: bytes) -> bytes | None:
+        return self.blocks.get(key)
+
+    def delete(self, key: bytes) -> bool:
+        return self.blocks.pop(key, None) is not None
+
+    def lookup(self, keys: list[bytes]) -> int:
+        hits = 0
+        for key in keys:
+            if key not in self.blocks:
+                break
+            hits += 1
+        self.hits += hits
+        self.misses += len(keys) - hits
+        return hits
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "dict": {"blocks": len(self.blocks), "capacity": self.capacity, "hits": self.hits, "misses": self.misses}
+        }
+
+    def collectors(self) -> list[Collector]:
+        return []

@@ -1,0 +1,132 @@
+"""The server's command line: options, their defaults, and the tier config they make.
+
+Needs none of the ``server`` extra, so that ``--help`` and a bad option
+answer on a base install too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from typing import NoReturn
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from .._config import HostTierConfig
+
+__all__ = ["build_parser", "parse"]
+
+DESCRIPTION = "A KV block service over a BlockStore, on Starlette and uvicorn."
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default where its help does not already say it (and it has one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """Errors are one line: ``aiokvtier-server: argument --quota: ...``, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def size(text: str) -> int:
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or like 64KiB, 2GiB)") from None
+
+
+OPTION_OF_FIELD = {"quota": "--quota", "max_quota": "--max-quota", "slot_size": "--slot-size"}
+OPTION_OF_FIELD |= {"device": "--device", "backing": "--backing"}
+
+
+def build_parser(prog: str = "aiokvtier-server") -> Parser:
+    parser = Parser(prog=prog, description=DESCRIPTION, formatter_class=Formatter)
+    parser.add_argument("--quota", type=size, default="1GiB", metavar="SIZE", help="bytes of the tier, like 2GiB")
+    parser.add_argument(
+        "--max-quota",
+        type=size,
+        default=None,
+        metavar="SIZE",
+        help="bytes of address range reserved (default: the quota)",
+    )
+    parser.add_argument(
+        "--slot-size", type=size, default="64KiB", metavar="SIZE", help="bytes per slot: the largest block"
+    )
+    parser.add_argument(
+        "--backing",
+        choices=["host", "register", "vmm", "auto"],
+        default="host",
+        help="host memory only, or GPU-usable (register, vmm: need --device); auto: register with --device",
+    )
+    parser.add_argument(
+        "--device", type=int, default=None, metavar="N", help="CUDA ordinal of the GPU the tier serves (default: none)"
+    )
+    parser.add_argument("--policy", choices=["lru", "s3fifo"], default="lru", help="the store's eviction policy")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--port", type=int, default=8077, metavar="N", help="port to listen on; 0: any free port (printed)"
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        default="warning",
+        help="uvicorn's and the library's log level",
+    )
+    parser.add_argument("--plain-dict", action="store_true", help="serve from a dict of bytes (the baseline)")
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="after SIGTERM or SIGINT, serve on this long with readyz 503",
+    )
+    parser.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="then, wait this long for the requests in flight before answering them 503 and closing every connection",
+    )
+    return parser
+
+
+def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[argparse.Namespace, HostTierConfig]:
+    """The options and the tier's config.
+
+    :raises SystemExit: 2 after one line naming the option at fault, 0 after ``--help``.
+    """
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"argument --port: {args.port} is not a port (0 to 65535)")
+    if not 0 <= args.drain_seconds <= 3600:  # also refuses nan
+        parser.error(f"argument --drain-seconds: {args.drain_seconds} is not 0 to 3600 seconds")
+    if not 0 <= args.grace_seconds <= 3600:
+        parser.error(f"argument --grace-seconds: {args.grace_seconds} is not 0 to 3600 seconds")
+    try:
+        config = HostTierConfig(
+            quota=args.quota,
+            max_quota=args.max_quota if args.max_quota is not None else args.quota,
+            slot_size=args.slot_size,
+            backing=args.backing,
+            device=args.device,
+            numa_node=None if args.device is None else "auto",
+        )
+    except ValidationError as error:
+        first = error.errors()[0]
+        message = first["msg"].removeprefix("Value error, ")
+        named = re.match(r"\w+", message)  # a rule across fields names its subject first ("max_quota (...) is below")
+        if named and named.group() in OPTION_OF_FIELD:
+            field = named.group()
+        else:
+            field = str(first["loc"][0]) if first["loc"] else "quota"
+        parser.error(f"argument {OPTION_OF_FIELD.get(field, '--' + field)}: {message}")
+    return args, config

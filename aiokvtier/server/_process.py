@@ -1,0 +1,154 @@
+"""The server process: uvicorn serving the app, signals, drain and shutdown.
+
+Shutdown, after the drain: stop accepting; close the idle connections at
+once and every other one after its response; wait up to ``grace_seconds``
+for the requests in flight; then answer those still running 503 (JSON, see
+``Service.cut()``), give those answers ``CUT_SECONDS`` to go out, abort
+every connection still open (a client that does not read what it was sent
+holds its connection open for as long as it likes), and close the store and
+the tier. uvicorn's own shutdown would wait ``timeout_graceful_shutdown``
+and then cancel the requests, which answers them a plain-text 500 and logs
+a traceback each; this one replaces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Generator
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from .._config import HostTierConfig
+from ._app import Service
+from ._blocks import Blocks, DictBlocks, StoreBlocks
+
+__all__ = ["serve"]
+
+log = logging.getLogger("aiokvtier.server")
+
+CUT_SECONDS = 1.0
+"""After the grace, how long the 503s have to go out before the connections left are aborted (and again
+after that, for the aborted connections' handlers to see it). A small JSON answer fits in the socket's
+send buffer whether the client reads or not, so this is ample; it only bounds the wait."""
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, saying where it listens, marking the service draining on a signal, exiting 0 after it.
+
+    With ``drain_seconds``, the first signal only marks the service draining
+    (``/readyz`` 503, everything else served, so that a load balancer sees
+    the change before the port closes); the shutdown starts when the drain
+    is over, or at a second signal. A signal during the shutdown ends its
+    grace at once.
+    """
+
+    def __init__(
+        self, config: uvicorn.Config, service: Service, drain_seconds: float = 0.0, grace_seconds: float = 10.0
+    ) -> None:
+        super().__init__(config)
+        self.service = service
+        self.drain_seconds = drain_seconds
+        self.grace_seconds = grace_seconds
+        self.drain_until: float | None = None
+        self.cut_now = False
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                print(f"aiokvtier server listening on http://{host}:{port}", flush=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler may only set flags: on_tick and the shutdown's wait (every 0.1 s or less,
+        # on the loop) act on them.
+        self.service.draining = True
+        if self.drain_seconds > 0 and self.drain_until is None:
+            self.drain_until = time.monotonic() + self.drain_seconds
+            return
+        if self.should_exit:
+            self.cut_now = True
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_until is not None and time.monotonic() >= self.drain_until:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        state = self.server_state
+        for connection in list(state.connections):
+            connection.shutdown()  # idle: closed now; busy: closed once its response is complete
+        if not await self._settled(self.grace_seconds):
+            cut = self.service.cut()
+            log.warning(
+                "shutdown: after the %g s grace, %d request(s) still in flight, answered 503, "
+                "and %d connection(s) open, closed",
+                self.grace_seconds,
+                cut,
+                len(state.connections),
+            )
+            if not await self._settled(CUT_SECONDS, cutting=True):
+                for connection in list(state.connections):
+                    connection.transport.abort()  # a client that does not read its response
+                await self._settled(CUT_SECONDS, cutting=True)
+        # Always, even after a second SIGINT: closing the tier stops its fill threads, and it is quick
+        # once no request is left.
+        await self.lifespan.shutdown()
+
+    async def _settled(self, seconds: float, *, cutting: bool = False) -> bool:
+        """Wait until no connection and no request is left: True, or False after ``seconds`` or a further signal."""
+        deadline = time.monotonic() + seconds
+        state = self.server_state
+        while state.connections or state.tasks:
+            if time.monotonic() >= deadline or (self.cut_now and not cutting):
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # uvicorn raises the caught signal again once it has shut down; the
+        # shutdown here is the intended end, so the process exits 0 instead.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
+    """Serve until a signal; 0 after a clean shutdown, 3 when the server did not start."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    blocks: Blocks = (
+        DictBlocks(int(config.quota), int(config.slot_size)) if args.plain_dict else StoreBlocks(config, args.policy)
+    )
+    service = Service(blocks)
+    uv = uvicorn.Config(
+        service.app(),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=args.grace_seconds,  # what Server.shutdown waits, in its own way
+    )
+    server = Server(uv, service, args.drain_seconds, args.grace_seconds)
+    server.run()
+    return 0 if server.started else 3
