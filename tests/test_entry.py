@@ -26,6 +26,9 @@ from typing import Any
 import pytest
 
 import aiokvtier
+from aiokvtier import _program
+from aiokvtier._errors import FillError
+from aiokvtier._program import UsageError
 from aiokvtier._progress import Steps, note
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -292,3 +295,38 @@ def test_notes_show_at_most_once_per_interval() -> None:
         note("first")
         note("second")
     assert out.getvalue().splitlines()[1:3] == ["bench y [1/1] only: first", "bench y [1/1] only: second"]
+
+
+# -- the entry's statuses, in this process ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raised", "status", "line"),
+    [
+        (None, 0, None),
+        (SystemExit(0), 0, None),  # --help, --version
+        (UsageError("argument --quota: 'lots' is not a size"), 2, "x: error: argument --quota: 'lots' is not a size"),
+        (FillError("making bytes 0.. resident failed", resident_bytes=0, failed_offset=0), 1, "x: error: FillError: "),
+        (OSError(12, "Cannot allocate memory"), 1, "x: error: [Errno 12] Cannot allocate memory"),
+    ],
+)
+def test_run_exits_with_the_conventions_status_and_one_line(
+    raised: BaseException | None, status: int, line: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def body() -> int:
+        if raised is not None:
+            raise raised
+        return 0
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(SystemExit) as exc:
+        _program.run(body, name="x", program=False)
+    assert exc.value.code == status
+    err = capsys.readouterr().err
+    assert (err == "") if line is None else (err.count("\n") == 1 and err.startswith(line))
+    assert signal.getsignal(signal.SIGINT) is before  # called in-process: the handler is put back
+
+
+def test_a_bug_is_not_hidden() -> None:
+    with pytest.raises(ZeroDivisionError):
+        _program.run(lambda: 1 // 0, program=False)
