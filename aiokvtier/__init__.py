@@ -3,41 +3,50 @@
 The tier's range is reserved once at ``max_quota``; fill threads make it
 resident unit by unit and publish a watermark, so the first allocation comes
 as soon as the first small unit is resident.
+
+The names below are imported on first use (``aiokvtier.HostTier`` imports
+the tier's modules, numpy and pydantic then), so ``import aiokvtier`` and
+the ``aiokvtier`` command start in milliseconds, and a Ctrl-C while the
+command starts meets code that handles it.
 """
 
 from __future__ import annotations
 
-from ._config import CacheConfig as CacheConfig
-from ._config import DiskTierConfig as DiskTierConfig
-from ._config import GpuTierConfig as GpuTierConfig
-from ._config import HostTierConfig as HostTierConfig
-from ._cuda._engine import CopyEngine as CopyEngine
-from ._cuda._engine import CopyStatistics as CopyStatistics
-from ._cuda._engine import StartedCopy as StartedCopy
-from ._cuda._static import StaticHostMem as StaticHostMem
-from ._errors import AiokvtierError as AiokvtierError
-from ._errors import BlockNotFound as BlockNotFound
-from ._errors import ConfigError as ConfigError
-from ._errors import CopyPlanError as CopyPlanError
-from ._errors import CudaError as CudaError
-from ._errors import CudaUnavailableError as CudaUnavailableError
-from ._errors import DecommitError as DecommitError
-from ._errors import FillError as FillError
-from ._errors import NumaPolicyError as NumaPolicyError
-from ._errors import OutOfSlots as OutOfSlots
-from ._errors import QuotaError as QuotaError
-from ._errors import SlotError as SlotError
-from ._errors import TierClosedError as TierClosedError
-from ._errors import WouldBlock as WouldBlock
-from ._host._placement import Placement as Placement
-from ._host._statistics import TierStatistics as TierStatistics
-from ._host._tier import HostTier as HostTier
-from ._store._events import BlockEvent as BlockEvent
-from ._store._events import EventSubscription as EventSubscription
-from ._store._policy import EvictionPolicy as EvictionPolicy
-from ._store._store import BlockStore as BlockStore
-from ._store._store import StoreResult as StoreResult
-from ._store._store import StoreStatistics as StoreStatistics
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from ._config import CacheConfig as CacheConfig
+    from ._config import DiskTierConfig as DiskTierConfig
+    from ._config import GpuTierConfig as GpuTierConfig
+    from ._config import HostTierConfig as HostTierConfig
+    from ._cuda._engine import CopyEngine as CopyEngine
+    from ._cuda._engine import CopyStatistics as CopyStatistics
+    from ._cuda._engine import StartedCopy as StartedCopy
+    from ._cuda._static import StaticHostMem as StaticHostMem
+    from ._errors import AiokvtierError as AiokvtierError
+    from ._errors import BlockNotFound as BlockNotFound
+    from ._errors import ConfigError as ConfigError
+    from ._errors import CopyPlanError as CopyPlanError
+    from ._errors import CudaError as CudaError
+    from ._errors import CudaUnavailableError as CudaUnavailableError
+    from ._errors import DecommitError as DecommitError
+    from ._errors import FillError as FillError
+    from ._errors import NumaPolicyError as NumaPolicyError
+    from ._errors import OutOfSlots as OutOfSlots
+    from ._errors import QuotaError as QuotaError
+    from ._errors import SlotError as SlotError
+    from ._errors import TierClosedError as TierClosedError
+    from ._errors import WouldBlock as WouldBlock
+    from ._host._placement import Placement as Placement
+    from ._host._statistics import TierStatistics as TierStatistics
+    from ._host._tier import HostTier as HostTier
+    from ._store._events import BlockEvent as BlockEvent
+    from ._store._events import EventSubscription as EventSubscription
+    from ._store._policy import EvictionPolicy as EvictionPolicy
+    from ._store._store import BlockStore as BlockStore
+    from ._store._store import StoreResult as StoreResult
+    from ._store._store import StoreStatistics as StoreStatistics
 
 __version__ = "0.1.0"
 
@@ -74,3 +83,37 @@ __all__ = [
     "TierStatistics",
     "WouldBlock",
 ]
+
+# Each public name by the private module that defines it; a test checks this against __all__
+# and against the imports above.
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "._config": ("CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig"),
+    "._cuda._engine": ("CopyEngine", "CopyStatistics", "StartedCopy"),
+    "._cuda._static": ("StaticHostMem",),
+    "._errors": (
+        "AiokvtierError", "BlockNotFound", "ConfigError", "CopyPlanError", "CudaError", "CudaUnavailableError",
+        "DecommitError", "FillError", "NumaPolicyError", "OutOfSlots", "QuotaError", "SlotError", "TierClosedError",
+        "WouldBlock",
+    ),
+    "._host._placement": ("Placement",),
+    "._host._statistics": ("TierStatistics",),
+    "._host._tier": ("HostTier",),
+    "._store._events": ("BlockEvent", "EventSubscription"),
+    "._store._policy": ("EvictionPolicy",),
+    "._store._store": ("BlockStore", "StoreResult", "StoreStatistics"),
+}  # fmt: skip
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+if not _typing.TYPE_CHECKING:  # type checkers see the imports above, and an unknown name stays an error
+
+    def __getattr__(name: str) -> _typing.Any:
+        module = _MODULE_OF.get(name)
+        if module is None:
+            raise AttributeError(f"module 'aiokvtier' has no attribute {name!r}")
+        value = getattr(_importlib.import_module(module, __name__), name)
+        globals()[name] = value  # found once: later lookups do not come here
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

@@ -1,21 +1,22 @@
-"""The ``aiokvtier`` command: ``demo``, ``doctor`` and ``bench``.
+"""The ``aiokvtier`` command: ``demo``, ``doctor``, ``bench`` and ``serve``.
 
-Errors a user can fix print one line and exit 2 (a bad option) or 1 (the
-machine refused); Ctrl-C exits 130 without a traceback.
+It starts and ends by the convention of ``aiokvtier._program``: one line
+``aiokvtier: error: ...`` and exit 2 for a usage error (a bad value, or what
+this machine cannot do, refused before anything runs), 1 for a failure while
+running; Ctrl-C closes the tier and ends the process by SIGINT (130), a closed
+stdout ends it by SIGPIPE (141); never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import re
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from . import _sysinfo
+from ._program import Parser, UsageError, run, run_async
 from ._units import format_bytes
 
 __all__ = ["main"]
@@ -33,34 +34,47 @@ _OPTION_OF_FIELD = {
 }
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default, except where there is none to show."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
-            return action.help
-        if "(default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line: ``aiokvtier demo: argument --quota: ...``."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}\n")
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
 
 
 def _size(name: str) -> Callable[[str], int]:
-    from ._config import _size_bytes
+    """A size option: bytes, or a number and a unit (512MiB, 4GiB, 1GB), more than 0 and below 2**63."""
+
+    def parse(text: str) -> int:
+        if text.lstrip().startswith("-"):
+            raise argparse.ArgumentTypeError(f"{text!r} is negative: a size is more than 0 bytes")
+        if not _SIZE.fullmatch(text):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a size: give bytes, or a number and a unit such as 512MiB, 4GiB or 1GB"
+            )
+        from ._config import _size_bytes
+
+        try:
+            return _size_bytes(int(text) if text.strip().isdigit() else text, name)
+        except ValueError as exc:
+            message = str(exc).removeprefix(f"{name} ")
+            if "is not a size" in message:  # the unit (pydantic's words follow the colon)
+                message = f"{text!r} is not a size: unknown unit; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB"
+            raise argparse.ArgumentTypeError(message) from None
+
+    parse.__name__ = "size"
+    return parse
+
+
+def whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An option's whole number from ``low`` to ``high`` (the demo's and the benchmarks' argparse type)."""
 
     def parse(text: str) -> int:
         try:
-            return _size_bytes(int(text) if text.isdigit() else text, name)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{name} ")) from None
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"{low} to {high}" if high is not None else f"{low} or more"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {bounds}")
+        return value
 
-    parse.__name__ = "size"
+    parse.__name__ = "count"
     return parse
 
 
@@ -69,7 +83,7 @@ def _numa_node(text: str) -> int | str | None:
         return None if text == "none" else text
     if text.isdigit():
         return int(text)
-    raise argparse.ArgumentTypeError(f"{text!r} is not a node number, 'auto' or 'none'")
+    raise argparse.ArgumentTypeError(f"{text!r} is not a node number (0 or more), 'auto' or 'none'")
 
 
 def _positive_float(text: str) -> float:
@@ -98,17 +112,17 @@ def _default_quota(available: int) -> int:
     return max(1 << 30, min(8 << 30, available // 4) >> 30 << 30)
 
 
-def build_parser(prog: str = "aiokvtier") -> _Parser:
+def build_parser(prog: str = "aiokvtier") -> Parser:
     from . import __version__
 
-    parser = _Parser(
+    parser = Parser(
         prog=prog,
         description="aiokvtier: an asyncio-native host-memory tier for LLM KV caches.",
-        formatter_class=_Formatter,
-        epilog="Run 'COMMAND --help' for each command's options.",
+        epilog="Run 'COMMAND --help' for each command's options. Exit status: 0 done, 1 failed while running, "
+        "2 usage error, 130 Ctrl-C, 141 stdout closed.",
     )
-    parser.add_argument("--version", action="version", version=f"aiokvtier {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    parser.add_argument("-V", "--version", action="version", version=f"aiokvtier {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     demo = sub.add_parser(
         "demo",
@@ -117,14 +131,13 @@ def build_parser(prog: str = "aiokvtier") -> _Parser:
             "Open a host tier on this machine, take a slot as soon as the first unit is resident, show the fill,\n"
             "and print what the tier holds as JSON. Sizes are bytes or strings like 512MiB, 4GiB or 1GB."
         ),
-        formatter_class=_Formatter,
     )
     demo.add_argument(
         "--quota",
         type=_size("quota"),
         metavar="SIZE",
         help="bytes to make resident, rounded down to whole slots "
-        "(default: a quarter of the memory available now, in whole GiB, 1 to 8 GiB)",
+        "(default: a quarter of the memory available now, in whole GiB, 1 to 8 GiB; 256MiB with --quick)",
     )
     demo.add_argument(
         "--max-quota",
@@ -136,7 +149,11 @@ def build_parser(prog: str = "aiokvtier") -> _Parser:
         "--slot-size", type=_size("slot_size"), default="2MiB", metavar="SIZE", help="bytes per slot, a page multiple"
     )
     demo.add_argument(
-        "--fill-threads", type=int, default=1, metavar="N", help="threads making the range resident (1 to 256)"
+        "--fill-threads",
+        type=whole_number(1, 256),
+        default=1,
+        metavar="N",
+        help="threads making the range resident, 1 to 256",
     )
     demo.add_argument(
         "--backing",
@@ -146,7 +163,10 @@ def build_parser(prog: str = "aiokvtier") -> _Parser:
         "auto: register with --device, host without",
     )
     demo.add_argument(
-        "--device", type=int, metavar="N", help="CUDA ordinal that will copy to and from the tier (cuda extra)"
+        "--device",
+        type=whole_number(0),
+        metavar="N",
+        help="CUDA ordinal that will copy to and from the tier (cuda extra; checked before the tier opens)",
     )
     demo.add_argument(
         "--numa-node",
@@ -181,6 +201,7 @@ def build_parser(prog: str = "aiokvtier") -> _Parser:
         action="store_true",
         help="print only the JSON report on stdout (progress lines go to stderr)",
     )
+    demo.add_argument("--quick", action="store_true", help="a 256MiB tier, resident in a moment (a --quota given wins)")
 
     doctor = sub.add_parser(
         "doctor",
@@ -189,7 +210,6 @@ def build_parser(prog: str = "aiokvtier") -> _Parser:
             "One line per check: verdict (ok, info, warn, fail, skip), what was found, and advice.\n"
             "Exits 1 only when a check is fatal (no tier can work here)."
         ),
-        formatter_class=_Formatter,
     )
     doctor.add_argument("--json", action="store_true", help="print the checks as one JSON document")
     doctor.add_argument("--no-cuda", action="store_true", help="leave the CUDA driver alone")
@@ -199,34 +219,69 @@ def build_parser(prog: str = "aiokvtier") -> _Parser:
         help="benchmark programs printing JSON: bench host | cuda | store | ranks ('bench --help' for more)",
         add_help=False,
     )
+    sub.add_parser(
+        "serve",
+        help="the HTTP block server over a tier ('serve --help' for more; needs the server extra)",
+        add_help=False,
+    )
     return parser
 
 
-def _config_error(parser: argparse.ArgumentParser, error: Any) -> NoReturn:
+def _config_error(error: Any) -> NoReturn:
+    """:raises UsageError: the config's first complaint, naming the option and the rule in our words."""
     first = error.errors()[0]
-    message = str(first["msg"]).removeprefix("Value error, ")
+    ctx = first.get("ctx") or {}
+    rules = {
+        "greater_than_equal": "must be {ge} or more",
+        "less_than_equal": "must be {le} or less",
+        "greater_than": "must be more than {gt}",
+        "less_than": "must be less than {lt}",
+    }
+    if first["type"] in rules:  # a bound pydantic checked: its wording is pydantic's, say it in ours
+        message = f"{first.get('input')!r} {rules[first['type']].format(**ctx)}"
+    else:
+        message = str(first["msg"]).removeprefix("Value error, ")
     loc = first.get("loc") or ()
     leading = re.match(r"[a-z_]+", message)  # a model-wide rule's message starts with the field it is about
     field = str(loc[0]) if loc else leading.group(0) if leading else ""
     option = _OPTION_OF_FIELD.get(field)
-    parser.error(f"argument {option}: {message}" if option else message)
+    raise UsageError(f"argument {option}: {message}" if option else message)
 
 
-def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace, argv_quota: str | None) -> int:
+def _check_device(device: int) -> None:
+    """:raises UsageError: this machine has no CUDA device ``device`` (found before the tier opens)."""
+    from ._cuda._driver import device_count
+    from ._errors import CudaUnavailableError
+
+    try:
+        count = device_count()
+    except CudaUnavailableError as exc:
+        reason = str(exc).removeprefix("a CUDA device was requested but ")
+        raise UsageError(f"argument --device: no CUDA device can be used here: {reason}") from None
+    if device >= count:
+        seen = f"{count} visible" if count else "the driver sees none"
+        raise UsageError(f"argument --device: there is no CUDA device {device} ({seen})")
+
+
+_QUICK_QUOTA = 256 << 20
+
+
+def _demo(args: argparse.Namespace, argv_quota: str | None) -> int:
     from pydantic import ValidationError
 
+    from . import _sysinfo
     from ._config import HostTierConfig, default_max_quota
     from ._demo import DemoOptions, run_demo
-    from ._errors import AiokvtierError
 
     available, bound = _sysinfo.available_memory()
     quota = args.quota
     if quota is None:
-        quota = _default_quota(available)
+        quota = _QUICK_QUOTA if args.quick else _default_quota(available)
         if args.max_quota is not None:
             quota = min(quota, args.max_quota)  # the default never contradicts an explicit reservation
+        argv_quota = argv_quota or ("256MiB" if quota == _QUICK_QUOTA else None)
     if quota > available and not args.force:
-        parser.error(
+        raise UsageError(
             f"argument --quota: {format_bytes(quota)} is more than this machine can make resident now "
             f"({format_bytes(available)} available: {bound}); the kernel would kill the process part-way, "
             "so it is refused (--force to try anyway)"
@@ -247,24 +302,21 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace, argv_quota:
     try:
         config = HostTierConfig.model_validate(values)
     except ValidationError as exc:
-        _config_error(parser, exc)
-    out = sys.stderr if args.json else sys.stdout
-    options = DemoOptions(
-        config=config, requested_quota=argv_quota or str(quota), interval=args.interval, hold=args.hold
-    )
+        _config_error(exc)
     factory = None
     if args.loop == "uvloop":
         try:
             import uvloop
         except ImportError:
-            parser.error("argument --loop: uvloop is not installed (pip install uvloop)")
+            raise UsageError("argument --loop: uvloop is not installed (pip install uvloop)") from None
         factory = uvloop.new_event_loop
-    try:
-        with asyncio.Runner(loop_factory=factory) as runner:
-            report = runner.run(run_demo(options, out))
-    except (AiokvtierError, OSError) as exc:
-        print(f"{parser.prog}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    if config.device is not None:
+        _check_device(config.device)
+    out = sys.stderr if args.json else sys.stdout
+    options = DemoOptions(
+        config=config, requested_quota=argv_quota or str(quota), interval=args.interval, hold=args.hold
+    )
+    report = run_async(run_demo(options, out), loop_factory=factory)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -291,24 +343,30 @@ def _quota_text(argv: Sequence[str]) -> str | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "aiokvtier") -> NoReturn:
-    """Run the command line; exits with the command's status (130 after Ctrl-C)."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    try:
-        if args_list[:1] == ["bench"]:
-            from .bench.__main__ import main as bench
+def _command(argv: list[str], prog: str) -> int:
+    if argv[:1] == ["bench"]:
+        from .bench.__main__ import bench
 
-            bench(args_list[1:], prog=f"{prog} bench")
-            sys.exit(0)
-        parser = build_parser(prog)
-        args = parser.parse_args(args_list)
-        if args.command == "doctor":
-            sys.exit(_doctor(args))
-        demo_parser = _Parser(prog=f"{prog} demo")
-        sys.exit(_demo(demo_parser, args, _quota_text(args_list)))
-    except KeyboardInterrupt:
-        # Ctrl-C is how a user ends the demo or a benchmark: the tier has closed
-        # by now (the runner cancelled the task), so exit as a shell expects.
-        sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        sys.exit(130)
+        return bench(argv[1:], prog=f"{prog} bench")
+    if argv[:1] == ["serve"]:
+        from .server import main as serve
+
+        return serve(argv[1:], prog=f"{prog} serve")
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.command is None:  # the bare command: what it offers, as a usage error
+        print(parser.format_help(), file=sys.stderr, end="")
+        return 2
+    if args.command == "doctor":
+        return _doctor(args)
+    return _demo(args, _quota_text(argv))
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "aiokvtier") -> NoReturn:
+    """Run the command line and exit by the convention of ``aiokvtier._program``.
+
+    :param argv: the arguments (None: ``sys.argv[1:]``, this process's own
+        command line: Ctrl-C then stays "end at once" until the process ends).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    run(lambda: _command(args, prog), program=argv is None)

@@ -11,20 +11,26 @@ event stream. Every loaded block is checked against what its hash computes.
 With CUDA (``pip install 'aiokvtier[torch]'``: torch and the ``cuda`` extra)
 pages are CUDA tensors copied by a CopyEngine; without, numpy pages copied on
 the store's thread.
+
+    python examples/engine_mock.py
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import random
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Any
 
-import numpy as np
+from aiokvtier import _program
 
-from aiokvtier import BlockEvent, BlockNotFound, BlockStore, HostTier, HostTierConfig
+with _program.starting():  # a Ctrl-C during the slow imports ends the example at once, without a traceback
+    import asyncio
+
+    import numpy as np
+
+    from aiokvtier import BlockEvent, BlockNotFound, BlockStore, HostTier, HostTierConfig
 
 BLOCK_TOKENS = 16
 PAGE = 64 << 10  # KV bytes per block (all layers of one block, for the mock)
@@ -182,5 +188,12 @@ async def main() -> None:
         print(f"verified: {mock.loaded} loaded blocks equal what was stored")
 
 
+def cli() -> None:
+    _program.Parser(prog="engine_mock.py", description=(__doc__ or "").split("\n\n")[0]).parse_args()
+    _program.run_async(main())
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    # By the aiokvtier command's conventions: --help, one-line errors (exit 2), Ctrl-C closes the tier
+    # and ends by SIGINT, a closed stdout ends quietly.
+    _program.run(cli, name="engine_mock.py")

@@ -27,18 +27,21 @@ one line saying it skipped and exits 0.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
-from pydantic import ByteSize, TypeAdapter, ValidationError
+from aiokvtier import _program
 
-from aiokvtier import BlockNotFound, BlockStore, CopyEngine, HostTier, HostTierConfig
+with _program.starting():  # a Ctrl-C during the slow imports ends the example at once, without a traceback
+    import asyncio
+
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    from aiokvtier import BlockNotFound, BlockStore, CopyEngine, HostTier, HostTierConfig
 
 BLOCK_TOKENS = 16
 SHARED_PROMPTS = 4  # system prompts that many conversations start with
@@ -52,16 +55,17 @@ def size(text: str) -> int:
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="engine_offload.py", description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--quota", type=size, default="8GiB", help="the host tier (default 8GiB)")
-    parser.add_argument("--page-size", type=size, default="64KiB", help="KV bytes per block (default 64KiB)")
-    parser.add_argument("--gpu-pages", type=int, default=4096, help="pages of the GPU KV cache (default 4096)")
-    parser.add_argument("--conversations", type=int, default=64, help="conversations (default 64)")
-    parser.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
-    parser.add_argument("--blocks-per-turn", type=int, default=16, help="new blocks a turn adds (default 16)")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    parser.add_argument("--backing", choices=["auto", "register", "vmm"], default="auto")
-    parser.add_argument("--device", type=int, default=0, help="CUDA ordinal (default 0)")
+    # The aiokvtier command's parser: one-line errors, exit 2, every default in the help.
+    parser = _program.Parser(prog="engine_offload.py", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quota", type=size, default="8GiB", help="the host tier")
+    parser.add_argument("--page-size", type=size, default="64KiB", help="KV bytes per block")
+    parser.add_argument("--gpu-pages", type=int, default=4096, help="pages of the GPU KV cache")
+    parser.add_argument("--conversations", type=int, default=64, help="conversations")
+    parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
+    parser.add_argument("--blocks-per-turn", type=int, default=16, help="new blocks a turn adds")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument("--backing", choices=["auto", "register", "vmm"], default="auto", help="the tier's backing")
+    parser.add_argument("--device", type=int, default=0, help="CUDA ordinal")
     args = parser.parse_args(argv)
     for name in ("gpu_pages", "conversations", "turns", "blocks_per_turn", "concurrency"):
         if getattr(args, name) < 1:
@@ -282,10 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if torch is None:
         print(f"engine_offload: skipped: no CUDA device ({reason})")
         return 0
-    summary = asyncio.run(run(args, torch))
+    summary = _program.run_async(run(args, torch))
     print(json.dumps(summary, indent=2))
     return 1 if summary["mismatches"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # By the aiokvtier command's conventions: a usage error exits 2 in one line, Ctrl-C closes what is
+    # open and ends by SIGINT, a closed stdout ends quietly.
+    _program.run(main, name="engine_offload.py")

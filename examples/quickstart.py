@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
+from aiokvtier import _program
 
-from aiokvtier import HostTier, HostTierConfig
+with _program.starting():  # a Ctrl-C during the slow imports ends the example at once, without a traceback
+    from aiokvtier import HostTier, HostTierConfig
 
 
 async def main() -> None:
@@ -22,5 +23,12 @@ async def main() -> None:
         page.release()
 
 
+def cli() -> None:
+    _program.Parser(prog="quickstart.py", description=(__doc__ or "").split("\n\n")[0]).parse_args()
+    _program.run_async(main())
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    # By the aiokvtier command's conventions: --help, one-line errors (exit 2), Ctrl-C closes the tier
+    # and ends by SIGINT, a closed stdout ends quietly.
+    _program.run(cli, name="quickstart.py")

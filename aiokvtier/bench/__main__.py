@@ -6,11 +6,11 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .._cli import non_negative_seconds as _seconds
-from ._common import UnknownSections, machine
+from .._cli import whole_number
+from .._program import Parser, UsageError, run
 
 _GIB_STEP = 2 / 1024
 """GiB options are whole 2 MiB: the largest slot a program uses, and a multiple of the page that mmap wants."""
@@ -27,22 +27,7 @@ def _gib(text: str) -> float:
     return math.floor(value / _GIB_STEP) * _GIB_STEP
 
 
-def _int_from(low: int, high: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low or (high is not None and value > high):
-            bounds = f"{low} to {high}" if high is not None else f"{low} or more"
-            raise argparse.ArgumentTypeError(f"{text!r} is not {bounds}")
-        return value
-
-    parse.__name__ = "count"
-    return parse
-
-
-_count = _int_from(1)
+_count = whole_number(1)
 
 
 def _mib(text: str) -> float:
@@ -55,98 +40,188 @@ def _mib(text: str) -> float:
     return value
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors in one line naming the option, exit 2 (as ``aiokvtier demo``)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
 _SECTIONS_HELP = "run only these parts, in this order (default: {}); an unknown name is refused with the list"
 
+# Options whose default depends on --quick: (default, with --quick). --quick runs every section at small
+# sizes, in seconds; an option given on the command line wins over both.
+_HOST_DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "sizes": ([4, 8, 16], [0.25]),
+    "fill_gib": (8, 0.25),
+    "ops_gib": (4, 0.25),
+    "pairs": (1_000_000, 10_000),
+    "bookkeeping_gib": (16, 0.25),
+    "repeats": (3, 1),
+    "gib": (4, 0.0625),
+    "settle": (0.5, 0),
+    "cold_gib": (64, 0.25),
+    "cold_repeats": (5, 1),
+    "cold_threads": ([1, 4], [1]),
+}
+_CUDA_DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "cold_gib": (64, 2),
+    "cold_repeats": (5, 1),
+    "cold_threads": ([1, 4], [1, 4]),
+    "full_gib": (96, 2),
+    "settle": (10, 1),
+}
+_STORE_DEFAULTS: dict[str, tuple[Any, Any]] = {"repeats": (9, 3)}
+_RANKS_DEFAULTS: dict[str, tuple[Any, Any]] = {"size_gib": (8, 1)}
 
-def _cold_options(parser: argparse.ArgumentParser, gib: str, repeats: str) -> None:
+
+def _default(table: dict[str, tuple[Any, Any]], name: str) -> str:
+    """``(default: 4 8 16; 0.25 with --quick)``: both defaults, as the help shows every default."""
+
+    def show(value: Any) -> str:
+        return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    full, quick = table[name]
+    if full == quick:
+        return f"(default: {show(full)})"
+    return f"(default: {show(full)}; {show(quick)} with --quick)"
+
+
+def _resolve(args: argparse.Namespace, table: dict[str, tuple[Any, Any]]) -> None:
+    for name, (full, quick) in table.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+
+
+def _quick(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--quick", action="store_true", help=f"small sizes: {what}")
+
+
+def _cold_options(parser: argparse.ArgumentParser, table: dict[str, tuple[Any, Any]]) -> None:
     cold = parser.add_argument_group("cold section (a fresh process per sample)")
-    cold.add_argument("--cold-gib", type=_gib, help=f"quota and max_quota of each tier, GiB (default {gib})")
-    cold.add_argument("--cold-repeats", type=_count, help=f"fresh processes per arm (default {repeats})")
     cold.add_argument(
-        "--cold-threads", type=_int_from(1, 256), nargs="+", default=[1, 4], help="fill_threads values (default 1 4)"
+        "--cold-gib", type=_gib, help=f"quota and max_quota of each tier, GiB {_default(table, 'cold_gib')}"
+    )
+    cold.add_argument("--cold-repeats", type=_count, help=f"fresh processes per arm {_default(table, 'cold_repeats')}")
+    cold.add_argument(
+        "--cold-threads",
+        type=whole_number(1, 256),
+        nargs="+",
+        help=f"fill_threads values {_default(table, 'cold_threads')}",
     )
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default where its help does not already say it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def main(argv: list[str] | None = None, prog: str = "python -m aiokvtier.bench") -> None:
-    parser = _Parser(
-        prog=prog, description="Benchmark programs: each prints one JSON document.", formatter_class=_Formatter
-    )
-    sub = parser.add_subparsers(dest="mode", required=True)
+def build_parser(prog: str) -> Parser:
+    parser = Parser(prog=prog, description="Benchmark programs: each prints one JSON document on stdout.")
+    sub = parser.add_subparsers(dest="mode", metavar="MODE", parser_class=Parser)
+    t = _HOST_DEFAULTS
     host = sub.add_parser(
-        "host", help="progressive host tier vs making memory resident up front", formatter_class=_Formatter
+        "host",
+        help="progressive host tier vs making memory resident up front",
+        description="The host tier against making memory resident up front. The defaults take minutes and fill\n"
+        "up to 16 GiB at a time; --quick takes seconds. Progress goes to stderr, the JSON to stdout.",
     )
-    host.add_argument("--sizes", type=_gib, nargs="+", default=[4, 8, 16], help="GiB, time to first allocation")
-    host.add_argument("--fill-gib", type=_gib, default=8, help="GiB for fill throughput and loop lag")
-    host.add_argument("--ops-gib", type=_gib, default=4, help="GiB of the tier that slot operations run on")
-    host.add_argument("--pairs", type=_count, default=1_000_000, help="allocate/free pairs timed per loop")
+    _quick(host, "every section in seconds, to check the program runs here")
+    host.add_argument("--sizes", type=_gib, nargs="+", help=f"GiB, time to first allocation {_default(t, 'sizes')}")
+    host.add_argument("--fill-gib", type=_gib, help=f"GiB for fill throughput and loop lag {_default(t, 'fill_gib')}")
     host.add_argument(
-        "--bookkeeping-gib", type=_gib, default=16, help="GiB of 64 KiB slots whose bookkeeping is measured"
+        "--ops-gib", type=_gib, help=f"GiB of the tier that slot operations run on {_default(t, 'ops_gib')}"
     )
-    host.add_argument("--repeats", type=_count, default=3, help="runs per measurement (the median is reported)")
+    host.add_argument("--pairs", type=_count, help=f"allocate/free pairs timed per loop {_default(t, 'pairs')}")
+    host.add_argument(
+        "--bookkeeping-gib",
+        type=_gib,
+        help=f"GiB of 64 KiB slots whose bookkeeping is measured {_default(t, 'bookkeeping_gib')}",
+    )
+    host.add_argument(
+        "--repeats", type=_count, help=f"runs per measurement (the median is reported) {_default(t, 'repeats')}"
+    )
     host.add_argument("--sections", nargs="+", help=_SECTIONS_HELP.format("all but thp_auto"))
-    fill = host.add_argument_group("neighbours, fill_scaling and thp_auto sections")
-    fill.add_argument("--gib", type=_gib, default=4, help="GiB each fill makes resident (default 4)")
-    fill.add_argument("--settle", type=_seconds, default=0.5, help="seconds of rest after each free (default 0.5)")
+    fill = host.add_argument_group("neighbours, fill_scaling, busy_loop and thp_auto sections")
+    fill.add_argument("--gib", type=_gib, help=f"GiB each fill makes resident {_default(t, 'gib')}")
+    fill.add_argument("--settle", type=_seconds, help=f"seconds of rest after each free {_default(t, 'settle')}")
     fill.add_argument(
         "--register-units-mib",
         type=_mib,
         nargs="*",
         default=[64, 128, 256],
-        help="commit units to try with the register backing, MiB (GPU only; default 64 128 256)",
+        help="commit units to try with the register backing, MiB; GPU only",
     )
     fill.add_argument(
         "--vmm-units-mib",
         type=_mib,
         nargs="*",
         default=[64, 128],
-        help="commit units to try with the vmm backing, MiB (GPU only; default 64 128)",
+        help="commit units to try with the vmm backing, MiB; GPU only",
     )
     fill.add_argument(
         "--fragment-gib",
         type=_gib,
-        help="thp_auto: GiB to fragment (every other 4 KiB page held); default: what the free 2 MiB blocks hold, "
-        "at most 16 GiB and what memory allows",
+        help="thp_auto: GiB to fragment, every other 4 KiB page held (default: what the free 2 MiB blocks hold, "
+        "at most 16 GiB and what memory allows)",
     )
-    _cold_options(host, "64", "5")
-    cuda = sub.add_parser("cuda", help="CUDA backings and copies (needs a GPU)", formatter_class=_Formatter)
-    cuda.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
+    _cold_options(host, t)
+    t = _CUDA_DEFAULTS
+    cuda = sub.add_parser(
+        "cuda",
+        help="CUDA backings and copies (needs a GPU and the cuda extra)",
+        description="GPU backings and copies on a CUDA machine. Progress goes to stderr, the JSON to stdout.",
+    )
+    _quick(cuda, "to check the program runs here")
     cuda.add_argument("--sections", nargs="+", help=_SECTIONS_HELP.format("all"))
-    _cold_options(cuda, "64; 2 with --quick", "5; 1 with --quick")
+    _cold_options(cuda, t)
     full = cuda.add_argument_group("full_tier section")
-    full.add_argument("--full-gib", type=_gib, default=96, help="GiB of the tier made wholly resident (2 with --quick)")
-    full.add_argument("--settle", type=_seconds, default=10, help="seconds of rest before each fill (1 with --quick)")
+    full.add_argument("--full-gib", type=_gib, help=f"GiB of the tier made wholly resident {_default(t, 'full_gib')}")
+    full.add_argument("--settle", type=_seconds, help=f"seconds of rest before each fill {_default(t, 'settle')}")
     cuda.add_argument(
         "--cold-prewarm",
         action="store_true",
         help="also run each cold arm with cuda-bindings imported before the clock starts",
     )
     store = sub.add_parser(
-        "store", help="the BlockStore: lookups, bookkeeping, copies, hit rates", formatter_class=_Formatter
+        "store",
+        help="the BlockStore: lookups, bookkeeping, copies, hit rates",
+        description="The BlockStore beside the plain structure or copy it wraps. Progress goes to stderr, "
+        "the JSON to stdout.",
     )
-    store.add_argument("--quick", action="store_true", help="small sizes, to check the program runs")
+    _quick(store, "to check the program runs here")
     store.add_argument("--sections", nargs="+", help=_SECTIONS_HELP.format("all"))
-    store.add_argument("--repeats", type=_count, help="rounds per copy arm (default 9; 3 with --quick)")
+    store.add_argument("--repeats", type=_count, help=f"rounds per copy arm {_default(_STORE_DEFAULTS, 'repeats')}")
     ranks = sub.add_parser(
-        "ranks", help="one rank per GPU filling at once (needs the cuda extra)", formatter_class=_Formatter
+        "ranks",
+        help="one rank per GPU filling at once (needs a GPU and the cuda extra)",
+        description="One rank per visible GPU, each filling its own GPU's tier. Progress goes to stderr, "
+        "the JSON to stdout.",
     )
-    ranks.add_argument("--size-gib", type=_gib, default=8, help="GiB each rank fills")
+    _quick(ranks, "to check the program runs here")
+    ranks.add_argument("--size-gib", type=_gib, help=f"GiB each rank fills {_default(_RANKS_DEFAULTS, 'size_gib')}")
+    return parser
+
+
+def _needs_cuda(mode: str) -> None:
+    """:raises UsageError: no CUDA device can be used here (checked before anything runs)."""
+    from .._cuda._driver import device_count
+    from .._errors import CudaUnavailableError
+
+    try:
+        count = device_count()
+    except CudaUnavailableError as exc:
+        reason = str(exc).removeprefix("a CUDA device was requested but ")
+        raise UsageError(f"bench {mode} needs a CUDA device: {reason}") from None
+    if count == 0:
+        raise UsageError(f"bench {mode} needs a CUDA device: the driver sees none")
+
+
+def bench(argv: list[str], prog: str) -> int:
+    """Parse, run the mode and print its JSON; the status by the command's convention.
+
+    :raises UsageError: a bad value, an unknown section, or a CUDA mode without a device.
+    """
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.mode is None:
+        print(parser.format_help(), file=sys.stderr, end="")
+        return 2
+    _resolve(
+        args, {"host": _HOST_DEFAULTS, "cuda": _CUDA_DEFAULTS, "store": _STORE_DEFAULTS}.get(args.mode, _RANKS_DEFAULTS)
+    )
+    from ._common import UnknownSections, machine
+
+    if args.mode in ("cuda", "ranks"):
+        _needs_cuda(args.mode)
     try:
         if args.mode == "host":
             from . import _host
@@ -164,10 +239,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m aiokvtier.bench")
             from ._cuda import run_ranks
 
             result = run_ranks(args)
-    except UnknownSections as error:
-        {"host": host, "cuda": cuda, "store": store}[args.mode].error(f"argument --sections: {error}")
+    except UnknownSections as exc:
+        raise UsageError(f"argument --sections: {exc}") from None
     json.dump({"mode": args.mode, "machine": machine(), **result}, sys.stdout, indent=2)
     print()
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m aiokvtier.bench") -> NoReturn:
+    """``python -m aiokvtier.bench``: exits by the convention of ``aiokvtier._program``."""
+    run(lambda: bench(sys.argv[1:] if argv is None else argv, prog), program=argv is None)
 
 
 if __name__ == "__main__":

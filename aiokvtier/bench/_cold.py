@@ -19,6 +19,7 @@ from typing import Any
 
 from .._config import HostTierConfig
 from .._host._tier import HostTier
+from .._progress import note
 from ._common import GiB, MiB, median
 
 GOAL_MS = 30  # the target for the cold figure, measured as DESIGN.md section 7 defines it
@@ -38,12 +39,12 @@ class Arm:
         return f"{self.backing}_threads{self.threads}" + ("_bindings_imported" if self.prewarmed else "")
 
 
-def section(args: Any, backings: list[str], cuda: bool, quick: bool = False) -> dict[str, Any]:
-    """The section from the command line's ``--cold-*`` options (unset: 64 GiB and 5 repeats; 2 and 1 if quick)."""
-    gib = args.cold_gib if args.cold_gib is not None else (2 if quick else 64)
-    repeats = args.cold_repeats if args.cold_repeats is not None else (1 if quick else 5)
+def section(args: Any, backings: list[str], cuda: bool) -> dict[str, Any]:
+    """The section from the command line's ``--cold-*`` options (their defaults already resolved)."""
     prewarm = cuda and getattr(args, "cold_prewarm", False)
-    return cold_first_allocation(backings, args.cold_threads, int(gib * GiB), repeats, cuda, prewarm)
+    return cold_first_allocation(
+        backings, args.cold_threads, int(args.cold_gib * GiB), args.cold_repeats, cuda, prewarm
+    )
 
 
 def cold_first_allocation(
@@ -57,8 +58,9 @@ def cold_first_allocation(
     variants = (False, True) if prewarm else (False,)
     arms = [Arm(b, k, p) for b in backings for k in dict.fromkeys(threads) for p in variants]
     samples: dict[Arm, list[dict[str, Any]]] = {arm: [] for arm in arms}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         for arm in arms:
+            note(f"{arm.name}, a fresh process, repeat {repeat + 1} of {repeats}")
             samples[arm].append(_sample(arm, size, cuda))
     first = samples[arms[0]][0]
     out: dict[str, Any] = {

@@ -10,6 +10,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .._host import _linux
+from .._progress import Steps
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -119,16 +120,29 @@ class UnknownSections(ValueError):
     """``--sections`` named a part the program does not have (raised before any part runs)."""
 
 
-def run_sections(sections: dict[str, Callable[[], Any]], chosen: list[str] | None) -> dict[str, Any]:
-    """Run the chosen sections (default: all) in the order given.
+def run_sections(
+    sections: dict[str, Callable[[], Any]],
+    chosen: list[str] | None,
+    *,
+    title: str,
+    costs: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Run the chosen sections (default: all) in the order given, showing progress on stderr.
 
+    :param title: what the progress lines start with (``"bench host"``).
+    :param costs: each section's expected seconds, for the estimate of the time left.
     :raises UnknownSections: a name is not a section; nothing has run.
     """
     names = chosen or list(sections)
     unknown = set(names) - set(sections)
     if unknown:
         raise UnknownSections(f"unknown sections {sorted(unknown)}; choose from {', '.join(sections)}")
-    return {name: sections[name]() for name in names}
+    results: dict[str, Any] = {}
+    with Steps(title, names, costs=costs) as steps:
+        for name in names:
+            steps.begin(name)
+            results[name] = sections[name]()
+    return results
 
 
 def machine() -> dict[str, Any]:

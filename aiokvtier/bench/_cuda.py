@@ -469,7 +469,7 @@ def run(args: Any) -> dict[str, Any]:
         "time_to_first_allocation": lambda: first_allocation((2 if quick else 64) * GiB),
         "fill_throughput": lambda: fill_throughput((2 if quick else 16) * GiB),
         "fill_progress": lambda: fill_progress((2 if quick else 64) * GiB),
-        "full_tier": lambda: full_tier(int((2 if quick else args.full_gib) * GiB), 1 if quick else args.settle),
+        "full_tier": lambda: full_tier(int(args.full_gib * GiB), args.settle),
         "event_loop_lag_during_fill": lambda: loop_lag((1 if quick else 8) * GiB),
         "copy_bandwidth": lambda: {
             "sm_path_shuffled": _sm.copy_bandwidth_sm(128 * MiB),
@@ -484,9 +484,9 @@ def run(args: Any) -> dict[str, Any]:
             "1_process": contention(1, (1 if quick else 8) * GiB),
             "8_processes": contention(8, (1 if quick else 6) * GiB),
         },
-        "cold": lambda: _cold.section(args, ["host", "register", "vmm"], cuda=True, quick=quick),
+        "cold": lambda: _cold.section(args, ["host", "register", "vmm"], cuda=True),
     }
-    return run_sections(sections, args.sections)
+    return run_sections(sections, args.sections, title="bench cuda")
 
 
 def run_ranks(args: Any) -> dict[str, Any]:
@@ -494,4 +494,5 @@ def run_ranks(args: Any) -> dict[str, Any]:
     from .._cuda._driver import device_count
 
     gpus = device_count()
-    return {"gpus": gpus, "one_rank_per_gpu": contention(gpus, int(args.size_gib * GiB), one_per_gpu=True)}
+    sections = {"one_rank_per_gpu": lambda: contention(gpus, int(args.size_gib * GiB), one_per_gpu=True)}
+    return {"gpus": gpus, **run_sections(sections, None, title="bench ranks")}

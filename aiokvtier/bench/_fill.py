@@ -31,6 +31,7 @@ from typing import Any
 from .._config import HostTierConfig, default_fill_threads
 from .._host import _headroom, _linux
 from .._host._tier import HostTier
+from .._progress import note
 from ._common import GiB, MiB, loop_factories, median, run_on, summary_ms
 
 PROBE_BYTES = 1 * MiB
@@ -188,8 +189,9 @@ def neighbours(
     stats: dict[str, dict[str, list[float]]] = {name: {"p50_ms": [], "p99_ms": [], "max_ms": []} for name in arms}
     counts: dict[str, int] = dict.fromkeys(arms, 0)
     with _WarmContext(bool(cuda_backings())):
-        for _ in range(repeats):
+        for repeat in range(repeats):
             for name, arm in arms.items():  # interleaved: drift lands on every arm
+                note(f"{name}, repeat {repeat + 1} of {repeats}")
                 with Neighbour() as probe:
                     time.sleep(4 * PROBE_PERIOD)
                     start, end, seconds = arm()
@@ -261,6 +263,7 @@ def loop_lag_while_allocating(size: int, settle: float) -> dict[str, Any]:
     """p50/p99/max of the loop's lag while its thread allocates 1 MiB buffers during a fill."""
     out: dict[str, Any] = {}
     for name, factory in loop_factories().items():
+        note(f"loop lag while allocating, on {name}")
         tier = run_on(factory, _tier_lag(size))
         _settle(settle)
         populate = run_on(
@@ -290,8 +293,11 @@ def fill_scaling(size: int, repeats: int, settle: float, threads: tuple[int, ...
                 arms[f"tier_{backing}"] = lambda c=cfg: _tier_fill(c)[2]  # type: ignore[misc]
             seconds: dict[str, list[float]] = {name: [] for name in arms}
             with _WarmContext(len(arms) > 3):
-                for _ in range(repeats):
+                for repeat in range(repeats):
                     for name, arm in arms.items():
+                        note(
+                            f"{'THP' if huge else '4 KiB pages'}, {k} threads, {name}, repeat {repeat + 1} of {repeats}"
+                        )
                         seconds[name].append(arm())
                         _settle(settle)
             rates = {name: size / GiB / median(s) for name, s in seconds.items()}
@@ -353,13 +359,16 @@ def thp_auto(size: int, repeats: int, settle: float, fragment: int | None) -> di
         "fragment_gib": round(fragment / GiB, 3),
     }
     for node_state in ("as_is", "fragmented"):
+        if node_state == "fragmented":
+            note(f"fragmenting {fragment / GiB:.2f} GiB")
         fragmenter = Fragmenter(fragment) if node_state == "fragmented" else None
         try:
             free_blocks = _hugepages.free_huge_blocks(None)
             seconds: dict[str, list[float]] = {m: [] for m in modes}
             units: list[int] = []
-            for _ in range(repeats):
+            for repeat in range(repeats):
                 for mode, value in modes.items():
+                    note(f"{node_state}, THP {mode}, repeat {repeat + 1} of {repeats}")
                     cfg = _tier_config(size, transparent_huge_pages=value)
                     seconds[mode].append(asyncio.run(_thp_fill(cfg, units if mode == "auto" else None)))
                     _settle(settle)
@@ -436,8 +445,9 @@ def busy_loop(size: int, repeats: int, settle: float, deadline: float = 15.0) ->
             device = None if backing == "host" else 0
             config = _tier_config(size, backing=backing, device=device)
             runs: dict[str, list[dict[str, Any]]] = {"idle": [], "busy": []}
-            for _ in range(max(1, repeats)):
+            for repeat in range(max(1, repeats)):
                 for busy in (False, True):
+                    note(f"{backing}, {'busy' if busy else 'idle'} loop, repeat {repeat + 1} of {max(1, repeats)}")
                     _settle(settle)
                     runs["busy" if busy else "idle"].append(asyncio.run(_fill_beside(config, busy, deadline)))
             row: dict[str, Any] = {}

@@ -11,7 +11,8 @@ from typing import Any
 
 from .._config import HostTierConfig
 from .._host._tier import HostTier
-from . import _cold, _fill
+from .._progress import note
+from . import _cold, _fill, _requests
 from ._common import (
     GiB,
     MiB,
@@ -53,7 +54,8 @@ def time_to_first_allocation(sizes: list[int], repeats: int) -> list[dict[str, A
     rows = []
     for size in sizes:
         ours, upfront = [], []
-        for _ in range(repeats):  # alternate the arms so drift lands on both
+        for repeat in range(repeats):  # alternate the arms so drift lands on both
+            note(f"{size / GiB:g} GiB, repeat {repeat + 1} of {repeats}")
             ours.append(asyncio.run(_first_allocation(size)))
             upfront.append(bare_populate(size))
         rows.append(
@@ -83,7 +85,8 @@ def fill_progress(size: int) -> dict[str, Any]:
 def fill_throughput(size: int, threads: list[int], repeats: int) -> dict[str, Any]:
     bare: list[float] = []
     ours: dict[int, list[float]] = {k: [] for k in threads}
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        note(f"repeat {repeat + 1} of {repeats}")
         bare.append(bare_populate(size))
         for k in threads:
             ours[k].append(asyncio.run(_full_fill(size, k)))
@@ -107,7 +110,11 @@ async def _lag_during_fill(size: int) -> dict[str, Any]:
 
 
 def loop_lag(size: int) -> dict[str, Any]:
-    return {name: run_on(factory, _lag_during_fill(size)) for name, factory in loop_factories().items()}
+    out = {}
+    for name, factory in loop_factories().items():
+        note(f"on {name}")
+        out[name] = run_on(factory, _lag_during_fill(size))
+    return out
 
 
 async def _slot_ops(size: int, pairs: int) -> dict[str, Any]:
@@ -143,7 +150,11 @@ async def _slot_ops(size: int, pairs: int) -> dict[str, Any]:
 
 
 def slot_ops(size: int, pairs: int) -> dict[str, Any]:
-    return {name: run_on(factory, _slot_ops(size, pairs)) for name, factory in loop_factories().items()}
+    out = {}
+    for name, factory in loop_factories().items():
+        note(f"on {name}")
+        out[name] = run_on(factory, _slot_ops(size, pairs))
+    return out
 
 
 async def _bookkeeping(size: int, slot_size: int) -> dict[str, Any]:
@@ -176,6 +187,30 @@ async def _bookkeeping(size: int, slot_size: int) -> dict[str, Any]:
     }
 
 
+FILL_S_PER_GIB = 0.5
+"""A guess at a fill's seconds per GiB, for the relative cost of each section (the estimate of the time left
+scales it by what the finished sections took here)."""
+
+
+def _costs(args: Any, loops: int) -> dict[str, float]:
+    """Each section's seconds by ``FILL_S_PER_GIB``, with its fixed waits: only the ratios matter."""
+    fill, gib, r, settle = args.fill_gib * FILL_S_PER_GIB, args.gib * FILL_S_PER_GIB, args.repeats, args.settle
+    return {
+        "time_to_first_allocation": r * sum(args.sizes) * FILL_S_PER_GIB + 0.05 * len(args.sizes) * r,
+        "fill_throughput": 3 * r * fill,
+        "fill_progress": 2 * fill + 0.1,
+        "event_loop_lag_during_fill": loops * (fill + 1.0),
+        "slot_operations": loops * (args.ops_gib * FILL_S_PER_GIB + 1.5e-6 * args.pairs + 0.1),
+        "bookkeeping": 3 * args.bookkeeping_gib * FILL_S_PER_GIB,
+        "cold": args.cold_repeats * len(args.cold_threads) * 1.5,
+        "neighbours": 5 * r * (gib + settle) + loops * 2 * (gib + settle),
+        "fill_scaling": 2 * 4 * 3 * r * (gib + settle),
+        "busy_loop": 2 * r * (1.5 * gib + settle),
+        "thp_auto": 2 * 3 * r * (gib + settle) + 8,
+        "request_latency": loops * (2.0 if getattr(args, "quick", False) else 6.0),
+    }
+
+
 def run(args: Any) -> dict[str, Any]:
     fill = int(args.fill_gib * GiB)
     sections: dict[str, Callable[[], Any]] = {
@@ -186,6 +221,7 @@ def run(args: Any) -> dict[str, Any]:
         "slot_operations": lambda: slot_ops(int(args.ops_gib * GiB), args.pairs),
         "bookkeeping": lambda: asyncio.run(_bookkeeping(int(args.bookkeeping_gib * GiB), 64 << 10)),
         "cold": lambda: _cold.section(args, ["host"], cuda=False),
+        "request_latency": lambda: _requests.host_section(bool(getattr(args, "quick", False))),
         "neighbours": lambda: _fill.neighbours(
             int(args.gib * GiB),
             args.repeats,
@@ -203,4 +239,6 @@ def run(args: Any) -> dict[str, Any]:
         ),
     }
     # thp_auto fragments memory on purpose (gigabytes held in 4 KiB pieces): only when asked for.
-    return run_sections(sections, args.sections or [name for name in sections if name != "thp_auto"])
+    chosen = args.sections or [name for name in sections if name != "thp_auto"]
+    costs = _costs(args, len(loop_factories()))
+    return run_sections(sections, chosen, title="bench host", costs=costs)

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._config import HostTierConfig
 from .._host._tier import HostTier
+from .._progress import note
 from .._store._policy import make_policy
 from .._store._store import BlockStore
 from ._common import median, percentile, run_sections
@@ -412,7 +413,11 @@ def policies() -> tuple[list[str], dict[str, str]]:
 
 def per_policy(measure: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
     known, unavailable = policies()
-    return {**{name: measure(name) for name in known}, "policies_unavailable": unavailable}
+    out: dict[str, Any] = {}
+    for name in known:
+        note(name)
+        out[name] = measure(name)
+    return {**out, "policies_unavailable": unavailable}
 
 
 def churn(capacity: int, length: int, a: float) -> dict[str, Any]:
@@ -435,6 +440,7 @@ def churn(capacity: int, length: int, a: float) -> dict[str, Any]:
         ids = trace.tolist()
         row: dict[str, Any] = {"ordereddict_lru_hit_rate": round(_lru_baseline(ids, capacity), 4)}
         for policy in known:
+            note(f"{name}, {policy}")
             row[f"store_{policy}"] = asyncio.run(_replay(ids, capacity, policy))
         out[name] = row
     return out
@@ -444,8 +450,7 @@ def churn(capacity: int, length: int, a: float) -> dict[str, Any]:
 
 
 def run(args: Any) -> dict[str, Any]:
-    quick = args.quick
-    repeats = args.repeats or (3 if quick else 9)
+    quick, repeats = args.quick, args.repeats
     sections: dict[str, Callable[[], Any]] = {
         "lookup": lambda: per_policy(
             lambda p: asyncio.run(_lookup(8192 if quick else 65536, 4096, 20 if quick else 200, p))
@@ -455,4 +460,4 @@ def run(args: Any) -> dict[str, Any]:
         "gpu_copies": lambda: gpu_copies(512 if quick else 4096, 64 * KiB, max(repeats, 15)),
         "churn": lambda: churn(512 if quick else 4096, 10_000 if quick else 100_000, 1.1),
     }
-    return run_sections(sections, args.sections)
+    return run_sections(sections, args.sections, title="bench store")

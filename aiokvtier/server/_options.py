@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
@@ -30,7 +30,13 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """Errors are one line: ``aiokvtier-server: argument --quota: ...``, exit 2."""
+    """Errors are one line: ``aiokvtier-server: argument --quota: ...``, exit 2; an argument that
+    starts with ``-`` and a digit is a value (``--quota -1GiB`` is refused as a size, not as "expected
+    one argument"), as in the ``aiokvtier`` command."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message}\n")
