@@ -1086,6 +1086,50 @@ def test_plan_agrees_with_the_plain_algorithm_on_hostile_addresses(
     assert p.requested == n and p.sizes.dtype == np.uint64
 
 
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    copies=hostile_copies(),
+    order_by=st.sampled_from(["src", "dst"]),
+    by_registration=st.booleans(),
+    distinct=st.booleans(),
+)
+def test_the_small_request_planner_gives_the_arrays_plan(
+    copies: tuple[list[int], list[int], int], order_by: str, by_registration: bool, distinct: bool
+) -> None:
+    """``plan_small`` (Python ints, for the few pages of a usual request) plans exactly as ``plan``:
+    the same order, the same runs merged (across 2**63, wrapping past 2**64 as uint64 does, never
+    across a registration), the same refusal of a repeat; a registration is asked only about
+    copies that could merge."""
+    from aiokvtier._cuda._plan import plan_small
+
+    dsts, srcs, page = copies
+    n = len(dsts)
+    asked: list[int] = []
+
+    def reg(a: np.ndarray) -> np.ndarray:
+        asked.append(len(a))
+        return (a >> np.uint64(20)).astype(np.int64)
+
+    chosen = reg if by_registration else None
+    d, s = np.array(dsts, np.uint64), np.array(srcs, np.uint64)
+    kwargs: dict[str, Any] = {"order_by": order_by, "distinct_order_side": distinct}
+    try:
+        expect = plan(d, s, np.uint64(page), dst_reg=chosen, src_reg=chosen, n=n, **kwargs)
+    except SlotError:
+        with pytest.raises(SlotError, match="twice"):
+            plan_small(dsts, srcs, page, dst_reg=chosen, src_reg=chosen, **kwargs)
+        return
+    asked.clear()
+    got = plan_small(dsts, srcs, page, dst_reg=chosen, src_reg=chosen, **kwargs)
+    assert (got.dsts.tolist(), got.srcs.tolist(), got.sizes.tolist()) == (
+        expect.dsts.tolist(),
+        expect.srcs.tolist(),
+        expect.sizes.tolist(),
+    )
+    assert got.requested == n and got.dsts.dtype == got.srcs.dtype == got.sizes.dtype == np.uint64
+    assert all(k <= 2 * (n - 1) for k in asked)
+
+
 @pytest.mark.parametrize("zero", [0, np.int64(0), np.uint64(0), [0, 0], np.zeros(2, np.uint64)])
 def test_a_page_of_zero_bytes_is_refused_in_every_form(zero: Any) -> None:
     with pytest.raises(ValueError, match="a copy of zero bytes"):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from aiokvtier import OutOfSlots, SlotError
 from aiokvtier._host._layout import UnitLayout
-from aiokvtier._host._slots import SlotAllocator
+from aiokvtier._host._slots import FEW_IDS, SlotAllocator
 
 from .helpers import KiB, MiB
 
@@ -76,6 +76,47 @@ def test_slot_errors_change_nothing() -> None:
             slots.give_many([b, bad_value])  # type: ignore[list-item]
     assert slots.checked_ids((np.int64(b), b)).tolist() == [b, b]
     assert slots.is_allocated(b) and slots.count == 1
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, FEW_IDS, FEW_IDS + 1])
+@pytest.mark.parametrize(
+    "spoil",
+    [None, -1, 8, 7, True, np.True_, 1.0, np.float64(1), "1", np.int64(1), np.uint64(1), 2**70],
+    ids=repr,
+)
+@pytest.mark.parametrize("form", ["list", "tuple", "int64", "uint64", "object", "2d"])
+def test_checked_ids_of_few_ids_answers_as_the_array_path(count: int, spoil: object, form: str) -> None:
+    """The few ids of a usual request are checked as Python ints; the answer (the ids, or a
+    SlotError naming the culprit) is the array path's, for every form a caller may pass."""
+    slots = SlotAllocator(8)
+    slots.take(6)  # 0..5 allocated, 6 and 7 not
+    ids: list[object] = [i % 6 for i in range(count)]
+    if spoil is not None and count:
+        ids[count // 2] = spoil
+    made: object
+    if form in ("list", "tuple"):
+        made = list(ids) if form == "list" else tuple(ids)
+    else:
+        try:
+            dtype = {"int64": np.int64, "uint64": np.uint64, "object": object, "2d": np.int64}[form]
+            made = np.array(ids, dtype=dtype)
+        except (TypeError, ValueError, OverflowError):
+            return  # numpy refuses to build it: nothing reaches the tier
+        if form == "2d":
+            made = made.reshape(1, -1)
+
+    def answer(allocator: SlotAllocator, few: int) -> object:
+        import aiokvtier._host._slots as module
+
+        saved, module.FEW_IDS = module.FEW_IDS, few
+        try:
+            return allocator.checked_ids(made).tolist()  # type: ignore[arg-type]
+        except SlotError as error:
+            return ("SlotError", str(error))
+        finally:
+            module.FEW_IDS = saved
+
+    assert answer(slots, FEW_IDS) == answer(slots, -1)
 
 
 def test_slots_shrink_refuses_allocated_tail_and_filters_free_list() -> None:

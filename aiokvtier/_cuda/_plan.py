@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from .._errors import SlotError
 
-__all__ = ["Plan", "chunk_slices", "plan"]
+__all__ = ["SMALL", "Plan", "chunk_slices", "plan", "plan_small"]
 
 U64 = npt.NDArray[np.uint64]
 Registrations = npt.ArrayLike | Callable[[U64], npt.NDArray[np.int64]] | None
@@ -29,6 +29,14 @@ SORT_KIND: Literal["quicksort", "stable"] = "quicksort"
 PACKED_SORT_FROM = 512
 """Below this many addresses a plain argsort is cheaper than packing keys (its ten numpy calls
 cost ~8 us at 16 addresses, the argsort ~1.5 us; at 1024 the packing wins, 22 against 26 us)."""
+
+SMALL = 32
+"""Per-slot requests of at most this many pages are planned on Python ints (:func:`plan_small`):
+one request of 16 pages is ~25 numpy calls of 1-4 us each on the numpy path, where the ints
+take a few microseconds; past a few dozen pages the arrays win."""
+
+_WRAP = (1 << 64) - 1
+"""uint64 arithmetic, as the numpy path does it (an address plus a page may wrap)."""
 
 FIRST_CHUNK = 128
 """Descriptors in a plan's first driver call: the GPU starts after ~0.2 ms
@@ -187,3 +195,54 @@ def _sorted_order(lead: U64) -> tuple[npt.NDArray[np.intp], U64]:
     keys >>= shift
     keys += np.uint64(lo)
     return order, keys
+
+
+def plan_small(
+    dsts: list[int],
+    srcs: list[int],
+    page: int,
+    *,
+    dst_reg: Callable[[U64], npt.NDArray[np.int64]] | None = None,
+    src_reg: Callable[[U64], npt.NDArray[np.int64]] | None = None,
+    order_by: str = "src",
+    distinct_order_side: bool = False,
+) -> Plan:
+    """:func:`plan` of copies of one ``page`` each, on Python ints: the same plan, copy for copy.
+
+    For the few pages of a usual request (:data:`SMALL`); addresses are
+    ints below 2**64, ``page`` positive. The registrations are asked about
+    the copies that could merge only (with shuffled slots, usually none).
+
+    :raises SlotError: with ``distinct_order_side``, an address repeats on the ``order_by`` side.
+    """
+    n = len(dsts)
+    if order_by not in ("src", "dst"):
+        raise ValueError(f"order_by must be 'src' or 'dst', not {order_by!r}")
+    d, s = dsts, srcs
+    lead = s if order_by == "src" else d
+    if any(lead[i] >= lead[i + 1] for i in range(n - 1)):  # the same test as the arrays': strictly ascending
+        order = sorted(range(n), key=lead.__getitem__)  # stable: ties in position order, as the argsort gives
+        d, s = [d[i] for i in order], [s[i] for i in order]
+        lead = s if order_by == "src" else d
+        if distinct_order_side and any(lead[i] == lead[i + 1] for i in range(n - 1)):
+            raise SlotError("a slot appears twice as a copy destination")
+    pairs = [i for i in range(n - 1) if s[i + 1] == (s[i] + page) & _WRAP and d[i + 1] == (d[i] + page) & _WRAP]
+    for reg, side in ((dst_reg, d), (src_reg, s)):
+        if reg is None or not pairs:
+            continue
+        ids = reg(np.array([side[i] for i in pairs] + [side[i + 1] for i in pairs], dtype=np.uint64)).tolist()
+        k = len(pairs)
+        pairs = [i for j, i in enumerate(pairs) if ids[j] == ids[k + j]]
+    u64 = np.uint64
+    if not pairs:
+        return Plan(np.array(d, dtype=u64), np.array(s, dtype=u64), np.full(n, page, dtype=u64), n)
+    joined = set(pairs)
+    starts = [i for i in range(n) if i - 1 not in joined]
+    ends = [*starts[1:], n]
+    sizes = [((end - start) * page) & _WRAP for start, end in zip(starts, ends, strict=True)]
+    return Plan(
+        np.array([d[i] for i in starts], dtype=u64),
+        np.array([s[i] for i in starts], dtype=u64),
+        np.array(sizes, dtype=u64),
+        n,
+    )

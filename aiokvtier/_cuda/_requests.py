@@ -23,6 +23,7 @@ What is refused, and why:
 from __future__ import annotations
 
 import itertools
+import math
 from array import array
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -34,7 +35,7 @@ from .. import _regions
 from .._errors import CopyPlanError
 from .._host._slots import positive_count
 from . import _plan
-from ._plan import U64, Plan, plan
+from ._plan import U64, Plan, plan, plan_small
 
 if TYPE_CHECKING:
     from .._host._tier import HostTier
@@ -150,6 +151,10 @@ def check_disjoint(dsts: npt.ArrayLike, sizes: npt.ArrayLike) -> None:
 
     :raises CopyPlanError: two destination spans share a byte.
     """
+    if isinstance(dsts, np.ndarray) and 1 < dsts.size <= _plan.SMALL and isinstance(sizes, int):
+        starts = dsts.tolist()  # a usual request's pages, one size: ints, no arrays
+        if all(starts[i + 1] >= starts[i] + sizes for i in range(len(starts) - 1)):
+            return
     d = np.asarray(dsts).astype(np.uint64, copy=False).reshape(-1)
     if d.size < 2:
         return
@@ -296,7 +301,7 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
             raise ValueError("the buffer must be C-contiguous")
     if not shape or shape[0] != n:
         raise ValueError(f"the buffer's first dimension must be one page per slot ({n}), got shape {shape}")
-    total = int(np.prod(shape, dtype=np.int64)) * itemsize
+    total = math.prod(shape) * itemsize
     page = total // n
     if page == 0:
         raise ValueError(f"the buffer's pages are zero bytes (shape {shape}): a copy of zero bytes")
@@ -343,6 +348,11 @@ def plan_side(tier: HostTier, host: U64, side: Side, direction: str) -> tuple[Pl
         check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
     owners = [tier, *(r for r in regions if r is not tier)]
     registration = tier.registrations_at
+    if len(host) <= _plan.SMALL:  # the usual request: Python ints beat two dozen numpy calls
+        hosts, others = host.tolist(), other.tolist()
+        if h2d:
+            return plan_small(others, hosts, page, src_reg=registration), owners
+        return plan_small(hosts, others, page, dst_reg=registration, order_by="dst", distinct_order_side=True), owners
     if h2d:
         return plan(other, host, page, src_reg=registration, n=len(host)), owners
     planned = plan(host, other, page, dst_reg=registration, n=len(host), order_by="dst", distinct_order_side=True)
