@@ -287,5 +287,13 @@ class Owner:
     def closed(self) -> bool:
         return self._life.closed
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise unless the object is open: for a caller that builds on it (a store over a tier
+        and an engine checks both at open). Any thread.
+
+        :raises TierClosedError: it is new, opening, closing, closed, or was opened before a ``fork()``;
+            the message says which.
+        """
         self._life.check_open()
+
+    _check_open = check_open

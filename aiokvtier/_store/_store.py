@@ -372,9 +372,9 @@ class BlockStore(Owner):
         return store
 
     async def _build(self) -> None:
-        self._tier._check_open()
+        self._tier.check_open()
         if self._engine_given is not None:
-            self._engine_given._check_open()
+            self._engine_given.check_open()
         capacity = self._tier.slots_total
         self._policy = make_policy(self._policy_arg, capacity)
         self._capacity = capacity
