@@ -109,6 +109,9 @@ HELP = [
     *([*CLI, command, "--help"] for command in ("demo", "doctor", "bench")),
     *([*CLI, "bench", mode, "--help"] for mode in ("host", "cuda", "store", "ranks")),
     ["-m", "aiokvtier.bench", "--help"],
+    [*CLI, "serve", "--help"],
+    ["-m", "aiokvtier.server", "--help"],
+    ["-m", "aiokvtier.server.load", "--help"],
     *([f"examples/{name}", "--help"] for name in EXAMPLES),
 ]
 
@@ -123,6 +126,9 @@ BAD_VALUES = [
     Program("bench store", [*CLI, "bench", "store", "--sections", "nope"]),
     Program("bench ranks", [*CLI, "bench", "ranks", "--size-gib", "x"]),
     Program("python -m aiokvtier.bench", ["-m", "aiokvtier.bench", "host", "--gib", "0"]),
+    Program("serve", [*CLI, "serve", "--quota", "-1GiB"], name="python -m aiokvtier serve"),
+    Program("server", ["-m", "aiokvtier.server", "--port", "70000"], name="python -m aiokvtier.server"),
+    Program("load", ["-m", "aiokvtier.server.load", "--bogus"], name="python -m aiokvtier.server.load"),
     *(Program(name, [f"examples/{name}", "--bogus"], name=name) for name in EXAMPLES),
     Program("engine_offload.py", ["examples/engine_offload.py", "--quota", "lots"], name="engine_offload.py"),
 ]

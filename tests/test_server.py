@@ -714,12 +714,12 @@ def test_without_the_server_extra_the_server_says_what_to_install_and_exits_1(mi
     assert done.returncode == 1 and done.stdout == "", done.stderr
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and "pip install 'aiokvtier[server]'" in lines[0], done.stderr
-    assert lines[0].startswith("python -m aiokvtier.server: ")
+    assert lines[0].startswith("python -m aiokvtier.server: error: ")
     # The options answer without it: --help, and one line for a bad one.
     helped = _python(prelude + "from aiokvtier.server import main\nsys.exit(main(['--help']))")
     assert helped.returncode == 0 and "--drain-seconds" in helped.stdout, helped.stderr
     bad = _python(prelude + "from aiokvtier.server import main\nsys.exit(main(['--quota', '2XB'], prog='serve'))")
-    assert bad.returncode == 2 and bad.stderr.startswith("serve: argument --quota"), bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("serve: error: argument --quota"), bad.stderr
 
 
 def test_the_load_generator_answers_help_and_says_what_to_install_without_httpx() -> None:

@@ -30,6 +30,6 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "aiokvtier-server") -
     try:
         from ._process import serve
     except ImportError as error:
-        print(f"{prog}: needs the server extra ({error.name} is missing): {INSTALL}", file=sys.stderr)
+        print(f"{prog}: error: needs the server extra ({error.name} is missing): {INSTALL}", file=sys.stderr)
         return 1
     return serve(args, config)

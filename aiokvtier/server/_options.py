@@ -30,7 +30,7 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """Errors are one line: ``aiokvtier-server: argument --quota: ...``, exit 2; an argument that
+    """Errors are one line: ``aiokvtier-server: error: argument --quota: ...``, exit 2; an argument that
     starts with ``-`` and a digit is a value (``--quota -1GiB`` is refused as a size, not as "expected
     one argument"), as in the ``aiokvtier`` command."""
 
@@ -39,7 +39,7 @@ class Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def size(text: str) -> int:

@@ -19,11 +19,13 @@ import json
 import sys
 from collections.abc import Sequence
 
+from ._options import Parser
+
 __all__ = ["main"]
 
 
 def build_parser(prog: str = "python -m aiokvtier.server.load") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=prog,
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -47,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from ._load import run
     except ImportError as error:
-        print(f"{parser.prog}: needs httpx ({error.name} is missing): pip install 'aiokvtier[server]'", file=sys.stderr)
+        missing = f"needs httpx ({error.name} is missing): pip install 'aiokvtier[server]'"
+        print(f"{parser.prog}: error: {missing}", file=sys.stderr)
         return 1
     print(json.dumps(asyncio.run(run(args)), indent=2))
     return 0
