@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from ._program import Parser, UsageError, run, run_async
+from ._program import Parser, UsageError, cuda_devices, run, run_async
 from ._units import format_bytes
 
 __all__ = ["main"]
@@ -250,17 +250,9 @@ def _config_error(error: Any) -> NoReturn:
 
 def _check_device(device: int) -> None:
     """:raises UsageError: this machine has no CUDA device ``device`` (found before the tier opens)."""
-    from ._cuda._driver import device_count
-    from ._errors import CudaUnavailableError
-
-    try:
-        count = device_count()
-    except CudaUnavailableError as exc:
-        reason = str(exc).removeprefix("a CUDA device was requested but ")
-        raise UsageError(f"argument --device: no CUDA device can be used here: {reason}") from None
+    count = cuda_devices("argument --device")
     if device >= count:
-        seen = f"{count} visible" if count else "the driver sees none"
-        raise UsageError(f"argument --device: there is no CUDA device {device} ({seen})")
+        raise UsageError(f"argument --device: there is no CUDA device {device} ({count} visible)")
 
 
 _QUICK_QUOTA = 256 << 20

@@ -48,6 +48,25 @@ class UsageError(Exception):
     """The command line asked for something invalid, or that this machine cannot do: exit 2."""
 
 
+def cuda_devices(needs: str) -> int:
+    """How many CUDA devices this machine offers, for a command that needs one (checked before it runs).
+
+    :param needs: what needs a device, to start the message ("argument --device", "bench cuda").
+    :raises UsageError: no CUDA driver is usable, or it sees no device.
+    """
+    from ._cuda._driver import device_count
+    from ._errors import CudaUnavailableError
+
+    try:
+        count = device_count()
+    except CudaUnavailableError as exc:
+        reason = str(exc).removeprefix("a CUDA device was requested but ")
+        raise UsageError(f"{needs}: no CUDA device can be used here: {reason}") from None
+    if count == 0:
+        raise UsageError(f"{needs}: no CUDA device can be used here: the driver sees none")
+    return count
+
+
 class Formatter(argparse.RawDescriptionHelpFormatter):
     """Help that ends each option with ``(default: X)`` (a list as ``4 8 16``), unless it says its own default."""
 

@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 
 from .._cli import non_negative_seconds as _seconds
 from .._cli import whole_number
-from .._program import Parser, UsageError, run
+from .._program import Parser, UsageError, cuda_devices, run
 
 _GIB_STEP = 2 / 1024
 """GiB options are whole 2 MiB: the largest slot a program uses, and a multiple of the page that mmap wants."""
@@ -193,16 +193,7 @@ def build_parser(prog: str) -> Parser:
 
 def _needs_cuda(mode: str) -> None:
     """:raises UsageError: no CUDA device can be used here (checked before anything runs)."""
-    from .._cuda._driver import device_count
-    from .._errors import CudaUnavailableError
-
-    try:
-        count = device_count()
-    except CudaUnavailableError as exc:
-        reason = str(exc).removeprefix("a CUDA device was requested but ")
-        raise UsageError(f"bench {mode} needs a CUDA device: {reason}") from None
-    if count == 0:
-        raise UsageError(f"bench {mode} needs a CUDA device: the driver sees none")
+    cuda_devices(f"bench {mode}")
 
 
 def bench(argv: list[str], prog: str) -> int:
