@@ -1,10 +1,14 @@
-"""A region named by an *array* over its memory, on asyncio and uvloop.
+"""A region named by an *array* over its memory, and hostile slot ids, on asyncio and uvloop.
 
 A tier or a StaticHostMem may be named by addresses, through a view that
 keeps it mapped, or by an array made over its memory (from its address, by
 a foreign library): its close and shrink must wait for a copy over it in
 each case. Before, an array was never located, so the region's close
 unmapped under the memmove (SIGSEGV), and a shrunk tail took the copy.
+
+Slot ids in arrays of the wrong shape, or a list holding one refused value:
+a SlotError that names the refused value (before: a TypeError for a 0-d
+array, and messages that named a good id).
 
 Copies are held, where a test needs one in flight, by replacing the
 function that runs it on its thread with a gated one; every await is
@@ -29,9 +33,12 @@ from aiokvtier import (
     CopyPlanError,
     HostTier,
     HostTierConfig,
+    SlotError,
     StaticHostMem,
 )
 from aiokvtier._cuda import _requests
+from aiokvtier._host import _slots
+from aiokvtier._host._slots import SlotAllocator
 
 from .helpers import KiB, MiB, eventually
 from .invariants import wait_no_library_threads
@@ -310,3 +317,79 @@ def test_closing_a_buffer_under_copies_through_arrays_over_it_does_not_crash(loo
 
     out = run_script(CLOSE_UNDER_ARRAYS, loop)
     assert out.count(" ok") == 5
+
+
+# -- hostile slot ids and the small-request thresholds -------------------------------------
+
+
+def _answer(run: Callable[[], Any]) -> object:
+    try:
+        out = run()
+    except (SlotError, CopyPlanError, TypeError, ValueError) as error:
+        return type(error).__name__, str(error)
+    if isinstance(out, tuple):  # (plan, owners)
+        p, owners = out
+        return p.dsts.tolist(), p.srcs.tolist(), p.sizes.tolist(), p.requested, [type(o).__name__ for o in owners]
+    assert out.ndim == 1 and out.dtype == np.int64, f"ids came back as {out.shape} of {out.dtype}"
+    return out.tolist()
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [np.array(3), np.array(7), np.zeros((0, 3), dtype=np.int64), np.array([[1, 2]]), np.array([1, 2], dtype=object)],
+    ids=repr,
+)
+def test_slot_ids_in_an_array_of_the_wrong_shape_are_refused_as_slot_errors(ids: np.ndarray) -> None:
+    """A 0-d array has no ``len()``: the few-ids path raised TypeError for it, and gave a (0, 3) array
+    back as it came; the array path refuses both forms (or gives no ids)."""
+    slots = SlotAllocator(8)
+    slots.take(6)
+    answers = []
+    for few in (_slots.FEW_IDS, 0):
+        saved, _slots.FEW_IDS = _slots.FEW_IDS, few
+        try:
+            answers.append(_answer(lambda: slots.checked_ids(ids)))
+        finally:
+            _slots.FEW_IDS = saved
+    assert answers[0] == answers[1]
+    if ids.size == 0:
+        assert answers[0] == []
+    else:
+        assert isinstance(answers[0], tuple) and answers[0][0] == "SlotError"
+        assert "shape" in answers[0][1], "the message names a good id as the one refused"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [2**70, -(2**70), 2**64 - 1, np.uint64(2**64 - 1), 2.5, np.float64(2), "3", None, [1], np.True_],
+    ids=repr,
+)
+@pytest.mark.parametrize("count", [2, _slots.FEW_IDS + 1])
+def test_a_refused_slot_id_is_the_one_named(bad: object, count: int) -> None:
+    """numpy made ``[0, 2.5]`` floats and ``[0, 2**70]`` objects, and the message named the 0 (a
+    good id); a uint64 past 2**63 was named as -1."""
+    slots = SlotAllocator(8)
+    slots.take(6)
+    ids: list[object] = [i % 6 for i in range(count)]
+    ids[-1] = bad
+    with pytest.raises(SlotError) as caught:
+        slots.checked_ids(ids)  # type: ignore[arg-type]
+    assert repr(bad) in str(caught.value)
+    if isinstance(bad, np.uint64):
+        with pytest.raises(SlotError, match=str(2**64 - 1)):
+            slots.checked_ids(np.array([0, bad], dtype=np.uint64))
+
+
+async def test_a_zero_dimensional_array_of_slots_is_a_slot_error_at_the_engine() -> None:
+    tier = await bounded(HostTier.open(config(8)))
+    try:
+        await bounded(tier.wait_resident())
+        slot = await tier.allocate()
+        async with CopyEngine(None) as engine, StaticHostMem(SLOT) as buf:
+            with pytest.raises(SlotError):
+                await engine.to_device(tier, np.array(slot), [buf.address])
+            with pytest.raises(SlotError):
+                tier.free_many(np.array(slot))
+            assert len(tier.copies) == 0 and engine.statistics().jobs_submitted == 0
+    finally:
+        await bounded(tier.aclose())
