@@ -5,7 +5,6 @@ No NVRTC or GPU needed: the compiler is replaced by a counter that returns an EL
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 import sys
@@ -103,18 +102,14 @@ def test_a_directory_where_the_file_goes_leaves_no_temporary_file(
 def test_a_full_disk_leaves_no_temporary_file(
     compiles: list[_kernel.KernelSpec], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    real = tempfile.NamedTemporaryFile
+    real = tempfile.mkstemp
 
-    def full(*args: Any, **kwargs: Any) -> Any:
-        f = real(*args, **kwargs)
+    def on_a_full_disk(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        fd, name = real(*args, **kwargs)  # made, as on any disk: the writes are what fail
+        os.close(fd)
+        return os.open("/dev/full", os.O_WRONLY), name
 
-        def write(data: bytes) -> int:
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        f.write = write
-        return f
-
-    monkeypatch.setattr(tempfile, "NamedTemporaryFile", full)
+    monkeypatch.setattr(tempfile, "mkstemp", on_a_full_disk)
     spec = _kernel.KernelSpec("sm_90")
     assert _kernel.compile_cubin(spec)[:4] == b"\x7fELF"
     assert _temporaries(tmp_path) == [] and not _kernel.cubin_path(spec).exists()

@@ -27,14 +27,11 @@ through ctypes, like the batch call: no Python object per launch argument.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import io
 import logging
-import os
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -337,20 +334,13 @@ def _read_cubin(path: Path) -> bytes | None:
 
 
 def _write_cubin(path: Path, cubin: bytes) -> None:
-    """Store atomically (a concurrent reader sees the old file or the whole new one); failure is
-    logged, and leaves no temporary file behind (a full disk would gain one per process)."""
-    temporary: str | None = None
+    """Store atomically (``write_atomically``); failure is logged."""
+    from ._crossover import write_atomically
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False, suffix=".tmp") as f:
-            temporary = f.name
-            f.write(cubin)
-        os.replace(temporary, path)
+        write_atomically(path, cubin)
     except OSError as exc:
         log.info("aiokvtier: cannot keep the compiled SM copy kernel at %s: %s", path, exc)
-        if temporary is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
 
 
 def _preload_nvrtc() -> None:
