@@ -683,6 +683,24 @@ def test_a_refused_slot_id_is_the_one_named(bad: object, count: int) -> None:
             slots.checked_ids(np.array([0, bad], dtype=np.uint64))
 
 
+def test_an_id_that_answers_once_is_a_slot_error() -> None:
+    """array("q") refuses the list on the first ask, the search for the culprit finds none."""
+
+    class Once:
+        asked = 0
+
+        def __index__(self) -> int:
+            Once.asked += 1
+            if Once.asked > 1:
+                return 1
+            raise TypeError("first ask")
+
+    slots = SlotAllocator(8)
+    slots.take(6)
+    with pytest.raises(SlotError, match="integers of 64 bits"):
+        slots.checked_ids([0] * (_slots.FEW_IDS + 1) + [Once()])  # type: ignore[list-item]
+
+
 async def test_a_zero_dimensional_array_of_slots_is_a_slot_error_at_the_engine() -> None:
     tier = await bounded(HostTier.open(config(8)))
     try:

@@ -156,8 +156,9 @@ class SlotAllocator:
             except (TypeError, OverflowError):
                 # Named here, not through numpy: it would make [0, 2.5] floats and [0, 2**70] objects,
                 # and name the 0.
-                bad = next(s for s in slots if not _fits_q(s))
-                raise SlotError(f"slot {bad!r} is not a slot id of this tier (0..{self.total - 1})") from None
+                refused = [s for s in slots if not _fits_q(s)][:1]  # none: an __index__ that answers once only
+                what = f"slot {refused[0]!r} is not a slot id" if refused else "slot ids must be integers of 64 bits"
+                raise SlotError(f"{what} of this tier (0..{self.total - 1})") from None
         else:
             ids = slots
         if ids.size == 0:
