@@ -944,3 +944,24 @@ def test_a_merged_request_is_launched_as_pages(monkeypatch: pytest.MonkeyPatch) 
     path, model = model_path(monkeypatch, 4)
     path.give_back(path.submit(dsts, srcs, sizes, STREAM))
     assert sum(op[3][2] for op in model.ops if op[0] == "launch") == 3
+
+
+def test_no_home_directory_measures_and_keeps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No HOME, no passwd entry, no AIOKVTIER_CACHE_DIR (a container's arbitrary user): measured
+    and used (before: ``Path.home()``'s RuntimeError failed the engine's open)."""
+    import pwd
+
+    def unknown(uid: int) -> Any:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    for name in ("AIOKVTIER_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+    got = load_or_measure(key(), lambda: curves(1e-6, 4e-6))
+    assert got.key == key() and got.choose("h2d", 4096, 4096 * 4096) == "sm"
+
+
+def test_a_crossover_that_cannot_be_stored_leaves_no_temporary_file(tmp_path: Path) -> None:
+    _crossover.cache_path(key(), tmp_path).mkdir()  # a directory where the file goes
+    assert load_or_measure(key(), lambda: curves(1e-6, 4e-6), tmp_path).key == key()
+    assert list(tmp_path.rglob("*.tmp")) == []

@@ -21,6 +21,7 @@ bytes) or ``CopyEngine(crossover=...)`` overrides the measurement.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -44,6 +45,7 @@ __all__ = [
     "cache_path",
     "load_or_measure",
     "parse_thresholds",
+    "write_atomically",
 ]
 
 log = logging.getLogger("aiokvtier")
@@ -175,6 +177,24 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "aiokvtier"
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` by ``data``: a concurrent reader sees the old file or the whole new one,
+    and a write that fails leaves no temporary file behind (a full disk would gain one a process).
+
+    :raises OSError: the directory cannot be made or written, or ``path`` cannot be replaced.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
 def cache_path(key: Mapping[str, Any], directory: Path | None = None) -> Path:
     uuid = "".join(c for c in str(key.get("uuid", "unknown")) if c.isalnum() or c == "-")[:64]
     return (directory or cache_dir()) / f"sm-crossover-{uuid}-{key.get('budget')}sm.json"
@@ -185,7 +205,11 @@ def load_or_measure(
 ) -> Crossover:
     """The crossover stored for ``key``, or a new measurement (stored; a file that cannot be
     written is logged, not fatal). Blocking: off the event loop."""
-    path = cache_path(key, directory)
+    try:
+        path = cache_path(key, directory)
+    except RuntimeError as exc:  # no home directory (and no AIOKVTIER_CACHE_DIR): measured, kept nowhere
+        log.warning("aiokvtier: no cache directory for the SM copy crossover: %s", exc)
+        return Crossover(key=key, curves=measure())
     reason = "none stored"
     try:
         stored = Crossover.from_json(json.loads(path.read_text()))
@@ -205,10 +229,7 @@ def load_or_measure(
         measured.crossover_bytes("h2d"), measured.crossover_bytes("d2h"),
     )  # fmt: skip
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump(measured.to_json(), f, indent=1)
-        os.replace(f.name, path)
+        write_atomically(path, json.dumps(measured.to_json(), indent=1).encode())
     except OSError as exc:
         log.warning("aiokvtier: cannot store the SM copy crossover at %s: %s", path, exc)
     return measured

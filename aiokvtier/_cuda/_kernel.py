@@ -31,9 +31,7 @@ import ctypes
 import hashlib
 import io
 import logging
-import os
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,11 +301,16 @@ def compile_cubin(spec: KernelSpec, *, cached: bool = True) -> bytes:
     with _cubin_lock:
         cubin = _cubins.get(spec) if cached else None
         if cubin is None:
-            path = cubin_path(spec)
-            cubin = _read_cubin(path) if cached else None
+            try:
+                path: Path | None = cubin_path(spec)
+            except RuntimeError as exc:  # no home directory (and no AIOKVTIER_CACHE_DIR): no cache, as if unwritable
+                log.info("aiokvtier: no cache directory for the compiled SM copy kernel: %s", exc)
+                path = None
+            cubin = _read_cubin(path) if cached and path is not None else None
             if cubin is None:
                 cubin = _compile(spec)
-                _write_cubin(path, cubin)
+                if path is not None:
+                    _write_cubin(path, cubin)
             _cubins[spec] = cubin
         return cubin
 
@@ -331,12 +334,11 @@ def _read_cubin(path: Path) -> bytes | None:
 
 
 def _write_cubin(path: Path, cubin: bytes) -> None:
-    """Store atomically (a concurrent reader sees the old file or the whole new one); failure is logged."""
+    """Store atomically (``write_atomically``); failure is logged."""
+    from ._crossover import write_atomically
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False, suffix=".tmp") as f:
-            f.write(cubin)
-        os.replace(f.name, path)
+        write_atomically(path, cubin)
     except OSError as exc:
         log.info("aiokvtier: cannot keep the compiled SM copy kernel at %s: %s", path, exc)
 

@@ -31,7 +31,7 @@ PACKED_SORT_FROM = 512
 cost ~8 us at 16 addresses, the argsort ~1.5 us; at 1024 the packing wins, 22 against 26 us)."""
 
 SMALL = 32
-"""Per-slot requests of at most this many pages are planned on Python ints (``plan_small``):
+"""Per-slot requests of at most this many pages are planned on Python ints (``plan_small()``):
 one request of 16 pages is ~25 numpy calls of 1-4 us each on the numpy path, where the ints
 take a few microseconds; past a few dozen pages the arrays win."""
 
@@ -207,7 +207,7 @@ def plan_small(
     order_by: str = "src",
     distinct_order_side: bool = False,
 ) -> Plan:
-    """``plan`` of copies of one ``page`` each, on Python ints: the same plan, copy for copy.
+    """``plan()`` of copies of one ``page`` each, on Python ints: the same plan, copy for copy.
 
     For the few pages of a usual request (``SMALL``); addresses are
     ints below 2**64, ``page`` positive. The registrations are asked about

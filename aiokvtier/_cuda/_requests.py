@@ -306,7 +306,14 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
     if page == 0:
         raise ValueError(f"the buffer's pages are zero bytes (shape {shape}): a copy of zero bytes")
     base = int(data[0])
-    return Side(np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(page), page, [])
+    addresses = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(page)
+    if not _regions.meets_any(base, base + total):
+        return Side(addresses, page, [])  # the caller's own memory, or device memory
+    # An array over a tier's or a StaticHostMem's memory (made from its address, not through a
+    # view that keeps it mapped): an owner whose close must wait for the copy, its pages checked
+    # as addresses naming it are. The array vouches for memory outside every region.
+    _, regions = registrations([addresses], page, known_only=False)
+    return Side(addresses, page, regions)
 
 
 def plan_slots(

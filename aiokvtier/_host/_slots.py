@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 from array import array
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,15 @@ def positive_count(value: object, name: str) -> int:
     if n < 1:
         raise ValueError(f"{name} must be positive, got {n}")
     return n
+
+
+def _fits_q(value: Any) -> bool:
+    """Whether ``array("q")`` takes ``value``: an integer (``operator.index``) of 64 bits."""
+    try:
+        array("q", [value])
+    except (TypeError, OverflowError):
+        return False
+    return True
 
 
 FEW_IDS = 32
@@ -128,8 +138,11 @@ class SlotAllocator:
         """
         if not isinstance(slots, list | tuple | np.ndarray):
             slots = list(slots)
-        if len(slots) <= FEW_IDS and (not isinstance(slots, np.ndarray) or slots.dtype.kind in "iu"):
-            few = slots.tolist() if isinstance(slots, np.ndarray) and slots.ndim == 1 else slots
+        if isinstance(slots, np.ndarray):  # only a flat integer array has ints to check (a 0-d one has no len())
+            few = slots.tolist() if slots.ndim == 1 and slots.dtype.kind in "iu" and slots.size <= FEW_IDS else None
+        else:
+            few = slots if len(slots) <= FEW_IDS else None
+        if few is not None:
             marks, total = self._allocated, self.total
             # A usual request's few ids: ints, checked one by one in a few microseconds, where the
             # array path costs a dozen numpy calls; anything else takes that path (and its messages).
@@ -141,18 +154,24 @@ class SlotAllocator:
             try:  # twice as fast as numpy's type discovery; takes exactly what operator.index takes
                 ids = np.frombuffer(array("q", slots), dtype=np.int64)
             except (TypeError, OverflowError):
-                ids = np.asarray(slots)  # to name the offending value below
+                # Named here, not through numpy: it would make [0, 2.5] floats and [0, 2**70] objects,
+                # and name the 0.
+                refused = [s for s in slots if not _fits_q(s)][:1]  # none: an __index__ that answers once only
+                what = f"slot {refused[0]!r} is not a slot id" if refused else "slot ids must be integers of 64 bits"
+                raise SlotError(f"{what} of this tier (0..{self.total - 1})") from None
         else:
             ids = slots
         if ids.size == 0:
             return np.empty(0, dtype=np.int64)
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            bad = next((s for s in ids.ravel().tolist() if type(s) is not int), ids.ravel()[0])
+            bad = next((s for s in ids.ravel().tolist() if type(s) is not int), None)
+            if bad is None:  # integers all, in the wrong shape (or objects)
+                raise SlotError(f"slot ids are one integer per slot, not an array of shape {ids.shape} of {ids.dtype}")
             raise SlotError(f"slot {bad!r} is not a slot id of this tier (0..{self.total - 1})")
-        ids = ids.astype(np.int64, copy=False)
-        low, high = int(ids.min()), int(ids.max())
+        low, high = int(ids.min()), int(ids.max())  # before the cast: a uint64 past 2**63 would wrap
         if low < 0 or high >= self.total:
             raise SlotError(f"slot {low if low < 0 else high} is not a slot id of this tier (0..{self.total - 1})")
+        ids = ids.astype(np.int64, copy=False)
         allocated = np.frombuffer(self._allocated, dtype=np.uint8)
         missing = ids[allocated[ids] == 0]
         del allocated  # a live export would stop the map from resizing

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._config import parse_quota
-from .._cuda._requests import Side, buffer_addresses
+from .._cuda._requests import Side, buffer_addresses, registrations
 from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._lifecycle import Lifecycle, Owner, finish
 from ._events import EventHub, EventSubscription
@@ -575,8 +575,9 @@ class BlockStore(Owner):
         :raises TypeError: a key that is not bytes-like or an int.
         :raises TierClosedError: the store (or its tier) is closed.
         :raises CudaError: the driver refused the copy (nothing stored).
-        :raises CopyPlanError: pages named by address in a StaticHostMem or
-            a tier that closed (or shrank past them) while the call waited.
+        :raises CopyPlanError: pages in a StaticHostMem or a tier (named by
+            address, or an array over its memory) that is closing, or that
+            closed (or shrank past them) while the call waited.
 
         Pages that lie in the store's own blocks keep those blocks pinned
         (never evicted for the call's room) until the call returns.
@@ -1144,7 +1145,7 @@ class BlockStore(Owner):
         copies = list(
             zip(tier.slot_addresses(slots).tolist(), pages.addresses.tolist(), pages.lengths.tolist(), strict=True)
         )
-        return (None, self._copy_host(copies))
+        return (None, self._copy_host(copies, pages.addresses, pages.lengths))
 
     @staticmethod
     async def _overlap(started: _Started, work: Callable[[], None]) -> None:
@@ -1163,10 +1164,20 @@ class BlockStore(Owner):
         finally:
             await finish(done)
 
-    def _copy_host(self, copies: list[tuple[int, int, int]]) -> asyncio.Future[None]:
-        """``memmove`` the copies on the store's thread, tracked by the tier as every copy over its
-        memory is: the tier's close and shrink wait until the thread let go of its slots."""
-        done = self._tier.copies.begin()  # in the step that located the slots: the tier was open
+    def _copy_host(self, copies: list[tuple[int, int, int]], pages: U64, lengths: U64) -> asyncio.Future[None]:
+        """``memmove`` the copies on the store's thread, tracked as every copy over a region's memory
+        is: by the tier, and by any StaticHostMem or other tier that the caller's ``pages`` (of
+        ``lengths`` bytes) lie in, for an array made over its memory keeps none of it mapped. Their
+        close and shrink wait until the thread let go.
+
+        :raises CopyPlanError: a page lies in a region that is closing, or leaves it.
+        """
+        # Located now, in the step that located the slots: every region met is open.
+        _, regions = registrations([pages], lengths, known_only=False)
+        done = self._tier.copies.begin()
+        for region in regions:
+            if region is not self._tier:
+                region.copies.track(done)
         try:
             return self._life.submit(_memmove_all, copies, done)
         except BaseException:
@@ -1188,6 +1199,9 @@ class BlockStore(Owner):
             destination page in a block of this store (its own tier's slots).
         :raises TypeError: a key that is not bytes-like or an int.
         :raises TierClosedError: the store is closed.
+        :raises CopyPlanError: pages in a StaticHostMem or another tier (named
+            by address, or an array over its memory) that is closing, or that
+            closed (or shrank past them) while the call waited.
         """
         self._check_open()
         keys = _key_seq(keys)
@@ -1257,7 +1271,7 @@ class BlockStore(Owner):
         copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
         if engine is not None:
             return (None, asyncio.ensure_future(engine.copy(copies, after=after)))
-        return (None, self._copy_host(copies))
+        return (None, self._copy_host(copies, pages.addresses, lengths))
 
     # -- discard and resize ---------------------------------------------------------------
 
