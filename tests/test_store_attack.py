@@ -930,7 +930,7 @@ class HeldEngine:
         self.hold = False
         self.held: list[asyncio.Future[None]] = []
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         pass
 
     def begin(
@@ -949,7 +949,15 @@ class HeldEngine:
         return submitted, done
 
     def _begin_checked(
-        self, tier: HostTier, slots: Any, side: Any, direction: str, keepalive: Any, *, after: Any = None
+        self,
+        tier: HostTier,
+        slots: Any,
+        side: Any,
+        direction: str,
+        keepalive: Any,
+        *,
+        after: Any = None,
+        signal_submit: bool = True,
     ) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
         return self.begin(tier, slots, side.addresses, direction, after=after, page=side.page)
 

@@ -413,7 +413,15 @@ class CopyEngine(Owner):
         return StartedCopy(job.on_submit, job.future)
 
     def _begin_checked(
-        self, tier: HostTier, slots: Any, side: Side, direction: str, keepalive: Any, *, after: Any = None
+        self,
+        tier: HostTier,
+        slots: Any,
+        side: Side,
+        direction: str,
+        keepalive: Any,
+        *,
+        after: Any = None,
+        signal_submit: bool = True,
     ) -> StartedCopy:
         """``begin()`` with the buffer side already checked by ``buffer_addresses`` (the BlockStore's
         pages: checked once per call, then a subset copied). ``keepalive``: the buffer's owner.
@@ -422,14 +430,17 @@ class CopyEngine(Owner):
         StaticHostMem are located again (the caller may have waited since the
         check, and the region closed or shrunk meanwhile). The slots and the
         page are checked as in ``begin()``.
+
+        ``signal_submit=False``: no crossing back to the loop when the copy is
+        issued (the caller does not wait for that); ``submitted`` is then
+        ``done``.
         """
         if direction not in ("h2d", "d2h"):
             raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
         self._check_device(tier)
         planned, owners = plan_side(tier, tier.slot_addresses(slots), relocate(side), direction)
-        job = self._enqueue(planned, direction, after, (tier, keepalive), owners, signal_submit=True)
-        assert job.on_submit is not None
-        return StartedCopy(job.on_submit, job.future)
+        job = self._enqueue(planned, direction, after, (tier, keepalive), owners, signal_submit=signal_submit)
+        return StartedCopy(job.future if job.on_submit is None else job.on_submit, job.future)
 
     async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
         """Raw ``(dst, src, nbytes)`` copies: tier slots, StaticHostMem, device to device.
