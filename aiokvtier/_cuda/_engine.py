@@ -560,15 +560,6 @@ class CopyEngine(Owner):
         self._submit_q.put(job)
         return job
 
-    def _issue(self, job: _Job) -> Any:
-        """Issue a GPU job (submit thread); returns its completion event, or None with ``job.error``
-        set when it could not be issued."""
-        try:
-            return self._submit_gpu(job)
-        except BaseException as exc:  # reported to the awaiting task
-            job.error = exc
-            return None
-
     def _mark(self, stream: int) -> Any:
         """An event recorded on ``stream`` now, on the caller's thread: the copy waits for what was queued
         there before the call, not for what the caller queues after it while the submit thread is busy."""
@@ -602,10 +593,13 @@ class CopyEngine(Owner):
                     self._copy_host(job)
                 except BaseException as exc:  # reported to the awaiting task
                     job.error = exc
-                outcomes: list[Outcome] = [] if job.on_submit is None else [(job.on_submit, None, None)]
-                self._settle([self._wait(None, job, None)], outcomes)
+                self._settle([self._wait(None, job, None)], submitted_too=True)
                 continue
-            event = self._issue(job)
+            event = None
+            try:
+                event = self._submit_gpu(job)
+            except BaseException as exc:  # reported to the awaiting task
+                job.error = exc
             if job.on_submit is not None:
                 deliver(job.loop, [(job.on_submit, None, None)])
             self._done_q.put((job, event))
@@ -731,14 +725,17 @@ class CopyEngine(Owner):
                 finished.append(self._wait(drv, *pending.popleft()))
             self._settle(finished)
 
-    def _settle(self, finished: list[_Job], outcomes: list[Outcome] | None = None) -> None:
-        """Publish the latency figures, then settle the jobs' futures: one crossing per loop."""
+    def _settle(self, finished: list[_Job], *, submitted_too: bool = False) -> None:
+        """Publish the latency figures, then settle the jobs' futures: one crossing per loop.
+
+        ``submitted_too``: their ``on_submit`` as well (a host copy is issued and landed at once).
+        """
         # Published before the futures resolve: a caller whose copy returned sees it counted.
         self._latency = (tuple(self._latency_counts), self._latency_sum)
         by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = defaultdict(list)
         for job in finished:
-            if outcomes:
-                by_loop[job.loop].extend(outcomes)
+            if submitted_too and job.on_submit is not None:
+                by_loop[job.loop].append((job.on_submit, None, None))
             by_loop[job.loop].append((job.future, None, job.error))
             job.keepalive = ()
         for loop, batch in by_loop.items():

@@ -1141,10 +1141,9 @@ class BlockStore(Owner):
         """Queue the copy of the caller's pages into ``slots``."""
         tier, engine = self._tier, self._engine
         if engine is not None:
-            started = engine._begin_checked(
+            return engine._begin_checked(
                 tier, slots, pages.side(pages.page), "d2h", pages.owners, after=after, signal_submit=False
             )
-            return (started[0], started[1])
         copies = list(
             zip(tier.slot_addresses(slots).tolist(), pages.addresses.tolist(), pages.lengths.tolist(), strict=True)
         )
@@ -1271,10 +1270,9 @@ class BlockStore(Owner):
         tier, engine = self._tier, self._engine
         page = pages.page or int(pages.lengths[0])
         if engine is not None and bool((lengths == page).all()):
-            started = engine._begin_checked(
+            return engine._begin_checked(
                 tier, slots, pages.side(page), "h2d", pages.owners, after=after, signal_submit=False
             )
-            return (started[0], started[1])
         # Host pages, or blocks shorter than the destination pages: each copies its own length.
         copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
         if engine is not None:
