@@ -25,13 +25,16 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from contextlib import ExitStack
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from .._errors import NumaPolicyError
 from . import _linux, _userfault
 from ._hugepages import HugePagePolicy
 
-__all__ = ["Backing", "HostBacking"]
+if TYPE_CHECKING:
+    from .._config import ResolvedHostConfig
+
+__all__ = ["Backing", "Backings", "HostBacking"]
 
 log = logging.getLogger("aiokvtier")
 
@@ -124,6 +127,28 @@ def apply_numa_policy(base: int, size: int, node: int | None, strict: bool) -> t
         log.warning(warning)
         return "first-touch", warning
     return ("bind" if strict else "preferred"), None
+
+
+class Backings(Protocol):
+    """What a tier is handed to build its backing (both calls blocking: the tier runs them off the loop)."""
+
+    def numa_node(self, config: ResolvedHostConfig) -> int | None:
+        """The node the tier's pages go to (``config.numa_node``, or the device's node for ``"auto"``)."""
+        ...
+
+    def make(self, config: ResolvedHostConfig, node: int | None) -> Backing:
+        """Reserve ``config.max_quota`` for ``config.backing`` with pages bound to ``node``."""
+        ...
+
+
+def host_backing(config: ResolvedHostConfig, node: int | None) -> HostBacking:
+    """The host-only backing ``config`` asks for."""
+    return HostBacking(
+        config.max_quota,
+        node=node,
+        strict_numa=not config.allow_remote_numa_fallback,
+        huge_pages=config.transparent_huge_pages,
+    )
 
 
 class HostBacking(Backing):

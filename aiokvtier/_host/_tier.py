@@ -14,14 +14,14 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _regions
-from .._config import HostTierConfig, ResolvedHostConfig, default_fill_threads, parse_quota
+from .._config import HostTierConfig, default_fill_threads, parse_quota
 from .._crossing import LoopWaiters
 from .._errors import CopyPlanError, DecommitError, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._handoff import handoff
 from .._lifecycle import Lifecycle, Owner, finish
 from .._regions import I64, U64, InflightCopies
 from .._units import format_bytes
-from ._backing import Backing, HostBacking
+from ._backing import Backing, Backings
 from ._fill import Filler
 from ._layout import UnitLayout
 from ._placement import Placement, node_cpus_or_none, read_placement
@@ -32,30 +32,6 @@ from ._views import ViewLedger
 __all__ = ["HostTier"]
 
 log = logging.getLogger("aiokvtier")
-
-
-def resolve_numa_node(config: ResolvedHostConfig) -> int | None:
-    if config.numa_node != "auto":
-        return config.numa_node
-    if config.device is None:
-        return None
-    from .._cuda._driver import device_numa_node
-
-    return device_numa_node(config.device)
-
-
-def make_backing(config: ResolvedHostConfig, node: int | None) -> Backing:
-    """Reserve ``max_quota`` with the configured backing (blocking: run off the loop)."""
-    if config.backing == "host":
-        return HostBacking(
-            config.max_quota,
-            node=node,
-            strict_numa=not config.allow_remote_numa_fallback,
-            huge_pages=config.transparent_huge_pages,
-        )
-    from .._cuda._backings import make_backing as make_gpu_backing
-
-    return make_gpu_backing(config, node)
 
 
 class HostTier(Owner):
@@ -88,9 +64,18 @@ class HostTier(Owner):
     _filler: Filler
     _waiters: LoopWaiters
 
-    def __init__(self, config: HostTierConfig | Mapping[str, Any]) -> None:
-        """:raises pydantic.ValidationError: ``config`` is a mapping that does not validate."""
+    def __init__(self, config: HostTierConfig | Mapping[str, Any], *, backings: Backings | None = None) -> None:
+        """``backings``: what reserves and commits the range (default: the backing the config names,
+        ``"host"``, ``"register"`` or ``"vmm"``); a seam for memory of another kind or a test's faults.
+
+        :raises pydantic.ValidationError: ``config`` is a mapping that does not validate.
+        """
         self._config = config if isinstance(config, HostTierConfig) else HostTierConfig.model_validate(config)
+        if backings is None:
+            from .._backings import DefaultBackings  # the one place that knows the CUDA backings
+
+            backings = DefaultBackings()
+        self._backings = backings
         self._life = Lifecycle("HostTier", "aiokvtier-tier")
         self._resize_lock = asyncio.Lock()
         self._views = ViewLedger(int(self._config.slot_size))
@@ -102,7 +87,7 @@ class HostTier(Owner):
     # -- lifecycle -------------------------------------------------------------
 
     @classmethod
-    async def open(cls, config: HostTierConfig | Mapping[str, Any]) -> HostTier:
+    async def open(cls, config: HostTierConfig | Mapping[str, Any], *, backings: Backings | None = None) -> HostTier:
         """Reserve the range, start the fill, and return without waiting for it.
 
         :raises pydantic.ValidationError: the config is invalid.
@@ -116,7 +101,7 @@ class HostTier(Owner):
         On any failure or cancellation, whatever was built is released
         before the error (or the cancellation) reaches the caller.
         """
-        tier = cls(config)
+        tier = cls(config, backings=backings)
         await tier._open()
         return tier
 
@@ -143,8 +128,8 @@ class HostTier(Owner):
         life, cfg = self._life, self._config.resolved
         self._slot_size = slot = cfg.slot_size
         self._quota = cfg.quota
-        self._node = node = await life.run(resolve_numa_node, cfg)
-        self._backing = backing = await life.run(make_backing, cfg, node)
+        self._node = node = await life.run(self._backings.numa_node, cfg)
+        self._backing = backing = await life.run(self._backings.make, cfg, node)
         life.undo.callback(life.release_when_unviewed, self._views.defer_until_empty, self._release)
         self._base = backing.base
         self._layout = layout = UnitLayout.build(backing.size, slot, cfg.commit_unit)
