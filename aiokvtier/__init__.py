@@ -24,6 +24,8 @@ if _typing.TYPE_CHECKING:
     from ._cuda._engine import CopyStatistics as CopyStatistics
     from ._cuda._engine import StartedCopy as StartedCopy
     from ._cuda._static import StaticHostMem as StaticHostMem
+    from ._disk._tier import DiskStatistics as DiskStatistics
+    from ._disk._tier import DiskTier as DiskTier
     from ._errors import AiokvtierError as AiokvtierError
     from ._errors import BlockNotFound as BlockNotFound
     from ._errors import ConfigError as ConfigError
@@ -31,6 +33,7 @@ if _typing.TYPE_CHECKING:
     from ._errors import CudaError as CudaError
     from ._errors import CudaUnavailableError as CudaUnavailableError
     from ._errors import DecommitError as DecommitError
+    from ._errors import DiskTierBusy as DiskTierBusy
     from ._errors import FillError as FillError
     from ._errors import NumaPolicyError as NumaPolicyError
     from ._errors import OutOfSlots as OutOfSlots
@@ -63,6 +66,9 @@ __all__ = [
     "CudaError",
     "CudaUnavailableError",
     "DecommitError",
+    "DiskStatistics",
+    "DiskTier",
+    "DiskTierBusy",
     "DiskTierConfig",
     "EventSubscription",
     "EvictionPolicy",
@@ -92,9 +98,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "._cuda._static": ("StaticHostMem",),
     "._errors": (
         "AiokvtierError", "BlockNotFound", "ConfigError", "CopyPlanError", "CudaError", "CudaUnavailableError",
-        "DecommitError", "FillError", "NumaPolicyError", "OutOfSlots", "QuotaError", "SlotError", "TierClosedError",
-        "WouldBlock",
+        "DecommitError", "DiskTierBusy", "FillError", "NumaPolicyError", "OutOfSlots", "QuotaError", "SlotError",
+        "TierClosedError", "WouldBlock",
     ),
+    "._disk._tier": ("DiskStatistics", "DiskTier"),
     "._host._placement": ("Placement",),
     "._host._statistics": ("TierStatistics",),
     "._host._tier": ("HostTier",),

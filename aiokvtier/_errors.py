@@ -15,7 +15,8 @@ Each with its second base, if any, and what it means:
     ├── CudaUnavailableError       a device was asked for where no CUDA driver is usable
     ├── CudaError                  a driver call failed; keeps the CUresult name
     ├── CopyPlanError (ValueError) a copy the planner refuses (spans registrations, leaves the range)
-    └── BlockNotFound (KeyError)   a block store has no block for a key
+    ├── BlockNotFound (KeyError)   a block store has no block for a key
+    └── DiskTierBusy               another opener holds a disk tier's directory
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "CudaError",
     "CudaUnavailableError",
     "DecommitError",
+    "DiskTierBusy",
     "FillError",
     "NumaPolicyError",
     "OutOfSlots",
@@ -139,3 +141,7 @@ class BlockNotFound(AiokvtierError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message again
         return str(self.args[0])
+
+
+class DiskTierBusy(AiokvtierError):
+    """Another process, or another ``DiskTier`` of this one, has the disk tier's directory open."""

@@ -1,0 +1,127 @@
+"""Block I/O between memory (by address) and one data file of fixed-size slots.
+
+``O_DIRECT`` where the file system takes it (the page cache would hold a
+second copy of blocks that are already in the host tier); buffered I/O where
+it refuses (tmpfs, some overlayfs), said once in the log. Direct I/O needs
+the memory, the offset and the length aligned to the device's block: slots
+of a tier or a StaticHostMem are page-aligned and whole pages long, so a
+block's length is rounded up to ``ALIGN`` inside its slot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+
+__all__ = ["ALIGN", "DataFile"]
+
+log = logging.getLogger("aiokvtier")
+
+ALIGN = 4096
+
+
+def _memory(address: int, length: int) -> memoryview:
+    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+
+
+class DataFile:
+    """``slots`` slots of ``slot_bytes`` (a multiple of ``ALIGN``) in one sparse file."""
+
+    def __init__(self, path: str, slots: int, slot_bytes: int) -> None:
+        self.path = path
+        self.slot_bytes = slot_bytes
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._direct: int | None = None
+        try:
+            if os.fstat(self._fd).st_size < slots * slot_bytes:
+                os.ftruncate(self._fd, slots * slot_bytes)  # sparse: the disk fills as blocks arrive
+            self._direct = self._open_direct()
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.direct_why = None if self._direct is not None else self._refused
+        """Why I/O is buffered (the file system refused ``O_DIRECT``); None: direct."""
+
+    _refused = "O_DIRECT is not supported"
+
+    def _open_direct(self) -> int | None:
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            self._refused = "this platform has no O_DIRECT"
+            return None
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | flag)
+        except OSError as exc:
+            self._refused = f"the file system refused O_DIRECT ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+            return None
+        # Some file systems accept the flag and fail the first I/O: read one aligned block to know.
+        probe = mmap.mmap(-1, ALIGN)
+        try:
+            os.preadv(fd, [probe], 0)
+        except OSError as exc:
+            os.close(fd)
+            self._refused = f"O_DIRECT reads fail here ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+            return None
+        finally:
+            probe.close()
+        return fd
+
+    @property
+    def direct(self) -> bool:
+        return self._direct is not None
+
+    def _fd_for(self, address: int, length: int) -> tuple[int, int]:
+        """The descriptor and the length to move: direct for aligned memory (the length rounded up)."""
+        if self._direct is not None and address % ALIGN == 0:
+            return self._direct, -(-length // ALIGN) * ALIGN
+        return self._fd, length
+
+    def write(self, slot: int, address: int, length: int) -> None:
+        """Write ``length`` bytes at ``address`` into ``slot`` (memory up to the rounded length is readable)."""
+        fd, n = self._fd_for(address, length)
+        view, offset, done = _memory(address, n), slot * self.slot_bytes, 0
+        while done < n:
+            wrote = os.pwritev(fd, [view[done:]], offset + done)
+            if wrote <= 0:
+                raise OSError(errno.EIO, f"a write to {self.path} made no progress")
+            done += wrote
+
+    def read(self, slot: int, address: int, length: int) -> None:
+        """Read ``slot``'s first ``length`` bytes to ``address`` (writable up to the rounded length)."""
+        fd, n = self._fd_for(address, length)
+        view, offset, done = _memory(address, n), slot * self.slot_bytes, 0
+        while done < n:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(errno.EIO, f"{self.path} ended inside slot {slot}")
+            done += got
+
+    def discard(self, slot: int) -> None:
+        """Give a dropped slot's disk space back (a hole); best effort."""
+        try:
+            _punch_hole(self._fd, slot * self.slot_bytes, self.slot_bytes)
+        except OSError:
+            pass  # a file system without holes keeps the bytes; the journal no longer names them
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._direct is not None:
+            os.close(self._direct)
+        os.close(self._fd)
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))

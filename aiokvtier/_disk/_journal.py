@@ -1,0 +1,117 @@
+"""The disk tier's journal: which key lies in which data slot, with the checksum of its bytes.
+
+One record per change, appended after the data it names was written (a put)
+or before its slot is reused (a drop). Each record carries its own CRC, so a
+record torn by a crash ends the replay there instead of being believed. A
+block whose data write did not complete before a crash has no record; a slot
+overwritten after its record (a crash between a reuse's write and its drop)
+fails the checksum: both are misses, never wrong data.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+
+__all__ = ["Entry", "Journal", "decode_key", "encode_key"]
+
+_HEAD = struct.Struct("<4sBQIQH")
+"""magic, op, slot, length, checksum, key length; then the key, then a CRC32 of all of it."""
+_CRC = struct.Struct("<I")
+_MAGIC = b"AKVJ"
+_PUT, _DROP = 1, 2
+
+Key = bytes | int
+Entry = tuple[int, int, int]
+"""A block's data slot, length in bytes and checksum."""
+
+
+def encode_key(key: Key) -> bytes:
+    """Bytes keys and int keys stay apart (``1`` and ``b"\\x01"`` are different keys)."""
+    if type(key) is bytes:
+        return b"b" + key
+    assert type(key) is int
+    return b"i" + key.to_bytes((key.bit_length() + 8) // 8 or 1, "little", signed=True)
+
+
+def decode_key(raw: bytes) -> Key:
+    return raw[1:] if raw[:1] == b"b" else int.from_bytes(raw[1:], "little", signed=True)
+
+
+def _record(op: int, slot: int, length: int, checksum: int, key: bytes) -> bytes:
+    body = _HEAD.pack(_MAGIC, op, slot, length, checksum, len(key)) + key
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+class Journal:
+    """Append-only records in one file, replayed at open (the caller holds the directory's lock)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self.records = 0
+
+    def replay(self) -> dict[Key, Entry]:
+        """The blocks the journal vouches for; a torn or foreign tail is cut off."""
+        with open(self.path, "rb") as f:
+            data = f.read()
+        blocks: dict[Key, Entry] = {}
+        end = 0
+        for op, slot, length, checksum, key, stop in _records(data):
+            end = stop
+            self.records += 1
+            if op == _PUT:
+                blocks[decode_key(key)] = (slot, length, checksum)
+            else:
+                blocks.pop(decode_key(key), None)
+        if end < len(data):
+            os.ftruncate(self._fd, end)  # a crash mid-append: the next record starts clean
+        return blocks
+
+    def put(self, key: Key, slot: int, length: int, checksum: int) -> None:
+        self._append(_record(_PUT, slot, length, checksum, encode_key(key)))
+
+    def drop(self, key: Key) -> None:
+        self._append(_record(_DROP, 0, 0, 0, encode_key(key)))
+
+    def _append(self, record: bytes) -> None:
+        # One write per record, O_APPEND: a crash leaves at most the last one torn.
+        written = os.write(self._fd, record)
+        if written != len(record):
+            raise OSError(f"short journal write ({written} of {len(record)} bytes)")
+        self.records += 1
+
+    def rewrite(self, blocks: dict[Key, Entry]) -> None:
+        """Replace the journal by one record per live block (atomic: a new file renamed over it)."""
+        tmp = self.path + ".new"
+        with open(tmp, "wb") as f:
+            for key, (slot, length, checksum) in blocks.items():
+                f.write(_record(_PUT, slot, length, checksum, encode_key(key)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        self.records = len(blocks)
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _records(data: bytes) -> Iterator[tuple[int, int, int, int, bytes, int]]:
+    at, head, crc = 0, _HEAD.size, _CRC.size
+    while at + head + crc <= len(data):
+        magic, op, slot, length, checksum, klen = _HEAD.unpack_from(data, at)
+        end = at + head + klen + crc
+        if magic != _MAGIC or op not in (_PUT, _DROP) or end > len(data):
+            return
+        (stored,) = _CRC.unpack_from(data, end - crc)
+        if zlib.crc32(data[at : end - crc]) != stored:
+            return
+        yield op, slot, length, checksum, data[at + head : end - crc], end
+        at = end

@@ -1,0 +1,533 @@
+"""DiskTier: blocks kept in a local file, found again after a restart or a crash.
+
+The index (key -> data slot, length, checksum) lives on the event loop; the
+bytes move on ``io_threads`` named threads with ``preadv``/``pwritev``. A
+block is visible once its data and its journal record are written; a read
+checks the block's checksum and treats a mismatch as a miss (the block is
+dropped), so a torn write or a flipped bit never comes back as data.
+
+One process opens a directory at a time (an exclusive ``flock``): a second
+opener gets ``DiskTierBusy``. Blocks of different models never meet: the
+files live in a subdirectory named by the fingerprint the caller gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import xxhash
+
+from .._config import DiskTierConfig
+from .._crossing import Worker
+from .._errors import DiskTierBusy
+from .._lifecycle import Lifecycle, Owner, finish
+from ._io import ALIGN, DataFile, _memory
+from ._journal import Entry, Journal
+
+__all__ = ["DiskStatistics", "DiskTier"]
+
+log = logging.getLogger("aiokvtier")
+
+Key = bytes | int
+_LAYOUT = 1
+"""The on-disk format's version: a directory of another version is started afresh."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStatistics:
+    path: str
+    """The tier's own directory (under the configured path, named by the fingerprint)."""
+    direct_io: bool
+    """True: ``O_DIRECT``; False: buffered I/O (``buffered_why`` says why)."""
+    buffered_why: str | None
+    block_size: int
+    capacity: int
+    """Blocks the quota holds."""
+    blocks: int
+    bytes_stored: int
+    hits: int
+    misses: int
+    """Keys asked for by ``read()`` that were not stored, or failed their checksum."""
+    bytes_read: int
+    bytes_written: int
+    writes_skipped: int
+    """Blocks ``write()`` did not store: the tier was full of blocks being read or written, or an I/O error."""
+    evictions: int
+    write_errors: int
+    read_errors: int
+    checksum_failures: int
+    queue_depth: int
+    """I/O jobs queued or running now."""
+    recovered_blocks: int
+    """Blocks found again when the tier opened."""
+    free_disk_bytes: int | None
+    """What the file system has left (None once closed)."""
+
+
+class DiskTier(Owner):
+    """A disk tier of ``config.quota`` bytes in blocks of ``block_size`` under ``config.path``.
+
+    Open it with ``await DiskTier.open(config, block_size=..., fingerprint=...)``
+    or ``async with DiskTier(...)``. ``fingerprint`` names what the blocks
+    belong to (a model and its KV layout): a tier reopened with the same path
+    and fingerprint finds its blocks again, one with another fingerprint
+    starts empty beside it.
+
+    The memory ``write()`` reads from and ``read()`` writes to is given as
+    addresses (tier slots, a StaticHostMem, any page-aligned host memory);
+    it must stay valid until the call returns. Cancelling either call does
+    not stop the I/O: the cancellation is delivered once the threads let go
+    of the memory.
+    """
+
+    def __init__(
+        self,
+        config: DiskTierConfig | Mapping[str, Any],
+        *,
+        block_size: int,
+        fingerprint: str,
+        io_threads: int = 4,
+    ) -> None:
+        """:raises ValueError: ``block_size`` is not a positive multiple of 4096, ``fingerprint`` is empty,
+        ``io_threads`` is not 1-64, or the quota holds no block."""
+        self.config = config if isinstance(config, DiskTierConfig) else DiskTierConfig.model_validate(config)
+        if type(block_size) is not int or block_size <= 0 or block_size % ALIGN:
+            raise ValueError(f"block_size must be a positive multiple of {ALIGN}, got {block_size!r}")
+        if not isinstance(fingerprint, str) or not fingerprint:
+            raise ValueError(f"fingerprint must be a non-empty str, got {fingerprint!r}")
+        if type(io_threads) is not int or not 1 <= io_threads <= 64:
+            raise ValueError(f"io_threads must be an int between 1 and 64, got {io_threads!r}")
+        self.capacity = int(self.config.quota) // block_size
+        if self.capacity == 0:
+            raise ValueError(f"the disk quota ({int(self.config.quota)} bytes) holds no {block_size}-byte block")
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        digest = hashlib.sha256(f"{fingerprint}\0{block_size}".encode()).hexdigest()[:20]
+        self.directory = os.path.join(os.fspath(self.config.path), f"aiokvtier-{digest}")
+        self._io_threads = io_threads
+        self._life = Lifecycle("DiskTier", "aiokvtier-disk")
+        self._workers: list[Worker] = []
+        self._next = itertools.count()
+        self._index: OrderedDict[Key, Entry] = OrderedDict()
+        """Visible blocks, least recently used first."""
+        self._free: list[int] = []
+        self._pins: dict[int, int] = {}
+        """Data slots being read, and by how many calls."""
+        self._writing: set[Key] = set()
+        self._doomed: set[int] = set()
+        """Slots whose block was dropped while a read had them pinned: freed by the last unpin."""
+        self._busy = 0
+        self._recovered = 0
+        self._counts = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "bytes_read",
+                "bytes_written",
+                "skipped",
+                "evictions",
+                "write_errors",
+                "read_errors",
+                "checksum_failures",
+            ),
+            0,
+        )
+        self._free_disk: int | None = None
+        """What the file system had left after the last write (sampled on an I/O thread: statvfs may block)."""
+        self._lock_fd: int | None = None
+        self._data: DataFile | None = None
+        self._journal: Journal | None = None
+
+    @classmethod
+    async def open(
+        cls,
+        config: DiskTierConfig | Mapping[str, Any],
+        *,
+        block_size: int,
+        fingerprint: str,
+        io_threads: int = 4,
+    ) -> DiskTier:
+        """Lock the directory, replay the journal, start the I/O threads.
+
+        :raises DiskTierBusy: another opener holds the directory.
+        :raises OSError: the directory or its files cannot be made (permissions, a full disk).
+        :raises RuntimeError: the I/O threads cannot start.
+        """
+        tier = cls(config, block_size=block_size, fingerprint=fingerprint, io_threads=io_threads)
+        return await tier.__aenter__()
+
+    async def _build(self) -> None:
+        await self._life.run(self._start)
+
+    async def _teardown(self) -> None:
+        await self._life.run_undo()
+
+    def _start(self) -> None:
+        """On the tier's worker: lock, files, replay, threads; undoes itself on failure."""
+        undo = self._life.undo
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"the disk tier's path is not a writable directory: {exc.strerror}", exc.filename
+            ) from None
+        self._lock_fd = fd = os.open(os.path.join(self.directory, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        undo.callback(os.close, fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise DiskTierBusy(
+                f"the disk tier at {self.directory} is open elsewhere (process {holder}): one opener at a time"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._adopt_layout()
+        self._data = data = DataFile(os.path.join(self.directory, "blocks"), self.capacity, self.block_size)
+        undo.callback(self._close_files)
+        if not data.direct:
+            log.info("aiokvtier: disk tier %s uses buffered I/O: %s", self.directory, data.direct_why)
+        self._journal = journal = Journal(os.path.join(self.directory, "journal"))
+        self._recover(journal.replay())
+        self._sample_free()
+        for i in range(self._io_threads):
+            self._workers.append(Worker(f"aiokvtier-disk-io-{i}"))
+            undo.callback(self._workers[-1].stop)
+
+    def _adopt_layout(self) -> None:
+        """Keep the files if they were written in this layout, else start afresh (said in the log)."""
+        meta = os.path.join(self.directory, "tier.json")
+        want = {"layout": _LAYOUT, "fingerprint": self.fingerprint, "block_size": self.block_size}
+        try:
+            with open(meta) as f:
+                have = json.load(f)
+        except FileNotFoundError:
+            have = None
+        except (OSError, ValueError) as exc:
+            have = {"unreadable": str(exc)}
+        if have is not None and have != want:
+            log.warning("aiokvtier: disk tier %s was written as %s; starting it empty", self.directory, have)
+            for name in ("blocks", "journal"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.directory, name))
+        if have != want:
+            tmp = meta + ".new"
+            with open(tmp, "w") as f:
+                json.dump(want, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, meta)
+
+    def _recover(self, blocks: dict[Key, Entry]) -> None:
+        owner: dict[int, Key] = {}
+        for key, (slot, length, checksum) in blocks.items():
+            if slot >= self.capacity or not 0 < length <= self.block_size:
+                continue  # past a smaller quota, or not a record of this layout
+            previous = owner.get(slot)
+            if previous is not None:
+                del self._index[previous]  # the slot was reused and the older drop never made it
+            owner[slot] = key
+            self._index[key] = (slot, length, checksum)
+        self._free = sorted(set(range(self.capacity)) - set(owner), reverse=True)
+        self._recovered = len(self._index)
+        assert self._journal is not None
+        if self._journal.records > 2 * len(self._index) + 1024:
+            self._journal.rewrite(dict(self._index))
+
+    def _close_files(self) -> None:
+        if self._data is not None:
+            self._data.sync()
+            self._data.close()
+        if self._journal is not None:
+            self._journal.sync()
+            self._journal.close()
+
+    async def aclose(self) -> None:
+        """Finish the I/O in flight, write everything to disk, release the lock. Idempotent."""
+        await self._life.close(self._teardown)
+
+    # -- queries (the loop) ----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def lookup(self, keys: Iterable[Key]) -> int:
+        """How many leading keys are stored (a prefix's hit length)."""
+        n = 0
+        for key in keys:
+            if key not in self._index:
+                break
+            n += 1
+        return n
+
+    def statistics(self) -> DiskStatistics:
+        """A snapshot of the tier's figures (also after close)."""
+        c = self._counts
+        data = self._data
+        return DiskStatistics(
+            path=self.directory,
+            direct_io=data is not None and data.direct,
+            buffered_why=None if data is None else data.direct_why,
+            block_size=self.block_size,
+            capacity=self.capacity,
+            blocks=len(self._index),
+            bytes_stored=sum(length for _, length, _ in self._index.values()),
+            hits=c["hits"],
+            misses=c["misses"],
+            bytes_read=c["bytes_read"],
+            bytes_written=c["bytes_written"],
+            writes_skipped=c["skipped"],
+            evictions=c["evictions"],
+            write_errors=c["write_errors"],
+            read_errors=c["read_errors"],
+            checksum_failures=c["checksum_failures"],
+            queue_depth=self._busy,
+            recovered_blocks=self._recovered,
+            free_disk_bytes=None if self.closed else self._free_disk,
+        )
+
+    # -- write ---------------------------------------------------------------------------
+
+    async def write(self, keys: Sequence[Key], addresses: Sequence[int], lengths: Sequence[int]) -> tuple[Key, ...]:
+        """Store each key's ``lengths[i]`` bytes at ``addresses[i]``; returns the keys written.
+
+        Keys already stored or being written are left as they are. When the
+        tier is full, least recently used blocks that no read holds are
+        evicted; a key that finds no slot, or whose write fails (ENOSPC, EIO),
+        is skipped, counted and logged, and the rest go on.
+
+        :raises ValueError: the three sequences differ in length, or a length is not 1..block_size.
+        :raises TierClosedError: the tier is not open.
+        """
+        self.check_open()
+        if not len(keys) == len(addresses) == len(lengths):
+            raise ValueError(f"one address and one length per key: {len(keys)}, {len(addresses)}, {len(lengths)}")
+        for length in lengths:
+            if not 0 < length <= self.block_size:
+                raise ValueError(f"a block of {length} bytes does not fit a {self.block_size}-byte disk block")
+        jobs: list[tuple[Key, int, int, int, Key | None]] = []
+        for key, address, length in zip(keys, addresses, lengths, strict=True):
+            if key in self._index or key in self._writing:
+                continue
+            taken = self._take_slot()
+            if taken is None:
+                self._counts["skipped"] += 1
+                continue
+            slot, evicted = taken
+            self._writing.add(key)
+            jobs.append((key, address, length, slot, evicted))
+        if not jobs:
+            return ()
+        task = asyncio.ensure_future(self._spread(self._write_all, jobs))
+        try:
+            await finish(task)
+        finally:
+            written = self._settle_writes(jobs, _outcomes(task, len(jobs)))
+        return written
+
+    def _settle_writes(self, jobs: list[tuple[Key, int, int, int, Key | None]], outcomes: list[Any]) -> tuple[Key, ...]:
+        """Publish what was written, give back the slots of what was not (also after a cancellation)."""
+        written: list[Key] = []
+        for (key, _, length, slot, _), outcome in zip(jobs, outcomes, strict=True):
+            self._writing.discard(key)
+            if isinstance(outcome, int):
+                self._index[key] = (slot, length, outcome)
+                self._counts["bytes_written"] += length
+                written.append(key)
+            else:
+                self._free.append(slot)
+                self._counts["skipped"] += 1
+                self._counts["write_errors"] += 1
+        return tuple(written)
+
+    def _take_slot(self) -> tuple[int, Key | None] | None:
+        """A free data slot, or the least recently used unpinned block's (with its key, now dropped)."""
+        if self._free:
+            return self._free.pop(), None
+        for key, (slot, _, _) in self._index.items():
+            if slot not in self._pins:
+                del self._index[key]
+                self._counts["evictions"] += 1
+                return slot, key
+        return None
+
+    def _write_all(self, jobs: list[tuple[Key, int, int, int, Key | None]]) -> list[int | OSError]:
+        """On an I/O thread: each block's checksum, its data, then its record."""
+        data, journal = self._data, self._journal
+        assert data is not None and journal is not None
+        out: list[int | OSError] = []
+        for key, address, length, slot, evicted in jobs:
+            try:
+                if evicted is not None:
+                    journal.drop(evicted)  # before the slot's bytes change
+                checksum = xxhash.xxh3_64_intdigest(_memory(address, length))
+                data.write(slot, address, length)
+                journal.put(key, slot, length, checksum)
+                out.append(checksum)
+            except OSError as exc:
+                log.warning(
+                    "aiokvtier: disk tier %s skipped a block: %s (%s)",
+                    self.directory,
+                    exc.strerror or exc,
+                    errno.errorcode.get(exc.errno or 0, "?"),
+                )
+                out.append(exc)
+        self._sample_free()
+        return out
+
+    def _sample_free(self) -> None:
+        try:
+            self._free_disk = shutil.disk_usage(self.directory).free
+        except OSError:
+            self._free_disk = None
+
+    # -- read ----------------------------------------------------------------------------
+
+    async def read(self, keys: Sequence[Key], addresses: Sequence[int]) -> tuple[bool, ...]:
+        """Read each stored key's block to ``addresses[i]`` (writable for ``block_size`` bytes, or
+        the block's length rounded up to 4096); returns, per key, whether its bytes arrived.
+
+        A key not stored, a read error and a block that fails its checksum
+        (dropped then) are misses: False, counted. Blocks read are pinned
+        (never evicted under the read) and become the most recently used.
+
+        :raises ValueError: not one address per key.
+        :raises TierClosedError: the tier is not open.
+        """
+        self.check_open()
+        if len(keys) != len(addresses):
+            raise ValueError(f"one address per key: {len(keys)} keys, {len(addresses)} addresses")
+        jobs: list[tuple[Key, int, Entry]] = []
+        found: list[bool] = []
+        for key, address in zip(keys, addresses, strict=True):
+            entry = self._index.get(key)
+            found.append(entry is not None)
+            if entry is None:
+                self._counts["misses"] += 1
+                continue
+            self._index.move_to_end(key)
+            self._pins[entry[0]] = self._pins.get(entry[0], 0) + 1
+            jobs.append((key, address, entry))
+        if not jobs:
+            return tuple(found)
+        task = asyncio.ensure_future(self._spread(self._read_all, jobs))
+        try:
+            await finish(task)
+        finally:
+            outcomes = _outcomes(task, len(jobs))
+            for (key, _, (slot, length, checksum)), outcome in zip(jobs, outcomes, strict=True):
+                self._unpin(slot)
+                if outcome == "ok":
+                    self._counts["hits"] += 1
+                    self._counts["bytes_read"] += length
+                    continue
+                self._counts["misses"] += 1
+                self._counts["checksum_failures" if outcome == "checksum" else "read_errors"] += 1
+                if outcome == "checksum" and self._index.get(key) == (slot, length, checksum):
+                    self._drop(key)
+        arrived = iter(outcome == "ok" for outcome in outcomes)
+        return tuple(next(arrived) if present else False for present in found)
+
+    def _read_all(self, jobs: list[tuple[Key, int, Entry]]) -> list[str]:
+        data = self._data
+        assert data is not None
+        out: list[str] = []
+        for _, address, (slot, length, checksum) in jobs:
+            try:
+                data.read(slot, address, length)
+            except OSError as exc:
+                log.warning("aiokvtier: disk tier %s: a read failed: %s", self.directory, exc)
+                out.append("error")
+                continue
+            good = xxhash.xxh3_64_intdigest(_memory(address, length)) == checksum
+            out.append("ok" if good else "checksum")
+        return out
+
+    def _unpin(self, slot: int) -> None:
+        left = self._pins[slot] - 1
+        if left:
+            self._pins[slot] = left
+            return
+        del self._pins[slot]
+        if slot in self._doomed:
+            self._doomed.discard(slot)
+            self._free.append(slot)
+
+    # -- discard -------------------------------------------------------------------------
+
+    def discard(self, keys: Iterable[Key]) -> int:
+        """Drop blocks (unknown keys are ignored); returns how many were dropped."""
+        self.check_open()
+        dropped = 0
+        for key in keys:
+            if key in self._index:
+                self._drop(key)
+                dropped += 1
+        return dropped
+
+    def _drop(self, key: Key) -> None:
+        slot, _, _ = self._index.pop(key)
+        journal, data = self._journal, self._data
+        assert journal is not None and data is not None
+        self._workers[next(self._next) % len(self._workers)].post(lambda: _quietly(journal.drop, key))
+        if slot in self._pins:
+            self._doomed.add(slot)
+        else:
+            self._free.append(slot)
+
+    # -- the threads ---------------------------------------------------------------------
+
+    async def _spread(self, fn: Any, jobs: list[Any]) -> list[Any]:
+        """Split ``jobs`` over the I/O threads and run ``fn`` on each share; returns one outcome per job.
+
+        Returns only once every share has run (the memory is the threads' until then).
+        """
+        n = min(len(self._workers), len(jobs))
+        share = -(-len(jobs) // n)
+        futures = [
+            self._workers[next(self._next) % len(self._workers)].submit(fn, jobs[i : i + share])
+            for i in range(0, len(jobs), share)
+        ]
+        self._busy += len(futures)
+        try:
+            await asyncio.wait(futures)
+        finally:
+            self._busy -= len(futures)
+        return [outcome for future in futures for outcome in future.result()]
+
+    def __repr__(self) -> str:
+        return f"<DiskTier [{self._life.state} | {self.directory} | {len(self._index)}/{self.capacity} blocks]>"
+
+    async def __aenter__(self) -> Self:
+        """Open the tier (see ``open()``)."""
+        return await super().__aenter__()
+
+
+def _outcomes(task: asyncio.Future[list[Any]], n: int) -> list[Any]:
+    """A finished share-out's outcomes; where it failed as a whole, every job failed."""
+    if task.cancelled() or task.exception() is not None:
+        return ["error"] * n
+    return task.result()
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except OSError as exc:  # a drop record lost: the checksum still refuses the slot's next bytes
+        log.warning("aiokvtier: a disk tier journal write failed: %s", exc)
