@@ -16,14 +16,15 @@ import logging
 import mmap
 import os
 
-__all__ = ["ALIGN", "DataFile"]
+__all__ = ["ALIGN", "DataFile", "memory_at"]
 
 log = logging.getLogger("aiokvtier")
 
 ALIGN = 4096
 
 
-def _memory(address: int, length: int) -> memoryview:
+def memory_at(address: int, length: int) -> memoryview:
+    """``length`` bytes of memory at ``address`` as a buffer (the caller keeps the memory alive)."""
     return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
 
 
@@ -82,7 +83,7 @@ class DataFile:
     def write(self, slot: int, address: int, length: int) -> None:
         """Write ``length`` bytes at ``address`` into ``slot`` (memory up to the rounded length is readable)."""
         fd, n = self._fd_for(address, length)
-        view, offset, done = _memory(address, n), slot * self.slot_bytes, 0
+        view, offset, done = memory_at(address, n), slot * self.slot_bytes, 0
         while done < n:
             wrote = os.pwritev(fd, [view[done:]], offset + done)
             if wrote <= 0:
@@ -92,7 +93,7 @@ class DataFile:
     def read(self, slot: int, address: int, length: int) -> None:
         """Read ``slot``'s first ``length`` bytes to ``address`` (writable up to the rounded length)."""
         fd, n = self._fd_for(address, length)
-        view, offset, done = _memory(address, n), slot * self.slot_bytes, 0
+        view, offset, done = memory_at(address, n), slot * self.slot_bytes, 0
         while done < n:
             got = os.preadv(fd, [view[done:]], offset + done)
             if got <= 0:

@@ -34,7 +34,7 @@ from .._config import DiskTierConfig
 from .._crossing import Worker
 from .._errors import DiskTierBusy
 from .._lifecycle import Lifecycle, Owner, finish
-from ._io import ALIGN, DataFile, _memory
+from ._io import ALIGN, DataFile, memory_at
 from ._journal import Entry, Journal
 
 __all__ = ["DiskStatistics", "DiskTier"]
@@ -376,7 +376,7 @@ class DiskTier(Owner):
             try:
                 if evicted is not None:
                     journal.drop(evicted)  # before the slot's bytes change
-                checksum = xxhash.xxh3_64_intdigest(_memory(address, length))
+                checksum = xxhash.xxh3_64_intdigest(memory_at(address, length))
                 data.write(slot, address, length)
                 journal.put(key, slot, length, checksum)
                 out.append(checksum)
@@ -455,7 +455,7 @@ class DiskTier(Owner):
                 log.warning("aiokvtier: disk tier %s: a read failed: %s", self.directory, exc)
                 out.append("error")
                 continue
-            good = xxhash.xxh3_64_intdigest(_memory(address, length)) == checksum
+            good = xxhash.xxh3_64_intdigest(memory_at(address, length)) == checksum
             out.append("ok" if good else "checksum")
         return out
 

@@ -180,6 +180,11 @@ def build_parser(prog: str) -> Parser:
     _quick(store, "to check the program runs here")
     store.add_argument("--sections", nargs="+", help=_SECTIONS_HELP.format("all"))
     store.add_argument("--repeats", type=_count, help=f"rounds per copy arm {_default(_STORE_DEFAULTS, 'repeats')}")
+    store.add_argument(
+        "--disk-path",
+        metavar="DIR",
+        help="where the tiers section writes its files (default: a temporary directory in the current one)",
+    )
     ranks = sub.add_parser(
         "ranks",
         help="one rank per GPU filling at once (needs a GPU and the cuda extra)",

@@ -27,6 +27,7 @@ from .._host._tier import HostTier
 from .._progress import note
 from .._store._policy import make_policy
 from .._store._store import BlockStore
+from . import _tiers
 from ._common import median, percentile, run_sections
 
 KiB = 1 << 10
@@ -459,5 +460,6 @@ def run(args: Any) -> dict[str, Any]:
         "cpu_copies": lambda: asyncio.run(_cpu_copies(512 if quick else 4096, 64 * KiB, repeats)),
         "gpu_copies": lambda: gpu_copies(512 if quick else 4096, 64 * KiB, max(repeats, 15)),
         "churn": lambda: churn(512 if quick else 4096, 10_000 if quick else 100_000, 1.1),
+        "tiers": lambda: _tiers.section(quick, args.disk_path),
     }
     return run_sections(sections, args.sections, title="bench store")

@@ -1,0 +1,143 @@
+"""``bench store --sections tiers``: the disk tier beside a plain ``O_DIRECT`` loop on the same disk.
+
+Both arms move the same blocks between the same page-aligned memory (a host
+tier's slots) and files in the same directory, on the same number of
+threads: the baseline is ``pwritev``/``preadv`` of each block at its offset
+and nothing else, the limit of that disk for this access pattern; the tier
+adds its checksums, its journal and its index. Rounds alternate between the
+arms; medians are reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .._config import DiskTierConfig, HostTierConfig
+from .._disk._io import memory_at
+from .._disk._tier import DiskTier
+from .._host._tier import HostTier
+from ._common import median
+
+KiB, MiB = 1 << 10, 1 << 20
+THREADS = 4
+
+
+def _raw(fd: int, addresses: list[tuple[int, int]], block: int, write: bool) -> None:
+    """One thread's share: each block at its own offset, as the tier lays them out."""
+    for i, address in addresses:
+        view = memory_at(address, block)
+        if write:
+            os.pwritev(fd, [view], i * block)
+        else:
+            os.preadv(fd, [view], i * block)
+
+
+def _raw_round(pool: ThreadPoolExecutor, fd: int, addresses: list[int], block: int, write: bool) -> float:
+    indexed = list(enumerate(addresses))
+    share = -(-len(indexed) // THREADS)
+    started = time.perf_counter()
+    futures = [pool.submit(_raw, fd, indexed[i : i + share], block, write) for i in range(0, len(indexed), share)]
+    for future in futures:
+        future.result()
+    return time.perf_counter() - started
+
+
+async def _one_size(directory: str, block: int, total: int, rounds: int) -> dict[str, Any]:
+    n = total // block
+    config = HostTierConfig.model_validate(
+        {"quota": 2 * n * block, "max_quota": 2 * n * block, "slot_size": block, "fill_threads": 2}
+    )
+    async with HostTier(config) as tier:
+        await tier.wait_resident()
+        src = await tier.allocate(n)
+        dst = await tier.allocate(n)
+        rng = np.random.default_rng(block)
+        for slot in src:
+            tier.view(slot)[:] = rng.integers(0, 256, block, dtype=np.uint8).tobytes()
+        src_addresses = tier.slot_addresses(src).tolist()
+        dst_addresses = tier.slot_addresses(dst).tolist()
+        disk_config = await asyncio.to_thread(DiskTierConfig.model_validate, {"quota": n * block, "path": directory})
+        raw_path = os.path.join(directory, f"raw-{block}")
+        flags = os.O_RDWR | os.O_CREAT
+        fd = os.open(raw_path, flags | (os.O_DIRECT if direct_ok(directory) else 0), 0o600)
+        samples: dict[str, list[float]] = {k: [] for k in ("raw_write", "raw_read", "tier_write", "tier_read")}
+        try:
+            os.ftruncate(fd, n * block)
+            with ThreadPoolExecutor(THREADS, thread_name_prefix="aiokvtier-bench-io") as pool:
+                async with DiskTier(disk_config, block_size=block, fingerprint="bench", io_threads=THREADS) as disk:
+                    direct = disk.statistics().direct_io
+                    loop = asyncio.get_running_loop()
+                    for r in range(rounds + 1):
+                        keys_b = [f"{r}:{i}".encode() for i in range(n)]
+                        t = await loop.run_in_executor(None, _raw_round, pool, fd, src_addresses, block, True)
+                        started = time.perf_counter()
+                        written = await disk.write(keys_b, src_addresses, [block] * n)
+                        tier_write = time.perf_counter() - started
+                        assert len(written) == n, "the disk tier skipped blocks: is the disk full?"
+                        t_read = await loop.run_in_executor(None, _raw_round, pool, fd, dst_addresses, block, False)
+                        started = time.perf_counter()
+                        ok = await disk.read(keys_b, dst_addresses)
+                        tier_read = time.perf_counter() - started
+                        assert all(ok)
+                        disk.discard(keys_b)
+                        if r:  # the first round warms the files and the threads
+                            samples["raw_write"].append(t)
+                            samples["tier_write"].append(tier_write)
+                            samples["raw_read"].append(t_read)
+                            samples["tier_read"].append(tier_read)
+                    for slot_a, slot_b in zip(src[:4], dst[:4], strict=True):
+                        assert bytes(tier.view(slot_a)) == bytes(tier.view(slot_b)), "a block came back wrong"
+        finally:
+            os.close(fd)
+            os.unlink(raw_path)
+    gbps = {k: round(total / median(v) / 1e9, 3) for k, v in samples.items()}
+    return {
+        "block_bytes": block,
+        "blocks": n,
+        "direct_io": direct,
+        "gb_per_s": gbps,
+        "write_ratio": round(gbps["tier_write"] / gbps["raw_write"], 3),
+        "read_ratio": round(gbps["tier_read"] / gbps["raw_read"], 3),
+    }
+
+
+def direct_ok(directory: str) -> bool:
+    """The file system takes ``O_DIRECT`` (the baseline uses it where the tier does)."""
+    probe = os.path.join(directory, "probe")
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+        return True
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(probe)
+
+
+def section(quick: bool, path: str | None) -> dict[str, Any]:
+    """The disk tier's write-back and read-back against the plain loop, per block size."""
+    directory = tempfile.mkdtemp(prefix="aiokvtier-bench-", dir=path or ".")
+    try:
+        total = 32 * MiB if quick else 512 * MiB
+        rounds = 2 if quick else 5
+        sizes = [64 * KiB, 2 * MiB] if quick else [64 * KiB, 256 * KiB, 2 * MiB]
+        results = [asyncio.run(_one_size(directory, block, total, rounds)) for block in sizes]
+        usage = shutil.disk_usage(directory)
+        return {
+            "directory": os.path.abspath(directory),
+            "free_gib": round(usage.free / (1 << 30), 1),
+            "threads": THREADS,
+            "bytes_per_round": total,
+            "disk": results,
+        }
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
