@@ -4,10 +4,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from aiokvtier import HostTierConfig
+from aiokvtier import HostTierConfig, TierClosedError
 from aiokvtier._backings import DefaultBackings
 from aiokvtier._config import ResolvedHostConfig
 from aiokvtier._host._backing import Backing, HostBacking
+from aiokvtier._lifecycle import Owner
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -33,6 +34,16 @@ async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"not true after {within} s: {predicate}")
         await asyncio.sleep(0.005)
+
+
+def state_of(owner: Owner) -> str:
+    """The state ``check_open()`` names ("the HostTier is new"), or "open" (not for an owner opened
+    before a ``fork()``: that message is a sentence of its own)."""
+    try:
+        owner.check_open()
+    except TierClosedError as exc:
+        return str(exc).rsplit(" ", 1)[-1]
+    return "open"
 
 
 class HostBackings:

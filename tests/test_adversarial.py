@@ -37,7 +37,7 @@ from aiokvtier._host._slots import SlotAllocator
 from aiokvtier._lifecycle import finish
 
 from .conftest import PopulateGate
-from .helpers import HostBackings, KiB, MiB, small_config
+from .helpers import HostBackings, KiB, MiB, small_config, state_of
 from .invariants import check_tier, leaked, maps_between, wait_no_library_threads
 from .test_cancellation import run_script, sampled
 
@@ -465,15 +465,6 @@ def test_a_raw_copy_into_a_closing_tier_is_refused(loop: str) -> None:
 
 
 ROWS = 16
-
-
-def state_of(owner: HostTier | CopyEngine | StaticHostMem) -> str:
-    """The state ``check_open()`` names ("the HostTier is new"), or "open"."""
-    try:
-        owner.check_open()
-    except TierClosedError as exc:
-        return str(exc).rsplit(" ", 1)[-1]
-    return "open"
 
 
 def copy_config() -> Any:

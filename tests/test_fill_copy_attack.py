@@ -30,7 +30,7 @@ from aiokvtier import FillError, HostTier, QuotaError, StaticHostMem, TierClosed
 from aiokvtier._host import _linux, _userfault
 from aiokvtier._host._backing import HostBacking
 
-from .helpers import MiB, small_config
+from .helpers import MiB, small_config, state_of
 from .invariants import check_tier, wait_no_library_threads
 from .test_fill_copy import resident_pages, touch_filled_tier
 
@@ -132,7 +132,7 @@ async def test_timeouts_swept_over_open_fill_and_close(monkeypatch: pytest.Monke
                 await tier.wait_resident()
         except TimeoutError:
             pass
-        if tier._life.state == "open":
+        if state_of(tier) == "open":
             await settled_and_resident(tier)
         try:
             async with asyncio.timeout(delay / 2):
@@ -140,7 +140,7 @@ async def test_timeouts_swept_over_open_fill_and_close(monkeypatch: pytest.Monke
         except TimeoutError:
             pass
         await tier.aclose()
-        assert tier.released or tier._life.state == "closed"
+        assert tier.released or state_of(tier) == "closed"
         assert not _userfault.registered(), f"still registered after a close at {delay} s"
     await wait_no_library_threads()
 
@@ -451,14 +451,16 @@ async def test_no_fill_thread_can_start() -> None:
 
 @pytest.mark.usefixtures("clean")
 async def test_several_tiers_route_each_range_to_its_own_userfaultfd(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[tuple[_userfault.Userfault, int, int]] = []
-    real = _userfault.Userfault.copy
+    seen: list[tuple[int, int, int]] = []
+    real: Ioctl = _userfault._ioctl
 
-    def spy(self: _userfault.Userfault, addr: int, length: int, **options: bool) -> None:
-        seen.append((self, addr, length))
-        real(self, addr, length, **options)
+    def spy(fd: int, request: int, args: ctypes.Array[ctypes.c_int64]) -> int:
+        result = int(real(fd, request, args))
+        if request == _userfault._UFFDIO_COPY:
+            seen.append((fd, int(args[0]), max(0, int(args[4]))))  # descriptor, address, bytes copied
+        return result
 
-    monkeypatch.setattr(_userfault.Userfault, "copy", spy)
+    monkeypatch.setattr(_userfault, "_ioctl", spy)
     config = small_config(quota=16 * MiB, max_quota=32 * MiB, fill_threads=2)
     async with HostTier(config) as a, HostTier(config) as b, HostTier(config) as c:
         tiers = (a, b, c)
@@ -468,9 +470,11 @@ async def test_several_tiers_route_each_range_to_its_own_userfaultfd(monkeypatch
         await asyncio.gather(*(t.wait_resident() for t in tiers))
         for t in tiers:
             await settled_and_resident(t)
-        owners = {_userfault.covering(t.base_address, 1): t for t in tiers}
-        for uf, addr, length in seen:
-            tier = owners[uf]
+        userfaults = {t: _userfault.covering(t.base_address, 1) for t in tiers}
+        owners = {uf.fd: t for t, uf in userfaults.items() if uf is not None}
+        assert len(owners) == 3
+        for fd, addr, length in seen:
+            tier = owners[fd]
             base = tier.statistics().base_address
             assert base <= addr and addr + length <= base + 32 * MiB
         assert sum(length for *_, length in seen) == 3 * 32 * MiB
