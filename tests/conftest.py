@@ -129,6 +129,8 @@ class PopulateGate:
         self.fail_at: set[int] = set()
         self.held_addresses: list[int] = []
         self.seen: list[tuple[int, int, str, set[int]]] = []
+        self.returned = 0
+        """Calls that populated their range and returned."""
 
     def __call__(self, addr: int, length: int) -> None:
         with self._cond:
@@ -142,6 +144,8 @@ class PopulateGate:
             if index in self.fail_at:
                 raise OSError(errno.ENOMEM, f"injected failure at call {index}")
         self._real(addr, length)
+        with self._cond:
+            self.returned += 1
 
     def allow(self, n: int) -> None:
         with self._cond:

@@ -4,7 +4,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from aiokvtier import HostTierConfig
+from aiokvtier import HostTierConfig, TierClosedError
+from aiokvtier._backings import DefaultBackings
+from aiokvtier._config import ResolvedHostConfig
+from aiokvtier._host._backing import Backing, HostBacking
+from aiokvtier._lifecycle import Owner
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -30,3 +34,32 @@ async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"not true after {within} s: {predicate}")
         await asyncio.sleep(0.005)
+
+
+def state_of(owner: Owner) -> str:
+    """The state ``check_open()`` names ("the HostTier is new"), or "open" (not for an owner opened
+    before a ``fork()``: that message is a sentence of its own)."""
+    try:
+        owner.check_open()
+    except TierClosedError as exc:
+        return str(exc).rsplit(" ", 1)[-1]
+    return "open"
+
+
+class HostBackings:
+    """Hands a tier a ``HostBacking`` subclass (a test's faults in one of its calls) and keeps each one built.
+
+    Only the tiers opened with it see the faults: ``HostTier.open(config, backings=HostBackings(Flaky))``.
+    """
+
+    def __init__(self, kind: type[HostBacking] = HostBacking) -> None:
+        self.kind = kind
+        self.built: list[HostBacking] = []
+
+    def numa_node(self, config: ResolvedHostConfig) -> int | None:
+        return DefaultBackings().numa_node(config)
+
+    def make(self, config: ResolvedHostConfig, node: int | None) -> Backing:
+        backing = self.kind.from_config(config, node)
+        self.built.append(backing)
+        return backing

@@ -32,11 +32,12 @@ from aiokvtier import (
     StaticHostMem,
     TierClosedError,
 )
+from aiokvtier._host._backing import HostBacking
 from aiokvtier._host._slots import SlotAllocator
 from aiokvtier._lifecycle import finish
 
 from .conftest import PopulateGate
-from .helpers import KiB, MiB, small_config
+from .helpers import HostBackings, KiB, MiB, small_config, state_of
 from .invariants import check_tier, leaked, maps_between, wait_no_library_threads
 from .test_cancellation import run_script, sampled
 
@@ -443,7 +444,7 @@ async def main():
         closer = asyncio.create_task(tier.aclose())
         for _ in range(3):
             await asyncio.sleep(0)  # the close's teardown has taken its snapshot of copies in flight
-        print("tier is", tier._life.state, flush=True)
+        print("tier closed:", tier.closed, flush=True)
         late = [(base + 256 * MiB + i * MiB, src.address + i * MiB, MiB) for i in range(256)]
         try:
             await asyncio.wait_for(engine.copy(late), 60)
@@ -590,16 +591,12 @@ async def test_finish_passes_a_base_exception_through() -> None:
     assert isinstance(info.value.__cause__, Abort)
 
 
-async def test_a_base_exception_in_the_build_releases_everything(
-    monkeypatch: pytest.MonkeyPatch, reserved: list[int]
-) -> None:
-    from aiokvtier._host import _fill
+async def test_a_base_exception_in_the_build_releases_everything(reserved: list[int]) -> None:
+    class Aborting(HostBacking):
+        def expose(self, end: int) -> None:  # the build's first fill target, on the tier's worker
+            raise Abort("from the worker")
 
-    def boom(self: Any, units: int) -> None:
-        raise Abort("from the worker")
-
-    monkeypatch.setattr(_fill.Filler, "set_target", boom)
-    tier = HostTier(small_config())
+    tier = HostTier(small_config(), backings=HostBackings(Aborting))
     with pytest.raises(Abort):
         await asyncio.wait_for(tier.__aenter__(), HANG)
     assert tier.closed and reserved and tier.released
@@ -642,11 +639,11 @@ async def test_a_taskgroup_failure_closes_a_tier_an_engine_and_a_buffer(delay: f
             tg.create_task(user())
             tg.create_task(sibling())
     assert info.group_contains(Boom) and not info.group_contains(asyncio.CancelledError)
-    states = [o._life.state for o in (tier, engine, buf)]
+    states = [state_of(o) for o in (tier, engine, buf)]
     assert all(state in ("new", "closed") for state in states), states  # new: never entered
     # (Freed ranges are soon reused by thread stacks and arenas: the objects' own flags say what was released.)
     for owner in (tier, buf):
-        assert owner._life.state == "new" or owner.released, f"{owner!r} not released ({delay} s, {copies} copies)"
+        assert state_of(owner) == "new" or owner.released, f"{owner!r} not released ({delay} s, {copies} copies)"
     await wait_no_library_threads()
 
 

@@ -31,7 +31,7 @@ from aiokvtier._host import _linux
 from aiokvtier._host._backing import HostBacking
 
 from .conftest import PopulateGate
-from .helpers import MiB, small_config
+from .helpers import HostBackings, MiB, small_config
 from .invariants import check_tier, leaked, wait_no_library_threads
 
 T = TypeVar("T")
@@ -293,17 +293,17 @@ async def test_cancelled_resize_runs_to_the_end(direction: str) -> None:
         await asyncio.wait_for(tier.aclose(), HANG)
 
 
-async def test_cancelled_shrink_waits_for_its_decommit(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = HostBacking.decommit
-
-    def slow(self: HostBacking, offset: int, length: int) -> None:
+class SlowDecommit(HostBacking):
+    def decommit(self, offset: int, length: int) -> None:
         time.sleep(0.0005)  # a unit's worth of dirty pages on a busy machine
-        real(self, offset, length)
+        super().decommit(offset, length)
 
-    monkeypatch.setattr(HostBacking, "decommit", slow)
+
+async def test_cancelled_shrink_waits_for_its_decommit() -> None:
     old, new = SHRINK
     for how, delay in [("wait_for", 0.005), ("wait_for", 0.01), ("taskgroup", 0.01), ("cancel", 0.02)]:
-        tier = await asyncio.wait_for(HostTier.open(small_config(quota=old, max_quota=128 * MiB)), HANG)
+        config = small_config(quota=old, max_quota=128 * MiB)
+        tier = await asyncio.wait_for(HostTier.open(config, backings=HostBackings(SlowDecommit)), HANG)
         await asyncio.wait_for(tier.wait_resident(), HANG)
         retained = await tier.allocate(16)
         await write_every_slot(tier, retained, 0xA5)

@@ -24,7 +24,7 @@ from aiokvtier import FillError, HostTier, TierClosedError
 from aiokvtier._host._backing import HostBacking
 from aiokvtier._host._slots import SlotAllocator
 
-from .helpers import MiB, eventually, small_config
+from .helpers import HostBackings, MiB, eventually, small_config
 from .invariants import assert_no_library_threads, check_tier, fill_threads, leaked, wait_no_library_threads
 
 try:
@@ -270,17 +270,16 @@ def test_a_forked_child_cannot_use_the_tier(loop: str) -> None:
 # -- (e) the last view dropped on the loop thread -----------------------------------------------
 
 
-async def test_dropping_the_last_view_does_not_unmap_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_dropping_the_last_view_does_not_unmap_on_the_loop() -> None:
     seen: list[threading.Thread] = []
-    real = HostBacking.release
 
-    def spy(self: HostBacking, committed: list[tuple[int, int]]) -> None:
-        seen.append(threading.current_thread())
-        real(self, committed)
+    class Spy(HostBacking):
+        def release(self, committed: list[tuple[int, int]]) -> None:
+            seen.append(threading.current_thread())
+            super().release(committed)
 
-    monkeypatch.setattr(HostBacking, "release", spy)
     cfg = small_config()
-    tier = await asyncio.wait_for(HostTier.open(cfg), HANG)
+    tier = await asyncio.wait_for(HostTier.open(cfg, backings=HostBackings(Spy)), HANG)
     base = tier.statistics().base_address
     await asyncio.wait_for(tier.wait_resident(MiB), HANG)
     view = tier.view(await tier.allocate())

@@ -144,17 +144,23 @@ class Rig:
         )
 
     def _on_change(self) -> None:
-        # The lock is not reentrant: if this thread held it, the acquire would time out.
-        # Another thread holds it for microseconds at most, so the acquire succeeds then.
-        lock = self.filler._lock
-        if lock.acquire(timeout=2):
-            lock.release()
-        else:
+        # A probe takes the filler's lock: if this thread held it, the probe would still be waiting.
+        # Another thread holds it for microseconds at most, so the probe returns then.
+        probe = threading.Thread(target=self._take_the_lock, daemon=True)
+        probe.start()
+        probe.join(2)
+        if probe.is_alive():
             self.changed_under_lock += 1
         self.changes.append(self.filler.watermark)
         self.errors.append(self.filler.error is not None)
         if self.pause is not None:
             self.pause()
+
+    def _take_the_lock(self) -> None:
+        try:
+            self.filler.wait_blocking(0, None)  # under the lock, and done at once: 0 bytes are resident
+        except TierClosedError:
+            pass  # said under the lock too
 
     def committed_units(self) -> list[int]:
         return [offset // UNIT for offset, _ in self.filler.committed_ranges()]

@@ -16,16 +16,21 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from aiokvtier import FillError, HostTier, TierClosedError, _regions
+from aiokvtier import FillError, HostTier, TierClosedError
+from aiokvtier._handoff import handoff
 from aiokvtier._host import _headroom, _linux
+from aiokvtier._host._backing import HostBacking
 from aiokvtier._sysinfo import read_text
 
-from .helpers import MiB, eventually, small_config
+from .conftest import mappings_in
+from .helpers import HostBackings, MiB, eventually, small_config
+from .invariants import assert_no_library_threads, wait_no_library_threads
 
 try:
     import uvloop
@@ -44,9 +49,9 @@ async def no_fill_threads() -> None:
     await eventually(lambda: not fill_threads(), within=HANG)
 
 
-def handoff_idle(tier: HostTier) -> bool:
-    handoff = tier.__dict__.get("_handoff")
-    return handoff is None or handoff._handle is None
+def handoff_idle() -> bool:
+    """No tick of the running loop's GIL hand-off (the one every tier on the loop uses) is scheduled."""
+    return not handoff(asyncio.get_running_loop()).ticking
 
 
 @pytest.fixture
@@ -84,7 +89,7 @@ async def test_timeout_sweep_over_open_leaves_nothing_behind() -> None:
         except TimeoutError:
             pass
         await tier.aclose()
-        assert handoff_idle(tier), f"hand-off timer left scheduled (delay {delay})"
+        assert handoff_idle(), f"hand-off timer left scheduled (delay {delay})"
         await no_fill_threads()
 
 
@@ -111,7 +116,7 @@ async def test_task_cancel_after_n_iterations_of_open_and_fill() -> None:
             pass
         for tier in holder:
             await tier.aclose()
-            assert handoff_idle(tier), f"hand-off timer left after cancel at iteration {n}"
+            assert handoff_idle(), f"hand-off timer left after cancel at iteration {n}"
         await no_fill_threads()
 
 
@@ -128,7 +133,7 @@ async def test_aclose_at_every_point_of_a_fill_with_waiters() -> None:
                 await w
             except TierClosedError:
                 pass
-        assert handoff_idle(tier)
+        assert handoff_idle()
         await no_fill_threads()
 
 
@@ -147,7 +152,7 @@ async def test_resizes_racing_the_handoff_and_a_close() -> None:
         except TierClosedError:
             pass
         await closer
-        assert handoff_idle(tier), f"hand-off timer left after close at step {step}"
+        assert handoff_idle(), f"hand-off timer left after close at step {step}"
         assert tier.released
         await no_fill_threads()
 
@@ -165,8 +170,8 @@ async def test_handoff_restarts_after_each_grow_and_stops_itself() -> None:
         for size in (8 * MiB, 4 * MiB, 16 * MiB, 32 * MiB):
             await tier.resize(size)
             await tier.wait_resident()
-            await eventually(lambda: handoff_idle(tier))
-    assert handoff_idle(tier)
+            await eventually(handoff_idle)
+    assert handoff_idle()
     await no_fill_threads()
 
 
@@ -177,29 +182,18 @@ async def test_handoff_restarts_after_each_grow_and_stops_itself() -> None:
 async def test_a_dropped_tier_finishes_its_fill_and_stops_its_timer() -> None:
     tier: HostTier | None = await HostTier.open(small_config(quota=16 * MiB, fill_threads=2))
     assert tier is not None
-    handoff, leftovers = tier._handoff, Leftovers(tier)
+    hand, dropped = handoff(asyncio.get_running_loop()), weakref.ref(tier)
     del tier
     gc.collect()
     await no_fill_threads()  # the fill runs to its end; the threads then exit
-    await eventually(lambda: handoff._handle is None)
-    await asyncio.to_thread(leftovers.release)  # nothing closes a dropped tier: give back its range and worker by hand
-
-
-class Leftovers:
-    """What an unclosed tier keeps until the process exits (its range, its worker thread)."""
-
-    def __init__(self, tier: HostTier) -> None:
-        self._backing, self._filler, self._worker = tier._backing, tier._filler, tier._life.worker
-        self._key = id(tier)
-
-    def release(self) -> None:
-        with _regions._lock:  # the range goes: a later tier may get the same addresses
-            _regions._regions.pop(self._key, None)
-        self._filler.close()
-        self._backing.release(self._filler.committed_ranges())
-        assert self._worker is not None
-        self._worker.stop()
-        self._worker.join(HANG)
+    await eventually(lambda: not hand.ticking)
+    # Nothing closes a dropped tier; the loop's hand-off still holds it (a source it asks at each
+    # tick), so it is closed here, the public way, to give back its range and its worker thread.
+    tier = dropped()
+    assert tier is not None
+    await tier.aclose()
+    assert tier.released
+    await wait_no_library_threads()
 
 
 @pytest.mark.parametrize("factory", loop_factories(), ids=lambda f: f.__module__.split(".")[0])
@@ -224,7 +218,9 @@ def test_the_loop_ends_while_a_tier_fills(
     assert errors == [], f"fill threads raised once the loop was closed: {errors}"
     s = holder[0].statistics()
     assert s.resident_bytes == s.target_bytes  # the fill ran to its end without its loop
-    Leftovers(holder[0]).release()
+    asyncio.run(holder[0].aclose())  # closed on another loop, its own being gone: it gives everything back
+    assert holder[0].released and not mappings_in(s.base_address, s.max_quota)
+    assert_no_library_threads()
 
 
 # -- fork in the middle of a fill ---------------------------------------------------------------
@@ -392,7 +388,7 @@ async def test_enomem_with_waiters_and_a_busy_loop(monkeypatch: pytest.MonkeyPat
                     assert info.value.failed_offset == 5 * MiB
                 with pytest.raises(FillError):
                     await tier.allocate(tier.slots_total)
-            await eventually(lambda: handoff_idle(tier))  # a failed fill stops the hand-off
+            await eventually(handoff_idle)  # a failed fill stops the hand-off
         finally:
             spinner.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -402,7 +398,7 @@ async def test_enomem_with_waiters_and_a_busy_loop(monkeypatch: pytest.MonkeyPat
         await tier.resize(16 * MiB)  # a grow fills again (populate now succeeds)
         async with asyncio.timeout(HANG):
             await tier.wait_resident()
-        await eventually(lambda: handoff_idle(tier))
+        await eventually(handoff_idle)
     await no_fill_threads()
 
 
@@ -416,30 +412,29 @@ async def spin(seconds: float) -> None:
         await asyncio.sleep(0)
 
 
-async def test_the_handoff_runs_while_a_step_of_the_tier_is_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_handoff_runs_while_a_step_of_the_tier_is_in_flight() -> None:
     """Next to a loop that spins 2 ms per iteration, a shrink took over 20 s, an open 3.6 s, a close 9 s.
 
     Timing that in a test is flaky on a shared machine; what it needs is checked instead: the
     hand-off runs while the tier's worker thread has a step to deliver.
     """
-    config = small_config(quota=16 * MiB, max_quota=32 * MiB)
-    async with HostTier(config) as tier:
-        await tier.wait_resident()
-        await eventually(lambda: handoff_idle(tier))
-        entered, release = threading.Event(), threading.Event()
-        real = tier._backing.decommit
+    entered, release = threading.Event(), threading.Event()
 
-        def slow(offset: int, length: int) -> None:
+    class SlowDecommit(HostBacking):
+        def decommit(self, offset: int, length: int) -> None:
             entered.set()
             release.wait(HANG)
-            real(offset, length)
+            super().decommit(offset, length)
 
-        monkeypatch.setattr(tier._backing, "decommit", slow)
+    config = small_config(quota=16 * MiB, max_quota=32 * MiB)
+    async with HostTier(config, backings=HostBackings(SlowDecommit)) as tier:
+        await tier.wait_resident()
+        await eventually(handoff_idle)
         shrink = asyncio.create_task(tier.resize(8 * MiB))
         try:
             await eventually(entered.is_set)
             await asyncio.sleep(0.03)
-            assert not handoff_idle(tier), "no hand-off while the worker runs a step of the shrink"
+            assert not handoff_idle(), "no hand-off while the worker runs a step of the shrink"
         finally:
             release.set()
             await shrink
@@ -484,7 +479,7 @@ async def test_no_fill_thread_starts_at_all() -> None:
     with pytest.raises(FillError):
         await tier.__aenter__()
     assert tier.released
-    assert handoff_idle(tier)
+    assert handoff_idle()
     await no_fill_threads()
 
 

@@ -127,14 +127,15 @@ async def test_huge_pages_are_touched_not_copied(huge: bool | str) -> None:
 async def test_a_refused_userfaultfd_leaves_the_fill_touching(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def refused(self: object, addr: int, length: int) -> None:
-        raise OSError(errno.EPERM, "userfaultfd: Operation not permitted (seccomp)")
+    def refused(*args: object) -> int:  # the userfaultfd syscall, as a seccomp filter answers it
+        ctypes.set_errno(errno.EPERM)
+        return -1
 
     monkeypatch.setattr(_userfault, "supported", lambda: True)
-    monkeypatch.setattr(_userfault.Userfault, "__init__", refused)
+    monkeypatch.setattr(_userfault, "_syscall", refused)
     async with touch_filled_tier():
         pass
-    assert not _userfault._active
+    assert not _userfault.registered()
     # A fallback: logged at WARNING, as the guide says fallbacks are.
     warned = [r for r in caplog.records if "userfaultfd refused" in r.getMessage()]
     assert [r.levelno for r in warned] == [logging.WARNING]
@@ -217,7 +218,7 @@ def test_a_forked_child_cannot_copy_into_its_parent() -> None:
         from aiokvtier._host._backing import HostBacking
         b = HostBacking(16 << 20, node=None, strict_numa=False, huge_pages=False)
         b.expose(16 << 20)
-        uf = b._userfault
+        uf = _userfault.covering(b.base, b.size)
         pid = os.fork()
         if pid == 0:
             try:
@@ -246,7 +247,7 @@ def test_a_forked_child_cannot_copy_into_its_parent() -> None:
 def test_copies_outside_the_range_or_after_close_are_refused() -> None:
     b = HostBacking(8 * MiB, node=None, strict_numa=False, huge_pages=False)
     try:
-        uf = b._userfault
+        uf = _userfault.covering(b.base, b.size)
         assert uf is not None
         with pytest.raises(ValueError, match="outside the registered range"):
             uf.copy(b.base + 4 * MiB, 8 * MiB)
@@ -257,7 +258,7 @@ def test_copies_outside_the_range_or_after_close_are_refused() -> None:
         assert info.value.errno == errno.EEXIST
     finally:
         b.release([])
-    assert not _userfault._active
+    assert not _userfault.registered()
     with pytest.raises(OSError) as info:
         uf.copy(b.base, 4096)
     assert info.value.errno == errno.EBADF
@@ -267,7 +268,7 @@ def test_copies_outside_the_range_or_after_close_are_refused() -> None:
 def test_close_waits_for_the_copies_in_flight() -> None:
     """A close while threads copy: each copy finishes or is refused whole; the descriptor closes once."""
     b = HostBacking(512 * MiB, node=None, strict_numa=False, huge_pages=False)
-    uf = b._userfault
+    uf = _userfault.covering(b.base, b.size)
     assert uf is not None
     b.expose(512 * MiB)
     results: list[BaseException | None] = []
@@ -291,5 +292,5 @@ def test_close_waits_for_the_copies_in_flight() -> None:
     assert all(r is None or r.errno == errno.EBADF for r in results), results
     done = sum(r is None for r in results)
     assert resident_pages(b.base, 512 * MiB) == done * 128 * MiB // _linux.PAGE_SIZE
-    assert uf._fd == -1
+    assert uf.fd == -1
     b.release([])

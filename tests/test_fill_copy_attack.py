@@ -1,7 +1,7 @@
 """Adversarial checks of the fill by ``UFFDIO_COPY``: cancellation, races, faults, hostile use.
 
 Every test that opens a tier ends with no library thread, no mapping of its
-reservation, no userfaultfd left registered (``_userfault._active``) and no
+reservation, no userfaultfd left registered (``_userfault.registered()``) and no
 descriptor left open (``/proc/self/fd`` before and after). The kernel is the
 judge where it can be: ``mincore`` for residency, child processes for the
 signals.
@@ -30,7 +30,7 @@ from aiokvtier import FillError, HostTier, QuotaError, StaticHostMem, TierClosed
 from aiokvtier._host import _linux, _userfault
 from aiokvtier._host._backing import HostBacking
 
-from .helpers import MiB, small_config
+from .helpers import MiB, small_config, state_of
 from .invariants import check_tier, wait_no_library_threads
 from .test_fill_copy import resident_pages, touch_filled_tier
 
@@ -86,7 +86,7 @@ def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(_linux, "munmap", munmap)
     before = userfaultfds()
     yield
-    assert not _userfault._active, _userfault._active
+    assert not _userfault.registered(), _userfault.registered()
     assert userfaultfds() == before, "a userfaultfd leaked"
     left = [r for r in reservations if r not in unmapped]
     assert not left, f"reservations never unmapped: {left}"
@@ -132,7 +132,7 @@ async def test_timeouts_swept_over_open_fill_and_close(monkeypatch: pytest.Monke
                 await tier.wait_resident()
         except TimeoutError:
             pass
-        if tier._life.state == "open":
+        if state_of(tier) == "open":
             await settled_and_resident(tier)
         try:
             async with asyncio.timeout(delay / 2):
@@ -140,8 +140,8 @@ async def test_timeouts_swept_over_open_fill_and_close(monkeypatch: pytest.Monke
         except TimeoutError:
             pass
         await tier.aclose()
-        assert tier.released or tier._life.state == "closed"
-        assert not _userfault._active, f"still registered after a close at {delay} s"
+        assert tier.released or state_of(tier) == "closed"
+        assert not _userfault.registered(), f"still registered after a close at {delay} s"
     await wait_no_library_threads()
 
 
@@ -196,7 +196,7 @@ async def test_task_cancel_at_every_step_of_open_fill_resize_close(monkeypatch: 
             pass
         for tier in holder:
             await tier.aclose()
-        assert not _userfault._active, f"still registered after a cancel at step {n}"
+        assert not _userfault.registered(), f"still registered after a cancel at step {n}"
     await wait_no_library_threads()
 
 
@@ -220,7 +220,7 @@ async def test_a_failing_task_group_sibling_cancels_a_copy_fill(monkeypatch: pyt
                 group.create_task(fill())
                 group.create_task(fail())
         assert info.group_contains(KeyError)
-        assert not _userfault._active
+        assert not _userfault.registered()
     await wait_no_library_threads()
 
 
@@ -268,7 +268,7 @@ async def test_close_racing_a_grow_and_copies_in_flight(monkeypatch: pytest.Monk
                 await task
             except TierClosedError:
                 pass
-        assert not _userfault._active
+        assert not _userfault.registered()
     await wait_no_library_threads()
 
 
@@ -377,8 +377,8 @@ async def test_memory_error_in_the_middle_of_a_copy(monkeypatch: pytest.MonkeyPa
         with pytest.raises(FillError) as info:
             await tier.wait_resident()
         assert isinstance(info.value.__cause__, MemoryError)
-        uf = tier._backing._userfault  # type: ignore[attr-defined]
-        assert uf is not None and uf._copying == 0
+        uf = _userfault.covering(tier.base_address, 1)
+        assert uf is not None and uf.copying == 0
         await tier.resize(2 * MiB)
         monkeypatch.setattr(_userfault, "_ioctl", real)
         await tier.resize(8 * MiB)
@@ -396,7 +396,7 @@ async def test_a_refused_userfaultfd_syscall_falls_back_to_touching(monkeypatch:
 
     monkeypatch.setattr(_userfault, "_syscall", refuse)
     async with touch_filled_tier():
-        assert not _userfault._active
+        assert not _userfault.registered()
     await wait_no_library_threads()
 
 
@@ -451,31 +451,35 @@ async def test_no_fill_thread_can_start() -> None:
 
 @pytest.mark.usefixtures("clean")
 async def test_several_tiers_route_each_range_to_its_own_userfaultfd(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[tuple[_userfault.Userfault, int, int]] = []
-    real = _userfault.Userfault.copy
+    seen: list[tuple[int, int, int]] = []
+    real: Ioctl = _userfault._ioctl
 
-    def spy(self: _userfault.Userfault, addr: int, length: int, **options: bool) -> None:
-        seen.append((self, addr, length))
-        real(self, addr, length, **options)
+    def spy(fd: int, request: int, args: ctypes.Array[ctypes.c_int64]) -> int:
+        result = int(real(fd, request, args))
+        if request == _userfault._UFFDIO_COPY:
+            seen.append((fd, int(args[0]), max(0, int(args[4]))))  # descriptor, address, bytes copied
+        return result
 
-    monkeypatch.setattr(_userfault.Userfault, "copy", spy)
+    monkeypatch.setattr(_userfault, "_ioctl", spy)
     config = small_config(quota=16 * MiB, max_quota=32 * MiB, fill_threads=2)
     async with HostTier(config) as a, HostTier(config) as b, HostTier(config) as c:
         tiers = (a, b, c)
-        assert len(_userfault._active) == 3
+        assert len(_userfault.registered()) == 3
         assert len(await userfaultfds_async()) >= 3
         await asyncio.gather(*(t.resize(32 * MiB) for t in tiers))
         await asyncio.gather(*(t.wait_resident() for t in tiers))
         for t in tiers:
             await settled_and_resident(t)
-        owners = {t._backing._userfault: t for t in tiers}  # type: ignore[attr-defined]
-        for uf, addr, length in seen:
-            tier = owners[uf]
+        userfaults = {t: _userfault.covering(t.base_address, 1) for t in tiers}
+        owners = {uf.fd: t for t, uf in userfaults.items() if uf is not None}
+        assert len(owners) == 3
+        for fd, addr, length in seen:
+            tier = owners[fd]
             base = tier.statistics().base_address
             assert base <= addr and addr + length <= base + 32 * MiB
         assert sum(length for *_, length in seen) == 3 * 32 * MiB
         await b.aclose()  # one closes: the others go on copying through their own
-        assert len(_userfault._active) == 2
+        assert len(_userfault.registered()) == 2
         await a.resize(8 * MiB)
         await a.resize(32 * MiB)
         await c.resize(4 * MiB)
@@ -502,9 +506,9 @@ async def test_unregistered_memory_is_touched_beside_an_open_tier() -> None:
 
 def test_a_closed_userfaultfd_never_reaches_a_reused_descriptor() -> None:
     b = HostBacking(8 * MiB, node=None, strict_numa=False, huge_pages=False)
-    uf = b._userfault
+    uf = _userfault.covering(b.base, b.size)
     assert uf is not None
-    fd = uf._fd
+    fd = uf.fd
     b.release([])
     r, w = os.pipe()  # the lowest free numbers: the userfaultfd's, most likely
     try:
@@ -527,13 +531,13 @@ def test_a_closed_userfaultfd_never_reaches_a_reused_descriptor() -> None:
 
 def test_release_and_close_are_safe_to_repeat() -> None:
     b = HostBacking(4 * MiB, node=None, strict_numa=False, huge_pages=False)
-    uf = b._userfault
+    uf = _userfault.covering(b.base, b.size)
     assert uf is not None
     b.release([])
     uf.close()
     uf.close()
     _userfault.deactivate(uf)
-    assert not _userfault._active
+    assert not _userfault.registered()
 
 
 def test_kernel_mode_access_to_a_missing_page_fails_with_efault() -> None:
@@ -626,14 +630,14 @@ def child_main(tier):
             pass
         else:
             raise AssertionError("allocate worked in the child")
-        assert not _userfault._active, "the parent's registry is still in the child"
+        assert not _userfault.registered(), "the parent's registry is still in the child"
         await tier.aclose()
         # A tier of the child's own copies in through its own userfaultfd.
         async with HostTier(small_config(quota=8 * MiB)) as mine:
             await mine.wait_resident()
             s = mine.statistics()
             assert s.fill_method == "copy" and s.resident_bytes == 8 * MiB, s
-        assert not _userfault._active
+        assert not _userfault.registered()
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(child())
 
@@ -657,7 +661,7 @@ async def parent():
     s = tier.statistics()
     assert s.fill_method == "copy" and s.resident_bytes == 64 * MiB, s
     await tier.aclose()
-    assert not _userfault._active
+    assert not _userfault.registered()
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     print("ok")
@@ -759,7 +763,7 @@ def test_the_eagain_retries_without_progress_are_bounded(monkeypatch: pytest.Mon
 
     b = HostBacking(4 * MiB, node=None, strict_numa=False, huge_pages=False)
     try:
-        uf = b._userfault
+        uf = _userfault.covering(b.base, b.size)
         assert uf is not None
         b.expose(4 * MiB)
         monkeypatch.setattr(_userfault, "_ioctl", stuck)
@@ -767,7 +771,7 @@ def test_the_eagain_retries_without_progress_are_bounded(monkeypatch: pytest.Mon
             uf.copy(b.base, MiB)
         assert info.value.errno == errno.EAGAIN
         assert calls[0] <= 200
-        assert uf._copying == 0
+        assert uf.copying == 0
     finally:
         b.release([])
 
@@ -796,7 +800,7 @@ def test_a_unit_split_into_several_mappings_is_still_copied_in(cut: int) -> None
 
 def test_a_copy_outside_any_registered_mapping_still_fails_with_enoent() -> None:
     b = HostBacking(8 * MiB, node=None, strict_numa=False, huge_pages=False)
-    uf = b._userfault
+    uf = _userfault.covering(b.base, b.size)
     assert uf is not None
     try:
         b.expose(8 * MiB)
@@ -833,7 +837,7 @@ async def test_a_close_with_a_live_view_keeps_the_registration_until_the_view_go
     view = tier.view(slot)
     np.frombuffer(view, dtype=np.uint8)[:] = 9
     await tier.aclose()
-    assert not tier.released and len(_userfault._active) == 1
+    assert not tier.released and len(_userfault.registered()) == 1
     assert np.frombuffer(view, dtype=np.uint8).min() == 9  # still memory, still resident
     view.release()
     del view
@@ -841,7 +845,7 @@ async def test_a_close_with_a_live_view_keeps_the_registration_until_the_view_go
         if tier.released:
             break
         await asyncio.sleep(0.01)
-    assert tier.released and not _userfault._active
+    assert tier.released and not _userfault.registered()
     await wait_no_library_threads()
 
 

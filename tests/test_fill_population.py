@@ -23,6 +23,7 @@ import pytest
 
 from aiokvtier import CopyEngine, CopyPlanError, FillError, HostTier, HostTierConfig, SlotError, WouldBlock
 from aiokvtier._config import default_fill_threads
+from aiokvtier._handoff import GilHandoff, handoff
 from aiokvtier._host import _headroom, _hugepages, _linux
 
 from .conftest import PopulateGate, smaps_flags
@@ -311,7 +312,7 @@ async def test_the_fill_goes_on_while_the_event_loop_is_busy() -> None:
 async def test_the_gil_handoff_runs_only_while_there_is_demand() -> None:
     config = small_config(quota=64 * MiB, max_quota=128 * MiB, commit_unit=16 * MiB, fill_chunk=16 * MiB)
     async with HostTier(config) as tier:
-        hand = tier._handoff
+        hand = handoff(asyncio.get_running_loop())  # the tier's: one per loop
         await tier.wait_resident()
         await asyncio.sleep(0.05)  # the next tick sees the fill done and nothing pending: it stops
         assert not hand.ticking
@@ -325,8 +326,6 @@ async def test_the_gil_handoff_runs_only_while_there_is_demand() -> None:
 
 
 def test_gil_handoff_sleeps_on_its_loop_while_there_is_demand() -> None:
-    from aiokvtier._handoff import GilHandoff, handoff
-
     async def main() -> tuple[int, int]:
         loop = asyncio.get_running_loop()
         assert handoff(loop) is handoff(loop)  # one per loop

@@ -26,9 +26,10 @@ from aiokvtier import (
     WouldBlock,
 )
 from aiokvtier._host import _linux
+from aiokvtier._host._backing import HostBacking
 
 from .conftest import PopulateGate, fill_threads_alive, mappings_in, proc_text, smaps_flags
-from .helpers import GiB, KiB, MiB, eventually, small_config
+from .helpers import GiB, HostBackings, KiB, MiB, eventually, small_config
 
 SLOTS_PER_UNIT = 16  # small_config: 1 MiB units of 64 KiB slots
 
@@ -187,21 +188,23 @@ async def test_many_waiters_share_one_wakeup_per_publish(gate: PopulateGate) -> 
     async with HostTier(small_config()) as tier:
         waiters = [asyncio.create_task(tier.wait_resident(MiB)) for _ in range(1000)]
         await asyncio.sleep(0)
-        assert len(tier._waiters) == 1000
+        # Each has run to its only suspension, the wait for the fill, and nothing is resident yet.
+        assert not any(w.done() for w in waiters) and tier.statistics().resident_bytes == 0
+        loop = asyncio.get_running_loop()  # the tier's: it belongs to the loop that opened it
         calls = 0
-        real = tier._loop.call_soon_threadsafe
+        real = loop.call_soon_threadsafe
 
         def counting(*args: object) -> object:
             nonlocal calls
             calls += 1
             return real(*args)  # type: ignore[arg-type]
 
-        tier._loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
         try:
             gate.allow(1)
             await asyncio.gather(*waiters)
         finally:
-            del tier._loop.call_soon_threadsafe
+            del loop.call_soon_threadsafe
         assert calls == 1
         gate.release_all()
 
@@ -317,7 +320,7 @@ async def test_fill_threads_finish_out_of_order_but_publish_the_prefix(gate: Pop
     gate.hold_addresses(SecondUnit())  # type: ignore[arg-type]
     gate.allow(1 << 60)
     async with HostTier(small_config(quota=8 * MiB, fill_threads=2)) as tier:
-        while len(tier._filler.committed_ranges()) < 7:  # noqa: ASYNC110 - the other thread commits 0 and 2..7
+        while gate.returned < 7:  # noqa: ASYNC110 - the other thread commits 0 and 2..7
             await asyncio.sleep(0.01)
         assert tier.statistics().resident_bytes == MiB  # ...but the prefix stops at the held unit
         assert len(await tier.allocate(16)) == 16  # unit 0's slots
@@ -522,20 +525,27 @@ async def test_a_device_without_a_driver_fails_clearly() -> None:
     assert not fill_threads_alive()
 
 
-async def test_a_failed_decommit_leaves_the_unit_tracked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokvtier._host._backing import HostBacking
-
-    real = HostBacking.decommit
+async def test_a_failed_decommit_leaves_the_unit_tracked() -> None:
     failed: list[int] = []
+    recommitted: list[tuple[int, int]] = []
+    released: list[list[tuple[int, int]]] = []
 
-    def flaky(self: HostBacking, offset: int, length: int) -> None:
-        if offset == 5 * MiB and not failed:
-            failed.append(offset)
-            raise OSError(errno.EIO, "injected decommit failure")
-        real(self, offset, length)
+    class Flaky(HostBacking):
+        def decommit(self, offset: int, length: int) -> None:
+            if offset == 5 * MiB and not failed:
+                failed.append(offset)
+                raise OSError(errno.EIO, "injected decommit failure")
+            super().decommit(offset, length)
 
-    monkeypatch.setattr(HostBacking, "decommit", flaky)
-    tier = await HostTier.open(small_config(quota=8 * MiB))
+        def recommit(self, offset: int, length: int) -> None:
+            recommitted.append((offset, length))
+            super().recommit(offset, length)
+
+        def release(self, committed: list[tuple[int, int]]) -> None:
+            released.append(list(committed))
+            super().release(committed)
+
+    tier = await HostTier.open(small_config(quota=8 * MiB), backings=HostBackings(Flaky))
     base = tier.statistics().base_address
     await tier.wait_resident()
     with pytest.raises(DecommitError, match="stay committed") as info:
@@ -544,11 +554,12 @@ async def test_a_failed_decommit_leaves_the_unit_tracked(monkeypatch: pytest.Mon
     assert info.value.committed == ((5 * MiB, MiB),)
     assert failed and tier.statistics().resident_bytes == 2 * MiB
     assert tier.statistics().stranded_bytes == MiB
-    assert (5 * MiB, MiB) in tier._filler.committed_ranges()  # still tracked, not leaked
-    await tier.resize(8 * MiB)  # the grow skips the unit that is still committed
+    await tier.resize(8 * MiB)  # the grow recommits the unit that is still committed, not commits it anew
     await tier.wait_resident()
+    assert recommitted == [(5 * MiB, MiB)]  # still tracked, not leaked
     assert tier.statistics().resident_bytes == 8 * MiB
     await tier.aclose()
+    assert len(released) == 1 and (5 * MiB, MiB) in released[0]
     assert not mappings_in(base, tier.config.max_quota)
 
 

@@ -25,7 +25,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, Self
 
 from .._errors import NumaPolicyError
 from . import _linux, _userfault
@@ -143,12 +143,7 @@ class Backings(Protocol):
 
 def host_backing(config: ResolvedHostConfig, node: int | None) -> HostBacking:
     """The host-only backing ``config`` asks for."""
-    return HostBacking(
-        config.max_quota,
-        node=node,
-        strict_numa=not config.allow_remote_numa_fallback,
-        huge_pages=config.transparent_huge_pages,
-    )
+    return HostBacking.from_config(config, node)
 
 
 class HostBacking(Backing):
@@ -174,6 +169,23 @@ class HostBacking(Backing):
     """
 
     name = "host"
+
+    @classmethod
+    def from_config(cls, config: ResolvedHostConfig, node: int | None) -> Self:
+        """Reserve ``config.max_quota`` with the config's NUMA strictness and huge-page setting.
+
+        A subclass (one that wraps a call, say) is built the same way, so a ``Backings`` can hand a
+        tier one in place of the default.
+
+        :raises OSError: the range cannot be reserved or advised.
+        :raises NumaPolicyError: strict placement on ``node`` was refused.
+        """
+        return cls(
+            config.max_quota,
+            node=node,
+            strict_numa=not config.allow_remote_numa_fallback,
+            huge_pages=config.transparent_huge_pages,
+        )
 
     def __init__(self, size: int, *, node: int | None, strict_numa: bool, huge_pages: bool | Literal["auto"]) -> None:
         self.base, self.size = _linux.mmap_reserve(size, HUGE_ALIGN)

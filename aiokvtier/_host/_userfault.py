@@ -31,7 +31,7 @@ import os
 import platform
 import threading
 
-__all__ = ["Userfault", "covering", "supported"]
+__all__ = ["Userfault", "covering", "registered", "supported"]
 
 log = logging.getLogger("aiokvtier")
 
@@ -210,6 +210,16 @@ class Userfault:
             if err != errno.EAGAIN or stalled > 100:
                 raise OSError(err, f"UFFDIO_COPY of {n - moved} bytes at {addr + done:#x}: {os.strerror(err)}")
 
+    @property
+    def copying(self) -> int:
+        """``copy()`` calls in flight (any thread)."""
+        return self._copying
+
+    @property
+    def fd(self) -> int:
+        """The descriptor; -1 once closed (by ``close()``, or by the last copy in flight after it)."""
+        return self._fd
+
     def close(self) -> None:
         """Close the userfaultfd once no copy is in flight; the registration ends with it."""
         with self._lock:
@@ -241,6 +251,11 @@ def deactivate(uf: Userfault) -> None:
     global _active
     with _active_lock:
         _active = tuple(u for u in _active if u is not uf)
+
+
+def registered() -> tuple[Userfault, ...]:
+    """The userfaults ``populate()`` routes through now (one per open tier that fills by copies)."""
+    return _active
 
 
 def covering(addr: int, length: int) -> Userfault | None:
