@@ -20,9 +20,9 @@ if _typing.TYPE_CHECKING:
     from ._config import DiskTierConfig as DiskTierConfig
     from ._config import GpuTierConfig as GpuTierConfig
     from ._config import HostTierConfig as HostTierConfig
-    from ._cuda._engine import CopyEngine as CopyEngine
-    from ._cuda._engine import CopyStatistics as CopyStatistics
-    from ._cuda._engine import StartedCopy as StartedCopy
+    from ._copy._engine import CopyEngine as CopyEngine
+    from ._copy._engine import CopyStatistics as CopyStatistics
+    from ._copy._engine import StartedCopy as StartedCopy
     from ._cuda._static import StaticHostMem as StaticHostMem
     from ._errors import AiokvtierError as AiokvtierError
     from ._errors import BlockNotFound as BlockNotFound
@@ -88,7 +88,7 @@ __all__ = [
 # and against the imports above.
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "._config": ("CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig"),
-    "._cuda._engine": ("CopyEngine", "CopyStatistics", "StartedCopy"),
+    "._copy._engine": ("CopyEngine", "CopyStatistics", "StartedCopy"),
     "._cuda._static": ("StaticHostMem",),
     "._errors": (
         "AiokvtierError", "BlockNotFound", "ConfigError", "CopyPlanError", "CudaError", "CudaUnavailableError",

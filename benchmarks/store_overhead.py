@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from aiokvtier import BlockStore, CopyEngine, HostTier, StaticHostMem
-from aiokvtier._cuda._engine import StartedCopy
+from aiokvtier._copy._engine import StartedCopy
 from aiokvtier.bench._common import loop_factories, machine, run_on
 from aiokvtier.bench._store import _config, _keys
 

@@ -48,7 +48,7 @@ from aiokvtier import (
     StaticHostMem,
     TierClosedError,
 )
-from aiokvtier._cuda import _plan, _requests
+from aiokvtier._copy import _plan, _requests
 from aiokvtier._host import _slots
 from aiokvtier._host._slots import SlotAllocator
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from aiokvtier import CopyEngine, CopyPlanError, HostTier, SlotError, StaticHostMem
-from aiokvtier._cuda._requests import (
+from aiokvtier._copy._requests import (
     buffer_addresses,
     check_disjoint,
     copy_table,
@@ -350,7 +350,7 @@ async def test_shape_and_layout_errors_are_unchanged() -> None:
 
 
 def test_stream_handle_is_where_it_was() -> None:
-    from aiokvtier._cuda._engine import _stream_handle
+    from aiokvtier._copy._engine import _stream_handle
 
     assert _stream_handle is stream_handle
     assert stream_handle(7) == ("stream", 7)

@@ -192,7 +192,7 @@ def test_a_partly_contiguous_request_packs_once_its_runs_are_cut() -> None:
     """The planner merges neighbours on both sides into runs: where some merge and others do not,
     the copies have several lengths and would take the wide layout; the SM path cuts the runs back
     into pages first (``pieces``), and then they pack. Where none merge, they pack as planned."""
-    from aiokvtier._cuda._plan import plan
+    from aiokvtier._copy._plan import plan
 
     page, tier, dev = 4096, U(1 << 30), U(1 << 40)
     for slots, pages, packed in (([0, 1, 2, 5, 9], [7, 8, 9, 3, 20], False), ([0, 2, 5, 9], [7, 3, 9, 20], True)):

@@ -292,8 +292,8 @@ def measure_device(
 def _measure(
     drv: Any, sm: Any, batch: Callable[[str], Any], stream: Any, max_batch: int, host: int, dev: int, total: int
 ) -> dict[str, dict[str, Curve]]:
+    from .._copy._plan import chunk_slices
     from ._driver import check
-    from ._plan import chunk_slices
 
     rng = np.random.default_rng(7)
 

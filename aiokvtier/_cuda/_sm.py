@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from .._copy._plan import U64
 from .._errors import CudaError
 from ._crossover import Crossover
 from ._driver import check, driver
@@ -52,7 +53,6 @@ from ._kernel import (
     device_arch,
     vector_aligned,
 )
-from ._plan import U64
 
 __all__ = [
     "METHODS",

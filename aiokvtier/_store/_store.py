@@ -36,14 +36,14 @@ import numpy as np
 import numpy.typing as npt
 
 from .._config import parse_quota
-from .._cuda._requests import Side, buffer_addresses, registrations
+from .._copy._requests import Side, buffer_addresses, registrations
 from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._lifecycle import Lifecycle, Owner, finish
 from ._events import EventHub, EventSubscription
 from ._policy import EvictionPolicy, has_repeats, make_policy
 
 if TYPE_CHECKING:
-    from .._cuda._engine import CopyEngine
+    from .._copy._engine import CopyEngine
     from .._host._tier import HostTier
 
 __all__ = ["BlockStore", "StoreResult", "StoreStatistics"]

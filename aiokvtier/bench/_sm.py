@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from .._config import HostTierConfig
+from .._copy._engine import CopyEngine
 from .._cuda import _kernel, _sm
 from .._cuda._driver import PrimaryContext, check, driver
-from .._cuda._engine import CopyEngine
 from .._host._tier import HostTier
 from ._common import GiB, MiB
 

@@ -31,16 +31,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 from .._crossing import Outcome, deliver
+from .._cuda._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
+from .._cuda._crossover import Crossover, parse_thresholds
+from .._cuda._kernel import DEFAULT_SM_BUDGET
+from .._cuda._sm import METHODS, SmPath, device_side_problem, pick_method
 from .._errors import AiokvtierError, CopyPlanError, CudaError
 from .._handoff import handoff
 from .._lifecycle import Lifecycle, Owner
-from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
-from ._crossover import Crossover, parse_thresholds
-from ._kernel import DEFAULT_SM_BUDGET
 from ._plan import Plan, plan
 from ._requests import Side, check_disjoint, copy_table, plan_side, plan_slots, registrations, relocate
 from ._requests import stream_handle as _stream_handle
-from ._sm import METHODS, SmPath, device_side_problem, pick_method
 
 if TYPE_CHECKING:
     from .._host._tier import HostTier
@@ -247,7 +247,7 @@ class CopyEngine(Owner):
         """On the engine's worker: context, streams, then the two threads; undoes itself on failure."""
         with ExitStack() as undo:
             if self.device is not None:
-                from ._driver import PrimaryContext, check, driver
+                from .._cuda._driver import PrimaryContext, check, driver
 
                 drv = driver()
                 self._context = context = PrimaryContext(self.device)
@@ -272,7 +272,7 @@ class CopyEngine(Owner):
 
     def _start_sm(self, undo: ExitStack) -> None:
         """Compile and load the kernel, then settle the crossover (``auto``); context current."""
-        from ._crossover import device_key, load_or_measure, measure_device
+        from .._cuda._crossover import device_key, load_or_measure, measure_device
 
         assert self.device is not None
         try:
@@ -311,7 +311,7 @@ class CopyEngine(Owner):
                 sm.close()
 
     def _destroy_stream(self, stream: Any) -> None:
-        from ._driver import driver
+        from .._cuda._driver import driver
 
         with self._context.current():
             driver().cuStreamDestroy(stream)
@@ -343,7 +343,7 @@ class CopyEngine(Owner):
                 self._context.release()
 
     def _destroy_events(self) -> None:
-        from ._driver import driver
+        from .._cuda._driver import driver
 
         events, self._events = self._events, []
         with self._context.current():
@@ -563,7 +563,7 @@ class CopyEngine(Owner):
     def _mark(self, stream: int) -> Any:
         """An event recorded on ``stream`` now, on the caller's thread: the copy waits for what was queued
         there before the call, not for what the caller queues after it while the submit thread is busy."""
-        from ._driver import check, driver
+        from .._cuda._driver import check, driver
 
         drv = driver()
         assert self._context is not None
@@ -619,7 +619,7 @@ class CopyEngine(Owner):
         self._bytes_by_method["dma"] += p.nbytes
 
     def _submit_gpu(self, job: _Job) -> Any:
-        from ._driver import check, driver
+        from .._cuda._driver import check, driver
 
         drv = driver()
         stream = self._streams[next(self._rr) % len(self._streams)]
@@ -699,7 +699,7 @@ class CopyEngine(Owner):
             self._context.make_current()
         drv: Any = None
         if self.device is not None:
-            from ._driver import driver
+            from .._cuda._driver import driver
 
             drv = driver()
         pending: deque[tuple[_Job, Any]] = deque()
