@@ -23,6 +23,7 @@ if _typing.TYPE_CHECKING:
     from ._copy._engine import CopyEngine as CopyEngine
     from ._copy._engine import CopyStatistics as CopyStatistics
     from ._copy._engine import StartedCopy as StartedCopy
+    from ._copy._requests import Pages as Pages
     from ._cuda._static import StaticHostMem as StaticHostMem
     from ._errors import AiokvtierError as AiokvtierError
     from ._errors import BlockNotFound as BlockNotFound
@@ -72,6 +73,7 @@ __all__ = [
     "HostTierConfig",
     "NumaPolicyError",
     "OutOfSlots",
+    "Pages",
     "Placement",
     "QuotaError",
     "SlotError",
@@ -89,6 +91,7 @@ __all__ = [
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "._config": ("CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig"),
     "._copy._engine": ("CopyEngine", "CopyStatistics", "StartedCopy"),
+    "._copy._requests": ("Pages",),
     "._cuda._static": ("StaticHostMem",),
     "._errors": (
         "AiokvtierError", "BlockNotFound", "ConfigError", "CopyPlanError", "CudaError", "CudaUnavailableError",

@@ -58,7 +58,7 @@ class _Clock:
     def __init__(self, engine: CopyEngine, lag: float) -> None:
         self._lag = lag
         self.entered = self.left = self.landed = self.cpu_left = self.cpu_landed = 0.0
-        for name in ("begin", "_begin_checked"):  # the store's entry, if the engine has one
+        for name in ("begin", "start"):  # the awaited calls' entry and the store's
             real = getattr(engine, name, None)
             if real is not None:
                 setattr(engine, name, partial(self.begin, real))

@@ -257,7 +257,7 @@ async def test_unknown_addresses_pass_with_a_device() -> None:
         assert d.tolist() == [-1, 0] and s.tolist() == [1, -1]
         assert owners == [stage, tier]
         side = buffer_addresses([0x7F00_0000_0000], 1, SLOT, writable=True, host_only=False)
-        assert side.regions == [] and side.addresses.tolist() == [0x7F00_0000_0000]
+        assert side.regions == () and side.addresses.tolist() == [0x7F00_0000_0000]
 
 
 # -- 5. registrations get dense ids, never hashes ---------------------------------------------

@@ -925,9 +925,9 @@ async def test_a_device_engine_tracks_and_checks_host_addresses_given_per_slot()
         await tier.wait_resident()
         a = stage.address
         side = buffer_addresses([a + SLOT, 0x7F00_0000_0000, a], 3, SLOT, writable=True, host_only=False)
-        assert side.regions == [stage] and side.addresses.tolist() == [a + SLOT, 0x7F00_0000_0000, a]
+        assert side.regions == (stage,) and side.addresses.tolist() == [a + SLOT, 0x7F00_0000_0000, a]
         side = buffer_addresses([tier.address(await tier.allocate()), a], 2, 4096, writable=False, host_only=False)
-        assert side.regions == [tier, stage]
+        assert side.regions == (tier, stage)
         base = tier.statistics().base_address
         for addrs, what in (
             ([a + 3 * SLOT + 1], "leaves"),

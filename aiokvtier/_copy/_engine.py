@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import operator
 import queue
 import threading
 import time
@@ -36,16 +37,26 @@ from .._cuda._kernel import DEFAULT_SM_BUDGET
 from .._cuda._sm import METHODS
 from .._errors import CopyPlanError
 from .._handoff import handoff
+from .._host._slots import positive_count
 from .._lifecycle import Lifecycle, Owner
 from ._backend import CopyBackend, HostBackend
 from ._plan import Plan, plan
-from ._requests import Side, check_disjoint, copy_table, plan_side, plan_slots, registrations, relocate
+from ._requests import (
+    Pages,
+    buffer_addresses,
+    check_disjoint,
+    copy_table,
+    plan_side,
+    plan_slots,
+    registrations,
+    relocate,
+)
 from ._requests import stream_handle as _stream_handle
 
 if TYPE_CHECKING:
     from .._host._tier import HostTier
 
-__all__ = ["CopyEngine", "CopyStatistics", "StartedCopy"]
+__all__ = ["CopyEngine", "CopyStatistics", "Pages", "StartedCopy"]
 
 
 class _Landed(asyncio.Future[None]):
@@ -154,6 +165,11 @@ class CopyEngine(Owner):
         passes ``aiokvtier.testing.RecordingBackend`` to see (and hold) every planned job
         without a GPU. ``method``, ``sm_budget`` and ``crossover`` configure the default
         backend only.
+
+    For a store or an integration that copies subsets of one buffer:
+    ``pages = engine.pages(buffer, n, writable=True)`` checks the buffer once,
+    and ``engine.start(tier, slots, pages.take(ids), "h2d")`` queues a copy
+    of those pages without checking them again (``StartedCopy``).
 
     Cancellation: cancelling a task that awaits a copy does not cancel the
     copy. The engine keeps the buffers it was given (tensors, the tier)
@@ -330,34 +346,75 @@ class CopyEngine(Owner):
         assert job.on_submit is not None
         return StartedCopy(job.on_submit, job.future)
 
-    def _begin_checked(
+    def pages(self, buffer: Any, count: int, *, page: int | None = None, writable: bool) -> Pages:
+        """Check a caller's buffer once, for ``start()``: one address per page, one page size.
+
+        ``buffer`` is what ``to_device()`` and ``to_host()`` take: an array with
+        one page per row (``__cuda_array_interface__``, or a host array of two or
+        more dimensions) or ``count`` integer addresses, each ``page`` bytes long.
+        For a caller that copies subsets of one buffer many times (the
+        BlockStore's pages: checked once per call, then ``take()``-n per slot
+        found): the checks cost more than the copy's planning. Any thread.
+
+        :param page: bytes per page where ``buffer`` is addresses; an array's page is its row.
+        :param writable: the buffer is a destination (``"h2d"``): a read-only one is refused.
+        :raises TypeError: an address or ``page`` is not an integer, ``page`` is missing for
+            addresses, or ``buffer`` is neither addresses nor an array.
+        :raises ValueError: a negative ``count``, a ``page`` below one, or a read-only,
+            non-contiguous or misshapen buffer.
+        :raises CopyPlanError: a page leaves a tier or StaticHostMem, crosses a registration or
+            is not committed; on a host-to-host engine, device memory or an address outside
+            every open tier and StaticHostMem.
+        """
+        if isinstance(count, bool):
+            raise TypeError(f"count must be an integer, not a bool ({count!r})")
+        n = operator.index(count)
+        if n < 0:
+            raise ValueError(f"count must not be negative, got {n}")
+        size = None if page is None else positive_count(page, "page")
+        return buffer_addresses(buffer, n, size, writable=writable, host_only=self.device is None)
+
+    def start(
         self,
         tier: HostTier,
-        slots: Any,
-        side: Side,
+        slots: Sequence[int] | Any,
+        pages: Pages,
         direction: str,
-        keepalive: Any,
         *,
         after: Any = None,
-        signal_submit: bool = True,
+        report_issue: bool = False,
     ) -> StartedCopy:
-        """``begin()`` with the buffer side already checked by ``buffer_addresses`` (the BlockStore's
-        pages: checked once per call, then a subset copied). ``keepalive``: the buffer's owner.
+        """Queue a copy between ``slots`` and ``pages`` (from ``pages()``), one page per slot, unawaited.
 
-        The addresses are not checked again; those named in a tier or a
+        ``direction``: ``"h2d"`` (slots into the pages) or ``"d2h"``. The
+        pages' addresses are not checked again; those in a tier or a
         StaticHostMem are located again (the caller may have waited since the
-        check, and the region closed or shrunk meanwhile). The slots and the
-        page are checked as in ``begin()``.
+        check, and the region closed or shrunk meanwhile). The slots, the page
+        size and ``after`` are checked as in ``begin()``, before anything is
+        queued. Loop thread.
 
-        ``signal_submit=False``: no crossing back to the loop when the copy is
-        issued (the caller does not wait for that); ``submitted`` is then
-        ``done``.
+        ``report_issue=False`` (default): no crossing back to the loop when the
+        copy is issued, for a caller that does not wait for that; ``submitted``
+        is then ``done``. The pages are the GPU's until ``done`` settles, also
+        for a cancelled caller, which must still wait for it.
+
+        :raises TypeError: ``pages`` does not come from ``pages()``.
+        :raises ValueError: a bad direction, a read-only ``pages`` as a destination, no slots,
+            or not one page per slot.
+        :raises SlotError: a slot is not allocated, or (``"d2h"``) appears twice.
+        :raises TierClosedError: the tier is closing or closed.
+        :raises CopyPlanError: a page is larger than a slot, a tier or StaticHostMem the pages
+            lie in closed or shrank under them, or two destinations overlap.
         """
         if direction not in ("h2d", "d2h"):
             raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
+        if not isinstance(pages, Pages):
+            raise TypeError(f"pages come from CopyEngine.pages(), not {type(pages).__name__}")
+        if direction == "h2d" and not pages.writable:
+            raise ValueError("the pages were checked as a source (writable=False); nothing was copied")
         self._check_device(tier)
-        planned, owners = plan_side(tier, tier.slot_addresses(slots), relocate(side), direction)
-        job = self._enqueue(planned, direction, after, (tier, keepalive), owners, signal_submit=signal_submit)
+        planned, owners = plan_side(tier, tier.slot_addresses(slots), relocate(pages), direction)
+        job = self._enqueue(planned, direction, after, (tier, pages.owner), owners, signal_submit=report_issue)
         return StartedCopy(job.future if job.on_submit is None else job.on_submit, job.future)
 
     async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
