@@ -1,0 +1,227 @@
+"""The CopyEngine over a RecordingBackend, on asyncio and uvloop: what it plans, in what order it
+issues, and how its callers see held, failed and cancelled jobs, without a GPU.
+
+The backend completes each job on the engine's completion thread, as a GPU copy does (a
+host-only engine's memmove lands on the submit thread instead), so these tests reach the
+completion path that the host-to-host tests cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from aiokvtier import CopyEngine, HostTier, Pages, SlotError, StaticHostMem
+from aiokvtier.testing import IssuedCopy, RecordingBackend
+
+from .helpers import KiB, small_config
+from .invariants import wait_no_library_threads
+
+SLOT = 64 * KiB
+HANG = 10.0
+DEVICE = 0x7F00_0000_0000
+"""An address in no tier or StaticHostMem: device memory to an engine with a device."""
+
+
+@asynccontextmanager
+async def rig(
+    device: int | None = None, *, max_batch: int = 1024, **backend: Any
+) -> AsyncIterator[tuple[HostTier, StaticHostMem, CopyEngine, RecordingBackend]]:
+    recording = RecordingBackend(**backend)
+    async with (
+        HostTier(small_config()) as tier,
+        StaticHostMem(16 * SLOT) as stage,
+        CopyEngine(device, max_batch=max_batch, backend=recording) as engine,
+    ):
+        await tier.wait_resident()
+        yield tier, stage, engine, recording
+
+
+async def bounded(aw: Any) -> Any:
+    return await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(aw)), HANG)
+
+
+# -- planning ---------------------------------------------------------------------------------
+
+
+async def test_a_job_is_planned_in_host_order_with_runs_merged() -> None:
+    async with rig() as (tier, stage, engine, recording):
+        slots = await tier.allocate(6)  # fresh: ascending and contiguous, in one registration
+        base = tier.address(slots[0])
+
+        def page(i: int) -> int:
+            return stage.address + i * SLOT
+
+        # Given last slot first; in slot order: 0, 1 -> pages 0, 1; 2, 3, 4 -> pages 5, 6, 7; 5 -> page 3.
+        await bounded(engine.to_device(tier, slots[::-1], [page(i) for i in (3, 7, 6, 5, 1, 0)]))
+        (job,) = recording.issued
+        assert job.direction == "h2d" and job.requested == 6 and job.order == 0 and job.after is None
+        assert job.srcs == (base, base + 2 * SLOT, base + 5 * SLOT)  # the host side leads, ascending
+        assert job.dsts == (page(0), page(5), page(3)) and job.sizes == (2 * SLOT, 3 * SLOT, SLOT)
+        ascending = [stage.address + i * SLOT for i in range(6)]
+        await bounded(engine.to_host(tier, slots, ascending))
+        merged = recording.issued[1]
+        assert merged.direction == "d2h" and merged.requested == 6
+        assert merged.dsts == (base,) and merged.srcs == (stage.address,) and merged.sizes == (6 * SLOT,)
+        assert merged.calls == (1,)
+
+
+async def test_a_job_is_cut_into_calls_of_at_most_max_batch_descriptors() -> None:
+    async with rig(max_batch=4) as (tier, stage, engine, recording):
+        slots = await tier.allocate(10)
+        every_other = [stage.address + i * SLOT for i in (0, 2, 4, 6, 8, 1, 3, 5, 7, 9)]  # nothing merges
+        await bounded(engine.to_host(tier, slots, every_other))
+        (job,) = recording.issued
+        assert job.requested == 10 and len(job.dsts) == 10 and job.calls == (4, 4, 2)
+        stats = engine.statistics()
+        assert stats.driver_calls == 3 and stats.descriptors_submitted == 10 and stats.copies_requested == 10
+        assert stats.jobs_by_method["dma"] == 1 and stats.bytes_by_method["dma"] == 10 * SLOT
+
+
+async def test_a_refused_request_reaches_no_backend() -> None:
+    async with rig() as (tier, stage, engine, recording):
+        slots = await tier.allocate(2)
+        with pytest.raises(SlotError):
+            await engine.to_host(tier, [slots[0], slots[0]], [stage.address, stage.address + SLOT])
+        with pytest.raises(ValueError, match="after= needs a CUDA device"):
+            await engine.to_device(tier, slots, [stage.address, stage.address + SLOT], after=7)
+        assert recording.issued == [] and recording.marks == []
+        assert engine.statistics().jobs_submitted == 0
+
+
+# -- ordering ---------------------------------------------------------------------------------
+
+
+async def test_jobs_are_issued_and_settled_in_the_order_they_were_queued() -> None:
+    async with rig(hold=True) as (tier, stage, engine, recording):
+        slots = await tier.allocate(8)
+        started = [engine.begin(tier, [slot], [stage.address + i * SLOT], "h2d") for i, slot in enumerate(slots)]
+        await bounded(recording.wait_issued(len(slots)))
+        assert [job.srcs[0] for job in recording.issued] == [tier.address(s) for s in slots]
+        assert [job.order for job in recording.issued] == list(range(len(slots)))
+        await bounded(asyncio.gather(*(s.submitted for s in started)))  # issued: reported at once
+        assert recording.release(3) == 3
+        await bounded(asyncio.gather(*(s.done for s in started[:3])))
+        await asyncio.sleep(0.01)
+        assert not any(s.done.done() for s in started[3:]) and recording.held == 5
+        recording.release()
+        await bounded(asyncio.gather(*(s.done for s in started)))
+
+
+async def test_after_marks_a_stream_on_the_callers_thread_and_passes_an_event_through() -> None:
+    class Event:
+        cuda_event = 0xE7
+
+    async with rig(0) as (tier, _, engine, recording):
+        slots = await tier.allocate(2)
+        await bounded(engine.to_device(tier, slots, [DEVICE, DEVICE + SLOT], after=0x5))
+        await bounded(engine.to_host(tier, slots, [DEVICE, DEVICE + SLOT], after=Event()))
+        assert recording.marks == [(0x5, threading.current_thread().name)]
+        assert [job.after for job in recording.issued] == [("stream", 0x5), ("event", 0xE7)]
+
+
+# -- held, failed, cancelled ------------------------------------------------------------------
+
+
+async def test_a_cancelled_caller_resumes_only_once_its_held_copy_landed() -> None:
+    async with rig(hold=True) as (tier, stage, engine, recording):
+        slots = await tier.allocate(2)
+        task = asyncio.ensure_future(engine.to_device(tier, slots, [stage.address, stage.address + SLOT]))
+        await bounded(recording.wait_issued(1))
+        task.cancel()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not task.done(), "the caller regained its buffers while the copy was in flight"
+        assert len(tier.copies) == 1 and len(stage.copies) == 1
+        recording.release()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(task)
+        assert len(tier.copies) == 0 and len(stage.copies) == 0
+        assert engine.statistics().jobs_completed == 1
+
+
+async def test_a_failed_copy_reaches_its_caller_and_leaves_nothing_tracked() -> None:
+    async with rig(hold=True) as (tier, stage, engine, recording):
+        slots = await tier.allocate(2)
+        pages = [stage.address, stage.address + SLOT]
+        call = asyncio.ensure_future(engine.to_device(tier, slots, pages))
+        await bounded(recording.wait_issued(1))
+        recording.fail(RuntimeError("the copy failed"))
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            await bounded(call)
+        recording.hold = False
+        recording.fail_issue = OSError("refused")
+        with pytest.raises(OSError, match="refused"):
+            await bounded(engine.to_host(tier, slots, pages))
+        assert len(tier.copies) == 0 and len(stage.copies) == 0
+        stats = engine.statistics()
+        assert stats.jobs_submitted == stats.jobs_completed == 2
+        assert stats.descriptors_submitted == 1  # the refused job was never issued
+        await bounded(engine.to_host(tier, slots, pages))  # the engine goes on
+
+
+async def test_a_close_waits_for_held_jobs_and_leaves_no_thread() -> None:
+    async with rig(hold=True) as (tier, stage, engine, recording):
+        slots = await tier.allocate(2)
+        call = asyncio.ensure_future(engine.to_device(tier, slots, [stage.address, stage.address + SLOT]))
+        await bounded(recording.wait_issued(1))
+        closing = asyncio.ensure_future(engine.aclose())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not closing.done() and not call.done()
+        recording.release()
+        await bounded(closing)
+        await bounded(call)
+        assert engine.statistics().jobs_completed == 1
+    await wait_no_library_threads()
+
+
+# -- checked once, copied in parts --------------------------------------------------------------
+
+
+async def test_pages_are_checked_once_and_started_in_parts() -> None:
+    async with rig(hold=True) as (tier, stage, engine, recording):
+        slots = await tier.allocate(4)
+        pages = engine.pages([stage.address + i * SLOT for i in range(4)], 4, page=SLOT, writable=True)
+        assert isinstance(pages, Pages) and len(pages) == 4 and pages.page == SLOT and pages.regions == (stage,)
+        part = pages.take([3, 1])
+        assert part.addresses.tolist() == [stage.address + 3 * SLOT, stage.address + SLOT]
+        started = engine.start(tier, slots[:2], part, "h2d", report_issue=True)
+        await bounded(started.submitted)
+        assert not started.done.done() and len(stage.copies) == 1
+        quiet = engine.start(tier, slots[2:], pages.take([0, 2]), "d2h")
+        assert quiet.submitted is quiet.done  # no report of the issue: one crossing less
+        recording.hold = False  # the second job lands by itself if not issued yet
+        recording.release()
+        await bounded(asyncio.gather(started.done, quiet.done))
+        assert [job.direction for job in recording.issued] == ["h2d", "d2h"]
+        assert recording.issued[0].dsts == (stage.address + 3 * SLOT, stage.address + SLOT)
+
+
+async def test_pages_refuse_what_start_cannot_copy() -> None:
+    async with rig() as (tier, stage, engine, recording):
+        slots = await tier.allocate(2)
+        addresses = [stage.address, stage.address + SLOT]
+        with pytest.raises(TypeError, match="page="):
+            engine.pages(addresses, 2, writable=True)
+        with pytest.raises(TypeError, match="bool"):
+            engine.pages(addresses, True, page=SLOT, writable=True)
+        source = engine.pages(addresses, 2, page=SLOT, writable=False)
+        with pytest.raises(ValueError, match="source"):
+            engine.start(tier, slots, source, "h2d")
+        with pytest.raises(TypeError, match="pages"):
+            engine.start(tier, slots, addresses, "d2h")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="one address per slot"):
+            engine.start(tier, slots, source.take([0]), "d2h")
+        assert recording.issued == []
+
+
+def test_an_issued_copy_is_a_plain_record() -> None:
+    copy = IssuedCopy(0, "h2d", (1,), (2,), (3,), 1, (1,), None)
+    assert copy == IssuedCopy(0, "h2d", (1,), (2,), (3,), 1, (1,), None)
+    assert "held" in repr(RecordingBackend())
