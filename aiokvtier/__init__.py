@@ -24,6 +24,7 @@ if _typing.TYPE_CHECKING:
     from ._copy._engine import CopyStatistics as CopyStatistics
     from ._copy._engine import StartedCopy as StartedCopy
     from ._copy._requests import Pages as Pages
+    from ._cuda._sm import SmOptions as SmOptions
     from ._cuda._static import StaticHostMem as StaticHostMem
     from ._errors import AiokvtierError as AiokvtierError
     from ._errors import BlockNotFound as BlockNotFound
@@ -77,6 +78,7 @@ __all__ = [
     "Placement",
     "QuotaError",
     "SlotError",
+    "SmOptions",
     "StartedCopy",
     "StaticHostMem",
     "StoreResult",
@@ -92,6 +94,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "._config": ("CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig"),
     "._copy._engine": ("CopyEngine", "CopyStatistics", "StartedCopy"),
     "._copy._requests": ("Pages",),
+    "._cuda._sm": ("SmOptions",),
     "._cuda._static": ("StaticHostMem",),
     "._errors": (
         "AiokvtierError", "BlockNotFound", "ConfigError", "CopyPlanError", "CudaError", "CudaUnavailableError",

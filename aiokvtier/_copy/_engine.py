@@ -34,7 +34,7 @@ from .._crossing import Outcome, deliver
 from .._cuda._batch import DEFAULT_MAX_BATCH
 from .._cuda._crossover import Crossover
 from .._cuda._kernel import DEFAULT_SM_BUDGET
-from .._cuda._sm import METHODS
+from .._cuda._sm import METHODS, SmOptions
 from .._errors import CopyPlanError
 from .._handoff import handoff
 from .._host._slots import positive_count
@@ -160,11 +160,13 @@ class CopyEngine(Owner):
     :param crossover: a ``Crossover``, or ``{"h2d": bytes, "d2h": bytes}`` (the kernel
         for mean page sizes up to so many bytes); default: ``AIOKVTIER_SM_CROSSOVER``, else
         measured once per device and kept on disk.
+    :param sm_options: how the kernel launches a request (``SmOptions``: slice size, descriptor
+        packing, programmatic launches...); default: the measured best.
     :param backend: what issues the planned copies and waits for them; default: ``memmove``
         without a device, else the copy engines and the kernel as ``method`` says. A test
         passes ``aiokvtier.testing.RecordingBackend`` to see (and hold) every planned job
-        without a GPU. ``method``, ``sm_budget`` and ``crossover`` configure the default
-        backend only.
+        without a GPU. ``method``, ``sm_budget``, ``crossover`` and ``sm_options``
+        configure the default backend only.
 
     For a store or an integration that copies subsets of one buffer:
     ``pages = engine.pages(buffer, n, writable=True)`` checks the buffer once,
@@ -186,6 +188,7 @@ class CopyEngine(Owner):
         method: str = "auto",
         sm_budget: int = DEFAULT_SM_BUDGET,
         crossover: Crossover | Mapping[str, int] | None = None,
+        sm_options: SmOptions | None = None,
         backend: CopyBackend | None = None,
     ) -> None:
         if device is not None and (type(device) is not int or device < 0):
@@ -202,12 +205,16 @@ class CopyEngine(Owner):
             raise ValueError(f"sm_budget must be an int between 1 and 1024, got {sm_budget!r}")
         if crossover is not None and not isinstance(crossover, Crossover):
             crossover = Crossover.fixed(crossover)
+        if sm_options is not None and not isinstance(sm_options, SmOptions):
+            raise TypeError(f"sm_options must be an SmOptions, not {type(sm_options).__name__}")
         if backend is None:
-            backend = _default_backend(device, streams, method, sm_budget, crossover)
+            backend = _default_backend(device, streams, method, sm_budget, crossover, sm_options)
         elif not isinstance(backend, CopyBackend):
             raise TypeError(f"backend must be a CopyBackend, not {type(backend).__name__}")
-        elif (method, sm_budget, crossover) != ("auto", DEFAULT_SM_BUDGET, None):
-            raise ValueError("method, sm_budget and crossover configure the default backend; give them to yours")
+        elif (method, sm_budget, crossover, sm_options) != ("auto", DEFAULT_SM_BUDGET, None, None):
+            raise ValueError(
+                "method, sm_budget, crossover and sm_options configure the default backend; give them to yours"
+            )
         self.device = device
         self._backend = backend
         self.method = backend.method
@@ -623,10 +630,17 @@ class CopyEngine(Owner):
 
 
 def _default_backend(
-    device: int | None, streams: int, method: str, sm_budget: int, crossover: Crossover | None
+    device: int | None,
+    streams: int,
+    method: str,
+    sm_budget: int,
+    crossover: Crossover | None,
+    sm_options: SmOptions | None,
 ) -> CopyBackend:
     if device is None:
         return HostBackend()
     from .._cuda._backend import CudaBackend
 
-    return CudaBackend(device, streams=streams, method=method, sm_budget=sm_budget, crossover=crossover)
+    return CudaBackend(
+        device, streams=streams, method=method, sm_budget=sm_budget, crossover=crossover, sm_options=sm_options
+    )

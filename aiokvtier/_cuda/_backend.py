@@ -23,7 +23,7 @@ from .._errors import AiokvtierError, CopyPlanError, CudaError
 from ._batch import BatchCall, resolve_batch_function
 from ._crossover import Crossover, parse_thresholds
 from ._kernel import DEFAULT_SM_BUDGET
-from ._sm import SmPath, device_side_problem, pick_method
+from ._sm import SmOptions, SmPath, device_side_problem, pick_method
 
 __all__ = ["CudaBackend"]
 
@@ -52,8 +52,10 @@ class CudaBackend(CopyBackend):
         method: str = "auto",
         sm_budget: int = DEFAULT_SM_BUDGET,
         crossover: Crossover | None = None,
+        sm_options: SmOptions | None = None,
     ) -> None:
         super().__init__()
+        self._sm_options = sm_options
         self.device = device
         self.method = method
         self._n_streams = streams
@@ -96,7 +98,7 @@ class CudaBackend(CopyBackend):
         from ._crossover import device_key, load_or_measure, measure_device
 
         try:
-            sm = SmPath(self.device, self._sm_budget)
+            sm = SmPath(self.device, self._sm_budget, options=self._sm_options)
         except AiokvtierError as exc:
             if self.method == "sm":
                 raise
@@ -112,7 +114,7 @@ class CudaBackend(CopyBackend):
             self._crossover = parse_thresholds(env)
             return
         device = self.device
-        key = device_key(device, sm.budget, sm.kernel.spec)
+        key = device_key(device, sm.budget, sm.kernel.spec, sm.options)
 
         def call(direction: str) -> BatchCall:
             return BatchCall(self._batch, self._abi, direction, device)
