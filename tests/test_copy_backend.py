@@ -9,6 +9,7 @@ completion path that the host-to-host tests cannot.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from aiokvtier import CopyEngine, HostTier, Pages, SlotError, StaticHostMem
+from aiokvtier import CopyEngine, HostTier, Pages, SlotError, SmOptions, StaticHostMem
 from aiokvtier.testing import IssuedCopy, RecordingBackend
 
 from .helpers import KiB, small_config
@@ -225,3 +226,26 @@ def test_an_issued_copy_is_a_plain_record() -> None:
     copy = IssuedCopy(0, "h2d", (1,), (2,), (3,), 1, (1,), None)
     assert copy == IssuedCopy(0, "h2d", (1,), (2,), (3,), 1, (1,), None)
     assert "held" in repr(RecordingBackend())
+
+
+def test_a_given_backend_takes_no_default_backend_settings() -> None:
+    with pytest.raises(ValueError, match="default backend"):
+        CopyEngine(None, method="dma", backend=RecordingBackend())
+    with pytest.raises(ValueError, match="default backend"):
+        CopyEngine(0, sm_options=SmOptions(pdl=False), backend=RecordingBackend())
+    with pytest.raises(TypeError, match="CopyBackend"):
+        CopyEngine(None, backend=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="SmOptions"):
+        CopyEngine(0, sm_options={"pdl": False})  # type: ignore[arg-type]
+    engine = CopyEngine(0, max_batch=8, backend=RecordingBackend())
+    assert engine.method == "dma" and engine.statistics().max_batch == 8
+
+
+def test_sm_options_keep_the_measured_defaults_and_refuse_an_empty_slice() -> None:
+    options = SmOptions()
+    assert (options.slice_bytes, options.alternate) == (8 << 20, False)
+    assert options.bounded and options.head and options.pack and options.pdl and options.split_runs
+    with pytest.raises(ValueError, match="slice_bytes"):
+        SmOptions(slice_bytes=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.pdl = False  # type: ignore[misc]
