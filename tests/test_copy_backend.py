@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
-from aiokvtier import CopyEngine, HostTier, Pages, SlotError, SmOptions, StaticHostMem
+from aiokvtier import CopyEngine, CudaError, HostTier, Pages, SlotError, SmOptions, StaticHostMem
 from aiokvtier.testing import IssuedCopy, RecordingBackend
 
 from .helpers import KiB, small_config
@@ -249,3 +250,160 @@ def test_sm_options_keep_the_measured_defaults_and_refuse_an_empty_slice() -> No
         SmOptions(slice_bytes=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.pdl = False  # type: ignore[misc]
+
+
+# -- the CUDA backend's wiring, over a model of the driver -----------------------------------------
+
+
+class _Err(int):
+    @property
+    def name(self) -> str:
+        return "CUDA_SUCCESS" if self == 0 else "CUDA_ERROR_INJECTED"
+
+
+class ModelDriver:
+    """What the CUDA backend asks of the driver with ``method="dma"``: handles are counters, every
+    stream and event is remembered until destroyed, and an event's wait may be made to fail."""
+
+    class CUstream_flags:
+        CU_STREAM_NON_BLOCKING = 1
+
+    class CUevent_flags:
+        CU_EVENT_BLOCKING_SYNC = 1
+        CU_EVENT_DISABLE_TIMING = 2
+
+    def __init__(self) -> None:
+        self._next = itertools.count(100)
+        self.streams: set[int] = set()
+        self.events: set[int] = set()
+        self.created_events = 0
+        self.log: list[tuple[Any, ...]] = []
+        self.fail_sync: set[int] = set()
+        self.contexts = 0
+
+    def _made(self, into: set[int]) -> tuple[_Err, int]:
+        handle = next(self._next)
+        into.add(handle)
+        return _Err(0), handle
+
+    def cuDeviceGetCount(self) -> tuple[_Err, int]:
+        return _Err(0), 1
+
+    def cuDeviceGet(self, device: int) -> tuple[_Err, int]:
+        return _Err(0), device
+
+    def cuDevicePrimaryCtxRetain(self, device: int) -> tuple[_Err, int]:
+        self.contexts += 1
+        return _Err(0), 7
+
+    def cuDevicePrimaryCtxRelease(self, device: int) -> tuple[_Err]:
+        self.contexts -= 1
+        return (_Err(0),)
+
+    def cuCtxSetCurrent(self, ctx: int) -> tuple[_Err]:
+        return (_Err(0),)
+
+    def cuCtxPushCurrent(self, ctx: int) -> tuple[_Err]:
+        return (_Err(0),)
+
+    def cuCtxPopCurrent(self) -> tuple[_Err, int]:
+        return _Err(0), 7
+
+    def cuStreamCreate(self, flags: int) -> tuple[_Err, int]:
+        return self._made(self.streams)
+
+    def cuStreamDestroy(self, stream: int) -> tuple[_Err]:
+        self.streams.remove(stream)
+        return (_Err(0),)
+
+    def cuEventCreate(self, flags: int) -> tuple[_Err, int]:
+        self.created_events += 1
+        return self._made(self.events)
+
+    def cuEventDestroy(self, event: int) -> tuple[_Err]:
+        self.events.remove(event)
+        return (_Err(0),)
+
+    def cuEventRecord(self, event: int, stream: int) -> tuple[_Err]:
+        self.log.append(("record", event, int(stream), threading.current_thread().name))
+        return (_Err(0),)
+
+    def cuStreamWaitEvent(self, stream: int, event: int, flags: int) -> tuple[_Err]:
+        self.log.append(("wait", event, int(stream)))
+        return (_Err(0),)
+
+    def cuEventQuery(self, event: int) -> tuple[_Err]:
+        return (_Err(0),)
+
+    def cuEventSynchronize(self, event: int) -> tuple[_Err]:
+        return (_Err(1 if event in self.fail_sync else 0),)
+
+
+class ModelBatch:
+    """Stands in for ``BatchCall``: records each call's descriptors and stream."""
+
+    calls: ClassVar[list[tuple[str, int, int]]] = []
+
+    def __init__(self, function: Any, abi: Any, direction: str, device: int) -> None:
+        self.direction = direction
+
+    def __call__(self, dsts: Any, srcs: Any, sizes: Any, stream: Any) -> None:
+        ModelBatch.calls.append((self.direction, len(dsts), int(stream)))
+
+
+@pytest.fixture
+def model_driver(monkeypatch: pytest.MonkeyPatch) -> ModelDriver:
+    from aiokvtier._cuda import _backend, _driver
+
+    model = ModelDriver()
+    monkeypatch.setattr(_driver, "driver", lambda: model)
+    monkeypatch.setattr(_backend, "resolve_batch_function", lambda drv: (None, 13000))
+    monkeypatch.setattr(_backend, "BatchCall", ModelBatch)
+    monkeypatch.setattr(ModelBatch, "calls", [])
+    return model
+
+
+async def test_the_cuda_backend_issues_on_its_streams_and_reuses_its_events(model_driver: ModelDriver) -> None:
+    """Calls cut at ``max_batch`` on the streams in turn, an event recorded per job and reused once
+    it fired, ``after=`` a stream marked on the caller's thread and waited for on the copy's
+    stream, and at close every stream, event and the context given back."""
+    model = model_driver
+    async with HostTier(small_config()) as tier:
+        await tier.wait_resident()
+        slots = await tier.allocate(6)
+        engine = CopyEngine(0, method="dma", max_batch=4)
+        async with engine:
+            streams = set(model.streams)
+            assert len(streams) == 2 and model.contexts == 1
+            every_other = [DEVICE + 2 * i * SLOT for i in range(6)]
+            await bounded(engine.to_device(tier, slots, every_other))
+            await bounded(engine.to_host(tier, slots, every_other, after=0x5))
+            await bounded(engine.copy([(DEVICE, tier.address(slots[0]), SLOT)]))
+            expect = [("h2d", 4), ("h2d", 2), ("d2h", 4), ("d2h", 2), ("any", 1)]
+            assert [(d, n) for d, n, _ in ModelBatch.calls] == expect
+            used = [s for _, _, s in ModelBatch.calls]
+            assert used[0] == used[1] != used[2] == used[3] != used[4] and set(used) == streams
+            marker = next(e for kind, e, s, *_ in model.log if kind == "record" and s == 0x5)
+            assert ("record", marker, 0x5, threading.current_thread().name) in model.log
+            assert ("wait", marker, used[2]) in model.log and marker not in model.events
+            assert model.created_events == 2  # the marker, and one completion event used three times
+            stats = engine.statistics()
+            assert stats.driver_calls == 5 and stats.batch_abi == 13000 and stats.jobs_completed == 3
+    assert not model.streams and not model.events and model.contexts == 0
+
+
+async def test_a_failed_wait_reaches_the_caller_and_its_event_is_not_reused(model_driver: ModelDriver) -> None:
+    model = model_driver
+    async with HostTier(small_config()) as tier:
+        await tier.wait_resident()
+        slots = await tier.allocate(1)
+        async with CopyEngine(0, method="dma") as engine:
+            await bounded(engine.to_device(tier, slots, [DEVICE]))
+            (event,) = model.events
+            model.fail_sync.add(event)
+            with pytest.raises(CudaError, match="cuEventSynchronize"):
+                await bounded(engine.to_device(tier, slots, [DEVICE]))
+            assert event not in model.events and len(tier.copies) == 0
+            await bounded(engine.to_device(tier, slots, [DEVICE]))  # a new event
+            assert model.created_events == 2
+    assert not model.streams and not model.events and model.contexts == 0
