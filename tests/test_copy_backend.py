@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from aiokvtier import CopyEngine, CudaError, HostTier, Pages, SlotError, SmOptions, StaticHostMem
+from aiokvtier import CopyEngine, CopyPlanError, CudaError, HostTier, Pages, SlotError, SmOptions, StaticHostMem
 from aiokvtier.testing import IssuedCopy, RecordingBackend
 
 from .helpers import KiB, small_config
@@ -407,3 +407,87 @@ async def test_a_failed_wait_reaches_the_caller_and_its_event_is_not_reused(mode
             await bounded(engine.to_device(tier, slots, [DEVICE]))  # a new event
             assert model.created_events == 2
     assert not model.streams and not model.events and model.contexts == 0
+
+
+class ModelSmPath:
+    """Stands in for ``SmPath``: launches are recorded (or refused), slabs counted out and back."""
+
+    refuse: ClassVar[bool] = False
+
+    def __init__(self, device: int, budget: int, *, options: Any = None) -> None:
+        self.budget, self.options = budget, options
+        self.kernel = None
+        self.launched: list[int] = []
+        self.out = 0
+        self.closed = False
+
+    def submit(self, dsts: Any, srcs: Any, sizes: Any, stream: Any) -> object:
+        if ModelSmPath.refuse:
+            raise CudaError("cuLaunchKernel", "CUDA_ERROR_INJECTED", 1)
+        self.launched.append(len(dsts))
+        self.out += 1
+        return object()
+
+    def give_back(self, slab: object) -> None:
+        self.out -= 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def model_sm(model_driver: ModelDriver, monkeypatch: pytest.MonkeyPatch) -> dict[str, str | None]:
+    """The SM path modelled too; ``problem["device"]``: what the device-side check answers."""
+    from aiokvtier._cuda import _backend
+
+    problem: dict[str, str | None] = {"device": None}
+    monkeypatch.setattr(_backend, "SmPath", ModelSmPath)
+    monkeypatch.setattr(ModelSmPath, "refuse", False)
+    monkeypatch.setattr(_backend, "device_side_problem", lambda addrs, sizes, device: problem["device"])
+    return problem
+
+
+async def test_auto_sends_pages_to_the_kernel_and_falls_back_to_the_copy_engines(
+    model_sm: dict[str, str | None], caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a crossover that picks the kernel: launched there (the slab back once the event fired);
+    a device side the kernel cannot reach goes to the copy engines for that request alone; a
+    refused launch turns the kernel off for the engine, with one warning, and copies with the
+    copy engines from then on."""
+    async with HostTier(small_config()) as tier:
+        await tier.wait_resident()
+        slots = await tier.allocate(2)
+        pages = [DEVICE, DEVICE + 2 * SLOT]
+        async with CopyEngine(0, crossover={"h2d": 1 << 30, "d2h": 1 << 30}) as engine:
+            sm = engine._backend._sm  # type: ignore[attr-defined]
+            await bounded(engine.to_device(tier, slots, pages))
+            assert sm.launched == [2] and sm.out == 0 and ModelBatch.calls == []
+            model_sm["device"] = "address 0x7f0000000000 is no allocation the driver knows"
+            await bounded(engine.to_host(tier, slots, pages))
+            assert len(ModelBatch.calls) == 1 and engine.statistics().sm_unavailable is None
+            model_sm["device"] = None
+            ModelSmPath.refuse = True
+            await bounded(engine.to_device(tier, slots, pages))
+            ModelSmPath.refuse = False
+            await bounded(engine.to_device(tier, slots, pages))
+            stats = engine.statistics()
+            assert sm.launched == [2] and len(ModelBatch.calls) == 3
+            assert stats.jobs_by_method == {"sm": 1, "dma": 3} and "a launch failed" in (stats.sm_unavailable or "")
+            assert stats.sm_crossover_bytes == {}
+            assert sum("SM copy path is off" in r.message for r in caplog.records) == 1
+        assert sm.closed
+
+
+async def test_sm_refuses_a_device_side_it_cannot_reach(model_sm: dict[str, str | None]) -> None:
+    async with HostTier(small_config()) as tier:
+        await tier.wait_resident()
+        slots = await tier.allocate(1)
+        async with CopyEngine(0, method="sm") as engine:
+            model_sm["device"] = "address 0x7f0000000000 is memory of device 1, not 0"
+            with pytest.raises(CopyPlanError, match="cannot reach the device side"):
+                await bounded(engine.to_device(tier, slots, [DEVICE]))
+            ModelSmPath.refuse = True
+            model_sm["device"] = None
+            with pytest.raises(CudaError, match="INJECTED"):
+                await bounded(engine.to_device(tier, slots, [DEVICE]))
+            assert ModelBatch.calls == [] and len(tier.copies) == 0
