@@ -20,9 +20,11 @@ if _typing.TYPE_CHECKING:
     from ._config import DiskTierConfig as DiskTierConfig
     from ._config import GpuTierConfig as GpuTierConfig
     from ._config import HostTierConfig as HostTierConfig
-    from ._cuda._engine import CopyEngine as CopyEngine
-    from ._cuda._engine import CopyStatistics as CopyStatistics
-    from ._cuda._engine import StartedCopy as StartedCopy
+    from ._copy._engine import CopyEngine as CopyEngine
+    from ._copy._engine import CopyStatistics as CopyStatistics
+    from ._copy._engine import StartedCopy as StartedCopy
+    from ._copy._requests import Pages as Pages
+    from ._cuda._sm import SmOptions as SmOptions
     from ._cuda._static import StaticHostMem as StaticHostMem
     from ._disk._tier import DiskStatistics as DiskStatistics
     from ._disk._tier import DiskTier as DiskTier
@@ -78,9 +80,11 @@ __all__ = [
     "HostTierConfig",
     "NumaPolicyError",
     "OutOfSlots",
+    "Pages",
     "Placement",
     "QuotaError",
     "SlotError",
+    "SmOptions",
     "StartedCopy",
     "StaticHostMem",
     "StoreResult",
@@ -94,7 +98,9 @@ __all__ = [
 # and against the imports above.
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "._config": ("CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig"),
-    "._cuda._engine": ("CopyEngine", "CopyStatistics", "StartedCopy"),
+    "._copy._engine": ("CopyEngine", "CopyStatistics", "StartedCopy"),
+    "._copy._requests": ("Pages",),
+    "._cuda._sm": ("SmOptions",),
     "._cuda._static": ("StaticHostMem",),
     "._errors": (
         "AiokvtierError", "BlockNotFound", "ConfigError", "CopyPlanError", "CudaError", "CudaUnavailableError",

@@ -34,7 +34,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the test extra installs it
     raise ImportError("aiokvtier.metrics needs prometheus-client: pip install 'aiokvtier[metrics]'") from exc
 
-from ._cuda._engine import CopyEngine, CopyStatistics
+from ._copy._engine import CopyEngine, CopyStatistics
 from ._errors import TierClosedError
 from ._host._statistics import TierStatistics
 from ._host._tier import HostTier

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from aiokvtier import CopyEngine, HostTier
+from aiokvtier._copy._plan import chunk_slices
 from aiokvtier._cuda._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
 from aiokvtier._cuda._driver import check
-from aiokvtier._cuda._plan import chunk_slices
 from aiokvtier.bench._common import GiB, machine, run_on
 from aiokvtier.bench._cuda import _cfg, _plain_batch, device_scratch
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from aiokvtier import HostTier, HostTierConfig
-from aiokvtier._cuda import _plan, _requests
+from aiokvtier._copy import _plan, _requests
 from aiokvtier.bench._common import machine, median
 
 GOAL_US = 0.1

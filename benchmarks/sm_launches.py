@@ -3,11 +3,11 @@ descriptor size.
 
     python benchmarks/sm_launches.py [--repeats 2] [--configs one8_pdl one8_pdl_pack_bound ...] > OUT.jsonl
 
-Each configuration sets ``_sm.SLICE_BYTES``, ``_sm.ALTERNATE`` (slices alternating between the
-copy's stream and a partner stream, half the budget each), ``_sm.PDL`` (each slice a
-programmatic dependent of the one before it on its stream), ``_sm.PACK`` (8-byte descriptors
-for requests of one page size, instead of 24) and ``_sm.BOUNDED`` (a slice's successor starts
-only once the slice before it has ended), then runs the bench's own
+Each configuration is an ``SmOptions``: ``slice_bytes``, ``alternate`` (slices alternating between
+the copy's stream and a partner stream, half the budget each), ``pdl`` (each slice a
+programmatic dependent of the one before it on its stream), ``pack`` (8-byte descriptors
+for requests of one page size, instead of 24), ``bounded`` (a slice's successor starts
+only once the slice before it has ended) and ``head``, with which it runs the bench's own
 measurements (``aiokvtier.bench._sm``) at the default budget of 4 SMs: the kernel's upload and
 launches as the engine queues them, device-timed, over 128 MiB of shuffled 4, 16 and 64 KiB
 pages (with the 16-program anchor gather of the same run), and a bf16 matmul loop's slowdown
@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from aiokvtier._cuda import _sm as sm
+from aiokvtier import SmOptions
 from aiokvtier.bench import _sm
 
 MiB = 1 << 20
@@ -55,10 +55,12 @@ def main() -> None:
     _sm.MATMUL_ARMS = (("sm4", {"method": "sm", "sm_budget": 4}, None), ("dma", {"method": "dma"}, None))
     for rep in range(args.repeats):
         for name in args.configs:
-            sm.ALTERNATE, sm.PDL, mib, sm.PACK, sm.BOUNDED, sm.HEAD = (*CONFIGS[name], False)[:6]
-            sm.SLICE_BYTES = mib * MiB
-            bw = _sm.copy_bandwidth_sm(128 * MiB)
-            mm = _sm.concurrent_compute(128 * MiB)
+            alternate, pdl, mib, pack, bounded, head = (*CONFIGS[name], False)[:6]
+            options = SmOptions(
+                slice_bytes=mib * MiB, alternate=alternate, pdl=pdl, pack=pack, bounded=bounded, head=head
+            )
+            bw = _sm.copy_bandwidth_sm(128 * MiB, options)
+            mm = _sm.concurrent_compute(128 * MiB, options)
             shuffled = {k: v for k, v in bw.items() if k.startswith("shuffled")}
             ceiling = {"one_copy_GBps": bw["one_copy_GBps"], "gated": bw["gated"]}
             print(json.dumps({"config": name, "rep": rep, **ceiling, "bw": shuffled, "mm": mm}), flush=True)

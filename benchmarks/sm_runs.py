@@ -5,7 +5,7 @@
 A request of 128 MiB of 4 KiB slots, half of its pages in runs of R pages contiguous on both
 sides (which the planner merges into one copy each), the other half single pages, all in
 shuffled order. The planned copies go to the SM path (4 SMs, the engine's submission: descriptors,
-slices, launches) with ``_sm.SPLIT_RUNS`` on (runs cut back into pages: one length, 8-byte
+slices, launches) with ``SmOptions.split_runs`` on (runs cut back into pages: one length, 8-byte
 descriptors, every warp a page) and off (each run one copy, for one warp; 24-byte descriptors),
 queued behind a gate and timed with CUDA events; arms interleaved round by round, medians of
 ``--repeats``, as a fraction of one 1 GiB pinned copy timed the same way in the same run.
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from aiokvtier import CopyEngine, HostTier, HostTierConfig
+from aiokvtier import CopyEngine, HostTier, HostTierConfig, SmOptions
 from aiokvtier._cuda import _sm
 from aiokvtier._cuda._driver import PrimaryContext, check, driver
 from aiokvtier.bench._sm import Gate, _sync_time
@@ -78,13 +78,13 @@ async def study(args: argparse.Namespace) -> dict[str, Any]:
                     times: dict[str, list[float]] = {"cut": [], "whole": []}
                     for _ in range(args.repeats):
                         for arm in times:
-                            _sm.SPLIT_RUNS = arm == "cut"
+                            # One loaded kernel and partner stream for both arms: only the options differ.
+                            path.options = SmOptions(split_runs=arm == "cut")
 
                             def submit(p: Any = plan) -> None:
                                 path.give_back(path.submit(p.dsts, p.srcs, p.sizes, stream))
 
                             times[arm].append(_sync_time(submit, stream, gate=gate, also=partner))
-                    _sm.SPLIT_RUNS = True
                     row = {
                         "copies_planned": int(plan.count),
                         **{arm: round(total / statistics.median(t) / rate, 3) for arm, t in times.items()},

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from aiokvtier import BlockStore, CopyEngine, HostTier, StaticHostMem
-from aiokvtier._cuda._engine import StartedCopy
+from aiokvtier._copy._engine import StartedCopy
 from aiokvtier.bench._common import loop_factories, machine, run_on
 from aiokvtier.bench._store import _config, _keys
 
@@ -58,7 +58,7 @@ class _Clock:
     def __init__(self, engine: CopyEngine, lag: float) -> None:
         self._lag = lag
         self.entered = self.left = self.landed = self.cpu_left = self.cpu_landed = 0.0
-        for name in ("begin", "_begin_checked"):  # the store's entry, if the engine has one
+        for name in ("begin", "start"):  # the awaited calls' entry and the store's
             real = getattr(engine, name, None)
             if real is not None:
                 setattr(engine, name, partial(self.begin, real))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from aiokvtier import CopyEngine, CopyPlanError, HostTier, SlotError, StaticHostMem, TierClosedError
-from aiokvtier._cuda._plan import plan
+from aiokvtier._copy._plan import plan
 
 from .conftest import PopulateGate, fill_threads_alive, mappings_in
 from .helpers import KiB, MiB, eventually, small_config

@@ -13,9 +13,11 @@ at once. Hostile slot ids (a SlotError naming the refused value; before, a
 TypeError for a 0-d array and messages that named a good id) and requests
 on both sides of the small-request thresholds (the same answer).
 
-Copies are held, where a test needs one in flight, by replacing the
-function that runs it on its thread with a gated one; every await is
-bounded, so a regression fails instead of hanging.
+Copies are held, where a test needs one in flight, by an engine over a
+``RecordingBackend`` that holds its jobs (and copies their bytes once let
+through), or for the store's host copies by replacing the function that
+runs them on their thread with a gated one; every await is bounded, so a
+regression fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ from aiokvtier import (
     StaticHostMem,
     TierClosedError,
 )
-from aiokvtier._cuda import _plan, _requests
+from aiokvtier._copy import _plan, _requests
 from aiokvtier._host import _slots
 from aiokvtier._host._slots import SlotAllocator
+from aiokvtier.testing import RecordingBackend
 
 from .helpers import KiB, MiB, eventually
 from .invariants import wait_no_library_threads
@@ -108,6 +111,16 @@ def held_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Held]:
     gate.open.set()
 
 
+def holding() -> RecordingBackend:
+    """A backend whose jobs land, bytes copied, only once ``let_through()`` lets them."""
+    return RecordingBackend(hold=True, memmove=True)
+
+
+async def let_through(backend: RecordingBackend) -> None:
+    backend.hold = False  # a job not issued yet lands by itself
+    backend.release()
+
+
 async def _still_closing(closing: asyncio.Future[None], region: Any) -> None:
     for _ in range(20):  # it waits for the held copy, so no number of turns can let it finish
         await asyncio.sleep(0)
@@ -125,13 +138,12 @@ async def test_an_array_over_a_static_buffer_holds_its_close(kind: str) -> None:
         slots = await tier.allocate(ROWS)
         for slot in slots:
             tier.view(slot)[:] = bytes([slot % 251 + 1]) * SLOT
-        async with CopyEngine(None) as engine:
+        held = holding()
+        async with CopyEngine(None, backend=held) as engine:
             buf = await bounded(StaticHostMem.open(ROWS * SLOT))
             pages = over(buf.address, ROWS, SLOT)
             if kind == "to_host":
                 pages[:] = 7
-            held = Held(engine._copy_host)
-            engine._copy_host = held  # type: ignore[method-assign]
             if kind == "begin":
                 started = engine.begin(tier, slots, pages, "h2d")
                 call: asyncio.Future[None] = asyncio.ensure_future(started.done)
@@ -140,12 +152,12 @@ async def test_an_array_over_a_static_buffer_holds_its_close(kind: str) -> None:
                 call = asyncio.ensure_future(method(tier, slots, pages))
             closing: asyncio.Future[None] | None = None
             try:
-                await held.started()
+                await bounded(held.wait_issued(1))
                 assert len(buf.copies) == 1, "a copy from an array over the buffer is not registered with it"
                 closing = asyncio.ensure_future(buf.aclose())
                 await _still_closing(closing, buf)
             finally:
-                await held.release()
+                await let_through(held)
                 await bounded(call)
                 if closing is None:
                     await bounded(buf.aclose())
@@ -169,19 +181,18 @@ async def test_an_array_over_another_tier_holds_its_close() -> None:
         for slot in sa:
             a.view(slot)[:] = b"\x05" * SLOT
         pages = over(b.address(sb[0]), ROWS, SLOT)  # b's slots, fresh: ascending and contiguous
-        async with CopyEngine(None) as engine:
-            held = Held(engine._copy_host)
-            engine._copy_host = held  # type: ignore[method-assign]
+        held = holding()
+        async with CopyEngine(None, backend=held) as engine:
             call = asyncio.ensure_future(engine.to_device(a, sa, pages))
             closing: asyncio.Future[None] | None = None
             try:
-                await held.started()
+                await bounded(held.wait_issued(1))
                 assert len(b.copies) == 1, "a copy into an array over a tier's slots is not registered with it"
                 b.free_many(sb)
                 closing = asyncio.ensure_future(b.aclose())
                 await _still_closing(closing, b)
             finally:
-                await held.release()
+                await let_through(held)
                 await bounded(call)
                 if closing is None:
                     await bounded(b.aclose())
@@ -217,14 +228,13 @@ async def test_an_array_over_a_closing_buffer_is_refused() -> None:
     try:
         await bounded(tier.wait_resident())
         slots = await tier.allocate(ROWS)
-        async with CopyEngine(None) as engine:
+        held = holding()
+        async with CopyEngine(None, backend=held) as engine:
             buf = await bounded(StaticHostMem.open(ROWS * SLOT))
             pages = over(buf.address, ROWS, SLOT)
-            held = Held(engine._copy_host)
-            engine._copy_host = held  # type: ignore[method-assign]
             first = asyncio.ensure_future(engine.to_device(tier, slots[:1], pages[:1]))
             try:
-                await held.started()
+                await bounded(held.wait_issued(1))
                 assert len(buf.copies) == 1, "a copy from an array over the buffer is not registered with it"
                 closing = asyncio.ensure_future(buf.aclose())
                 await asyncio.sleep(0)  # the close has begun: the buffer is no copy target any more
@@ -233,7 +243,7 @@ async def test_an_array_over_a_closing_buffer_is_refused() -> None:
                     await engine.to_device(tier, slots[1:], pages[1:])
                 assert engine.statistics().jobs_submitted == before
             finally:
-                await held.release()
+                await let_through(held)
                 await bounded(first)
             await bounded(closing)
     finally:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from aiokvtier import CopyEngine, CopyPlanError, HostTier, SlotError, StaticHostMem
-from aiokvtier._cuda._requests import (
+from aiokvtier._copy._requests import (
     buffer_addresses,
     check_disjoint,
     copy_table,
@@ -257,7 +257,7 @@ async def test_unknown_addresses_pass_with_a_device() -> None:
         assert d.tolist() == [-1, 0] and s.tolist() == [1, -1]
         assert owners == [stage, tier]
         side = buffer_addresses([0x7F00_0000_0000], 1, SLOT, writable=True, host_only=False)
-        assert side.regions == [] and side.addresses.tolist() == [0x7F00_0000_0000]
+        assert side.regions == () and side.addresses.tolist() == [0x7F00_0000_0000]
 
 
 # -- 5. registrations get dense ids, never hashes ---------------------------------------------
@@ -350,7 +350,7 @@ async def test_shape_and_layout_errors_are_unchanged() -> None:
 
 
 def test_stream_handle_is_where_it_was() -> None:
-    from aiokvtier._cuda._engine import _stream_handle
+    from aiokvtier._copy._engine import _stream_handle
 
     assert _stream_handle is stream_handle
     assert stream_handle(7) == ("stream", 7)

@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from aiokvtier import CopyEngine, CopyPlanError, HostTier, SlotError, StaticHostMem, TierClosedError, _regions
-from aiokvtier._cuda._plan import plan
-from aiokvtier._cuda._requests import buffer_addresses, check_disjoint, registrations
+from aiokvtier._copy._plan import plan
+from aiokvtier._copy._requests import buffer_addresses, check_disjoint, registrations
 from aiokvtier._regions import InflightCopies
 
 from .conftest import PopulateGate
@@ -925,9 +925,9 @@ async def test_a_device_engine_tracks_and_checks_host_addresses_given_per_slot()
         await tier.wait_resident()
         a = stage.address
         side = buffer_addresses([a + SLOT, 0x7F00_0000_0000, a], 3, SLOT, writable=True, host_only=False)
-        assert side.regions == [stage] and side.addresses.tolist() == [a + SLOT, 0x7F00_0000_0000, a]
+        assert side.regions == (stage,) and side.addresses.tolist() == [a + SLOT, 0x7F00_0000_0000, a]
         side = buffer_addresses([tier.address(await tier.allocate()), a], 2, 4096, writable=False, host_only=False)
-        assert side.regions == [tier, stage]
+        assert side.regions == (tier, stage)
         base = tier.statistics().base_address
         for addrs, what in (
             ([a + 3 * SLOT + 1], "leaves"),
@@ -988,7 +988,7 @@ async def test_a_device_engine_waits_for_a_staging_buffer_named_by_address(backi
 def test_sorted_order_packs_keys_or_falls_back_to_an_argsort(values: list[int], ties: int, narrow: bool) -> None:
     """The planner's sort: a permutation that sorts, ties in position order where keys are packed,
     the sorted values read back exactly, whether the span fits the packed keys or not (2**64 - 1)."""
-    from aiokvtier._cuda._plan import _sorted_order
+    from aiokvtier._copy._plan import _sorted_order
 
     if narrow:
         values = [v % (1 << 40) for v in values]
@@ -1062,7 +1062,7 @@ def test_plan_agrees_with_the_plain_algorithm_on_hostile_addresses(
     do: runs merged across 2**63, never across 2**64 (or as the plain sums wrap, the same), ties in
     request order where the addresses fit the packed keys or are few, whatever argsort gives elsewhere;
     a repeat on the ordering side refused as before."""
-    from aiokvtier._cuda import _plan
+    from aiokvtier._copy import _plan
 
     dsts, srcs, page = copies
     n = len(dsts)
@@ -1100,7 +1100,7 @@ def test_the_small_request_planner_gives_the_arrays_plan(
     the same order, the same runs merged (across 2**63, wrapping past 2**64 as uint64 does, never
     across a registration), the same refusal of a repeat; a registration is asked only about
     copies that could merge."""
-    from aiokvtier._cuda._plan import plan_small
+    from aiokvtier._copy._plan import plan_small
 
     dsts, srcs, page = copies
     n = len(dsts)

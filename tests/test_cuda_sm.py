@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokvtier import CopyEngine, CopyPlanError, HostTier
+from aiokvtier import CopyEngine, CopyPlanError, HostTier, SmOptions
 
 from .helpers import MiB
 from .test_cuda import BACKINGS, gpu_config, torch_cuda
@@ -116,28 +116,20 @@ async def test_sm_request_in_many_slices_is_bit_exact(
     bounded: bool,
     head: bool,
     slice_kib: int,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A request runs as launches of at most SLICE_BYTES (uneven: 2 pages and a bit), each a
+    """A request runs as launches of at most ``slice_bytes`` (uneven: 2 pages and a bit), each a
     programmatic dependent of the one before (the default) or not, on one stream (the default)
     or alternating with a partner stream, with packed descriptors (the default) or wide ones,
     each slice's successor held until the slice before it has ended (the default) or not, the
     first slice reading its descriptors from the staging slab (the default) or after their
     upload: every page lands, in both directions."""
-    from aiokvtier._cuda import _sm
-
-    monkeypatch.setattr(_sm, "SLICE_BYTES", slice_kib << 10)
-    for name, value in [
-        ("ALTERNATE", alternate),
-        ("PDL", pdl),
-        ("PACK", pack),
-        ("BOUNDED", bounded),
-        ("HEAD", head),
-    ]:
-        monkeypatch.setattr(_sm, name, value)
+    options = SmOptions(
+        slice_bytes=slice_kib << 10, alternate=alternate, pdl=pdl, pack=pack, bounded=bounded, head=head
+    )
     torch = torch_cuda()
     slot = 16 << 10
-    async with HostTier(tier_config(backing, slot)) as tier, CopyEngine(0, method="sm") as engine:
+    engine = CopyEngine(0, method="sm", sm_options=options)
+    async with HostTier(tier_config(backing, slot)) as tier, engine:
         await tier.wait_resident()
         ids = await tier.allocate(515)
         ids = [ids[i] for i in np.random.default_rng(5).permutation(len(ids))]
@@ -153,18 +145,14 @@ async def test_sm_request_in_many_slices_is_bit_exact(
 
 @pytest.mark.parametrize("split", [True, False], ids=["runs-cut", "runs-whole"])
 @pytest.mark.parametrize("backing", BACKINGS)
-async def test_sm_partly_contiguous_request_is_bit_exact(
-    backing: str, split: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_sm_partly_contiguous_request_is_bit_exact(backing: str, split: bool) -> None:
     """Slots and pages in runs that the planner merges (64, 17 and 3 pages) among shuffled single
     ones: the runs are cut back into pages (the default) or copied whole; every page lands, in both
     directions."""
-    from aiokvtier._cuda import _sm
-
-    monkeypatch.setattr(_sm, "SPLIT_RUNS", split)
     torch = torch_cuda()
     slot = 16 << 10
-    async with HostTier(tier_config(backing, slot)) as tier, CopyEngine(0, method="sm") as engine:
+    engine = CopyEngine(0, method="sm", sm_options=SmOptions(split_runs=split))
+    async with HostTier(tier_config(backing, slot)) as tier, engine:
         await tier.wait_resident()
         ids = await tier.allocate(600)
         rng = np.random.default_rng(11)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import json
 import threading
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from aiokvtier import CopyEngine, CudaError
 from aiokvtier._cuda import _crossover, _kernel, _sm
 from aiokvtier._cuda._crossover import LADDER, Crossover, Curve, load_or_measure, parse_thresholds
+from aiokvtier._cuda._sm import SmOptions
 
 U = np.uint64
 
@@ -192,7 +194,7 @@ def test_a_partly_contiguous_request_packs_once_its_runs_are_cut() -> None:
     """The planner merges neighbours on both sides into runs: where some merge and others do not,
     the copies have several lengths and would take the wide layout; the SM path cuts the runs back
     into pages first (``pieces``), and then they pack. Where none merge, they pack as planned."""
-    from aiokvtier._cuda._plan import plan
+    from aiokvtier._copy._plan import plan
 
     page, tier, dev = 4096, U(1 << 30), U(1 << 40)
     for slots, pages, packed in (([0, 1, 2, 5, 9], [7, 8, 9, 3, 20], False), ([0, 2, 5, 9], [7, 3, 9, 20], True)):
@@ -531,12 +533,17 @@ class ModelKernel:
 
 
 def model_path(
-    monkeypatch: pytest.MonkeyPatch, budget: int, fail_at: int | None = None, model: StreamModel | None = None
+    monkeypatch: pytest.MonkeyPatch,
+    budget: int,
+    fail_at: int | None = None,
+    model: StreamModel | None = None,
+    options: SmOptions | None = None,
 ) -> tuple[Any, StreamModel]:
     """An SmPath over the model (no GPU): one slab free, the kernel recording its launches."""
     model = StreamModel(fail_at) if model is None else model
     monkeypatch.setattr(_sm, "driver", lambda: model)
     path: Any = object.__new__(_sm.SmPath)
+    path.options = options or SmOptions()
     slab = _sm.Slab(_sm.MIN_SLAB, SLAB_HOST, SLAB_DEVICE, np.zeros(3 * _sm.MIN_SLAB, dtype=U))
     path.device, path.kernel, path.budget = 0, ModelKernel(model, budget), budget
     path._free, path._all, path._partners, path._lock = [slab], [slab], {}, threading.Lock()
@@ -548,17 +555,15 @@ SLAB_HOST, SLAB_DEVICE = 1, 2
 
 
 @pytest.fixture(params=[False, True], ids=["one-stream", "alternate"])
-def alternate(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+def alternate(request: pytest.FixtureRequest) -> bool:
     """Slices on the copy's stream alone (the default) and alternating with a partner stream."""
-    monkeypatch.setattr(_sm, "ALTERNATE", request.param)
     return bool(request.param)
 
 
 @pytest.fixture(params=[False, True], ids=["upload-first", "head"])
-def head(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+def head(request: pytest.FixtureRequest) -> bool:
     """The descriptors uploaded before the first slice, or the first slice reading them from the
-    staging slab while the partner stream uploads them for the rest (``_sm.HEAD``)."""
-    monkeypatch.setattr(_sm, "HEAD", request.param)
+    staging slab while the partner stream uploads them for the rest (``SmOptions.head``)."""
     return bool(request.param)
 
 
@@ -567,12 +572,12 @@ def head(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> boo
 def test_sliced_launches_follow_the_upload_and_precede_the_completion(
     monkeypatch: pytest.MonkeyPatch, budget: int, pages: int, alternate: bool, head: bool
 ) -> None:
-    """Every slice that reads the uploaded descriptors runs after the upload (with ``HEAD``, only
+    """Every slice that reads the uploaded descriptors runs after the upload (with ``head``, only
     the first slice reads them from the slab, launched plainly, and a request of one slice uploads
     nothing), the request's completion (recorded on the copy's stream next) runs after every slice
     and the upload, each copy is launched once, every launch has a block, at most ``budget`` blocks
     run at once, and no event is left behind; the partner stream goes at close."""
-    path, model = model_path(monkeypatch, budget)
+    path, model = model_path(monkeypatch, budget, options=SmOptions(alternate=alternate, head=head))
     sizes = np.full(pages, 4096, dtype=U)
     slab = path.submit(np.arange(pages, dtype=U), np.arange(pages, dtype=U), sizes, STREAM, slice_bytes=4096)
     path.give_back(slab)
@@ -603,16 +608,14 @@ def test_sliced_launches_follow_the_upload_and_precede_the_completion(
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.usefixtures("alternate", "head")
 def test_a_programmatic_launch_follows_only_a_slice_of_its_own_request(
-    monkeypatch: pytest.MonkeyPatch, pdl: bool
+    monkeypatch: pytest.MonkeyPatch, pdl: bool, alternate: bool, head: bool
 ) -> None:
     """A programmatic launch may start while the kernel just before it on its stream drains: that
     kernel is always a slice of the same request (between requests the upload, an event or a wait
     comes first), so a request never overlaps another's copies; launched so or not, each request's
     completion follows its every slice."""
-    monkeypatch.setattr(_sm, "PDL", pdl)
-    path, model = model_path(monkeypatch, 4)
+    path, model = model_path(monkeypatch, 4, options=SmOptions(alternate=alternate, head=head, pdl=pdl))
     requests: list[range] = []
     for pages in (3, 1, 5, 2):
         start = len(model.ops)
@@ -632,20 +635,20 @@ def test_a_programmatic_launch_follows_only_a_slice_of_its_own_request(
 
 
 @pytest.mark.parametrize("budget", [2, 3, 4])
-@pytest.mark.usefixtures("alternate", "head")
 def test_a_refused_call_midway_leaves_no_slice_running_and_no_event(
-    monkeypatch: pytest.MonkeyPatch, budget: int
+    monkeypatch: pytest.MonkeyPatch, budget: int, alternate: bool, head: bool
 ) -> None:
     """Whichever driver call or launch of a sliced request is refused, the error comes out, both
     streams are synchronized after everything queued (the slab is reusable), the slab is free, and no
     event is left; a later request on the same stream still orders its slices."""
-    path, model = model_path(monkeypatch, budget)
+    options = SmOptions(alternate=alternate, head=head)
+    path, model = model_path(monkeypatch, budget, options=options)
     pages = 5
     args = (np.arange(pages, dtype=U), np.arange(pages, dtype=U), np.full(pages, 4096, dtype=U), STREAM)
     path.give_back(path.submit(*args, slice_bytes=4096))
     fallible = model.calls
     for fail_at in range(fallible):
-        path, model = model_path(monkeypatch, budget, fail_at)
+        path, model = model_path(monkeypatch, budget, fail_at, options=options)
         try:
             path.give_back(path.submit(*args, slice_bytes=4096))
         except CudaError as exc:
@@ -670,25 +673,22 @@ def request(pages: int) -> tuple[Any, ...]:
     return np.arange(pages, dtype=U), np.arange(pages, dtype=U), np.full(pages, 4096, dtype=U), STREAM
 
 
-@pytest.mark.usefixtures("alternate", "head")
-def test_an_empty_request_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_empty_request_launches_nothing(monkeypatch: pytest.MonkeyPatch, alternate: bool, head: bool) -> None:
     """No copies: no launch, no event, no error; the slab comes back."""
-    path, model = model_path(monkeypatch, 4)
+    path, model = model_path(monkeypatch, 4, options=SmOptions(alternate=alternate, head=head))
     path.give_back(path.submit(*request(0), slice_bytes=4096))
     assert not [op for op in model.ops if op[0] == "launch"] and not model.events and len(path._free) == 1
     path.close()
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.usefixtures("alternate")
 def test_each_request_starts_after_the_one_before_on_its_stream(
-    monkeypatch: pytest.MonkeyPatch, head: bool, pdl: bool
+    monkeypatch: pytest.MonkeyPatch, alternate: bool, head: bool, pdl: bool
 ) -> None:
     """A request's first slice follows every slice of the request before it on the copy's stream
-    (the partner's included), and may not overlap it: with ``HEAD`` it is launched plainly (its
+    (the partner's included), and may not overlap it: with ``head`` it is launched plainly (its
     descriptors read from the slab); otherwise what comes just before it is the upload."""
-    monkeypatch.setattr(_sm, "PDL", pdl)
-    path, model = model_path(monkeypatch, 4)
+    path, model = model_path(monkeypatch, 4, options=SmOptions(alternate=alternate, head=head, pdl=pdl))
     previous: list[int] = []
     for pages in (3, 1, 5, 1, 2, 7):
         start = len(model.ops)
@@ -699,33 +699,34 @@ def test_each_request_starts_after_the_one_before_on_its_stream(
         if first in model.pdl:
             before_first = [j for j in range(first) if model.ops[j][1] == model.ops[first][1]][-1]
             assert model.ops[before_first][0] == "upload" and before_first >= start
-        if head and not _sm.ALTERNATE:
+        if head and not alternate:
             assert first not in model.pdl and model.sources[first] == "host"
         previous = launches
     path.close()
 
 
-@pytest.mark.usefixtures("head")
 @pytest.mark.parametrize("pages", [1, 2, 5])
-def test_a_refused_partner_stream_uploads_on_the_copy_stream_first(monkeypatch: pytest.MonkeyPatch, pages: int) -> None:
+def test_a_refused_partner_stream_uploads_on_the_copy_stream_first(
+    monkeypatch: pytest.MonkeyPatch, pages: int, head: bool
+) -> None:
     """Where the driver refuses the partner stream, the descriptors go up on the copy's stream ahead
-    of every slice that reads them; a request of one slice with ``HEAD`` needs neither. The next
+    of every slice that reads them; a request of one slice with ``head`` needs neither. The next
     request asks for the partner again."""
-    path, model = model_path(monkeypatch, 4)
+    path, model = model_path(monkeypatch, 4, options=SmOptions(head=head))
     refuse = model.cuStreamCreate
     model.cuStreamCreate = lambda flags: (_Failed(1), 0)  # type: ignore[method-assign]
     path.give_back(path.submit(*request(pages), slice_bytes=4096))
     launches = [i for i, op in enumerate(model.ops) if op[0] == "launch"]
     uploads = [i for i, op in enumerate(model.ops) if op[0] == "upload"]
     assert {op[1] for op in model.ops} == {STREAM} and not path._partners and not model.events
-    if _sm.HEAD and pages == 1:
+    if head and pages == 1:
         assert not uploads and model.sources[launches[0]] == "host"
     else:
         assert len(uploads) == 1 and uploads[0] < launches[0]
         assert all(model.sources[i] == "device" and uploads[0] in model.before(i) for i in launches)
     model.cuStreamCreate = refuse  # type: ignore[method-assign]
     path.give_back(path.submit(*request(pages), slice_bytes=4096))
-    assert bool(path._partners) == (_sm.HEAD and pages > 1)
+    assert bool(path._partners) == (head and pages > 1)
     path.close()
 
 
@@ -750,17 +751,13 @@ def test_the_crossover_key_names_how_requests_are_launched(monkeypatch: pytest.M
     from aiokvtier._cuda import _driver
 
     monkeypatch.setattr(_driver, "driver", lambda: _KeyDriver())
-    spec = _kernel.KernelSpec("sm_90")
-    key = _crossover.device_key(0, 4, spec)
-    monkeypatch.setattr(_sm, "SLICE_BYTES", 2 * key["slice_bytes"])
-    assert _crossover.device_key(0, 4, spec) != key
-    monkeypatch.setattr(_sm, "SLICE_BYTES", key["slice_bytes"])
-    for switch in ("ALTERNATE", "PDL", "PACK", "HEAD", "SPLIT_RUNS"):
-        monkeypatch.setattr(_sm, switch, not getattr(_sm, switch))
-        assert _crossover.device_key(0, 4, spec) != key, switch
-        monkeypatch.setattr(_sm, switch, not getattr(_sm, switch))
-        assert _crossover.device_key(0, 4, spec) == key, switch
-    assert _crossover.device_key(0, 4, _kernel.KernelSpec("sm_90", bounded=False)) != key
+    spec, options = _kernel.KernelSpec("sm_90"), SmOptions()
+    key = _crossover.device_key(0, 4, spec, options)
+    assert _crossover.device_key(0, 4, spec, SmOptions(slice_bytes=2 * key["slice_bytes"])) != key
+    for switch in ("alternate", "pdl", "pack", "head", "split_runs"):
+        flipped = dataclasses.replace(options, **{switch: not getattr(options, switch)})
+        assert _crossover.device_key(0, 4, spec, flipped) != key, switch
+    assert _crossover.device_key(0, 4, _kernel.KernelSpec("sm_90", bounded=False), options) != key
 
 
 @settings(max_examples=300, deadline=None)
@@ -784,7 +781,7 @@ def test_slices_are_even_and_within_the_limit(sizes: list[int], limit: int) -> N
 def test_the_engine_states_the_present_slice_size() -> None:
     """``sm_budget``'s documentation names the slice size requests are cut to."""
     doc = " ".join((CopyEngine.__doc__ or "").split())
-    assert f"launches of at most {_sm.SLICE_BYTES >> 20} MiB" in doc
+    assert f"launches of at most {SmOptions().slice_bytes >> 20} MiB" in doc
 
 
 # -- the bench's gate: a stream it holds is always let go ------------------------------------------
@@ -869,8 +866,9 @@ def test_a_gate_refused_or_raising_on_one_stream_lets_the_others_go(monkeypatch:
     gate.close()
 
 
-@pytest.mark.usefixtures("head")
-def test_a_failing_submit_behind_the_gate_does_not_hold_its_stream_forever(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_submit_behind_the_gate_does_not_hold_its_stream_forever(
+    monkeypatch: pytest.MonkeyPatch, head: bool
+) -> None:
     """A launch refused while the gate holds the streams: the SM path's clean-up synchronizes the
     copy's stream, which the gate still holds; the gate lets go by itself, the error comes out, and
     the timing after it is no longer gated."""
@@ -878,14 +876,14 @@ def test_a_failing_submit_behind_the_gate_does_not_hold_its_stream_forever(monke
 
     monkeypatch.setattr(bench, "HOLD_LIMIT", 0.05)
     gate, model = gate_model(monkeypatch)
-    path, _ = model_path(monkeypatch, 4, model=model)
+    path, _ = model_path(monkeypatch, 4, model=model, options=SmOptions(head=head))
     calls = 0
 
     def submit() -> None:
         nonlocal calls
         calls += 1
         if calls == 2:  # the first timed call: its first launch is refused
-            model.fail_at = model.calls + (3 if _sm.HEAD else 1)
+            model.fail_at = model.calls + (3 if head else 1)
         path.give_back(path.submit(*request(5), slice_bytes=4096))
 
     partner = (path._partner(STREAM),)
@@ -940,8 +938,7 @@ def test_a_merged_request_is_launched_as_pages(monkeypatch: pytest.MonkeyPatch) 
     assert sum(count for _, _, count in launches) == 6
     view = path._free[0].view
     assert view[:3].view(np.uint32).tolist() == [0, 0x1000, 0x1001, 0x1002, 0x2000, 0x2001]  # srcs, 4 KiB steps
-    monkeypatch.setattr(_sm, "SPLIT_RUNS", False)
-    path, model = model_path(monkeypatch, 4)
+    path, model = model_path(monkeypatch, 4, options=SmOptions(split_runs=False))
     path.give_back(path.submit(dsts, srcs, sizes, STREAM))
     assert sum(op[3][2] for op in model.ops if op[0] == "launch") == 3
 

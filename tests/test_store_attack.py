@@ -948,18 +948,10 @@ class HeldEngine:
             submitted.set_result(None)
         return submitted, done
 
-    def _begin_checked(
-        self,
-        tier: HostTier,
-        slots: Any,
-        side: Any,
-        direction: str,
-        keepalive: Any,
-        *,
-        after: Any = None,
-        signal_submit: bool = True,
+    def start(
+        self, tier: HostTier, slots: Any, pages: Any, direction: str, *, after: Any = None, report_issue: bool = False
     ) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
-        return self.begin(tier, slots, side.addresses, direction, after=after, page=side.page)
+        return self.begin(tier, slots, pages.addresses, direction, after=after, page=pages.page)
 
     async def copy(self, copies: list[tuple[int, int, int]], *, after: Any = None) -> None:
         for dst, src, n in copies:

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from .._copy._plan import U64
 from .._errors import CopyPlanError, CudaError
 from ._driver import check, driver
-from ._plan import U64
 
 __all__ = ["DEFAULT_MAX_BATCH", "BatchCall", "resolve_batch_function"]
 

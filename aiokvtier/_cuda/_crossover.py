@@ -235,9 +235,9 @@ def load_or_measure(
     return measured
 
 
-def device_key(device: int, budget: int, spec: Any) -> dict[str, Any]:
-    """What a measurement depends on. Driver calls: the engine's context current."""
-    from . import _sm
+def device_key(device: int, budget: int, spec: Any, options: Any) -> dict[str, Any]:
+    """What a measurement depends on (``options``: the SM path's ``SmOptions``). Driver calls:
+    the engine's context current."""
     from ._driver import check, driver
     from ._kernel import KERNEL_VERSION
 
@@ -257,12 +257,12 @@ def device_key(device: int, budget: int, spec: Any) -> dict[str, Any]:
         "bounded": spec.bounded,
         # How a request is launched: the slices' size and streams and the descriptors' size
         # change what a launch costs.
-        "slice_bytes": _sm.SLICE_BYTES,
-        "alternate": _sm.ALTERNATE,
-        "pdl": _sm.PDL,
-        "pack": _sm.PACK,
-        "head": _sm.HEAD,
-        "split_runs": _sm.SPLIT_RUNS,
+        "slice_bytes": options.slice_bytes,
+        "alternate": options.alternate,
+        "pdl": options.pdl,
+        "pack": options.pack,
+        "head": options.head,
+        "split_runs": options.split_runs,
     }
 
 
@@ -292,8 +292,8 @@ def measure_device(
 def _measure(
     drv: Any, sm: Any, batch: Callable[[str], Any], stream: Any, max_batch: int, host: int, dev: int, total: int
 ) -> dict[str, dict[str, Curve]]:
+    from .._copy._plan import chunk_slices
     from ._driver import check
-    from ._plan import chunk_slices
 
     rng = np.random.default_rng(7)
 

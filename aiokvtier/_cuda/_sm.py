@@ -1,11 +1,11 @@
 """The SM copy path of a CopyEngine: the loaded kernel, its descriptor slabs, the device-side check.
 
-A request runs as consecutive launches of at most ``SLICE_BYTES`` each
+A request runs as consecutive launches of at most ``SmOptions.slice_bytes`` each
 on the copy's stream: a launch's blocks hold their SMs until its last page
 lands, so a kernel of the model that is queued meanwhile (a persistent
 matmul waits for every SM it was sized for) waits for one slice, not the
 whole request. Each slice is launched as a programmatic dependent of the one
-before (``PDL``), so the link does not idle between them. Measured on the
+before (``pdl``), so the link does not idle between them. Measured on the
 H200 (docs/benchmarks.md): a bf16 matmul loop beside 128 MiB requests on 4
 SMs slowed by 16-30% with whole-request launches and by 7-9% with 8 MiB
 slices, and the copy alone moved shuffled 4-64 KiB pages host to device at
@@ -14,7 +14,7 @@ slices, and the copy alone moved shuffled 4-64 KiB pages host to device at
 A launch reads its descriptors (8 bytes per copy for a request whose copies
 have one length, else 24: ``descriptor_block()``) from a slab: a pinned
 staging buffer the host writes them into, and a device buffer. The first
-slice reads the staging buffer itself over the link (``HEAD``), so it
+slice reads the staging buffer itself over the link (``head``), so it
 waits for no upload; the other slices read the device buffer, which one
 async H2D copy on a partner stream fills meanwhile, and the copy's stream
 waits for that copy before the second slice. A slab belongs to one request
@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from .._copy._plan import U64
 from .._errors import CudaError
 from ._crossover import Crossover
 from ._driver import check, driver
@@ -52,14 +53,13 @@ from ._kernel import (
     device_arch,
     vector_aligned,
 )
-from ._plan import U64
 
 __all__ = [
     "METHODS",
     "MIN_PIECE",
     "MIN_SLAB",
-    "SLICE_BYTES",
     "Slab",
+    "SmOptions",
     "SmPath",
     "device_side_problem",
     "pick_method",
@@ -71,43 +71,53 @@ __all__ = [
 MIN_SLAB = 4096
 """Copies per slab at least (96 KiB of descriptors)."""
 
-SLICE_BYTES = 8 << 20
-"""Bytes per launch at most (a copy larger than this is a launch of its own). A launch's blocks
-hold their SMs until its last page lands, so a kernel of the model queued meanwhile waits for one
-slice, not a whole request: a concurrent matmul slowed by 16-30% beside whole-request launches
-and by 7-9% beside 8 MiB slices (``docs/results/sm-launches-h200.jsonl``)."""
 
+@dataclass(frozen=True, slots=True)
+class SmOptions:
+    """How the SM copy path launches a request. The defaults are the measured best on the H200;
+    the others are kept for the studies that measured them (``benchmarks/sm_*.py``)."""
 
-BOUNDED = True
-"""The kernel lets a programmatic slice's successor start only once the slice before it has ended
-(``KernelSpec.bounded``): a request then holds at most two slices' blocks at a time, its
-budget twice over while one drains and the next starts."""
+    slice_bytes: int = 8 << 20
+    """Bytes per launch at most (a copy larger than this is a launch of its own). A launch's blocks
+    hold their SMs until its last page lands, so a kernel of the model queued meanwhile waits for one
+    slice, not a whole request: a concurrent matmul slowed by 16-30% beside whole-request launches
+    and by 7-9% beside 8 MiB slices (``docs/results/sm-launches-h200.jsonl``)."""
+    bounded: bool = True
+    """The kernel lets a programmatic slice's successor start only once the slice before it has ended
+    (``KernelSpec.bounded``): a request then holds at most two slices' blocks at a time, its
+    budget twice over while one drains and the next starts."""
+    head: bool = True
+    """The first slice of a request reads its descriptors from the pinned staging slab over the link
+    instead of waiting for their upload, which the partner stream runs meanwhile for the other slices
+    (``SmPath._headed()``); a request of one slice needs no upload at all. Host to device on the H200,
+    shuffled 4 / 16 / 64 KiB pages: 0.921 / 0.922 / 0.921 of a DMA copy, against 0.9185 / 0.9195 / 0.921
+    with the upload first (medians of 8 interleaved rounds, ``docs/results/sm-head-h200.jsonl``)."""
+    pack: bool = True
+    """Requests whose copies have one length (pages, the planner's merged runs cut back into pages by
+    ``pieces()``) are described in 8 bytes per copy, not 24 (``descriptor_block()``): the upload
+    crosses the link the copy uses, so host to device at 4 KiB pages it takes 0.2% of the bytes instead
+    of 0.6%."""
+    alternate: bool = False
+    """Slices alternate between the copy's stream and a partner stream with half the budget each
+    (``SmPath._alternate()``). Without ``pdl`` that hid the launch gap between slices (0.89 of a
+    DMA copy host to device, against 0.87 for one stream of 4 MiB slices); with it, one stream does as
+    well (0.913-0.924 against 0.915-0.921), so the partner is kept for the launch study only."""
+    pdl: bool = True
+    """Each slice is a programmatic dependent of the one before it on its stream (compute capability
+    9.0+): its blocks start while the previous slice's last pages drain, instead of after a launch
+    gap; the kernel's ``griddepcontrol.wait`` keeps completion in stream order. Host to device, shuffled
+    4-64 KiB pages on the H200: 0.913-0.924 of a DMA copy, against 0.889-0.896 without
+    (``docs/results/sm-launches-h200.jsonl``)."""
+    split_runs: bool = True
+    """Runs the planner merged from neighbouring pages are cut back into pages before a launch
+    (``pieces()``): the kernel gives each copy to one warp, so a long run among single pages would
+    keep its warp, and its block's SM, after the rest of its slice is done; and copies of one length
+    pack into 8-byte descriptors. The rate does not show it (programmatic launches let the next slice
+    use the link meanwhile): 0.921 of a DMA copy either way, ``docs/results/sm-runs-h200.json``."""
 
-HEAD = True
-"""The first slice of a request reads its descriptors from the pinned staging slab over the link
-instead of waiting for their upload, which the partner stream runs meanwhile for the other slices
-(``SmPath._headed()``); a request of one slice needs no upload at all. Host to device on the H200,
-shuffled 4 / 16 / 64 KiB pages: 0.921 / 0.922 / 0.921 of a DMA copy, against 0.9185 / 0.9195 / 0.921
-with the upload first (medians of 8 interleaved rounds, ``docs/results/sm-head-h200.jsonl``)."""
-
-PACK = True
-"""Requests whose copies have one length (pages, the planner's merged runs cut back into pages by
-``pieces()``) are described in 8 bytes per copy, not 24 (``descriptor_block()``): the upload
-crosses the link the copy uses, so host to device at 4 KiB pages it takes 0.2% of the bytes instead
-of 0.6%."""
-
-ALTERNATE = False
-"""Slices alternate between the copy's stream and a partner stream with half the budget each
-(``SmPath._alternate()``). Without ``PDL`` that hid the launch gap between slices (0.89 of a
-DMA copy host to device, against 0.87 for one stream of 4 MiB slices); with it, one stream does as
-well (0.913-0.924 against 0.915-0.921), so the partner is kept for the launch study only."""
-
-PDL = True
-"""Each slice is a programmatic dependent of the one before it on its stream (compute capability
-9.0+): its blocks start while the previous slice's last pages drain, instead of after a launch
-gap; the kernel's ``griddepcontrol.wait`` keeps completion in stream order. Host to device, shuffled
-4-64 KiB pages on the H200: 0.913-0.924 of a DMA copy, against 0.889-0.896 without
-(``docs/results/sm-launches-h200.jsonl``)."""
+    def __post_init__(self) -> None:
+        if type(self.slice_bytes) is not int or self.slice_bytes < 1:
+            raise ValueError(f"slice_bytes must be a positive int, got {self.slice_bytes!r}")
 
 
 def slices(sizes: U64, limit: int) -> list[tuple[int, int]]:
@@ -144,13 +154,6 @@ def slices(sizes: U64, limit: int) -> list[tuple[int, int]]:
 
 MIN_PIECE = 4096
 """Bytes at least of the pieces ``pieces()`` cuts runs into (smaller ones stay whole)."""
-
-SPLIT_RUNS = True
-"""Runs the planner merged from neighbouring pages are cut back into pages before a launch
-(``pieces()``): the kernel gives each copy to one warp, so a long run among single pages would
-keep its warp, and its block's SM, after the rest of its slice is done; and copies of one length
-pack into 8-byte descriptors. The rate does not show it (programmatic launches let the next slice
-use the link meanwhile): 0.921 of a DMA copy either way, ``docs/results/sm-runs-h200.json``."""
 
 
 def pieces(dsts: U64, srcs: U64, sizes: U64) -> tuple[U64, U64, U64]:
@@ -191,9 +194,17 @@ class SmPath:
     :raises CudaError: the driver refused to load it.
     """
 
-    def __init__(self, device: int, budget: int = DEFAULT_SM_BUDGET, spec: KernelSpec | None = None) -> None:
+    def __init__(
+        self,
+        device: int,
+        budget: int = DEFAULT_SM_BUDGET,
+        spec: KernelSpec | None = None,
+        *,
+        options: SmOptions | None = None,
+    ) -> None:
         self.device = device
-        spec = spec or KernelSpec(device_arch(device), bounded=BOUNDED)
+        self.options = options = options or SmOptions()
+        spec = spec or KernelSpec(device_arch(device), bounded=options.bounded)
         self.kernel = SmKernel(device, budget, spec)
         self.budget = self.kernel.budget
         self._free: list[Slab] = []
@@ -205,31 +216,32 @@ class SmPath:
         self, dsts: U64, srcs: U64, sizes: U64, stream: Any, budget: int | None = None, slice_bytes: int | None = None
     ) -> Slab:
         """Write the descriptors, upload them (on the partner stream behind the first slice, with
-        ``HEAD``) and launch, in slices of ``slice_bytes`` (default ``SLICE_BYTES``), on
+        ``head``) and launch, in slices of ``slice_bytes`` (default ``options.slice_bytes``), on
         ``stream`` (submit thread). The slab is the launches' until ``give_back()`` (after the
         request's completion event, recorded on ``stream`` next).
 
         :raises CudaError: the upload or the launch was refused (nothing is left half-done
             that could touch a later launch's slab).
         """
-        if SPLIT_RUNS:
+        opt = self.options
+        if opt.split_runs:
             dsts, srcs, sizes = pieces(dsts, srcs, sizes)
         n = int(dsts.shape[0])
         slab = self._take(n)
         try:
-            layout = descriptor_block(slab.view, dsts, srcs, sizes, PACK)
-            runs = slices(sizes, SLICE_BYTES if slice_bytes is None else slice_bytes)
+            layout = descriptor_block(slab.view, dsts, srcs, sizes, opt.pack)
+            runs = slices(sizes, opt.slice_bytes if slice_bytes is None else slice_bytes)
             blocks = budget or self.budget
-            if HEAD and not ALTERNATE and self._headed(slab, layout, runs, stream, blocks):
+            if opt.head and not opt.alternate and self._headed(slab, layout, runs, stream, blocks):
                 return slab
             drv = driver()
             check("cuMemcpyHtoDAsync", drv.cuMemcpyHtoDAsync(slab.device, slab.host, layout.nbytes, stream))
-            partner = self._partner(stream) if ALTERNATE and len(runs) > 1 and blocks > 1 else None
+            partner = self._partner(stream) if opt.alternate and len(runs) > 1 and blocks > 1 else None
             if partner is not None:
                 self._alternate(slab.device, layout, runs, stream, partner, blocks)
             else:
                 for first, count in runs:
-                    self.kernel.launch(slab.device, layout, stream, blocks, first, count, PDL)
+                    self.kernel.launch(slab.device, layout, stream, blocks, first, count, opt.pdl)
         except BaseException:
             # An upload or launches may be queued: the slab is reusable only once they have run.
             driver().cuStreamSynchronize(stream)
@@ -268,7 +280,7 @@ class SmPath:
             if ready is not None:
                 drv.cuEventDestroy(ready)  # the driver keeps it until the wait has run
         for first, count in rest:
-            self.kernel.launch(slab.device, layout, stream, blocks, first, count, PDL)
+            self.kernel.launch(slab.device, layout, stream, blocks, first, count, self.options.pdl)
         return True
 
     def _alternate(
@@ -276,7 +288,7 @@ class SmPath:
     ) -> None:
         """The slices in turn on ``stream`` and its partner stream, half the budget each: while one
         launch drains and the next starts, the other keeps the link busy, and launched plainly at
-        most ``blocks`` SMs are held at once (with ``PDL``, a slice's successor on its stream
+        most ``blocks`` SMs are held at once (with ``pdl``, a slice's successor on its stream
         may start while it drains). The partner starts after ``stream``'s upload (and ``after=``), and
         ``stream`` waits for the partner's last slice, so the request's completion event, recorded
         on ``stream``, follows every slice."""
@@ -291,9 +303,9 @@ class SmPath:
         half = blocks // 2  # the copy's stream runs the odd slice out: it takes the larger half
         for i, (first, count) in enumerate(runs):
             if i % 2 == 0:
-                self.kernel.launch(descriptors, layout, stream, blocks - half, first, count, PDL)
+                self.kernel.launch(descriptors, layout, stream, blocks - half, first, count, self.options.pdl)
             else:
-                self.kernel.launch(descriptors, layout, partner, half, first, count, PDL)
+                self.kernel.launch(descriptors, layout, partner, half, first, count, self.options.pdl)
         done = check("cuEventCreate", drv.cuEventCreate(flags))
         try:
             check("cuEventRecord", drv.cuEventRecord(done, partner))

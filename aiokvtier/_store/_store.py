@@ -36,14 +36,14 @@ import numpy as np
 import numpy.typing as npt
 
 from .._config import parse_quota
-from .._cuda._requests import Side, buffer_addresses, registrations
+from .._copy._requests import Pages, buffer_addresses, registrations
 from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
 from .._lifecycle import Lifecycle, Owner, finish
 from ._events import EventHub, EventSubscription
 from ._policy import EvictionPolicy, has_repeats, make_policy
 
 if TYPE_CHECKING:
-    from .._cuda._engine import CopyEngine
+    from .._copy._engine import CopyEngine
     from .._host._tier import HostTier
 
 __all__ = ["BlockStore", "StoreResult", "StoreStatistics"]
@@ -177,9 +177,10 @@ class _Pages(NamedTuple):
     def take(self, ids: I64) -> _Pages:
         return _Pages(self.addresses[ids], self.lengths[ids], self.owners, self.page, self.regions)
 
-    def side(self, page: int) -> Side:
-        """For ``CopyEngine._begin_checked()``: the addresses were checked when the call began."""
-        return Side(self.addresses, page, list(self.regions))
+    def side(self, page: int) -> Pages:
+        """For ``CopyEngine.start()``: the addresses were checked when the call began (as a
+        destination for a load, the one direction that writes them)."""
+        return Pages(self.addresses, page, self.regions, self.owners)
 
 
 _Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
@@ -1141,9 +1142,7 @@ class BlockStore(Owner):
         """Queue the copy of the caller's pages into ``slots``."""
         tier, engine = self._tier, self._engine
         if engine is not None:
-            return engine._begin_checked(
-                tier, slots, pages.side(pages.page), "d2h", pages.owners, after=after, signal_submit=False
-            )
+            return engine.start(tier, slots, pages.side(pages.page), "d2h", after=after)
         copies = list(
             zip(tier.slot_addresses(slots).tolist(), pages.addresses.tolist(), pages.lengths.tolist(), strict=True)
         )
@@ -1270,9 +1269,7 @@ class BlockStore(Owner):
         tier, engine = self._tier, self._engine
         page = pages.page or int(pages.lengths[0])
         if engine is not None and bool((lengths == page).all()):
-            return engine._begin_checked(
-                tier, slots, pages.side(page), "h2d", pages.owners, after=after, signal_submit=False
-            )
+            return engine.start(tier, slots, pages.side(page), "h2d", after=after)
         # Host pages, or blocks shorter than the destination pages: each copies its own length.
         copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
         if engine is not None:

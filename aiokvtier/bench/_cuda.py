@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from .._config import HostTierConfig
+from .._copy._engine import CopyEngine
 from .._cuda._batch import DEFAULT_MAX_BATCH
 from .._cuda._driver import PrimaryContext, check, driver
-from .._cuda._engine import CopyEngine
 from .._cuda._static import StaticHostMem
 from .._host._tier import HostTier
 from . import _cold, _requests, _sm

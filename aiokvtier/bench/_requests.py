@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .._config import HostTierConfig
-from .._cuda._engine import CopyEngine
+from .._copy._engine import CopyEngine
 from .._cuda._static import StaticHostMem
 from .._host._tier import HostTier
 from .._store._store import BlockStore

@@ -8,14 +8,15 @@ import ctypes
 import statistics
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from .._config import HostTierConfig
+from .._copy._engine import CopyEngine
 from .._cuda import _kernel, _sm
 from .._cuda._driver import PrimaryContext, check, driver
-from .._cuda._engine import CopyEngine
 from .._host._tier import HostTier
 from ._common import GiB, MiB
 
@@ -25,6 +26,8 @@ ARMS = (
     ("sm4", {"method": "sm", "sm_budget": 4}),
     ("sm8", {"method": "sm", "sm_budget": 8}),
 )
+LAUNCH = _sm.SmOptions()
+"""How the kernel launches requests unless a study says otherwise: the library's default."""
 KERNEL_BUDGETS = (4, 8)
 """The library's kernel alone (descriptor upload and sliced launches, as the engine submits them), device-timed."""
 
@@ -52,7 +55,7 @@ MATMUL_ARMS: tuple[tuple[str, dict[str, Any], int | None], ...] = (
     ("sm4_unsliced", {"method": "sm", "sm_budget": 4}, 1 << 62),
     ("sm8_unsliced", {"method": "sm", "sm_budget": 8}, 1 << 62),
 )
-"""Beside the matmul: the copy engines, the kernel at the default slice (``_sm.SLICE_BYTES``)
+"""Beside the matmul: the copy engines, the kernel at the default slice (``SmOptions.slice_bytes``)
 and launched whole per request, as it was."""
 
 
@@ -171,7 +174,14 @@ def _sync_time(fn: Any, stream: Any, repeats: int = 3, gate: Gate | None = None,
 
 
 async def _page_size(
-    page: int, total: int, dbuf: int, stream: Any, anchor: Anchor, rate: dict[str, float], gate: Gate
+    page: int,
+    total: int,
+    dbuf: int,
+    stream: Any,
+    anchor: Anchor,
+    rate: dict[str, float],
+    gate: Gate,
+    options: _sm.SmOptions,
 ) -> Any:
     drv = driver()
     n = total // page
@@ -183,7 +193,7 @@ async def _page_size(
         dev = np.uint64(dbuf) + np.random.default_rng(2).permutation(n).astype(np.uint64) * np.uint64(page)
         host = np.uint64(tier.base_address) + slots.astype(np.uint64) * np.uint64(page)
         for name, kwargs in ARMS:
-            async with CopyEngine(0, **kwargs) as engine:
+            async with CopyEngine(0, **kwargs, sm_options=options) as engine:
                 for direction in ("h2d", "d2h"):
                     call = engine.to_device if direction == "h2d" else engine.to_host
                     await call(tier, slots, dev)
@@ -201,7 +211,7 @@ async def _page_size(
         # The library's kernel alone: what the engine queues for a request (the descriptor upload and
         # the sliced launches), timed on the device, so neither planning nor the hand-offs are in it.
         for budget in KERNEL_BUDGETS:
-            path = _sm.SmPath(0, budget)
+            path = _sm.SmPath(0, budget, options=options)
             try:
                 for direction in ("h2d", "d2h"):
                     srcs, dsts = (host, dev) if direction == "h2d" else (dev, host)
@@ -211,7 +221,7 @@ async def _page_size(
                         # The slab goes back at once: the next call writes the same descriptors into it.
                         p.give_back(p.submit(d, s, z, stream))
 
-                    # The partner stream, where the upload may run (_sm.HEAD), is held too; where it is
+                    # The partner stream, where the upload may run (SmOptions.head), is held too; where it is
                     # refused, nothing is (None would name the default stream).
                     partner = tuple(x for x in (path._partner(stream),) if x is not None)
                     for key, held in (
@@ -237,7 +247,7 @@ async def _page_size(
     return row
 
 
-async def _bandwidth(total: int) -> dict[str, Any]:
+async def _bandwidth(total: int, options: _sm.SmOptions) -> dict[str, Any]:
     drv = driver()
     ctx = PrimaryContext(0)
     ctx.make_current()
@@ -251,12 +261,7 @@ async def _bandwidth(total: int) -> dict[str, Any]:
         "kernel*: the engine's upload and launches alone, queued behind a gate, then device-timed "
         "(kernel*_ungated: timed from when the host starts building the descriptors, the stream idle "
         "meanwhile); anchor16 and the one copy: device-timed behind the gate",
-        "slice_bytes": _sm.SLICE_BYTES,
-        "alternate": _sm.ALTERNATE,
-        "pdl": _sm.PDL,
-        "pack": _sm.PACK,
-        "bounded": _sm.BOUNDED,
-        "head": _sm.HEAD,
+        **{name: getattr(options, name) for name in ("slice_bytes", "alternate", "pdl", "pack", "bounded", "head")},
     }
     gate = Gate()
     try:
@@ -274,7 +279,7 @@ async def _bandwidth(total: int) -> dict[str, Any]:
         out["one_copy_GBps"] = {d: round(r / 1e9, 2) for d, r in rate.items()}
         anchor = Anchor()
         for page in PAGES:
-            out[f"shuffled_{page >> 10}KiB"] = await _page_size(page, total, dbuf, stream, anchor, rate, gate)
+            out[f"shuffled_{page >> 10}KiB"] = await _page_size(page, total, dbuf, stream, anchor, rate, gate, options)
         drv.cuModuleUnload(anchor.module)
         out["gated"] = gate.usable
     finally:
@@ -286,8 +291,8 @@ async def _bandwidth(total: int) -> dict[str, Any]:
     return out
 
 
-def copy_bandwidth_sm(total: int) -> dict[str, Any]:
-    return asyncio.run(_bandwidth(total))
+def copy_bandwidth_sm(total: int, options: _sm.SmOptions = LAUNCH) -> dict[str, Any]:
+    return asyncio.run(_bandwidth(total, options))
 
 
 def queue_matmuls(a: Any, side: Any, k: int) -> tuple[Any, Any]:
@@ -304,7 +309,7 @@ def queue_matmuls(a: Any, side: Any, k: int) -> tuple[Any, Any]:
     return start, end
 
 
-async def _with_matmul(total: int, page: int) -> dict[str, Any]:
+async def _with_matmul(total: int, page: int, launch: _sm.SmOptions) -> dict[str, Any]:
     import torch
 
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -325,23 +330,20 @@ async def _with_matmul(total: int, page: int) -> dict[str, Any]:
         await tier.wait_resident()
         slots = np.asarray(await tier.allocate(n), dtype=np.int64)[np.random.default_rng(3).permutation(n)]
         for name, kwargs, slice_bytes in MATMUL_ARMS:
-            saved, _sm.SLICE_BYTES = _sm.SLICE_BYTES, slice_bytes or _sm.SLICE_BYTES
-            try:
-                async with CopyEngine(0, **kwargs) as engine:
-                    await engine.to_device(tier, slots, dev)
-                    loop = asyncio.get_running_loop()
-                    slowed, copies, wall = [], 0, 0.0
-                    for _ in range(ROUNDS):
-                        busy = loop.run_in_executor(None, matmuls, 20)
-                        started = time.perf_counter()
-                        while not busy.done():
-                            await engine.to_device(tier, slots, dev)
-                            await engine.to_host(tier, slots, dev)
-                            copies += 2
-                        wall += time.perf_counter() - started
-                        slowed.append(await busy)
-            finally:
-                _sm.SLICE_BYTES = saved
+            options = launch if slice_bytes is None else replace(launch, slice_bytes=slice_bytes)
+            async with CopyEngine(0, **kwargs, sm_options=options) as engine:
+                await engine.to_device(tier, slots, dev)
+                loop = asyncio.get_running_loop()
+                slowed, copies, wall = [], 0, 0.0
+                for _ in range(ROUNDS):
+                    busy = loop.run_in_executor(None, matmuls, 20)
+                    started = time.perf_counter()
+                    while not busy.done():
+                        await engine.to_device(tier, slots, dev)
+                        await engine.to_host(tier, slots, dev)
+                        copies += 2
+                    wall += time.perf_counter() - started
+                    slowed.append(await busy)
             out[name] = {
                 "matmul_slowdown": round(statistics.median(slowed) / alone - 1, 3),
                 "matmul_slowdowns": [round(t / alone - 1, 3) for t in slowed],
@@ -351,11 +353,11 @@ async def _with_matmul(total: int, page: int) -> dict[str, Any]:
     return out
 
 
-def concurrent_compute(total: int) -> dict[str, Any]:
+def concurrent_compute(total: int, options: _sm.SmOptions = LAUNCH) -> dict[str, Any]:
     try:
         import torch
     except ImportError:
         return {"skipped": "torch is not installed"}
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device visible to torch"}
-    return {f"{p >> 10}KiB": asyncio.run(_with_matmul(total, p)) for p in (4 << 10, 16 << 10)}
+    return {f"{p >> 10}KiB": asyncio.run(_with_matmul(total, p, options)) for p in (4 << 10, 16 << 10)}

@@ -243,7 +243,7 @@ def _cuda_missing() -> str | None:
 async def _gpu_copies(blocks: int, page: int, repeats: int, method: str) -> dict[str, Any]:
     import torch
 
-    from .._cuda._engine import CopyEngine
+    from .._copy._engine import CopyEngine
 
     config = _config(blocks * page, page, device=0, fill_threads=2)
     async with HostTier(config) as tier, CopyEngine(0, method=method) as engine:

@@ -26,7 +26,8 @@ import itertools
 import math
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from .._host._tier import HostTier
 
 __all__ = [
-    "Side",
+    "Pages",
     "buffer_addresses",
     "check_disjoint",
     "copy_table",
@@ -224,33 +225,60 @@ def registrations(
     return list(np.split(ids, np.cumsum(lengths)[:-1])), owners
 
 
-class Side(NamedTuple):
-    """The caller's side of a per-slot copy."""
+@dataclass(frozen=True, slots=True, repr=False)
+class Pages:
+    """A caller's buffer checked once by ``CopyEngine.pages()``: one address per page, one page size.
+
+    ``take(ids)`` picks some of the pages (in any order) without checking them
+    again; ``CopyEngine.start()`` copies them to or from tier slots, one page
+    per slot. The object keeps the buffer referenced, so a copy keeps it alive
+    until the bytes landed.
+    """
 
     addresses: U64
-    """One address per slot."""
+    """One address per page."""
     page: int
-    """Bytes per slot copied."""
-    regions: list[Any]
-    """Known regions the addresses lie in: owners to wait for."""
+    """Bytes per page copied."""
+    regions: tuple[Any, ...]
+    """The tiers and StaticHostMems the addresses lie in: owners whose close waits for a copy."""
+    owner: Any = None
+    """The buffer (or whatever keeps the memory alive)."""
+    writable: bool = True
+    """Checked as a destination (``to_device``, a load): the buffer is not read-only."""
+
+    def take(self, ids: Any) -> Pages:
+        """The pages at positions ``ids`` (a sequence or integer array), in that order.
+
+        :raises IndexError: a position is out of range.
+        """
+        return replace(self, addresses=self.addresses[np.asarray(ids, dtype=np.intp)])
+
+    def __len__(self) -> int:
+        return int(self.addresses.shape[0])
+
+    def __repr__(self) -> str:
+        access = "writable" if self.writable else "read-only"
+        return f"<Pages [{len(self)} of {self.page} bytes | {access} | {len(self.regions)} regions]>"
 
 
 _NOT_ADDRESSES = int | np.integer | bytes | bytearray | memoryview | str
 """Not a sequence of addresses, though numpy would read some of these as one."""
 
 
-def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, host_only: bool) -> Side:
+def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bool, host_only: bool) -> Pages:
     """Per-slot addresses of ``obj`` and the page size.
 
     ``obj`` is a buffer of one page per slot (anything with
     ``__cuda_array_interface__``, or a host array of two or more dimensions),
     or else one integer address per slot (a sequence or 1-D integer array).
 
+    :param default_page: bytes per page where ``obj`` is addresses (None: refused).
     :param writable: ``obj`` is the destination: a read-only buffer is refused.
     :param host_only: a host-to-host engine: device buffers are refused, and
         addresses must lie in an open tier or StaticHostMem (with a device,
         other addresses pass; those in one are checked alike).
-    :raises TypeError: an address is not an integer, or ``obj`` is neither addresses nor a buffer.
+    :raises TypeError: an address is not an integer, ``obj`` is neither addresses nor a buffer,
+        or it is addresses and ``default_page`` is None.
     :raises ValueError: wrong shape, not C-contiguous, read-only, or pages of zero bytes.
     :raises CopyPlanError: a page that leaves a tier or StaticHostMem, crosses a registration or is not
         committed; on a host-to-host engine, device memory or an address outside every known region.
@@ -266,6 +294,8 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
             raise TypeError(f"give one address per slot, or an array with one page per slot; got {type(obj).__name__}")
         if isinstance(obj, np.ndarray) and obj.ndim != 1:
             raise ValueError(f"expected {n} integer addresses, got shape {obj.shape} of {obj.dtype}")
+        if default_page is None:
+            raise TypeError("addresses need a page size: give page= (bytes per page)")
         addrs = integers(obj, "address")
         if addrs.shape != (n,):
             raise ValueError(f"expected {n} integer addresses, got {addrs.size}")
@@ -274,16 +304,16 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
             raise ValueError(f"address {int(addrs[addrs < 0][0])} is negative")
         unsigned = addrs.view(np.uint64)
         if not host_only and n and not _regions.meets_any(lo, int(addrs.max()) + default_page):
-            return Side(unsigned, default_page, [])  # device memory, in no tier or staging buffer
+            return Pages(unsigned, default_page, (), obj, writable)  # device memory, in no tier or staging buffer
         # Located with a device too: a staging buffer or tier named by address is an owner whose
         # close must wait for the DMA, and a page leaving it is refused, as in a raw copy.
         _, regions = registrations([unsigned], default_page, known_only=host_only)
-        return Side(unsigned, default_page, regions)
+        return Pages(unsigned, default_page, tuple(regions), obj, writable)
     data = iface.get("data")
     if n == 0 and tuple(iface["shape"])[:1] == (0,):
         # No pages (a store or load of no keys): no page size to find, and an empty tensor may
         # expose a null pointer.
-        return Side(np.empty(0, dtype=np.uint64), default_page, [])
+        return Pages(np.empty(0, dtype=np.uint64), default_page or 0, (), obj, writable)
     if not isinstance(data, tuple) or not data[0]:
         raise ValueError("the buffer exposes no data pointer")
     if writable and data[1]:
@@ -308,12 +338,12 @@ def buffer_addresses(obj: Any, n: int, default_page: int, *, writable: bool, hos
     base = int(data[0])
     addresses = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(page)
     if not _regions.meets_any(base, base + total):
-        return Side(addresses, page, [])  # the caller's own memory, or device memory
+        return Pages(addresses, page, (), obj, writable)  # the caller's own memory, or device memory
     # An array over a tier's or a StaticHostMem's memory (made from its address, not through a
     # view that keeps it mapped): an owner whose close must wait for the copy, its pages checked
     # as addresses naming it are. The array vouches for memory outside every region.
     _, regions = registrations([addresses], page, known_only=False)
-    return Side(addresses, page, regions)
+    return Pages(addresses, page, tuple(regions), obj, writable)
 
 
 def plan_slots(
@@ -337,14 +367,14 @@ def plan_slots(
     return plan_side(tier, host, side, direction)
 
 
-def plan_side(tier: HostTier, host: U64, side: Side, direction: str) -> tuple[Plan, list[Any]]:
-    """Plan a per-slot copy between the slots at ``host`` (``tier.slot_addresses``) and a side that
+def plan_side(tier: HostTier, host: U64, side: Pages, direction: str) -> tuple[Plan, list[Any]]:
+    """Plan a per-slot copy between the slots at ``host`` (``tier.slot_addresses``) and pages that
     ``buffer_addresses()`` checked (a subset of its addresses, in any order, stays checked).
 
     :raises CopyPlanError: the side's page is larger than a slot.
     :raises ValueError: no slots, or not one address per slot.
     """
-    other, page, regions = side
+    other, page, regions = side.addresses, side.page, side.regions
     if host.size == 0:
         raise ValueError("no slots to copy")
     if other.shape != host.shape:
@@ -366,7 +396,7 @@ def plan_side(tier: HostTier, host: U64, side: Side, direction: str) -> tuple[Pl
     return planned, owners
 
 
-def relocate(side: Side) -> Side:
+def relocate(side: Pages) -> Pages:
     """A side ``buffer_addresses()`` checked some time ago, located again before it is copied.
 
     Addresses named in a tier or a StaticHostMem were located when checked;
@@ -381,7 +411,7 @@ def relocate(side: Side) -> Side:
         if region.closed:
             raise CopyPlanError(f"{region.region_name} closed after the pages were checked; nothing was copied")
     _, regions = registrations([side.addresses], side.page, known_only=False)
-    return Side(side.addresses, side.page, regions)
+    return replace(side, regions=tuple(regions))
 
 
 def _check_page(tier: HostTier, page: int) -> None:

@@ -1,26 +1,26 @@
 """CopyEngine: batched, awaited copies between tier slots and GPU memory.
 
 Planning runs on the caller's loop (numpy, no per-copy Python objects);
-submission runs on the engine's submit thread (``cuMemcpyBatchAsync`` called
-through ctypes with plain arrays, on the engine's own non-default streams,
-an event recorded per batch); one completion thread waits on those events
-in order (blocking sync: it sleeps, nobody polls) and resolves the awaiting
-futures on their loops, many per wake-up. No Python callback ever runs
-inside the driver.
+the engine's submit thread hands each planned job to its backend
+(``aiokvtier._copy._backend``): with a device, ``cuMemcpyBatchAsync`` called
+through ctypes with plain arrays or the SM kernel, on the engine's own
+non-default streams, an event recorded per job. One completion thread waits
+for the jobs in order (blocking sync: it sleeps, nobody polls) and resolves
+the awaiting futures on their loops, many per wake-up. No Python callback
+ever runs inside the driver.
 
 Without a device the same engine copies host to host with ``memmove`` on
-its submit thread, so the planner, the cap, the errors and the completion
-path are exercised on any machine.
+its submit thread, so the planner, the cap and the errors are exercised on
+any machine; ``aiokvtier.testing.RecordingBackend`` exercises the
+completion path too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import ctypes
 import itertools
-import logging
-import os
+import operator
 import queue
 import threading
 import time
@@ -31,23 +31,32 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 from .._crossing import Outcome, deliver
-from .._errors import AiokvtierError, CopyPlanError, CudaError
+from .._cuda._batch import DEFAULT_MAX_BATCH
+from .._cuda._crossover import Crossover
+from .._cuda._kernel import DEFAULT_SM_BUDGET
+from .._cuda._sm import METHODS, SmOptions
+from .._errors import CopyPlanError
 from .._handoff import handoff
+from .._host._slots import positive_count
 from .._lifecycle import Lifecycle, Owner
-from ._batch import DEFAULT_MAX_BATCH, BatchCall, resolve_batch_function
-from ._crossover import Crossover, parse_thresholds
-from ._kernel import DEFAULT_SM_BUDGET
+from ._backend import CopyBackend, HostBackend
 from ._plan import Plan, plan
-from ._requests import Side, check_disjoint, copy_table, plan_side, plan_slots, registrations, relocate
+from ._requests import (
+    Pages,
+    buffer_addresses,
+    check_disjoint,
+    copy_table,
+    plan_side,
+    plan_slots,
+    registrations,
+    relocate,
+)
 from ._requests import stream_handle as _stream_handle
-from ._sm import METHODS, SmPath, device_side_problem, pick_method
 
 if TYPE_CHECKING:
     from .._host._tier import HostTier
 
-__all__ = ["CopyEngine", "CopyStatistics", "StartedCopy"]
-
-log = logging.getLogger("aiokvtier")
+__all__ = ["CopyEngine", "CopyStatistics", "Pages", "StartedCopy"]
 
 
 class _Landed(asyncio.Future[None]):
@@ -61,10 +70,6 @@ class _Landed(asyncio.Future[None]):
 
     def cancel(self, msg: Any = None) -> bool:
         return False
-
-
-class _UseDma(CopyPlanError):
-    """``auto``: this request's device side is not reachable by the kernel; the copy engines take it."""
 
 
 @dataclass(eq=False)
@@ -81,8 +86,6 @@ class _Job:
     """``time.perf_counter()`` when it was queued."""
     on_submit: asyncio.Future[None] | None = None
     """Settled once the submit thread has issued the copy (or failed to): see ``CopyEngine.begin()``."""
-    slab: Any = None
-    """The SM path's descriptor slab, handed back once the job's event has fired."""
 
 
 class StartedCopy(NamedTuple):
@@ -157,6 +160,18 @@ class CopyEngine(Owner):
     :param crossover: a ``Crossover``, or ``{"h2d": bytes, "d2h": bytes}`` (the kernel
         for mean page sizes up to so many bytes); default: ``AIOKVTIER_SM_CROSSOVER``, else
         measured once per device and kept on disk.
+    :param sm_options: how the kernel launches a request (``SmOptions``: slice size, descriptor
+        packing, programmatic launches...); default: the measured best.
+    :param backend: what issues the planned copies and waits for them; default: ``memmove``
+        without a device, else the copy engines and the kernel as ``method`` says. A test
+        passes ``aiokvtier.testing.RecordingBackend`` to see (and hold) every planned job
+        without a GPU. ``method``, ``sm_budget``, ``crossover`` and ``sm_options``
+        configure the default backend only.
+
+    For a store or an integration that copies subsets of one buffer:
+    ``pages = engine.pages(buffer, n, writable=True)`` checks the buffer once,
+    and ``engine.start(tier, slots, pages.take(ids), "h2d")`` queues a copy
+    of those pages without checking them again (``StartedCopy``).
 
     Cancellation: cancelling a task that awaits a copy does not cancel the
     copy. The engine keeps the buffers it was given (tensors, the tier)
@@ -173,6 +188,8 @@ class CopyEngine(Owner):
         method: str = "auto",
         sm_budget: int = DEFAULT_SM_BUDGET,
         crossover: Crossover | Mapping[str, int] | None = None,
+        sm_options: SmOptions | None = None,
+        backend: CopyBackend | None = None,
     ) -> None:
         if device is not None and (type(device) is not int or device < 0):
             raise ValueError(f"device must be a CUDA ordinal or None, got {device!r}")
@@ -188,27 +205,25 @@ class CopyEngine(Owner):
             raise ValueError(f"sm_budget must be an int between 1 and 1024, got {sm_budget!r}")
         if crossover is not None and not isinstance(crossover, Crossover):
             crossover = Crossover.fixed(crossover)
+        if sm_options is not None and not isinstance(sm_options, SmOptions):
+            raise TypeError(f"sm_options must be an SmOptions, not {type(sm_options).__name__}")
+        if backend is None:
+            backend = _default_backend(device, streams, method, sm_budget, crossover, sm_options)
+        elif not isinstance(backend, CopyBackend):
+            raise TypeError(f"backend must be a CopyBackend, not {type(backend).__name__}")
+        elif (method, sm_budget, crossover, sm_options) != ("auto", DEFAULT_SM_BUDGET, None, None):
+            raise ValueError(
+                "method, sm_budget, crossover and sm_options configure the default backend; give them to yours"
+            )
         self.device = device
-        self.method = method if device is not None else "dma"
-        self._sm_budget = sm_budget
-        self._crossover: Crossover | None = crossover
-        self._sm: SmPath | None = None
-        self._sm_unavailable: str | None = None
-        self._jobs_by_method = {"dma": 0, "sm": 0}
-        self._bytes_by_method = {"dma": 0, "sm": 0}
+        self._backend = backend
+        self.method = backend.method
         self.max_batch = max_batch
         self._n_streams = streams
         self._life = Lifecycle("CopyEngine", "aiokvtier-copy")
         self._submit_q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._done_q: queue.SimpleQueue[tuple[_Job, Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._streams: list[Any] = []
-        self._context: Any = None
-        self._batch: Any = None
-        self._abi: int | None = None
-        self._rr = itertools.count()
-        self._events: list[Any] = []
-        """Completion events whose copies have landed, for reuse (append/pop are atomic)."""
         self._counts = defaultdict(int)  # type: defaultdict[str, int]
         # Each figure has one writer: jobs on the loop, bytes on the submit thread, latency on the
         # completion thread, which publishes the histogram as one tuple so that a reader on any
@@ -244,23 +259,10 @@ class CopyEngine(Owner):
         await self._life.run_undo()
 
     def _start(self) -> None:
-        """On the engine's worker: context, streams, then the two threads; undoes itself on failure."""
+        """On the engine's worker: the backend, then the two threads; undoes itself on failure."""
         with ExitStack() as undo:
-            if self.device is not None:
-                from ._driver import PrimaryContext, check, driver
-
-                drv = driver()
-                self._context = context = PrimaryContext(self.device)
-                undo.callback(context.release)
-                with context.current():
-                    self._batch, self._abi = resolve_batch_function(drv)
-                    flag = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
-                    for _ in range(self._n_streams):
-                        stream = check("cuStreamCreate", drv.cuStreamCreate(flag))
-                        self._streams.append(stream)
-                        undo.callback(self._destroy_stream, stream)
-                    if self.method != "dma":
-                        self._start_sm(undo)
+            self._backend.open(self.max_batch)
+            undo.callback(self._backend.close)
             submit = threading.Thread(target=self._submit_loop, name="aiokvtier-copy-submit", daemon=True)
             complete = threading.Thread(target=self._complete_loop, name="aiokvtier-copy-complete", daemon=True)
             submit.start()
@@ -269,52 +271,6 @@ class CopyEngine(Owner):
             complete.start()
             self._threads.append(complete)
             undo.pop_all()
-
-    def _start_sm(self, undo: ExitStack) -> None:
-        """Compile and load the kernel, then settle the crossover (``auto``); context current."""
-        from ._crossover import device_key, load_or_measure, measure_device
-
-        assert self.device is not None
-        try:
-            sm = SmPath(self.device, self._sm_budget)
-        except AiokvtierError as exc:
-            if self.method == "sm":
-                raise
-            self._sm_unavailable = str(exc)
-            log.warning("aiokvtier: the SM copy path is unavailable, copying with the copy engines: %s", exc)
-            return
-        undo.callback(self._close_sm)
-        self._sm = sm
-        if self.method != "auto" or self._crossover is not None:
-            return
-        env = os.environ.get("AIOKVTIER_SM_CROSSOVER")
-        if env:
-            self._crossover = parse_thresholds(env)
-            return
-        device = self.device
-        key = device_key(device, sm.budget, sm.kernel.spec)
-
-        def call(direction: str) -> BatchCall:
-            return BatchCall(self._batch, self._abi, direction, device)
-
-        try:
-            self._crossover = load_or_measure(key, lambda: measure_device(sm, call, self._streams[0], self.max_batch))
-        except AiokvtierError as exc:
-            self._close_sm()
-            self._sm_unavailable = f"measuring the crossover failed: {exc}"
-            log.warning("aiokvtier: the SM copy path is unavailable, copying with the copy engines: %s", exc)
-
-    def _close_sm(self) -> None:
-        sm, self._sm = self._sm, None
-        if sm is not None:
-            with self._context.current():
-                sm.close()
-
-    def _destroy_stream(self, stream: Any) -> None:
-        from ._driver import driver
-
-        with self._context.current():
-            driver().cuStreamDestroy(stream)
 
     def _join_threads(self) -> None:
         self._submit_q.put(None)
@@ -333,22 +289,7 @@ class CopyEngine(Owner):
 
     def _join(self) -> None:
         self._join_threads()
-        if self.device is not None:
-            try:
-                self._close_sm()
-                for stream in self._streams:
-                    self._destroy_stream(stream)
-                self._destroy_events()
-            finally:
-                self._context.release()
-
-    def _destroy_events(self) -> None:
-        from ._driver import driver
-
-        events, self._events = self._events, []
-        with self._context.current():
-            for event in events:
-                driver().cuEventDestroy(event)
+        self._backend.close()
 
     # -- public copies ----------------------------------------------------------------
 
@@ -412,34 +353,75 @@ class CopyEngine(Owner):
         assert job.on_submit is not None
         return StartedCopy(job.on_submit, job.future)
 
-    def _begin_checked(
+    def pages(self, buffer: Any, count: int, *, page: int | None = None, writable: bool) -> Pages:
+        """Check a caller's buffer once, for ``start()``: one address per page, one page size.
+
+        ``buffer`` is what ``to_device()`` and ``to_host()`` take: an array with
+        one page per row (``__cuda_array_interface__``, or a host array of two or
+        more dimensions) or ``count`` integer addresses, each ``page`` bytes long.
+        For a caller that copies subsets of one buffer many times (the
+        BlockStore's pages: checked once per call, then ``take()``-n per slot
+        found): the checks cost more than the copy's planning. Any thread.
+
+        :param page: bytes per page where ``buffer`` is addresses; an array's page is its row.
+        :param writable: the buffer is a destination (``"h2d"``): a read-only one is refused.
+        :raises TypeError: an address or ``page`` is not an integer, ``page`` is missing for
+            addresses, or ``buffer`` is neither addresses nor an array.
+        :raises ValueError: a negative ``count``, a ``page`` below one, or a read-only,
+            non-contiguous or misshapen buffer.
+        :raises CopyPlanError: a page leaves a tier or StaticHostMem, crosses a registration or
+            is not committed; on a host-to-host engine, device memory or an address outside
+            every open tier and StaticHostMem.
+        """
+        if isinstance(count, bool):
+            raise TypeError(f"count must be an integer, not a bool ({count!r})")
+        n = operator.index(count)
+        if n < 0:
+            raise ValueError(f"count must not be negative, got {n}")
+        size = None if page is None else positive_count(page, "page")
+        return buffer_addresses(buffer, n, size, writable=writable, host_only=self.device is None)
+
+    def start(
         self,
         tier: HostTier,
-        slots: Any,
-        side: Side,
+        slots: Sequence[int] | Any,
+        pages: Pages,
         direction: str,
-        keepalive: Any,
         *,
         after: Any = None,
-        signal_submit: bool = True,
+        report_issue: bool = False,
     ) -> StartedCopy:
-        """``begin()`` with the buffer side already checked by ``buffer_addresses`` (the BlockStore's
-        pages: checked once per call, then a subset copied). ``keepalive``: the buffer's owner.
+        """Queue a copy between ``slots`` and ``pages`` (from ``pages()``), one page per slot, unawaited.
 
-        The addresses are not checked again; those named in a tier or a
+        ``direction``: ``"h2d"`` (slots into the pages) or ``"d2h"``. The
+        pages' addresses are not checked again; those in a tier or a
         StaticHostMem are located again (the caller may have waited since the
-        check, and the region closed or shrunk meanwhile). The slots and the
-        page are checked as in ``begin()``.
+        check, and the region closed or shrunk meanwhile). The slots, the page
+        size and ``after`` are checked as in ``begin()``, before anything is
+        queued. Loop thread.
 
-        ``signal_submit=False``: no crossing back to the loop when the copy is
-        issued (the caller does not wait for that); ``submitted`` is then
-        ``done``.
+        ``report_issue=False`` (default): no crossing back to the loop when the
+        copy is issued, for a caller that does not wait for that; ``submitted``
+        is then ``done``. The pages are the GPU's until ``done`` settles, also
+        for a cancelled caller, which must still wait for it.
+
+        :raises TypeError: ``pages`` does not come from ``pages()``.
+        :raises ValueError: a bad direction, a read-only ``pages`` as a destination, no slots,
+            or not one page per slot.
+        :raises SlotError: a slot is not allocated, or (``"d2h"``) appears twice.
+        :raises TierClosedError: the tier is closing or closed.
+        :raises CopyPlanError: a page is larger than a slot, a tier or StaticHostMem the pages
+            lie in closed or shrank under them, or two destinations overlap.
         """
         if direction not in ("h2d", "d2h"):
             raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
+        if not isinstance(pages, Pages):
+            raise TypeError(f"pages come from CopyEngine.pages(), not {type(pages).__name__}")
+        if direction == "h2d" and not pages.writable:
+            raise ValueError("the pages were checked as a source (writable=False); nothing was copied")
         self._check_device(tier)
-        planned, owners = plan_side(tier, tier.slot_addresses(slots), relocate(side), direction)
-        job = self._enqueue(planned, direction, after, (tier, keepalive), owners, signal_submit=signal_submit)
+        planned, owners = plan_side(tier, tier.slot_addresses(slots), relocate(pages), direction)
+        job = self._enqueue(planned, direction, after, (tier, pages.owner), owners, signal_submit=report_issue)
         return StartedCopy(job.future if job.on_submit is None else job.on_submit, job.future)
 
     async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
@@ -469,6 +451,7 @@ class CopyEngine(Owner):
         c = self._counts
         counts, latency_sum = self._latency
         cumulative = list(itertools.accumulate(counts))
+        b = self._backend.statistics()
         return CopyStatistics(
             device=self.device,
             streams=self._n_streams,
@@ -477,24 +460,20 @@ class CopyEngine(Owner):
             jobs_completed=c["completed"],
             copies_requested=c["requested"],
             descriptors_submitted=c["descriptors"],
-            driver_calls=c["calls"],
+            driver_calls=b.driver_calls,
             bytes_copied=c["bytes"],
-            batch_abi=self._abi,
+            batch_abi=b.batch_abi,
             jobs_by_direction=dict(self._jobs_by_direction),
             bytes_by_direction=dict(self._bytes_by_direction),
             latency_buckets=tuple(zip((*LATENCY_BUCKETS, float("inf")), cumulative, strict=True)),
             latency_sum_seconds=latency_sum,
             latency_count=cumulative[-1],
             method=self.method,
-            sm_budget=None if self._sm is None else self._sm.budget,
-            sm_unavailable=self._sm_unavailable,
-            sm_crossover_bytes=(
-                {}
-                if self._crossover is None or self.method != "auto"
-                else {d: self._crossover.crossover_bytes(d) for d in ("h2d", "d2h")}
-            ),
-            jobs_by_method=dict(self._jobs_by_method),
-            bytes_by_method=dict(self._bytes_by_method),
+            sm_budget=b.sm_budget,
+            sm_unavailable=b.sm_unavailable,
+            sm_crossover_bytes=b.sm_crossover_bytes,
+            jobs_by_method=b.jobs_by_method,
+            bytes_by_method=b.bytes_by_method,
         )
 
     def __repr__(self) -> str:
@@ -543,7 +522,7 @@ class CopyEngine(Owner):
         if after_handle is not None and self.device is None:
             raise ValueError("after= needs a CUDA device; this engine copies host to host")
         if after_handle is not None and after_handle[0] == "stream":
-            after_handle = ("marker", self._mark(after_handle[1]))
+            after_handle = ("marker", self._backend.mark(after_handle[1]))
         loop = asyncio.get_running_loop()
         job = _Job(planned, direction, after_handle, loop, _Landed(loop=loop), keepalive)
         if signal_submit:
@@ -560,148 +539,38 @@ class CopyEngine(Owner):
         self._submit_q.put(job)
         return job
 
-    def _mark(self, stream: int) -> Any:
-        """An event recorded on ``stream`` now, on the caller's thread: the copy waits for what was queued
-        there before the call, not for what the caller queues after it while the submit thread is busy."""
-        from ._driver import check, driver
-
-        drv = driver()
-        assert self._context is not None
-        with self._context.current():
-            marker = check("cuEventCreate", drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
-            try:
-                check("cuEventRecord", drv.cuEventRecord(marker, stream))
-            except BaseException:
-                drv.cuEventDestroy(marker)
-                raise
-        return marker
-
     # -- the threads ------------------------------------------------------------------
 
     def _submit_loop(self) -> None:
-        if self._context is not None:
-            self._context.make_current()
+        backend = self._backend
+        backend.attach()
         while True:
             job = self._submit_q.get()
             if job is None:
                 self._done_q.put(None)
                 return
-            if self.device is None:
-                # memmove is synchronous: the copy has landed when it returns, so this thread
-                # settles the job itself (no hop to the completion thread).
-                try:
-                    self._copy_host(job)
-                except BaseException as exc:  # reported to the awaiting task
-                    job.error = exc
-                self._settle([self._wait(None, job, None)], submitted_too=True)
-                continue
-            event = None
+            handle = None
             try:
-                event = self._submit_gpu(job)
+                handle = backend.issue(job.plan, job.direction, job.after)
             except BaseException as exc:  # reported to the awaiting task
                 job.error = exc
+            else:
+                p = job.plan
+                self._counts["descriptors"] += p.count
+                self._counts["bytes"] += p.nbytes
+                self._bytes_by_direction[job.direction] += p.nbytes
+            if backend.synchronous:
+                # The copy has landed (memmove returned): this thread settles the job itself
+                # (no hop to the completion thread).
+                self._settle([self._finish(job)], submitted_too=True)
+                continue
             if job.on_submit is not None:
                 deliver(job.loop, [(job.on_submit, None, None)])
-            self._done_q.put((job, event))
-
-    def _copy_host(self, job: _Job) -> None:
-        p = job.plan
-        for chunk in p.chunks(self.max_batch):
-            for dst, src, n in zip(
-                p.dsts[chunk].tolist(), p.srcs[chunk].tolist(), p.sizes[chunk].tolist(), strict=True
-            ):
-                ctypes.memmove(dst, src, n)
-            self._counts["calls"] += 1
-        self._counts["descriptors"] += p.count
-        self._counts["bytes"] += p.nbytes
-        self._bytes_by_direction[job.direction] += p.nbytes
-        self._jobs_by_method["dma"] += 1
-        self._bytes_by_method["dma"] += p.nbytes
-
-    def _submit_gpu(self, job: _Job) -> Any:
-        from ._driver import check, driver
-
-        drv = driver()
-        stream = self._streams[next(self._rr) % len(self._streams)]
-        if job.after is not None:
-            kind, handle = job.after
-            try:
-                check("cuStreamWaitEvent", drv.cuStreamWaitEvent(stream, handle, 0))
-            finally:
-                if kind == "marker":
-                    drv.cuEventDestroy(handle)  # the wait is enqueued; the driver frees it when done
-        p = job.plan
-        method = "sm" if self._sm is not None and self._wants_sm(job) else "dma"
-        if method == "sm":
-            try:
-                job.slab = self._launch_sm(job, stream)
-            except _UseDma:
-                method = "dma"
-            except CopyPlanError:
-                raise
-            except AiokvtierError as exc:
-                if self.method == "sm":
-                    raise
-                self._disable_sm(f"a launch failed: {exc}")
-                method = "dma"
-        if method == "dma":
-            call = BatchCall(self._batch, self._abi, job.direction, self.device or 0)
-            for chunk in p.chunks(self.max_batch):
-                call(p.dsts[chunk], p.srcs[chunk], p.sizes[chunk], stream)
-                self._counts["calls"] += 1
-        self._jobs_by_method[method] += 1
-        self._bytes_by_method[method] += p.nbytes
-        try:
-            event = self._events.pop()
-        except IndexError:
-            flags = drv.CUevent_flags.CU_EVENT_BLOCKING_SYNC | drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-            event = check("cuEventCreate", drv.cuEventCreate(flags))
-        try:
-            check("cuEventRecord", drv.cuEventRecord(event, stream))
-        except BaseException:
-            drv.cuEventDestroy(event)
-            raise
-        self._counts["descriptors"] += p.count
-        self._counts["bytes"] += p.nbytes
-        self._bytes_by_direction[job.direction] += p.nbytes
-        return event
-
-    def _wants_sm(self, job: _Job) -> bool:
-        p = job.plan
-        return pick_method(self.method, self._crossover, job.direction, p.dsts, p.srcs, p.sizes) == "sm"
-
-    def _launch_sm(self, job: _Job, stream: Any) -> Any:
-        """Check the device side, then upload descriptors and launch (submit thread).
-
-        :raises CopyPlanError: with ``method="sm"``, a device-side span the driver does not map
-            for this device (a kernel touching it would poison the context).
-        """
-        assert self._sm is not None and self.device is not None
-        p = job.plan
-        device_side = p.dsts if job.direction == "h2d" else p.srcs
-        problem = device_side_problem(device_side, p.sizes, self.device)
-        if problem is not None:
-            if self.method == "sm":
-                raise CopyPlanError(f"the SM copy path cannot reach the device side: {problem}; nothing was copied")
-            raise _UseDma(problem)
-        slab = self._sm.submit(p.dsts, p.srcs, p.sizes, stream)
-        self._counts["calls"] += 1
-        return slab
-
-    def _disable_sm(self, why: str) -> None:
-        if self._sm_unavailable is None:
-            self._sm_unavailable = why
-            log.warning("aiokvtier: the SM copy path is off for this engine, copying with the copy engines: %s", why)
-        self._crossover = None  # "auto" now always picks the copy engines; the slabs are freed at close
+            self._done_q.put((job, handle))
 
     def _complete_loop(self) -> None:
-        if self._context is not None:
-            self._context.make_current()
-        drv: Any = None
-        if self.device is not None:
-            from ._driver import driver
-
-            drv = driver()
+        backend = self._backend
+        backend.attach()
         pending: deque[tuple[_Job, Any]] = deque()
         stopping = False
         while pending or not stopping:
@@ -710,7 +579,7 @@ class CopyEngine(Owner):
                 if item is None:
                     return
                 pending.append(item)
-            finished = [self._wait(drv, *pending.popleft())]
+            finished = [self._wait(*pending.popleft())]
             # Coalesce: whatever is queued and already complete rides the same wake-up.
             while not stopping:
                 try:
@@ -721,8 +590,8 @@ class CopyEngine(Owner):
                     stopping = True
                 else:
                     pending.append(more)
-            while pending and (drv is None or pending[0][1] is None or int(drv.cuEventQuery(pending[0][1])[0]) == 0):
-                finished.append(self._wait(drv, *pending.popleft()))
+            while pending and (pending[0][0].error is not None or backend.landed(pending[0][1])):
+                finished.append(self._wait(*pending.popleft()))
             self._settle(finished)
 
     def _settle(self, finished: list[_Job], *, submitted_too: bool = False) -> None:
@@ -741,21 +610,37 @@ class CopyEngine(Owner):
         for loop, batch in by_loop.items():
             deliver(loop, batch)
 
-    def _wait(self, drv: Any, job: _Job, event: Any) -> _Job:
-        if event is not None and drv is not None:
-            (err,) = drv.cuEventSynchronize(event)  # blocking sync: this thread sleeps
-            if int(err) != 0:
-                if job.error is None:
-                    job.error = CudaError("cuEventSynchronize", err.name, int(err))
-                drv.cuEventDestroy(event)
-            else:
-                self._events.append(event)  # recorded again by a later job: no create/destroy per copy
-        if job.slab is not None and self._sm is not None:
-            self._sm.give_back(job.slab)
-            job.slab = None
+    def _wait(self, job: _Job, handle: Any) -> _Job:
+        """Wait for an issued job to land (completion thread); one that failed to issue is done."""
+        if job.error is None:
+            try:
+                self._backend.wait(handle)
+            except BaseException as exc:  # reported to the awaiting task
+                job.error = exc
+        return self._finish(job)
+
+    def _finish(self, job: _Job) -> _Job:
+        """Count a landed (or failed) job and let the regions it read or wrote go."""
         latency = time.perf_counter() - job.submitted
         self._latency_counts[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
         self._latency_sum += latency
         job.done.set()
         self._counts["completed"] += 1
         return job
+
+
+def _default_backend(
+    device: int | None,
+    streams: int,
+    method: str,
+    sm_budget: int,
+    crossover: Crossover | None,
+    sm_options: SmOptions | None,
+) -> CopyBackend:
+    if device is None:
+        return HostBackend()
+    from .._cuda._backend import CudaBackend
+
+    return CudaBackend(
+        device, streams=streams, method=method, sm_budget=sm_budget, crossover=crossover, sm_options=sm_options
+    )
