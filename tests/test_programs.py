@@ -143,7 +143,7 @@ def test_cuda_benchmark_fill_sections_time_default_tiers_with_a_probe() -> None:
 
 def test_store_benchmark_quick_prints_json_side_by_side() -> None:
     report = json.loads(_run("-m", "aiokvtier.bench", "store", "--quick"))
-    assert list(report) == ["mode", "machine", "lookup", "bookkeeping", "cpu_copies", "gpu_copies", "churn"]
+    assert list(report) == ["mode", "machine", "lookup", "bookkeeping", "cpu_copies", "gpu_copies", "churn", "tiers"]
     lru = report["lookup"]["lru"]
     assert lru["prefix"] == 4096 and lru["key_bytes"] == 32
     for arm in ("store_all_hit", "dict_scan_all_hit", "store_half_hit", "dict_scan_half_hit"):
@@ -168,6 +168,11 @@ def test_store_benchmark_quick_prints_json_side_by_side() -> None:
         assert all(0 < row[p]["hit_rate"] < 1 for p in policies)
         # The same trace, the same capacity, the same order: LRU is LRU.
         assert row["store_lru"]["hit_rate"] == row["ordereddict_lru_hit_rate"]
+    tiers = report["tiers"]
+    assert tiers["threads"] == 4 and [row["block_bytes"] for row in tiers["disk"]] == [64 << 10, 2 << 20]
+    for row in tiers["disk"]:
+        assert set(row["gb_per_s"]) == {"raw_write", "raw_read", "tier_write", "tier_read"}
+        assert row["write_ratio"] > 0 and row["read_ratio"] > 0 and isinstance(row["direct_io"], bool)
 
 
 def test_engine_mock_example_hits_evicts_and_verifies() -> None:
