@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import json
 import logging
+import operator
 import os
 import shutil
 from collections import OrderedDict
@@ -334,7 +335,7 @@ class DiskTier(Owner):
             jobs.append((key, address, length, slot, evicted))
         if not jobs:
             return ()
-        task = asyncio.ensure_future(self._spread(self._write_all, jobs))
+        task = asyncio.ensure_future(self._spread(self._write_all, jobs, operator.itemgetter(3)))
         try:
             await finish(task)
         finally:
@@ -426,7 +427,7 @@ class DiskTier(Owner):
             jobs.append((key, address, entry))
         if not jobs:
             return tuple(found)
-        task = asyncio.ensure_future(self._spread(self._read_all, jobs))
+        task = asyncio.ensure_future(self._spread(self._read_all, jobs, lambda job: job[2][0]))
         try:
             await finish(task)
         finally:
@@ -493,23 +494,30 @@ class DiskTier(Owner):
 
     # -- the threads ---------------------------------------------------------------------
 
-    async def _spread(self, fn: Any, jobs: list[Any]) -> list[Any]:
-        """Split ``jobs`` over the I/O threads and run ``fn`` on each share; returns one outcome per job.
+    async def _spread(self, fn: Any, jobs: list[Any], slot: Any) -> list[Any]:
+        """Run ``fn`` over ``jobs`` on the I/O threads, each thread a run of neighbouring data slots
+        (``slot(job)``: the disk sees the ascending runs a plain loop would issue); returns one
+        outcome per job, in the order given.
 
         Returns only once every share has run (the memory is the threads' until then).
         """
-        n = min(len(self._workers), len(jobs))
-        share = -(-len(jobs) // n)
+        order = sorted(range(len(jobs)), key=lambda i: slot(jobs[i]))
+        ordered = [jobs[i] for i in order]
+        n = min(len(self._workers), len(ordered))
+        share = -(-len(ordered) // n)
         futures = [
-            self._workers[next(self._next) % len(self._workers)].submit(fn, jobs[i : i + share])
-            for i in range(0, len(jobs), share)
+            self._workers[next(self._next) % len(self._workers)].submit(fn, ordered[i : i + share])
+            for i in range(0, len(ordered), share)
         ]
         self._busy += len(futures)
         try:
             await asyncio.wait(futures)
         finally:
             self._busy -= len(futures)
-        return [outcome for future in futures for outcome in future.result()]
+        outcomes: list[Any] = [None] * len(jobs)
+        for i, outcome in zip(order, (o for future in futures for o in future.result()), strict=True):
+            outcomes[i] = outcome
+        return outcomes
 
     def __repr__(self) -> str:
         return f"<DiskTier [{self._life.state} | {self.directory} | {len(self._index)}/{self.capacity} blocks]>"
