@@ -115,9 +115,9 @@ async def _measure(blocks: int, page: int, slot: int, rounds: int, lag: float) -
         keys = _keys(blocks)
         clock = _Clock(engine, lag)
         async with BlockStore(tier) as store:
-            store._engine = engine  # the device path, over host memory
+            store._transfers.engine = engine  # the device path, over host memory
             await store.store(keys, src)
-            slots = np.asarray([store._slot_of[k] for k in keys], dtype=np.int64)
+            slots = np.asarray([store._index.slot_of[k] for k in keys], dtype=np.int64)
             arms: dict[str, Callable[[], Awaitable[Any]]] = {
                 "store": lambda: store.store(keys, src),
                 "to_host": lambda: engine.to_host(tier, slots, src),

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-import aiokvtier._store._store as store_module
+import aiokvtier._store._transfers as transfers_module
 from aiokvtier import (
     AiokvtierError,
     BlockEvent,
@@ -120,7 +120,7 @@ class Gate:
         self.entered = threading.Event()
         self.done = threading.Event()
         self.calls = 0
-        self._real = store_module._memmove_all
+        self._real = transfers_module._memmove_all
 
     def __call__(self, copies: list[tuple[int, int, int]], landed: threading.Event) -> None:
         self.calls += 1
@@ -139,7 +139,7 @@ class Gate:
 @pytest.fixture
 def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     gate = Gate()
-    monkeypatch.setattr(store_module, "_memmove_all", gate)
+    monkeypatch.setattr(transfers_module, "_memmove_all", gate)
     yield gate
     gate.open.set()
 

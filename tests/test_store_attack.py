@@ -54,10 +54,10 @@ def whole(tier: HostTier, store: BlockStore, universe: Sequence[Any] = ()) -> No
     assert stats.in_flight == 0 and stats.blocks_pinned == 0
     assert not store._claims, "a claim outlived its call"
     assert tier.statistics().slots_allocated == len(store) == stats.blocks
-    ready = np.flatnonzero(store._state == _READY)
-    assert len(ready) == len(store) and not (store._state == _STORING).any()
-    assert sorted(store._slot_of.values()) == ready.tolist()
-    assert len(store._policy) == len(store)
+    ready = np.flatnonzero(store._index.state == _READY)
+    assert len(ready) == len(store) and not (store._index.state == _STORING).any()
+    assert sorted(store._index.slot_of.values()) == ready.tolist()
+    assert len(store._index.policy) == len(store)
     if universe:
         assert len(store) == sum(1 for k in universe if k in store)
 
@@ -72,7 +72,7 @@ def suffix(keys: Sequence[Any], result: StoreResult) -> None:
 
 async def exact(store: BlockStore, n: int = SLOT) -> None:
     """Every visible block loads the bytes its key was stored with (keys name their pages)."""
-    keys = list(store._slot_of)
+    keys = list(store._index.slot_of)
     dst = np.zeros((len(keys), n), dtype=np.uint8)
     await bounded(store.load(keys, dst))
     for key, row in zip(keys, dst, strict=True):
@@ -310,7 +310,7 @@ async def test_a_bad_key_in_a_full_tier_changes_nothing(bad: Any, where: str) ->
         keys = [bad, 10, 11] if where == "first" else [10, 11, 1, bad]
         with pytest.raises(TypeError):
             await bounded(store.store(keys, [b"x"] * 4))
-        assert store.statistics().evictions == 0 and store._slot_of.keys() == {1, 2, 3, 4}
+        assert store.statistics().evictions == 0 and store._index.slot_of.keys() == {1, 2, 3, 4}
         whole(tier, store, [1, 2, 3, 4, 10, 11])
         await exact(store)
 
@@ -353,7 +353,7 @@ async def test_keys_from_numpy_arrays_generators_and_bytes_likes() -> None:
     async with open_store(16) as (tier, store):
         ints = np.arange(5, dtype=np.int64)
         assert (await bounded(store.store(ints, pages(list(range(5)))))).stored == (0, 1, 2, 3, 4)
-        assert all(type(k) is int for k in store._slot_of)
+        assert all(type(k) is int for k in store._index.slot_of)
         gen = (k for k in (5, 6))
         assert (await bounded(store.store(gen, pages([5, 6])))).stored == (5, 6)
         digests = np.array([b"d1", b"d2"], dtype="S2")
@@ -458,7 +458,7 @@ class Flaky(LRUPolicy):
 
 async def test_a_policy_failing_in_accessed_or_inserted_many() -> None:
     async with open_store(4, policy=Flaky(4)) as (tier, store):
-        policy = store._policy
+        policy = store._index.policy
         assert isinstance(policy, Flaky)
         await bounded(store.store([1, 2], pages([1, 2])))
         policy.fail = {"accessed"}
@@ -485,7 +485,7 @@ async def test_a_policy_failing_in_accessed_or_inserted_many() -> None:
 async def test_a_policy_failing_in_removed_many_after_a_cancelled_store(store_then_hold: Gate) -> None:
     gate = store_then_hold
     async with open_store(4, policy=Flaky(4)) as (tier, store):
-        policy = store._policy
+        policy = store._index.policy
         assert isinstance(policy, Flaky)
         hold(gate)
         first = asyncio.create_task(store.store([1], pages([1])))
@@ -505,7 +505,7 @@ async def test_a_policy_failing_in_removed_many_after_a_cancelled_store(store_th
 @pytest.mark.parametrize("hook", ["removed", "victims"])
 async def test_a_policy_failing_in_the_middle_of_an_eviction(hook: str) -> None:
     async with open_store(4, policy=Flaky(4)) as (tier, store):
-        policy = store._policy
+        policy = store._index.policy
         assert isinstance(policy, Flaky)
         await bounded(store.store([1, 2, 3, 4], pages([1, 2, 3, 4])))
         policy.fail, policy.after = {hook}, 1 if hook == "removed" else 0
@@ -517,7 +517,7 @@ async def test_a_policy_failing_in_the_middle_of_an_eviction(hook: str) -> None:
 
 async def test_a_policy_failing_in_removed_many_during_a_discard() -> None:
     async with open_store(4, policy=Flaky(4)) as (tier, store):
-        policy = store._policy
+        policy = store._index.policy
         assert isinstance(policy, Flaky)
         await bounded(store.store([1, 2, 3, 4], pages([1, 2, 3, 4])))
         policy.fail = {"removed_many"}
@@ -594,7 +594,7 @@ class HalfInserts(Switched):
 
 async def test_a_policy_failing_half_way_through_the_default_inserted_many() -> None:
     async with open_store(4, policy=HalfInserts(4)) as (tier, store):
-        policy = store._policy
+        policy = store._index.policy
         assert isinstance(policy, HalfInserts)
         policy.fail = True
         with pytest.raises(RuntimeError):
@@ -628,7 +628,7 @@ async def test_a_store_retrying_a_key_after_another_store_failed_follows_a_grown
         with pytest.raises(asyncio.CancelledError):
             await bounded(first)
         assert (await bounded(second)).stored == (1,)
-        assert taken == [3] and store._slot_of[1] == 4
+        assert taken == [3] and store._index.slot_of[1] == 4
         tier.free(taken[0])
         whole(tier, store, [1, 10, 11, 12])
         await exact(store)
@@ -792,23 +792,23 @@ async def test_a_retry_after_another_store_failed_keeps_the_blocks_the_call_stor
 
 def consistent(tier: HostTier, store: BlockStore) -> None:
     """What holds at every await, calls in flight or not: the maps, the policy and the tier agree on every slot."""
-    state, key_of, pins = store._state, store._key_of, store._pins
-    assert len(key_of) == len(store._length) == len(pins) == len(state) >= store._capacity
-    policy = store._policy
+    state, key_of, pins = store._index.state, store._index.key_of, store._index.pins
+    assert len(key_of) == len(store._index.length) == len(pins) == len(state) >= store._index.capacity
+    policy = store._index.policy
     if isinstance(policy, LRUPolicy):
         size, tracked = len(policy._stamp), np.flatnonzero(policy._present)
     else:
         assert isinstance(policy, S3FIFOPolicy)
         size, tracked = len(policy._where), np.flatnonzero(np.frombuffer(policy._where, dtype=np.uint8))
-    assert size == store._capacity and len(policy) == len(tracked)
+    assert size == store._index.capacity and len(policy) == len(tracked)
     used = np.flatnonzero(state != _FREE)  # every such slot is below both the store's and the tier's end
-    assert not used.size or int(used[-1]) < min(store._capacity, tier.slots_total)
+    assert not used.size or int(used[-1]) < min(store._index.capacity, tier.slots_total)
     assert all(tier._slots.is_allocated(s) for s in used.tolist()), "a block's slot is not allocated"
     ready = np.flatnonzero(state == _READY)
     assert len(ready) == len(store)
-    for key, slot in store._slot_of.items():
+    for key, slot in store._index.slot_of.items():
         assert state[slot] in (_STORING, _READY) and key_of[slot] == key
-    assert all(store._slot_of.get(key_of[s]) == s for s in ready.tolist())
+    assert all(store._index.slot_of.get(key_of[s]) == s for s in ready.tolist())
     pinned = np.flatnonzero(pins)
     assert set(state[pinned].tolist()) <= {_READY, _DOOMED} and (pins[state == _DOOMED] > 0).all()
     # The policy knows every visible block, and a block being stored at most.
@@ -1037,7 +1037,7 @@ async def test_a_shrink_that_waits_for_a_grow_of_the_tier_made_behind_the_stores
             assert tier.slots_total == 16 and store.statistics().evictions == 4
         else:
             await bounded(shrink)
-            assert tier.slots_total == 4 and store._capacity == 4
+            assert tier.slots_total == 4 and store._index.capacity == 4
         whole(tier, store, keys + new)
         consistent(tier, store)
         await exact(store)
@@ -1293,7 +1293,7 @@ async def test_the_engine_path_over_a_host_engine_copies_the_pages_checked_once(
         StaticHostMem(3 * n * SLOT) as src_mem,
         StaticHostMem(2 * n * SLOT) as dst_mem,
     ):
-        store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+        store._transfers.engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
         src = np.frombuffer(src_mem.view(), dtype=np.uint8).reshape(3 * n, SLOT)
         dst = np.frombuffer(dst_mem.view(), dtype=np.uint8).reshape(2 * n, SLOT)
         keys = list(range(2 * n))
@@ -1315,7 +1315,7 @@ async def test_the_engine_path_over_a_host_engine_copies_the_pages_checked_once(
         with pytest.raises(ValueError, match="does not fit"):
             await bounded(store.store([99], np.frombuffer(src_mem.view(), dtype=np.uint8)[: 2 * SLOT].reshape(1, -1)))
         assert 99 not in store
-        store._engine = None  # type: ignore[assignment]
+        store._transfers.engine = None  # type: ignore[assignment]
         whole(tier, store, keys)
         await exact(store)
 
@@ -1335,7 +1335,7 @@ async def test_the_engine_path_refuses_pages_whose_buffer_closed_while_the_store
     async with engine, StaticHostMem(4 * 64 * KiB) as mem:
         cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)
         async with HostTier(cfg) as tier, BlockStore(tier) as store:
-            store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+            store._transfers.engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
             slot = tier.slot_size
             await bounded(tier.wait_resident(16 * slot))
             others = await bounded(tier.allocate(15 if retried else 16))  # another user's: one resident slot left
@@ -1365,7 +1365,7 @@ async def test_the_engine_path_refuses_pages_whose_buffer_closed_while_the_store
             assert 1 not in store and (2 in store) == retried
             tier.free_many(others)
             whole(tier, store, [1, 2, 3, 4, 100])
-            store._engine = None  # type: ignore[assignment]
+            store._transfers.engine = None  # type: ignore[assignment]
             await exact(store, slot)
 
 
@@ -1376,20 +1376,20 @@ async def test_pages_in_the_stores_own_blocks_are_not_evicted_under_the_copy(how
     from them (the copy would read bytes it had overwritten)."""
     async with open_store(4) as (tier, store), CopyEngine(None) as engine:
         await bounded(store.store([10, 11, 12, 13], pages([10, 11, 12, 13])))  # full; 10 and 11 are the LRU
-        s10, s11 = store._slot_of[10], store._slot_of[11]
+        s10, s11 = store._index.slot_of[10], store._index.slot_of[11]
         src: Any
         if how == "views":
             views = [tier.view(s10), tier.view(s11)]
             src = views
             want = [page(10), page(11)]
         else:
-            store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+            store._transfers.engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
             half = SLOT // 2 if how == "straddling" else 0
             src = [tier.address(s10) + half, tier.address(s11) + half]
             want = [page(10), page(11)] if not half else [page(10)[half:] + page(11)[:half], None]
         keys = [1, 2] if how != "straddling" else [1]
         result = await bounded(store.store(keys, src[: len(keys)]))
-        store._engine = None  # type: ignore[assignment]
+        store._transfers.engine = None  # type: ignore[assignment]
         assert result == StoreResult(stored=tuple(keys), present=(), skipped=())
         assert 10 in store and 11 in store  # the sources stayed; 12 and 13 made the room
         dst = np.zeros((len(keys), SLOT), dtype=np.uint8)
@@ -1448,7 +1448,7 @@ async def test_a_load_into_the_stores_own_blocks_is_refused(how: str) -> None:
     another user holds is that user's memory: a load into it copies."""
     async with open_store(4) as (tier, store), CopyEngine(None) as engine:
         await bounded(store.store([1, 2], pages([1, 2])))
-        s2 = store._slot_of[2]
+        s2 = store._index.slot_of[2]
         (foreign,) = await bounded(tier.allocate(1))
         dst: Any
         views: list[memoryview] = []
@@ -1456,14 +1456,14 @@ async def test_a_load_into_the_stores_own_blocks_is_refused(how: str) -> None:
             views = [tier.view(s2), tier.view(foreign)]
             dst, ok = views[:1], views[1:]
         else:
-            store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+            store._transfers.engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
             half = SLOT // 2 if how == "straddling" else 0
             dst, ok = [tier.address(s2) - half], [tier.address(foreign)]  # straddles the slot before and 2's
         with pytest.raises(ValueError, match="a block of this store"):
             await bounded(store.load([1], dst))
         assert store.statistics().blocks_pinned == 0
         await bounded(store.load([1], ok))
-        store._engine = None  # type: ignore[assignment]
+        store._transfers.engine = None  # type: ignore[assignment]
         assert bytes(tier.view(foreign)) == page(1) if not views else bytes(views[1]) == page(1)
         for view in views:
             view.release()
