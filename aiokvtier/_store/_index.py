@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from ._keys import Key, key_array
+from .._errors import SlotError
+from ._keys import Key, canonical, key_array
 from ._policy import EvictionPolicy
 
 if TYPE_CHECKING:
     from .._host._tier import HostTier
 
-__all__ = ["DOOMED", "FREE", "I64", "NO_IDS", "READY", "STORING", "U64", "BlockIndex"]
+__all__ = ["DOOMED", "FREE", "I64", "NO_IDS", "READY", "STORING", "U64", "BlockIndex", "require"]
 
 log = logging.getLogger("aiokvtier")
 
@@ -305,3 +306,67 @@ class BlockIndex:
         self.visible = 0
         if slots and not self._tier.closed:
             self._tier.free_many(slots)
+
+    # -- invariants ---------------------------------------------------------------------
+
+    def check(self, idle: bool) -> None:
+        """Raise ``AssertionError`` naming the first invariant that does not hold (see ``BlockStore.check_invariants``).
+
+        ``idle``: no store or load call is in flight, so no block is being
+        stored, doomed or pinned.
+        """
+        tier = self._tier
+        state, key_of, pins = self.state, self.key_of, self.pins
+
+        require(
+            len(key_of) == len(self.length) == len(pins) == len(state) >= self.capacity,
+            f"the maps cover {len(state)} slots, fewer than the capacity ({self.capacity})",
+        )
+        used = np.flatnonzero(state != FREE)
+        end = min(self.capacity, tier.slots_total)
+        require(not used.size or int(used[-1]) < end, f"slot {int(used[-1]) if used.size else -1} lies past {end}")
+        try:
+            tier.slot_addresses(used)
+        except SlotError as exc:
+            require(False, f"a block's slot is not allocated in the tier ({exc})")
+        ready = np.flatnonzero(state == READY)
+        require(len(ready) == self.visible, f"{len(ready)} ready slots for {self.visible} visible blocks")
+        for key, slot in self.slot_of.items():
+            require(
+                state[slot] in (STORING, READY) and key_of[slot] == key,
+                f"key {key!r} maps to slot {slot}, which is not its block",
+            )
+        require(canonical(list(self.slot_of)), "a key is neither bytes nor an int")
+        require(
+            all(self.slot_of.get(key_of[s]) == s for s in ready.tolist()),
+            "a ready slot's key maps to another slot",
+        )
+        pinned = np.flatnonzero(pins)
+        require(set(state[pinned].tolist()) <= {READY, DOOMED}, "a pin on a slot that holds no readable block")
+        require((pins[state == DOOMED] > 0).all(), "a doomed block that nothing pins")
+        policy = self.policy
+        tracked = policy.tracked()
+        if tracked is not None:
+            require(
+                len(tracked) == self.capacity,
+                f"the policy is sized for {len(tracked)} slots, the store for {self.capacity}",
+            )
+            slots = np.flatnonzero(tracked)
+            require(len(policy) == len(slots), f"the policy counts {len(policy)} blocks and tracks {len(slots)}")
+            # The policy knows every visible block, and a block being stored at most.
+            require(set(ready.tolist()) <= set(slots.tolist()), "a visible block the policy does not track")
+            require(
+                set(slots.tolist()) <= set(np.flatnonzero(state >= STORING).tolist()),
+                "the policy tracks a slot without a block",
+            )
+        if idle:
+            require(not pinned.size, f"slot {int(pinned[0]) if pinned.size else -1} is pinned with nothing in flight")
+            require(not (state == STORING).any(), "a block is being stored with nothing in flight")
+            require(len(self.slot_of) == len(ready), "a key maps to a block that is not visible")
+            require(len(policy) == self.visible, f"the policy tracks {len(policy)} blocks, {self.visible} are visible")
+
+
+def require(ok: object, broken: str) -> None:
+    """:raises AssertionError: not ``ok``; the message names the ``broken`` invariant."""
+    if not ok:
+        raise AssertionError(f"BlockStore invariant broken: {broken}")

@@ -41,7 +41,7 @@ from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, Wo
 from .._lifecycle import Lifecycle, Owner
 from ._claims import Claims
 from ._events import EventHub, EventSubscription
-from ._index import I64, NO_IDS, READY, BlockIndex
+from ._index import I64, NO_IDS, READY, BlockIndex, require
 from ._keys import Key, NotCanonical, canonical, key_list, key_of, key_seq, keys_of
 from ._policy import EvictionPolicy, has_repeats, make_policy
 from ._transfers import Pages, Transfers
@@ -260,11 +260,57 @@ class BlockStore(Owner):
         :raises BlockNotFound: the key is not stored.
         :raises TypeError: a key that is not bytes-like or an int.
         """
+        return int(self._index.length[self.slot(key)])
+
+    def slot(self, key: object) -> int:
+        """The tier slot that holds the block of ``key`` (``tier.view(slot)`` shows its bytes). Does not touch it.
+
+        The slot is the block's until the block is evicted or discarded.
+
+        :raises BlockNotFound: the key is not stored.
+        :raises TypeError: a key that is not bytes-like or an int.
+        """
         key = key_of(key)
         slot = self._index.ready_slot(key)
         if slot < 0:
             raise BlockNotFound(key)
-        return int(self._index.length[slot])
+        return slot
+
+    def keys(self) -> list[Key]:
+        """The keys of the stored blocks (those ``in`` the store), in no particular order: a snapshot."""
+        index = self._index
+        state = index.state
+        return [key for key, slot in index.slot_of.items() if state[slot] == READY]
+
+    def check_invariants(self, *, sole_user: bool = False) -> None:
+        """Check the store's bookkeeping against itself, its policy and the tier: for tests and debugging.
+
+        At any time: every block (stored, or being stored) has a slot that the
+        tier has allocated, below the tier's and the store's slot counts; a key
+        and its slot name each other; keys are ``bytes`` or ``int``; only
+        blocks that can be read are pinned, and a block discarded while a load
+        reads it is pinned; a policy that says what it tracks
+        (``EvictionPolicy.tracked()``) is sized for the store's slots and
+        tracks every stored block and no slot without a block. Once no store
+        or load is in flight: no pin, no claim, no block being stored, and the
+        policy tracks exactly the stored blocks; with ``sole_user`` (nothing
+        else allocates from the tier), ``tier.statistics().slots_allocated ==
+        len(store)``.
+
+        A pass over every slot and key: not for a hot path. Call it from the
+        store's event loop.
+
+        :raises AssertionError: an invariant does not hold (the message names it).
+        :raises TierClosedError: the store or its tier is closed.
+        """
+        self._check_open()
+        idle = self._in_flight == 0
+        self._index.check(idle)
+        if idle:
+            require(not len(self._claims), "a claim outlived its call")
+            if sole_user:
+                allocated = self._tier.statistics().slots_allocated
+                require(allocated == len(self), f"the tier has {allocated} slots allocated for {len(self)} blocks")
 
     def lookup(self, keys: Sequence[object]) -> int:
         """How many leading keys are stored (a prefix hit); touches them. Never blocks.

@@ -14,7 +14,7 @@ import asyncio
 import ctypes
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -97,14 +97,26 @@ class Transfers:
     """The copies of one store over ``tier``: through ``engine``, or ``memmove`` on the worker of ``life``.
 
     :param engine: the store's engine; a host-to-host one adds nothing over
-        the store's own memmove (host pages either way), so it is not used.
+        the store's own memmove (host pages either way), so it is not used
+        (unless ``host_engines``).
     """
+
+    host_engines: ClassVar[bool] = False
+    """Copy through a host-to-host engine too: tests set it to take the engine path without a GPU.
+    Read at every call, so it may change between calls."""
 
     def __init__(self, tier: HostTier, engine: CopyEngine | None, life: Lifecycle) -> None:
         self._tier = tier
-        self.engine = engine if engine is not None and engine.device is not None else None
-        """The engine copies go through; None: ``memmove`` on the store's thread."""
+        self._engine = engine
         self._life = life
+
+    @property
+    def engine(self) -> CopyEngine | None:
+        """The engine copies go through; None: ``memmove`` on the store's thread."""
+        engine = self._engine
+        if engine is None or (engine.device is None and not self.host_engines):
+            return None
+        return engine
 
     def pages(self, obj: Any, n: int, *, writable: bool) -> Pages:
         """The caller's pages, checked against the slot size."""
