@@ -317,10 +317,9 @@ class BlockIndex:
         """
         tier = self._tier
         state, key_of, pins = self.state, self.key_of, self.pins
-
         require(
             len(key_of) == len(self.length) == len(pins) == len(state) >= self.capacity,
-            f"the maps cover {len(state)} slots, fewer than the capacity ({self.capacity})",
+            f"the maps differ in length or cover fewer than the capacity's {self.capacity} slots",
         )
         used = np.flatnonzero(state != FREE)
         end = min(self.capacity, tier.slots_total)
@@ -342,6 +341,8 @@ class BlockIndex:
             "a ready slot's key maps to another slot",
         )
         pinned = np.flatnonzero(pins)
+        # Counts are unsigned: an unpin without its pin wraps to about 2**32 rather than going negative.
+        require(not pinned.size or int(pins.max()) < 1 << 31, "a pin count went below zero")
         require(set(state[pinned].tolist()) <= {READY, DOOMED}, "a pin on a slot that holds no readable block")
         require((pins[state == DOOMED] > 0).all(), "a doomed block that nothing pins")
         policy = self.policy
