@@ -9,7 +9,7 @@ runs on the store's event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -50,11 +50,9 @@ class Claims:
     def __len__(self) -> int:
         return len(self._claims)
 
-    def __iter__(self) -> Iterator[Claim]:
-        return iter(self._claims)
-
     def open(self, keys: list[Key], filling: bool) -> Claim:
-        """Claim ``keys`` for a call (``filling``: it may wait for the fill)."""
+        """Claim ``keys`` for a call (``filling``: it may wait for the fill). Every claim is made here (tests
+        record them here, to act when one settles)."""
         claim = Claim(keys, filling)
         self._claims.add(claim)
         return claim
