@@ -41,6 +41,7 @@ import numpy as np
 
 from aiokvtier import BlockStore, CopyEngine, HostTier, StaticHostMem
 from aiokvtier._copy._engine import StartedCopy
+from aiokvtier._store._transfers import Transfers
 from aiokvtier.bench._common import loop_factories, machine, run_on
 from aiokvtier.bench._store import _config, _keys
 
@@ -114,10 +115,10 @@ async def _measure(blocks: int, page: int, slot: int, rounds: int, lag: float) -
         src[:] = np.random.default_rng(0).integers(0, 256, size=src.shape, dtype=np.uint8)
         keys = _keys(blocks)
         clock = _Clock(engine, lag)
-        async with BlockStore(tier) as store:
-            store._engine = engine  # the device path, over host memory
+        Transfers.host_engines = True  # the device path, over host memory
+        async with BlockStore(tier, engine) as store:
             await store.store(keys, src)
-            slots = np.asarray([store._slot_of[k] for k in keys], dtype=np.int64)
+            slots = np.asarray([store.slot(k) for k in keys], dtype=np.int64)
             arms: dict[str, Callable[[], Awaitable[Any]]] = {
                 "store": lambda: store.store(keys, src),
                 "to_host": lambda: engine.to_host(tier, slots, src),

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-import aiokvtier._store._store as store_module
+import aiokvtier._store._transfers as transfers_module
 from aiokvtier import (
     BlockNotFound,
     BlockStore,
@@ -105,8 +105,8 @@ class Held:
 
 @pytest.fixture
 def held_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Held]:
-    gate = Held(store_module._memmove_all)
-    monkeypatch.setattr(store_module, "_memmove_all", gate)
+    gate = Held(transfers_module._memmove_all)
+    monkeypatch.setattr(transfers_module, "_memmove_all", gate)
     yield gate
     gate.open.set()
 

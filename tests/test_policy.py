@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import tracemalloc
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -164,6 +164,11 @@ class LRUMachine(RuleBasedStateMachine):
     def same_size(self) -> None:
         assert len(self.policy) == len(self.ref.order)
 
+    @invariant()
+    def tracks_the_same_slots(self) -> None:
+        tracked = self.policy.tracked()
+        assert len(tracked) == self.capacity and np.flatnonzero(tracked).tolist() == sorted(self.ref.order)
+
 
 TestLRUMachine = LRUMachine.TestCase
 TestLRUMachine.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
@@ -287,6 +292,42 @@ def test_s3fifo_ghost_readmits_to_main() -> None:
     for key in range(100, 109):
         cache.get(key)
     assert 0 in cache.slot_of
+
+
+@pytest.mark.parametrize("name", ["lru", "s3fifo"])
+def test_tracked_says_which_slots_hold_a_block_and_the_capacity(name: str) -> None:
+    policy = make_policy(name, 8)
+    policy.inserted_many(ids([5, 1, 6]), [5, 1, 6])
+    policy.removed(1)
+    tracked = policy.tracked()
+    assert tracked is not None and tracked.dtype == np.bool_
+    assert np.flatnonzero(tracked).tolist() == [5, 6] and len(tracked) == 8
+    tracked[:] = False  # a copy: the policy is untouched
+    policy.resize(12)
+    after = policy.tracked()
+    assert after is not None and np.flatnonzero(after).tolist() == [5, 6] and len(after) == 12
+
+
+def test_tracked_is_not_said_by_default() -> None:
+    class Silent(EvictionPolicy):
+        name = "silent"
+
+        def inserted(self, slot: int, key: Key) -> None:
+            pass
+
+        def accessed(self, slots: npt.NDArray[np.int64]) -> None:
+            pass
+
+        def removed(self, slot: int) -> None:
+            pass
+
+        def victims(self) -> Iterator[int]:
+            return iter(())
+
+        def __len__(self) -> int:
+            return 0
+
+    assert Silent().tracked() is None
 
 
 def test_s3fifo_victims_end_when_every_candidate_is_skipped() -> None:

@@ -11,14 +11,15 @@ import asyncio
 import random
 import threading
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
-import aiokvtier._store._store as store_module
+import aiokvtier._store._transfers as transfers_module
 from aiokvtier import (
     AiokvtierError,
     BlockEvent,
@@ -32,6 +33,7 @@ from aiokvtier import (
     StoreResult,
     TierClosedError,
 )
+from aiokvtier._store._policy import Key, LRUPolicy
 
 from .conftest import PopulateGate
 from .helpers import KiB, MiB, eventually, small_config
@@ -85,6 +87,7 @@ def settled(tier: HostTier, store: BlockStore) -> None:
     assert stats.in_flight == 0 and stats.blocks_pinned == 0
     assert tier.statistics().slots_allocated == len(store) == stats.blocks
     assert stats.capacity == tier.slots_total
+    store.check_invariants(sole_user=True)
 
 
 class Events:
@@ -120,7 +123,7 @@ class Gate:
         self.entered = threading.Event()
         self.done = threading.Event()
         self.calls = 0
-        self._real = store_module._memmove_all
+        self._real = transfers_module._memmove_all
 
     def __call__(self, copies: list[tuple[int, int, int]], landed: threading.Event) -> None:
         self.calls += 1
@@ -139,7 +142,7 @@ class Gate:
 @pytest.fixture
 def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     gate = Gate()
-    monkeypatch.setattr(store_module, "_memmove_all", gate)
+    monkeypatch.setattr(transfers_module, "_memmove_all", gate)
     yield gate
     gate.open.set()
 
@@ -831,6 +834,58 @@ async def test_length_tells_what_load_copies() -> None:
         assert info.value.key == b"missing"
         with pytest.raises(TypeError):
             store.length(True)
+
+
+async def test_slot_and_keys_tell_where_the_blocks_are() -> None:
+    async with open_store(4) as (tier, store):
+        await bounded(store.store([b"a", 7], pages([b"a", 7])))
+        assert sorted(map(repr, store.keys())) == sorted(map(repr, [b"a", 7]))
+        for key in (b"a", 7):
+            assert bytes(tier.view(store.slot(key))) == page(key)
+        assert store.slot(bytearray(b"a")) == store.slot(b"a") and store.slot(np.int64(7)) == store.slot(7)
+        with pytest.raises(BlockNotFound) as info:
+            store.slot(b"\x07")  # not the key 7
+        assert info.value.key == b"\x07"
+        with pytest.raises(TypeError):
+            store.slot(True)
+        store.discard([b"a"])
+        assert store.keys() == [7]
+        with pytest.raises(BlockNotFound):
+            store.slot(b"a")
+
+
+async def test_check_invariants_names_what_is_broken() -> None:
+    async with open_store(4) as (tier, store):
+        store.check_invariants(sole_user=True)
+        await bounded(store.store([1, 2], pages([1, 2])))
+        store.check_invariants(sole_user=True)
+        other = await bounded(tier.allocate())  # another user of the tier: fine, unless the store is the only one
+        store.check_invariants()
+        with pytest.raises(AssertionError, match="3 slots allocated for 2 blocks"):
+            store.check_invariants(sole_user=True)
+        tier.free(other)
+        tier.free(store.slot(1))  # behind the store's back
+        with pytest.raises(AssertionError, match="invariant broken: a block's slot is not allocated in the tier"):
+            store.check_invariants()
+        await bounded(tier.allocate())  # the same slot again: the tier's books agree with the store's
+        store.check_invariants()
+    with pytest.raises(TierClosedError):
+        store.check_invariants()
+
+
+async def test_check_invariants_holds_the_policy_to_the_store() -> None:
+    class Forgetful(LRUPolicy):
+        """Takes no notice of new blocks."""
+
+        __slots__ = ()
+
+        def inserted_many(self, slots: Sequence[int] | npt.NDArray[np.int64], keys: Sequence[Key]) -> None:
+            pass
+
+    async with open_store(4, policy=Forgetful(4)) as (_, store):
+        await bounded(store.store([1], pages([1])))
+        with pytest.raises(AssertionError, match="a visible block the policy does not track"):
+            store.check_invariants()
 
 
 @pytest.mark.parametrize("wait", [True, False])

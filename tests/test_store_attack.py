@@ -33,7 +33,9 @@ from aiokvtier import (
     StoreResult,
     WouldBlock,
 )
-from aiokvtier._store._policy import EvictionPolicy, Key, LRUPolicy, S3FIFOPolicy
+from aiokvtier._store._claims import Claim, Claims
+from aiokvtier._store._policy import EvictionPolicy, Key, LRUPolicy
+from aiokvtier._store._transfers import Transfers
 
 from .conftest import PopulateGate
 from .helpers import KiB, MiB, eventually, small_config
@@ -44,7 +46,6 @@ T = TypeVar("T")
 
 __all__ = ["held", "store_then_hold"]  # fixtures used here
 
-_FREE, _STORING, _READY, _DOOMED = 0, 1, 2, 3
 TIMEOUT_LONG = 10.0
 
 
@@ -52,14 +53,37 @@ def whole(tier: HostTier, store: BlockStore, universe: Sequence[Any] = ()) -> No
     """Nothing in flight and the bookkeeping agrees with itself, the tier and the policy."""
     stats = store.statistics()
     assert stats.in_flight == 0 and stats.blocks_pinned == 0
-    assert not store._claims, "a claim outlived its call"
     assert tier.statistics().slots_allocated == len(store) == stats.blocks
-    ready = np.flatnonzero(store._state == _READY)
-    assert len(ready) == len(store) and not (store._state == _STORING).any()
-    assert sorted(store._slot_of.values()) == ready.tolist()
-    assert len(store._policy) == len(store)
+    # Also: no claim, no block being stored, every key a visible block's, the policy tracking exactly them.
+    store.check_invariants(sole_user=True)
     if universe:
         assert len(store) == sum(1 for k in universe if k in store)
+
+
+def through_host_engines(monkeypatch: pytest.MonkeyPatch, on: bool = True) -> None:
+    """While ``on``, a store copies through the host-to-host engine it was given (it ignores one otherwise):
+    the engine path without a GPU."""
+    monkeypatch.setattr(Transfers, "host_engines", on)
+
+
+@pytest.fixture
+def claims(monkeypatch: pytest.MonkeyPatch) -> list[Claim]:
+    """Every claim a store call makes from here on; ``live()`` those whose call has not ended."""
+    made: list[Claim] = []
+    open_claim = Claims.open
+
+    def record(self: Claims, keys: list[Key], filling: bool) -> Claim:
+        claim = open_claim(self, keys, filling)
+        made.append(claim)
+        return claim
+
+    monkeypatch.setattr(Claims, "open", record)
+    return made
+
+
+def live(claims: list[Claim]) -> list[Claim]:
+    """The claims still held: a call settles its claim's future as it gives the claim up."""
+    return [c for c in claims if not c.future.done()]
 
 
 def suffix(keys: Sequence[Any], result: StoreResult) -> None:
@@ -72,7 +96,7 @@ def suffix(keys: Sequence[Any], result: StoreResult) -> None:
 
 async def exact(store: BlockStore, n: int = SLOT) -> None:
     """Every visible block loads the bytes its key was stored with (keys name their pages)."""
-    keys = list(store._slot_of)
+    keys = store.keys()
     dst = np.zeros((len(keys), n), dtype=np.uint8)
     await bounded(store.load(keys, dst))
     for key, row in zip(keys, dst, strict=True):
@@ -310,7 +334,7 @@ async def test_a_bad_key_in_a_full_tier_changes_nothing(bad: Any, where: str) ->
         keys = [bad, 10, 11] if where == "first" else [10, 11, 1, bad]
         with pytest.raises(TypeError):
             await bounded(store.store(keys, [b"x"] * 4))
-        assert store.statistics().evictions == 0 and store._slot_of.keys() == {1, 2, 3, 4}
+        assert store.statistics().evictions == 0 and set(store.keys()) == {1, 2, 3, 4}
         whole(tier, store, [1, 2, 3, 4, 10, 11])
         await exact(store)
 
@@ -353,7 +377,7 @@ async def test_keys_from_numpy_arrays_generators_and_bytes_likes() -> None:
     async with open_store(16) as (tier, store):
         ints = np.arange(5, dtype=np.int64)
         assert (await bounded(store.store(ints, pages(list(range(5)))))).stored == (0, 1, 2, 3, 4)
-        assert all(type(k) is int for k in store._slot_of)
+        assert all(type(k) is int for k in store.keys())
         gen = (k for k in (5, 6))
         assert (await bounded(store.store(gen, pages([5, 6])))).stored == (5, 6)
         digests = np.array([b"d1", b"d2"], dtype="S2")
@@ -457,9 +481,9 @@ class Flaky(LRUPolicy):
 
 
 async def test_a_policy_failing_in_accessed_or_inserted_many() -> None:
-    async with open_store(4, policy=Flaky(4)) as (tier, store):
-        policy = store._policy
-        assert isinstance(policy, Flaky)
+    policy = Flaky(4)
+    async with open_store(4, policy=policy) as (tier, store):
+        assert store.statistics().policy == policy.name
         await bounded(store.store([1, 2], pages([1, 2])))
         policy.fail = {"accessed"}
         with pytest.raises(RuntimeError):
@@ -484,9 +508,9 @@ async def test_a_policy_failing_in_accessed_or_inserted_many() -> None:
 
 async def test_a_policy_failing_in_removed_many_after_a_cancelled_store(store_then_hold: Gate) -> None:
     gate = store_then_hold
-    async with open_store(4, policy=Flaky(4)) as (tier, store):
-        policy = store._policy
-        assert isinstance(policy, Flaky)
+    policy = Flaky(4)
+    async with open_store(4, policy=policy) as (tier, store):
+        assert store.statistics().policy == policy.name
         hold(gate)
         first = asyncio.create_task(store.store([1], pages([1])))
         await gate.started()
@@ -504,9 +528,9 @@ async def test_a_policy_failing_in_removed_many_after_a_cancelled_store(store_th
 
 @pytest.mark.parametrize("hook", ["removed", "victims"])
 async def test_a_policy_failing_in_the_middle_of_an_eviction(hook: str) -> None:
-    async with open_store(4, policy=Flaky(4)) as (tier, store):
-        policy = store._policy
-        assert isinstance(policy, Flaky)
+    policy = Flaky(4)
+    async with open_store(4, policy=policy) as (tier, store):
+        assert store.statistics().policy == policy.name
         await bounded(store.store([1, 2, 3, 4], pages([1, 2, 3, 4])))
         policy.fail, policy.after = {hook}, 1 if hook == "removed" else 0
         with pytest.raises(RuntimeError):
@@ -516,9 +540,9 @@ async def test_a_policy_failing_in_the_middle_of_an_eviction(hook: str) -> None:
 
 
 async def test_a_policy_failing_in_removed_many_during_a_discard() -> None:
-    async with open_store(4, policy=Flaky(4)) as (tier, store):
-        policy = store._policy
-        assert isinstance(policy, Flaky)
+    policy = Flaky(4)
+    async with open_store(4, policy=policy) as (tier, store):
+        assert store.statistics().policy == policy.name
         await bounded(store.store([1, 2, 3, 4], pages([1, 2, 3, 4])))
         policy.fail = {"removed_many"}
         with pytest.raises(RuntimeError):
@@ -593,9 +617,9 @@ class HalfInserts(Switched):
 
 
 async def test_a_policy_failing_half_way_through_the_default_inserted_many() -> None:
-    async with open_store(4, policy=HalfInserts(4)) as (tier, store):
-        policy = store._policy
-        assert isinstance(policy, HalfInserts)
+    policy = HalfInserts(4)
+    async with open_store(4, policy=policy) as (tier, store):
+        assert store.statistics().policy == policy.name
         policy.fail = True
         with pytest.raises(RuntimeError):
             await bounded(store.store([1, 2], pages([1, 2])))
@@ -605,7 +629,7 @@ async def test_a_policy_failing_half_way_through_the_default_inserted_many() -> 
 
 
 async def test_a_store_retrying_a_key_after_another_store_failed_follows_a_grown_tier(
-    store_then_hold: Gate,
+    store_then_hold: Gate, claims: list[Claim]
 ) -> None:
     """The retry of a key whose other store failed takes a slot of a tier grown meanwhile."""
     gate = store_then_hold
@@ -614,7 +638,7 @@ async def test_a_store_retrying_a_key_after_another_store_failed_follows_a_grown
         hold(gate)
         first = asyncio.create_task(store.store([1], pages([1])))  # slot 3: the tier is full
         await gate.started()
-        (claim,) = store._claims
+        (claim,) = live(claims)
         taken: list[int] = []
         # Runs before the waiting store resumes: the slot the failed store frees is gone again,
         # so the retry takes a fresh slot past the store's old capacity.
@@ -628,7 +652,7 @@ async def test_a_store_retrying_a_key_after_another_store_failed_follows_a_grown
         with pytest.raises(asyncio.CancelledError):
             await bounded(first)
         assert (await bounded(second)).stored == (1,)
-        assert taken == [3] and store._slot_of[1] == 4
+        assert taken == [3] and store.slot(1) == 4
         tier.free(taken[0])
         whole(tier, store, [1, 10, 11, 12])
         await exact(store)
@@ -657,7 +681,7 @@ async def test_a_shrink_after_the_tier_grew_behind_the_stores_back_refuses_a_for
 
 @pytest.mark.parametrize("first_fails", [False, True])
 async def test_a_cancelled_waiter_leaves_the_claim_to_the_other_waiters(
-    store_then_hold: Gate, first_fails: bool
+    store_then_hold: Gate, first_fails: bool, claims: list[Claim]
 ) -> None:
     """Two stores wait on a third's claim; cancelling one cancels neither the claim nor the other waiter."""
     gate = store_then_hold
@@ -668,7 +692,7 @@ async def test_a_cancelled_waiter_leaves_the_claim_to_the_other_waiters(
         second = asyncio.create_task(store.store([1], pages([1])))
         third = asyncio.create_task(store.store([2, 1], pages([2, 1]), wait=False))
         await asyncio.sleep(0.01)
-        (claim,) = (c for c in store._claims if 1 in c.keys)
+        (claim,) = (c for c in live(claims) if 1 in c.keys)
         second.cancel()
         with pytest.raises(asyncio.CancelledError):
             await bounded(second)
@@ -727,7 +751,7 @@ async def test_a_policy_failing_to_follow_a_grown_tier_fails_the_store_that_wait
 
 @pytest.mark.parametrize("policy", ["lru", "s3fifo"])
 async def test_a_retry_after_another_store_failed_keeps_the_calls_present_prefix(
-    store_then_hold: Gate, policy: str
+    store_then_hold: Gate, policy: str, claims: list[Claim]
 ) -> None:
     """The retry of a key makes room as any store does, but not by evicting the call's own prefix."""
     gate = store_then_hold
@@ -736,7 +760,7 @@ async def test_a_retry_after_another_store_failed_keeps_the_calls_present_prefix
         hold(gate)
         first = asyncio.create_task(store.store([1], pages([1])))  # slot 1: the tier is full
         await gate.started()
-        (claim,) = store._claims
+        (claim,) = live(claims)
         taken: list[int] = []
         claim.future.add_done_callback(lambda _: taken.append(tier.allocate_nowait()))  # the freed slot 1
         second = asyncio.create_task(store.store([2, 1], pages([2, 1])))  # 2 present; waits on 1
@@ -755,7 +779,7 @@ async def test_a_retry_after_another_store_failed_keeps_the_calls_present_prefix
 
 @pytest.mark.parametrize("policy", ["lru", "s3fifo"])
 async def test_a_retry_after_another_store_failed_keeps_the_blocks_the_call_stored(
-    store_then_hold: Gate, gate: PopulateGate, policy: str
+    store_then_hold: Gate, gate: PopulateGate, policy: str, claims: list[Claim]
 ) -> None:
     """The call's own stored blocks are never its victims, in the retry of a key either."""
     copies = store_then_hold
@@ -767,7 +791,7 @@ async def test_a_retry_after_another_store_failed_keeps_the_blocks_the_call_stor
         others = await bounded(tier.allocate(16))  # slots 0..15: another user's
         first = asyncio.create_task(store.store([1], pages([1], slot)))  # waits for slot 16's fill
         await asyncio.sleep(0.01)
-        (claim,) = store._claims
+        (claim,) = live(claims)
         tier.free(others.pop(0))
         second = asyncio.create_task(store.store([3, 1], pages([3, 1], slot)))  # 3 lands in slot 0; waits on 1
         await eventually(lambda: 3 in store)
@@ -791,28 +815,9 @@ async def test_a_retry_after_another_store_failed_keeps_the_blocks_the_call_stor
 
 
 def consistent(tier: HostTier, store: BlockStore) -> None:
-    """What holds at every await, calls in flight or not: the maps, the policy and the tier agree on every slot."""
-    state, key_of, pins = store._state, store._key_of, store._pins
-    assert len(key_of) == len(store._length) == len(pins) == len(state) >= store._capacity
-    policy = store._policy
-    if isinstance(policy, LRUPolicy):
-        size, tracked = len(policy._stamp), np.flatnonzero(policy._present)
-    else:
-        assert isinstance(policy, S3FIFOPolicy)
-        size, tracked = len(policy._where), np.flatnonzero(np.frombuffer(policy._where, dtype=np.uint8))
-    assert size == store._capacity and len(policy) == len(tracked)
-    used = np.flatnonzero(state != _FREE)  # every such slot is below both the store's and the tier's end
-    assert not used.size or int(used[-1]) < min(store._capacity, tier.slots_total)
-    assert all(tier._slots.is_allocated(s) for s in used.tolist()), "a block's slot is not allocated"
-    ready = np.flatnonzero(state == _READY)
-    assert len(ready) == len(store)
-    for key, slot in store._slot_of.items():
-        assert state[slot] in (_STORING, _READY) and key_of[slot] == key
-    assert all(store._slot_of.get(key_of[s]) == s for s in ready.tolist())
-    pinned = np.flatnonzero(pins)
-    assert set(state[pinned].tolist()) <= {_READY, _DOOMED} and (pins[state == _DOOMED] > 0).all()
-    # The policy knows every visible block, and a block being stored at most.
-    assert set(ready.tolist()) <= set(tracked.tolist()) <= set(np.flatnonzero(state >= _STORING).tolist())
+    """What holds at every await, calls in flight or not: the maps, the policy and the tier agree on every slot
+    (and, at an await where no store or load is in flight, nothing is pinned, claimed or being stored)."""
+    store.check_invariants()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -1011,7 +1016,8 @@ async def test_a_shrink_while_an_engine_store_waits_for_its_copy_to_be_issued_ke
 async def test_a_shrink_that_waits_for_a_grow_of_the_tier_made_behind_the_stores_back(taken_meanwhile: bool) -> None:
     """The shrink evicts, then waits for the tier's own resize: it shrinks after it or, when a slot past the
     new end was taken meanwhile, is refused by the tier with the blocks it evicted gone (documented)."""
-    async with open_store(8) as (tier, store):
+    policy = LRUPolicy(8)
+    async with open_store(8, policy=policy) as (tier, store):
         keys = list(range(8))
         await bounded(store.store(keys, pages(keys)))
         grow = asyncio.create_task(tier.resize(16 * SLOT))
@@ -1029,7 +1035,8 @@ async def test_a_shrink_that_waits_for_a_grow_of_the_tier_made_behind_the_stores
             assert tier.slots_total == 16 and store.statistics().evictions == 4
         else:
             await bounded(shrink)
-            assert tier.slots_total == 4 and store._capacity == 4
+            tracked = policy.tracked()
+            assert tier.slots_total == 4 and tracked is not None and len(tracked) == 4  # as is the store (whole)
         whole(tier, store, keys + new)
         consistent(tier, store)
         await exact(store)
@@ -1120,7 +1127,7 @@ async def test_a_store_that_does_not_wait_skips_a_key_whose_other_store_waits_fo
     ],
 )
 async def test_a_retry_that_finds_no_room_takes_the_slots_of_keys_the_call_stored_after_it(
-    keys: list[int], loaded: tuple[int, ...], expected: StoreResult
+    keys: list[int], loaded: tuple[int, ...], expected: StoreResult, claims: list[Claim]
 ) -> None:
     """No key past a skipped one is stored, also when the skip comes from the retry of a key whose other
     store failed: blocks the call stored after it give their slots to it, latest first, or are given up."""
@@ -1139,7 +1146,7 @@ async def test_a_retry_that_finds_no_room_takes_the_slots_of_keys_the_call_store
         load = asyncio.create_task(store.load(list(loaded), dst))
         if loaded:
             await eventually(lambda: store.statistics().blocks_pinned == len(loaded))
-        (claim,) = (c for c in store._claims if 1 in c.keys)
+        (claim,) = (c for c in live(claims) if 1 in c.keys)
         taken: list[int] = []
         # Runs before the waiting store resumes: the slots the failed store frees are gone again.
         claim.future.add_done_callback(lambda _: taken.extend(tier.allocate_nowait() for _ in retried))
@@ -1171,7 +1178,7 @@ async def test_a_retry_that_finds_no_room_takes_the_slots_of_keys_the_call_store
 
 
 async def test_a_retry_that_does_not_wait_gives_up_the_blocks_its_call_stored_after_the_key_it_skips(
-    gate: PopulateGate,
+    gate: PopulateGate, claims: list[Claim]
 ) -> None:
     """``wait=False``: the retry of a key whose other store failed finds a third store storing it while that
     one waits for the fill; the key is skipped, and the block the call stored after it is given up again."""
@@ -1188,7 +1195,7 @@ async def test_a_retry_that_does_not_wait_gives_up_the_blocks_its_call_stored_af
         engine.hold = True
         failing = asyncio.create_task(store.store([100], pages([100], slot)))
         await eventually(lambda: len(engine.held) == 1)
-        (claim,) = store._claims
+        (claim,) = live(claims)
         taken: list[int] = []
         claim.future.add_done_callback(lambda _: taken.append(tier.allocate_nowait()))  # the slot it frees
         waiting = asyncio.create_task(store.store([100], pages([100], slot)))  # retries first, waits for the fill
@@ -1275,17 +1282,19 @@ async def test_overlapping_stores_in_a_small_tier_store_no_key_past_a_skipped_on
         await exact(store)
 
 
-async def test_the_engine_path_over_a_host_engine_copies_the_pages_checked_once() -> None:
+async def test_the_engine_path_over_a_host_engine_copies_the_pages_checked_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The device path (pages checked once per call, then a subset handed to the engine as checked) through a
     real CopyEngine copying host to host: arrays and addresses, present keys among new ones, short blocks."""
     n = 8
     async with (
-        open_store(2 * n) as (tier, store),
         CopyEngine(None) as engine,
+        open_store(2 * n, engine=engine) as (tier, store),
         StaticHostMem(3 * n * SLOT) as src_mem,
         StaticHostMem(2 * n * SLOT) as dst_mem,
     ):
-        store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+        through_host_engines(monkeypatch)
         src = np.frombuffer(src_mem.view(), dtype=np.uint8).reshape(3 * n, SLOT)
         dst = np.frombuffer(dst_mem.view(), dtype=np.uint8).reshape(2 * n, SLOT)
         keys = list(range(2 * n))
@@ -1307,7 +1316,7 @@ async def test_the_engine_path_over_a_host_engine_copies_the_pages_checked_once(
         with pytest.raises(ValueError, match="does not fit"):
             await bounded(store.store([99], np.frombuffer(src_mem.view(), dtype=np.uint8)[: 2 * SLOT].reshape(1, -1)))
         assert 99 not in store
-        store._engine = None  # type: ignore[assignment]
+        through_host_engines(monkeypatch, False)
         whole(tier, store, keys)
         await exact(store)
 
@@ -1317,7 +1326,7 @@ async def test_the_engine_path_over_a_host_engine_copies_the_pages_checked_once(
 
 @pytest.mark.parametrize("retried", [False, True])
 async def test_the_engine_path_refuses_pages_whose_buffer_closed_while_the_store_waited(
-    gate: PopulateGate, retried: bool
+    gate: PopulateGate, retried: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pages named by address in a StaticHostMem are located when the call begins; the store may wait (for
     the fill, or for another store of a key whose failure it retries) before it copies them. A buffer closed
@@ -1326,8 +1335,8 @@ async def test_the_engine_path_refuses_pages_whose_buffer_closed_while_the_store
     gate.allow(2)  # the buffer's populate and the tier's first unit; the second unit waits
     async with engine, StaticHostMem(4 * 64 * KiB) as mem:
         cfg = small_config(quota=2 * MiB, max_quota=4 * MiB)
-        async with HostTier(cfg) as tier, BlockStore(tier) as store:
-            store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+        async with HostTier(cfg) as tier, BlockStore(tier, engine) as store:
+            through_host_engines(monkeypatch)
             slot = tier.slot_size
             await bounded(tier.wait_resident(16 * slot))
             others = await bounded(tier.allocate(15 if retried else 16))  # another user's: one resident slot left
@@ -1357,31 +1366,33 @@ async def test_the_engine_path_refuses_pages_whose_buffer_closed_while_the_store
             assert 1 not in store and (2 in store) == retried
             tier.free_many(others)
             whole(tier, store, [1, 2, 3, 4, 100])
-            store._engine = None  # type: ignore[assignment]
+            through_host_engines(monkeypatch, False)
             await exact(store, slot)
 
 
 @pytest.mark.parametrize("how", ["engine", "straddling", "views"])
-async def test_pages_in_the_stores_own_blocks_are_not_evicted_under_the_copy(how: str) -> None:
+async def test_pages_in_the_stores_own_blocks_are_not_evicted_under_the_copy(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Pages that lie in blocks of the store itself (named by address with a CopyEngine, or tier views):
     the call pins those blocks, so the room it makes never hands their slots to the blocks it copies
     from them (the copy would read bytes it had overwritten)."""
-    async with open_store(4) as (tier, store), CopyEngine(None) as engine:
+    async with CopyEngine(None) as engine, open_store(4, engine=engine) as (tier, store):
         await bounded(store.store([10, 11, 12, 13], pages([10, 11, 12, 13])))  # full; 10 and 11 are the LRU
-        s10, s11 = store._slot_of[10], store._slot_of[11]
+        s10, s11 = store.slot(10), store.slot(11)
         src: Any
         if how == "views":
             views = [tier.view(s10), tier.view(s11)]
             src = views
             want = [page(10), page(11)]
         else:
-            store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+            through_host_engines(monkeypatch)
             half = SLOT // 2 if how == "straddling" else 0
             src = [tier.address(s10) + half, tier.address(s11) + half]
             want = [page(10), page(11)] if not half else [page(10)[half:] + page(11)[:half], None]
         keys = [1, 2] if how != "straddling" else [1]
         result = await bounded(store.store(keys, src[: len(keys)]))
-        store._engine = None  # type: ignore[assignment]
+        through_host_engines(monkeypatch, False)
         assert result == StoreResult(stored=tuple(keys), present=(), skipped=())
         assert 10 in store and 11 in store  # the sources stayed; 12 and 13 made the room
         dst = np.zeros((len(keys), SLOT), dtype=np.uint8)
@@ -1434,13 +1445,13 @@ async def test_after_a_failed_fill_a_shrink_and_a_grow_let_stores_take_fresh_slo
 
 
 @pytest.mark.parametrize("how", ["engine", "straddling", "views"])
-async def test_a_load_into_the_stores_own_blocks_is_refused(how: str) -> None:
+async def test_a_load_into_the_stores_own_blocks_is_refused(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Destination pages in the store's own tier that lie in one of its blocks would overwrite that block
     (its key then names other bytes): refused, nothing copied, nothing pinned. A slot of the same tier that
     another user holds is that user's memory: a load into it copies."""
-    async with open_store(4) as (tier, store), CopyEngine(None) as engine:
+    async with CopyEngine(None) as engine, open_store(4, engine=engine) as (tier, store):
         await bounded(store.store([1, 2], pages([1, 2])))
-        s2 = store._slot_of[2]
+        s2 = store.slot(2)
         (foreign,) = await bounded(tier.allocate(1))
         dst: Any
         views: list[memoryview] = []
@@ -1448,14 +1459,14 @@ async def test_a_load_into_the_stores_own_blocks_is_refused(how: str) -> None:
             views = [tier.view(s2), tier.view(foreign)]
             dst, ok = views[:1], views[1:]
         else:
-            store._engine = engine  # type: ignore[assignment]  # a store ignores a host-to-host engine otherwise
+            through_host_engines(monkeypatch)
             half = SLOT // 2 if how == "straddling" else 0
             dst, ok = [tier.address(s2) - half], [tier.address(foreign)]  # straddles the slot before and 2's
         with pytest.raises(ValueError, match="a block of this store"):
             await bounded(store.load([1], dst))
         assert store.statistics().blocks_pinned == 0
         await bounded(store.load([1], ok))
-        store._engine = None  # type: ignore[assignment]
+        through_host_engines(monkeypatch, False)
         assert bytes(tier.view(foreign)) == page(1) if not views else bytes(views[1]) == page(1)
         for view in views:
             view.release()

@@ -96,13 +96,13 @@ class EventSubscription:
                 raise StopAsyncIteration
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
-            self._hub._parked.add(self)
+            self._hub.park(self)
             try:
                 await waiter
             finally:
                 self._waiters.remove(waiter)
                 if not self._waiters:
-                    self._hub._parked.discard(self)
+                    self._hub.unpark(self)
         event = self._queue.popleft()
         if self._dropped:
             event = BlockEvent(event.kind, event.keys, self._dropped)
@@ -112,7 +112,7 @@ class EventSubscription:
     def _end(self) -> None:
         self._ended = True
         self._queue.clear()
-        self._hub._subscribers.discard(self)
+        self._hub.unsubscribe(self)
 
     async def aclose(self) -> None:
         """Stop receiving and drop the events not read; a reader waiting in ``__anext__`` ends its iteration.
@@ -169,3 +169,14 @@ class EventHub:
         sub = EventSubscription(self, self._limit)
         self._subscribers.add(sub)
         return sub
+
+    def unsubscribe(self, sub: EventSubscription) -> None:
+        """``sub`` receives nothing more."""
+        self._subscribers.discard(sub)
+
+    def park(self, sub: EventSubscription) -> None:
+        """A reader waits on ``sub``: held strongly until ``unpark()`` (see the module's docstring)."""
+        self._parked.add(sub)
+
+    def unpark(self, sub: EventSubscription) -> None:
+        self._parked.discard(sub)

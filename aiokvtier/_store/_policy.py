@@ -122,6 +122,15 @@ class EvictionPolicy(ABC):
     def __len__(self) -> int:
         """Blocks tracked."""
 
+    def tracked(self) -> npt.NDArray[np.bool_] | None:
+        """Per slot id below the capacity, whether a block is tracked there; None (the default): not said.
+
+        Read only by ``BlockStore.check_invariants()``, which then checks the
+        policy against the store: sized for the store's slots, tracking every
+        visible block and no slot without one.
+        """
+        return None
+
 
 _ABSENT = np.uint64(2**64 - 1)
 
@@ -173,6 +182,9 @@ class LRUPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return self._count
+
+    def tracked(self) -> npt.NDArray[np.bool_]:
+        return self._present.copy()
 
     def __repr__(self) -> str:
         queued = len(self._qslots) - self._head
@@ -411,6 +423,10 @@ class S3FIFOPolicy(EvictionPolicy):
             f"<S3FIFOPolicy [{self._count} blocks of {len(self._where)} slots"
             f" | small {self._nsmall}, main {self._nmain}, ghost {len(self._ghost)}]>"
         )
+
+    def tracked(self) -> npt.NDArray[np.bool_]:
+        tracked: npt.NDArray[np.bool_] = np.frombuffer(self._where, dtype=np.uint8) != 0
+        return tracked
 
     def _entry(self, slot: int) -> int:
         return (self._gen[slot] << 32) | slot

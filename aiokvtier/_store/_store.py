@@ -17,30 +17,34 @@ Only ``ready`` blocks are visible to ``lookup``, ``load`` and ``in``. A store
 of a key that another store is writing waits for that store instead of
 copying twice. Copies go through a ``CopyEngine`` (device memory) or,
 without one, ``memmove`` on the store's own thread.
+
+This module validates each call and orchestrates it; the parts are
+``_keys`` (keys made bytes or ints), ``_index`` (key <-> slot, per-slot
+state, pins and lengths, with the policy), ``_claims`` (keys other calls are
+storing) and ``_transfers`` (the caller's pages and every copy of them).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import operator
-import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
-from typing import TYPE_CHECKING, Any, NamedTuple
+from itertools import compress
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .._config import parse_quota
-from .._copy._requests import Pages, buffer_addresses, registrations
 from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
-from .._lifecycle import Lifecycle, Owner, finish
+from .._lifecycle import Lifecycle, Owner
+from ._claims import Claims
 from ._events import EventHub, EventSubscription
+from ._index import I64, NO_IDS, READY, BlockIndex, require
+from ._keys import Key, NotCanonical, canonical, key_list, key_of, key_seq, keys_of
 from ._policy import EvictionPolicy, has_repeats, make_policy
+from ._transfers import Pages, Transfers
 
 if TYPE_CHECKING:
     from .._copy._engine import CopyEngine
@@ -50,13 +54,7 @@ __all__ = ["BlockStore", "StoreResult", "StoreStatistics"]
 
 log = logging.getLogger("aiokvtier")
 
-Key = bytes | int
-I64 = npt.NDArray[np.int64]
-U64 = npt.NDArray[np.uint64]
-_FREE, _STORING, _READY, _DOOMED = 0, 1, 2, 3
 _MISSING, _STORED, _PRESENT, _SKIPPED = 0, 1, 2, 3  # a key's outcome in one store call
-_NO_IDS = np.empty(0, dtype=np.int64)
-_ONE = np.uint32(1)  # the pin counts' own type: ufunc.at with a Python int takes a path 25x slower
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,106 +105,6 @@ class StoreStatistics:
     """Event subscriptions alive: made by ``BlockStore.events()`` and neither ended, closed nor dropped."""
 
 
-def _key(key: object) -> Key:
-    """``bytes`` or ``int``: bytes-like objects become bytes, numpy integers ints; bools are refused."""
-    kind = type(key)
-    if kind is bytes or kind is int:
-        return key  # type: ignore[return-value]
-    if kind is bool or isinstance(key, bool | np.bool_):
-        raise TypeError(f"a key is bytes or an int, not a bool ({key!r})")
-    if isinstance(key, bytes | bytearray | memoryview):
-        return bytes(key)
-    if isinstance(key, str | float):
-        raise TypeError(f"a key is bytes or an int, not {kind.__name__} ({key!r})")
-    try:
-        return operator.index(key)  # type: ignore[arg-type]
-    except TypeError:
-        pass
-    try:
-        return bytes(memoryview(key))  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"a key is bytes or an int, not {kind.__name__}") from None
-
-
-def _keys(keys: Iterable[object]) -> list[Key]:
-    """The caller's keys as a new list of bytes and ints (converted where they are bytes-like or integers)."""
-    given = _key_list(keys)
-    if _canonical(given):
-        return given  # type: ignore[return-value]
-    return [_key(k) for k in given]
-
-
-def _key_seq(keys: Iterable[object]) -> Sequence[Key]:
-    """The caller's list or tuple itself when every key is a bytes or an int: for a call that does not keep
-    its keys across an await (lookup, load, discard); else as ``_keys()``."""
-    if type(keys) is list or type(keys) is tuple:
-        if _canonical(keys):
-            return keys
-        return [_key(k) for k in keys]
-    return _keys(keys)
-
-
-def _key_list(keys: Iterable[object]) -> list[object]:
-    if isinstance(keys, bytes | bytearray | memoryview | str | int):
-        raise TypeError(f"keys must be a sequence of keys, not one {type(keys).__name__}")
-    return list(keys)  # a copy: the call keeps it across awaits, whatever the caller does to theirs
-
-
-def _canonical(keys: Sequence[object]) -> bool:
-    """Every key is a bytes or an int already (one pass in C)."""
-    if keys and type(keys[0]) in (bytes, int) and operator.countOf(map(type, keys), type(keys[0])) == len(keys):
-        return True  # one kind of key, the usual case: a fifth cheaper than the set of types
-    return set(map(type, keys)) <= {bytes, int}
-
-
-class _NotCanonical(Exception):
-    """A store found a key that is not a bytes or an int only after it had started: convert and start again."""
-
-
-class _Pages(NamedTuple):
-    """The caller's pages: one address and length per key, and the objects that own the memory."""
-
-    addresses: U64
-    lengths: U64
-    owners: list[Any]
-    page: int = 0
-    """The one length of every page (a CopyEngine's pages, checked by ``buffer_addresses``); 0: host pages."""
-    regions: tuple[Any, ...] = ()
-    """Where a CopyEngine's page addresses lie (a StaticHostMem, a tier): owners the copy must outlive."""
-
-    def take(self, ids: I64) -> _Pages:
-        return _Pages(self.addresses[ids], self.lengths[ids], self.owners, self.page, self.regions)
-
-    def side(self, page: int) -> Pages:
-        """For ``CopyEngine.start()``: the addresses were checked when the call began (as a
-        destination for a load, the one direction that writes them)."""
-        return Pages(self.addresses, page, self.regions, self.owners)
-
-
-_Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
-"""A queued copy: ``submitted`` (None: nothing to wait for) settles once it was issued, ``done`` once it landed."""
-
-
-class _Claim:
-    """The keys one store call is storing, and the future its waiters learn the stored keys from."""
-
-    __slots__ = ("_keys", "_set", "filling", "future")
-
-    def __init__(self, keys: list[Key], filling: bool) -> None:
-        self._keys = keys
-        self._set: set[Key] | None = None
-        self.future: asyncio.Future[Sequence[Key]] = asyncio.get_running_loop().create_future()
-        self.filling = filling
-        """The call may be waiting for the fill (``wait=True``, taking slots): ``wait=False`` calls skip its keys."""
-
-    @property
-    def keys(self) -> set[Key]:
-        """As a set, made when a concurrent call first asks (most calls have none)."""
-        if self._set is None:
-            self._set = set(self._keys)
-        return self._set
-
-
 class _Own:
     """A block one store call stored, kept pinned by the call while it retries other keys."""
 
@@ -236,47 +134,6 @@ class _Call:
         """Blocks stored by earlier passes, pinned while later passes run."""
         self.given_up: list[int] = []
         """Positions of blocks the call stored and gave up again: reported skipped."""
-
-
-def _host_pages(obj: Any, n: int, *, writable: bool) -> _Pages:
-    """Pages in host memory: a 2-D uint8 array, or a sequence of bytes-like objects."""
-    if isinstance(obj, np.ndarray):
-        if obj.ndim != 2 or obj.dtype != np.uint8:
-            raise ValueError(f"a numpy page array must be 2-D uint8, got {obj.ndim}-D {obj.dtype}")
-        if obj.shape[0] != n:
-            raise ValueError(f"expected one page per key ({n}), got {obj.shape[0]} rows")
-        if not obj.flags.c_contiguous:
-            raise ValueError("the page array must be C-contiguous")
-        if writable and not obj.flags.writeable:
-            raise ValueError("the destination array is read-only; nothing was copied")
-        page = obj.shape[1]
-        addresses = np.uint64(obj.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(page)
-        return _Pages(addresses, np.full(n, page, dtype=np.uint64), [obj])
-    if isinstance(obj, bytes | bytearray | memoryview | str):
-        raise TypeError("pages are a sequence of bytes-like objects (one per key) or a 2-D uint8 array")
-    try:
-        items = list(obj)
-    except TypeError:
-        raise TypeError(
-            "without a CopyEngine, pages are a sequence of bytes-like objects or a 2-D uint8 numpy array"
-        ) from None
-    if len(items) != n:
-        raise ValueError(f"expected one page per key ({n}), got {len(items)}")
-    views = []
-    for item in items:
-        try:
-            view = memoryview(item)
-        except TypeError:
-            raise TypeError(f"a page must be bytes-like, not {type(item).__name__}") from None
-        if not view.c_contiguous:
-            raise ValueError("a page must be contiguous")
-        if writable and view.readonly:
-            raise ValueError(f"destination page of {type(item).__name__} is read-only; nothing was copied")
-        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
-    arrays = [np.frombuffer(v, dtype=np.uint8) for v in views]
-    addresses = np.fromiter((a.ctypes.data if a.size else 0 for a in arrays), dtype=np.uint64, count=n)
-    lengths = np.fromiter((a.size for a in arrays), dtype=np.uint64, count=n)
-    return _Pages(addresses, lengths, [*views, *arrays])
 
 
 class BlockStore(Owner):
@@ -315,23 +172,13 @@ class BlockStore(Owner):
             raise ValueError(f"event_limit must be a positive int, got {event_limit!r}")
         self._tier = tier
         self._engine_given = engine
-        # A host-to-host engine adds nothing over the store's own memmove: host pages either way.
-        self._engine = engine if engine is not None and engine.device is not None else None
         self._policy_arg = policy
         self._life = Lifecycle("BlockStore", "aiokvtier-store")
         self._events = EventHub(event_limit)
-        # Per slot: the key (object), state, length and pin count, as numpy arrays so that a
-        # call's bookkeeping is a few array operations rather than a Python step per key.
-        self._slot_of: dict[Key, int] = {}
-        self._key_of: npt.NDArray[np.object_] = np.empty(0, dtype=object)
-        self._state: npt.NDArray[np.uint8] = np.empty(0, dtype=np.uint8)
-        self._length: U64 = np.empty(0, dtype=np.uint64)
-        self._pins: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
-        self._claims: set[_Claim] = set()
-        self._capacity = 0
-        """Slots the policy and the maps are sized for."""
+        self._index = BlockIndex(tier, self._evicted)
+        self._claims = Claims()
+        self._transfers = Transfers(tier, engine, self._life)
         self._fill_failure_logged: str | None = None  # the fill failure last warned of
-        self._visible = 0
         self._in_flight = 0
         self._idle: asyncio.Event | None = None
         self._resize_lock = asyncio.Lock()
@@ -377,9 +224,7 @@ class BlockStore(Owner):
         if self._engine_given is not None:
             self._engine_given.check_open()
         capacity = self._tier.slots_total
-        self._policy = make_policy(self._policy_arg, capacity)
-        self._capacity = capacity
-        self._grow_maps(capacity)
+        self._index.attach(make_policy(self._policy_arg, capacity), capacity)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -387,11 +232,7 @@ class BlockStore(Owner):
         if self._idle is not None:
             await self._idle.wait()  # stores and loads in flight finish first
         self._events.close()
-        slots = [*self._slot_of.values(), *np.flatnonzero(self._state == _DOOMED).tolist()]
-        self._slot_of.clear()
-        self._visible = 0
-        if slots and not self._tier.closed:
-            self._tier.free_many(slots)  # the blocks go with the store; the tier stays the owner's
+        self._index.release_all()  # the blocks go with the store; the tier stays the owner's
         await self._life.run_undo()
 
     async def aclose(self) -> None:
@@ -402,64 +243,16 @@ class BlockStore(Owner):
         """
         await self._life.close(self._teardown)
 
-    def _sync_capacity(self) -> None:
-        """Follow a tier that was grown behind the store's back (slot ids index the maps)."""
-        if self._tier.slots_total > self._capacity:
-            self._follow_tier()
-
-    def _follow_tier(self) -> None:
-        """Size the maps and the policy to the tier's slot count (after a resize, whatever its outcome)."""
-        capacity = self._tier.slots_total
-        self._grow_maps(capacity)  # the maps only grow: slots past a shrink stay free in them
-        if capacity != self._capacity:
-            self._policy.resize(capacity)
-            self._capacity = capacity
-
-    def _grow_maps(self, capacity: int) -> None:
-        extra = capacity - len(self._state)
-        if extra > 0:
-            self._key_of = np.concatenate([self._key_of, np.full(extra, None, dtype=object)])
-            self._state = np.concatenate([self._state, np.zeros(extra, dtype=np.uint8)])
-            self._length = np.concatenate([self._length, np.zeros(extra, dtype=np.uint64)])
-            self._pins = np.concatenate([self._pins, np.zeros(extra, dtype=np.uint32)])
-
-    def _slots(self, keys: Sequence[Key]) -> I64:
-        """Each key's slot, -1 for a key without one (one pass over the dict, in C)."""
-        return np.fromiter(map(self._slot_of.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
-
-    def _slots_of_all(self, keys: Sequence[Key]) -> I64 | None:
-        """Each key's slot, or None when a key has none: a load's keys, all known unless it fails."""
-        n = len(keys)
-        if n < 2:  # itemgetter of one key returns the value itself
-            slots = self._slots(keys)
-            return None if (slots < 0).any() else slots
-        try:
-            found = operator.itemgetter(*keys)(self._slot_of)  # a third cheaper than map(get) at 4,096 keys
-        except KeyError:
-            return None
-        return np.fromiter(found, dtype=np.int64, count=n)
-
-    def _ready(self, slots: I64) -> npt.NDArray[np.bool_]:
-        """Which of ``slots`` (from ``_slots()``) hold a ready block."""
-        known = slots >= 0
-        if known.all():
-            ready: npt.NDArray[np.bool_] = self._state[slots] == _READY
-            return ready
-        ready = np.zeros(len(slots), dtype=np.bool_)
-        ready[known] = self._state[slots[known]] == _READY
-        return ready
-
     # -- queries ------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return self._visible
+        return self._index.visible
 
     def __contains__(self, key: object) -> bool:
         try:
-            slot = self._slot_of.get(_key(key), -1)
+            return self._index.ready_slot(key_of(key)) >= 0
         except TypeError:
             return False
-        return slot >= 0 and self._state[slot] == _READY
 
     def length(self, key: object) -> int:
         """Bytes the block of ``key`` holds (what ``load`` copies). Does not touch it.
@@ -467,11 +260,57 @@ class BlockStore(Owner):
         :raises BlockNotFound: the key is not stored.
         :raises TypeError: a key that is not bytes-like or an int.
         """
-        key = _key(key)
-        slot = self._slot_of.get(key, -1)
-        if slot < 0 or self._state[slot] != _READY:
+        return int(self._index.length[self.slot(key)])
+
+    def slot(self, key: object) -> int:
+        """The tier slot that holds the block of ``key`` (``tier.view(slot)`` shows its bytes). Does not touch it.
+
+        The slot is the block's until the block is evicted or discarded.
+
+        :raises BlockNotFound: the key is not stored.
+        :raises TypeError: a key that is not bytes-like or an int.
+        """
+        key = key_of(key)
+        slot = self._index.ready_slot(key)
+        if slot < 0:
             raise BlockNotFound(key)
-        return int(self._length[slot])
+        return slot
+
+    def keys(self) -> list[Key]:
+        """The keys of the stored blocks (those ``in`` the store), in no particular order: a snapshot."""
+        index = self._index
+        state = index.state
+        return [key for key, slot in index.slot_of.items() if state[slot] == READY]
+
+    def check_invariants(self, *, sole_user: bool = False) -> None:
+        """Check the store's bookkeeping against itself, its policy and the tier: for tests and debugging.
+
+        At any time: every block (stored, or being stored) has a slot that the
+        tier has allocated, below the tier's and the store's slot counts; a key
+        and its slot name each other; keys are ``bytes`` or ``int``; only
+        blocks that can be read are pinned, and a block discarded while a load
+        reads it is pinned; a policy that says what it tracks
+        (``EvictionPolicy.tracked()``) is sized for the store's slots and
+        tracks every stored block and no slot without a block. Once no store
+        or load is in flight: no pin, no claim, no block being stored, and the
+        policy tracks exactly the stored blocks; with ``sole_user`` (nothing
+        else allocates from the tier), ``tier.statistics().slots_allocated ==
+        len(store)``.
+
+        A pass over every slot and key: not for a hot path. Call it from the
+        store's event loop.
+
+        :raises AssertionError: an invariant does not hold (the message names it).
+        :raises TierClosedError: the store or its tier is closed.
+        """
+        self._check_open()
+        idle = self._in_flight == 0
+        self._index.check(idle)
+        if idle:
+            require(not len(self._claims), "a claim outlived its call")
+            if sole_user:
+                allocated = self._tier.statistics().slots_allocated
+                require(allocated == len(self), f"the tier has {allocated} slots allocated for {len(self)} blocks")
 
     def lookup(self, keys: Sequence[object]) -> int:
         """How many leading keys are stored (a prefix hit); touches them. Never blocks.
@@ -480,12 +319,13 @@ class BlockStore(Owner):
         :raises TierClosedError: the store is closed.
         """
         self._check_open()
-        keys = _key_seq(keys)
-        slots = self._slots(keys)
-        misses = np.flatnonzero(~self._ready(slots))
+        index = self._index
+        keys = key_seq(keys)
+        slots = index.slots(keys)
+        misses = np.flatnonzero(~index.ready(slots))
         hits = int(misses[0]) if misses.size else len(keys)
         if hits:
-            self._policy.accessed(slots[:hits])
+            index.policy.accessed(slots[:hits])
         counts = self._counts
         counts["queries"] += 1
         counts["hits"] += hits
@@ -496,7 +336,7 @@ class BlockStore(Owner):
         c = self._counts
         return StoreStatistics(
             policy=self._policy_arg if isinstance(self._policy_arg, str) else self._policy_arg.name,
-            blocks=self._visible,
+            blocks=self._index.visible,
             capacity=self._tier.slots_total,
             queries=c["queries"],
             hits=c["hits"],
@@ -509,7 +349,7 @@ class BlockStore(Owner):
             discards=c["discards"],
             bytes_stored=c["bytes_stored"],
             bytes_loaded=c["bytes_loaded"],
-            blocks_pinned=int(np.count_nonzero(self._pins)),
+            blocks_pinned=int(np.count_nonzero(self._index.pins)),
             in_flight=self._in_flight,
             subscribers=len(self._events),
         )
@@ -530,7 +370,7 @@ class BlockStore(Owner):
 
     def __repr__(self) -> str:
         return (
-            f"<BlockStore [{self._life.state} | {self._visible}/{self._tier.slots_total} blocks | "
+            f"<BlockStore [{self._life.state} | {self._index.visible}/{self._tier.slots_total} blocks | "
             f"{self.statistics().blocks_pinned} pinned | {self._in_flight} in flight]>"
         )
 
@@ -586,85 +426,53 @@ class BlockStore(Owner):
         self._check_open()
         # Whether every key is a bytes or an int is checked while the copy runs (the common case
         # costs nothing then); a list that starts with anything else is converted here.
-        given = _key_list(keys)
+        given = key_list(keys)
         checked = bool(given) and type(given[0]) not in (bytes, int)
         if checked:
-            given = _keys(given)  # type: ignore[assignment]
+            given = keys_of(given)  # type: ignore[assignment]
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
-        if after is not None and self._engine is None:
+        if after is not None and self._transfers.engine is None:
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
-        self._sync_capacity()
-        pages = self._pages(src, len(given), writable=False)
+        self._index.sync_capacity()
+        pages = self._transfers.pages(src, len(given), writable=False)
         self._enter()
         sources = self._sources(pages)
-        self._pin(sources)
+        self._index.pin(sources)
         try:
             try:
                 return await self._store(given, pages, after, wait, checked)  # type: ignore[arg-type]
-            except _NotCanonical:  # nothing was stored: convert (or refuse) and start again
-                return await self._store(_keys(given), pages, after, wait, True)
+            except NotCanonical:  # nothing was stored: convert (or refuse) and start again
+                return await self._store(keys_of(given), pages, after, wait, True)
         finally:
-            self._unpin(sources)
+            self._index.unpin(sources)
             self._exit()
 
-    def _sources(self, pages: _Pages) -> I64:
+    def _sources(self, pages: Pages) -> I64:
         """The ready blocks whose slots the pages lie in (pages in the store's own tier), pinned for the call.
 
         Unpinned, such a block could be evicted by this call (or another) and
         its slot handed to a new block while the copy still reads it.
         """
         slots = self._blocks_under(pages)
-        ready: I64 = slots[self._state[slots] == _READY]
+        ready: I64 = slots[self._index.state[slots] == READY]
         return ready
 
-    def _blocks_under(self, pages: _Pages) -> I64:
+    def _blocks_under(self, pages: Pages) -> I64:
         """The slots the pages lie in that hold (or are getting) a block of the store, ascending."""
-        tier = self._tier
-        if self._engine is not None and tier not in pages.regions:
-            return _NO_IDS
-        base, size = tier.region_bounds()
-        offsets = pages.addresses - np.uint64(base)  # below the base: wraps past the size
-        inside = np.flatnonzero(offsets < np.uint64(size))
-        if not inside.size:  # the usual call: pages of the caller's own
-            return _NO_IDS
-        slot_size = np.uint64(tier.slot_size)
-        first = offsets[inside] // slot_size
-        last = (offsets[inside] + pages.lengths[inside] - np.uint64(1)) // slot_size  # a page may straddle two
-        slots: I64 = np.union1d(first, last).astype(np.int64)
-        slots = slots[slots < len(self._state)]
-        used: I64 = slots[self._state[slots] != _FREE]
-        return used
-
-    def _pages(self, obj: Any, n: int, *, writable: bool) -> _Pages:
-        """The caller's pages, checked against the slot size."""
-        slot_size = self._tier.slot_size
-        if self._engine is not None:
-            side = buffer_addresses(obj, n, slot_size, writable=writable, host_only=self._engine.device is None)
-            if not writable and n and side.page > slot_size:  # one page size: no pass over the lengths
-                raise ValueError(f"a page of {side.page} bytes does not fit a {slot_size}-byte slot; nothing changed")
-            lengths = np.full(n, side.page, dtype=np.uint64)
-            return _Pages(side.addresses, lengths, [obj], side.page, tuple(side.regions))
-        pages = _host_pages(obj, n, writable=writable)
-        if not writable and n:
-            longest = int(pages.lengths.max())
-            if longest > slot_size:
-                raise ValueError(f"a page of {longest} bytes does not fit a {slot_size}-byte slot; nothing changed")
-            if int(pages.lengths.min()) == 0:
-                raise ValueError("an empty page cannot be stored")
-        return pages
+        return self._index.blocks_in(self._transfers.slots_under(pages))
 
     async def _store(
         self,
         keys: list[Key],
-        pages: _Pages,
+        pages: Pages,
         after: Any,
         wait: bool,
         checked: bool,
         call: _Call | None = None,
         positions: I64 | None = None,
     ) -> StoreResult:
-        """Store ``keys``; ``checked``: their types were checked (else ``_NotCanonical`` may come).
+        """Store ``keys``; ``checked``: their types were checked (else ``NotCanonical`` may come).
 
         ``call`` and ``positions`` (each key's position in the call): a retry
         of some of the call's keys, nested in the call's pass.
@@ -672,26 +480,27 @@ class BlockStore(Owner):
 
         def check_types() -> None:
             nonlocal checked
-            if not checked and not _canonical(keys):
-                raise _NotCanonical
+            if not checked and not canonical(keys):
+                raise NotCanonical
             checked = True
 
+        index = self._index
         n = len(keys)
         top = call is None
         if call is None:
             call = _Call(n)
         at: Callable[[int], int] = (lambda i: i) if positions is None else positions.item
         try:
-            fresh = self._slot_of.keys().isdisjoint(keys)  # new blocks only, the common case: no look-ups
-            slots = _NO_IDS if fresh else self._slots(keys)
+            fresh = index.slot_of.keys().isdisjoint(keys)  # new blocks only, the common case: no look-ups
+            slots = NO_IDS if fresh else index.slots(keys)
         except TypeError:  # an unhashable key (a bytearray): convert
             check_types()
             raise
         outcome = np.zeros(n, dtype=np.uint8)  # _MISSING
         if fresh:
-            present_slots, missing = _NO_IDS, np.arange(n, dtype=np.int64)
+            present_slots, missing = NO_IDS, np.arange(n, dtype=np.int64)
         else:
-            ready = self._ready(slots)
+            ready = index.ready(slots)
             outcome[ready] = _PRESENT
             present_slots = slots[ready]
             if has_repeats(present_slots):
@@ -699,11 +508,11 @@ class BlockStore(Owner):
                 raise ValueError("a key appears twice in one store call")
             missing = np.flatnonzero(~ready)
         waiting: dict[asyncio.Future[Sequence[Key]], list[int]] = {}
-        if missing.size and self._claims:  # a key another call is storing: wait for that call
+        if missing.size and len(self._claims):  # a key another call is storing: wait for that call
             check_types()
             if len(set(keys)) != n:
                 raise ValueError("a key appears twice in one store call")
-            missing, waiting, filling = self._claimed_elsewhere(keys, missing, wait)
+            missing, waiting, filling = self._claims.elsewhere(keys, missing, wait)
             if filling:  # skipped (wait=False): so is every key after it
                 outcome[filling] = _SKIPPED
                 self._lower(call, at(filling[0]))
@@ -728,8 +537,7 @@ class BlockStore(Owner):
                 raise ValueError("a key appears twice in one store call")
             vetted = True
 
-        claim = _Claim(claimed, filling=wait)
-        self._claims.add(claim)
+        claim = self._claims.open(claimed, filling=wait)
         stored_keys: Sequence[Key] = ()
         chunks: list[I64] = []
         inserted: I64 | None = None
@@ -738,19 +546,19 @@ class BlockStore(Owner):
         # shrink before the policy touched them: with a CopyEngine the touch waits for the copy to be
         # issued, and a slot past a shrunk policy's end is no slot id of it (IndexError).
         pinned = present_slots
-        self._pin(pinned)
+        index.pin(pinned)
 
         def unpin() -> None:
             nonlocal pinned
-            self._unpin(pinned)
-            pinned = _NO_IDS
+            index.unpin(pinned)
+            pinned = NO_IDS
 
         try:
             try:
                 await self._take_slots(len(claimed), wait, chunks, vet)
             finally:
                 claim.filling = False
-            taken = chunks[0] if len(chunks) == 1 else np.concatenate([_NO_IDS, *chunks])
+            taken = chunks[0] if len(chunks) == 1 else np.concatenate([NO_IDS, *chunks])
             if len(taken) < len(claimed):
                 vet()
                 if call.own:  # blocks an earlier pass stored after these keys: their slots, rather than a skip
@@ -772,30 +580,23 @@ class BlockStore(Owner):
                 # passes over blocks being stored, so the policy may know them already).
                 nonlocal inserted, published, nbytes
                 check_types()
-                self._key_of[taken] = _objects(chosen_keys)
-                self._state[taken] = _STORING
-                self._length[taken] = chosen_pages.lengths
-                before = len(self._slot_of)
-                self._slot_of.update(zip(chosen_keys, taken.tolist(), strict=True))
-                if len(self._slot_of) - before != len(chosen_keys):
-                    raise ValueError("a key appears twice in one store call")
+                index.book(taken, chosen_keys, chosen_pages.lengths)
                 if present_slots.size:  # touched first: the blocks stored by the call are the most recent
-                    self._policy.accessed(present_slots)
+                    index.policy.accessed(present_slots)
                 unpin()
-                self._policy.inserted_many(taken, chosen_keys)
+                index.policy.inserted_many(taken, chosen_keys)
                 inserted = taken
                 published = tuple(chosen_keys)
                 nbytes = int(chosen_pages.lengths.sum())
 
             if chosen.size:
-                await self._overlap(self._start_in(taken, chosen_pages, after), book)
+                await self._transfers.overlap(self._transfers.start_in(taken, chosen_pages, after), book)
             elif present_slots.size:
-                self._policy.accessed(present_slots)
+                index.policy.accessed(present_slots)
                 unpin()
             landed = True
-            self._state[taken] = _READY
+            index.landed(taken)
             stored_keys = chosen_keys
-            self._visible += len(chosen_keys)
             self._counts["stores"] += len(chosen_keys)
             self._counts["bytes_stored"] += nbytes
             self._events.publish("stored", published)
@@ -805,12 +606,11 @@ class BlockStore(Owner):
                 if not landed:  # failed or cancelled: no partial block stays, no slot is kept
                     try:
                         if inserted is not None:
-                            self._forget_inserted(inserted)
+                            index.forget_inserted(inserted)
                     finally:
-                        self._unbook(np.concatenate([_NO_IDS, *chunks]).tolist())
+                        index.unbook(np.concatenate([NO_IDS, *chunks]).tolist())
             finally:
-                self._claims.discard(claim)
-                claim.future.set_result(stored_keys)
+                self._claims.settle(claim, stored_keys)
         retry: list[int] = []
         for future, indices in waiting.items():
             # Shielded: a cancelled waiter would cancel the claim's future itself, failing every
@@ -843,7 +643,7 @@ class BlockStore(Owner):
     async def _retry(
         self,
         keys: list[Key],
-        pages: _Pages,
+        pages: Pages,
         after: Any,
         wait: bool,
         call: _Call,
@@ -857,16 +657,17 @@ class BlockStore(Owner):
         this call stored or found present: they stay pinned. Those the call
         stored after a retried key are its last resort (``_make_room()``).
         """
+        index = self._index
         where = np.arange(len(keys), dtype=np.int64) if positions is None else positions
         stored = np.flatnonzero(outcome == _STORED)
-        present = self._slots([keys[i] for i in np.flatnonzero(outcome == _PRESENT).tolist()])
-        present = present[self._ready(present)]
-        mine = self._slots([keys[i] for i in stored.tolist()])
-        mine[~self._ready(mine)] = -1  # evicted while this call waited: nothing to pin or give up
+        present = index.slots([keys[i] for i in np.flatnonzero(outcome == _PRESENT).tolist()])
+        present = present[index.ready(present)]
+        mine = index.slots([keys[i] for i in stored.tolist()])
+        mine[~index.ready(mine)] = -1  # evicted while this call waited: nothing to pin or give up
         triples = zip(where[stored].tolist(), stored.tolist(), mine.tolist(), strict=True)
         own = [_Own(p, keys[i], s) for p, i, s in triples]
-        self._pin(present)
-        self._pin(mine[mine >= 0])
+        index.pin(present)
+        index.pin(mine[mine >= 0])
         call.own.extend(own)
         call.own.sort(key=lambda o: o.position)
         try:
@@ -880,11 +681,11 @@ class BlockStore(Owner):
                 where[retry],
             )
         finally:
-            self._unpin(present)
+            index.unpin(present)
             held = [o.slot for o in own if o.slot >= 0]
             for o in own:
                 o.slot = -1
-            self._unpin(np.asarray(held, dtype=np.int64))
+            index.unpin(np.asarray(held, dtype=np.int64))
             gone = set(map(id, own))
             call.own = [o for o in call.own if id(o) not in gone]
         done_stored, done_present = set(again.stored), set(again.present)
@@ -913,9 +714,9 @@ class BlockStore(Owner):
         own = [o for o in call.own if o.position > int(wanted[0])]
         if not own:
             return taken
-        state, pins = self._state, self._pins
+        state, pins = self._index.state, self._index.pins
         at = np.asarray([o.position for o in own], dtype=np.int64)
-        free = np.asarray([o.slot >= 0 and state[o.slot] == _READY and pins[o.slot] == 1 for o in own])
+        free = np.asarray([o.slot >= 0 and state[o.slot] == READY and pins[o.slot] == 1 for o in own])
         tail = np.concatenate([np.cumsum(free[::-1])[::-1], [0]])  # slots to be had from own[j:]
         m, got = len(wanted), len(taken)
         s = min(m, got + int(tail[0]))
@@ -936,12 +737,11 @@ class BlockStore(Owner):
                 chunks.append(np.asarray(reused, dtype=np.int64))
         if first < len(own):  # what was given up is skipped: nothing after it is stored
             self._lower(call, own[first].position)
-        taken = np.concatenate([_NO_IDS, *chunks])
+        taken = np.concatenate([NO_IDS, *chunks])
         if len(taken) > s:  # more than the leading keys need: back to the tier
             spare, taken = taken[s:], taken[:s]
             chunks[:] = [taken]
-            if not self._tier.closed:
-                self._tier.free_many(spare.tolist())
+            self._index.give_back(spare.tolist())
         return taken
 
     def _give_up(self, call: _Call, own: list[_Own], reused: list[int] | None) -> None:
@@ -950,25 +750,19 @@ class BlockStore(Owner):
         A block a load is reading disappears at once and its slot is given
         back when the load is done, as with a discard.
         """
-        state, pins = self._state, self._pins
+        index = self._index
         keys: list[Key] = []
         doomed: list[int] = []
         done: set[int] = set()
         try:
             for o in own:
                 slot = o.slot
-                if slot >= 0 and state[slot] == _READY:  # pinned by the call: still its block
-                    self._policy.removed(slot)  # first: a policy that refuses leaves the block as it was
-                    del self._slot_of[o.key]
-                    self._key_of[slot] = None
+                if slot >= 0 and index.state[slot] == READY:  # pinned by the call: still its block
+                    freed = index.give_up(slot, o.key, reused is not None)
                     keys.append(o.key)
-                    if reused is not None and pins[slot] == 1:
-                        pins[slot] = 0
-                        state[slot] = _FREE
+                    if freed and reused is not None:
                         reused.append(slot)
                         slot = o.slot = -1
-                    else:
-                        state[slot] = _DOOMED
                 if slot >= 0:  # unpinned below: freed now, or when the load reading it is done
                     doomed.append(slot)
                     o.slot = -1
@@ -976,64 +770,11 @@ class BlockStore(Owner):
                 done.add(id(o))
         finally:
             call.own = [o for o in call.own if id(o) not in done]
-            self._unpin(np.asarray(doomed, dtype=np.int64))
+            index.unpin(np.asarray(doomed, dtype=np.int64))
             if keys:
-                self._visible -= len(keys)
                 self._counts["evictions"] += len(keys)
                 self._events.publish("evicted", tuple(keys))
             self._counts["skipped"] += len(done)
-
-    def _claimed_elsewhere(
-        self, keys: list[Key], missing: I64, wait: bool
-    ) -> tuple[I64, dict[asyncio.Future[Sequence[Key]], list[int]], list[int]]:
-        """Split ``missing`` into the keys no other call is storing, per call those it is, and (``wait=False``)
-        those a call that may be waiting for the fill is storing: waiting for that call would wait for the fill."""
-        indices = missing.tolist()
-        missing_keys = [keys[i] for i in indices]
-        elsewhere: dict[Key, _Claim] = {}
-        for other in self._claims:
-            for key in other.keys.intersection(missing_keys):
-                elsewhere[key] = other
-        if not elsewhere:
-            return missing, {}, []
-        free: list[int] = []
-        filling: list[int] = []
-        waiting: dict[asyncio.Future[Sequence[Key]], list[int]] = {}
-        for i, key in zip(indices, missing_keys, strict=True):
-            claim = elsewhere.get(key)
-            if claim is None:
-                free.append(i)
-            elif claim.filling and not wait:
-                filling.append(i)
-            else:
-                waiting.setdefault(claim.future, []).append(i)
-        return np.asarray(free, dtype=np.int64), waiting, filling
-
-    def _forget_inserted(self, slots: I64) -> None:
-        """Untell the policy about blocks of a store that did not land (one by one if the batch fails)."""
-        try:
-            self._policy.removed_many(slots)
-        except Exception:
-            log.warning(
-                "aiokvtier: the eviction policy failed to remove %d blocks; removing them one by one", len(slots)
-            )
-            for slot in slots.tolist():
-                try:
-                    self._policy.removed(slot)
-                except KeyError:
-                    pass  # the batch got this far
-
-    def _unbook(self, taken: list[int]) -> None:
-        """Give back the slots of a store that did not land, and forget what was booked in them."""
-        slot_of = self._slot_of
-        for slot in taken:
-            owner = self._key_of[slot]
-            if owner is not None and slot_of.get(owner) == slot:
-                del slot_of[owner]
-            self._key_of[slot] = None
-            self._state[slot] = _FREE
-        if taken and not self._tier.closed:
-            self._tier.free_many(taken)
 
     async def _take_slots(self, n: int, wait: bool, taken: list[I64], vet: Callable[[], None]) -> None:
         """Take up to ``n`` slots into ``taken`` (arrays of ids), evicting as needed; fewer when no more can be had.
@@ -1048,7 +789,7 @@ class BlockStore(Owner):
             free = tier.slots_ready if failed else tier.slots_free
             if free < need:
                 vet()
-                self._evict(need - free)
+                self._index.evict(need - free)
                 free = tier.slots_ready if failed else tier.slots_free
             want = min(need, free)
             if want == 0:
@@ -1068,7 +809,7 @@ class BlockStore(Owner):
                         failed = True
                 finally:
                     taken.append(np.asarray(ids, dtype=np.int64))
-                    self._sync_capacity()  # the tier may have grown since the call began (a retry)
+                    self._index.sync_capacity()  # the tier may have grown since the call began (a retry)
                 got += len(ids)
                 if len(ids) < want and not now_failed:
                     return
@@ -1088,7 +829,7 @@ class BlockStore(Owner):
             taken.append(chunk)
             # The tier may have grown while this call waited. Outside the try: a policy that cannot
             # follow fails the call (which gives the chunk back), it is no fill failure to skip.
-            self._sync_capacity()
+            self._index.sync_capacity()
             got += len(chunk)
 
     def _fill_failed(self, exc: BaseException) -> None:
@@ -1097,95 +838,6 @@ class BlockStore(Owner):
         if error != self._fill_failure_logged:
             self._fill_failure_logged = error
             log.warning("aiokvtier: the tier's fill failed; the store evicts into resident slots only: %s", exc)
-
-    def _evict(self, n: int) -> int:
-        """Evict up to ``n`` ready, unpinned blocks in the policy's order; returns how many."""
-        state, pins = self._state, self._pins
-        slots: list[int] = []
-        keys: list[Key] = []
-        try:
-            victims = self._policy.victims()
-            try:
-                for slot in victims:
-                    if state[slot] != _READY or pins[slot]:
-                        continue
-                    keys.append(self._forget(slot))
-                    slots.append(slot)
-                    if len(slots) == n:
-                        break
-            finally:
-                close = getattr(victims, "close", None)  # a generator: let it clean up now
-                if close is not None:
-                    close()
-        finally:  # also when the policy failed half way: what was forgotten is given back
-            self._evicted(slots, keys)
-        return len(slots)
-
-    def _forget(self, slot: int) -> Key:
-        """Drop a ready block's bookkeeping (its slot is the caller's to give back); returns its key."""
-        key: Key | None = self._key_of[slot]
-        assert key is not None
-        self._policy.removed(slot)
-        del self._slot_of[key]
-        self._key_of[slot] = None
-        self._state[slot] = _FREE
-        return key
-
-    def _evicted(self, slots: list[int], keys: list[Key]) -> None:
-        if slots:
-            self._tier.free_many(slots)
-            self._visible -= len(slots)
-            self._counts["evictions"] += len(slots)
-            self._events.publish("evicted", tuple(keys))
-
-    def _start_in(self, slots: I64, pages: _Pages, after: Any) -> _Started:
-        """Queue the copy of the caller's pages into ``slots``."""
-        tier, engine = self._tier, self._engine
-        if engine is not None:
-            return engine.start(tier, slots, pages.side(pages.page), "d2h", after=after)
-        copies = list(
-            zip(tier.slot_addresses(slots).tolist(), pages.addresses.tolist(), pages.lengths.tolist(), strict=True)
-        )
-        return (None, self._copy_host(copies, pages.addresses, pages.lengths))
-
-    @staticmethod
-    async def _overlap(started: _Started, work: Callable[[], None]) -> None:
-        """Do ``work`` once the copy was issued, then wait for the copy to land.
-
-        The store asks the engine for no signal of the issue (a crossing back to
-        the loop per call, 60-100 us on the H200, where the booking takes ~30
-        us): ``submitted`` is then the copy's landing, and the work follows it.
-        An engine that does report the issue has the work run while the copy
-        is in flight. The caller's pages belong to the copy until it lands: a
-        cancellation is held back until then.
-        """
-        submitted, done = started
-        try:
-            if submitted is not None:
-                await submitted
-            work()
-        finally:
-            await finish(done)
-
-    def _copy_host(self, copies: list[tuple[int, int, int]], pages: U64, lengths: U64) -> asyncio.Future[None]:
-        """``memmove`` the copies on the store's thread, tracked as every copy over a region's memory
-        is: by the tier, and by any StaticHostMem or other tier that the caller's ``pages`` (of
-        ``lengths`` bytes) lie in, for an array made over its memory keeps none of it mapped. Their
-        close and shrink wait until the thread let go.
-
-        :raises CopyPlanError: a page lies in a region that is closing, or leaves it.
-        """
-        # Located now, in the step that located the slots: every region met is open.
-        _, regions = registrations([pages], lengths, known_only=False)
-        done = self._tier.copies.begin()
-        for region in regions:
-            if region is not self._tier:
-                region.copies.track(done)
-        try:
-            return self._life.submit(_memmove_all, copies, done)
-        except BaseException:
-            done.set()
-            raise
 
     # -- load ---------------------------------------------------------------------------
 
@@ -1207,13 +859,14 @@ class BlockStore(Owner):
             closed (or shrank past them) while the call waited.
         """
         self._check_open()
-        keys = _key_seq(keys)
-        slots = self._slots_of_all(keys)
-        if slots is None or not (self._state[slots] == _READY).all():
-            absent = np.flatnonzero(~self._ready(self._slots(keys) if slots is None else slots))
+        index, transfers = self._index, self._transfers
+        keys = key_seq(keys)
+        slots = index.slots_of_all(keys)
+        if slots is None or not (index.state[slots] == READY).all():
+            absent = np.flatnonzero(~index.ready(index.slots(keys) if slots is None else slots))
             raise BlockNotFound(keys[int(absent[0])])
-        pages = self._pages(dst, len(keys), writable=True)
-        lengths = self._length[slots]  # a copy: the map may grow later
+        pages = transfers.pages(dst, len(keys), writable=True)
+        lengths = index.length[slots]  # a copy: the map may grow later
         shorts = np.flatnonzero(pages.lengths < lengths)
         if shorts.size:
             short = int(shorts[0])
@@ -1221,7 +874,7 @@ class BlockStore(Owner):
                 f"destination page {short} has {int(pages.lengths[short])} bytes, block {keys[short]!r} has "
                 f"{int(lengths[short])}; nothing was copied"
             )
-        if after is not None and self._engine is None:
+        if after is not None and transfers.engine is None:
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
         if not slots.size:
             return
@@ -1234,47 +887,18 @@ class BlockStore(Owner):
 
         def touch() -> None:  # while the copy runs
             nonlocal nbytes
-            self._policy.accessed(slots)
+            index.policy.accessed(slots)
             nbytes = int(lengths.sum())
 
         self._enter()
-        self._pin(slots)
+        index.pin(slots)
         try:
-            await self._overlap(self._start_out(slots, pages, lengths, after), touch)
+            await transfers.overlap(transfers.start_out(slots, pages, lengths, after), touch)
         finally:
-            self._unpin(slots)
+            index.unpin(slots)
             self._exit()
         self._counts["loads"] += len(slots)
         self._counts["bytes_loaded"] += nbytes
-
-    def _pin(self, slots: I64) -> None:
-        if slots.size:
-            np.add.at(self._pins, slots, _ONE)  # a key loaded twice in one call pins twice
-
-    def _unpin(self, slots: I64) -> None:
-        if not slots.size:
-            return
-        pins = self._pins
-        np.subtract.at(pins, slots, _ONE)
-        released = slots[pins[slots] == 0]
-        doomed = released[self._state[released] == _DOOMED]  # discarded while they were read
-        if doomed.size:
-            doomed = np.unique(doomed)
-            self._state[doomed] = _FREE
-            if not self._tier.closed:
-                self._tier.free_many(doomed.tolist())
-
-    def _start_out(self, slots: I64, pages: _Pages, lengths: U64, after: Any) -> _Started:
-        """Queue the copy of ``slots`` into the caller's pages."""
-        tier, engine = self._tier, self._engine
-        page = pages.page or int(pages.lengths[0])
-        if engine is not None and bool((lengths == page).all()):
-            return engine.start(tier, slots, pages.side(page), "h2d", after=after)
-        # Host pages, or blocks shorter than the destination pages: each copies its own length.
-        copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
-        if engine is not None:
-            return (None, asyncio.ensure_future(engine.copy(copies, after=after)))
-        return (None, self._copy_host(copies, pages.addresses, lengths))
 
     # -- discard and resize ---------------------------------------------------------------
 
@@ -1287,26 +911,16 @@ class BlockStore(Owner):
         :raises TypeError: a key that is not bytes-like or an int.
         """
         self._check_open()
-        keys = _key_seq(keys)
-        slots = self._slots(keys)
-        hit = np.flatnonzero(self._ready(slots))
+        keys = key_seq(keys)
+        slots = self._index.slots(keys)
+        hit = np.flatnonzero(self._index.ready(slots))
         if len(hit) < len(keys) or has_repeats(slots[hit]):  # a key given twice is dropped once
             hit = hit[np.unique(slots[hit], return_index=True)[1]]
             hit.sort()
         dropped = keys if len(hit) == len(keys) else [keys[i] for i in hit.tolist()]
         if not dropped:
             return 0
-        gone = slots[hit]
-        self._policy.removed_many(gone)  # first: a policy that refuses leaves the blocks as they were
-        slot_of = self._slot_of
-        deque(map(slot_of.__delitem__, dropped), maxlen=0)
-        self._key_of[gone] = None
-        pinned = self._pins[gone] > 0
-        self._state[gone] = np.where(pinned, _DOOMED, _FREE).astype(np.uint8)
-        free = gone[~pinned]
-        if free.size:
-            self._tier.free_many(free.tolist())
-        self._visible -= len(dropped)
+        self._index.discard(slots[hit], dropped)
         self._counts["discards"] += len(dropped)
         self._events.publish("discarded", tuple(dropped))
         return len(dropped)
@@ -1333,56 +947,33 @@ class BlockStore(Owner):
             self._check_open()
             # A tier grown behind the store's back: the slots past the new end checked below
             # (another user's among them) index the maps.
-            self._sync_capacity()
+            index = self._index
+            index.sync_capacity()
             cfg = tier.config.resolved
             quota = parse_quota(new_quota, slot_size=cfg.slot_size, max_quota=cfg.max_quota)
             total = quota // tier.slot_size
             if total < tier.slots_total:
-                tail = self._state[total:]
-                busy = np.flatnonzero((tail == _STORING) | (tail == _DOOMED) | (self._pins[total:] > 0))
+                busy = index.busy_past(total)
                 if busy.size:
                     raise QuotaError(
-                        f"cannot shrink to {quota} bytes: the block in slot {total + int(busy[0])} "
-                        "is being stored or loaded"
+                        f"cannot shrink to {quota} bytes: the block in slot {int(busy[0])} is being stored or loaded"
                     )
                 # Slots past the end that are not this store's blocks (another user's, a view, a store's
                 # slots not booked yet): the tier would refuse, so refuse before evicting anything.
                 held = tier.slots_held_past(total)
-                foreign = held[self._state[held] != _READY] if held.size else held
+                foreign = index.not_ready(held)
                 if foreign.size:
                     raise QuotaError(
                         f"cannot shrink to {quota} bytes: slot {int(foreign[0])} past the new end is held "
                         "by something other than a stored block (nothing was evicted)"
                     )
-                self._drop_past(total)
+                index.drop_past(total)
             try:
                 await tier.resize(quota)
             finally:  # also when cancelled: the tier may have grown all the same
-                self._follow_tier()
+                index.follow_tier()
 
-    def _drop_past(self, total: int) -> None:
-        dropped: list[int] = []
-        keys: list[Key] = []
-        try:
-            for slot in (np.flatnonzero(self._state[total:] == _READY) + total).tolist():
-                keys.append(self._forget(slot))
-                dropped.append(slot)
-        finally:  # also when the policy failed half way: what was forgotten is given back
-            self._evicted(dropped, keys)
-
-
-def _objects(keys: Sequence[Key]) -> npt.NDArray[np.object_]:
-    """Keys as a 1-D object array (numpy would make fixed-width bytes of a list of bytes)."""
-    out = np.empty(len(keys), dtype=object)
-    out[:] = keys
-    return out
-
-
-def _memmove_all(copies: list[tuple[int, int, int]], done: threading.Event) -> None:
-    """On the store's thread (ctypes releases the GIL for each copy); ``done`` tells the tier."""
-    move = ctypes.memmove
-    try:
-        for dst, src, n in copies:
-            move(dst, src, n)
-    finally:
-        done.set()
+    def _evicted(self, keys: list[Key]) -> None:
+        """Blocks the index evicted (their slots back to the tier): counted and published."""
+        self._counts["evictions"] += len(keys)
+        self._events.publish("evicted", tuple(keys))

@@ -261,7 +261,7 @@ async def _gpu_copies(blocks: int, page: int, repeats: int, method: str) -> dict
         async with BlockStore(tier, engine) as store:
             await store.store(keys, src)
             # The slots the store chose, read from its map: the baseline copies the very same ones.
-            slots = np.asarray([store._slot_of[k] for k in keys], dtype=np.int64)
+            slots = np.asarray([store.slot(k) for k in keys], dtype=np.int64)
             shuffled = bool((np.diff(slots) != 1).mean() > 0.9)
 
             async def store_round() -> tuple[float, float]:
@@ -291,7 +291,7 @@ async def _gpu_copies(blocks: int, page: int, repeats: int, method: str) -> dict
             for _ in range(repeats):
                 ours.append(await store_round())
                 bare.append(await engine_round())
-            same_slots = np.asarray([store._slot_of[k] for k in keys], dtype=np.int64)
+            same_slots = np.asarray([store.slot(k) for k in keys], dtype=np.int64)
             dst.zero_()
             torch.cuda.synchronize()
             await store.load(keys, dst)

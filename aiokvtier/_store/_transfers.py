@@ -1,0 +1,227 @@
+"""Transfers: every copy a store makes, into its slots and out of them, and the caller's pages they copy.
+
+Three paths: a ``CopyEngine`` (device pages; the addresses checked once when
+the call began), ``CopyEngine.copy`` for blocks shorter than the destination
+pages, and, without an engine, ``memmove`` on the store's own thread, tracked
+as every copy over a region's memory is (by the tier, and by any
+StaticHostMem or other tier the caller's pages lie in), so that their close
+and shrink wait for it. A copy owns the caller's pages until it lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import numpy as np
+
+from .._copy._requests import Pages as CopyPages
+from .._copy._requests import buffer_addresses, registrations
+from .._lifecycle import Lifecycle, finish
+from ._index import I64, NO_IDS, U64
+
+if TYPE_CHECKING:
+    from .._copy._engine import CopyEngine
+    from .._host._tier import HostTier
+
+__all__ = ["Pages", "Started", "Transfers"]
+
+
+class Pages(NamedTuple):
+    """The caller's pages: one address and length per key, and the objects that own the memory."""
+
+    addresses: U64
+    lengths: U64
+    owners: list[Any]
+    page: int = 0
+    """The one length of every page (a CopyEngine's pages, checked by ``buffer_addresses``); 0: host pages."""
+    regions: tuple[Any, ...] = ()
+    """Where a CopyEngine's page addresses lie (a StaticHostMem, a tier): owners the copy must outlive."""
+
+    def take(self, ids: I64) -> Pages:
+        return Pages(self.addresses[ids], self.lengths[ids], self.owners, self.page, self.regions)
+
+    def side(self, page: int) -> CopyPages:
+        """For ``CopyEngine.start()``: the addresses were checked when the call began (as a
+        destination for a load, the one direction that writes them)."""
+        return CopyPages(self.addresses, page, self.regions, self.owners)
+
+
+Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
+"""A queued copy: ``submitted`` (None: nothing to wait for) settles once it was issued, ``done`` once it landed."""
+
+
+def host_pages(obj: Any, n: int, *, writable: bool) -> Pages:
+    """Pages in host memory: a 2-D uint8 array, or a sequence of bytes-like objects."""
+    if isinstance(obj, np.ndarray):
+        if obj.ndim != 2 or obj.dtype != np.uint8:
+            raise ValueError(f"a numpy page array must be 2-D uint8, got {obj.ndim}-D {obj.dtype}")
+        if obj.shape[0] != n:
+            raise ValueError(f"expected one page per key ({n}), got {obj.shape[0]} rows")
+        if not obj.flags.c_contiguous:
+            raise ValueError("the page array must be C-contiguous")
+        if writable and not obj.flags.writeable:
+            raise ValueError("the destination array is read-only; nothing was copied")
+        page = obj.shape[1]
+        addresses = np.uint64(obj.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(page)
+        return Pages(addresses, np.full(n, page, dtype=np.uint64), [obj])
+    if isinstance(obj, bytes | bytearray | memoryview | str):
+        raise TypeError("pages are a sequence of bytes-like objects (one per key) or a 2-D uint8 array")
+    try:
+        items = list(obj)
+    except TypeError:
+        raise TypeError(
+            "without a CopyEngine, pages are a sequence of bytes-like objects or a 2-D uint8 numpy array"
+        ) from None
+    if len(items) != n:
+        raise ValueError(f"expected one page per key ({n}), got {len(items)}")
+    views = []
+    for item in items:
+        try:
+            view = memoryview(item)
+        except TypeError:
+            raise TypeError(f"a page must be bytes-like, not {type(item).__name__}") from None
+        if not view.c_contiguous:
+            raise ValueError("a page must be contiguous")
+        if writable and view.readonly:
+            raise ValueError(f"destination page of {type(item).__name__} is read-only; nothing was copied")
+        views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+    arrays = [np.frombuffer(v, dtype=np.uint8) for v in views]
+    addresses = np.fromiter((a.ctypes.data if a.size else 0 for a in arrays), dtype=np.uint64, count=n)
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.uint64, count=n)
+    return Pages(addresses, lengths, [*views, *arrays])
+
+
+class Transfers:
+    """The copies of one store over ``tier``: through ``engine``, or ``memmove`` on the worker of ``life``.
+
+    :param engine: the store's engine; a host-to-host one adds nothing over
+        the store's own memmove (host pages either way), so it is not used
+        (unless ``host_engines``).
+    """
+
+    host_engines: ClassVar[bool] = False
+    """Copy through a host-to-host engine too: tests set it to take the engine path without a GPU.
+    Read at every call, so it may change between calls."""
+
+    def __init__(self, tier: HostTier, engine: CopyEngine | None, life: Lifecycle) -> None:
+        self._tier = tier
+        self._engine = engine
+        self._life = life
+
+    @property
+    def engine(self) -> CopyEngine | None:
+        """The engine copies go through; None: ``memmove`` on the store's thread."""
+        engine = self._engine
+        if engine is None or (engine.device is None and not self.host_engines):
+            return None
+        return engine
+
+    def pages(self, obj: Any, n: int, *, writable: bool) -> Pages:
+        """The caller's pages, checked against the slot size."""
+        slot_size = self._tier.slot_size
+        engine = self.engine
+        if engine is not None:
+            side = buffer_addresses(obj, n, slot_size, writable=writable, host_only=engine.device is None)
+            if not writable and n and side.page > slot_size:  # one page size: no pass over the lengths
+                raise ValueError(f"a page of {side.page} bytes does not fit a {slot_size}-byte slot; nothing changed")
+            lengths = np.full(n, side.page, dtype=np.uint64)
+            return Pages(side.addresses, lengths, [obj], side.page, tuple(side.regions))
+        pages = host_pages(obj, n, writable=writable)
+        if not writable and n:
+            longest = int(pages.lengths.max())
+            if longest > slot_size:
+                raise ValueError(f"a page of {longest} bytes does not fit a {slot_size}-byte slot; nothing changed")
+            if int(pages.lengths.min()) == 0:
+                raise ValueError("an empty page cannot be stored")
+        return pages
+
+    def slots_under(self, pages: Pages) -> I64:
+        """The tier slots the pages lie in, ascending (pages in the store's own tier)."""
+        tier = self._tier
+        if self.engine is not None and tier not in pages.regions:
+            return NO_IDS
+        base, size = tier.region_bounds()
+        offsets = pages.addresses - np.uint64(base)  # below the base: wraps past the size
+        inside = np.flatnonzero(offsets < np.uint64(size))
+        if not inside.size:  # the usual call: pages of the caller's own
+            return NO_IDS
+        slot_size = np.uint64(tier.slot_size)
+        first = offsets[inside] // slot_size
+        last = (offsets[inside] + pages.lengths[inside] - np.uint64(1)) // slot_size  # a page may straddle two
+        slots: I64 = np.union1d(first, last).astype(np.int64)
+        return slots
+
+    def start_in(self, slots: I64, pages: Pages, after: Any) -> Started:
+        """Queue the copy of the caller's pages into ``slots``."""
+        tier, engine = self._tier, self.engine
+        if engine is not None:
+            return engine.start(tier, slots, pages.side(pages.page), "d2h", after=after)
+        copies = list(
+            zip(tier.slot_addresses(slots).tolist(), pages.addresses.tolist(), pages.lengths.tolist(), strict=True)
+        )
+        return (None, self._copy_host(copies, pages.addresses, pages.lengths))
+
+    def start_out(self, slots: I64, pages: Pages, lengths: U64, after: Any) -> Started:
+        """Queue the copy of ``slots`` into the caller's pages."""
+        tier, engine = self._tier, self.engine
+        page = pages.page or int(pages.lengths[0])
+        if engine is not None and bool((lengths == page).all()):
+            return engine.start(tier, slots, pages.side(page), "h2d", after=after)
+        # Host pages, or blocks shorter than the destination pages: each copies its own length.
+        copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
+        if engine is not None:
+            return (None, asyncio.ensure_future(engine.copy(copies, after=after)))
+        return (None, self._copy_host(copies, pages.addresses, lengths))
+
+    @staticmethod
+    async def overlap(started: Started, work: Callable[[], None]) -> None:
+        """Do ``work`` once the copy was issued, then wait for the copy to land.
+
+        The store asks the engine for no signal of the issue (a crossing back to
+        the loop per call, 60-100 us on the H200, where the booking takes ~30
+        us): ``submitted`` is then the copy's landing, and the work follows it.
+        An engine that does report the issue has the work run while the copy
+        is in flight. The caller's pages belong to the copy until it lands: a
+        cancellation is held back until then.
+        """
+        submitted, done = started
+        try:
+            if submitted is not None:
+                await submitted
+            work()
+        finally:
+            await finish(done)
+
+    def _copy_host(self, copies: list[tuple[int, int, int]], pages: U64, lengths: U64) -> asyncio.Future[None]:
+        """``memmove`` the copies on the store's thread, tracked as every copy over a region's memory
+        is: by the tier, and by any StaticHostMem or other tier that the caller's ``pages`` (of
+        ``lengths`` bytes) lie in, for an array made over its memory keeps none of it mapped. Their
+        close and shrink wait until the thread let go.
+
+        :raises CopyPlanError: a page lies in a region that is closing, or leaves it.
+        """
+        # Located now, in the step that located the slots: every region met is open.
+        _, regions = registrations([pages], lengths, known_only=False)
+        done = self._tier.copies.begin()
+        for region in regions:
+            if region is not self._tier:
+                region.copies.track(done)
+        try:
+            return self._life.submit(_memmove_all, copies, done)
+        except BaseException:
+            done.set()
+            raise
+
+
+def _memmove_all(copies: list[tuple[int, int, int]], done: threading.Event) -> None:
+    """On the store's thread (ctypes releases the GIL for each copy); ``done`` tells the tier."""
+    move = ctypes.memmove
+    try:
+        for dst, src, n in copies:
+            move(dst, src, n)
+    finally:
+        done.set()
