@@ -268,6 +268,13 @@ class DiskTier(Owner):
     def __contains__(self, key: object) -> bool:
         return key in self._index
 
+    def length(self, key: Key) -> int:
+        """The stored length of ``key``'s block.
+
+        :raises KeyError: the key is not stored.
+        """
+        return self._index[key][1]
+
     def lookup(self, keys: Iterable[Key]) -> int:
         """How many leading keys are stored (a prefix's hit length)."""
         n = 0

@@ -44,10 +44,12 @@ from ._events import EventHub, EventSubscription
 from ._index import I64, NO_IDS, READY, BlockIndex, require
 from ._keys import Key, NotCanonical, canonical, key_list, key_of, key_seq, keys_of
 from ._policy import EvictionPolicy, has_repeats, make_policy
-from ._transfers import Pages, Transfers
+from ._spill import Spill
+from ._transfers import Pages, Started, Transfers
 
 if TYPE_CHECKING:
     from .._copy._engine import CopyEngine
+    from .._disk._tier import DiskStatistics, DiskTier
     from .._host._tier import HostTier
 
 __all__ = ["BlockStore", "StoreResult", "StoreStatistics"]
@@ -103,6 +105,14 @@ class StoreStatistics:
     """Store and load calls running now."""
     subscribers: int
     """Event subscriptions alive: made by ``BlockStore.events()`` and neither ended, closed nor dropped."""
+    disk_hits: int = 0
+    """Keys ``lookup`` found on the disk tier past the host tier's prefix."""
+    promoted: int = 0
+    """Blocks a ``load`` brought back from the disk tier into the host tier."""
+    written_back: int = 0
+    """Blocks written to the disk tier (admitted after ``admit_after`` load hits)."""
+    disk: DiskStatistics | None = None
+    """The disk tier's own figures; None without one."""
 
 
 class _Own:
@@ -118,6 +128,17 @@ class _Own:
         """Pinned by the call; -1 once unpinned or given up (or when the block was gone before the pin)."""
 
 
+_Start = Callable[[I64, Pages, Sequence[Key]], Started]
+"""Queue the copy of a call's blocks (``keys``, as ``pages``) into the slots taken for them."""
+
+
+class _DiskMiss(Exception):
+    """A block the disk tier held came back as a miss (a read error, a failed checksum)."""
+
+    def __init__(self, key: Key) -> None:
+        self.key = key
+
+
 class _Call:
     """One store call across its retries (each retry is a nested pass over some of its keys).
 
@@ -126,9 +147,11 @@ class _Call:
     past it, and a block the call stored past it is given up again.
     """
 
-    __slots__ = ("given_up", "limit", "own")
+    __slots__ = ("given_up", "limit", "own", "start")
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, start: _Start | None = None) -> None:
+        self.start = start
+        """Fills the call's slots (default: the caller's pages through the transfers)."""
         self.limit = n
         self.own: list[_Own] = []
         """Blocks stored by earlier passes, pinned while later passes run."""
@@ -156,6 +179,12 @@ class BlockStore(Owner):
         [``EvictionPolicy``][aiokvtier.EvictionPolicy] instance.
     :param event_limit: events kept per subscriber of ``events()`` before
         the oldest are dropped.
+    :param disk: an open [``DiskTier``][aiokvtier.DiskTier] below the host tier
+        (its ``block_size`` the tier's slot size): blocks loaded ``admit_after``
+        times are written back to it in the background, ``lookup`` counts the
+        keys it holds past the host prefix, and ``load`` brings blocks found
+        only there back into host slots before it copies them out.
+    :param admit_after: load hits that admit a block to the disk tier.
     """
 
     def __init__(
@@ -165,11 +194,18 @@ class BlockStore(Owner):
         policy: str | EvictionPolicy = "lru",
         *,
         event_limit: int = 1024,
+        disk: DiskTier | None = None,
+        admit_after: int = 2,
     ) -> None:
         if not isinstance(policy, str | EvictionPolicy):
             raise TypeError(f"policy is a name or an EvictionPolicy, not {type(policy).__name__}")
         if type(event_limit) is not int or event_limit < 1:
             raise ValueError(f"event_limit must be a positive int, got {event_limit!r}")
+        if type(admit_after) is not int or admit_after < 1:
+            raise ValueError(f"admit_after must be a positive int, got {admit_after!r}")
+        self._disk = disk
+        self._admit_after = admit_after
+        self._spill: Spill | None = None
         self._tier = tier
         self._engine_given = engine
         self._policy_arg = policy
@@ -195,6 +231,7 @@ class BlockStore(Owner):
                 "discards",
                 "bytes_stored",
                 "bytes_loaded",
+                "disk_hits",
             ),
             0,
         )
@@ -209,13 +246,15 @@ class BlockStore(Owner):
         policy: str | EvictionPolicy = "lru",
         *,
         event_limit: int = 1024,
+        disk: DiskTier | None = None,
+        admit_after: int = 2,
     ) -> BlockStore:
         """Open a store over an open tier.
 
-        :raises TierClosedError: the tier (or the engine) is not open.
-        :raises ValueError: an unknown policy name.
+        :raises TierClosedError: the tier (or the engine, or the disk tier) is not open.
+        :raises ValueError: an unknown policy name, or a disk tier whose block size is not the slot size.
         """
-        store = cls(tier, engine, policy, event_limit=event_limit)
+        store = cls(tier, engine, policy, event_limit=event_limit, disk=disk, admit_after=admit_after)
         await store.__aenter__()
         return store
 
@@ -223,6 +262,14 @@ class BlockStore(Owner):
         self._tier.check_open()
         if self._engine_given is not None:
             self._engine_given.check_open()
+        if self._disk is not None:
+            self._disk.check_open()
+            if self._disk.block_size != self._tier.slot_size:
+                raise ValueError(
+                    f"the disk tier's blocks are {self._disk.block_size} bytes, the tier's slots "
+                    f"{self._tier.slot_size}: they must be the same"
+                )
+            self._spill = Spill(self._disk, self._tier, self._index, self._admit_after)
         capacity = self._tier.slots_total
         self._index.attach(make_policy(self._policy_arg, capacity), capacity)
         self._idle = asyncio.Event()
@@ -231,6 +278,8 @@ class BlockStore(Owner):
     async def _teardown(self) -> None:
         if self._idle is not None:
             await self._idle.wait()  # stores and loads in flight finish first
+        if self._spill is not None:
+            await self._spill.drain()  # blocks being written back stay pinned until then
         self._events.close()
         self._index.release_all()  # the blocks go with the store; the tier stays the owner's
         await self._life.run_undo()
@@ -315,6 +364,9 @@ class BlockStore(Owner):
     def lookup(self, keys: Sequence[object]) -> int:
         """How many leading keys are stored (a prefix hit); touches them. Never blocks.
 
+        With a disk tier, the prefix goes on through the keys it holds (a
+        ``load`` of them brings them back).
+
         :raises TypeError: a key is not bytes-like or an int (a bool, a str).
         :raises TierClosedError: the store is closed.
         """
@@ -329,8 +381,10 @@ class BlockStore(Owner):
         counts = self._counts
         counts["queries"] += 1
         counts["hits"] += hits
-        counts["misses"] += len(keys) - hits
-        return hits
+        more = 0 if self._spill is None else self._spill.lookup_more(keys, hits)
+        counts["disk_hits"] += more
+        counts["misses"] += len(keys) - hits - more
+        return hits + more
 
     def statistics(self) -> StoreStatistics:
         c = self._counts
@@ -352,6 +406,10 @@ class BlockStore(Owner):
             blocks_pinned=int(np.count_nonzero(self._index.pins)),
             in_flight=self._in_flight,
             subscribers=len(self._events),
+            disk_hits=c["disk_hits"],
+            promoted=0 if self._spill is None else self._spill.promoted,
+            written_back=0 if self._spill is None else self._spill.written_back,
+            disk=None if self._disk is None else self._disk.statistics(),
         )
 
     def events(self) -> EventSubscription:
@@ -471,6 +529,7 @@ class BlockStore(Owner):
         checked: bool,
         call: _Call | None = None,
         positions: I64 | None = None,
+        start: _Start | None = None,
     ) -> StoreResult:
         """Store ``keys``; ``checked``: their types were checked (else ``NotCanonical`` may come).
 
@@ -488,7 +547,7 @@ class BlockStore(Owner):
         n = len(keys)
         top = call is None
         if call is None:
-            call = _Call(n)
+            call = _Call(n, start)
         at: Callable[[int], int] = (lambda i: i) if positions is None else positions.item
         try:
             fresh = index.slot_of.keys().isdisjoint(keys)  # new blocks only, the common case: no look-ups
@@ -590,7 +649,12 @@ class BlockStore(Owner):
                 nbytes = int(chosen_pages.lengths.sum())
 
             if chosen.size:
-                await self._transfers.overlap(self._transfers.start_in(taken, chosen_pages, after), book)
+                queued = (
+                    self._transfers.start_in(taken, chosen_pages, after)
+                    if call.start is None
+                    else call.start(taken, chosen_pages, chosen_keys)
+                )
+                await self._transfers.overlap(queued, book)
             elif present_slots.size:
                 index.policy.accessed(present_slots)
                 unpin()
@@ -862,9 +926,14 @@ class BlockStore(Owner):
         index, transfers = self._index, self._transfers
         keys = key_seq(keys)
         slots = index.slots_of_all(keys)
-        if slots is None or not (index.state[slots] == READY).all():
+        rounds = 0
+        while slots is None or not (index.state[slots] == READY).all():
             absent = np.flatnonzero(~index.ready(index.slots(keys) if slots is None else slots))
-            raise BlockNotFound(keys[int(absent[0])])
+            rounds += 1
+            if self._spill is None or rounds > 3:  # evicted again each time by concurrent stores
+                raise BlockNotFound(keys[int(absent[0])])
+            await self._promote(list(dict.fromkeys(keys[i] for i in absent.tolist())))
+            slots = index.slots_of_all(keys)
         pages = transfers.pages(dst, len(keys), writable=True)
         lengths = index.length[slots]  # a copy: the map may grow later
         shorts = np.flatnonzero(pages.lengths < lengths)
@@ -899,6 +968,43 @@ class BlockStore(Owner):
             self._exit()
         self._counts["loads"] += len(slots)
         self._counts["bytes_loaded"] += nbytes
+        if self._spill is not None:
+            self._spill.loaded(keys)
+
+    async def _promote(self, keys: list[Key]) -> None:
+        """Store ``keys`` (absent from the host tier) from the disk tier into host slots.
+
+        :raises BlockNotFound: a key the disk tier does not hold, or whose block it could not read
+            back (a read error, a failed checksum: dropped there), or found no room in the host tier.
+        """
+        spill = self._spill
+        assert spill is not None
+        disk = spill.disk
+        lengths = []
+        for key in keys:
+            if key not in disk:
+                raise BlockNotFound(key)
+            lengths.append(disk.length(key))
+        source = Pages(np.zeros(len(keys), dtype=np.uint64), np.asarray(lengths, dtype=np.uint64), [])
+
+        def from_disk(slots: I64, pages: Pages, chosen: Sequence[Key]) -> Started:
+            async def read() -> None:
+                arrived = await disk.read(list(chosen), self._tier.slot_addresses(slots).tolist())
+                if not all(arrived):
+                    raise _DiskMiss(chosen[arrived.index(False)])
+
+            return (None, asyncio.ensure_future(read()))
+
+        self._enter()
+        try:
+            result = await self._store(keys, source, None, True, True, start=from_disk)
+        except _DiskMiss as miss:
+            raise BlockNotFound(miss.key) from None
+        finally:
+            self._exit()
+        spill.promoted += len(result.stored)
+        if result.skipped:
+            raise BlockNotFound(result.skipped[0])
 
     # -- discard and resize ---------------------------------------------------------------
 
@@ -918,6 +1024,10 @@ class BlockStore(Owner):
             hit = hit[np.unique(slots[hit], return_index=True)[1]]
             hit.sort()
         dropped = keys if len(hit) == len(keys) else [keys[i] for i in hit.tolist()]
+        if self._spill is not None:
+            self._spill.forget(keys)
+            if not self._spill.disk.closed:
+                self._spill.disk.discard(keys)  # a discarded block is wrong or unwanted everywhere
         if not dropped:
             return 0
         self._index.discard(slots[hit], dropped)
@@ -976,4 +1086,6 @@ class BlockStore(Owner):
     def _evicted(self, keys: list[Key]) -> None:
         """Blocks the index evicted (their slots back to the tier): counted and published."""
         self._counts["evictions"] += len(keys)
+        if self._spill is not None:
+            self._spill.forget(keys)
         self._events.publish("evicted", tuple(keys))
