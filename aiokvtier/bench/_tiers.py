@@ -25,6 +25,7 @@ from .._config import DiskTierConfig, HostTierConfig
 from .._disk._io import memory_at
 from .._disk._tier import DiskTier
 from .._host._tier import HostTier
+from .._store._store import BlockStore
 from ._common import median
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -123,14 +124,88 @@ def direct_ok(directory: str) -> bool:
             os.unlink(probe)
 
 
+async def _reopen(directory: str, blocks: int, rounds: int) -> dict[str, Any]:
+    """Open a disk tier of ``blocks`` 4 KiB blocks again (the journal replayed): the restart's cost."""
+    block = 4 * KiB
+    config = await asyncio.to_thread(DiskTierConfig.model_validate, {"quota": blocks * block, "path": directory})
+    memory = HostTierConfig.model_validate({"quota": 4 * MiB, "max_quota": 4 * MiB, "slot_size": block})
+    async with HostTier(memory) as tier:
+        await tier.wait_resident()
+        slots = await tier.allocate(1024)
+        addresses = tier.slot_addresses(slots).tolist()
+        async with DiskTier(config, block_size=block, fingerprint="reopen") as disk:
+            for start in range(0, blocks, 1024):
+                n = min(1024, blocks - start)
+                await disk.write(list(range(start, start + n)), addresses[:n], [block] * n)
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        async with DiskTier(config, block_size=block, fingerprint="reopen") as disk:
+            times.append(time.perf_counter() - started)
+            found = disk.statistics().recovered_blocks
+        assert found == blocks, f"reopened with {found} of {blocks} blocks"
+    return {"blocks": blocks, "block_bytes": block, "reopen_s": round(median(times), 4)}
+
+
+async def _prefix_load(directory: str, blocks: int, rounds: int) -> dict[str, Any]:
+    """A prefix whose second half is only on disk, loaded in one call, beside its parts measured alone:
+    reading that half from disk, and loading the whole prefix from the host tier."""
+    block = 64 * KiB
+    config = await asyncio.to_thread(DiskTierConfig.model_validate, {"quota": blocks * block, "path": directory})
+    size = 4 * blocks * block
+    memory = HostTierConfig.model_validate({"quota": size, "max_quota": size, "slot_size": block})
+    keys = [b"p%d" % i for i in range(blocks)]
+    half = blocks // 2
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, (blocks, block), dtype=np.uint8)
+    out = np.zeros_like(data)
+    samples: dict[str, list[float]] = {"combined": [], "disk_read_alone": [], "host_load_alone": []}
+    async with HostTier(memory) as tier, DiskTier(config, block_size=block, fingerprint="prefix") as disk:
+        await tier.wait_resident()
+        async with BlockStore(tier, disk=disk, admit_after=1) as store:
+            await store.store(keys, data)
+            await store.load(keys, out)
+        assert store.statistics().written_back == blocks  # the close waited for the write-back
+        scratch = await tier.allocate(half)
+        scratch_addresses = tier.slot_addresses(scratch).tolist()
+        for r in range(rounds + 1):
+            async with BlockStore(tier, disk=disk) as store:
+                await store.store(keys[:half], data[:half])
+                started = time.perf_counter()
+                await store.load(keys, out)
+                combined = time.perf_counter() - started
+                assert np.array_equal(out, data), "a block came back wrong"
+                started = time.perf_counter()
+                await store.load(keys, out)
+                host_alone = time.perf_counter() - started
+            started = time.perf_counter()
+            assert all(await disk.read(keys[half:], scratch_addresses))
+            disk_alone = time.perf_counter() - started
+            if r:
+                samples["combined"].append(combined)
+                samples["disk_read_alone"].append(disk_alone)
+                samples["host_load_alone"].append(host_alone)
+    ms = {k: round(median(v) * 1e3, 3) for k, v in samples.items()}
+    return {
+        "prefix_bytes": blocks * block,
+        "on_disk_bytes": (blocks - half) * block,
+        "destination": "host memory (memmove)",
+        "ms": ms,
+        "ratio_vs_sum_of_parts": round(ms["combined"] / (ms["disk_read_alone"] + ms["host_load_alone"]), 3),
+    }
+
+
 def section(quick: bool, path: str | None) -> dict[str, Any]:
-    """The disk tier's write-back and read-back against the plain loop, per block size."""
+    """The disk tier's write-back and read-back against the plain loop, per block size; a restart;
+    a prefix loaded through both tiers."""
     directory = tempfile.mkdtemp(prefix="aiokvtier-bench-", dir=path or ".")
     try:
         total = 32 * MiB if quick else 512 * MiB
         rounds = 2 if quick else 5
         sizes = [64 * KiB, 2 * MiB] if quick else [64 * KiB, 256 * KiB, 2 * MiB]
         results = [asyncio.run(_one_size(directory, block, total, rounds)) for block in sizes]
+        reopen = asyncio.run(_reopen(directory, 10_000 if quick else 100_000, 3))
+        prefix = asyncio.run(_prefix_load(directory, 128 if quick else 1024, rounds))
         usage = shutil.disk_usage(directory)
         return {
             "directory": os.path.abspath(directory),
@@ -138,6 +213,8 @@ def section(quick: bool, path: str | None) -> dict[str, Any]:
             "threads": THREADS,
             "bytes_per_round": total,
             "disk": results,
+            "reopen": reopen,
+            "prefix_load": prefix,
         }
     finally:
         shutil.rmtree(directory, ignore_errors=True)
