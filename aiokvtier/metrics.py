@@ -5,14 +5,15 @@ collector reads ``statistics()`` of the objects it was given when Prometheus
 scrapes, so nothing is counted twice and nothing runs between scrapes:
 
     from prometheus_client import REGISTRY
-    from aiokvtier.metrics import EngineCollector, StoreCollector, TierCollector
+    from aiokvtier.metrics import DiskCollector, EngineCollector, StoreCollector, TierCollector
 
     REGISTRY.register(TierCollector(tier))
     REGISTRY.register(StoreCollector(store, name="kv"))
     REGISTRY.register(EngineCollector(engine, name="gpu0"))
+    REGISTRY.register(DiskCollector(disk, name="nvme0"))
 
-Every series carries the object's name as the label ``tier``, ``store`` or
-``engine``. A registry takes one collector of each kind (the metric names
+Every series carries the object's name as the label ``tier``, ``store``,
+``engine`` or ``disk``. A registry takes one collector of each kind (the metric names
 would clash otherwise); [``TierCollector.add()``][aiokvtier.metrics.TierCollector.add] puts more objects under
 the same one. A closed object still scrapes (its last figures); a tier that
 has not opened yet scrapes as nothing.
@@ -35,12 +36,13 @@ except ImportError as exc:  # pragma: no cover - the test extra installs it
     raise ImportError("aiokvtier.metrics needs prometheus-client: pip install 'aiokvtier[metrics]'") from exc
 
 from ._copy._engine import CopyEngine, CopyStatistics
+from ._disk._tier import DiskStatistics, DiskTier
 from ._errors import TierClosedError
 from ._host._statistics import TierStatistics
 from ._host._tier import HostTier
 from ._store._store import BlockStore, StoreStatistics
 
-__all__ = ["EngineCollector", "StoreCollector", "TierCollector"]
+__all__ = ["DiskCollector", "EngineCollector", "StoreCollector", "TierCollector"]
 
 
 class _Snapshotting(Protocol):
@@ -159,6 +161,9 @@ _STORE_COUNTERS: tuple[tuple[str, str, Any], ...] = (
     ("aiokvtier_store_loads", "Blocks loaded.", lambda s: s.loads),
     ("aiokvtier_store_stored_bytes", "Bytes stored.", lambda s: s.bytes_stored),
     ("aiokvtier_store_loaded_bytes", "Bytes loaded.", lambda s: s.bytes_loaded),
+    ("aiokvtier_store_disk_hits", "Keys lookup found on the disk tier past the host prefix.", lambda s: s.disk_hits),
+    ("aiokvtier_store_promoted", "Blocks load brought back from the disk tier.", lambda s: s.promoted),
+    ("aiokvtier_store_written_back", "Blocks written back to the disk tier.", lambda s: s.written_back),
 )
 
 
@@ -169,6 +174,44 @@ class StoreCollector(_Collector[BlockStore, StoreStatistics]):
 
     def _families(self, snapshots: list[tuple[str, StoreStatistics]]) -> list[Metric]:
         return _table(self, snapshots, _STORE_GAUGES, _STORE_COUNTERS)
+
+
+_DISK_GAUGES: tuple[tuple[str, str, Any], ...] = (
+    ("aiokvtier_disk_blocks", "Blocks on disk.", lambda s: s.blocks),
+    ("aiokvtier_disk_capacity_blocks", "Blocks the disk quota holds.", lambda s: s.capacity),
+    ("aiokvtier_disk_stored_bytes", "Bytes of the blocks on disk.", lambda s: s.bytes_stored),
+    ("aiokvtier_disk_queue_depth", "I/O jobs queued or running.", lambda s: s.queue_depth),
+    ("aiokvtier_disk_direct_io", "1: O_DIRECT; 0: buffered I/O.", lambda s: int(s.direct_io)),
+    (
+        "aiokvtier_disk_free_bytes",
+        "Free space of the file system after the last write (NaN once closed).",
+        lambda s: math.nan if s.free_disk_bytes is None else s.free_disk_bytes,
+    ),
+)
+_DISK_COUNTERS: tuple[tuple[str, str, Any], ...] = (
+    ("aiokvtier_disk_hits", "Blocks read back.", lambda s: s.hits),
+    ("aiokvtier_disk_misses", "Keys asked of read that were absent or failed their checksum.", lambda s: s.misses),
+    ("aiokvtier_disk_read_bytes", "Bytes read back.", lambda s: s.bytes_read),
+    ("aiokvtier_disk_written_bytes", "Bytes written.", lambda s: s.bytes_written),
+    ("aiokvtier_disk_writes_skipped", "Blocks write did not store.", lambda s: s.writes_skipped),
+    ("aiokvtier_disk_evictions", "Blocks evicted from the disk tier.", lambda s: s.evictions),
+    ("aiokvtier_disk_write_errors", "Writes the file system refused.", lambda s: s.write_errors),
+    ("aiokvtier_disk_read_errors", "Reads that failed.", lambda s: s.read_errors),
+    (
+        "aiokvtier_disk_checksum_failures",
+        "Blocks whose bytes did not match their checksum.",
+        lambda s: s.checksum_failures,
+    ),
+)
+
+
+class DiskCollector(_Collector[DiskTier, DiskStatistics]):
+    """Exports a [``DiskTier``][aiokvtier.DiskTier]'s statistics, labelled ``disk=name``."""
+
+    _label = "disk"
+
+    def _families(self, snapshots: list[tuple[str, DiskStatistics]]) -> list[Metric]:
+        return _table(self, snapshots, _DISK_GAUGES, _DISK_COUNTERS)
 
 
 def _table(

@@ -6,17 +6,18 @@ import asyncio
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aiokvtier import BlockStore, CopyEngine, HostTier, HostTierConfig, StaticHostMem
-from aiokvtier.metrics import EngineCollector, StoreCollector, TierCollector
+from aiokvtier import BlockStore, CopyEngine, DiskTier, DiskTierConfig, HostTier, HostTierConfig, StaticHostMem
+from aiokvtier.metrics import DiskCollector, EngineCollector, StoreCollector, TierCollector
 
 from .conftest import PopulateGate
-from .helpers import KiB, MiB, small_config
+from .helpers import KiB, MiB, eventually, small_config
 
 try:  # imported here, not on the event loop: importing torch does blocking file I/O
     import torch as _torch
@@ -279,3 +280,31 @@ async def test_engine_collector_counts_gpu_copies_by_direction() -> None:
         assert value("aiokvtier_store_stored_bytes_total", store="kv") == 4 * SLOT
         assert value("aiokvtier_store_loaded_bytes_total", store="kv") == 2 * SLOT
         tier.free_many(slots)
+
+
+async def test_disk_collector_and_the_store_disk_counters_match_statistics(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    config = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=tmp_path)
+    async with (
+        HostTier(small_config(slot_size=SLOT)) as tier,
+        DiskTier(config, block_size=SLOT, fingerprint="m") as disk,
+        BlockStore(tier, disk=disk, admit_after=1) as store,
+    ):
+        registry.register(DiskCollector(disk, name="nvme0"))
+        registry.register(StoreCollector(store, name="kv"))
+        await tier.wait_resident()
+        pages = np.random.default_rng(1).integers(0, 256, (3, SLOT), dtype=np.uint8)
+        await store.store([b"a", b"b", b"c"], pages)
+        await store.load([b"a", b"b"], np.zeros((2, SLOT), np.uint8))
+        await eventually(lambda: store.statistics().written_back == 2)
+        d, s = disk.statistics(), store.statistics()
+
+        def value(name: str, **labels: str) -> float | None:
+            return registry.get_sample_value(name, labels)
+
+        assert value("aiokvtier_disk_blocks", disk="nvme0") == d.blocks == 2
+        assert value("aiokvtier_disk_written_bytes_total", disk="nvme0") == d.bytes_written == 2 * SLOT
+        assert value("aiokvtier_disk_direct_io", disk="nvme0") == int(d.direct_io)
+        assert value("aiokvtier_disk_free_bytes", disk="nvme0") == d.free_disk_bytes
+        assert value("aiokvtier_store_written_back_total", store="kv") == s.written_back == 2
+        assert value("aiokvtier_store_promoted_total", store="kv") == 0
