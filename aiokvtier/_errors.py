@@ -15,7 +15,9 @@ Each with its second base, if any, and what it means:
     ├── CudaUnavailableError       a device was asked for where no CUDA driver is usable
     ├── CudaError                  a driver call failed; keeps the CUresult name
     ├── CopyPlanError (ValueError) a copy the planner refuses (spans registrations, leaves the range)
-    └── BlockNotFound (KeyError)   a block store has no block for a key
+    ├── BlockNotFound (KeyError)   a block store has no block for a key
+    └── PoolError                  attaching to a pool failed (no socket, refused, not a pool)
+        └── PoolLostError (TierClosedError)   the pool's owner went away
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ __all__ = [
     "FillError",
     "NumaPolicyError",
     "OutOfSlots",
+    "PoolError",
+    "PoolLostError",
     "QuotaError",
     "SlotError",
     "TierClosedError",
@@ -139,3 +143,17 @@ class BlockNotFound(AiokvtierError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message again
         return str(self.args[0])
+
+
+class PoolError(AiokvtierError):
+    """Attaching to a pool failed: no socket at the path, permission denied, refused, or not a pool.
+
+    Also what an attached process gets for a request the owner refused for a
+    reason of its own (the message says which).
+    """
+
+
+class PoolLostError(PoolError, TierClosedError):
+    """The pool's owner went away (it closed or died): every pending and later call of the attached
+    process raises this. The memory it mapped stays valid until it closes; attach again to a
+    restarted owner."""
