@@ -235,9 +235,13 @@ class AttachedPool(Owner):
             future.set_result(message)
             return
         undo = self._orphans.pop(message.rid, None)
-        if undo is None or message.op != _wire.REPLY:
+        if undo is not None:
+            self._undo(undo, message)
+
+    def _undo(self, undo: str, message: Message) -> None:
+        """The caller was cancelled after its request left: give back what the owner gave it."""
+        if message.op != _wire.REPLY:
             return
-        # The caller was cancelled after its request left: give back what the owner gave it.
         if undo == "free":
             self._post(_wire.FREE, {}, [message.parts[0]], expect_reply=True)
         elif undo == "abort" and message.fields.get("claim"):
@@ -271,8 +275,11 @@ class AttachedPool(Owner):
         try:
             message = await future
         except asyncio.CancelledError:
-            if self._pending.pop(rid, None) is not None and undo:
-                self._orphans[rid] = undo
+            if self._pending.pop(rid, None) is not None:
+                if undo:
+                    self._orphans[rid] = undo
+            elif undo and future.done() and not future.cancelled() and future.exception() is None:
+                self._undo(undo, future.result())  # answered, but the caller was cancelled before it resumed
             raise
         if message.op == _wire.ERROR:
             raise error_from(message)
@@ -480,6 +487,11 @@ class AttachedPool(Owner):
             match the keys (nothing changed).
         :raises TypeError: a key that is not bytes-like or an int.
         :raises PoolLostError: the owner went away (nothing of this call is visible then).
+
+        Cancellation: the call returns once nothing reads the caller's pages;
+        blocks whose copy had not landed are given up (never visible); a
+        call cancelled while their commit was on its way may leave those
+        blocks visible, whole.
         """
         from .. import StoreResult
 
@@ -555,6 +567,7 @@ class AttachedPool(Owner):
             return
         reply = await self._request(_wire.LOAD, fields, parts, undo="unpin")
         pin = reply.fields["pin"]
+        loaded = False
         try:
             slots, lengths = reply.ints(0), reply.uints(1)
             short = np.flatnonzero(pages.lengths < lengths)
@@ -567,6 +580,7 @@ class AttachedPool(Owner):
             src = np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)
             copies = list(zip(pages.addresses.tolist(), src.tolist(), lengths.tolist(), strict=True))
             await finish(self._life.submit(memmove_all, copies))
+            loaded = True
         finally:
             if self._lost is None:
-                self._post(_wire.UNPIN, {"pin": pin})
+                self._post(_wire.UNPIN, {"pin": pin, "loaded": loaded})

@@ -199,15 +199,17 @@ class BlockIndex:
             ready.move_to_end(key)
         pin = next(self._ids)
         self._pins[pin] = blocks
-        lengths = [block.length for block in blocks]
-        self.counts["loads"] += len(blocks)
-        self.bytes_loaded += sum(lengths)
-        return pin, [block.slot for block in blocks], lengths
+        return pin, [block.slot for block in blocks], [block.length for block in blocks]
 
-    def unpin(self, pin: int) -> list[int]:
-        """Release a load's pins; returns the slots of blocks discarded meanwhile (to free now)."""
+    def unpin(self, pin: int, loaded: bool = False) -> list[int]:
+        """Release a load's pins (``loaded``: its copy landed, count it); returns the slots of blocks
+        discarded meanwhile (to free now)."""
         freed: list[int] = []
-        for block in self._pins.pop(pin, ()):
+        blocks = self._pins.pop(pin, [])
+        if loaded:
+            self.counts["loads"] += len(blocks)
+            self.bytes_loaded += sum(block.length for block in blocks)
+        for block in blocks:
             block.pins -= 1
             if not block.pins and block.doomed:
                 freed.append(block.slot)

@@ -561,7 +561,7 @@ class Pool(Owner):
         pin = message.fields.get("pin")
         if type(pin) is int and pin in session.pins:
             session.pins.discard(pin)
-            self._free_slots(self._index.unpin(pin))
+            self._free_slots(self._index.unpin(pin, loaded=message.fields.get("loaded") is True))
 
     def _discard(self, session: _Session, message: Message) -> Reply:
         dropped, freed = self._index.discard(self._keys(message))
