@@ -550,10 +550,11 @@ class AttachedPool(Owner):
             if not committed and self._lost is None:
                 self._post(_wire.ABORT, {"claim": claim})
 
-    async def load(self, keys: Sequence[object], dst: Any) -> None:
+    async def load(self, keys: Sequence[object], dst: Any) -> list[int]:
         """Copy each key's block from the shared store into ``dst`` (one page per key).
 
         The blocks are pinned while they are read: no process evicts them under this load.
+        Returns the bytes copied per key (a block stored shorter than its page copies its length).
 
         :param dst: a writable 2-D uint8 array (a row per key) or a sequence of writable buffers.
         :raises BlockNotFound: a key is not stored (the first missing one is named); nothing copied.
@@ -564,7 +565,7 @@ class AttachedPool(Owner):
         given, fields, parts = self._keys(keys)
         pages = host_pages(dst, len(given), writable=True)
         if not given:
-            return
+            return []
         reply = await self._request(_wire.LOAD, fields, parts, undo="unpin")
         pin = reply.fields["pin"]
         loaded = False
@@ -584,3 +585,5 @@ class AttachedPool(Owner):
         finally:
             if self._lost is None:
                 self._post(_wire.UNPIN, {"pin": pin, "loaded": loaded})
+        copied: list[int] = lengths.tolist()
+        return copied
