@@ -5,7 +5,9 @@ Sections: ``lookup`` (a prefix lookup against a dict scan), ``bookkeeping``
 ``ctypes.memmove`` of the same bytes), ``gpu_copies`` (store + load against
 ``CopyEngine.to_host`` / ``to_device`` on the same slots; needs CUDA) and
 ``churn`` (hit rates of the store's policies against an ``OrderedDict`` LRU
-replaying the same trace).
+replaying the same trace) and ``shared`` (a pool served here, used by other
+processes: attaching during the fill, a cross-process lookup and load;
+``aiokvtier.bench._shared``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .._progress import note
 from .._store._policy import make_policy
 from .._store._store import BlockStore
 from ._common import median, percentile, run_sections
+from ._shared import shared
 
 KiB = 1 << 10
 
@@ -459,5 +462,6 @@ def run(args: Any) -> dict[str, Any]:
         "cpu_copies": lambda: asyncio.run(_cpu_copies(512 if quick else 4096, 64 * KiB, repeats)),
         "gpu_copies": lambda: gpu_copies(512 if quick else 4096, 64 * KiB, max(repeats, 15)),
         "churn": lambda: churn(512 if quick else 4096, 10_000 if quick else 100_000, 1.1),
+        "shared": lambda: shared(quick, repeats),
     }
     return run_sections(sections, args.sections, title="bench store")

@@ -1,0 +1,160 @@
+"""``bench store --sections shared``: a pool served by this process, used by others.
+
+Three figures, each from real processes attached to a pool this process owns:
+
+- ``attach_during_fill``: a process that attaches while the pool is still
+  filling: how long until it is attached, has its first slot, and its first
+  lookup answer, and how much of the pool was resident then (it must not
+  wait for the whole fill).
+- ``cross_process``: process A stores ``blocks`` blocks of 64 KiB; process B
+  (started after A exited) looks all of them up (median of ``repeats``) and
+  loads them bit-exact; its load throughput beside the same load done in A.
+
+The attached processes are ``python -c`` children running ``client()``;
+each prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from .._config import HostTierConfig
+from .._pool._client import AttachedPool
+from .._pool._owner import Pool
+from ._common import median
+
+__all__ = ["client", "shared"]
+
+KiB = 1 << 10
+MiB = 1 << 20
+PAGE = 64 * KiB
+
+
+def _keys(n: int) -> list[bytes]:
+    return [b"shared-bench-%08d" % i for i in range(n)]
+
+
+def _pages(n: int) -> np.ndarray:
+    return np.random.default_rng(1234).integers(0, 256, (n, PAGE), dtype=np.uint8)
+
+
+async def _client(mode: str, path: str, n: int, repeats: int) -> dict[str, Any]:
+    if mode == "attach":
+        sys.stdin.readline()  # "go": the owner has started its pool (imports are done before)
+        started = time.perf_counter()
+        async with AttachedPool(path) as pool:
+            attached = time.perf_counter()
+            await pool.allocate()
+            slot = time.perf_counter()
+            resident = pool.resident_bytes
+            await pool.lookup([b"nothing"])
+            lookup = time.perf_counter()
+            await pool.wait_resident()
+            whole = time.perf_counter()
+            return {
+                "attach_ms": round((attached - started) * 1e3, 2),
+                "first_slot_ms": round((slot - started) * 1e3, 2),
+                "first_lookup_ms": round((lookup - started) * 1e3, 2),
+                "resident_fraction_at_first_slot": round(resident / pool.quota, 4),
+                "whole_fill_ms": round((whole - started) * 1e3, 1),
+            }
+    keys, pages = _keys(n), _pages(n)
+    out: dict[str, Any] = {}
+    async with AttachedPool(path) as pool:
+        if mode == "store":
+            started = time.perf_counter()
+            result = await pool.store(keys, pages)
+            out["store_s"] = time.perf_counter() - started
+            if result.skipped:
+                raise RuntimeError(f"the pool skipped {len(result.skipped)} blocks")
+        lookups = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            hits = await pool.lookup(keys)
+            lookups.append(time.perf_counter() - started)
+            if hits != n:
+                raise RuntimeError(f"{hits} of {n} keys found")
+        dst = np.zeros_like(pages)
+        loads = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            await pool.load(keys, dst)
+            loads.append(time.perf_counter() - started)
+        out["lookup_ms"] = round(median(lookups) * 1e3, 3)
+        out["load_gb_s"] = round(pages.nbytes / median(loads) / 1e9, 2)
+        out["bit_exact"] = bool((dst == pages).all())
+    return out
+
+
+def client() -> None:
+    """The attached process's entry (``python -c``): ``MODE PATH BLOCKS REPEATS``, one JSON line out."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a Ctrl-C meant for the benchmark ends it quietly
+    mode, path, n, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    print(json.dumps(asyncio.run(_client(mode, path, n, repeats))), flush=True)
+
+
+def _spawn(mode: str, path: str, n: int, repeats: int) -> subprocess.Popen[str]:
+    code = "from aiokvtier.bench._shared import client; client()"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, mode, path, str(n), str(repeats)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def _answer(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    out, _ = await asyncio.to_thread(proc.communicate, None, 600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"an attached process failed (status {proc.returncode})")
+    answer: dict[str, Any] = json.loads(out)
+    return answer
+
+
+async def _run(quota: int, blocks: int, repeats: int) -> dict[str, Any]:
+    directory = tempfile.mkdtemp(prefix="aiokvtier-bench-")
+    path = os.path.join(directory, "pool.sock")
+    config = HostTierConfig.model_validate({"quota": quota, "max_quota": quota, "slot_size": PAGE, "numa_node": None})
+    try:
+        attacher = _spawn("attach", path, 0, 0)
+        await asyncio.sleep(1.0)  # its imports, before the pool exists
+        async with Pool(config, path) as pool:
+            assert attacher.stdin is not None
+            attacher.stdin.write("go\n")
+            attacher.stdin.flush()
+            during = await _answer(attacher)
+            during["quota_bytes"] = quota
+            await pool.tier.wait_resident()
+            a = await _answer(_spawn("store", path, blocks, repeats))
+            b = await _answer(_spawn("load", path, blocks, repeats))
+        cross = {
+            "blocks": blocks,
+            "block_bytes": PAGE,
+            "store_s_in_a": round(a["store_s"], 3),
+            "lookup_ms_in_b": b["lookup_ms"],
+            "lookup_ms_in_a": a["lookup_ms"],
+            "load_gb_s_in_b": b["load_gb_s"],
+            "load_gb_s_in_a": a["load_gb_s"],
+            "b_over_a": round(b["load_gb_s"] / a["load_gb_s"], 3) if a["load_gb_s"] else None,
+            "bit_exact": b["bit_exact"] and a["bit_exact"],
+        }
+        return {"attach_during_fill": during, "cross_process": cross}
+    finally:
+        for name in os.listdir(directory):
+            os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)
+
+
+def shared(quick: bool, repeats: int) -> dict[str, Any]:
+    quota = 512 * MiB if quick else 4096 * MiB
+    return asyncio.run(_run(quota, 512 if quick else 4096, max(repeats, 3)))
