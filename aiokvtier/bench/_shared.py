@@ -9,6 +9,10 @@ Three figures, each from real processes attached to a pool this process owns:
 - ``cross_process``: process A stores ``blocks`` blocks of 64 KiB; process B
   (started after A exited) looks all of them up (median of ``repeats``) and
   loads them bit-exact; its load throughput beside the same load done in A.
+- ``eight_processes``: 8 processes attach at once and each reads every page
+  of the (resident) pool: how much their private memory grew (from
+  ``/proc/self/smaps_rollup``) beside the pool's size, and how much shared
+  memory each maps.
 
 The attached processes are ``python -c`` children running ``client()``;
 each prints one JSON line.
@@ -17,6 +21,7 @@ each prints one JSON line.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import signal
@@ -68,6 +73,17 @@ async def _client(mode: str, path: str, n: int, repeats: int) -> dict[str, Any]:
                 "resident_fraction_at_first_slot": round(resident / pool.quota, 4),
                 "whole_fill_ms": round((whole - started) * 1e3, 1),
             }
+    if mode == "touch":
+        before = _private_kib()
+        async with AttachedPool(path) as pool:
+            await pool.wait_resident()
+            size = pool.quota
+            mapped = np.frombuffer(memoryview((ctypes.c_ubyte * size).from_address(pool.base_address)), np.uint8)
+            checksum = int(mapped[::4096].sum(dtype=np.uint64))  # a read of every page
+            after = _private_kib()
+            shared_kib = _rollup().get("Shared_Clean", 0) + _rollup().get("Shared_Dirty", 0)
+            del mapped
+        return {"private_growth_kib": after - before, "shared_kib": shared_kib, "checksum": checksum}
     keys, pages = _keys(n), _pages(n)
     out: dict[str, Any] = {}
     async with AttachedPool(path) as pool:
@@ -94,6 +110,22 @@ async def _client(mode: str, path: str, n: int, repeats: int) -> dict[str, Any]:
         out["load_gb_s"] = round(pages.nbytes / median(loads) / 1e9, 2)
         out["bit_exact"] = bool((dst == pages).all())
     return out
+
+
+def _rollup() -> dict[str, int]:
+    fields: dict[str, int] = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                fields[name] = int(parts[0])
+    return fields
+
+
+def _private_kib() -> int:
+    rollup = _rollup()
+    return rollup.get("Private_Clean", 0) + rollup.get("Private_Dirty", 0)
 
 
 def client() -> None:
@@ -137,6 +169,8 @@ async def _run(quota: int, blocks: int, repeats: int) -> dict[str, Any]:
             await pool.tier.wait_resident()
             a = await _answer(_spawn("store", path, blocks, repeats))
             b = await _answer(_spawn("load", path, blocks, repeats))
+            touchers = [_spawn("touch", path, 0, 0) for _ in range(8)]
+            touched = [await _answer(p) for p in touchers]
         cross = {
             "blocks": blocks,
             "block_bytes": PAGE,
@@ -148,7 +182,16 @@ async def _run(quota: int, blocks: int, repeats: int) -> dict[str, Any]:
             "b_over_a": round(b["load_gb_s"] / a["load_gb_s"], 3) if a["load_gb_s"] else None,
             "bit_exact": b["bit_exact"] and a["bit_exact"],
         }
-        return {"attach_during_fill": during, "cross_process": cross}
+        growth = [t["private_growth_kib"] * KiB for t in touched]
+        eight = {
+            "processes": 8,
+            "pool_bytes": quota,
+            "private_growth_bytes": sum(growth),
+            "private_growth_fraction_of_pool": round(sum(growth) / quota, 5),
+            "shared_bytes_mapped_per_process": [t["shared_kib"] * KiB for t in touched],
+            "same_bytes_read": len({t["checksum"] for t in touched}) == 1,
+        }
+        return {"attach_during_fill": during, "cross_process": cross, "eight_processes": eight}
     finally:
         for name in os.listdir(directory):
             os.unlink(os.path.join(directory, name))

@@ -5,9 +5,9 @@ Sections: ``lookup`` (a prefix lookup against a dict scan), ``bookkeeping``
 ``ctypes.memmove`` of the same bytes), ``gpu_copies`` (store + load against
 ``CopyEngine.to_host`` / ``to_device`` on the same slots; needs CUDA) and
 ``churn`` (hit rates of the store's policies against an ``OrderedDict`` LRU
-replaying the same trace) and ``shared`` (a pool served here, used by other
-processes: attaching during the fill, a cross-process lookup and load;
-``aiokvtier.bench._shared``).
+replaying the same trace); ``shared``, run only when named (a pool served
+here, used by other processes: attaching during the fill, a cross-process
+lookup and load, eight processes' memory; ``aiokvtier.bench._shared``).
 """
 
 from __future__ import annotations
@@ -464,4 +464,6 @@ def run(args: Any) -> dict[str, Any]:
         "churn": lambda: churn(512 if quick else 4096, 10_000 if quick else 100_000, 1.1),
         "shared": lambda: shared(quick, repeats),
     }
-    return run_sections(sections, args.sections, title="bench store")
+    # shared starts processes of its own: asked for by name only.
+    chosen = args.sections or [name for name in sections if name != "shared"]
+    return run_sections(sections, chosen, title="bench store")
