@@ -44,6 +44,7 @@ if _typing.TYPE_CHECKING:
     from ._host._statistics import TierStatistics as TierStatistics
     from ._host._tier import HostTier as HostTier
     from ._pool._client import AttachedPool as AttachedPool
+    from ._pool._events import PoolEvents as PoolEvents
     from ._pool._owner import Pool as Pool
     from ._pool._statistics import PoolStatistics as PoolStatistics
     from ._store._events import BlockEvent as BlockEvent
@@ -81,6 +82,7 @@ __all__ = [
     "Placement",
     "Pool",
     "PoolError",
+    "PoolEvents",
     "PoolLostError",
     "PoolStatistics",
     "QuotaError",
@@ -109,6 +111,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "._host._statistics": ("TierStatistics",),
     "._host._tier": ("HostTier",),
     "._pool._client": ("AttachedPool",),
+    "._pool._events": ("PoolEvents",),
     "._pool._owner": ("Pool",),
     "._pool._statistics": ("PoolStatistics",),
     "._store._events": ("BlockEvent", "EventSubscription"),

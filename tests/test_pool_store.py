@@ -172,3 +172,21 @@ async def test_cancelled_calls_hold_nothing(sock: str) -> None:
         s = await b.statistics()
         assert s.blocks_pinned == 0
         assert pool.statistics().tier.slots_allocated == s.blocks
+
+
+async def test_events_reach_every_subscriber_whichever_process_caused_them(sock: str) -> None:
+    keys = [key(i) for i in range(1024)]
+    async with Pool(CONFIG, sock), attached(sock) as a, AttachedPool(sock) as b, AttachedPool(sock) as c:
+        await a.event("attached")
+        sub_b, sub_c = await b.events(), await c.events()
+        assert (await a.call("store", keys=keys[:1000], size=4096))["skipped"] == 0
+        await c.store([b"new-%d" % i for i in range(30)], [b"x"] * 30)  # evicts 6 of a's blocks
+        assert await b.discard([bytes.fromhex(keys[500])]) == 1
+        for sub in (sub_b, sub_c):
+            got = [await anext(sub) for _ in range(4)]
+            assert [e.kind for e in got] == ["stored", "evicted", "stored", "discarded"]
+            assert [k.hex() for k in got[0].keys] == keys[:1000]  # type: ignore[union-attr]
+            assert [k.hex() for k in got[1].keys] == keys[:6]  # type: ignore[union-attr]
+            assert got[3].keys == (bytes.fromhex(keys[500]),)
+    async with asyncio.timeout(30):
+        assert [e async for e in sub_b] == []  # ended with the pool

@@ -38,10 +38,11 @@ from .._host._statistics import TierStatistics
 from .._host._views import ViewLedger
 from .._lifecycle import Lifecycle, Owner, finish
 from . import _wire
+from ._events import EventFanout, PoolEvents
 from ._pages import Pages, host_pages, memmove_all
 from ._socket import connect, recv_frame_with_fds
 from ._statistics import PoolStatistics
-from ._wire import BUSY, CLAIMED, PRESENT, Key, Message, as_key, decode, encode, encode_keys, error_from
+from ._wire import BUSY, CLAIMED, PRESENT, Key, Message, as_key, decode, decode_keys, encode, encode_keys, error_from
 
 __all__ = ["AttachedPool"]
 
@@ -96,6 +97,8 @@ class AttachedPool(Owner):
         self._target = 0
         self._slots_total = 0
         self._fill_error: str | None = None
+        self._events = EventFanout()
+        self._subscribed = False
 
     @classmethod
     async def attach(cls, path: str | os.PathLike[str]) -> AttachedPool:
@@ -185,6 +188,9 @@ class AttachedPool(Owner):
                     self._on_state(message.fields)
                 elif message.op == _wire.BYE:
                     reason = str(message.fields.get("reason", reason))
+                elif message.op == _wire.EVENT:
+                    keys = decode_keys(message.fields.get("k"), message.parts)
+                    self._events.publish(message.fields["kind"], tuple(keys))
                 else:
                     self._on_reply(message)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -205,6 +211,7 @@ class AttachedPool(Owner):
             if not future.done():
                 future.set_exception(PoolLostError(reason))
         self._pending.clear()
+        self._events.end()
         self._wake_all()
 
     def _raise_if_lost(self) -> None:
@@ -462,6 +469,24 @@ class AttachedPool(Owner):
         _, fields, parts = self._keys(keys)
         reply = await self._request(_wire.LOOKUP, fields, parts)
         return int(reply.fields["hits"])
+
+    async def events(self, *, limit: int = 1024) -> PoolEvents:
+        """A new subscription: every ``stored``, ``evicted`` and ``discarded`` event of the shared store,
+        whichever process caused it, from this call on (as ``BlockStore.events()``: bounded by ``limit``,
+        the next event read after a loss says how many were dropped; it ends when the pool closes or is lost).
+
+        :raises ValueError: ``limit`` is not a positive int.
+        :raises PoolLostError: the owner went away.
+        """
+        if type(limit) is not int or limit < 1:
+            raise ValueError(f"limit must be a positive int, got {limit!r}")
+        self._check_open()
+        self._raise_if_lost()
+        events = self._events.subscribe(limit)  # before the request: no event after it is missed
+        if not self._subscribed:
+            await self._request(_wire.SUBSCRIBE)
+            self._subscribed = True
+        return events
 
     async def discard(self, keys: Sequence[object]) -> int:
         """Drop blocks from the shared store (a block a load reads goes when that load is done).

@@ -215,21 +215,21 @@ class BlockIndex:
                 freed.append(block.slot)
         return freed
 
-    def discard(self, keys: Sequence[Key]) -> tuple[int, list[int]]:
-        """Drop blocks (unknown keys ignored); returns how many, and the slots to free now (a pinned
+    def discard(self, keys: Sequence[Key]) -> tuple[list[Key], list[int]]:
+        """Drop blocks (unknown keys ignored); returns the keys dropped, and the slots to free now (a pinned
         block's slot is freed at its last unpin)."""
-        dropped = 0
+        dropped: list[Key] = []
         freed: list[int] = []
         for key in keys:
             block = self.ready.pop(key, None)
             if block is None:
                 continue
-            dropped += 1
+            dropped.append(key)
             if block.pins:
                 block.doomed = True
             else:
                 freed.append(block.slot)
-        self.counts["discards"] += dropped
+        self.counts["discards"] += len(dropped)
         return dropped, freed
 
     def clear(self) -> list[int]:

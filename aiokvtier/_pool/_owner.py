@@ -37,7 +37,7 @@ from . import _wire
 from ._index import BlockIndex
 from ._socket import Listener, recv_frame_with_fds, send_with_fds
 from ._statistics import PoolStatistics
-from ._wire import CLAIMED, PRESENT, SKIPPED, Message, decode, decode_keys, encode, error_to
+from ._wire import CLAIMED, PRESENT, SKIPPED, Message, decode, decode_keys, encode, encode_keys, error_to
 
 __all__ = ["Pool"]
 
@@ -59,6 +59,7 @@ class _Session:
         self.claims: set[int] = set()
         self.pins: set[int] = set()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.subscribed = False
 
     def send(self, frame: bytes) -> None:
         if not self.writer.is_closing():
@@ -136,6 +137,7 @@ class Pool(Owner):
             _wire.LOAD: self._load,
             _wire.UNPIN: self._unpin,
             _wire.DISCARD: self._discard,
+            _wire.SUBSCRIBE: self._subscribe,
         }
         self._waiting: dict[int, Callable[[_Session, Message], Awaitable[Reply]]] = {
             _wire.ALLOC: self._alloc,
@@ -482,8 +484,9 @@ class Pool(Owner):
             wanted = outcomes.count(CLAIMED)
             short = wanted - tier.slots_free
             if short > 0:
-                _, freed = index.evict(short, set(keys))
+                evicted, freed = index.evict(short, set(keys))
                 self._free_slots(freed)
+                self._event("evicted", evicted)
             room = tier.slots_free if wait else min(tier.slots_free, tier.slots_ready)
             outcomes = index.cut(outcomes, room)
             claimed = [i for i, o in enumerate(outcomes) if o == CLAIMED]
@@ -524,7 +527,7 @@ class Pool(Owner):
 
     def _commit(self, session: _Session, message: Message) -> Reply:
         claim = self._claim_of(session, message)
-        self._index.commit(claim)
+        self._event("stored", self._index.commit(claim))
         session.claims.discard(claim)
         self._claim_done(claim)
         return {}, []
@@ -566,4 +569,21 @@ class Pool(Owner):
     def _discard(self, session: _Session, message: Message) -> Reply:
         dropped, freed = self._index.discard(self._keys(message))
         self._free_slots(freed)
-        return {"dropped": dropped}, []
+        self._event("discarded", dropped)
+        return {"dropped": len(dropped)}, []
+
+    def _subscribe(self, session: _Session, message: Message) -> Reply:
+        session.subscribed = True
+        return {}, []
+
+    def _event(self, kind: str, keys: list[_wire.Key]) -> None:
+        """Push an event of the shared store to every process that subscribed."""
+        if not keys:
+            return
+        subscribed = [s for s in self._sessions if s.subscribed]
+        if not subscribed:
+            return
+        form, parts = encode_keys(keys)
+        frame = encode(_wire.EVENT, 0, {"kind": kind, "k": form}, parts)
+        for session in subscribed:
+            session.send(frame)

@@ -27,6 +27,7 @@ byte arrays, checked as they are read.
     UNPIN {pin}               ───────────>  (no reply)
     DISCARD keys              ───────────>  REPLY {dropped}
     STATS                     ───────────>  REPLY {tier, pool}
+    SUBSCRIBE                 ───────────>  REPLY, then EVENT {kind} keys at every stored, evicted, discarded
                               <───────────  ERROR {type, message}  (in place of a REPLY)
                               <───────────  BYE {reason}          (the owner is closing)
 """
@@ -49,7 +50,8 @@ __all__ = ["Key", "Message", "as_key", "decode", "decode_keys", "encode", "encod
 VERSION = 1
 
 HELLO, WELCOME, STATE, ALLOC, FREE, LOOKUP, BEGIN, COMMIT, ABORT, AWAIT, LOAD, UNPIN, DISCARD, STATS = range(1, 15)
-REPLY, ERROR, BYE = 100, 101, 102
+SUBSCRIBE = 15
+REPLY, ERROR, BYE, EVENT = 100, 101, 102, 103
 
 # A block's outcome in a BEGIN reply.
 PRESENT, CLAIMED, BUSY, SKIPPED = 0, 1, 2, 3
