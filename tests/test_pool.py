@@ -323,3 +323,42 @@ async def test_a_gpu_backing_is_refused_before_anything_is_served(sock: str) -> 
     with pytest.raises(ConfigError, match="host memory only"):
         await Pool.open({**CONFIG, "device": 0, "backing": "register"}, sock)
     assert not await asyncio.to_thread(os.path.exists, sock)
+
+
+async def _raw(sock: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_unix_connection(sock)
+
+
+async def test_a_process_speaking_another_protocol_is_refused_and_the_pool_serves_on(sock: str) -> None:
+    from aiokvtier._pool import _wire
+
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as good:
+        # Another version: a clear error back, then the connection is closed.
+        reader, writer = await _raw(sock)
+        writer.write(_wire.encode(_wire.HELLO, 0, {"v": 999}))
+        async with asyncio.timeout(WAIT):
+            head = await reader.readexactly(4)
+            answer = _wire.decode(await reader.readexactly(_wire.LENGTH.unpack(head)[0]))
+            assert await reader.read() == b""
+        error = _wire.error_from(answer)
+        assert isinstance(error, PoolError) and "protocol version" in str(error)
+        writer.close()
+        # Garbage after a good hello: that process is dropped, and what it took is given back.
+        reader, writer = await _raw(sock)
+        writer.write(_wire.encode(_wire.HELLO, 0, {"v": _wire.VERSION}))
+        writer.write(_wire.encode(_wire.ALLOC, 1, {"n": 3}))
+        writer.write(b"\x05\x00\x00\x00garbage")
+        async with asyncio.timeout(WAIT):
+            while await reader.read(1 << 16):
+                pass  # the owner closes the connection
+        writer.close()
+        await until(lambda: pool.clients == 1 and pool.tier.statistics().slots_allocated == 0, "dropped")
+        assert await good.allocate(2) == [0, 1]
+        # A huge frame length is refused the same way.
+        reader, writer = await _raw(sock)
+        writer.write(_wire.encode(_wire.HELLO, 0, {"v": _wire.VERSION}) + b"\xff\xff\xff\xff")
+        async with asyncio.timeout(WAIT):
+            while await reader.read(1 << 16):
+                pass
+        writer.close()
+        assert (await good.statistics()).clients == 1
