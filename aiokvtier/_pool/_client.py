@@ -456,7 +456,8 @@ class AttachedPool(Owner):
     def _keys(self, keys: Sequence[object]) -> tuple[list[Key], dict[str, Any], list[bytes]]:
         if isinstance(keys, bytes | bytearray | memoryview | str | int):
             raise TypeError("keys are a sequence of keys (bytes or ints), not one key")
-        given = [as_key(k) for k in keys]
+        # bytes and ints are keys as they are (a bool's type is bool): one pass over the types, not a call per key.
+        given: list[Key] = list(keys) if set(map(type, keys)) <= {bytes, int} else [as_key(k) for k in keys]  # type: ignore[arg-type]
         kind, parts = encode_keys(given)
         return given, {"k": kind}, parts
 

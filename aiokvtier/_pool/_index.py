@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from .._errors import BlockNotFound
 from ._wire import BUSY, CLAIMED, PRESENT, SKIPPED, Key
@@ -66,19 +66,20 @@ class BlockIndex:
 
     # -- queries --------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[Key]) -> int:
-        """The stored prefix of ``keys``; touches it."""
+    def lookup(self, keys: Iterable[Key], count: int) -> int:
+        """The stored prefix of ``keys`` (``count`` of them; read only up to the first miss); touches it."""
         ready = self.ready
+        touch = ready.move_to_end
         hits = 0
         for key in keys:
             if key not in ready:
                 break
-            ready.move_to_end(key)
+            touch(key)
             hits += 1
         c = self.counts
         c["queries"] += 1
         c["hits"] += hits
-        c["misses"] += len(keys) - hits
+        c["misses"] += count - hits
         return hits
 
     # -- store: classify, claim, commit or abort ------------------------------------------

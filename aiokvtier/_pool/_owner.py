@@ -37,7 +37,19 @@ from . import _wire
 from ._index import BlockIndex
 from ._socket import Listener, recv_frame_with_fds, send_with_fds
 from ._statistics import PoolStatistics
-from ._wire import CLAIMED, PRESENT, SKIPPED, Message, decode, decode_keys, encode, encode_keys, error_to
+from ._wire import (
+    CLAIMED,
+    PRESENT,
+    SKIPPED,
+    Message,
+    count_keys,
+    decode,
+    decode_keys,
+    encode,
+    encode_keys,
+    error_to,
+    iter_keys,
+)
 
 __all__ = ["Pool"]
 
@@ -467,7 +479,9 @@ class Pool(Owner):
         )
 
     def _lookup(self, session: _Session, message: Message) -> Reply:
-        return {"hits": self._index.lookup(self._keys(message))}, []
+        kind = message.fields.get("k")
+        parts = message.parts[: 1 if kind == "i" else 2]
+        return {"hits": self._index.lookup(iter_keys(kind, parts), count_keys(kind, parts))}, []
 
     async def _begin(self, session: _Session, message: Message) -> Reply:
         keys = self._keys(message)
