@@ -42,6 +42,7 @@ def test_the_forms_chosen() -> None:
         _wire.HEAD.pack(1, 0, 2) + b"[]",
         _wire.HEAD.pack(1, 0, 10) + b'{"p": [5]}',
         _wire.HEAD.pack(1, 0, 11) + b'{"p": [-1]}',
+        _wire.HEAD.pack(1, 0, 200000) + b"[" * 100000 + b"]" * 100000,
     ],
 )
 def test_malformed_frames_are_value_errors(payload: bytes) -> None:

@@ -61,7 +61,7 @@ HELLO_TIMEOUT = 10.0
 Reply = tuple[dict[str, Any], list[bytes]]
 
 
-class _Session:
+class _Peer:
     """One attached process: its connection and what it holds."""
 
     def __init__(self, pid: int, writer: asyncio.StreamWriter) -> None:
@@ -136,11 +136,11 @@ class Pool(Owner):
         self._mode = mode
         self._life = Lifecycle("Pool", "aiokvtier-pool")
         self._index = BlockIndex()
-        self._sessions: set[_Session] = set()
+        self._peers: set[_Peer] = set()
         self._connections: set[asyncio.Task[None]] = set()
         self._claim_waiters: dict[int, list[asyncio.Future[None]]] = {}
         self._pool_id = secrets.token_hex(8)
-        self._inline: dict[int, Callable[[_Session, Message], Reply | None]] = {
+        self._inline: dict[int, Callable[[_Peer, Message], Reply | None]] = {
             _wire.FREE: self._free,
             _wire.STATS: self._stats,
             _wire.LOOKUP: self._lookup,
@@ -151,7 +151,7 @@ class Pool(Owner):
             _wire.DISCARD: self._discard,
             _wire.SUBSCRIBE: self._subscribe,
         }
-        self._waiting: dict[int, Callable[[_Session, Message], Awaitable[Reply]]] = {
+        self._waiting: dict[int, Callable[[_Peer, Message], Awaitable[Reply]]] = {
             _wire.ALLOC: self._alloc,
             _wire.BEGIN: self._begin,
             _wire.AWAIT: self._await,
@@ -197,8 +197,8 @@ class Pool(Owner):
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         bye = encode(_wire.BYE, 0, {"reason": "the pool's owner closed the pool"})
-        for session in list(self._sessions):
-            session.send(bye)
+        for peer in list(self._peers):
+            peer.send(bye)
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
@@ -230,7 +230,7 @@ class Pool(Owner):
     @property
     def clients(self) -> int:
         """Processes attached now."""
-        return len(self._sessions)
+        return len(self._peers)
 
     def statistics(self) -> PoolStatistics:
         """A snapshot of the tier, the attached processes and the shared store (the owner's loop).
@@ -245,8 +245,8 @@ class Pool(Owner):
             tier=self._tier.statistics(),
             path=self._path,
             owner_pid=os.getpid(),
-            clients=len(self._sessions),
-            slots_attached=sum(len(s.slots) for s in self._sessions),
+            clients=len(self._peers),
+            slots_attached=sum(len(s.slots) for s in self._peers),
             blocks=len(index),
             blocks_pinned=index.pinned,
             claims=index.claims,
@@ -259,7 +259,7 @@ class Pool(Owner):
         if "_tier" not in self.__dict__:
             return f"<Pool [{self._life.state} | {self._path}]>"
         return (
-            f"<Pool [{self._life.state} | {self._path} | {len(self._sessions)} attached | "
+            f"<Pool [{self._life.state} | {self._path} | {len(self._peers)} attached | "
             f"{len(self._index)} blocks | {self._tier!r}]>"
         )
 
@@ -296,8 +296,8 @@ class Pool(Owner):
         tier = self._tier
         while True:
             frame = self._state()
-            for session in self._sessions:
-                session.send(frame)
+            for peer in self._peers:
+                peer.send(frame)
             s = tier.statistics()
             if s.resident_bytes < s.quota and s.fill_error is None:
                 try:
@@ -353,24 +353,24 @@ class Pool(Owner):
         except BaseException:
             conn.close()
             raise
-        session = _Session(pid, writer)
-        self._sessions.add(session)
+        peer = _Peer(pid, writer)
+        self._peers.add(peer)
         log.info("aiokvtier: process %d attached to the pool at %s", pid, self._path)
-        session.send(self._state())
+        peer.send(self._state())
         try:
             while True:
                 head = await reader.readexactly(_wire.LENGTH.size)
                 (size,) = _wire.LENGTH.unpack(head)
                 if size > _wire.MAX_FRAME:
                     raise ValueError(f"a frame of {size} bytes")
-                self._dispatch(session, decode(await reader.readexactly(size)))
+                self._dispatch(peer, decode(await reader.readexactly(size)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the process closed its end, or died
         except ValueError as exc:
             log.warning("aiokvtier: dropping process %d: it broke the pool protocol (%s)", pid, exc)
         finally:
-            self._sessions.discard(session)
-            await self._release(session)
+            self._peers.discard(peer)
+            await self._release(peer)
             writer.close()
             log.info("aiokvtier: process %d detached from the pool at %s", pid, self._path)
 
@@ -386,21 +386,21 @@ class Pool(Owner):
             "config": self._config.model_dump(mode="json"),
         }
 
-    async def _release(self, session: _Session) -> None:
+    async def _release(self, peer: _Peer) -> None:
         """Take back everything a departed process held: its requests, stores, pins and slots."""
-        for task in list(session.tasks):
+        for task in list(peer.tasks):
             task.cancel()
-        await asyncio.gather(*session.tasks, return_exceptions=True)
+        await asyncio.gather(*peer.tasks, return_exceptions=True)
         index, free = self._index, self._free_slots
-        for claim in list(session.claims):
+        for claim in list(peer.claims):
             free(index.abort(claim))
             self._claim_done(claim)
-        for pin in list(session.pins):
+        for pin in list(peer.pins):
             free(index.unpin(pin))
-        free(list(session.slots))
-        session.claims.clear()
-        session.pins.clear()
-        session.slots.clear()
+        free(list(peer.slots))
+        peer.claims.clear()
+        peer.pins.clear()
+        peer.slots.clear()
 
     def _free_slots(self, slots: list[int]) -> None:
         if slots and not self._tier.closed:
@@ -408,39 +408,37 @@ class Pool(Owner):
 
     # -- requests ---------------------------------------------------------------------------
 
-    def _dispatch(self, session: _Session, message: Message) -> None:
+    def _dispatch(self, peer: _Peer, message: Message) -> None:
         inline = self._inline.get(message.op)
         if inline is not None:
             try:
-                result = inline(session, message)
+                result = inline(peer, message)
             except Exception as exc:
-                self._refuse(session, message, exc)
+                self._refuse(peer, message, exc)
                 return
             if result is not None:
-                session.reply(message.rid, *result)
+                peer.reply(message.rid, *result)
             return
         waiting = self._waiting.get(message.op)
         if waiting is None:
-            session.error(message.rid, PoolError(f"unknown request {message.op} (a newer client?)"))
+            peer.error(message.rid, PoolError(f"unknown request {message.op} (a newer client?)"))
             return
-        session.spawn(self._run(session, message, waiting))
+        peer.spawn(self._run(peer, message, waiting))
 
-    async def _run(
-        self, session: _Session, message: Message, handler: Callable[[_Session, Message], Awaitable[Reply]]
-    ) -> None:
+    async def _run(self, peer: _Peer, message: Message, handler: Callable[[_Peer, Message], Awaitable[Reply]]) -> None:
         try:
-            result = await handler(session, message)
+            result = await handler(peer, message)
         except Exception as exc:
-            self._refuse(session, message, exc)
+            self._refuse(peer, message, exc)
             return
-        session.reply(message.rid, *result)
+        peer.reply(message.rid, *result)
 
-    def _refuse(self, session: _Session, message: Message, exc: Exception) -> None:
+    def _refuse(self, peer: _Peer, message: Message, exc: Exception) -> None:
         if not isinstance(exc, ValueError | TypeError | KeyError | PoolError | OutOfSlots | WouldBlock):
             if not isinstance(exc, FillError | TierClosedError):
-                log.error("aiokvtier: the pool failed a request (op %d) of process %d", message.op, session.pid)
+                log.error("aiokvtier: the pool failed a request (op %d) of process %d", message.op, peer.pid)
                 log.exception(exc)
-        session.error(message.rid, exc)
+        peer.error(message.rid, exc)
 
     @staticmethod
     def _count(message: Message) -> int:
@@ -449,27 +447,27 @@ class Pool(Owner):
             raise ValueError(f"n must be a positive int, got {n!r}")
         return n
 
-    async def _alloc(self, session: _Session, message: Message) -> Reply:
+    async def _alloc(self, peer: _Peer, message: Message) -> Reply:
         n = self._count(message)
         tier = self._tier
         if not message.fields.get("wait", True) and tier.slots_ready < n:
             raise WouldBlock(f"{n} slots asked for, {tier.slots_ready} resident and free")
         ids = await tier.allocate_ids(n)
-        session.slots.update(ids.tolist())  # in the step that took them: a cancellation cannot come between
+        peer.slots.update(ids.tolist())  # in the step that took them: a cancellation cannot come between
         return {}, [ids.tobytes()]
 
-    def _free(self, session: _Session, message: Message) -> Reply:
+    def _free(self, peer: _Peer, message: Message) -> Reply:
         ids = message.ints(0).tolist()
         if len(set(ids)) != len(ids):
             raise SlotError("a slot appears twice in one free; nothing was freed")
         for slot in ids:
-            if slot not in session.slots:
+            if slot not in peer.slots:
                 raise SlotError(f"slot {slot} is not allocated by this process; nothing was freed")
         self._tier.free_many(ids)
-        session.slots.difference_update(ids)
+        peer.slots.difference_update(ids)
         return {}, []
 
-    def _stats(self, session: _Session, message: Message) -> Reply:
+    def _stats(self, peer: _Peer, message: Message) -> Reply:
         s = self.statistics()
         return {"stats": dataclasses.asdict(s)}, []
 
@@ -478,12 +476,12 @@ class Pool(Owner):
             message.fields.get("k"), message.parts[first : first + (1 if message.fields.get("k") == "i" else 2)]
         )
 
-    def _lookup(self, session: _Session, message: Message) -> Reply:
+    def _lookup(self, peer: _Peer, message: Message) -> Reply:
         kind = message.fields.get("k")
         parts = message.parts[: 1 if kind == "i" else 2]
         return {"hits": self._index.lookup(iter_keys(kind, parts), count_keys(kind, parts))}, []
 
-    async def _begin(self, session: _Session, message: Message) -> Reply:
+    async def _begin(self, peer: _Peer, message: Message) -> Reply:
         keys = self._keys(message)
         lengths = message.uints(len(message.parts) - 1).tolist()
         if len(lengths) != len(keys):
@@ -508,16 +506,16 @@ class Pool(Owner):
             claim = 0
             if claimed:
                 claim = index.claim([keys[i] for i in claimed], [lengths[i] for i in claimed])
-                session.claims.add(claim)
+                peer.claims.add(claim)
                 try:
                     ids = await tier.allocate_ids(len(claimed))
                 except OutOfSlots:
-                    session.claims.discard(claim)
+                    peer.claims.discard(claim)
                     index.abort(claim)
                     self._claim_done(claim)
                     continue
                 except BaseException:
-                    session.claims.discard(claim)
+                    peer.claims.discard(claim)
                     index.abort(claim)
                     self._claim_done(claim)
                     raise
@@ -533,23 +531,23 @@ class Pool(Owner):
         counts["skipped"] += outcomes.count(SKIPPED)
         return {"claim": 0}, [np.array(outcomes, dtype=np.uint8).tobytes(), np.full(len(keys), -1).tobytes()]
 
-    def _claim_of(self, session: _Session, message: Message) -> int:
+    def _claim_of(self, peer: _Peer, message: Message) -> int:
         claim = message.fields.get("claim")
-        if type(claim) is not int or claim not in session.claims:
+        if type(claim) is not int or claim not in peer.claims:
             raise PoolError(f"no store in flight with claim {claim!r} for this process")
         return claim
 
-    def _commit(self, session: _Session, message: Message) -> Reply:
-        claim = self._claim_of(session, message)
+    def _commit(self, peer: _Peer, message: Message) -> Reply:
+        claim = self._claim_of(peer, message)
         self._event("stored", self._index.commit(claim))
-        session.claims.discard(claim)
+        peer.claims.discard(claim)
         self._claim_done(claim)
         return {}, []
 
-    def _abort(self, session: _Session, message: Message) -> None:
+    def _abort(self, peer: _Peer, message: Message) -> None:
         claim = message.fields.get("claim")
-        if type(claim) is int and claim in session.claims:
-            session.claims.discard(claim)
+        if type(claim) is int and claim in peer.claims:
+            peer.claims.discard(claim)
             self._free_slots(self._index.abort(claim))
             self._claim_done(claim)
 
@@ -558,7 +556,7 @@ class Pool(Owner):
             if not future.done():
                 future.set_result(None)
 
-    async def _await(self, session: _Session, message: Message) -> Reply:
+    async def _await(self, peer: _Peer, message: Message) -> Reply:
         keys = self._keys(message)
         storing = self._index.storing
         while True:
@@ -569,35 +567,35 @@ class Pool(Owner):
             self._claim_waiters.setdefault(next(iter(claims)), []).append(future)
             await future
 
-    def _load(self, session: _Session, message: Message) -> Reply:
+    def _load(self, peer: _Peer, message: Message) -> Reply:
         pin, slots, lengths = self._index.pin(self._keys(message))
-        session.pins.add(pin)
+        peer.pins.add(pin)
         return {"pin": pin}, [np.array(slots, dtype=np.int64).tobytes(), np.array(lengths, dtype=np.uint64).tobytes()]
 
-    def _unpin(self, session: _Session, message: Message) -> None:
+    def _unpin(self, peer: _Peer, message: Message) -> None:
         pin = message.fields.get("pin")
-        if type(pin) is int and pin in session.pins:
-            session.pins.discard(pin)
+        if type(pin) is int and pin in peer.pins:
+            peer.pins.discard(pin)
             self._free_slots(self._index.unpin(pin, loaded=message.fields.get("loaded") is True))
 
-    def _discard(self, session: _Session, message: Message) -> Reply:
+    def _discard(self, peer: _Peer, message: Message) -> Reply:
         dropped, freed = self._index.discard(self._keys(message))
         self._free_slots(freed)
         self._event("discarded", dropped)
         return {"dropped": len(dropped)}, []
 
-    def _subscribe(self, session: _Session, message: Message) -> Reply:
-        session.subscribed = True
+    def _subscribe(self, peer: _Peer, message: Message) -> Reply:
+        peer.subscribed = True
         return {}, []
 
     def _event(self, kind: str, keys: list[_wire.Key]) -> None:
         """Push an event of the shared store to every process that subscribed."""
         if not keys:
             return
-        subscribed = [s for s in self._sessions if s.subscribed]
+        subscribed = [s for s in self._peers if s.subscribed]
         if not subscribed:
             return
         form, parts = encode_keys(keys)
         frame = encode(_wire.EVENT, 0, {"kind": kind, "k": form}, parts)
-        for session in subscribed:
-            session.send(frame)
+        for peer in subscribed:
+            peer.send(frame)

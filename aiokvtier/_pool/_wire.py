@@ -109,7 +109,10 @@ def decode(payload: bytes) -> Message:
         raise ValueError("a frame shorter than its header")
     op, rid, n = HEAD.unpack_from(payload)
     end = HEAD.size + n
-    head = json.loads(payload[HEAD.size : end])
+    try:
+        head = json.loads(payload[HEAD.size : end])
+    except RecursionError:  # nested past the interpreter's depth: not a frame of ours either
+        raise ValueError("a frame's fields are nested too deeply") from None
     if not isinstance(head, dict):
         raise ValueError("a frame's fields are not an object")
     lengths = head.pop("p", [])
