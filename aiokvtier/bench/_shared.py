@@ -9,6 +9,9 @@ Three figures, each from real processes attached to a pool this process owns:
 - ``cross_process``: process A stores ``blocks`` blocks of 64 KiB; process B
   (started after A exited) looks all of them up (median of 50 or more) and
   loads them bit-exact; its load throughput beside the same load done in A.
+- ``concurrent``: 8 processes at once, each storing ``blocks`` keys of its
+  own in one call (1-byte pages), looking them up and dropping them, 20
+  rounds: p50 and p99 of the store and lookup calls.
 - ``eight_processes``: 8 processes attach at once and each reads every page
   of the (resident) pool: how much their private memory grew (from
   ``/proc/self/smaps_rollup``) beside the pool's size, and how much shared
@@ -36,7 +39,7 @@ import numpy as np
 from .._config import HostTierConfig
 from .._pool._client import AttachedPool
 from .._pool._owner import Pool
-from ._common import median
+from ._common import median, summary_ms
 
 __all__ = ["client", "shared"]
 
@@ -84,6 +87,25 @@ async def _client(mode: str, path: str, n: int, repeats: int) -> dict[str, Any]:
             shared_kib = _rollup().get("Shared_Clean", 0) + _rollup().get("Shared_Dirty", 0)
             del mapped
         return {"private_growth_kib": after - before, "shared_kib": shared_kib, "checksum": checksum}
+    if mode == "concurrent":
+        # n keys of its own a round (1-byte pages: the index's cost, not the copies'), stored, looked up, dropped.
+        async with AttachedPool(path) as pool:
+            mine = [b"%d-%d-" % (os.getpid(), i) for i in range(n)]
+            print(json.dumps({"ready": True}), flush=True)
+            await asyncio.to_thread(sys.stdin.readline)  # "go": every process is attached
+            stores, lookups = [], []
+            page = np.zeros((n, 1), dtype=np.uint8)
+            for _ in range(repeats):
+                started = time.perf_counter()
+                result = await pool.store(mine, page)
+                stores.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                hits = await pool.lookup(mine)
+                lookups.append(time.perf_counter() - started)
+                if result.skipped or hits != n:
+                    raise RuntimeError(f"{len(result.skipped)} skipped, {hits} of {n} found")
+                await pool.discard(mine)
+            return {"store_s": stores, "lookup_s": lookups}
     keys, pages = _keys(n), _pages(n)
     out: dict[str, Any] = {}
     async with AttachedPool(path) as pool:
@@ -169,6 +191,15 @@ async def _run(quota: int, blocks: int, repeats: int) -> dict[str, Any]:
             await pool.tier.wait_resident()
             a = await _answer(_spawn("store", path, blocks, repeats))
             b = await _answer(_spawn("load", path, blocks, repeats))
+            rivals = [_spawn("concurrent", path, blocks, 20) for _ in range(8)]
+            for rival in rivals:
+                assert rival.stdout is not None and rival.stdin is not None
+                await asyncio.to_thread(rival.stdout.readline)  # attached
+            for rival in rivals:
+                assert rival.stdin is not None
+                rival.stdin.write("go\n")
+                rival.stdin.flush()
+            contended = [await _answer(rival) for rival in rivals]
             touchers = [_spawn("touch", path, 0, 0) for _ in range(8)]
             touched = [await _answer(p) for p in touchers]
         cross = {
@@ -191,7 +222,17 @@ async def _run(quota: int, blocks: int, repeats: int) -> dict[str, Any]:
             "shared_bytes_mapped_per_process": [t["shared_kib"] * KiB for t in touched],
             "same_bytes_read": len({t["checksum"] for t in touched}) == 1,
         }
-        return {"attach_during_fill": during, "cross_process": cross, "eight_processes": eight}
+        stores = [x for c in contended for x in c["store_s"]]
+        lookups = [x for c in contended for x in c["lookup_s"]]
+        concurrent = {
+            "processes": 8,
+            "keys_per_call": blocks,
+            "calls_per_process": 20,
+            "store_ms": summary_ms(stores),
+            "lookup_ms": summary_ms(lookups),
+        }
+        result = {"attach_during_fill": during, "cross_process": cross, "concurrent": concurrent}
+        return result | {"eight_processes": eight}
     finally:
         for name in os.listdir(directory):
             os.unlink(os.path.join(directory, name))
