@@ -39,6 +39,8 @@ if _typing.TYPE_CHECKING:
     from ._errors import FillError as FillError
     from ._errors import NumaPolicyError as NumaPolicyError
     from ._errors import OutOfSlots as OutOfSlots
+    from ._errors import PoolError as PoolError
+    from ._errors import PoolLostError as PoolLostError
     from ._errors import QuotaError as QuotaError
     from ._errors import SlotError as SlotError
     from ._errors import TierClosedError as TierClosedError
@@ -46,6 +48,10 @@ if _typing.TYPE_CHECKING:
     from ._host._placement import Placement as Placement
     from ._host._statistics import TierStatistics as TierStatistics
     from ._host._tier import HostTier as HostTier
+    from ._pool._client import AttachedPool as AttachedPool
+    from ._pool._events import PoolEvents as PoolEvents
+    from ._pool._owner import Pool as Pool
+    from ._pool._statistics import PoolStatistics as PoolStatistics
     from ._store._events import BlockEvent as BlockEvent
     from ._store._events import EventSubscription as EventSubscription
     from ._store._policy import EvictionPolicy as EvictionPolicy
@@ -57,6 +63,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AiokvtierError",
+    "AttachedPool",
     "BlockEvent",
     "BlockNotFound",
     "BlockStore",
@@ -82,6 +89,11 @@ __all__ = [
     "OutOfSlots",
     "Pages",
     "Placement",
+    "Pool",
+    "PoolError",
+    "PoolEvents",
+    "PoolLostError",
+    "PoolStatistics",
     "QuotaError",
     "SlotError",
     "SmOptions",
@@ -104,13 +116,17 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "._cuda._static": ("StaticHostMem",),
     "._errors": (
         "AiokvtierError", "BlockNotFound", "ConfigError", "CopyPlanError", "CudaError", "CudaUnavailableError",
-        "DecommitError", "DiskTierBusy", "FillError", "NumaPolicyError", "OutOfSlots", "QuotaError", "SlotError",
-        "TierClosedError", "WouldBlock",
+        "DecommitError", "DiskTierBusy", "FillError", "NumaPolicyError", "OutOfSlots", "PoolError", "PoolLostError",
+        "QuotaError", "SlotError", "TierClosedError", "WouldBlock",
     ),
     "._disk._tier": ("DiskStatistics", "DiskTier"),
     "._host._placement": ("Placement",),
     "._host._statistics": ("TierStatistics",),
     "._host._tier": ("HostTier",),
+    "._pool._client": ("AttachedPool",),
+    "._pool._events": ("PoolEvents",),
+    "._pool._owner": ("Pool",),
+    "._pool._statistics": ("PoolStatistics",),
     "._store._events": ("BlockEvent", "EventSubscription"),
     "._store._policy": ("EvictionPolicy",),
     "._store._store": ("BlockStore", "StoreResult", "StoreStatistics"),

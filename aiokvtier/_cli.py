@@ -1,4 +1,4 @@
-"""The ``aiokvtier`` command: ``demo``, ``doctor``, ``bench`` and ``serve``.
+"""The ``aiokvtier`` command: ``demo``, ``doctor``, ``pool``, ``bench`` and ``serve``.
 
 It starts and ends by the convention of ``aiokvtier._program``: one line
 ``aiokvtier: error: ...`` and exit 2 for a usage error (a bad value, or what
@@ -107,6 +107,16 @@ def non_negative_seconds(text: str) -> float:
     return abs(value)  # -0.0 prints as 0
 
 
+def _octal_mode(text: str) -> int:
+    try:
+        value = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode such as 600 or 660") from None
+    if not 0 <= value <= 0o777:
+        raise argparse.ArgumentTypeError(f"{text!r} is not permission bits (0 to 777)")
+    return value
+
+
 def _default_quota(available: int) -> int:
     # A quarter of what can be made resident now, in whole GiB, 1 to 8 GiB.
     return max(1 << 30, min(8 << 30, available // 4) >> 30 << 30)
@@ -213,6 +223,39 @@ def build_parser(prog: str = "aiokvtier") -> Parser:
     )
     doctor.add_argument("--json", action="store_true", help="print the checks as one JSON document")
     doctor.add_argument("--no-cuda", action="store_true", help="leave the CUDA driver alone")
+
+    pool = sub.add_parser(
+        "pool",
+        help="own a tier that every process of this machine can attach to, served on a Unix socket",
+        description=(
+            "Reserve a host tier over shared memory, fill it, and serve it on a Unix socket until SIGTERM\n"
+            "(exit 0) or Ctrl-C. Processes attach with aiokvtier.AttachedPool(PATH). Prints one JSON line\n"
+            "once the socket is served and one when it stops."
+        ),
+    )
+    pool.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="where to serve (default: $AIOKVTIER_POOL, else $XDG_RUNTIME_DIR/aiokvtier-pool.sock, "
+        "else /tmp/aiokvtier-pool-UID.sock)",
+    )
+    pool.add_argument("--mode", type=_octal_mode, default="600", metavar="OCTAL", help="the socket's permission bits")
+    pool.add_argument("--quota", type=_size("quota"), required=True, metavar="SIZE", help="bytes to make resident")
+    pool.add_argument(
+        "--max-quota",
+        type=_size("max_quota"),
+        metavar="SIZE",
+        help="address range to reserve; resizes stay below it (default: host memory, capped by the cgroup limit)",
+    )
+    pool.add_argument("--slot-size", type=_size("slot_size"), default="64KiB", metavar="SIZE", help="bytes per slot")
+    pool.add_argument(
+        "--fill-threads", type=whole_number(1, 256), metavar="N", help="threads making the range resident"
+    )
+    pool.add_argument(
+        "--numa-node", type=_numa_node, metavar="NODE", default="none", help="node to place pages on, or 'none'"
+    )
+    pool.add_argument("--thp", action="store_true", help="opt the range into transparent huge pages")
+    pool.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="event loop to run on")
 
     sub.add_parser(
         "bench",
@@ -325,6 +368,48 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if any(c.fatal for c in checks) else 0
 
 
+def _loop_factory(loop: str) -> Callable[[], Any] | None:
+    if loop != "uvloop":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        raise UsageError("argument --loop: uvloop is not installed (pip install uvloop)") from None
+    factory: Callable[[], Any] = uvloop.new_event_loop
+    return factory
+
+
+def _pool(args: argparse.Namespace) -> int:
+    import os
+
+    from pydantic import ValidationError
+
+    from ._config import HostTierConfig
+    from ._pool._command import default_socket, serve_pool
+
+    values: dict[str, object] = {
+        "quota": args.quota,
+        "slot_size": args.slot_size,
+        "numa_node": args.numa_node,
+        "transparent_huge_pages": args.thp,
+        "backing": "host",
+    }
+    if args.max_quota is not None:
+        values["max_quota"] = args.max_quota
+    if args.fill_threads is not None:
+        values["fill_threads"] = args.fill_threads
+    try:
+        config = HostTierConfig.model_validate(values)
+    except ValidationError as exc:
+        _config_error(exc)
+    path = args.socket or default_socket()
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"argument --socket: the directory {directory} does not exist")
+    run_async(serve_pool(config, path, args.mode), loop_factory=_loop_factory(args.loop))
+    return 0
+
+
 def _quota_text(argv: Sequence[str]) -> str | None:
     """The quota as typed, for the report (argparse keeps only the parsed number)."""
     for i, arg in enumerate(argv):
@@ -351,6 +436,8 @@ def _command(argv: list[str], prog: str) -> int:
         return 2
     if args.command == "doctor":
         return _doctor(args)
+    if args.command == "pool":
+        return _pool(args)
     return _demo(args, _quota_text(argv))
 
 

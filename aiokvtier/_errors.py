@@ -16,7 +16,9 @@ Each with its second base, if any, and what it means:
     ├── CudaError                  a driver call failed; keeps the CUresult name
     ├── CopyPlanError (ValueError) a copy the planner refuses (spans registrations, leaves the range)
     ├── BlockNotFound (KeyError)   a block store has no block for a key
-    └── DiskTierBusy               another opener holds a disk tier's directory
+    ├── DiskTierBusy               another opener holds a disk tier's directory
+    └── PoolError                  attaching to a pool failed (no socket, refused, not a pool)
+        └── PoolLostError (TierClosedError)   the pool's owner went away
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ __all__ = [
     "FillError",
     "NumaPolicyError",
     "OutOfSlots",
+    "PoolError",
+    "PoolLostError",
     "QuotaError",
     "SlotError",
     "TierClosedError",
@@ -145,3 +149,17 @@ class BlockNotFound(AiokvtierError, KeyError):
 
 class DiskTierBusy(AiokvtierError):
     """Another process, or another ``DiskTier`` of this one, has the disk tier's directory open."""
+
+
+class PoolError(AiokvtierError):
+    """Attaching to a pool failed: no socket at the path, permission denied, refused, or not a pool.
+
+    Also what an attached process gets for a request the owner refused for a
+    reason of its own (the message says which).
+    """
+
+
+class PoolLostError(PoolError, TierClosedError):
+    """The pool's owner went away (it closed or died): every pending and later call of the attached
+    process raises this. The memory it mapped stays valid until it closes; attach again to a
+    restarted owner."""

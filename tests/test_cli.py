@@ -100,7 +100,7 @@ def test_no_command_prints_usage_and_the_commands_and_exits_2(args: list[str]) -
     done = _cli_run(*args)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith("usage: python -m aiokvtier")
-    commands = ["demo", "doctor", "bench", "serve"] if not args else ["host", "cuda", "store", "ranks"]
+    commands = ["demo", "doctor", "pool", "bench", "serve"] if not args else ["host", "cuda", "store", "ranks"]
     listed = [line.split()[0] for line in done.stderr.splitlines() if line[:4] == "    " and line[4] != " "]
     assert listed == commands
 

@@ -5,7 +5,9 @@ Sections: ``lookup`` (a prefix lookup against a dict scan), ``bookkeeping``
 ``ctypes.memmove`` of the same bytes), ``gpu_copies`` (store + load against
 ``CopyEngine.to_host`` / ``to_device`` on the same slots; needs CUDA) and
 ``churn`` (hit rates of the store's policies against an ``OrderedDict`` LRU
-replaying the same trace).
+replaying the same trace); ``shared``, run only when named (a pool served
+here, used by other processes: attaching during the fill, a cross-process
+lookup and load, eight processes' memory; ``aiokvtier.bench._shared``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .._store._policy import make_policy
 from .._store._store import BlockStore
 from . import _tiers
 from ._common import median, percentile, run_sections
+from ._shared import shared
 
 KiB = 1 << 10
 
@@ -461,5 +464,8 @@ def run(args: Any) -> dict[str, Any]:
         "gpu_copies": lambda: gpu_copies(512 if quick else 4096, 64 * KiB, max(repeats, 15)),
         "churn": lambda: churn(512 if quick else 4096, 10_000 if quick else 100_000, 1.1),
         "tiers": lambda: _tiers.section(quick, args.disk_path),
+        "shared": lambda: shared(quick, repeats),
     }
-    return run_sections(sections, args.sections, title="bench store")
+    # shared starts processes of its own: asked for by name only.
+    chosen = args.sections or [name for name in sections if name != "shared"]
+    return run_sections(sections, chosen, title="bench store")

@@ -180,7 +180,7 @@ class Service:
 
     async def delete_block(self, request: Request) -> Response:
         key = store_key(request.path_params["key"])
-        if not self.blocks.delete(key):
+        if not await self.blocks.delete(key):
             raise ApiError(404, f"no block {request.path_params['key']}")
         return Response(status_code=204)
 
@@ -195,10 +195,10 @@ class Service:
             raise ApiError(400, '"keys" is a list of strings')
         if len(keys) > LOOKUP_MAX_KEYS:
             raise ApiError(413, f"at most {LOOKUP_MAX_KEYS} keys per lookup, got {len(keys)}")
-        return JSONResponse({"hits": self.blocks.lookup([store_key(k) for k in keys])})
+        return JSONResponse({"hits": await self.blocks.lookup([store_key(k) for k in keys])})
 
     async def stats(self, request: Request) -> Response:
-        body = self.blocks.stats()
+        body = await self.blocks.stats()
         body["server"] = {"draining": self.draining, "internal_errors": self.internal_errors}
         return JSONResponse(body)
 

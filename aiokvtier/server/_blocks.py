@@ -1,8 +1,10 @@
-"""Where the service's blocks live: a BlockStore over a HostTier, or a plain dict (the baseline)."""
+"""Where the service's blocks live: a BlockStore over a HostTier, a pool shared by several worker
+processes, or a plain dict (the baseline)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Literal, Protocol
 
 from prometheus_client.registry import Collector
@@ -11,9 +13,10 @@ from .. import metrics
 from .._config import HostTierConfig
 from .._errors import BlockNotFound
 from .._host._tier import HostTier
+from .._pool._client import AttachedPool
 from .._store._store import BlockStore
 
-__all__ = ["Blocks", "DictBlocks", "StoreBlocks"]
+__all__ = ["Blocks", "DictBlocks", "PoolBlocks", "StoreBlocks"]
 
 Put = Literal["stored", "present", "skipped"]
 
@@ -28,9 +31,9 @@ class Blocks(Protocol):
     def residency(self) -> tuple[int, int, str | None]: ...
     async def put(self, key: bytes, body: bytes) -> Put: ...
     async def get(self, key: bytes) -> bytes | None: ...
-    def delete(self, key: bytes) -> bool: ...
-    def lookup(self, keys: list[bytes]) -> int: ...
-    def stats(self) -> dict[str, Any]: ...
+    async def delete(self, key: bytes) -> bool: ...
+    async def lookup(self, keys: list[bytes]) -> int: ...
+    async def stats(self) -> dict[str, Any]: ...
     def collectors(self) -> list[Collector]: ...
 
 
@@ -82,18 +85,68 @@ class StoreBlocks:
             return None
         return bytes(buffer)
 
-    def delete(self, key: bytes) -> bool:
+    async def delete(self, key: bytes) -> bool:
         return self.store.discard([key]) == 1
 
-    def lookup(self, keys: list[bytes]) -> int:
+    async def lookup(self, keys: list[bytes]) -> int:
         return self.store.lookup(keys)
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         tier, store = self.tier.statistics(), self.store.statistics()
         return {"tier": dataclasses.asdict(tier), "store": dataclasses.asdict(store)}
 
     def collectors(self) -> list[Collector]:
         return [metrics.TierCollector(self.tier), metrics.StoreCollector(self.store)]
+
+
+class PoolBlocks:
+    """Blocks in the store of a pool that another process owns (``--workers``: each worker attaches).
+
+    A block PUT through one worker is a GET hit through every other.
+    """
+
+    pool: AttachedPool
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.slot_size = 0
+
+    async def open(self) -> None:
+        self.pool = await AttachedPool.attach(self.path)
+        self.slot_size = self.pool.slot_size
+
+    async def aclose(self) -> None:
+        if "pool" in self.__dict__:
+            await self.pool.aclose()
+
+    def residency(self) -> tuple[int, int, str | None]:
+        return self.pool.resident_bytes, self.pool.quota, None
+
+    async def put(self, key: bytes, body: bytes) -> Put:
+        result = await self.pool.store([key], [body])
+        return "stored" if result.stored else "present" if result.present else "skipped"
+
+    async def get(self, key: bytes) -> bytes | None:
+        buffer = bytearray(self.slot_size)
+        try:
+            (length,) = await self.pool.load([key], [buffer])
+        except BlockNotFound:
+            return None
+        return bytes(buffer[:length])
+
+    async def delete(self, key: bytes) -> bool:
+        return await self.pool.discard([key]) == 1
+
+    async def lookup(self, keys: list[bytes]) -> int:
+        return await self.pool.lookup(keys)
+
+    async def stats(self) -> dict[str, Any]:
+        s = await self.pool.statistics()
+        pool = dataclasses.asdict(s)
+        return {"tier": pool.pop("tier"), "pool": pool, "worker": {"pid": os.getpid()}}
+
+    def collectors(self) -> list[Collector]:
+        return []
 
 
 class DictBlocks:
@@ -126,10 +179,10 @@ class DictBlocks:
     async def get(self, key: bytes) -> bytes | None:
         return self.blocks.get(key)
 
-    def delete(self, key: bytes) -> bool:
+    async def delete(self, key: bytes) -> bool:
         return self.blocks.pop(key, None) is not None
 
-    def lookup(self, keys: list[bytes]) -> int:
+    async def lookup(self, keys: list[bytes]) -> int:
         hits = 0
         for key in keys:
             if key not in self.blocks:
@@ -139,7 +192,7 @@ class DictBlocks:
         self.misses += len(keys) - hits
         return hits
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         return {
             "dict": {"blocks": len(self.blocks), "capacity": self.capacity, "hits": self.hits, "misses": self.misses}
         }

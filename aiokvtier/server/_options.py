@@ -101,6 +101,16 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
         metavar="SECONDS",
         help="then, wait this long for the requests in flight before answering them 503 and closing every connection",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="server processes over one pool (host backing): a block PUT through one is a GET hit through all",
+    )
+    # A worker of --workers: the pool to attach to and the listening socket it inherits.
+    parser.add_argument("--attach", metavar="PATH", help=argparse.SUPPRESS)
+    parser.add_argument("--listen-fd", type=int, metavar="FD", help=argparse.SUPPRESS)
     return parser
 
 
@@ -117,6 +127,14 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
         parser.error(f"argument --drain-seconds: {args.drain_seconds} is not 0 to 3600 seconds")
     if not 0 <= args.grace_seconds <= 3600:
         parser.error(f"argument --grace-seconds: {args.grace_seconds} is not 0 to 3600 seconds")
+    if not 1 <= args.workers <= 256:
+        parser.error(f"argument --workers: {args.workers} is not 1 to 256")
+    if args.workers > 1 and args.plain_dict:
+        parser.error("argument --workers: several workers share a pool; --plain-dict keeps blocks in one process")
+    if args.workers > 1 and (args.device is not None or args.backing not in ("host", "auto")):
+        parser.error("argument --workers: a pool shares host memory only (--backing host, no --device)")
+    if (args.attach is None) != (args.listen_fd is None):
+        parser.error("argument --attach: a worker takes --attach and --listen-fd together")
     try:
         config = HostTierConfig(
             quota=args.quota,

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Generator
@@ -28,7 +29,7 @@ import uvicorn
 
 from .._config import HostTierConfig
 from ._app import Service
-from ._blocks import Blocks, DictBlocks, StoreBlocks
+from ._blocks import Blocks, DictBlocks, PoolBlocks, StoreBlocks
 
 __all__ = ["serve"]
 
@@ -135,10 +136,18 @@ class Server(uvicorn.Server):
 
 def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
     """Serve until a signal; 0 after a clean shutdown, 3 when the server did not start."""
+    if args.workers > 1:
+        from ._workers import serve_workers
+
+        return serve_workers(args, config)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    blocks: Blocks = (
-        DictBlocks(int(config.quota), int(config.slot_size)) if args.plain_dict else StoreBlocks(config, args.policy)
-    )
+    blocks: Blocks
+    if args.attach is not None:
+        blocks = PoolBlocks(args.attach)
+    elif args.plain_dict:
+        blocks = DictBlocks(int(config.quota), int(config.slot_size))
+    else:
+        blocks = StoreBlocks(config, args.policy)
     service = Service(blocks)
     uv = uvicorn.Config(
         service.app(),
@@ -150,5 +159,8 @@ def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
         timeout_graceful_shutdown=args.grace_seconds,  # what Server.shutdown waits, in its own way
     )
     server = Server(uv, service, args.drain_seconds, args.grace_seconds)
-    server.run()
+    if args.listen_fd is not None:  # a worker of --workers: the parent's listening socket
+        server.run(sockets=[socket.socket(fileno=args.listen_fd)])
+    else:
+        server.run()
     return 0 if server.started else 3

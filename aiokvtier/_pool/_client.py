@@ -1,0 +1,615 @@
+"""AttachedPool: a process's view of a pool another process owns.
+
+Attaching connects to the owner's socket, receives the tier's memfd
+(SCM_RIGHTS) and maps it shared: the same pages, at an address of this
+process. Everything else is asked of the owner over the socket: slots
+(``allocate``, ``free``), the shared store's index (``lookup``, and the
+claims and pins behind ``store`` and ``load``) and ``statistics()``. The
+bytes never cross the socket: a store copies into the slots the owner
+claimed for it, a load copies out of the slots it pinned, on this
+process's own ``aiokvtier-attached`` thread.
+
+The owner pushes its watermark at every change; ``wait_resident`` waits
+for those pushes. When the connection ends (the owner closed or died) every
+pending and later call raises ``PoolLostError``; the mapping stays valid
+memory until ``aclose()`` (the memfd lives as long as a mapping of it).
+
+A seam for GPU use: a process that copies with its own ``CopyEngine``
+would register the mapping with its CUDA context unit by unit as the
+pushed watermark passes each unit (``_on_resident``); host mode has nothing
+to do there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import FillError, PoolError, PoolLostError, SlotError
+from .._host._shared import map_shared, unmap_shared
+from .._host._statistics import TierStatistics
+from .._host._views import ViewLedger
+from .._lifecycle import Lifecycle, Owner, finish
+from . import _wire
+from ._events import EventFanout, PoolEvents
+from ._pages import Pages, host_pages, memmove_all
+from ._socket import connect, recv_frame_with_fds
+from ._statistics import PoolStatistics
+from ._wire import BUSY, CLAIMED, PRESENT, Key, Message, as_key, decode, decode_keys, encode, encode_keys, error_from
+
+__all__ = ["AttachedPool"]
+
+log = logging.getLogger("aiokvtier")
+
+ATTACH_TIMEOUT = 30.0
+"""Seconds an attach waits for the owner's welcome (it answers at once unless it is stuck)."""
+
+
+def _positive(n: object, name: str) -> int:
+    if type(n) is bool or not isinstance(n, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if int(n) < 1:
+        raise ValueError(f"{name} must be positive, got {n}")
+    return int(n)
+
+
+class AttachedPool(Owner):
+    """A pool served by another process (or by this one), attached: its tier and its shared block store.
+
+    ``pool = await AttachedPool.attach(path)`` or ``async with AttachedPool(path) as pool:``.
+    Slots come from the owner's allocator (``allocate`` waits only for the
+    unit it needs, as ``HostTier.allocate``); ``address`` and ``view`` give
+    this process's address of a slot it holds. ``store``, ``load``,
+    ``lookup`` and ``discard`` act on the store every attached process
+    shares, with ``BlockStore``'s rules: a key stored by any process is
+    found by all; a load pins its blocks (never evicted under it); a store
+    of a key another process is storing waits for it and reports it
+    present.
+
+    Threads: the event loop that attached. Cancellation: a cancelled
+    ``allocate`` takes no slot, a cancelled ``store`` leaves nothing
+    visible and no slot taken, a cancelled ``load`` returns once nothing
+    reads the caller's pages any more. When this process exits or is killed
+    the owner takes back everything it held.
+
+    :param path: the pool's socket.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._path = os.fspath(path)
+        self._life = Lifecycle("AttachedPool", "aiokvtier-attached")
+        self._rids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._orphans: dict[int, str] = {}
+        """Requests whose caller gave up: what to undo when their reply comes (``"free"``, ``"abort"``, ``"unpin"``)."""
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._lost: str | None = None
+        self._mine: set[int] = set()
+        self._resident = 0
+        self._quota = 0
+        self._target = 0
+        self._slots_total = 0
+        self._fill_error: str | None = None
+        self._events = EventFanout()
+        self._subscribed = False
+
+    @classmethod
+    async def attach(cls, path: str | os.PathLike[str]) -> AttachedPool:
+        """Connect to the pool at ``path`` and map its memory.
+
+        :raises PoolError: no socket there, permission denied (the message
+            names the socket's mode and owner), the owner refused or is gone,
+            or it speaks another protocol version.
+        :raises OSError: the memory cannot be mapped here.
+        """
+        pool = cls(path)
+        await pool.__aenter__()
+        return pool
+
+    async def _build(self) -> None:
+        life = self._life
+        self._loop = asyncio.get_running_loop()
+        sock = await connect(self._path)
+        try:
+            await self._loop.sock_sendall(sock, encode(_wire.HELLO, 0, {"v": _wire.VERSION, "pid": os.getpid()}))
+            try:
+                async with asyncio.timeout(ATTACH_TIMEOUT):
+                    payload, fds = await recv_frame_with_fds(sock, 1)
+            except (ConnectionError, TimeoutError) as exc:
+                raise PoolError(f"the pool at {self._path} did not welcome this process: {exc!r}") from None
+            welcome = decode(payload)
+            if welcome.op == _wire.ERROR:
+                raise error_from(welcome)
+            if welcome.op != _wire.WELCOME or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise PoolError(f"{self._path} is not an aiokvtier pool (no memory came with its answer)")
+            fields = welcome.fields
+            self._pool_id = str(fields["pool"])
+            self._owner_pid = int(fields["owner"])
+            self._size = int(fields["size"])
+            self._slot_size = int(fields["slot_size"])
+            self._commit_unit = int(fields["commit_unit"])
+            self._config: dict[str, Any] = dict(fields["config"])
+            try:
+                self._base = await life.run(map_shared, fds[0], self._size)
+            finally:
+                os.close(fds[0])  # the mapping keeps the memory
+            self._views = ViewLedger(self._slot_size)
+            life.undo.callback(life.release_when_unviewed, self._views.defer_until_empty, self._unmap)
+            reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._reader_task = asyncio.ensure_future(self._read(reader))
+        # The owner pushes its state right after the welcome: wait for it, so figures are known at return.
+        if not self._quota:
+            future: asyncio.Future[None] = self._loop.create_future()
+            self._waiters.append((0, future))
+            await future
+            self._raise_if_lost()
+
+    def _unmap(self) -> None:
+        unmap_shared(self._base, self._size)
+
+    async def _teardown(self) -> None:
+        writer = self.__dict__.get("_writer")
+        if writer is not None:
+            writer.close()
+        task: asyncio.Task[None] | None = self.__dict__.get("_reader_task")
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._lose("this AttachedPool was closed", closed=True)
+        await self._life.run_undo()
+
+    async def aclose(self) -> None:
+        """Detach: the owner takes back every slot, store and pin this process holds; unmaps the memory
+        (once no view of it is left). Idempotent."""
+        await self._life.close(self._teardown)
+
+    # -- the connection -----------------------------------------------------------------
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        reason = "the pool's owner went away (the connection closed)"
+        try:
+            while True:
+                head = await reader.readexactly(_wire.LENGTH.size)
+                (size,) = _wire.LENGTH.unpack(head)
+                message = decode(await reader.readexactly(size))
+                if message.op == _wire.STATE:
+                    self._on_state(message.fields)
+                elif message.op == _wire.BYE:
+                    reason = str(message.fields.get("reason", reason))
+                elif message.op == _wire.EVENT:
+                    keys = decode_keys(message.fields.get("k"), message.parts)
+                    self._events.publish(message.fields["kind"], tuple(keys))
+                else:
+                    self._on_reply(message)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except ValueError as exc:
+            reason = f"the pool's owner broke the protocol: {exc}"
+        finally:
+            closing = self._life.closed  # our own aclose ended the connection
+            self._lose(f"{reason}: pool at {self._path}, owner pid {self.__dict__.get('_owner_pid')}", closing)
+
+    def _lose(self, reason: str, closed: bool = False) -> None:
+        if self._lost is not None:
+            return
+        self._lost = reason
+        if not closed:
+            log.warning("aiokvtier: %s", reason)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(PoolLostError(reason))
+        self._pending.clear()
+        self._events.end()
+        self._wake_all()
+
+    def _raise_if_lost(self) -> None:
+        if self._lost is not None:
+            raise PoolLostError(self._lost)
+
+    def _on_state(self, fields: dict[str, Any]) -> None:
+        self._resident = int(fields["resident"])
+        self._quota = int(fields["quota"])
+        self._target = int(fields["target"])
+        self._slots_total = int(fields["slots"])
+        self._fill_error = fields.get("error")
+        self._on_resident(self._resident)
+        self._wake_all()
+
+    def _on_resident(self, end: int) -> None:
+        """The watermark reached ``end``: where a GPU-attached process would register the new units."""
+
+    def _wake_all(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for _, future in waiters:
+            if not future.done():
+                future.set_result(None)
+
+    def _on_reply(self, message: Message) -> None:
+        future = self._pending.pop(message.rid, None)
+        if future is not None and not future.done():
+            future.set_result(message)
+            return
+        undo = self._orphans.pop(message.rid, None)
+        if undo is not None:
+            self._undo(undo, message)
+
+    def _undo(self, undo: str, message: Message) -> None:
+        """The caller was cancelled after its request left: give back what the owner gave it."""
+        if message.op != _wire.REPLY:
+            return
+        if undo == "free":
+            self._post(_wire.FREE, {}, [message.parts[0]], expect_reply=True)
+        elif undo == "abort" and message.fields.get("claim"):
+            self._post(_wire.ABORT, {"claim": message.fields["claim"]})
+        elif undo == "unpin":
+            self._post(_wire.UNPIN, {"pin": message.fields["pin"]})
+
+    def _post(self, op: int, fields: dict[str, Any], parts: Sequence[bytes] = (), expect_reply: bool = False) -> int:
+        """Send without waiting for an answer (ordered after everything sent before)."""
+        rid = next(self._rids)
+        if expect_reply:
+            self._orphans[rid] = ""
+        if self._lost is None:
+            self._writer.write(encode(op, rid, fields, parts))
+        return rid
+
+    async def _request(
+        self, op: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = (), undo: str = ""
+    ) -> Message:
+        """Send a request and await its answer.
+
+        :raises PoolLostError: the owner went away.
+        :raises Exception: what the owner refused it with.
+        """
+        self._check_open()
+        self._raise_if_lost()
+        rid = next(self._rids)
+        future: asyncio.Future[Message] = self._loop.create_future()
+        self._pending[rid] = future
+        self._writer.write(encode(op, rid, fields, parts))
+        try:
+            message = await future
+        except asyncio.CancelledError:
+            if self._pending.pop(rid, None) is not None:
+                if undo:
+                    self._orphans[rid] = undo
+            elif undo and future.done() and not future.cancelled() and future.exception() is None:
+                self._undo(undo, future.result())  # answered, but the caller was cancelled before it resumed
+            raise
+        if message.op == _wire.ERROR:
+            raise error_from(message)
+        return message
+
+    # -- the tier -----------------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def owner_pid(self) -> int:
+        return self._owner_pid
+
+    @property
+    def slot_size(self) -> int:
+        return self._slot_size
+
+    @property
+    def max_quota(self) -> int:
+        return self._size
+
+    @property
+    def quota(self) -> int:
+        """The shared tier's quota, as last pushed by the owner."""
+        return self._quota
+
+    @property
+    def slots_total(self) -> int:
+        return self._slots_total
+
+    @property
+    def resident_bytes(self) -> int:
+        """The shared watermark, as last pushed by the owner."""
+        return self._resident
+
+    @property
+    def base_address(self) -> int:
+        """Where the shared tier is mapped in this process (another process maps it elsewhere)."""
+        self._check_open()
+        return self._base
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The owner's tier config, as JSON-able fields."""
+        return dict(self._config)
+
+    @overload
+    async def allocate(self) -> int: ...
+    @overload
+    async def allocate(self, n: int) -> list[int]: ...
+    async def allocate(self, n: int | None = None) -> int | list[int]:
+        """Allocate one slot (``allocate()``) or ``n`` slots from the shared tier.
+
+        Waits only for the unit holding the highest fresh slot it takes (the owner's fill).
+
+        :raises OutOfSlots: the shared quota does not have that many free.
+        :raises FillError: the fill failed below those slots.
+        :raises PoolLostError: the owner went away.
+
+        Cancellation: a cancelled call holds no slot (one the owner gave
+        meanwhile is given back).
+        """
+        ids = await self.allocate_ids(1 if n is None else _positive(n, "n"))
+        if n is None:
+            return int(ids[0])
+        taken: list[int] = ids.tolist()
+        return taken
+
+    async def allocate_ids(self, n: int, *, wait: bool = True) -> npt.NDArray[np.int64]:
+        """``allocate(n)`` as an int64 array; ``wait=False`` raises ``WouldBlock`` rather than wait for the fill.
+
+        :raises WouldBlock: ``wait=False`` and fewer than ``n`` slots are resident and free.
+        """
+        n = _positive(n, "n")
+        reply = await self._request(_wire.ALLOC, {"n": n, "wait": bool(wait)}, undo="free")
+        ids = reply.ints(0).copy()
+        self._mine.update(ids.tolist())
+        return ids
+
+    async def free(self, slot: int) -> None:
+        """Give a slot back to the shared tier.
+
+        :raises SlotError: this process does not hold that slot (nothing changes).
+        :raises PoolLostError: the owner went away.
+        """
+        await self.free_many([slot])
+
+    async def free_many(self, slots: Iterable[int]) -> None:
+        """Give several slots back, all or none.
+
+        :raises SlotError: one is not held by this process, or repeated.
+        """
+        ids = np.array([int(s) for s in slots], dtype=np.int64)
+        for slot in ids.tolist():
+            if slot not in self._mine:
+                raise SlotError(f"slot {slot} is not allocated by this process; nothing was freed")
+        await self._request(_wire.FREE, {}, [ids.tobytes()])
+        self._mine.difference_update(ids.tolist())
+
+    def address(self, slot: int) -> int:
+        """This process's address of a slot it holds.
+
+        :raises SlotError: not allocated by this process.
+        """
+        self._check_open()
+        if slot not in self._mine:
+            raise SlotError(f"slot {slot} is not allocated by this process")
+        return self._base + int(slot) * self._slot_size
+
+    def view(self, slot: int) -> memoryview:
+        """A writable ``slot_size``-byte view of a slot this process holds (``aclose`` unmaps only once
+        every view is released).
+
+        :raises SlotError: not allocated by this process.
+        """
+        return self._views.view(int(slot), self.address(slot))
+
+    async def wait_resident(self, nbytes: int | None = None) -> None:
+        """Wait until the shared watermark reaches ``nbytes`` (None: the whole quota), from the owner's pushes.
+
+        :raises ValueError: ``nbytes`` is past the quota.
+        :raises FillError: the fill failed below ``nbytes``.
+        :raises PoolLostError: the owner went away.
+        """
+        self._check_open()
+        while True:
+            self._raise_if_lost()
+            need = self._quota if nbytes is None else int(nbytes)
+            if need > self._quota or need < 0:
+                raise ValueError(f"nbytes ({need}) must be between 0 and the quota ({self._quota})")
+            if self._resident >= need:
+                return
+            if self._fill_error is not None:
+                raise FillError(
+                    f"the shared tier's fill failed at {self._resident} bytes: {self._fill_error}",
+                    resident_bytes=self._resident,
+                    failed_offset=self._resident,
+                )
+            future: asyncio.Future[None] = self._loop.create_future()
+            self._waiters.append((need, future))
+            await future
+
+    async def statistics(self) -> PoolStatistics:
+        """The shared tier's and store's figures, from the owner.
+
+        :raises PoolLostError: the owner went away.
+        """
+        reply = await self._request(_wire.STATS)
+        fields = dict(reply.fields["stats"])
+        tier = TierStatistics(**fields.pop("tier"))
+        return PoolStatistics(tier=tier, **fields)
+
+    def __repr__(self) -> str:
+        if "_base" not in self.__dict__:
+            return f"<AttachedPool [{self._life.state} | {self._path}]>"
+        state = "lost" if self._lost and not self.closed else self._life.state
+        gib = 1 << 30
+        return (
+            f"<AttachedPool [{state} | {self._path} | owner pid {self._owner_pid} | resident "
+            f"{self._resident / gib:.2f}/{self._quota / gib:.2f} GiB | {len(self._mine)} slots held]>"
+        )
+
+    # -- the shared store --------------------------------------------------------------------
+
+    def _keys(self, keys: Sequence[object]) -> tuple[list[Key], dict[str, Any], list[bytes]]:
+        if isinstance(keys, bytes | bytearray | memoryview | str | int):
+            raise TypeError("keys are a sequence of keys (bytes or ints), not one key")
+        # bytes and ints are keys as they are (a bool's type is bool): one pass over the types, not a call per key.
+        given: list[Key] = list(keys) if set(map(type, keys)) <= {bytes, int} else [as_key(k) for k in keys]  # type: ignore[arg-type]
+        kind, parts = encode_keys(given)
+        return given, {"k": kind}, parts
+
+    async def lookup(self, keys: Sequence[object]) -> int:
+        """How many leading keys the shared store holds (a prefix hit); touches them.
+
+        :raises TypeError: a key that is not bytes-like or an int.
+        :raises PoolLostError: the owner went away.
+        """
+        _, fields, parts = self._keys(keys)
+        reply = await self._request(_wire.LOOKUP, fields, parts)
+        return int(reply.fields["hits"])
+
+    async def events(self, *, limit: int = 1024) -> PoolEvents:
+        """A new subscription: every ``stored``, ``evicted`` and ``discarded`` event of the shared store,
+        whichever process caused it, from this call on (as ``BlockStore.events()``: bounded by ``limit``,
+        the next event read after a loss says how many were dropped; it ends when the pool closes or is lost).
+
+        :raises ValueError: ``limit`` is not a positive int.
+        :raises PoolLostError: the owner went away.
+        """
+        if type(limit) is not int or limit < 1:
+            raise ValueError(f"limit must be a positive int, got {limit!r}")
+        self._check_open()
+        self._raise_if_lost()
+        events = self._events.subscribe(limit)  # before the request: no event after it is missed
+        if not self._subscribed:
+            await self._request(_wire.SUBSCRIBE)
+            self._subscribed = True
+        return events
+
+    async def discard(self, keys: Sequence[object]) -> int:
+        """Drop blocks from the shared store (a block a load reads goes when that load is done).
+
+        :returns: how many were dropped.
+        """
+        _, fields, parts = self._keys(keys)
+        reply = await self._request(_wire.DISCARD, fields, parts)
+        return int(reply.fields["dropped"])
+
+    async def store(self, keys: Sequence[object], src: Any, *, wait: bool = True) -> Any:
+        """Store one page per key in the shared store; keys already stored (by any process) are not copied.
+
+        With a full tier the least recently used blocks that no process is
+        loading are evicted; what still does not fit is skipped (the rest
+        of the keys from the first skipped one). A key another process is
+        storing is waited for, and reported present.
+
+        :param src: a 2-D uint8 array (a row per key) or a sequence of bytes-like pages.
+        :param wait: False: skip keys whose slots are not resident yet rather than wait for the fill.
+        :returns: a ``StoreResult`` (stored, present, skipped: keys in the caller's order).
+        :raises ValueError: a page larger than a slot, an empty page, a key twice, pages that do not
+            match the keys (nothing changed).
+        :raises TypeError: a key that is not bytes-like or an int.
+        :raises PoolLostError: the owner went away (nothing of this call is visible then).
+
+        Cancellation: the call returns once nothing reads the caller's pages;
+        blocks whose copy had not landed are given up (never visible); a
+        call cancelled while their commit was on its way may leave those
+        blocks visible, whole.
+        """
+        from .. import StoreResult
+
+        given, _, _ = self._keys(keys)
+        pages = host_pages(src, len(given), writable=False)
+        if len(given) and int(pages.lengths.max()) > self._slot_size:
+            raise ValueError(f"a page of {int(pages.lengths.max())} bytes does not fit a {self._slot_size}-byte slot")
+        if len(given) and int(pages.lengths.min()) == 0:
+            raise ValueError("an empty page cannot be stored")
+        if len(set(given)) != len(given):
+            raise ValueError("a key appears twice in one store; nothing changed")
+        outcome = [-1] * len(given)
+        todo = list(range(len(given)))
+        while todo:
+            kind, parts = encode_keys([given[i] for i in todo])
+            lengths = pages.lengths[todo]
+            reply = await self._request(
+                _wire.BEGIN, {"k": kind, "wait": bool(wait)}, [*parts, lengths.tobytes()], undo="abort"
+            )
+            claim = int(reply.fields["claim"])
+            got = np.frombuffer(reply.parts[0], dtype=np.uint8)
+            slots = reply.ints(1)
+            if claim:
+                await self._fill_claim(claim, got, slots, [todo[i] for i in range(len(todo))], pages)
+            busy = []
+            for j, i in enumerate(todo):
+                o = int(got[j])
+                if o == BUSY:
+                    busy.append(i)
+                else:
+                    outcome[i] = o
+            if busy:
+                kind, parts = encode_keys([given[i] for i in busy])
+                await self._request(_wire.AWAIT, {"k": kind}, parts)
+            todo = busy
+        stored = tuple(k for k, o in zip(given, outcome, strict=True) if o == CLAIMED)
+        present = tuple(k for k, o in zip(given, outcome, strict=True) if o == PRESENT)
+        skipped = tuple(k for k, o in zip(given, outcome, strict=True) if o not in (CLAIMED, PRESENT))
+        return StoreResult(stored=stored, present=present, skipped=skipped)
+
+    async def _fill_claim(
+        self, claim: int, got: npt.NDArray[np.uint8], slots: npt.NDArray[np.int64], todo: list[int], pages: Pages
+    ) -> None:
+        """Copy the claimed pages into their slots, then make them visible (or give the claim up)."""
+        mine = np.flatnonzero(got == CLAIMED)
+        src = pages.addresses[np.asarray(todo, dtype=np.int64)[mine]]
+        dst = np.uint64(self._base) + slots[mine].astype(np.uint64) * np.uint64(self._slot_size)
+        lengths = pages.lengths[np.asarray(todo, dtype=np.int64)[mine]]
+        copies = list(zip(dst.tolist(), src.tolist(), lengths.tolist(), strict=True))
+        committed = False
+        try:
+            await finish(self._life.submit(memmove_all, copies))  # the caller's pages are read until it lands
+            await self._request(_wire.COMMIT, {"claim": claim})
+            committed = True
+        finally:
+            if not committed and self._lost is None:
+                self._post(_wire.ABORT, {"claim": claim})
+
+    async def load(self, keys: Sequence[object], dst: Any) -> list[int]:
+        """Copy each key's block from the shared store into ``dst`` (one page per key).
+
+        The blocks are pinned while they are read: no process evicts them under this load.
+        Returns the bytes copied per key (a block stored shorter than its page copies its length).
+
+        :param dst: a writable 2-D uint8 array (a row per key) or a sequence of writable buffers.
+        :raises BlockNotFound: a key is not stored (the first missing one is named); nothing copied.
+        :raises ValueError: a destination page shorter than its block, a read-only destination,
+            pages that do not match the keys (nothing copied).
+        :raises PoolLostError: the owner went away.
+        """
+        given, fields, parts = self._keys(keys)
+        pages = host_pages(dst, len(given), writable=True)
+        if not given:
+            return []
+        reply = await self._request(_wire.LOAD, fields, parts, undo="unpin")
+        pin = reply.fields["pin"]
+        loaded = False
+        try:
+            slots, lengths = reply.ints(0), reply.uints(1)
+            short = np.flatnonzero(pages.lengths < lengths)
+            if short.size:
+                i = int(short[0])
+                raise ValueError(
+                    f"destination page {i} has {int(pages.lengths[i])} bytes, block {given[i]!r} has "
+                    f"{int(lengths[i])}; nothing was copied"
+                )
+            src = np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)
+            copies = list(zip(pages.addresses.tolist(), src.tolist(), lengths.tolist(), strict=True))
+            await finish(self._life.submit(memmove_all, copies))
+            loaded = True
+        finally:
+            if self._lost is None:
+                self._post(_wire.UNPIN, {"pin": pin, "loaded": loaded})
+        copied: list[int] = lengths.tolist()
+        return copied

@@ -1,0 +1,263 @@
+"""The pool's wire protocol: frames, keys and errors, encoded and decoded without an event loop.
+
+A frame is ``<u32 length><u8 op><u32 request id><u32 json length><json><parts>``:
+the json object holds the small fields (and ``"p"``, the byte length of each
+binary part), the parts hold arrays (slot ids, lengths, keys) as raw bytes,
+so a request of thousands of keys costs a few joins, not a Python step per
+field. Request ids pair replies with requests (a connection carries many
+requests at once); pushes from the owner carry id 0.
+
+Nothing here unpickles or evaluates what a peer sent: a frame is json and
+byte arrays, checked as they are read.
+
+::
+
+    client                                  owner
+    HELLO {v, pid}            ───────────>
+                              <───────────  WELCOME {pool, layout, config} + the memfd (SCM_RIGHTS)
+                              <───────────  STATE {resident, quota, ...}    (pushed at every change)
+    ALLOC {n, wait}           ───────────>  REPLY [slot ids]    (waits only for the fill)
+    FREE [slot ids]           ───────────>  REPLY
+    LOOKUP keys               ───────────>  REPLY {hits}
+    BEGIN keys [lengths]      ───────────>  REPLY {claim} [outcomes] [slots]
+    COMMIT {claim}            ───────────>  REPLY            (the blocks are visible to all)
+    ABORT {claim}             ───────────>  (no reply)
+    AWAIT keys                ───────────>  REPLY once no other process is storing them
+    LOAD keys                 ───────────>  REPLY {pin} [slots] [lengths]   (pinned until UNPIN)
+    UNPIN {pin}               ───────────>  (no reply)
+    DISCARD keys              ───────────>  REPLY {dropped}
+    STATS                     ───────────>  REPLY {tier, pool}
+    SUBSCRIBE                 ───────────>  REPLY, then EVENT {kind} keys at every stored, evicted, discarded
+                              <───────────  ERROR {type, message}  (in place of a REPLY)
+                              <───────────  BYE {reason}          (the owner is closing)
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import _errors
+
+__all__ = [
+    "Key",
+    "Message",
+    "as_key",
+    "count_keys",
+    "decode",
+    "decode_keys",
+    "encode",
+    "encode_keys",
+    "error_from",
+    "error_to",
+    "iter_keys",
+]
+
+VERSION = 1
+
+HELLO, WELCOME, STATE, ALLOC, FREE, LOOKUP, BEGIN, COMMIT, ABORT, AWAIT, LOAD, UNPIN, DISCARD, STATS = range(1, 15)
+SUBSCRIBE = 15
+REPLY, ERROR, BYE, EVENT = 100, 101, 102, 103
+
+# A block's outcome in a BEGIN reply.
+PRESENT, CLAIMED, BUSY, SKIPPED = 0, 1, 2, 3
+
+LENGTH = struct.Struct("<I")
+HEAD = struct.Struct("<BII")
+MAX_FRAME = 1 << 30
+"""Frames past this are refused (a peer speaking another protocol, or a corrupt stream)."""
+
+Key = bytes | int
+
+
+@dataclass(slots=True)
+class Message:
+    op: int
+    rid: int
+    fields: dict[str, Any] = field(default_factory=dict)
+    parts: list[bytes] = field(default_factory=list)
+
+    def ints(self, index: int) -> npt.NDArray[np.int64]:
+        return np.frombuffer(self.parts[index], dtype=np.int64)
+
+    def uints(self, index: int) -> npt.NDArray[np.uint64]:
+        return np.frombuffer(self.parts[index], dtype=np.uint64)
+
+
+def encode(op: int, rid: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = ()) -> bytes:
+    """One frame, length prefix included."""
+    head = dict(fields or {})
+    head["p"] = [len(p) for p in parts]
+    text = json.dumps(head, separators=(",", ":")).encode()
+    body = [HEAD.pack(op, rid, len(text)), text, *parts]
+    size = sum(map(len, body))
+    return b"".join([LENGTH.pack(size), *body])
+
+
+def decode(payload: bytes) -> Message:
+    """A frame without its length prefix.
+
+    :raises ValueError: the frame is malformed.
+    """
+    if len(payload) < HEAD.size:
+        raise ValueError("a frame shorter than its header")
+    op, rid, n = HEAD.unpack_from(payload)
+    end = HEAD.size + n
+    try:
+        head = json.loads(payload[HEAD.size : end])
+    except RecursionError:  # nested past the interpreter's depth: not a frame of ours either
+        raise ValueError("a frame's fields are nested too deeply") from None
+    if not isinstance(head, dict):
+        raise ValueError("a frame's fields are not an object")
+    lengths = head.pop("p", [])
+    if not isinstance(lengths, list) or not all(type(x) is int and x >= 0 for x in lengths):
+        raise ValueError("a frame's part lengths are malformed")
+    if end + sum(lengths) != len(payload):
+        raise ValueError("a frame's parts do not add up to its length")
+    parts = []
+    for length in lengths:
+        parts.append(payload[end : end + length])
+        end += length
+    return Message(op, rid, head, parts)
+
+
+def as_key(key: object) -> Key:
+    """``bytes`` or ``int``, as ``BlockStore`` takes keys: bytes-like objects become bytes, numpy integers
+    ints; bools, strs and floats are refused.
+
+    :raises TypeError: not a key.
+    """
+    kind = type(key)
+    if kind is bytes or kind is int:
+        return key  # type: ignore[return-value]
+    if isinstance(key, bool | np.bool_):
+        raise TypeError(f"a key is bytes or an int, not a bool ({key!r})")
+    if isinstance(key, bytes | bytearray | memoryview):
+        return bytes(key)
+    if isinstance(key, np.integer):
+        return int(key)
+    raise TypeError(f"a key is bytes or an int, not {kind.__name__} ({key!r})")
+
+
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
+def encode_keys(keys: Sequence[Key]) -> tuple[str, list[bytes]]:
+    """``(kind, parts)``: ``"f"`` bytes of one length (that length, then the bytes joined: block hashes,
+    the usual keys), ``"b"`` bytes (their lengths, then the bytes joined), ``"i"`` all int64 ints,
+    ``"m"`` anything else (each key tagged, as bytes)."""
+    types = set(map(type, keys))
+    if types == {bytes}:
+        sizes = set(map(len, keys))  # type: ignore[arg-type]
+        if len(sizes) == 1 and 0 not in sizes:
+            return "f", [LENGTH.pack(sizes.pop()), b"".join(keys)]  # type: ignore[arg-type]
+        lengths = np.fromiter(map(len, keys), dtype=np.uint32, count=len(keys))  # type: ignore[arg-type]
+        return "b", [lengths.tobytes(), b"".join(keys)]  # type: ignore[arg-type]
+    if all(type(k) is int and _I64_MIN <= k <= _I64_MAX for k in keys):
+        return "i", [np.array(keys, dtype=np.int64).tobytes()]
+    tagged = [b"b" + k if isinstance(k, bytes) else b"i%d" % k for k in keys]
+    lengths = np.fromiter(map(len, tagged), dtype=np.uint32, count=len(tagged))
+    return "m", [lengths.tobytes(), b"".join(tagged)]
+
+
+def decode_keys(kind: object, parts: list[bytes]) -> list[Key]:
+    """The keys ``encode_keys`` encoded.
+
+    :raises ValueError: malformed.
+    """
+    if kind == "i":
+        if len(parts) != 1 or len(parts[0]) % 8:
+            raise ValueError("malformed int keys")
+        out: list[Key] = np.frombuffer(parts[0], dtype=np.int64).tolist()
+        return out
+    if kind == "f":
+        return list(iter_keys(kind, parts))
+    if kind not in ("b", "m") or len(parts) != 2 or len(parts[0]) % 4:
+        raise ValueError("malformed keys")
+    lengths = np.frombuffer(parts[0], dtype=np.uint32).astype(np.int64)
+    ends = np.cumsum(lengths)
+    blob = parts[1]
+    if (int(ends[-1]) if ends.size else 0) != len(blob):
+        raise ValueError("malformed keys: the lengths do not add up")
+    starts = (ends - lengths).tolist()
+    pieces = [blob[a:b] for a, b in zip(starts, ends.tolist(), strict=True)]
+    if kind == "b":
+        return pieces  # type: ignore[return-value]
+    keys: list[Key] = []
+    for piece in pieces:
+        if piece[:1] == b"b":
+            keys.append(piece[1:])
+        elif piece[:1] == b"i":
+            keys.append(int(piece[1:]))
+        else:
+            raise ValueError("malformed keys: an unknown tag")
+    return keys
+
+
+def iter_keys(kind: object, parts: list[bytes]) -> Iterator[Key]:
+    """The keys, one at a time: a prefix lookup stops at its first miss without cutting out the rest.
+
+    :raises ValueError: malformed.
+    """
+    if kind != "f":
+        yield from decode_keys(kind, parts)
+        return
+    if len(parts) != 2 or len(parts[0]) != LENGTH.size:
+        raise ValueError("malformed fixed-length keys")
+    (size,) = LENGTH.unpack(parts[0])
+    blob = parts[1]
+    if size == 0 or len(blob) % size:
+        raise ValueError("malformed fixed-length keys: the bytes are not a whole number of keys")
+    for start in range(0, len(blob), size):
+        yield blob[start : start + size]
+
+
+def count_keys(kind: object, parts: list[bytes]) -> int:
+    """How many keys ``parts`` hold (without decoding them where the form says it)."""
+    if kind == "f" and len(parts) == 2 and len(parts[0]) == LENGTH.size:
+        (size,) = LENGTH.unpack(parts[0])
+        return len(parts[1]) // size if size else 0
+    return len(decode_keys(kind, parts))
+
+
+# Errors an owner may send, by name; anything else arrives as a PoolError with its text.
+_ERRORS: dict[str, type[Exception]] = {
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    **{name: getattr(_errors, name) for name in _errors.__all__},
+}
+
+
+def error_to(exc: BaseException) -> tuple[dict[str, Any], list[bytes]]:
+    """An ERROR frame's fields and parts for ``exc``."""
+    name = type(exc).__name__
+    if isinstance(exc, _errors.BlockNotFound):
+        kind, parts = encode_keys([exc.key])
+        return {"type": "BlockNotFound", "message": str(exc), "k": kind}, parts
+    if isinstance(exc, _errors.FillError):
+        fields = {"type": "FillError", "message": str(exc), "resident": exc.resident_bytes}
+        return fields | {"failed": exc.failed_offset}, []
+    if name not in _ERRORS or name in ("DecommitError", "CudaError"):  # their extra fields do not travel
+        name = "PoolError"
+    return {"type": name, "message": str(exc)}, []
+
+
+def error_from(message: Message) -> Exception:
+    """The exception an ERROR frame stands for."""
+    name = message.fields.get("type")
+    text = str(message.fields.get("message", ""))
+    if name == "BlockNotFound":
+        return _errors.BlockNotFound(decode_keys(message.fields.get("k"), message.parts)[0])
+    if name == "FillError":
+        resident, failed = message.fields.get("resident"), message.fields.get("failed")
+        return _errors.FillError(text, resident_bytes=int(resident or 0), failed_offset=int(failed or 0))
+    cls = _ERRORS.get(str(name), _errors.PoolError)
+    if cls in (_errors.DecommitError, _errors.CudaError, _errors.FillError):
+        cls = _errors.PoolError
+    return cls(text)

@@ -1,0 +1,84 @@
+"""``--workers N``: N server processes over one pool, sharing one listening socket.
+
+The parent owns the pool (``Pool``, its socket in a private temporary
+directory) and the listening socket; each worker is ``python -m
+aiokvtier.server --attach PATH --listen-fd FD``: it attaches to the pool
+and serves the inherited socket (the kernel spreads the connections over
+the workers' accepts). A block PUT through one worker is a GET hit through
+every other. SIGTERM and SIGINT are passed on to the workers (each drains
+and shuts down as a single server does); the pool closes once they have
+exited. A worker that exits on its own stops the others: exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+
+from .._config import HostTierConfig
+from .._pool._owner import Pool
+
+__all__ = ["serve_workers"]
+
+log = logging.getLogger("aiokvtier.server")
+
+
+def serve_workers(args: argparse.Namespace, config: HostTierConfig) -> int:
+    """Own the pool, start ``args.workers`` workers, pass signals on; 0 once every worker exited 0."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    directory = tempfile.mkdtemp(prefix="aiokvtier-server-")
+    try:
+        listener = socket.create_server((args.host, args.port), backlog=2048)
+    except OSError as exc:
+        shutil.rmtree(directory, ignore_errors=True)
+        log.error("aiokvtier server: cannot listen on %s:%d: %s", args.host, args.port, exc)
+        return 3
+    try:
+        return asyncio.run(_supervise(args, config, os.path.join(directory, "pool.sock"), listener))
+    finally:
+        listener.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _supervise(args: argparse.Namespace, config: HostTierConfig, path: str, listener: socket.socket) -> int:
+    loop = asyncio.get_running_loop()
+    fd = listener.fileno()
+    host, port = listener.getsockname()[:2]
+    stopping = False
+    async with Pool(config, path):
+        argv = [
+            sys.executable, "-m", "aiokvtier.server", "--attach", path, "--listen-fd", str(fd),
+            "--log-level", args.log_level, "--drain-seconds", str(args.drain_seconds),
+            "--grace-seconds", str(args.grace_seconds),
+        ]  # fmt: skip
+        workers = [await asyncio.create_subprocess_exec(*argv, pass_fds=(fd,)) for _ in range(args.workers)]
+        print(f"aiokvtier server listening on http://{host}:{port} ({args.workers} workers, one pool)", flush=True)
+
+        def pass_on(sig: int) -> None:
+            nonlocal stopping
+            stopping = True
+            for worker in workers:
+                if worker.returncode is None:
+                    worker.send_signal(sig)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, pass_on, sig)
+        try:
+            waits = {asyncio.ensure_future(worker.wait()) for worker in workers}
+            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not stopping:
+                log.error("aiokvtier server: a worker exited on its own; stopping the others")
+                pass_on(signal.SIGTERM)
+            await asyncio.gather(*pending)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+    codes = [worker.returncode for worker in workers]
+    return 0 if all(code == 0 for code in codes) and stopping else 1

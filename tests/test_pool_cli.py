@@ -1,0 +1,106 @@
+"""``aiokvtier pool``: serves until SIGTERM (exit 0) or Ctrl-C (SIGINT), refuses in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+CLI = [sys.executable, "-m", "aiokvtier", "pool"]
+
+
+@pytest.fixture
+def sock() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="akc", dir="/tmp")
+    yield os.path.join(directory, "pool.sock")
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
+    os.rmdir(directory)
+
+
+def _start(sock: str) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    proc = subprocess.Popen(
+        [*CLI, "--quota", "64MiB", "--max-quota", "64MiB", "--socket", sock],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, proc.communicate(timeout=30)
+    return proc, json.loads(line)
+
+
+_ATTACH = """
+import asyncio, sys
+from aiokvtier import AttachedPool
+async def main():
+    async with AttachedPool(sys.argv[1]) as pool:
+        print(len(await pool.allocate(3)), (await pool.statistics()).clients)
+asyncio.run(main())
+"""
+
+
+def test_serves_until_sigterm_and_exits_0(sock: str) -> None:
+    proc, serving = _start(sock)
+    try:
+        assert serving["event"] == "serving" and serving["path"] == sock and serving["quota"] == 64 << 20
+        done = subprocess.run(
+            [sys.executable, "-c", _ATTACH, sock], capture_output=True, text=True, env=ENV, timeout=60
+        )
+        assert done.stdout.split() == ["3", "1"], done.stderr
+        second = subprocess.run(
+            [*CLI, "--quota", "64MiB", "--socket", sock], capture_output=True, text=True, env=ENV, timeout=60
+        )
+        assert second.returncode == 1
+        assert second.stderr.strip().startswith("aiokvtier: error: PoolError: a pool is already served")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert json.loads(out)["event"] == "stopping" and not err
+    assert not os.path.exists(sock)
+
+
+def test_ctrl_c_closes_it_and_ends_by_sigint(sock: str) -> None:
+    proc, _ = _start(sock)
+    try:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT and not err
+    assert not os.path.exists(sock)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--quota", "-1GiB"], "argument --quota"),
+        (["--quota", "64MiB", "--mode", "8"], "argument --mode"),
+        (["--quota", "64MiB", "--socket", "/nonexistent-dir/x.sock"], "argument --socket"),
+        ([], "--quota"),
+    ],
+)
+def test_a_bad_value_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, timeout=60)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("aiokvtier: error: ") and message in lines[0]
+
+
+def test_help() -> None:
+    done = subprocess.run([*CLI, "--help"], capture_output=True, text=True, env=ENV, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("usage: ") and "--socket" in done.stdout

@@ -1,0 +1,114 @@
+"""The pool's wire format and block index on their own (no socket, no loop)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aiokvtier import BlockNotFound, FillError, OutOfSlots, PoolError, SlotError
+from aiokvtier._pool import _wire
+from aiokvtier._pool._index import BlockIndex
+
+keys_st = st.lists(st.one_of(st.binary(max_size=40), st.integers(-(2**80), 2**80)), max_size=50)
+
+
+@given(keys_st)
+def test_keys_round_trip_in_every_form(keys: list[bytes | int]) -> None:
+    kind, parts = _wire.encode_keys(keys)
+    assert _wire.decode_keys(kind, parts) == keys
+    assert list(_wire.iter_keys(kind, parts)) == keys
+    assert _wire.count_keys(kind, parts) == len(keys)
+    frame = _wire.encode(_wire.LOOKUP, 7, {"k": kind}, parts)
+    message = _wire.decode(frame[4:])
+    assert (message.op, message.rid, message.fields["k"]) == (_wire.LOOKUP, 7, kind)
+    assert _wire.decode_keys(kind, message.parts) == keys
+
+
+def test_the_forms_chosen() -> None:
+    assert _wire.encode_keys([b"ab", b"cd"])[0] == "f"
+    assert _wire.encode_keys([b"ab", b"c"])[0] == "b"
+    assert _wire.encode_keys([b"", b""])[0] == "b"
+    assert _wire.encode_keys([1, -5])[0] == "i"
+    assert _wire.encode_keys([1, b"\x01"])[0] == "m"
+    assert _wire.encode_keys([2**64])[0] == "m"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00",  # an empty json text
+        _wire.HEAD.pack(1, 0, 2) + b"[]",
+        _wire.HEAD.pack(1, 0, 10) + b'{"p": [5]}',
+        _wire.HEAD.pack(1, 0, 11) + b'{"p": [-1]}',
+        _wire.HEAD.pack(1, 0, 200000) + b"[" * 100000 + b"]" * 100000,
+    ],
+)
+def test_malformed_frames_are_value_errors(payload: bytes) -> None:
+    with pytest.raises(ValueError):
+        _wire.decode(payload)
+
+
+def test_malformed_keys_are_value_errors() -> None:
+    for kind, parts in (
+        ("f", [b"\x03\x00\x00\x00", b"abcd"]),
+        ("f", [b"\x00\x00\x00\x00", b""]),
+        ("b", [b"\x05\x00\x00\x00", b"abc"]),
+        ("i", [b"1234567"]),
+        ("m", [b"\x02\x00\x00\x00", b"zz"]),
+        ("?", []),
+    ):
+        with pytest.raises(ValueError):
+            _wire.decode_keys(kind, parts)
+
+
+def test_errors_travel_by_name_with_their_fields() -> None:
+    for error in (SlotError("x"), OutOfSlots("y"), ValueError("z"), TypeError("t"), BlockNotFound(b"\x00k")):
+        fields, parts = _wire.error_to(error)
+        back = _wire.error_from(_wire.Message(_wire.ERROR, 1, fields, parts))
+        assert type(back) is type(error) and str(back) == str(error)
+    fields, parts = _wire.error_to(FillError("f", resident_bytes=5, failed_offset=6))
+    back = _wire.error_from(_wire.Message(_wire.ERROR, 1, fields, parts))
+    assert isinstance(back, FillError) and (back.resident_bytes, back.failed_offset) == (5, 6)
+    fields, parts = _wire.error_to(RuntimeError("a bug"))
+    assert type(_wire.error_from(_wire.Message(_wire.ERROR, 1, fields, parts))) is PoolError
+
+
+def test_as_key() -> None:
+    import numpy as np
+
+    assert _wire.as_key(bytearray(b"a")) == b"a" and _wire.as_key(np.int64(3)) == 3
+    for bad in (True, np.bool_(False), "s", 1.5, None):
+        with pytest.raises(TypeError):
+            _wire.as_key(bad)
+
+
+def test_the_index_claims_commits_pins_evicts_and_discards() -> None:
+    index = BlockIndex()
+    assert index.classify([b"a", b"b"]) == [_wire.CLAIMED, _wire.CLAIMED]
+    claim = index.claim([b"a", b"b"], [10, 20])
+    assert index.classify([b"a", b"c"]) == [_wire.BUSY, _wire.CLAIMED]
+    index.place(claim, [0, 1])
+    assert index.commit(claim) == [b"a", b"b"]
+    assert index.lookup([b"a", b"b", b"x"], 3) == 2
+    pin, slots, lengths = index.pin([b"a"])
+    assert (slots, lengths) == ([0], [10])
+    assert index.evict(2, keep=set()) == ([b"b"], [1])  # a is pinned
+    assert index.discard([b"a", b"zz"]) == ([b"a"], [])  # freed at its unpin
+    assert index.unpin(pin, loaded=True) == [0]
+    assert index.counts["loads"] == 1 and index.bytes_loaded == 10
+    with pytest.raises(BlockNotFound):
+        index.pin([b"a"])
+    with pytest.raises(ValueError, match="twice"):
+        index.classify([b"q", b"q"])
+    claim = index.claim([b"c"], [5])
+    index.place(claim, [7])
+    assert index.abort(claim) == [7] and index.abort(claim) == []
+    assert BlockIndex.cut([_wire.CLAIMED, _wire.PRESENT, _wire.CLAIMED, _wire.BUSY, _wire.PRESENT], 1) == [
+        _wire.CLAIMED,
+        _wire.PRESENT,
+        _wire.SKIPPED,
+        _wire.SKIPPED,
+        _wire.PRESENT,
+    ]
