@@ -14,6 +14,7 @@ import json
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from ._program import Parser, UsageError, cuda_devices, run, run_async
@@ -223,6 +224,9 @@ def build_parser(prog: str = "aiokvtier") -> Parser:
     )
     doctor.add_argument("--json", action="store_true", help="print the checks as one JSON document")
     doctor.add_argument("--no-cuda", action="store_true", help="leave the CUDA driver alone")
+    doctor.add_argument(
+        "--disk-path", type=Path, metavar="DIR", help="also check a disk tier's directory (O_DIRECT, free space)"
+    )
 
     pool = sub.add_parser(
         "pool",
@@ -359,7 +363,7 @@ def _demo(args: argparse.Namespace, argv_quota: str | None) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from . import _doctor
 
-    checks = _doctor.run_checks(cuda=not args.no_cuda)
+    checks = _doctor.run_checks(cuda=not args.no_cuda, disk_path=args.disk_path)
     if args.json:
         print(json.dumps(_doctor.report(checks), indent=2))
     else:

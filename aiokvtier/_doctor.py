@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import resource
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -522,6 +523,54 @@ def _read(path: Path) -> str | None:
 # -- all of them ----------------------------------------------------------------------------------
 
 
+# -- the disk tier --------------------------------------------------------------------------------
+
+
+def _file_system(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> str:
+    """The type of the file system ``path`` lies on (the longest mount point above it)."""
+    best, kind = "", "unknown"
+    target = str(path.resolve())
+    for line in (_read(mountinfo) or "").splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        point = fields[4]
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, kind = point, line.split(" - ", 1)[1].split()[0]
+    return kind
+
+
+def check_disk(path: Path) -> Check:
+    """A disk tier's directory: writable, ``O_DIRECT`` taken, its file system and free space."""
+    import tempfile
+
+    from ._disk._io import ALIGN, DataFile
+
+    if not path.is_dir():
+        return Check("disk", "fail", f"{path} is not a directory", "create it, or point --disk-path elsewhere", {})
+    try:
+        probe_dir = tempfile.mkdtemp(prefix=".aiokvtier-doctor-", dir=path)
+    except OSError as exc:
+        return Check("disk", "fail", f"{path} is not writable: {exc.strerror}", "fix its owner or mode", {})
+    try:
+        data = DataFile(os.path.join(probe_dir, "probe"), 1, ALIGN)
+        direct, why = data.direct, data.direct_why
+        data.close()
+    finally:
+        shutil.rmtree(probe_dir, ignore_errors=True)
+    usage = shutil.disk_usage(path)
+    kind = _file_system(path)
+    figures = {"path": str(path), "file_system": kind, "direct_io": direct, "free_bytes": usage.free}
+    summary = f"{path} on {kind}, {format_bytes(usage.free)} free, " + ("O_DIRECT" if direct else "buffered I/O")
+    if not direct:
+        advice = f"{why}: blocks will also fill the page cache; put the tier on a local ext4 or xfs file system"
+        return Check("disk", "warn", summary, advice, figures)
+    if kind in ("tmpfs", "ramfs"):
+        return Check("disk", "warn", summary, "this is memory, not disk: the tier will not survive a reboot", figures)
+    return Check("disk", "ok", summary, "", figures)
+
+
 def check_platform() -> Check:
     """The kernel: the tier needs Linux (mmap, madvise, mbind through ctypes)."""
     system, release = platform.system(), platform.release()
@@ -545,8 +594,9 @@ _CHECKS: tuple[Callable[[], Check | list[Check]], ...] = (
 )
 
 
-def run_checks(*, cuda: bool = True) -> list[Check]:
-    """Every check, in order; ``cuda=False`` leaves the driver alone (no CUDA context is made either way).
+def run_checks(*, cuda: bool = True, disk_path: Path | None = None) -> list[Check]:
+    """Every check, in order; ``cuda=False`` leaves the driver alone (no CUDA context is made either way);
+    ``disk_path``: also check a disk tier's directory.
 
     A check that raises is reported as a ``fail`` naming the exception, so one
     broken probe never hides the rest.
@@ -565,4 +615,9 @@ def run_checks(*, cuda: bool = True) -> list[Check]:
             checks.append(Check(name, "warn", f"the check itself failed: {type(exc).__name__}: {exc}", "", {}))
             continue
         checks.extend(found if isinstance(found, list) else [found])
+    if disk_path is not None and platform.system() == "Linux":
+        try:
+            checks.append(check_disk(disk_path))
+        except Exception as exc:  # a probe's own bug must not hide the other checks
+            checks.append(Check("disk", "warn", f"the check itself failed: {type(exc).__name__}: {exc}", "", {}))
     return checks

@@ -350,3 +350,26 @@ def test_a_fatal_check_makes_the_command_exit_1(
     assert exc.value.code == 1
     report = json.loads(capsys.readouterr().out)
     assert report["fatal"] is True and [c["verdict"] for c in report["checks"]] == ["ok", "fail"]
+
+
+def test_disk_check_says_where_the_tier_would_go_and_how(tmp_path: Path) -> None:
+    ok = _doctor.check_disk(tmp_path)
+    assert ok.verdict in ("ok", "warn") and ok.data["path"] == str(tmp_path)
+    assert ok.data["file_system"] != "unknown" and ok.data["free_bytes"] > 0
+    assert isinstance(ok.data["direct_io"], bool)
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
+    file = tmp_path / "file"
+    file.write_bytes(b"")
+    assert _doctor.check_disk(file).verdict == "fail"
+    assert "not a directory" in _doctor.check_disk(tmp_path / "missing").summary
+    checks = _doctor.run_checks(cuda=False, disk_path=tmp_path)
+    assert checks[-1].name == "disk"
+    assert all(c.name != "disk" for c in _doctor.run_checks(cuda=False))
+
+
+def test_disk_check_warns_of_a_tier_in_memory() -> None:
+    shm = Path("/dev/shm")
+    check = _doctor.check_disk(shm) if shm.is_dir() else None
+    if check is None or check.data.get("file_system") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm here")
+    assert check.verdict == "warn" and "memory, not disk" in check.advice
