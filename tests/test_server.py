@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 import aiokvtier.server
-from aiokvtier import HostTierConfig
+from aiokvtier import DiskTierConfig, HostTierConfig
 from aiokvtier.server import _app, _blocks, _options
 
 from .conftest import PopulateGate
@@ -822,3 +822,41 @@ def test_server_on_a_vmm_tier_serves_blocks_and_exits_0() -> None:
         assert code == 0 and "Traceback" not in stderr, stderr
 
     asyncio.run(asyncio.wait_for(run(), 120))
+
+
+async def test_a_disk_tier_under_the_server_keeps_hit_blocks_across_a_restart(tmp_path: Path) -> None:
+    config = HostTierConfig(quota="4MiB", max_quota="4MiB", slot_size="64KiB", backing="host")
+    disk = await asyncio.to_thread(DiskTierConfig, quota="16MiB", path=tmp_path)
+    body = bytes(range(256)) * 100
+    for round_ in range(2):
+        service = _app.Service(_blocks.StoreBlocks(config, "lru", disk))
+        app = service.app()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            async with app.router.lifespan_context(app):
+                blocks = service.blocks
+                assert isinstance(blocks, _blocks.StoreBlocks)
+                if round_ == 0:
+                    assert (await client.put("/v1/blocks/ab01", content=body)).status_code in (200, 201)
+                    for _ in range(2):  # hit twice: written back to the disk tier
+                        assert (await client.get("/v1/blocks/ab01")).content == body
+                    await eventually(lambda b=blocks: b.store.statistics().written_back == 1)
+                    metrics = (await client.get("/metrics")).text
+                    assert 'aiokvtier_disk_blocks{disk="default"} 1.0' in metrics
+                else:  # a new process: the host tier is empty, the block comes back from disk
+                    assert len(blocks.store) == 0
+                    assert (await client.get("/v1/blocks/ab01")).content == body
+                    assert blocks.store.statistics().promoted == 1
+                    assert (await client.get("/v1/blocks/ab02")).status_code == 404
+
+
+def test_disk_options_are_checked() -> None:
+    for options, named in (
+        (["--disk-path", "/nonexistent/dir"], "--disk-path"),
+        (["--disk-path", ".", "--workers", "2"], "--disk-path"),
+        (["--disk-quota", "lots"], "--disk-quota"),
+    ):
+        done = subprocess.run(
+            [sys.executable, *APP, *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+        )
+        assert done.returncode == 2 and named in done.stderr, done.stderr

@@ -10,7 +10,8 @@ from typing import Any, Literal, Protocol
 from prometheus_client.registry import Collector
 
 from .. import metrics
-from .._config import HostTierConfig
+from .._config import DiskTierConfig, HostTierConfig
+from .._disk._tier import DiskTier
 from .._errors import BlockNotFound
 from .._host._tier import HostTier
 from .._pool._client import AttachedPool
@@ -47,18 +48,23 @@ class StoreBlocks:
 
     tier: HostTier
     store: BlockStore
+    disk: DiskTier | None = None
 
-    def __init__(self, config: HostTierConfig, policy: str) -> None:
+    def __init__(self, config: HostTierConfig, policy: str, disk: DiskTierConfig | None = None) -> None:
         self.config = config
         self.policy = policy
         self.slot_size = int(config.slot_size)
+        self.disk_config = disk
 
     async def open(self) -> None:
         self.tier = await HostTier.open(self.config)  # returns once the fill has started, not when resident
         try:
-            self.store = await BlockStore.open(self.tier, None, policy=self.policy)
+            if self.disk_config is not None:
+                fingerprint = f"aiokvtier-server/{self.slot_size}"  # blocks are opaque bytes of one slot size
+                self.disk = await DiskTier.open(self.disk_config, block_size=self.slot_size, fingerprint=fingerprint)
+            self.store = await BlockStore.open(self.tier, None, policy=self.policy, disk=self.disk)
         except BaseException:
-            await self.tier.aclose()
+            await self.aclose()
             raise
 
     async def aclose(self) -> None:
@@ -66,8 +72,12 @@ class StoreBlocks:
             if "store" in self.__dict__:
                 await self.store.aclose()
         finally:
-            if "tier" in self.__dict__:
-                await self.tier.aclose()
+            try:
+                if self.disk is not None:
+                    await self.disk.aclose()
+            finally:
+                if "tier" in self.__dict__:
+                    await self.tier.aclose()
 
     def residency(self) -> tuple[int, int, str | None]:
         s = self.tier.statistics()
@@ -79,9 +89,12 @@ class StoreBlocks:
 
     async def get(self, key: bytes) -> bytes | None:
         try:
-            buffer = bytearray(self.store.length(key))
+            if key not in self.store and self.disk is not None and key in self.disk:
+                buffer = bytearray(self.disk.length(key))  # loaded back through a host slot
+            else:
+                buffer = bytearray(self.store.length(key))
             await self.store.load([key], [buffer])  # checks the key before its first await
-        except BlockNotFound:
+        except (BlockNotFound, KeyError):
             return None
         return bytes(buffer)
 
@@ -93,10 +106,13 @@ class StoreBlocks:
 
     async def stats(self) -> dict[str, Any]:
         tier, store = self.tier.statistics(), self.store.statistics()
-        return {"tier": dataclasses.asdict(tier), "store": dataclasses.asdict(store)}
+        return {"tier": dataclasses.asdict(tier), "store": dataclasses.asdict(store)}  # the store's has the disk's
 
     def collectors(self) -> list[Collector]:
-        return [metrics.TierCollector(self.tier), metrics.StoreCollector(self.store)]
+        found: list[Collector] = [metrics.TierCollector(self.tier), metrics.StoreCollector(self.store)]
+        if self.disk is not None:
+            found.append(metrics.DiskCollector(self.disk))
+        return found
 
 
 class PoolBlocks:

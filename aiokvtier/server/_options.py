@@ -7,6 +7,7 @@ answer on a base install too.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -108,6 +109,14 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
         metavar="N",
         help="server processes over one pool (host backing): a block PUT through one is a GET hit through all",
     )
+    parser.add_argument(
+        "--disk-path",
+        metavar="DIR",
+        help="a disk tier below the host tier, in this existing directory (blocks hit twice are written there)",
+    )
+    parser.add_argument(
+        "--disk-quota", type=size, default="64GiB", metavar="SIZE", help="bytes of the disk tier (with --disk-path)"
+    )
     # A worker of --workers: the pool to attach to and the listening socket it inherits.
     parser.add_argument("--attach", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--listen-fd", type=int, metavar="FD", help=argparse.SUPPRESS)
@@ -133,6 +142,10 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
         parser.error("argument --workers: several workers share a pool; --plain-dict keeps blocks in one process")
     if args.workers > 1 and (args.device is not None or args.backing not in ("host", "auto")):
         parser.error("argument --workers: a pool shares host memory only (--backing host, no --device)")
+    if args.disk_path is not None and (args.workers > 1 or args.plain_dict):
+        parser.error("argument --disk-path: a disk tier goes under one process's store (no --workers, no --plain-dict)")
+    if args.disk_path is not None and not os.path.isdir(args.disk_path):
+        parser.error(f"argument --disk-path: {args.disk_path} is not a directory")
     if (args.attach is None) != (args.listen_fd is None):
         parser.error("argument --attach: a worker takes --attach and --listen-fd together")
     try:

@@ -27,7 +27,7 @@ from typing import Any
 
 import uvicorn
 
-from .._config import HostTierConfig
+from .._config import DiskTierConfig, HostTierConfig
 from ._app import Service
 from ._blocks import Blocks, DictBlocks, PoolBlocks, StoreBlocks
 
@@ -147,7 +147,10 @@ def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
     elif args.plain_dict:
         blocks = DictBlocks(int(config.quota), int(config.slot_size))
     else:
-        blocks = StoreBlocks(config, args.policy)
+        disk = None
+        if args.disk_path is not None:
+            disk = DiskTierConfig(quota=args.disk_quota, path=args.disk_path)
+        blocks = StoreBlocks(config, args.policy, disk)
     service = Service(blocks)
     uv = uvicorn.Config(
         service.app(),
