@@ -16,6 +16,7 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
+    from ._cache import Cache as Cache
     from ._config import CacheConfig as CacheConfig
     from ._config import DiskTierConfig as DiskTierConfig
     from ._config import GpuTierConfig as GpuTierConfig
@@ -67,6 +68,7 @@ __all__ = [
     "BlockEvent",
     "BlockNotFound",
     "BlockStore",
+    "Cache",
     "CacheConfig",
     "ConfigError",
     "CopyEngine",
@@ -109,6 +111,7 @@ __all__ = [
 # Each public name by the private module that defines it; a test checks this against __all__
 # and against the imports above.
 _EXPORTS: dict[str, tuple[str, ...]] = {
+    "._cache": ("Cache",),
     "._config": ("CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig"),
     "._copy._engine": ("CopyEngine", "CopyStatistics", "StartedCopy"),
     "._copy._requests": ("Pages",),
