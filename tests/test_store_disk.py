@@ -137,3 +137,26 @@ async def test_a_disk_tier_of_another_block_size_or_a_bad_admission_is_refused(t
         with pytest.raises(ValueError, match="admit_after"):
             BlockStore(tier, disk=disk, admit_after=0)
         assert tier.statistics().slots_allocated == 0
+
+
+async def test_a_load_of_host_and_disk_blocks_copies_both_and_a_bad_disk_block_leaves_no_pin(tmp_path: Path) -> None:
+    keys = [b"m%d" % i for i in range(8)]
+    async with cache(tmp_path, admit_after=1) as (store, disk):
+        await store.store(keys, [page(i) for i in range(8)])
+        await load_pages(store, keys)
+        await eventually(lambda: store.statistics().written_back == 8)
+        store.discard(keys[4:])  # gone from both tiers
+        await store.store(keys[4:], [page(i) for i in range(4, 8)])  # back in host only
+        await store.store([b"o%d" % i for i in range(12)], [page(100 + i) for i in range(12)])  # pushes m0-m3 out
+        assert [k in store for k in keys] == [False] * 4 + [True] * 4
+        mixed = [keys[0], keys[5], keys[1], keys[6]]  # disk, host, disk, host
+        assert await load_pages(store, mixed) == [page(0), page(5), page(1), page(6)]
+        store.check_invariants()  # m5 and m6 may be on their way to disk: pinned, in flight
+        await eventually(lambda: store.statistics().in_flight == 0)
+        assert store.statistics().blocks_pinned == 0
+        await store.store([b"p%d" % i for i in range(16)], [page(200 + i) for i in range(16)])  # m0, m1 out again
+        disk.discard([keys[1]])  # the disk loses a block the store still expects to find there
+        with pytest.raises(BlockNotFound, match=repr(keys[1])):
+            await load_pages(store, [keys[0], keys[1]])
+        store.check_invariants()
+        assert store.statistics().blocks_pinned == 0 and store.statistics().in_flight == 0

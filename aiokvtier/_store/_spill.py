@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,8 +33,17 @@ log = logging.getLogger("aiokvtier")
 class Spill:
     """Hit counts, the write-back queue and its task, over one open ``DiskTier``."""
 
-    def __init__(self, disk: DiskTier, tier: HostTier, index: BlockIndex, admit_after: int) -> None:
+    def __init__(
+        self,
+        disk: DiskTier,
+        tier: HostTier,
+        index: BlockIndex,
+        admit_after: int,
+        busy: tuple[Callable[[], None], Callable[[], None]],
+    ) -> None:
         self.disk = disk
+        self._enter, self._exit = busy
+        """The store's count of work in flight (its pins are this work's): entered per write-back batch."""
         self._tier = tier
         self._index = index
         self.admit_after = admit_after
@@ -84,6 +93,7 @@ class Spill:
                 slots = slots[keep]
                 if not keys or self._tier.closed or self.disk.closed:
                     continue
+                self._enter()
                 index.pin(slots)
                 try:
                     written = await self.disk.write(
@@ -91,6 +101,7 @@ class Spill:
                     )
                 finally:
                     index.unpin(slots)
+                    self._exit()
                 self.written_back += len(written)
         except Exception as exc:  # the host tier keeps serving: the disk is a cache below it
             log.warning("aiokvtier: writing blocks back to the disk tier failed: %r", exc)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress
 from typing import TYPE_CHECKING, Any
@@ -38,10 +38,10 @@ import numpy.typing as npt
 
 from .._config import parse_quota
 from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
-from .._lifecycle import Lifecycle, Owner
+from .._lifecycle import Lifecycle, Owner, finish
 from ._claims import Claims
 from ._events import EventHub, EventSubscription
-from ._index import I64, NO_IDS, READY, BlockIndex, require
+from ._index import I64, NO_IDS, READY, U64, BlockIndex, require
 from ._keys import Key, NotCanonical, canonical, key_list, key_of, key_seq, keys_of
 from ._policy import EvictionPolicy, has_repeats, make_policy
 from ._spill import Spill
@@ -269,7 +269,8 @@ class BlockStore(Owner):
                     f"the disk tier's blocks are {self._disk.block_size} bytes, the tier's slots "
                     f"{self._tier.slot_size}: they must be the same"
                 )
-            self._spill = Spill(self._disk, self._tier, self._index, self._admit_after)
+            busy = (self._enter_quietly, self._exit)
+            self._spill = Spill(self._disk, self._tier, self._index, self._admit_after, busy)
         capacity = self._tier.slots_total
         self._index.attach(make_policy(self._policy_arg, capacity), capacity)
         self._idle = asyncio.Event()
@@ -436,6 +437,12 @@ class BlockStore(Owner):
 
     def _enter(self) -> None:
         self._check_open()
+        self._in_flight += 1
+        assert self._idle is not None
+        self._idle.clear()
+
+    def _enter_quietly(self) -> None:
+        """``_enter()`` for the store's own background work, which runs on after a close began."""
         self._in_flight += 1
         assert self._idle is not None
         self._idle.clear()
@@ -912,7 +919,9 @@ class BlockStore(Owner):
         block copies the length it was stored with.
 
         :raises BlockNotFound: a key is not stored (the first missing one is
-            named); nothing is copied.
+            named); nothing is copied. With a disk tier, blocks in the host tier
+            are copied while the others come back from disk: a block the disk
+            tier cannot give back intact raises this once the others landed.
         :raises ValueError: a destination page shorter than its block, a
             read-only destination, pages that do not match the keys, a
             destination page in a block of this store (its own tier's slots).
@@ -926,32 +935,87 @@ class BlockStore(Owner):
         index, transfers = self._index, self._transfers
         keys = key_seq(keys)
         slots = index.slots_of_all(keys)
-        rounds = 0
-        while slots is None or not (index.state[slots] == READY).all():
-            absent = np.flatnonzero(~index.ready(index.slots(keys) if slots is None else slots))
-            rounds += 1
-            if self._spill is None or rounds > 3:  # evicted again each time by concurrent stores
-                raise BlockNotFound(keys[int(absent[0])])
-            await self._promote(list(dict.fromkeys(keys[i] for i in absent.tolist())))
-            slots = index.slots_of_all(keys)
+        if slots is not None and (index.state[slots] == READY).all():
+            pages = transfers.pages(dst, len(keys), writable=True)
+            await self._begin_load(keys, slots, pages, after)
+            return
+        ready = index.ready(index.slots(keys) if slots is None else slots)
+        absent = np.flatnonzero(~ready)
+        spill = self._spill
+        if spill is None or spill.disk.closed:
+            raise BlockNotFound(keys[int(absent[0])])
+        for i in absent.tolist():
+            if keys[i] not in spill.disk:
+                raise BlockNotFound(keys[i])
+        # The blocks in the host tier are copied out while the rest come back from disk.
         pages = transfers.pages(dst, len(keys), writable=True)
-        lengths = index.length[slots]  # a copy: the map may grow later
-        shorts = np.flatnonzero(pages.lengths < lengths)
+        present = np.flatnonzero(ready)
+        disk_lengths = np.asarray([spill.disk.length(keys[i]) for i in absent.tolist()], dtype=np.uint64)
+        self._check_lengths(keys, absent, pages.lengths[absent], disk_lengths)
+        held = (
+            self._begin_load(
+                [keys[i] for i in present.tolist()], slots_of(index, keys, present), pages.take(present), after
+            )
+            if present.size
+            else None
+        )
+        try:
+            await self._load_from_disk([keys[i] for i in absent.tolist()], pages.take(absent), after)
+        finally:
+            if held is not None:
+                await finish(held)
+
+    async def _load_from_disk(self, keys: list[Key], pages: Pages, after: Any) -> None:
+        """Bring ``keys`` back from the disk tier into host slots, then copy them into ``pages``."""
+        index = self._index
+        for _ in range(3):  # promoted blocks may be evicted by concurrent stores before the copy starts
+            await self._promote(list(dict.fromkeys(keys)))
+            slots = index.slots_of_all(keys)
+            if slots is not None and (index.state[slots] == READY).all():
+                await self._begin_load(keys, slots, pages, after)
+                return
+        absent = np.flatnonzero(~index.ready(index.slots(keys)))
+        raise BlockNotFound(keys[int(absent[0])])
+
+    @staticmethod
+    def _check_lengths(keys: Sequence[Key], ids: I64, pages: U64, lengths: U64) -> None:
+        shorts = np.flatnonzero(pages < lengths)
         if shorts.size:
             short = int(shorts[0])
             raise ValueError(
-                f"destination page {short} has {int(pages.lengths[short])} bytes, block {keys[short]!r} has "
-                f"{int(lengths[short])}; nothing was copied"
+                f"destination page {int(ids[short])} has {int(pages[short])} bytes, block "
+                f"{keys[int(ids[short])]!r} has {int(lengths[short])}; nothing was copied"
             )
+
+    def _begin_load(self, keys: Sequence[Key], slots: I64, pages: Pages, after: Any) -> Coroutine[Any, Any, None]:
+        """Check the ready blocks at ``slots`` against ``pages``, pin them and queue their copy (before any
+        await); returns what waits for the copy, unpins and counts.
+
+        :raises ValueError: a page shorter than its block, ``after=`` without an engine, a page in a block.
+        """
+        index, transfers = self._index, self._transfers
+        lengths = index.length[slots]  # a copy: the map may grow later
+        self._check_lengths(keys, np.arange(len(keys), dtype=np.int64), pages.lengths, lengths)
         if after is not None and transfers.engine is None:
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
-        if not slots.size:
-            return
-        under = self._blocks_under(pages)
-        if under.size:
-            raise ValueError(
-                f"a destination page lies in slot {int(under[0])}, a block of this store; nothing was copied"
-            )
+        if slots.size:
+            under = self._blocks_under(pages)
+            if under.size:
+                raise ValueError(
+                    f"a destination page lies in slot {int(under[0])}, a block of this store; nothing was copied"
+                )
+        self._enter()
+        index.pin(slots)
+        try:
+            started = transfers.start_out(slots, pages, lengths, after) if slots.size else None
+        except BaseException:
+            index.unpin(slots)
+            self._exit()
+            raise
+        return self._end_load(keys, slots, lengths, started)
+
+    async def _end_load(self, keys: Sequence[Key], slots: I64, lengths: U64, started: Started | None) -> None:
+        index = self._index
         nbytes = 0
 
         def touch() -> None:  # while the copy runs
@@ -959,10 +1023,9 @@ class BlockStore(Owner):
             index.policy.accessed(slots)
             nbytes = int(lengths.sum())
 
-        self._enter()
-        index.pin(slots)
         try:
-            await transfers.overlap(transfers.start_out(slots, pages, lengths, after), touch)
+            if started is not None:
+                await self._transfers.overlap(started, touch)
         finally:
             index.unpin(slots)
             self._exit()
@@ -1089,3 +1152,9 @@ class BlockStore(Owner):
         if self._spill is not None:
             self._spill.forget(keys)
         self._events.publish("evicted", tuple(keys))
+
+
+def slots_of(index: BlockIndex, keys: Sequence[Key], ids: I64) -> I64:
+    """The slots of the ready blocks of ``keys`` at positions ``ids``."""
+    slots: I64 = index.slots([keys[i] for i in ids.tolist()])
+    return slots
