@@ -32,13 +32,16 @@ from typing import Any, overload
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import FillError, PoolError, PoolLostError, SlotError
+from .. import _regions
+from .._errors import CopyPlanError, FillError, PoolError, PoolLostError, SlotError
 from .._host._shared import map_shared, unmap_shared
 from .._host._statistics import TierStatistics
 from .._host._views import ViewLedger
 from .._lifecycle import Lifecycle, Owner, finish
+from .._regions import I64, U64, InflightCopies
 from . import _wire
 from ._events import EventFanout, PoolEvents
+from ._gpu import Registrations
 from ._pages import Pages, host_pages, memmove_all
 from ._socket import connect, recv_frame_with_fds
 from ._statistics import PoolStatistics
@@ -79,10 +82,28 @@ class AttachedPool(Owner):
     reads the caller's pages any more. When this process exits or is killed
     the owner takes back everything it held.
 
+    GPU copies: attached with ``device=N``, the process registers the shared
+    memory with its own CUDA context, unit by unit as the watermark passes
+    them (``wait_resident`` and ``allocate`` then also wait for this
+    process's registration of what they return), and the pool becomes a copy
+    region of this process: ``CopyEngine.copy()`` with slot addresses
+    (``address()``) moves pages at the rate of registered memory, and
+    ``aclose()`` waits for such copies in flight before it unregisters and
+    unmaps. A pool with GPU-attached processes must not shrink (the owner's
+    decommit cannot reach another process's registration).
+
     :param path: the pool's socket.
+    :param device: a CUDA ordinal to register the memory for, or None (host copies only).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, device: int | None = None) -> None:
+        if device is not None and (type(device) is not int or device < 0):
+            raise ValueError(f"device must be a CUDA ordinal or None, got {device!r}")
+        self._device = device
+        self._gpu: Registrations | None = None
+        self._registered = 0
+        self._registering = False
+        self._copies = InflightCopies()
         self._path = os.fspath(path)
         self._life = Lifecycle("AttachedPool", "aiokvtier-attached")
         self._rids = itertools.count(1)
@@ -101,7 +122,7 @@ class AttachedPool(Owner):
         self._subscribed = False
 
     @classmethod
-    async def attach(cls, path: str | os.PathLike[str]) -> AttachedPool:
+    async def attach(cls, path: str | os.PathLike[str], *, device: int | None = None) -> AttachedPool:
         """Connect to the pool at ``path`` and map its memory.
 
         :raises PoolError: no socket there, permission denied (the message
@@ -109,7 +130,7 @@ class AttachedPool(Owner):
             or it speaks another protocol version.
         :raises OSError: the memory cannot be mapped here.
         """
-        pool = cls(path)
+        pool = cls(path, device=device)
         await pool.__aenter__()
         return pool
 
@@ -144,6 +165,11 @@ class AttachedPool(Owner):
                 os.close(fds[0])  # the mapping keeps the memory
             self._views = ViewLedger(self._slot_size)
             life.undo.callback(life.release_when_unviewed, self._views.defer_until_empty, self._unmap)
+            if self._device is not None:
+                self._gpu = await life.run(Registrations, self._device, self._base, self._size, self._commit_unit)
+                life.undo.callback(self._gpu.release)  # runs before the unmap (the undo stack is LIFO)
+                _regions.register(self)
+                life.undo.callback(_regions.unregister, self)
             reader, self._writer = await asyncio.open_unix_connection(sock=sock)
         except BaseException:
             sock.close()
@@ -160,6 +186,8 @@ class AttachedPool(Owner):
         unmap_shared(self._base, self._size)
 
     async def _teardown(self) -> None:
+        if self._gpu is not None and self._life.worker is not None:
+            await self._life.run(InflightCopies.wait, self._copies.snapshot())  # the GPU lets go first
         writer = self.__dict__.get("_writer")
         if writer is not None:
             writer.close()
@@ -228,7 +256,29 @@ class AttachedPool(Owner):
         self._wake_all()
 
     def _on_resident(self, end: int) -> None:
-        """The watermark reached ``end``: where a GPU-attached process would register the new units."""
+        """The watermark reached ``end``: a GPU-attached process registers the new units (on its worker)."""
+        if self._gpu is None or self._registering or self._gpu.end >= min(end, self._size) or self._life.closed:
+            return
+        self._registering = True
+        future = self._life.submit(self._gpu.extend, end)
+        future.add_done_callback(self._registered_to)
+
+    def _registered_to(self, future: asyncio.Future[int]) -> None:
+        self._registering = False
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            self._fill_error = f"registering the shared memory with device {self._device} failed: {error}"
+            log.warning("aiokvtier: %s", self._fill_error)
+        else:
+            self._registered = future.result()
+            self._on_resident(self._resident)  # the watermark moved on meanwhile
+        self._wake_all()
+
+    def _usable(self) -> int:
+        """What this process may copy: resident, and registered here when attached to a device."""
+        return self._resident if self._gpu is None else min(self._resident, self._registered)
 
     def _wake_all(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -366,6 +416,13 @@ class AttachedPool(Owner):
         reply = await self._request(_wire.ALLOC, {"n": n, "wait": bool(wait)}, undo="free")
         ids = reply.ints(0).copy()
         self._mine.update(ids.tolist())
+        if self._gpu is not None and ids.size:
+            end = (int(ids.max()) + 1) * self._slot_size
+            try:
+                await self.wait_resident(min(end, self._quota))  # registered here too
+            except BaseException:
+                await asyncio.shield(self.free_many(ids.tolist()))
+                raise
         return ids
 
     async def free(self, slot: int) -> None:
@@ -419,7 +476,7 @@ class AttachedPool(Owner):
             need = self._quota if nbytes is None else int(nbytes)
             if need > self._quota or need < 0:
                 raise ValueError(f"nbytes ({need}) must be between 0 and the quota ({self._quota})")
-            if self._resident >= need:
+            if self._usable() >= need:
                 return
             if self._fill_error is not None:
                 raise FillError(
@@ -430,6 +487,39 @@ class AttachedPool(Owner):
             future: asyncio.Future[None] = self._loop.create_future()
             self._waiters.append((need, future))
             await future
+
+    # -- a copy region (attached with a device) --------------------------------------------
+
+    @property
+    def region_name(self) -> str:
+        return f"the pool at {self._path}"
+
+    @property
+    def closed(self) -> bool:
+        return self._life.closed
+
+    @property
+    def copies(self) -> InflightCopies:
+        return self._copies
+
+    def region_bounds(self) -> tuple[int, int]:
+        return self._base, self._size
+
+    def registrations_of(self, offsets: U64, nbytes: U64) -> I64:
+        """The commit unit of each span (each is one registration in this process).
+
+        :raises CopyPlanError: the pool is closing, or a span crosses two units or leaves what this
+            process has registered.
+        """
+        if self._life.state != "open" or self._gpu is None:
+            raise CopyPlanError(f"{self.region_name} is {self._life.state}")
+        units, bad = self._gpu.units_of(offsets, nbytes)
+        if bad >= 0:
+            raise CopyPlanError(
+                f"copy of {int(nbytes[bad])} bytes at +{int(offsets[bad])} crosses a commit unit of "
+                f"{self.region_name} or leaves what this process registered ({self._gpu.end} bytes)"
+            )
+        return units
 
     async def statistics(self) -> PoolStatistics:
         """The shared tier's and store's figures, from the owner.

@@ -1,0 +1,113 @@
+"""A pool attached with a device (marker ``cuda``): another process copies its slots to and from the GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aiokvtier import Pool
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(180)]
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+SLOT = 64 << 10
+N = 1024  # 64 MiB each way
+
+# The attached process: fills N slots, copies them to the GPU and back into N other slots through the
+# pool's registered memory, then the same through a StaticHostMem of its own (the rate of registered
+# memory), and prints what it did as one JSON line.
+CHILD = textwrap.dedent(
+    """
+    import asyncio, json, sys, time
+    import numpy as np
+    from aiokvtier import AttachedPool, CopyEngine, StaticHostMem
+    import torch
+
+    SLOT, N = 65536, 1024
+
+    async def rate(engine, copies, nbytes):
+        await engine.copy(copies)  # warm
+        best = []
+        for _ in range(5):
+            started = time.perf_counter()
+            await engine.copy(copies)
+            best.append(time.perf_counter() - started)
+        return nbytes / sorted(best)[2] / 1e9
+
+    async def main():
+        pool = await AttachedPool.attach(sys.argv[1], device=0)
+        async with CopyEngine(0) as engine, StaticHostMem(N * SLOT, device=0) as stage:
+            src = await pool.allocate(N)
+            dst = await pool.allocate(N)
+            rng = np.random.default_rng(7)
+            for slot in src:
+                pool.view(slot)[:] = rng.integers(0, 256, SLOT, dtype=np.uint8).tobytes()
+            gpu = torch.empty(N * SLOT, dtype=torch.uint8, device="cuda")
+            base = gpu.data_ptr()
+            up = [(base + i * SLOT, pool.address(s), SLOT) for i, s in enumerate(src)]
+            down = [(pool.address(s), base + i * SLOT, SLOT) for i, s in enumerate(dst)]
+            await engine.copy(up)
+            await engine.copy(down)
+            same = all(bytes(pool.view(a)) == bytes(pool.view(b)) for a, b in zip(src, dst))
+            staged = [(base + i * SLOT, stage.address + i * SLOT, SLOT) for i in range(N)]
+            pool_rate = await rate(engine, up, N * SLOT)
+            stage_rate = await rate(engine, staged, N * SLOT)
+            print(json.dumps({"same": same, "src": src[:4], "dst": dst, "pool_gb_s": pool_rate,
+                              "static_gb_s": stage_rate}), flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # until the owner looked
+        await pool.aclose()
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.fixture
+def sock() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="akg", dir="/tmp")
+    yield os.path.join(directory, "pool.sock")
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
+    os.rmdir(directory)
+
+
+async def test_an_attached_process_copies_pool_slots_to_the_gpu_and_back(sock: str) -> None:
+    config = {"quota": "256MiB", "max_quota": "256MiB", "slot_size": SLOT}
+    async with await Pool.open(config, sock) as pool:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            CHILD,
+            sock,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=ENV,
+            cwd=ROOT,
+        )
+        assert child.stdout is not None and child.stdin is not None
+        async with asyncio.timeout(150):
+            line = await child.stdout.readline()
+        assert line, f"the attached process failed ({await child.wait()})"
+        report = json.loads(line)
+        assert report["same"], "the bytes that went to the GPU and back differ"
+        # What the attached process wrote through the GPU is in the owner's memory too.
+        tier = pool.tier
+        base = tier.statistics().base_address
+        got = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * SLOT).from_address(base + report["dst"][0] * SLOT))
+        want = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * SLOT).from_address(base + report["src"][0] * SLOT))
+        assert np.array_equal(got, want)
+        print(f"attached pool H2D {report['pool_gb_s']:.1f} GB/s, StaticHostMem {report['static_gb_s']:.1f} GB/s")
+        child.stdin.write(b"done\n")
+        await child.stdin.drain()
+        async with asyncio.timeout(60):
+            assert await child.wait() == 0
