@@ -83,7 +83,7 @@ def sock() -> Iterator[str]:
 
 async def test_an_attached_process_copies_pool_slots_to_the_gpu_and_back(sock: str) -> None:
     config = {"quota": "256MiB", "max_quota": "256MiB", "slot_size": SLOT}
-    async with await Pool.open(config, sock) as pool:
+    async with Pool(config, sock) as pool:
         child = await asyncio.create_subprocess_exec(
             sys.executable,
             "-c",
