@@ -547,8 +547,9 @@ class AttachedPool(Owner):
         if isinstance(keys, bytes | bytearray | memoryview | str | int):
             raise TypeError("keys are a sequence of keys (bytes or ints), not one key")
         # bytes and ints are keys as they are (a bool's type is bool): one pass over the types, not a call per key.
-        given: list[Key] = list(keys) if set(map(type, keys)) <= {bytes, int} else [as_key(k) for k in keys]  # type: ignore[arg-type]
-        kind, parts = encode_keys(given)
+        types = set(map(type, keys))
+        given: list[Key] = list(keys) if types <= {bytes, int} else [as_key(k) for k in keys]  # type: ignore[arg-type]
+        kind, parts = encode_keys(given, types if types <= {bytes, int} else None)
         return given, {"k": kind}, parts
 
     async def lookup(self, keys: Sequence[object]) -> int:

@@ -18,8 +18,8 @@ process held when its connection closes. Ready blocks sit in an
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 from .._errors import BlockNotFound
 from ._wire import BUSY, CLAIMED, PRESENT, SKIPPED, Key
@@ -66,20 +66,20 @@ class BlockIndex:
 
     # -- queries --------------------------------------------------------------------
 
-    def lookup(self, keys: Iterable[Key], count: int) -> int:
-        """The stored prefix of ``keys`` (``count`` of them; read only up to the first miss); touches it."""
+    def lookup(self, keys: Sequence[Key]) -> int:
+        """The stored prefix of ``keys``; touches it (most recent last)."""
         ready = self.ready
-        touch = ready.move_to_end
-        hits = 0
-        for key in keys:
-            if key not in ready:
-                break
-            touch(key)
-            hits += 1
+        # Loops in C: membership of every key, then the touches of the prefix (4,096 keys: ~0.2 ms).
+        present = list(map(ready.__contains__, keys))
+        try:
+            hits = present.index(False)
+        except ValueError:
+            hits = len(keys)
+        deque(map(ready.move_to_end, keys[:hits] if hits < len(keys) else keys), maxlen=0)
         c = self.counts
         c["queries"] += 1
         c["hits"] += hits
-        c["misses"] += count - hits
+        c["misses"] += len(keys) - hits
         return hits
 
     # -- store: classify, claim, commit or abort ------------------------------------------

@@ -42,13 +42,11 @@ from ._wire import (
     PRESENT,
     SKIPPED,
     Message,
-    count_keys,
     decode,
     decode_keys,
     encode,
     encode_keys,
     error_to,
-    iter_keys,
 )
 
 __all__ = ["Pool"]
@@ -479,7 +477,7 @@ class Pool(Owner):
     def _lookup(self, peer: _Peer, message: Message) -> Reply:
         kind = message.fields.get("k")
         parts = message.parts[: 1 if kind == "i" else 2]
-        return {"hits": self._index.lookup(iter_keys(kind, parts), count_keys(kind, parts))}, []
+        return {"hits": self._index.lookup(decode_keys(kind, parts))}, []
 
     async def _begin(self, peer: _Peer, message: Message) -> Reply:
         keys = self._keys(message)
