@@ -16,7 +16,8 @@ Each with its second base, if any, and what it means:
     ├── CudaError                  a driver call failed; keeps the CUresult name
     ├── CopyPlanError (ValueError) a copy the planner refuses (spans registrations, leaves the range)
     ├── BlockNotFound (KeyError)   a block store has no block for a key
-    └── DiskTierBusy               another opener holds a disk tier's directory
+    ├── DiskTierBusy               another opener holds a disk tier's directory
+    └── MooncakeError              a Mooncake Store client that cannot be had (missing wheel, no master)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "DecommitError",
     "DiskTierBusy",
     "FillError",
+    "MooncakeError",
     "NumaPolicyError",
     "OutOfSlots",
     "QuotaError",
@@ -145,3 +147,10 @@ class BlockNotFound(AiokvtierError, KeyError):
 
 class DiskTierBusy(AiokvtierError):
     """Another process, or another ``DiskTier`` of this one, has the disk tier's directory open."""
+
+
+class MooncakeError(AiokvtierError):
+    """A ``MooncakeTier`` cannot open: the ``mooncake`` wheel or the libraries it links against are
+    missing, or the client's setup failed or did not finish within ``open_timeout`` (the
+    master or the metadata server unreachable). The message says which; ``__cause__`` keeps
+    an import error."""
