@@ -213,6 +213,9 @@ def build_parser(prog: str = "aiokvtier") -> Parser:
     )
     doctor.add_argument("--json", action="store_true", help="print the checks as one JSON document")
     doctor.add_argument("--no-cuda", action="store_true", help="leave the CUDA driver alone")
+    doctor.add_argument(
+        "--mooncake-master", metavar="HOST:PORT", help="also check that a Mooncake master answers there"
+    )
 
     sub.add_parser(
         "bench",
@@ -316,7 +319,7 @@ def _demo(args: argparse.Namespace, argv_quota: str | None) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from . import _doctor
 
-    checks = _doctor.run_checks(cuda=not args.no_cuda)
+    checks = _doctor.run_checks(cuda=not args.no_cuda, mooncake_master=args.mooncake_master)
     if args.json:
         print(json.dumps(_doctor.report(checks), indent=2))
     else:

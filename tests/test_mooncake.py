@@ -472,3 +472,13 @@ async def test_a_missing_wheel_is_a_clear_error(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setitem(sys.modules, "mooncake.store", None)
     with pytest.raises(MooncakeError, match=r"pip install 'aiokvtier\[mooncake\]'"):
         _client.load()
+
+
+def test_doctor_says_whether_a_master_answers(master: Master) -> None:
+    from aiokvtier import _doctor
+
+    assert _doctor.check_mooncake(f"127.0.0.1:{master.rpc}").verdict == "ok"
+    (closed,) = free_ports(1)
+    check = _doctor.check_mooncake(f"127.0.0.1:{closed}", timeout=1.0)
+    assert check.verdict == "warn" and "does not answer" in check.summary
+    assert _doctor.check_mooncake(None).verdict == "ok"
