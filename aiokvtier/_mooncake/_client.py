@@ -133,3 +133,21 @@ def keep_forever(client: Any) -> None:
     """Never close or destroy ``client``: a transfer may still be using memory through it."""
     with _UNUSABLE_LOCK:
         _UNUSABLE.append(client)
+
+
+def find_master() -> str | None:
+    """``mooncake_master`` beside this interpreter, on PATH, or inside the wheel (None if nowhere)."""
+    import os
+    import shutil
+    import sys
+
+    found = shutil.which("mooncake_master", path=os.pathsep.join([os.path.dirname(sys.executable), os.defpath]))
+    found = found or shutil.which("mooncake_master")
+    if found:
+        return found
+    try:
+        import mooncake
+    except ImportError:
+        return None
+    inside = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    return inside if os.access(inside, os.X_OK) else None

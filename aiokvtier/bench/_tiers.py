@@ -1,4 +1,5 @@
-"""``bench store --sections tiers``: the disk tier beside a plain ``O_DIRECT`` loop on the same disk.
+"""``bench store --sections tiers``: the disk tier beside a plain ``O_DIRECT`` loop on the same disk
+(and the Mooncake tier beside Mooncake's batch calls: ``_mooncake``).
 
 Both arms move the same blocks between the same page-aligned memory (a host
 tier's slots) and files in the same directory, on the same number of
@@ -25,6 +26,7 @@ from .._config import DiskTierConfig, HostTierConfig
 from .._disk._io import memory_at
 from .._disk._tier import DiskTier
 from .._host._tier import HostTier
+from . import _mooncake
 from ._common import median
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -138,6 +140,7 @@ def section(quick: bool, path: str | None) -> dict[str, Any]:
             "threads": THREADS,
             "bytes_per_round": total,
             "disk": results,
+            "mooncake": _mooncake.row(quick),
         }
     finally:
         shutil.rmtree(directory, ignore_errors=True)
