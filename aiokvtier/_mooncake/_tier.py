@@ -182,9 +182,10 @@ class MooncakeTier(Owner):
         box: list[Any] = []
         future = setup_worker.submit(_set_up_into, self.config, box)
         done, _ = await asyncio.wait([future], timeout=self.config.open_timeout)
-        setup_worker.stop()  # after the setup (and the disposal below), the thread exits
         if not done:
-            setup_worker.post(lambda: _dispose(box))
+            setup_worker.post(lambda: _dispose(box))  # runs once the setup returns, on its thread
+        setup_worker.stop()  # the thread exits after that
+        if not done:
             raise MooncakeError(
                 f"the Mooncake Store client's setup did not finish within {self.config.open_timeout:g} s: "
                 f"is the master at {self.config.master} reachable?"
@@ -289,7 +290,8 @@ class MooncakeTier(Owner):
 
     @property
     def available(self) -> bool:
-        return self._available and not self.closed
+        """Open, and calls go to the store (not skipped). The loop's thread."""
+        return self._available and self._life.state == "open"
 
     def statistics(self) -> MooncakeStatistics:
         """A snapshot of the tier's figures (also after close)."""
