@@ -482,3 +482,37 @@ def test_doctor_says_whether_a_master_answers(master: Master) -> None:
     check = _doctor.check_mooncake(f"127.0.0.1:{closed}", timeout=1.0)
     assert check.verdict == "warn" and "does not answer" in check.summary
     assert _doctor.check_mooncake(None).verdict == "ok"
+
+
+class Failing:
+    """The client, with every put failing with ``TRANSFER_FAIL``: a transfer may still run."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def batch_put_from(self, names: list[str], *args: Any) -> list[int]:
+        return [-800] * len(names)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+async def test_a_failure_that_may_leave_a_transfer_running_poisons_the_tier(
+    master: Master, caplog: pytest.LogCaptureFixture
+) -> None:
+    src = Pages(2)
+    tier = MooncakeTier(master.config(), block_size=BLOCK, fingerprint=unique("poison"))
+    async with tier:
+        await tier.register(src.base, src.size)
+        real = tier._client
+        tier._client = Failing(real)
+        assert await tier.write([0, 1], src.addresses([0, 1]), [BLOCK] * 2) == ()
+        s = tier.statistics()
+        assert not s.available and "open a new tier" in (s.unavailable_why or "")
+        assert s.held_bytes == 2 * BLOCK and s.writes_skipped == 2
+        with pytest.raises(ValueError, match="held"):
+            await tier.write([2], src.addresses([0]), [BLOCK])
+        await asyncio.sleep(0.3)
+        assert not tier.available  # no reconnecting out of this
+    assert "left open" in caplog.text  # never closed under a transfer
+    await asyncio.to_thread(real.close)  # here nothing runs: the test may close it
