@@ -21,6 +21,7 @@ if _typing.TYPE_CHECKING:
     from ._config import DiskTierConfig as DiskTierConfig
     from ._config import GpuTierConfig as GpuTierConfig
     from ._config import HostTierConfig as HostTierConfig
+    from ._config import MooncakeTierConfig as MooncakeTierConfig
     from ._copy._engine import CopyEngine as CopyEngine
     from ._copy._engine import CopyStatistics as CopyStatistics
     from ._copy._engine import StartedCopy as StartedCopy
@@ -38,6 +39,7 @@ if _typing.TYPE_CHECKING:
     from ._errors import DecommitError as DecommitError
     from ._errors import DiskTierBusy as DiskTierBusy
     from ._errors import FillError as FillError
+    from ._errors import MooncakeError as MooncakeError
     from ._errors import NumaPolicyError as NumaPolicyError
     from ._errors import OutOfSlots as OutOfSlots
     from ._errors import PoolError as PoolError
@@ -49,6 +51,8 @@ if _typing.TYPE_CHECKING:
     from ._host._placement import Placement as Placement
     from ._host._statistics import TierStatistics as TierStatistics
     from ._host._tier import HostTier as HostTier
+    from ._mooncake._tier import MooncakeStatistics as MooncakeStatistics
+    from ._mooncake._tier import MooncakeTier as MooncakeTier
     from ._pool._client import AttachedPool as AttachedPool
     from ._pool._events import PoolEvents as PoolEvents
     from ._pool._owner import Pool as Pool
@@ -87,6 +91,10 @@ __all__ = [
     "GpuTierConfig",
     "HostTier",
     "HostTierConfig",
+    "MooncakeError",
+    "MooncakeStatistics",
+    "MooncakeTier",
+    "MooncakeTierConfig",
     "NumaPolicyError",
     "OutOfSlots",
     "Pages",
@@ -112,20 +120,21 @@ __all__ = [
 # and against the imports above.
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "._cache": ("Cache",),
-    "._config": ("CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig"),
+    "._config": ("CacheConfig", "DiskTierConfig", "GpuTierConfig", "HostTierConfig", "MooncakeTierConfig"),
     "._copy._engine": ("CopyEngine", "CopyStatistics", "StartedCopy"),
     "._copy._requests": ("Pages",),
     "._cuda._sm": ("SmOptions",),
     "._cuda._static": ("StaticHostMem",),
     "._errors": (
         "AiokvtierError", "BlockNotFound", "ConfigError", "CopyPlanError", "CudaError", "CudaUnavailableError",
-        "DecommitError", "DiskTierBusy", "FillError", "NumaPolicyError", "OutOfSlots", "PoolError", "PoolLostError",
-        "QuotaError", "SlotError", "TierClosedError", "WouldBlock",
+        "DecommitError", "DiskTierBusy", "FillError", "MooncakeError", "NumaPolicyError", "OutOfSlots", "PoolError",
+        "PoolLostError", "QuotaError", "SlotError", "TierClosedError", "WouldBlock",
     ),
     "._disk._tier": ("DiskStatistics", "DiskTier"),
     "._host._placement": ("Placement",),
     "._host._statistics": ("TierStatistics",),
     "._host._tier": ("HostTier",),
+    "._mooncake._tier": ("MooncakeStatistics", "MooncakeTier"),
     "._pool._client": ("AttachedPool",),
     "._pool._events": ("PoolEvents",),
     "._pool._owner": ("Pool",),

@@ -227,6 +227,9 @@ def build_parser(prog: str = "aiokvtier") -> Parser:
     doctor.add_argument(
         "--disk-path", type=Path, metavar="DIR", help="also check a disk tier's directory (O_DIRECT, free space)"
     )
+    doctor.add_argument(
+        "--mooncake-master", metavar="HOST:PORT", help="also check that a Mooncake master answers there"
+    )
 
     pool = sub.add_parser(
         "pool",
@@ -363,7 +366,7 @@ def _demo(args: argparse.Namespace, argv_quota: str | None) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from . import _doctor
 
-    checks = _doctor.run_checks(cuda=not args.no_cuda, disk_path=args.disk_path)
+    checks = _doctor.run_checks(cuda=not args.no_cuda, disk_path=args.disk_path, mooncake_master=args.mooncake_master)
     if args.json:
         print(json.dumps(_doctor.report(checks), indent=2))
     else:

@@ -38,6 +38,7 @@ __all__ = [
     "DiskTierConfig",
     "GpuTierConfig",
     "HostTierConfig",
+    "MooncakeTierConfig",
     "ResolvedHostConfig",
     "default_fill_threads",
     "parse_quota",
@@ -396,12 +397,63 @@ class DiskTierConfig(_Frozen):
     path: DirectoryPath
 
 
-TierConfig = Annotated[GpuTierConfig | HostTierConfig | DiskTierConfig, Field(discriminator="kind")]
-_ORDER = {"gpu": 0, "host": 1, "disk": 2}
+_ADDRESS = r"^[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}$"
+
+
+class MooncakeTierConfig(_Frozen):
+    """The remote tier: blocks in a Mooncake Store cluster, shared by every engine that uses it.
+
+    Blocks are found by key: a tier with the same ``key_prefix`` and the same
+    fingerprint (given at open) finds what any other machine's tier stored.
+
+    :ivar master: the ``mooncake_master`` RPC address, ``host:port``.
+    :ivar metadata_server: where the transfer engines meet: the master's HTTP
+        metadata server (``http://host:port/metadata``), or an etcd address.
+    :ivar local_hostname: the address other clients reach this one at (for
+        its segment); on a single machine ``127.0.0.1``.
+    :ivar protocol: ``"tcp"``, or ``"rdma"`` with ``rdma_devices`` naming the
+        devices (e.g. ``"mlx5_0,mlx5_1"``).
+    :ivar segment_size: host memory this client gives the cluster's pool.
+    :ivar local_buffer_size: Mooncake's own staging buffer in this process.
+    :ivar timeout: seconds a call to the store may take before the tier stops
+        waiting for it (the memory it uses stays held until it returns).
+    :ivar open_timeout: seconds the open may take: reaching the master and
+        the metadata server, then the client's setup (about 1 s on loopback).
+    :ivar key_prefix: the namespace of the keys in the store.
+    """
+
+    kind: Literal["mooncake"] = "mooncake"
+    master: Annotated[str, Field(pattern=_ADDRESS)]
+    metadata_server: Annotated[str, Field(min_length=1)]
+    local_hostname: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.:\[\]-]+$")]
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    rdma_devices: str = ""
+    segment_size: PositiveSize = Field(default=ByteSize(1 << 30), validate_default=True)
+    local_buffer_size: PositiveSize = Field(default=ByteSize(64 * MiB), validate_default=True)
+    timeout: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    open_timeout: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$")] = "aiokvtier"
+
+    @field_validator("segment_size", "local_buffer_size", mode="before")
+    @classmethod
+    def _size(cls, value: object, info: ValidationInfo) -> int:
+        return _size_bytes(value, str(info.field_name))
+
+    @model_validator(mode="after")
+    def _rdma_needs_devices(self) -> MooncakeTierConfig:
+        if self.protocol == "rdma" and not self.rdma_devices:
+            raise ValueError("protocol='rdma' needs rdma_devices (e.g. 'mlx5_0')")
+        return self
+
+
+TierConfig = Annotated[
+    GpuTierConfig | HostTierConfig | DiskTierConfig | MooncakeTierConfig, Field(discriminator="kind")
+]
+_ORDER = {"gpu": 0, "host": 1, "disk": 2, "mooncake": 3}
 
 
 class CacheConfig(_Frozen):
-    """A whole cache: its tiers, fastest first (GPU, host, disk), validated together.
+    """A whole cache: its tiers, fastest first (GPU, host, disk, Mooncake), validated together.
 
     Every tier is validated and every error reported in one ValidationError;
     nothing is allocated by building a config.
@@ -414,5 +466,5 @@ class CacheConfig(_Frozen):
         kinds = [tier.kind for tier in self.tiers]
         ranks = [_ORDER[kind] for kind in kinds]
         if any(a >= b for a, b in itertools.pairwise(ranks)):
-            raise ValueError(f"tiers must be ordered gpu, host, disk with at most one of each; got {kinds}")
+            raise ValueError(f"tiers must be ordered gpu, host, disk, mooncake with at most one of each; got {kinds}")
         return self

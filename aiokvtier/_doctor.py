@@ -520,6 +520,35 @@ def _read(path: Path) -> str | None:
         return None
 
 
+# -- the Mooncake tier ----------------------------------------------------------------------------
+
+
+def check_mooncake(master: str | None = None, timeout: float = 2.0) -> Check:
+    """Whether the Mooncake wheel loads here and, given ``host:port``, whether that master answers.
+
+    Only a TCP connect: setting a client up would mount a segment in the cluster.
+    """
+    from ._mooncake._client import why_unloadable
+
+    why = why_unloadable()
+    if why is not None:
+        verdict: Verdict = "warn" if master else "skip"
+        return Check("mooncake", verdict, why, "pip install 'aiokvtier[mooncake]' for a Mooncake tier", {})
+    if not master:
+        return Check("mooncake", "ok", "the wheel loads (no master given: --mooncake-master HOST:PORT)", "", {})
+    import socket
+
+    host, _, port = master.rpartition(":")
+    data: dict[str, Any] = {"master": master}
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError) as exc:
+        advice = "start mooncake_master there, or check the address and the firewall"
+        return Check("mooncake", "warn", f"the master at {master} does not answer: {exc}", advice, data)
+    return Check("mooncake", "ok", f"the wheel loads; the master at {master} answers", "", data)
+
+
 # -- all of them ----------------------------------------------------------------------------------
 
 
@@ -591,12 +620,14 @@ _CHECKS: tuple[Callable[[], Check | list[Check]], ...] = (
     check_numa,
     check_memlock,
     check_cuda,
+    check_mooncake,
 )
 
 
-def run_checks(*, cuda: bool = True, disk_path: Path | None = None) -> list[Check]:
+def run_checks(*, cuda: bool = True, disk_path: Path | None = None, mooncake_master: str | None = None) -> list[Check]:
     """Every check, in order; ``cuda=False`` leaves the driver alone (no CUDA context is made either way);
-    ``disk_path``: also check a disk tier's directory.
+    ``disk_path``: also check a disk tier's directory; ``mooncake_master`` (``host:port``): also check
+    that a Mooncake master answers there.
 
     A check that raises is reported as a ``fail`` naming the exception, so one
     broken probe never hides the rest.
@@ -609,7 +640,7 @@ def run_checks(*, cuda: bool = True, disk_path: Path | None = None) -> list[Chec
         if platform.system() != "Linux" and probe is not check_platform:
             continue
         try:
-            found = probe()
+            found = check_mooncake(mooncake_master) if probe is check_mooncake else probe()
         except Exception as exc:  # a probe's own bug must not hide the other checks
             name = probe.__name__.removeprefix("check_")
             checks.append(Check(name, "warn", f"the check itself failed: {type(exc).__name__}: {exc}", "", {}))

@@ -17,6 +17,7 @@ Each with its second base, if any, and what it means:
     ├── CopyPlanError (ValueError) a copy the planner refuses (spans registrations, leaves the range)
     ├── BlockNotFound (KeyError)   a block store has no block for a key
     ├── DiskTierBusy               another opener holds a disk tier's directory
+    ├── MooncakeError              a Mooncake Store client that cannot be had (missing wheel, no master)
     └── PoolError                  attaching to a pool failed (no socket, refused, not a pool)
         └── PoolLostError (TierClosedError)   the pool's owner went away
 """
@@ -33,6 +34,7 @@ __all__ = [
     "DecommitError",
     "DiskTierBusy",
     "FillError",
+    "MooncakeError",
     "NumaPolicyError",
     "OutOfSlots",
     "PoolError",
@@ -163,3 +165,10 @@ class PoolLostError(PoolError, TierClosedError):
     """The pool's owner went away (it closed or died): every pending and later call of the attached
     process raises this. The memory it mapped stays valid until it closes; attach again to a
     restarted owner."""
+
+
+class MooncakeError(AiokvtierError):
+    """A ``MooncakeTier`` cannot open: the ``mooncake`` wheel or the libraries it links against are
+    missing, or the client's setup failed or did not finish within ``open_timeout`` (the
+    master or the metadata server unreachable). The message says which; ``__cause__`` keeps
+    an import error."""

@@ -1,4 +1,5 @@
-"""``bench store --sections tiers``: the disk tier beside a plain ``O_DIRECT`` loop on the same disk.
+"""``bench store --sections tiers``: the disk tier beside a plain ``O_DIRECT`` loop on the same disk
+(and the Mooncake tier beside Mooncake's batch calls: ``_mooncake``).
 
 Both arms move the same blocks between the same page-aligned memory (a host
 tier's slots) and files in the same directory, on the same number of
@@ -26,6 +27,7 @@ from .._disk._io import memory_at
 from .._disk._tier import DiskTier
 from .._host._tier import HostTier
 from .._store._store import BlockStore
+from . import _mooncake
 from ._common import median
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -215,6 +217,7 @@ def section(quick: bool, path: str | None) -> dict[str, Any]:
             "disk": results,
             "reopen": reopen,
             "prefix_load": prefix,
+            "mooncake": _mooncake.row(quick),
         }
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""The remote tier: blocks in a Mooncake Store cluster."""
