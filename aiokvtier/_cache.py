@@ -60,7 +60,8 @@ class Cache:
         """Open every tier of ``config``, then the store.
 
         :raises pydantic.ValidationError: ``config`` is a mapping that does not validate.
-        :raises ConfigError: no host tier, a disk tier without a ``fingerprint``, or a host
+        :raises ConfigError: no host tier, a Mooncake tier (not under the store yet), a disk tier
+            without a ``fingerprint``, or a host
             tier registered for another device than the GPU tier's (a host tier that names no
             device is registered for the GPU tier's).
         :raises DiskTierBusy: another process has the disk tier's directory open.
@@ -75,6 +76,11 @@ class Cache:
         if not isinstance(host, HostTierConfig):
             raise ConfigError("a cache needs a host tier: its slots hold the blocks")
         gpu, disk = tiers.get("gpu"), tiers.get("disk")
+        if "mooncake" in tiers:
+            raise ConfigError(
+                "a cache does not put a Mooncake tier under its store yet: open MooncakeTier on its own "
+                "(docs/mooncake.md)"
+            )
         if isinstance(disk, DiskTierConfig) and not fingerprint:
             raise ConfigError("a cache with a disk tier needs a fingerprint (the model and its KV layout)")
         device = gpu.device if isinstance(gpu, GpuTierConfig) else None

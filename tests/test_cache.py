@@ -52,6 +52,14 @@ async def test_a_cache_config_opens_a_store_over_a_host_and_a_disk_tier(tmp_path
 async def test_a_config_the_cache_cannot_open_is_refused_before_anything_opens(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="needs a host tier"):
         await Cache.open({"tiers": [{"kind": "disk", "quota": "1GiB", "path": str(tmp_path)}]}, fingerprint="m")
+    remote = {
+        "kind": "mooncake",
+        "master": "127.0.0.1:50051",
+        "metadata_server": "http://127.0.0.1:8080/metadata",
+        "local_hostname": "127.0.0.1",
+    }
+    with pytest.raises(ConfigError, match="Mooncake tier"):
+        await Cache.open({"tiers": [tiers(tmp_path, disk=False)["tiers"][0], remote]}, fingerprint="m")
     with pytest.raises(ConfigError, match="needs a fingerprint"):
         await Cache.open(tiers(tmp_path))
     async with await Cache.open(tiers(tmp_path, disk=False)) as cache:  # no disk: no fingerprint needed
