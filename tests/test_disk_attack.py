@@ -17,7 +17,8 @@ import signal
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,15 @@ import numpy as np
 import pytest
 import xxhash
 
-from aiokvtier import DiskTier, DiskTierConfig
+from aiokvtier import BlockNotFound, BlockStore, DiskTier, DiskTierConfig, HostTier, QuotaError
 from aiokvtier._disk import _journal, _tier
 from aiokvtier._disk._io import DataFile
 from aiokvtier._disk._journal import Journal, encode_key
 
-from .helpers import eventually
+from .helpers import eventually, small_config
 from .invariants import wait_no_library_threads
 from .test_disk import BLOCK, Pages, config, file_size_limit, open_disk
+from .test_store_disk import SLOT, page
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -688,3 +690,240 @@ async def test_a_huge_quota_costs_no_list_of_its_slots(tmp_path: Path) -> None:
     async with asyncio.timeout(60), DiskTier(huge, block_size=4096, fingerprint="m") as disk:
         assert len(disk) == 2
         settled(disk)
+
+
+# -- the store over a disk tier ----------------------------------------------------------------
+
+
+@asynccontextmanager
+async def cache(path: Path, **kwargs: Any) -> AsyncIterator[tuple[BlockStore, DiskTier, HostTier]]:
+    """A 16-slot host tier over a 256-block disk tier; on the way out, the invariants, then no thread."""
+    config = await asyncio.to_thread(DiskTierConfig, quota=256 * SLOT, path=path)
+    tier_config = small_config(quota=16 * SLOT, max_quota=16 * SLOT, slot_size=SLOT, commit_unit=SLOT * 16)
+    async with HostTier(tier_config) as tier, DiskTier(config, block_size=SLOT, fingerprint="m") as disk:
+        await tier.wait_resident()
+        async with BlockStore(tier, disk=disk, admit_after=1, **kwargs) as store:
+            yield store, disk, tier
+            if not store.closed:
+                store.check_invariants(sole_user=True)
+        assert tier.statistics().slots_allocated == 0
+        settled(disk)
+    await wait_no_library_threads()
+
+
+async def load_pages(store: BlockStore, keys: list[bytes]) -> list[bytes]:
+    out = np.zeros((len(keys), SLOT), dtype=np.uint8)
+    await store.load(keys, out)
+    return [row.tobytes() for row in out]
+
+
+async def on_disk_only(store: BlockStore, keys: list[bytes]) -> None:
+    """Store ``keys``, load them once (admitted), wait for the write-back, push them out of the host tier."""
+    await store.store(keys, [page(i) for i in range(len(keys))])
+    await load_pages(store, keys)
+    await eventually(lambda: store.statistics().written_back >= len(keys))
+    await store.store([b"other%d" % i for i in range(16)], [page(100 + i) for i in range(16)])
+    assert not any(k in store for k in keys)
+
+
+KEYS = [b"k%d" % i for i in range(4)]
+
+
+async def test_a_disk_tier_closed_under_the_store_is_a_miss(tmp_path: Path) -> None:
+    """A load of blocks the closed disk tier had listed raised TierClosedError (the store looked closed)."""
+    async with cache(tmp_path) as (store, disk, _):
+        await on_disk_only(store, KEYS)
+        await disk.aclose()
+        assert store.lookup(KEYS) == 0
+        with pytest.raises(BlockNotFound, match=repr(KEYS[0])):
+            await store.load(KEYS, np.zeros((4, SLOT), dtype=np.uint8))
+        await store.store([b"new"], [page(50)])
+        assert await load_pages(store, [b"new"]) == [page(50)]  # no write-back, no error
+        assert store.discard([b"new", KEYS[0]]) == 1
+        store.check_invariants(sole_user=True)
+
+
+async def test_a_disk_tier_closed_during_the_write_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with cache(tmp_path) as (store, disk, _):
+        await store.store(KEYS, [page(i) for i in range(4)])
+        with gate(monkeypatch, "write") as g:
+            await load_pages(store, KEYS)
+            await g.reached()
+            assert store.statistics().blocks_pinned == 4  # pinned while their bytes go to disk
+            closing = asyncio.create_task(disk.aclose())
+            await g.release()
+            await closing
+        await eventually(lambda: store.statistics().blocks_pinned == 0)
+        assert store.statistics().written_back == 4
+        assert await load_pages(store, KEYS) == [page(i) for i in range(4)]
+    assert await reopened_store_keys(tmp_path) == set(KEYS)
+
+
+async def reopened_store_keys(path: Path) -> set[Key]:
+    config = await asyncio.to_thread(DiskTierConfig, quota=256 * SLOT, path=path)
+    async with DiskTier(config, block_size=SLOT, fingerprint="m") as disk:
+        settled(disk)
+        return {k for k in [*KEYS, b"k9"] if k in disk}
+
+
+async def test_a_disk_tier_closed_during_a_promotion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with cache(tmp_path) as (store, disk, _):
+        await on_disk_only(store, KEYS)
+        with gate(monkeypatch, "read") as g:
+            loading = asyncio.create_task(load_pages(store, KEYS[:2]))
+            await g.reached()
+            closing = asyncio.create_task(disk.aclose())
+            await g.release()
+            assert await loading == [page(0), page(1)]  # the read in flight finished before the close
+            await closing
+        with pytest.raises(BlockNotFound):
+            await load_pages(store, KEYS[2:])
+
+
+async def test_the_store_closed_during_the_write_back_and_its_load_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with cache(tmp_path) as (store, disk, tier):
+        await store.store(KEYS, [page(i) for i in range(4)])
+        with gate(monkeypatch, "write") as g:
+            loading = asyncio.create_task(load_pages(store, KEYS))
+            await g.reached()
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loading
+            closing = asyncio.create_task(store.aclose())
+            await asyncio.sleep(0.05)
+            assert not closing.done()  # its close waits for the write-back
+            closing.cancel()  # and a cancelled close still finishes it
+            await g.release()
+            with contextlib.suppress(asyncio.CancelledError):
+                await closing
+        assert store.closed and tier.statistics().slots_allocated == 0
+        assert all(k in disk for k in KEYS)
+
+
+async def test_a_discard_during_the_write_back_drops_the_block_from_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The discarded block used to be published on disk when its write settled: it came back."""
+    async with cache(tmp_path) as (store, disk, _):
+        await store.store(KEYS, [page(i) for i in range(4)])
+        with gate(monkeypatch, "write") as g:
+            await load_pages(store, KEYS)
+            await g.reached()
+            assert store.discard([KEYS[0]]) == 1
+            await g.release()
+        await eventually(lambda: store.statistics().blocks_pinned == 0)
+        assert KEYS[0] not in disk and all(k in disk for k in KEYS[1:])
+        assert store.lookup(KEYS) == 0
+    assert await reopened_store_keys(tmp_path) == set(KEYS[1:])
+
+
+async def test_a_discard_during_a_promotion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with cache(tmp_path) as (store, disk, _):
+        await on_disk_only(store, KEYS)
+        with gate(monkeypatch, "read") as g:
+            loading = asyncio.create_task(load_pages(store, KEYS))
+            await g.reached()
+            assert store.discard([KEYS[1]]) == 0  # being stored: the store ignores it, the disk drops it
+            await g.release()
+            assert await loading == [page(i) for i in range(4)]
+        assert KEYS[1] in store and KEYS[1] not in disk
+
+
+async def test_a_store_of_the_key_a_load_is_promoting_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with cache(tmp_path) as (store, _, _):
+        await on_disk_only(store, KEYS)
+        with gate(monkeypatch, "read") as g:
+            loading = asyncio.create_task(load_pages(store, KEYS))
+            await g.reached()
+            storing = asyncio.create_task(store.store([KEYS[2], b"fresh"], [page(77), page(78)]))
+            await asyncio.sleep(0.01)
+            await g.release()
+            assert await loading == [page(i) for i in range(4)]
+            result = await storing
+        assert result.present == (KEYS[2],) and result.stored == (b"fresh",)
+        assert await load_pages(store, [KEYS[2]]) == [page(2)]
+
+
+async def test_two_loads_promoting_the_same_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with cache(tmp_path) as (store, _, _):
+        await on_disk_only(store, KEYS)
+        with gate(monkeypatch, "read") as g:
+            first = asyncio.create_task(load_pages(store, KEYS))
+            second = asyncio.create_task(load_pages(store, KEYS[::-1]))
+            await g.reached()
+            await asyncio.sleep(0.01)
+            await g.release()
+            assert await first == [page(i) for i in range(4)]
+            assert await second == [page(i) for i in range(4)][::-1]
+        assert store.statistics().promoted == 4
+
+
+async def test_a_shrink_while_a_promotion_holds_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with cache(tmp_path) as (store, _, tier):
+        await on_disk_only(store, KEYS)
+        with gate(monkeypatch, "read") as g:
+            loading = asyncio.create_task(load_pages(store, KEYS))
+            await g.reached()
+            with contextlib.suppress(QuotaError):  # refused if a promoted block lies past the new end
+                await store.resize(8 * SLOT)
+            store.check_invariants()
+            await g.release()
+            assert await loading == [page(i) for i in range(4)]
+        store.check_invariants(sole_user=True)
+        assert tier.slots_total in (8, 16)
+
+
+async def test_a_failing_sibling_cancels_a_load_from_disk(tmp_path: Path) -> None:
+    async def fail() -> None:
+        await asyncio.sleep(0)
+        raise LookupError("sibling")
+
+    async with cache(tmp_path) as (store, _, _):
+        await on_disk_only(store, KEYS)
+        with pytest.raises(ExceptionGroup):
+            async with asyncio.TaskGroup() as group:
+                group.create_task(load_pages(store, KEYS))
+                group.create_task(store.store([b"x"], [page(9)]))
+                group.create_task(fail())
+        store.check_invariants(sole_user=True)
+        assert await load_pages(store, KEYS) == [page(i) for i in range(4)]
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+async def test_a_load_from_disk_cancelled_at_any_point(tmp_path: Path, delay: float) -> None:
+    async with cache(tmp_path) as (store, _, _):
+        await on_disk_only(store, KEYS)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(load_pages(store, KEYS), delay)
+        store.check_invariants(sole_user=True)
+        assert await load_pages(store, KEYS) == [page(i) for i in range(4)]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 6, 10])
+async def test_a_load_from_disk_cancelled_after_some_loop_turns(tmp_path: Path, steps: int) -> None:
+    async with cache(tmp_path) as (store, _, _):
+        await on_disk_only(store, KEYS)
+        task = asyncio.create_task(load_pages(store, KEYS))
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        store.check_invariants(sole_user=True)
+        assert await load_pages(store, KEYS) == [page(i) for i in range(4)]
+
+
+async def test_the_invariant_check_during_a_write_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check took the write-back's pins for pins that outlived their load."""
+    async with cache(tmp_path) as (store, _, _):
+        await store.store(KEYS, [page(i) for i in range(4)])
+        with gate(monkeypatch, "write") as g:
+            await load_pages(store, KEYS)
+            await g.reached()
+            store.check_invariants(sole_user=True)
+            await g.release()
+        await eventually(lambda: store.statistics().blocks_pinned == 0)

@@ -353,7 +353,8 @@ class BlockStore(Owner):
         :raises TierClosedError: the store or its tier is closed.
         """
         self._check_open()
-        idle = self._in_flight == 0
+        # The write-back pins the blocks whose bytes go to disk: in flight as a load is.
+        idle = self._in_flight == 0 and (self._spill is None or not self._spill.writing)
         self._index.check(idle)
         if idle:
             require(not len(self._claims), "a claim outlived its call")
@@ -982,13 +983,18 @@ class BlockStore(Owner):
         disk = spill.disk
         lengths = []
         for key in keys:
-            if key not in disk:
+            if disk.closed or key not in disk:  # a closed disk tier holds nothing any more
                 raise BlockNotFound(key)
             lengths.append(disk.length(key))
         source = Pages(np.zeros(len(keys), dtype=np.uint64), np.asarray(lengths, dtype=np.uint64), [])
 
         def from_disk(slots: I64, pages: Pages, chosen: Sequence[Key]) -> Started:
             async def read() -> None:
+                # The slots were booked with the lengths seen above; the disk tier may have closed, or
+                # dropped or rewritten a block, while they were taken. (read() sees the same index.)
+                for key, length in zip(chosen, pages.lengths.tolist(), strict=True):
+                    if disk.closed or key not in disk or disk.length(key) != length:
+                        raise _DiskMiss(key)
                 arrived = await disk.read(list(chosen), self._tier.slot_addresses(slots).tolist())
                 if not all(arrived):
                     raise _DiskMiss(chosen[arrived.index(False)])
