@@ -927,3 +927,86 @@ async def test_the_invariant_check_during_a_write_back(tmp_path: Path, monkeypat
             store.check_invariants(sole_user=True)
             await g.release()
         await eventually(lambda: store.statistics().blocks_pinned == 0)
+
+
+# -- storms ---------------------------------------------------------------------------------
+
+
+async def test_a_write_that_finds_every_block_held_by_reads_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, dst = Pages(4), Pages(4)
+    src.fill(30)
+    async with await open_disk(tmp_path, blocks=2) as disk:
+        await disk.write([0, 1], src.addresses([0, 1]), [BLOCK] * 2)
+        with gate(monkeypatch, "read") as g:
+            reading = asyncio.create_task(disk.read([0, 1], dst.addresses([0, 1])))
+            await g.reached()
+            assert await disk.write([2], src.addresses([2]), [BLOCK]) == ()  # nothing to evict
+            assert disk.statistics().writes_skipped == 1
+            assert disk.discard([0]) == 1  # its slot comes back when the read lets go
+            await g.release()
+            assert await reading == (True, True)
+        settled(disk)
+        assert await disk.write([2], src.addresses([2]), [BLOCK]) == (2,)
+    assert await reopened(tmp_path, [0, 1, 2], blocks=2) == {1, 2}
+
+
+async def test_a_journal_of_many_drops_is_compacted_at_open(tmp_path: Path) -> None:
+    src = Pages(2)
+    src.fill(31)
+    async with await open_disk(tmp_path, blocks=4) as disk:
+        for i in range(700):
+            await disk.write([i], src.addresses([i % 2]), [BLOCK])
+            if i % 7:
+                disk.discard([i])
+        held = {i for i in range(700) if i in disk}
+        directory = disk.directory
+    size = (await asyncio.to_thread(os.stat, Path(directory, "journal"))).st_size
+    assert await reopened(tmp_path, list(range(700)), blocks=4) == held
+    assert (await asyncio.to_thread(os.stat, Path(directory, "journal"))).st_size < size
+    assert await reopened(tmp_path, list(range(700)), blocks=4) == held
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_storm_of_writes_reads_discards_and_cancellations(tmp_path: Path, seed: int) -> None:
+    """Random calls, some cancelled at random points, on a small tier: every read that arrives is the
+    key's own bytes, the slots always add up, and a reopen finds exactly the blocks held at the close."""
+    rng = np.random.default_rng(seed)
+    src, dst = Pages(16), Pages(16)
+    src.fill(32 + seed)
+    disk = DiskTier(await config(tmp_path, blocks=12), block_size=BLOCK, fingerprint="model-a", io_threads=3)
+
+    async def write(keys: list[int]) -> None:
+        await disk.write(keys, src.addresses([k % 16 for k in keys]), [BLOCK - k for k in keys])
+
+    async def read(keys: list[int], at: int) -> None:
+        got = await disk.read(keys, dst.addresses(range(at, at + len(keys))))
+        for i, (key, ok) in enumerate(zip(keys, got, strict=True)):
+            if ok:
+                n = BLOCK - key
+                assert np.array_equal(dst.array[at + i, :n], src.array[key % 16, :n]), key
+
+    async with disk:
+        for _ in range(60):
+            tasks = []
+            for lane in range(3):
+                keys = [int(k) for k in rng.choice(40, size=int(rng.integers(1, 6)), replace=False)]
+                op = rng.integers(3)
+                if op == 0:
+                    tasks.append(asyncio.create_task(write(keys)))
+                elif op == 1:
+                    tasks.append(asyncio.create_task(read(keys, lane * 5)))
+                else:
+                    disk.discard(keys)
+            for task in tasks:
+                if rng.random() < 0.3:
+                    delay = float(rng.choice([0.0, 0.0001, 0.0005, 0.002]))
+                    asyncio.get_running_loop().call_later(delay, task.cancel)
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            settled(disk)
+        held: set[Key] = {k for k in range(40) if k in disk}
+    await wait_no_library_threads()
+    assert await reopened(tmp_path, list(range(40)), blocks=12) == held
