@@ -39,6 +39,8 @@ from .test_store_disk import SLOT, page
 pytestmark = pytest.mark.timeout(120)
 
 Key = bytes | int
+_ROOT = str(Path(__file__).resolve().parents[1])
+"""The tree under test, for the children's imports."""
 
 
 def settled(disk: DiskTier) -> None:
@@ -430,6 +432,61 @@ async def test_a_lock_held_by_a_dead_process_is_free(tmp_path: Path) -> None:
     await child.wait()
     async with await open_disk(tmp_path) as disk:  # the lock file still names the dead process
         settled(disk)
+
+
+_READ_ONLY = textwrap.dedent(
+    """
+    import asyncio, mmap, os, sys
+    import numpy as np
+    from aiokvtier import DiskTier, DiskTierConfig
+
+    async def main(path):
+        block = 65536
+        pages = np.frombuffer(mmap.mmap(-1, 8 * block), dtype=np.uint8).reshape(8, block)
+        at = [pages.ctypes.data + i * block for i in range(8)]
+        config = DiskTierConfig(quota=64 * block, path=path)
+        async with DiskTier(config, block_size=block, fingerprint="m") as disk:
+            await disk.write([0, 1], at[:2], [block] * 2)
+            for key in range(100, 700):  # enough drops that the next open compacts the journal
+                await disk.write([key], at[7:], [block])
+                disk.discard([key])
+            os.chmod(disk.directory, 0o500)
+            try:
+                open(os.path.join(disk.directory, "probe"), "w")
+            except PermissionError:
+                print("read-only")
+            print(await disk.write([2, 3], at[2:4], [block] * 2), disk.discard([0]))
+            print(await disk.read([1, 2, 3], at[4:7]))
+        async with DiskTier(config, block_size=block, fingerprint="m") as disk:
+            print(sorted(k for k in range(700) if k in disk))
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+async def test_a_directory_made_read_only_after_open(tmp_path: Path) -> None:
+    """No file is made after the open, so the tier goes on; the next open's journal compaction could
+    not make its new file, and the open failed: it is skipped (said in the log) instead."""
+    if os.geteuid() != 0 or not await asyncio.to_thread(os.path.exists, "/usr/bin/setpriv"):
+        pytest.skip("needs root and setpriv: root without the capabilities that override file modes")
+    drop = "-dac_override,-dac_read_search,-fowner"
+    env = {**os.environ, "PYTHONPATH": _ROOT}
+    child = await asyncio.create_subprocess_exec(
+        *("setpriv", "--bounding-set", drop, "--inh-caps", drop, sys.executable, "-c", _READ_ONLY, str(tmp_path)),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    out, err = await asyncio.wait_for(child.communicate(), 60)
+    await asyncio.to_thread(_writable_again, tmp_path)
+    assert out.decode().splitlines() == ["read-only", "(2, 3) 1", "(True, True, True)", "[1, 2, 3]"], err.decode()
+    assert "could not compact its journal" in err.decode()
+
+
+def _writable_again(path: Path) -> None:
+    for directory in path.iterdir():
+        directory.chmod(0o700)
 
 
 @pytest.mark.parametrize("name", ["aiokvtier-disk", "aiokvtier-disk-io-0", "aiokvtier-disk-io-3"])

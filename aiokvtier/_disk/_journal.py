@@ -15,6 +15,7 @@ its own late drop record.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -120,14 +121,22 @@ class Journal:
         self.records += 1
 
     def rewrite(self, blocks: dict[Key, Entry]) -> None:
-        """Replace the journal by one record per live block (atomic: a new file renamed over it)."""
+        """Replace the journal by one record per live block (atomic: a new file renamed over it).
+
+        :raises OSError: the new file cannot be made or renamed (the journal is left as it was).
+        """
         tmp = self.path + ".new"
-        with open(tmp, "wb") as f:
-            for key, (slot, length, checksum) in blocks.items():
-                f.write(_record(_PUT, slot, length, checksum, encode_key(key)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "wb") as f:
+                for key, (slot, length, checksum) in blocks.items():
+                    f.write(_record(_PUT, slot, length, checksum, encode_key(key)))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
         self.records = len(blocks)

@@ -280,7 +280,10 @@ class DiskTier(Owner):
         self._recovered = len(self._index)
         assert self._journal is not None
         if self._journal.records > 2 * len(self._index) + 1024:
-            self._journal.rewrite(dict(self._index))
+            try:
+                self._journal.rewrite(dict(self._index))
+            except OSError as exc:  # a read-only directory, a full disk: the long journal still serves
+                log.warning("aiokvtier: disk tier %s could not compact its journal: %s", self.directory, _why(exc))
 
     def _close_files(self) -> None:
         if self._data is not None:
