@@ -1067,3 +1067,80 @@ async def test_a_storm_of_writes_reads_discards_and_cancellations(tmp_path: Path
         held: set[Key] = {k for k in range(40) if k in disk}
     await wait_no_library_threads()
     assert await reopened(tmp_path, list(range(40)), blocks=12) == held
+
+
+class SlotGate:
+    """Holds the store's calls at the point where they take host slots, until ``release()``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = 0
+        self.event = asyncio.Event()
+        real = BlockStore._take_slots
+
+        async def held(store: BlockStore, *args: Any) -> None:
+            self.entered += 1
+            await self.event.wait()
+            await real(store, *args)
+
+        monkeypatch.setattr(BlockStore, "_take_slots", held)
+
+    async def reached(self) -> None:
+        await eventually(lambda: self.entered >= 1, within=30)
+
+    def release(self) -> None:
+        self.event.set()
+
+
+async def test_a_block_rewritten_on_disk_at_another_length_during_a_promotion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slots were booked with the length seen before they were taken, and the read brought the new,
+    shorter block: the load returned its bytes followed by whatever the slot held before."""
+    async with cache(tmp_path) as (store, disk, _):
+        await on_disk_only(store, KEYS)
+        slots = SlotGate(monkeypatch)
+        loading = asyncio.create_task(load_pages(store, KEYS[:1]))
+        await slots.reached()
+        disk.discard(KEYS[:1])
+        short = np.frombuffer(page(66), dtype=np.uint8)[: SLOT // 2].copy()
+        assert await disk.write(KEYS[:1], [short.ctypes.data], [SLOT // 2]) == (KEYS[0],)
+        slots.release()
+        with pytest.raises(BlockNotFound):
+            await loading
+        monkeypatch.undo()
+        assert KEYS[0] not in store
+        out = np.zeros((1, SLOT), dtype=np.uint8)
+        await store.load(KEYS[:1], out)  # the block as it is now, its length with it
+        assert out[0, : SLOT // 2].tobytes() == short.tobytes()
+        assert store.statistics().bytes_loaded >= SLOT // 2
+
+
+async def test_a_disk_tier_closed_while_a_promotion_waits_for_host_slots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with cache(tmp_path) as (store, disk, _):
+        await on_disk_only(store, KEYS)
+        slots = SlotGate(monkeypatch)
+        loading = asyncio.create_task(load_pages(store, KEYS))
+        await slots.reached()
+        await disk.aclose()
+        slots.release()
+        with pytest.raises(BlockNotFound):
+            await loading
+        monkeypatch.undo()
+        store.check_invariants(sole_user=True)
+
+
+async def test_the_store_closed_during_a_promotion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with cache(tmp_path) as (store, _, tier):
+        await on_disk_only(store, KEYS)
+        with gate(monkeypatch, "read") as g:
+            loading = asyncio.create_task(load_pages(store, KEYS))
+            await g.reached()
+            closing = asyncio.create_task(store.aclose())
+            await asyncio.sleep(0.05)
+            assert not closing.done()  # the load in flight finishes first
+            await g.release()
+            assert await loading == [page(i) for i in range(4)]
+            await closing
+        assert tier.statistics().slots_allocated == 0

@@ -927,50 +927,62 @@ class BlockStore(Owner):
         index, transfers = self._index, self._transfers
         keys = key_seq(keys)
         slots = index.slots_of_all(keys)
-        rounds = 0
-        while slots is None or not (index.state[slots] == READY).all():
-            absent = np.flatnonzero(~index.ready(index.slots(keys) if slots is None else slots))
-            rounds += 1
-            if self._spill is None or rounds > 3:  # evicted again each time by concurrent stores
-                raise BlockNotFound(keys[int(absent[0])])
-            await self._promote(list(dict.fromkeys(keys[i] for i in absent.tolist())))
-            slots = index.slots_of_all(keys)
-        pages = transfers.pages(dst, len(keys), writable=True)
-        lengths = index.length[slots]  # a copy: the map may grow later
-        shorts = np.flatnonzero(pages.lengths < lengths)
-        if shorts.size:
-            short = int(shorts[0])
-            raise ValueError(
-                f"destination page {short} has {int(pages.lengths[short])} bytes, block {keys[short]!r} has "
-                f"{int(lengths[short])}; nothing was copied"
-            )
-        if after is not None and transfers.engine is None:
-            raise ValueError("after= needs a CopyEngine; this store copies host memory")
-        if not slots.size:
-            return
-        under = self._blocks_under(pages)
-        if under.size:
-            raise ValueError(
-                f"a destination page lies in slot {int(under[0])}, a block of this store; nothing was copied"
-            )
-        nbytes = 0
-
-        def touch() -> None:  # while the copy runs
-            nonlocal nbytes
-            index.policy.accessed(slots)
-            nbytes = int(lengths.sum())
-
-        self._enter()
-        index.pin(slots)
+        # A load that promotes is in flight from its first promotion to the end of its copy: a close
+        # that begins meanwhile waits for all of it (the copy's own entry would find the store closing).
+        held = False
         try:
-            await transfers.overlap(transfers.start_out(slots, pages, lengths, after), touch)
+            rounds = 0
+            while slots is None or not (index.state[slots] == READY).all():
+                absent = np.flatnonzero(~index.ready(index.slots(keys) if slots is None else slots))
+                rounds += 1
+                if self._spill is None or rounds > 3:  # evicted again each time by concurrent stores
+                    raise BlockNotFound(keys[int(absent[0])])
+                if not held:
+                    self._enter()
+                    held = True
+                await self._promote(list(dict.fromkeys(keys[i] for i in absent.tolist())))
+                slots = index.slots_of_all(keys)
+            pages = transfers.pages(dst, len(keys), writable=True)
+            lengths = index.length[slots]  # a copy: the map may grow later
+            shorts = np.flatnonzero(pages.lengths < lengths)
+            if shorts.size:
+                short = int(shorts[0])
+                raise ValueError(
+                    f"destination page {short} has {int(pages.lengths[short])} bytes, block {keys[short]!r} has "
+                    f"{int(lengths[short])}; nothing was copied"
+                )
+            if after is not None and transfers.engine is None:
+                raise ValueError("after= needs a CopyEngine; this store copies host memory")
+            if not slots.size:
+                return
+            under = self._blocks_under(pages)
+            if under.size:
+                raise ValueError(
+                    f"a destination page lies in slot {int(under[0])}, a block of this store; nothing was copied"
+                )
+            nbytes = 0
+
+            def touch() -> None:  # while the copy runs
+                nonlocal nbytes
+                index.policy.accessed(slots)
+                nbytes = int(lengths.sum())
+
+            if not held:
+                self._enter()
+            index.pin(slots)
+            try:
+                await transfers.overlap(transfers.start_out(slots, pages, lengths, after), touch)
+            finally:
+                index.unpin(slots)
+                if not held:
+                    self._exit()
+            self._counts["loads"] += len(slots)
+            self._counts["bytes_loaded"] += nbytes
+            if self._spill is not None:
+                self._spill.loaded(keys)
         finally:
-            index.unpin(slots)
-            self._exit()
-        self._counts["loads"] += len(slots)
-        self._counts["bytes_loaded"] += nbytes
-        if self._spill is not None:
-            self._spill.loaded(keys)
+            if held:
+                self._exit()
 
     async def _promote(self, keys: list[Key]) -> None:
         """Store ``keys`` (absent from the host tier) from the disk tier into host slots.
@@ -1001,13 +1013,10 @@ class BlockStore(Owner):
 
             return (None, asyncio.ensure_future(read()))
 
-        self._enter()
-        try:
+        try:  # the caller (a load) is in flight meanwhile
             result = await self._store(keys, source, None, True, True, start=from_disk)
         except _DiskMiss as miss:
             raise BlockNotFound(miss.key) from None
-        finally:
-            self._exit()
         spill.promoted += len(result.stored)
         if result.skipped:
             raise BlockNotFound(result.skipped[0])
