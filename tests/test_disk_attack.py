@@ -1144,3 +1144,30 @@ async def test_the_store_closed_during_a_promotion(tmp_path: Path, monkeypatch: 
             assert await loading == [page(i) for i in range(4)]
             await closing
         assert tier.statistics().slots_allocated == 0
+
+
+async def test_blocks_read_into_overlapping_memory_are_refused(tmp_path: Path) -> None:
+    """Read on two threads into the same memory, good blocks failed each other's checksums and were dropped."""
+    src, dst = Pages(8), Pages(8)
+    src.fill(40)
+    async with await open_disk(tmp_path) as disk:
+        await disk.write(list(range(8)), src.addresses(range(8)), [BLOCK] * 8)
+        for addresses in (
+            [dst.base] * 8,
+            [dst.base + i * 4096 for i in range(8)],
+            [*dst.addresses(range(7)), dst.base],
+        ):
+            with pytest.raises(ValueError, match="overlapping"):
+                await disk.read(list(range(8)), addresses)
+        with pytest.raises(ValueError, match="overlapping"):
+            await disk.read([3, 3], [dst.base, dst.base + 1])
+        small = await disk.write([b"s"], src.addresses([0]), [100])
+        assert small == (b"s",)
+        # unaligned memory is read as given, aligned memory in whole pages: these do not overlap
+        assert await disk.read([b"s", 1], [dst.base + 1, dst.base + 4096]) == (True, True)
+        assert await disk.read([b"s", 1, 99], [dst.base, dst.base + 4096, dst.base]) == (True, True, False)
+        s = disk.statistics()
+        assert len(disk) == 9 and s.checksum_failures == 0
+        settled(disk)
+        assert await disk.read(list(range(8)), dst.addresses(range(8))) == (True,) * 8
+    assert np.array_equal(src.array, dst.array)

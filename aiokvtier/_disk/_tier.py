@@ -474,7 +474,8 @@ class DiskTier(Owner):
         write to) is dropped. Blocks read are pinned (never evicted under the
         read) and become the most recently used.
 
-        :raises ValueError: not one address per key, or an address not above 0 (nothing read).
+        :raises ValueError: not one address per key, an address not above 0, or two blocks that would
+            be read into overlapping memory (nothing read).
         :raises TypeError: a key is not bytes-like or an int, or an address not an int.
         :raises TierClosedError: the tier is not open.
         """
@@ -483,10 +484,16 @@ class DiskTier(Owner):
             raise ValueError(f"one address per key: {len(keys)} keys, {len(addresses)} addresses")
         keys = _keys(keys)
         addresses = [_address(a) for a in addresses]
+        entries = [self._index.get(key) for key in keys]
+        # Blocks read into one another's memory on two threads fail each other's checksums: good
+        # blocks would be dropped for the caller's mistake.
+        spans = sorted((a, a + _span(a, e[1])) for a, e in zip(addresses, entries, strict=True) if e is not None)
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            if start < end:
+                raise ValueError(f"two blocks would be read into overlapping memory (at {start:#x}); nothing was read")
         jobs: list[tuple[Key, int, Entry]] = []
         found: list[bool] = []
-        for key, address in zip(keys, addresses, strict=True):
-            entry = self._index.get(key)
+        for key, address, entry in zip(keys, addresses, entries, strict=True):
             found.append(entry is not None)
             if entry is None:
                 self._counts["misses"] += 1
@@ -647,6 +654,11 @@ def _address(value: object) -> int:
     if address <= 0:
         raise ValueError(f"an address must be above 0, got {address}")
     return address
+
+
+def _span(address: int, length: int) -> int:
+    """The bytes a read may write at ``address``: a direct read moves whole 4 KiB pages."""
+    return -(-length // ALIGN) * ALIGN if address % ALIGN == 0 else length
 
 
 def _why(exc: BaseException) -> str:
