@@ -1171,3 +1171,40 @@ async def test_blocks_read_into_overlapping_memory_are_refused(tmp_path: Path) -
         settled(disk)
         assert await disk.read(list(range(8)), dst.addresses(range(8))) == (True,) * 8
     assert np.array_equal(src.array, dst.array)
+
+
+async def test_a_load_naming_a_block_on_disk_twice(tmp_path: Path) -> None:
+    async with cache(tmp_path) as (store, _, _):
+        await on_disk_only(store, KEYS)
+        assert await load_pages(store, [KEYS[1], KEYS[0], KEYS[1]]) == [page(1), page(0), page(1)]
+        assert store.statistics().promoted == 2
+
+
+async def test_a_shrink_while_the_write_back_pins_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with cache(tmp_path) as (store, disk, tier):
+        await store.store(
+            [b"o%d" % i for i in range(12)] + KEYS, [page(200 + i) for i in range(12)] + [page(i) for i in range(4)]
+        )
+        with gate(monkeypatch, "write") as g:
+            await load_pages(store, KEYS)
+            await g.reached()
+            with contextlib.suppress(QuotaError):  # the pinned blocks lie past the new end
+                await store.resize(8 * SLOT)
+            store.check_invariants()
+            await g.release()
+        await eventually(lambda: store.statistics().blocks_pinned == 0)
+        assert all(k in disk for k in KEYS)
+        store.check_invariants(sole_user=True)
+        assert tier.slots_total in (8, 16)
+
+
+async def test_a_write_back_the_disk_refuses_is_tried_again_later(tmp_path: Path) -> None:
+    async with cache(tmp_path) as (store, disk, _):
+        await store.store(KEYS, [page(i) for i in range(4)])
+        with file_size_limit(1):  # every write to the data file fails
+            await load_pages(store, KEYS)
+            await eventually(lambda: store.statistics().blocks_pinned == 0 and disk.statistics().write_errors == 4)
+        assert not any(k in disk for k in KEYS) and store.statistics().written_back == 0
+        await load_pages(store, KEYS)  # hit again: admitted again
+        await eventually(lambda: store.statistics().written_back == 4)
+        assert all(k in disk for k in KEYS)
