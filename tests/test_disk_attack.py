@@ -1208,3 +1208,19 @@ async def test_a_write_back_the_disk_refuses_is_tried_again_later(tmp_path: Path
         await load_pages(store, KEYS)  # hit again: admitted again
         await eventually(lambda: store.statistics().written_back == 4)
         assert all(k in disk for k in KEYS)
+
+
+async def test_queries_tell_keys_from_what_only_compares_equal(tmp_path: Path) -> None:
+    """``True in disk`` and ``1.0 in disk`` answered for the block of key 1."""
+    src = Pages(1)
+    src.fill(41)
+    async with await open_disk(tmp_path) as disk:
+        await disk.write([1, b"b"], src.addresses([0, 0]), [BLOCK, 10])
+        assert 1 in disk and np.int64(1) in disk and bytearray(b"b") in disk
+        assert True not in disk and 1.0 not in disk and "b" not in disk and [1] not in disk
+        assert disk.lookup([np.int64(1), memoryview(b"b")]) == 2
+        with pytest.raises(TypeError):
+            disk.lookup([True])
+        with pytest.raises(TypeError):
+            disk.length(1.0)  # type: ignore[arg-type]
+        assert disk.length(np.int64(1)) == BLOCK and disk.length(bytearray(b"b")) == 10  # type: ignore[arg-type]

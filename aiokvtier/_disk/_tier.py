@@ -304,20 +304,29 @@ class DiskTier(Owner):
         return len(self._index)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._index
+        """Whether ``key`` is stored; False for what is no key (``True`` and ``1.0`` are not ``1``)."""
+        try:
+            return key_of(key) in self._index
+        except TypeError:
+            return False
 
     def length(self, key: Key) -> int:
         """The stored length of ``key``'s block.
 
         :raises KeyError: the key is not stored.
+        :raises TypeError: the key is not bytes-like or an int.
         """
-        return self._index[key][1]
+        return self._index[key_of(key)][1]
 
     def lookup(self, keys: Iterable[Key]) -> int:
-        """How many leading keys are stored (a prefix's hit length)."""
+        """How many leading keys are stored (a prefix's hit length).
+
+        :raises TypeError: a key before the first miss is not bytes-like or an int.
+        """
         n = 0
+        index = self._index
         for key in keys:
-            if key not in self._index:
+            if key_of(key) not in index:
                 break
             n += 1
         return n
