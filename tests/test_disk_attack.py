@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from aiokvtier import BlockNotFound, BlockStore, DiskTier, DiskTierConfig, HostTier, QuotaError
+from aiokvtier import BlockNotFound, BlockStore, DiskTier, DiskTierConfig, HostTier, QuotaError, TierClosedError
 from aiokvtier._disk import _journal, _tier
 from aiokvtier._disk._io import DataFile
 from aiokvtier._disk._journal import Journal, encode_key
@@ -1224,3 +1224,43 @@ async def test_queries_tell_keys_from_what_only_compares_equal(tmp_path: Path) -
         with pytest.raises(TypeError):
             disk.length(1.0)  # type: ignore[arg-type]
         assert disk.length(np.int64(1)) == BLOCK and disk.length(bytearray(b"b")) == 10  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+async def test_an_open_cancelled_at_any_point_leaves_nothing(tmp_path: Path, delay: float) -> None:
+    src = Pages(1)
+    src.fill(42)
+    async with await open_disk(tmp_path) as disk:
+        await disk.write([1], src.addresses([0]), [BLOCK])
+    disk = await open_disk(tmp_path)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(disk.__aenter__(), delay)
+    await disk.aclose()
+    await wait_no_library_threads()
+    assert await reopened(tmp_path, [1]) == {1}  # the lock was released, the journal kept
+
+
+async def test_closes_cancelled_and_repeated_while_a_write_is_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = Pages(4)
+    src.fill(43)
+    disk = await DiskTier.open(await config(tmp_path), block_size=BLOCK, fingerprint="model-a")
+    with gate(monkeypatch, "write") as g:
+        writing = asyncio.create_task(disk.write([0, 1, 2, 3], src.addresses(range(4)), [BLOCK] * 4))
+        await g.reached()
+        closes = [asyncio.create_task(disk.aclose()) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        closes[0].cancel()  # the close that runs the teardown: it still finishes it
+        closes[1].cancel()
+        with pytest.raises(TierClosedError):
+            await disk.write([9], src.addresses([0]), [BLOCK])
+        await g.release()
+        assert await writing == (0, 1, 2, 3)
+        for close in closes:
+            with contextlib.suppress(asyncio.CancelledError):
+                await close
+    assert disk.closed
+    settled(disk)
+    await wait_no_library_threads()
+    assert await reopened(tmp_path, [0, 1, 2, 3, 9]) == {0, 1, 2, 3}
