@@ -1264,3 +1264,30 @@ async def test_closes_cancelled_and_repeated_while_a_write_is_in_flight(
     settled(disk)
     await wait_no_library_threads()
     assert await reopened(tmp_path, [0, 1, 2, 3, 9]) == {0, 1, 2, 3}
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_a_sync_that_fails_at_close_still_closes_every_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The data file's failed fsync skipped the closes after it: both files' descriptors were left open."""
+    src = Pages(1)
+    src.fill(44)
+    before = await asyncio.to_thread(open_descriptors)
+    disk = await DiskTier.open(await config(tmp_path), block_size=BLOCK, fingerprint="model-a")
+    await disk.write([1], src.addresses([0]), [BLOCK])
+
+    def sync(data: DataFile) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(DataFile, "sync", sync)
+    with pytest.raises(OSError, match="Input/output"):
+        await disk.aclose()
+    monkeypatch.undo()
+    assert disk.closed
+    await wait_no_library_threads()
+    assert await asyncio.to_thread(open_descriptors) == before
+    assert await reopened(tmp_path, [1]) == {1}

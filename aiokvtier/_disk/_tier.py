@@ -286,13 +286,21 @@ class DiskTier(Owner):
                 log.warning("aiokvtier: disk tier %s could not compact its journal: %s", self.directory, _why(exc))
 
     def _close_files(self) -> None:
-        if self._data is not None:
-            self._data.sync()
-            self._data.close()
-        if self._journal is not None:
-            _quietly(self._journal.flush)
-            self._journal.sync()
-            self._journal.close()
+        """Sync and close both files; a failed sync is raised once both are closed."""
+        data, journal = self._data, self._journal
+        try:
+            if data is not None:
+                try:
+                    data.sync()
+                finally:
+                    data.close()
+        finally:
+            if journal is not None:
+                try:
+                    _quietly(journal.flush)
+                    journal.sync()
+                finally:
+                    journal.close()
 
     async def aclose(self) -> None:
         """Finish the I/O in flight, write everything to disk, release the lock. Idempotent."""
