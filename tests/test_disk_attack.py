@@ -1291,3 +1291,27 @@ async def test_a_sync_that_fails_at_close_still_closes_every_file(
     await wait_no_library_threads()
     assert await asyncio.to_thread(open_descriptors) == before
     assert await reopened(tmp_path, [1]) == {1}
+
+
+async def test_a_reopen_with_a_smaller_then_a_larger_quota(tmp_path: Path) -> None:
+    src, dst = Pages(8), Pages(8)
+    src.fill(45)
+    keys: list[Key] = list(range(8))
+    async with await open_disk(tmp_path, blocks=8) as disk:
+        await disk.write(keys, src.addresses(range(8)), [BLOCK] * 8)
+    async with await open_disk(tmp_path, blocks=4) as disk:
+        settled(disk)
+        kept = [k for k in keys if k in disk]
+        assert len(kept) == 4 and disk.statistics().free == 0
+        assert await disk.read(kept, dst.addresses(range(4))) == (True,) * 4
+        assert await disk.write([100], src.addresses([0]), [BLOCK]) == (100,)  # evicts one
+        settled(disk)
+    async with await open_disk(tmp_path, blocks=16) as disk:
+        settled(disk)
+        held = {k for k in [*keys, 100] if k in disk}
+        assert 100 in held and len(held) >= 4
+        got = await disk.read(sorted(held, key=int), dst.addresses(range(len(held))))
+        for i, key in enumerate(sorted(held, key=int)):  # every block found is intact, or a miss
+            if got[i]:
+                assert np.array_equal(dst.array[i], src.array[key % 100])
+        settled(disk)
