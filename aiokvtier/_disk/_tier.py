@@ -24,6 +24,7 @@ import logging
 import operator
 import os
 import shutil
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -150,6 +151,10 @@ class DiskTier(Owner):
         """Set while no ``write()`` or ``read()`` is in flight (the close waits for it)."""
         self._idle.set()
         self._doomed: set[int] = set()
+        self._holes: set[int] = set()
+        """Dropped blocks' slots whose bytes are still on disk: punched out on an I/O thread, unless a
+        write takes the slot first (``_hole_lock``, taken on the I/O threads only, orders the two)."""
+        self._hole_lock = threading.Lock()
         """Slots whose block was dropped while a read had them pinned: freed by the last unpin."""
         self._busy = 0
         self._recovered = 0
@@ -239,7 +244,7 @@ class DiskTier(Owner):
         self._sample_free()
         for i in range(self._io_threads):
             self._workers.append(Worker(f"aiokvtier-disk-io-{i}"))
-            undo.callback(self._workers[-1].stop)
+            undo.callback(_drain, self._workers[-1])
 
     def _adopt_layout(self) -> None:
         """Keep the files if they were written in this layout, else start afresh (said in the log)."""
@@ -459,6 +464,9 @@ class DiskTier(Owner):
         for key, address, length, slot in jobs:
             try:
                 journal.flush()  # a slot's old record goes before its bytes change
+                if slot in self._holes:  # a hole still to punch there would cut the new block
+                    with self._hole_lock:
+                        self._holes.discard(slot)
                 data.write(slot, address, length)  # first: memory the kernel cannot read is EFAULT, not a crash
                 checksum = xxhash.xxh3_64_intdigest(memory_at(address, length))
                 journal.put(key, slot, length, checksum)
@@ -568,7 +576,7 @@ class DiskTier(Owner):
         del self._pins[slot]
         if slot in self._doomed:
             self._doomed.discard(slot)
-            self._free.append(slot)
+            self._give_back(slot)
 
     # -- discard -------------------------------------------------------------------------
 
@@ -598,7 +606,22 @@ class DiskTier(Owner):
         if slot in self._pins:
             self._doomed.add(slot)
         else:
-            self._free.append(slot)
+            self._give_back(slot)
+
+    def _give_back(self, slot: int) -> None:
+        """A dropped block's slot is free; its disk space goes back (a hole) unless a write takes it first."""
+        self._holes.add(slot)
+        self._free.append(slot)
+        self._workers[next(self._next) % len(self._workers)].post(lambda: self._punch(slot))
+
+    def _punch(self, slot: int) -> None:
+        data, journal = self._data, self._journal
+        assert data is not None and journal is not None
+        _quietly(journal.flush)  # the drop record first: a crash between the two is a miss, never a hole read as data
+        with self._hole_lock:
+            if slot in self._holes:
+                self._holes.discard(slot)
+                data.discard(slot)
 
     # -- the threads ---------------------------------------------------------------------
 
@@ -682,6 +705,13 @@ def _why(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})"
     return repr(exc)
+
+
+def _drain(worker: Worker) -> None:
+    """Stop a worker and wait until it has run what was posted (a drop record, a hole): the files
+    close after it, and a descriptor closed under it could be another file's by then."""
+    worker.stop()
+    worker.join()
 
 
 def _quietly(fn: Any, *args: Any) -> None:
