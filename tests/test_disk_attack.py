@@ -1352,3 +1352,20 @@ async def test_a_discard_just_before_the_close_is_kept(tmp_path: Path, io_thread
         assert disk.discard(list(range(0, 8, 2))) == 4
     await wait_no_library_threads()
     assert await reopened(tmp_path, list(range(8))) == {1, 3, 5, 7}
+
+
+@pytest.mark.parametrize("meta", [b"{not json", b'{"layout": 0}', b"[]"])
+async def test_a_directory_of_another_layout_starts_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, meta: bytes
+) -> None:
+    src = Pages(1)
+    src.fill(48)
+    async with await open_disk(tmp_path) as disk:
+        await disk.write([1], src.addresses([0]), [BLOCK])
+        directory = disk.directory
+    await asyncio.to_thread(Path(directory, "tier.json").write_bytes, meta)
+    async with await open_disk(tmp_path) as disk:
+        assert len(disk) == 0 and "starting it empty" in caplog.text
+        settled(disk)
+        await disk.write([2], src.addresses([0]), [BLOCK])
+    assert await reopened(tmp_path, [1, 2]) == {2}
