@@ -464,9 +464,8 @@ class DiskTier(Owner):
         for key, address, length, slot in jobs:
             try:
                 journal.flush()  # a slot's old record goes before its bytes change
-                if slot in self._holes:  # a hole still to punch there would cut the new block
-                    with self._hole_lock:
-                        self._holes.discard(slot)
+                with self._hole_lock:  # a hole still to punch there (or being punched) would cut the new block
+                    self._holes.discard(slot)
                 data.write(slot, address, length)  # first: memory the kernel cannot read is EFAULT, not a crash
                 checksum = xxhash.xxh3_64_intdigest(memory_at(address, length))
                 journal.put(key, slot, length, checksum)
@@ -620,8 +619,8 @@ class DiskTier(Owner):
         _quietly(journal.flush)  # the drop record first: a crash between the two is a miss, never a hole read as data
         with self._hole_lock:
             if slot in self._holes:
-                self._holes.discard(slot)
                 data.discard(slot)
+                self._holes.discard(slot)
 
     # -- the threads ---------------------------------------------------------------------
 
