@@ -6,13 +6,21 @@ record torn by a crash ends the replay there instead of being believed. A
 block whose data write did not complete before a crash has no record; a slot
 overwritten after its record (a crash between a reuse's write and its drop)
 fails the checksum: both are misses, never wrong data.
+
+Drops are decided on the event loop and written by whichever I/O thread
+appends next: every append first writes the drops queued before it, so a
+block dropped and then written again under the same key is never undone by
+its own late drop record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+import threading
 import zlib
+from collections import deque
 from collections.abc import Iterator
 
 __all__ = ["Entry", "Journal", "decode_key", "encode_key"]
@@ -52,6 +60,9 @@ class Journal:
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self.records = 0
+        self._lock = threading.Lock()
+        self._drops: deque[Key] = deque()
+        """Keys dropped on the loop whose records are not written yet."""
 
     def replay(self) -> dict[Key, Entry]:
         """The blocks the journal vouches for; a torn or foreign tail is cut off."""
@@ -62,19 +73,45 @@ class Journal:
         for op, slot, length, checksum, key, stop in _records(data):
             end = stop
             self.records += 1
+            # A key put again moves to the end: the order says which of two keys naming one slot is the later.
+            name = decode_key(key)
+            blocks.pop(name, None)
             if op == _PUT:
-                blocks[decode_key(key)] = (slot, length, checksum)
-            else:
-                blocks.pop(decode_key(key), None)
+                blocks[name] = (slot, length, checksum)
         if end < len(data):
             os.ftruncate(self._fd, end)  # a crash mid-append: the next record starts clean
         return blocks
 
     def put(self, key: Key, slot: int, length: int, checksum: int) -> None:
-        self._append(_record(_PUT, slot, length, checksum, encode_key(key)))
+        """On an I/O thread: the drops queued before, then ``key``'s record."""
+        record = _record(_PUT, slot, length, checksum, encode_key(key))
+        with self._lock:
+            self._flush()
+            self._append(record)
 
-    def drop(self, key: Key) -> None:
-        self._append(_record(_DROP, 0, 0, 0, encode_key(key)))
+    def drop_soon(self, key: Key) -> None:
+        """On the loop, never blocking: ``key``'s drop is written before the next record (or ``flush()``)."""
+        self._drops.append(key)
+
+    def flush(self) -> None:
+        """On an I/O thread: write the drops queued so far.
+
+        :raises OSError: a record could not be written (it stays queued: a
+            slot is never rewritten while its old record is unwritten).
+        """
+        if self._drops:
+            with self._lock:
+                self._flush()
+
+    def _flush(self) -> None:
+        drops = self._drops
+        while drops:
+            key = drops.popleft()
+            try:
+                self._append(_record(_DROP, 0, 0, 0, encode_key(key)))
+            except BaseException:
+                drops.appendleft(key)
+                raise
 
     def _append(self, record: bytes) -> None:
         # One write per record, O_APPEND: a crash leaves at most the last one torn.
@@ -84,14 +121,22 @@ class Journal:
         self.records += 1
 
     def rewrite(self, blocks: dict[Key, Entry]) -> None:
-        """Replace the journal by one record per live block (atomic: a new file renamed over it)."""
+        """Replace the journal by one record per live block (atomic: a new file renamed over it).
+
+        :raises OSError: the new file cannot be made or renamed (the journal is left as it was).
+        """
         tmp = self.path + ".new"
-        with open(tmp, "wb") as f:
-            for key, (slot, length, checksum) in blocks.items():
-                f.write(_record(_PUT, slot, length, checksum, encode_key(key)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "wb") as f:
+                for key, (slot, length, checksum) in blocks.items():
+                    f.write(_record(_PUT, slot, length, checksum, encode_key(key)))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
         self.records = len(blocks)

@@ -24,6 +24,7 @@ import logging
 import operator
 import os
 import shutil
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from .._config import DiskTierConfig
 from .._crossing import Worker
 from .._errors import DiskTierBusy
 from .._lifecycle import Lifecycle, Owner, finish
+from .._store._keys import key_of
 from ._io import ALIGN, DataFile, memory_at
 from ._journal import Entry, Journal
 
@@ -45,6 +47,10 @@ log = logging.getLogger("aiokvtier")
 Key = bytes | int
 _LAYOUT = 1
 """The on-disk format's version: a directory of another version is started afresh."""
+MAX_BLOCK = 1 << 31
+"""A journal record holds a block's length in 32 bits."""
+_MAX_KEY = 0xFFFF
+"""A journal record holds a key's encoding in at most this many bytes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,9 @@ class DiskStatistics:
     capacity: int
     """Blocks the quota holds."""
     blocks: int
+    free: int
+    """Data slots holding nothing; at rest ``blocks + free == capacity`` (the rest are being written,
+    or hold a dropped block a read still has)."""
     bytes_stored: int
     hits: int
     misses: int
@@ -102,13 +111,17 @@ class DiskTier(Owner):
         fingerprint: str,
         io_threads: int = 4,
     ) -> None:
-        """:raises ValueError: ``block_size`` is not a positive multiple of 4096, ``fingerprint`` is empty,
-        ``io_threads`` is not 1-64, or the quota holds no block."""
+        """:raises ValueError: ``block_size`` is not a positive multiple of 4096 up to 2 GiB, ``fingerprint``
+        is empty (or not UTF-8), ``io_threads`` is not 1-64, or the quota holds no block."""
         self.config = config if isinstance(config, DiskTierConfig) else DiskTierConfig.model_validate(config)
-        if type(block_size) is not int or block_size <= 0 or block_size % ALIGN:
-            raise ValueError(f"block_size must be a positive multiple of {ALIGN}, got {block_size!r}")
+        if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK or block_size % ALIGN:
+            raise ValueError(f"block_size must be a positive multiple of {ALIGN} up to {MAX_BLOCK}, got {block_size!r}")
         if not isinstance(fingerprint, str) or not fingerprint:
             raise ValueError(f"fingerprint must be a non-empty str, got {fingerprint!r}")
+        try:
+            fingerprint.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"fingerprint must be encodable as UTF-8, got {fingerprint!r}") from None
         if type(io_threads) is not int or not 1 <= io_threads <= 64:
             raise ValueError(f"io_threads must be an int between 1 and 64, got {io_threads!r}")
         self.capacity = int(self.config.quota) // block_size
@@ -125,10 +138,23 @@ class DiskTier(Owner):
         self._index: OrderedDict[Key, Entry] = OrderedDict()
         """Visible blocks, least recently used first."""
         self._free: list[int] = []
+        """Data slots given back, below ``_fresh``."""
+        self._fresh = 0
+        """Slots from here on were never used since the tier opened (a huge quota costs no list of them)."""
         self._pins: dict[int, int] = {}
         """Data slots being read, and by how many calls."""
         self._writing: set[Key] = set()
+        self._unwanted: set[Key] = set()
+        """Keys discarded while being written: dropped once their write settles."""
+        self._calls = 0
+        self._idle = asyncio.Event()
+        """Set while no ``write()`` or ``read()`` is in flight (the close waits for it)."""
+        self._idle.set()
         self._doomed: set[int] = set()
+        self._holes: set[int] = set()
+        """Dropped blocks' slots whose bytes are still on disk: punched out on an I/O thread, unless a
+        write takes the slot first (``_hole_lock``, taken on the I/O threads only, orders the two)."""
+        self._hole_lock = threading.Lock()
         """Slots whose block was dropped while a read had them pinned: freed by the last unpin."""
         self._busy = 0
         self._recovered = 0
@@ -174,7 +200,19 @@ class DiskTier(Owner):
         await self._life.run(self._start)
 
     async def _teardown(self) -> None:
+        # The I/O in flight uses the files and the callers' memory: closing a descriptor under it
+        # would fail the I/O, or let it land in whatever file reuses the descriptor's number.
+        await self._idle.wait()
         await self._life.run_undo()
+
+    def _enter(self) -> None:
+        self._calls += 1
+        self._idle.clear()
+
+    def _exit(self) -> None:
+        self._calls -= 1
+        if not self._calls:
+            self._idle.set()
 
     def _start(self) -> None:
         """On the tier's worker: lock, files, replay, threads; undoes itself on failure."""
@@ -206,7 +244,7 @@ class DiskTier(Owner):
         self._sample_free()
         for i in range(self._io_threads):
             self._workers.append(Worker(f"aiokvtier-disk-io-{i}"))
-            undo.callback(self._workers[-1].stop)
+            undo.callback(_drain, self._workers[-1])
 
     def _adopt_layout(self) -> None:
         """Keep the files if they were written in this layout, else start afresh (said in the log)."""
@@ -242,19 +280,32 @@ class DiskTier(Owner):
                 del self._index[previous]  # the slot was reused and the older drop never made it
             owner[slot] = key
             self._index[key] = (slot, length, checksum)
-        self._free = sorted(set(range(self.capacity)) - set(owner), reverse=True)
+        self._fresh = max(owner, default=-1) + 1
+        self._free = sorted(set(range(self._fresh)) - set(owner), reverse=True)
         self._recovered = len(self._index)
         assert self._journal is not None
         if self._journal.records > 2 * len(self._index) + 1024:
-            self._journal.rewrite(dict(self._index))
+            try:
+                self._journal.rewrite(dict(self._index))
+            except OSError as exc:  # a read-only directory, a full disk: the long journal still serves
+                log.warning("aiokvtier: disk tier %s could not compact its journal: %s", self.directory, _why(exc))
 
     def _close_files(self) -> None:
-        if self._data is not None:
-            self._data.sync()
-            self._data.close()
-        if self._journal is not None:
-            self._journal.sync()
-            self._journal.close()
+        """Sync and close both files; a failed sync is raised once both are closed."""
+        data, journal = self._data, self._journal
+        try:
+            if data is not None:
+                try:
+                    data.sync()
+                finally:
+                    data.close()
+        finally:
+            if journal is not None:
+                try:
+                    _quietly(journal.flush)
+                    journal.sync()
+                finally:
+                    journal.close()
 
     async def aclose(self) -> None:
         """Finish the I/O in flight, write everything to disk, release the lock. Idempotent."""
@@ -266,20 +317,29 @@ class DiskTier(Owner):
         return len(self._index)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._index
+        """Whether ``key`` is stored; False for what is no key (``True`` and ``1.0`` are not ``1``)."""
+        try:
+            return key_of(key) in self._index
+        except TypeError:
+            return False
 
     def length(self, key: Key) -> int:
         """The stored length of ``key``'s block.
 
         :raises KeyError: the key is not stored.
+        :raises TypeError: the key is not bytes-like or an int.
         """
-        return self._index[key][1]
+        return self._index[key_of(key)][1]
 
     def lookup(self, keys: Iterable[Key]) -> int:
-        """How many leading keys are stored (a prefix's hit length)."""
+        """How many leading keys are stored (a prefix's hit length).
+
+        :raises TypeError: a key before the first miss is not bytes-like or an int.
+        """
         n = 0
+        index = self._index
         for key in keys:
-            if key not in self._index:
+            if key_of(key) not in index:
                 break
             n += 1
         return n
@@ -295,6 +355,7 @@ class DiskTier(Owner):
             block_size=self.block_size,
             capacity=self.capacity,
             blocks=len(self._index),
+            free=len(self._free) + self.capacity - self._fresh,
             bytes_stored=sum(length for _, length, _ in self._index.values()),
             hits=c["hits"],
             misses=c["misses"],
@@ -315,85 +376,105 @@ class DiskTier(Owner):
     async def write(self, keys: Sequence[Key], addresses: Sequence[int], lengths: Sequence[int]) -> tuple[Key, ...]:
         """Store each key's ``lengths[i]`` bytes at ``addresses[i]``; returns the keys written.
 
-        Keys already stored or being written are left as they are. When the
-        tier is full, least recently used blocks that no read holds are
-        evicted; a key that finds no slot, or whose write fails (ENOSPC, EIO),
-        is skipped, counted and logged, and the rest go on.
+        Keys already stored or being written are left as they are (so is a
+        key's second appearance in one call). When the tier is full, least
+        recently used blocks that no read holds are evicted; a key that finds
+        no slot, or whose write fails (ENOSPC, EIO), is skipped, counted and
+        logged, and the rest go on. A key discarded while its write is in
+        flight is not stored.
 
-        :raises ValueError: the three sequences differ in length, or a length is not 1..block_size.
+        :raises ValueError: the three sequences differ in length, a length is not 1..block_size, an
+            address is not above 0, or a key's encoding is longer than 65535 bytes (nothing changed).
+        :raises TypeError: a key is not bytes-like or an int, or an address or length not an int.
         :raises TierClosedError: the tier is not open.
         """
         self.check_open()
         if not len(keys) == len(addresses) == len(lengths):
             raise ValueError(f"one address and one length per key: {len(keys)}, {len(addresses)}, {len(lengths)}")
-        for length in lengths:
+        keys = _keys(keys)
+        addresses = [_address(a) for a in addresses]
+        sizes = [_int(length, "a length") for length in lengths]
+        for length in sizes:
             if not 0 < length <= self.block_size:
                 raise ValueError(f"a block of {length} bytes does not fit a {self.block_size}-byte disk block")
-        jobs: list[tuple[Key, int, int, int, Key | None]] = []
-        for key, address, length in zip(keys, addresses, lengths, strict=True):
+        jobs: list[tuple[Key, int, int, int]] = []
+        for key, address, length in zip(keys, addresses, sizes, strict=True):
             if key in self._index or key in self._writing:
                 continue
-            taken = self._take_slot()
-            if taken is None:
+            slot = self._take_slot()
+            if slot is None:
                 self._counts["skipped"] += 1
                 continue
-            slot, evicted = taken
             self._writing.add(key)
-            jobs.append((key, address, length, slot, evicted))
+            jobs.append((key, address, length, slot))
         if not jobs:
             return ()
-        task = asyncio.ensure_future(self._spread(self._write_all, jobs, operator.itemgetter(3)))
+        self._enter()
         try:
-            await finish(task)
+            task = asyncio.ensure_future(self._spread(self._write_all, jobs, operator.itemgetter(3)))
+            try:
+                await finish(task)
+            finally:
+                written = self._settle_writes(jobs, _outcomes(task, len(jobs)))
         finally:
-            written = self._settle_writes(jobs, _outcomes(task, len(jobs)))
+            self._exit()
         return written
 
-    def _settle_writes(self, jobs: list[tuple[Key, int, int, int, Key | None]], outcomes: list[Any]) -> tuple[Key, ...]:
+    def _settle_writes(self, jobs: list[tuple[Key, int, int, int]], outcomes: list[Any]) -> tuple[Key, ...]:
         """Publish what was written, give back the slots of what was not (also after a cancellation)."""
         written: list[Key] = []
-        for (key, _, length, slot, _), outcome in zip(jobs, outcomes, strict=True):
+        for (key, _, length, slot), outcome in zip(jobs, outcomes, strict=True):
             self._writing.discard(key)
             if isinstance(outcome, int):
-                self._index[key] = (slot, length, outcome)
                 self._counts["bytes_written"] += length
+                self._index[key] = (slot, length, outcome)
+                if key in self._unwanted:  # discarded while its bytes went to disk
+                    self._drop(key)
+                    continue
                 written.append(key)
             else:
                 self._free.append(slot)
                 self._counts["skipped"] += 1
                 self._counts["write_errors"] += 1
+        self._unwanted.difference_update(key for key, _, _, _ in jobs)
         return tuple(written)
 
-    def _take_slot(self) -> tuple[int, Key | None] | None:
-        """A free data slot, or the least recently used unpinned block's (with its key, now dropped)."""
+    def _take_slot(self) -> int | None:
+        """A free data slot, or the least recently used unpinned block's (now dropped)."""
         if self._free:
-            return self._free.pop(), None
+            return self._free.pop()
+        if self._fresh < self.capacity:
+            self._fresh += 1
+            return self._fresh - 1
         for key, (slot, _, _) in self._index.items():
             if slot not in self._pins:
                 del self._index[key]
+                assert self._journal is not None
+                self._journal.drop_soon(key)  # written before the slot's new bytes (``_write_all``)
                 self._counts["evictions"] += 1
-                return slot, key
+                return slot
         return None
 
-    def _write_all(self, jobs: list[tuple[Key, int, int, int, Key | None]]) -> list[int | OSError]:
-        """On an I/O thread: each block's checksum, its data, then its record."""
+    def _write_all(self, jobs: list[tuple[Key, int, int, int]]) -> list[int | Exception]:
+        """On an I/O thread: the drops queued before (an evicted block's among them), each block's data,
+        its checksum, then its record."""
         data, journal = self._data, self._journal
         assert data is not None and journal is not None
-        out: list[int | OSError] = []
-        for key, address, length, slot, evicted in jobs:
+        out: list[int | Exception] = []
+        for key, address, length, slot in jobs:
             try:
-                if evicted is not None:
-                    journal.drop(evicted)  # before the slot's bytes change
+                journal.flush()  # a slot's old record goes before its bytes change
+                with self._hole_lock:  # a hole still to punch there (or being punched) would cut the new block
+                    self._holes.discard(slot)
+                data.write(slot, address, length)  # first: memory the kernel cannot read is EFAULT, not a crash
                 checksum = xxhash.xxh3_64_intdigest(memory_at(address, length))
-                data.write(slot, address, length)
                 journal.put(key, slot, length, checksum)
                 out.append(checksum)
-            except OSError as exc:
+            except Exception as exc:  # this block is skipped; the rest of the batch goes on
                 log.warning(
-                    "aiokvtier: disk tier %s skipped a block: %s (%s)",
+                    "aiokvtier: disk tier %s skipped a block: %s",
                     self.directory,
-                    exc.strerror or exc,
-                    errno.errorcode.get(exc.errno or 0, "?"),
+                    _why(exc),
                 )
                 out.append(exc)
         self._sample_free()
@@ -412,19 +493,31 @@ class DiskTier(Owner):
         the block's length rounded up to 4096); returns, per key, whether its bytes arrived.
 
         A key not stored, a read error and a block that fails its checksum
-        (dropped then) are misses: False, counted. Blocks read are pinned
-        (never evicted under the read) and become the most recently used.
+        are misses: False, counted. A block the file cannot give back (a
+        failed checksum, a read error other than memory the kernel could not
+        write to) is dropped. Blocks read are pinned (never evicted under the
+        read) and become the most recently used.
 
-        :raises ValueError: not one address per key.
+        :raises ValueError: not one address per key, an address not above 0, or two blocks that would
+            be read into overlapping memory (nothing read).
+        :raises TypeError: a key is not bytes-like or an int, or an address not an int.
         :raises TierClosedError: the tier is not open.
         """
         self.check_open()
         if len(keys) != len(addresses):
             raise ValueError(f"one address per key: {len(keys)} keys, {len(addresses)} addresses")
+        keys = _keys(keys)
+        addresses = [_address(a) for a in addresses]
+        entries = [self._index.get(key) for key in keys]
+        # Blocks read into one another's memory on two threads fail each other's checksums: good
+        # blocks would be dropped for the caller's mistake.
+        spans = sorted((a, a + _span(a, e[1])) for a, e in zip(addresses, entries, strict=True) if e is not None)
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            if start < end:
+                raise ValueError(f"two blocks would be read into overlapping memory (at {start:#x}); nothing was read")
         jobs: list[tuple[Key, int, Entry]] = []
         found: list[bool] = []
-        for key, address in zip(keys, addresses, strict=True):
-            entry = self._index.get(key)
+        for key, address, entry in zip(keys, addresses, entries, strict=True):
             found.append(entry is not None)
             if entry is None:
                 self._counts["misses"] += 1
@@ -434,34 +527,41 @@ class DiskTier(Owner):
             jobs.append((key, address, entry))
         if not jobs:
             return tuple(found)
-        task = asyncio.ensure_future(self._spread(self._read_all, jobs, lambda job: job[2][0]))
+        self._enter()
         try:
-            await finish(task)
+            task = asyncio.ensure_future(self._spread(self._read_all, jobs, lambda job: job[2][0]))
+            try:
+                await finish(task)
+            finally:
+                outcomes = _outcomes(task, len(jobs))
+                for (key, _, entry), outcome in zip(jobs, outcomes, strict=True):
+                    slot, length, _ = entry
+                    self._unpin(slot)
+                    if outcome == "ok":
+                        self._counts["hits"] += 1
+                        self._counts["bytes_read"] += length
+                        continue
+                    self._counts["misses"] += 1
+                    self._counts["checksum_failures" if outcome == "checksum" else "read_errors"] += 1
+                    if outcome in ("checksum", "error") and self._index.get(key) == entry:
+                        self._drop(key)
         finally:
-            outcomes = _outcomes(task, len(jobs))
-            for (key, _, (slot, length, checksum)), outcome in zip(jobs, outcomes, strict=True):
-                self._unpin(slot)
-                if outcome == "ok":
-                    self._counts["hits"] += 1
-                    self._counts["bytes_read"] += length
-                    continue
-                self._counts["misses"] += 1
-                self._counts["checksum_failures" if outcome == "checksum" else "read_errors"] += 1
-                if outcome == "checksum" and self._index.get(key) == (slot, length, checksum):
-                    self._drop(key)
+            self._exit()
         arrived = iter(outcome == "ok" for outcome in outcomes)
         return tuple(next(arrived) if present else False for present in found)
 
     def _read_all(self, jobs: list[tuple[Key, int, Entry]]) -> list[str]:
+        """On an I/O thread: "ok", "checksum", "error" (the file's), or "failed" (the memory's, or no I/O)."""
         data = self._data
         assert data is not None
         out: list[str] = []
         for _, address, (slot, length, checksum) in jobs:
             try:
                 data.read(slot, address, length)
-            except OSError as exc:
-                log.warning("aiokvtier: disk tier %s: a read failed: %s", self.directory, exc)
-                out.append("error")
+            except Exception as exc:
+                log.warning("aiokvtier: disk tier %s: a read failed: %s", self.directory, _why(exc))
+                file_error = isinstance(exc, OSError) and exc.errno != errno.EFAULT
+                out.append("error" if file_error else "failed")
                 continue
             good = xxhash.xxh3_64_intdigest(memory_at(address, length)) == checksum
             out.append("ok" if good else "checksum")
@@ -475,29 +575,52 @@ class DiskTier(Owner):
         del self._pins[slot]
         if slot in self._doomed:
             self._doomed.discard(slot)
-            self._free.append(slot)
+            self._give_back(slot)
 
     # -- discard -------------------------------------------------------------------------
 
     def discard(self, keys: Iterable[Key]) -> int:
-        """Drop blocks (unknown keys are ignored); returns how many were dropped."""
+        """Drop blocks (unknown keys are ignored); returns how many were dropped. A key whose write is
+        in flight is dropped when the write settles (not counted here; that ``write()`` does not return it).
+
+        :raises TypeError: a key is not bytes-like or an int (nothing dropped).
+        :raises TierClosedError: the tier is not open.
+        """
         self.check_open()
         dropped = 0
-        for key in keys:
+        for key in _keys(list(keys)):
             if key in self._index:
                 self._drop(key)
                 dropped += 1
+            elif key in self._writing:
+                self._unwanted.add(key)
         return dropped
 
     def _drop(self, key: Key) -> None:
         slot, _, _ = self._index.pop(key)
-        journal, data = self._journal, self._data
-        assert journal is not None and data is not None
-        self._workers[next(self._next) % len(self._workers)].post(lambda: _quietly(journal.drop, key))
+        journal = self._journal
+        assert journal is not None
+        journal.drop_soon(key)
+        self._workers[next(self._next) % len(self._workers)].post(lambda: _quietly(journal.flush))
         if slot in self._pins:
             self._doomed.add(slot)
         else:
-            self._free.append(slot)
+            self._give_back(slot)
+
+    def _give_back(self, slot: int) -> None:
+        """A dropped block's slot is free; its disk space goes back (a hole) unless a write takes it first."""
+        self._holes.add(slot)
+        self._free.append(slot)
+        self._workers[next(self._next) % len(self._workers)].post(lambda: self._punch(slot))
+
+    def _punch(self, slot: int) -> None:
+        data, journal = self._data, self._journal
+        assert data is not None and journal is not None
+        _quietly(journal.flush)  # the drop record first: a crash between the two is a miss, never a hole read as data
+        with self._hole_lock:
+            if slot in self._holes:
+                data.discard(slot)
+                self._holes.discard(slot)
 
     # -- the threads ---------------------------------------------------------------------
 
@@ -537,8 +660,57 @@ class DiskTier(Owner):
 def _outcomes(task: asyncio.Future[list[Any]], n: int) -> list[Any]:
     """A finished share-out's outcomes; where it failed as a whole, every job failed."""
     if task.cancelled() or task.exception() is not None:
-        return ["error"] * n
+        return ["failed"] * n
     return task.result()
+
+
+def _keys(keys: Sequence[object]) -> list[Key]:
+    """The keys as bytes and ints (bytes-like and numpy integers converted), each short enough to journal.
+
+    Checked before the call changes anything: a key the journal cannot encode
+    would otherwise fail on an I/O thread, after slots were taken for it.
+    """
+    out = [key_of(key) for key in keys]
+    for key in out:
+        # encode_key() adds one byte to bytes, and to an int's signed little-endian bytes.
+        size = len(key) + 1 if type(key) is bytes else (key.bit_length() + 8) // 8 + 1  # type: ignore[union-attr]
+        if size > _MAX_KEY:
+            raise ValueError(f"a key of {size} journaled bytes is longer than {_MAX_KEY}")
+    return out
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} is an int, not a bool")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} is an int, not {type(value).__name__}") from None
+
+
+def _address(value: object) -> int:
+    address = _int(value, "an address")
+    if address <= 0:
+        raise ValueError(f"an address must be above 0, got {address}")
+    return address
+
+
+def _span(address: int, length: int) -> int:
+    """The bytes a read may write at ``address``: a direct read moves whole 4 KiB pages."""
+    return -(-length // ALIGN) * ALIGN if address % ALIGN == 0 else length
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})"
+    return repr(exc)
+
+
+def _drain(worker: Worker) -> None:
+    """Stop a worker and wait until it has run what was posted (a drop record, a hole): the files
+    close after it, and a descriptor closed under it could be another file's by then."""
+    worker.stop()
+    worker.join()
 
 
 def _quietly(fn: Any, *args: Any) -> None:

@@ -54,6 +54,11 @@ class Spill:
         self.written_back = 0
         self.promoted = 0
 
+    @property
+    def writing(self) -> bool:
+        """A write-back is in flight (its blocks pinned)."""
+        return self._task is not None
+
     def lookup_more(self, keys: Sequence[Key], start: int) -> int:
         """How many keys from ``start`` on the disk holds, in a row (after a host prefix of ``start``)."""
         return self.disk.lookup(keys[start:]) if start < len(keys) and not self.disk.closed else 0

@@ -354,7 +354,8 @@ class BlockStore(Owner):
         :raises TierClosedError: the store or its tier is closed.
         """
         self._check_open()
-        idle = self._in_flight == 0
+        # The write-back pins the blocks whose bytes go to disk: in flight as a load is.
+        idle = self._in_flight == 0 and (self._spill is None or not self._spill.writing)
         self._index.check(idle)
         if idle:
             require(not len(self._claims), "a claim outlived its call")
@@ -952,18 +953,21 @@ class BlockStore(Owner):
         present = np.flatnonzero(ready)
         disk_lengths = np.asarray([spill.disk.length(keys[i]) for i in absent.tolist()], dtype=np.uint64)
         self._check_lengths(keys, absent, pages.lengths[absent], disk_lengths)
-        held = (
-            self._begin_load(
-                [keys[i] for i in present.tolist()], slots_of(index, keys, present), pages.take(present), after
-            )
-            if present.size
-            else None
-        )
+        # In flight from the first promotion to the end of every copy: a close that begins meanwhile waits
+        # for all of it (the copies' own entries would find the store closing).
+        self._enter()
         try:
-            await self._load_from_disk([keys[i] for i in absent.tolist()], pages.take(absent), after)
+            held = None
+            if present.size:
+                here = [keys[i] for i in present.tolist()]
+                held = self._begin_load(here, slots_of(index, keys, present), pages.take(present), after, inside=True)
+            try:
+                await self._load_from_disk([keys[i] for i in absent.tolist()], pages.take(absent), after)
+            finally:
+                if held is not None:
+                    await finish(held)
         finally:
-            if held is not None:
-                await finish(held)
+            self._exit()
 
     async def _load_from_disk(self, keys: list[Key], pages: Pages, after: Any) -> None:
         """Bring ``keys`` back from the disk tier into host slots, then copy them into ``pages``."""
@@ -972,7 +976,7 @@ class BlockStore(Owner):
             await self._promote(list(dict.fromkeys(keys)))
             slots = index.slots_of_all(keys)
             if slots is not None and (index.state[slots] == READY).all():
-                await self._begin_load(keys, slots, pages, after)
+                await self._begin_load(keys, slots, pages, after, inside=True)
                 return
         absent = np.flatnonzero(~index.ready(index.slots(keys)))
         raise BlockNotFound(keys[int(absent[0])])
@@ -987,9 +991,12 @@ class BlockStore(Owner):
                 f"{keys[int(ids[short])]!r} has {int(lengths[short])}; nothing was copied"
             )
 
-    def _begin_load(self, keys: Sequence[Key], slots: I64, pages: Pages, after: Any) -> Coroutine[Any, Any, None]:
+    def _begin_load(
+        self, keys: Sequence[Key], slots: I64, pages: Pages, after: Any, *, inside: bool = False
+    ) -> Coroutine[Any, Any, None]:
         """Check the ready blocks at ``slots`` against ``pages``, pin them and queue their copy (before any
-        await); returns what waits for the copy, unpins and counts.
+        await); returns what waits for the copy, unpins and counts. ``inside``: part of a load already
+        in flight (a close that began since waits for it, rather than refuse the copy).
 
         :raises ValueError: a page shorter than its block, ``after=`` without an engine, a page in a block.
         """
@@ -1004,7 +1011,7 @@ class BlockStore(Owner):
                 raise ValueError(
                     f"a destination page lies in slot {int(under[0])}, a block of this store; nothing was copied"
                 )
-        self._enter()
+        self._enter_quietly() if inside else self._enter()
         index.pin(slots)
         try:
             started = transfers.start_out(slots, pages, lengths, after) if slots.size else None
@@ -1045,26 +1052,28 @@ class BlockStore(Owner):
         disk = spill.disk
         lengths = []
         for key in keys:
-            if key not in disk:
+            if disk.closed or key not in disk:  # a closed disk tier holds nothing any more
                 raise BlockNotFound(key)
             lengths.append(disk.length(key))
         source = Pages(np.zeros(len(keys), dtype=np.uint64), np.asarray(lengths, dtype=np.uint64), [])
 
         def from_disk(slots: I64, pages: Pages, chosen: Sequence[Key]) -> Started:
             async def read() -> None:
+                # The slots were booked with the lengths seen above; the disk tier may have closed, or
+                # dropped or rewritten a block, while they were taken. (read() sees the same index.)
+                for key, length in zip(chosen, pages.lengths.tolist(), strict=True):
+                    if disk.closed or key not in disk or disk.length(key) != length:
+                        raise _DiskMiss(key)
                 arrived = await disk.read(list(chosen), self._tier.slot_addresses(slots).tolist())
                 if not all(arrived):
                     raise _DiskMiss(chosen[arrived.index(False)])
 
             return (None, asyncio.ensure_future(read()))
 
-        self._enter()
-        try:
+        try:  # the caller (a load) is in flight meanwhile
             result = await self._store(keys, source, None, True, True, start=from_disk)
         except _DiskMiss as miss:
             raise BlockNotFound(miss.key) from None
-        finally:
-            self._exit()
         spill.promoted += len(result.stored)
         if result.skipped:
             raise BlockNotFound(result.skipped[0])
