@@ -100,13 +100,6 @@ class DataFile:
                 raise OSError(errno.EIO, f"{self.path} ended inside slot {slot}")
             done += got
 
-    def discard(self, slot: int) -> None:
-        """Give a dropped slot's disk space back (a hole); best effort."""
-        try:
-            _punch_hole(self._fd, slot * self.slot_bytes, self.slot_bytes)
-        except OSError:
-            pass  # a file system without holes keeps the bytes; the journal no longer names them
-
     def sync(self) -> None:
         os.fsync(self._fd)
 
@@ -114,15 +107,3 @@ class DataFile:
         if self._direct is not None:
             os.close(self._direct)
         os.close(self._fd)
-
-
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-
-
-def _punch_hole(fd: int, offset: int, length: int) -> None:
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))

@@ -24,7 +24,6 @@ import logging
 import operator
 import os
 import shutil
-import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -151,10 +150,6 @@ class DiskTier(Owner):
         """Set while no ``write()`` or ``read()`` is in flight (the close waits for it)."""
         self._idle.set()
         self._doomed: set[int] = set()
-        self._holes: set[int] = set()
-        """Dropped blocks' slots whose bytes are still on disk: punched out on an I/O thread, unless a
-        write takes the slot first (``_hole_lock``, taken on the I/O threads only, orders the two)."""
-        self._hole_lock = threading.Lock()
         """Slots whose block was dropped while a read had them pinned: freed by the last unpin."""
         self._busy = 0
         self._recovered = 0
@@ -464,8 +459,6 @@ class DiskTier(Owner):
         for key, address, length, slot in jobs:
             try:
                 journal.flush()  # a slot's old record goes before its bytes change
-                with self._hole_lock:  # a hole still to punch there (or being punched) would cut the new block
-                    self._holes.discard(slot)
                 data.write(slot, address, length)  # first: memory the kernel cannot read is EFAULT, not a crash
                 checksum = xxhash.xxh3_64_intdigest(memory_at(address, length))
                 journal.put(key, slot, length, checksum)
@@ -608,19 +601,10 @@ class DiskTier(Owner):
             self._give_back(slot)
 
     def _give_back(self, slot: int) -> None:
-        """A dropped block's slot is free; its disk space goes back (a hole) unless a write takes it first."""
-        self._holes.add(slot)
+        """A dropped block's slot is free. Its disk space stays allocated for the next write there: a
+        write into a punched hole allocates again, and cost a rewrite half its rate (the quota bounds
+        the file either way)."""
         self._free.append(slot)
-        self._workers[next(self._next) % len(self._workers)].post(lambda: self._punch(slot))
-
-    def _punch(self, slot: int) -> None:
-        data, journal = self._data, self._journal
-        assert data is not None and journal is not None
-        _quietly(journal.flush)  # the drop record first: a crash between the two is a miss, never a hole read as data
-        with self._hole_lock:
-            if slot in self._holes:
-                data.discard(slot)
-                self._holes.discard(slot)
 
     # -- the threads ---------------------------------------------------------------------
 
