@@ -104,21 +104,23 @@ class Journal:
                 self._flush()
 
     def _flush(self) -> None:
+        # The queued drops in one write (a discard of many keys is one call, not one per key); a crash
+        # that tears it loses the drops from the tear on, each a miss at worst (their slots' checksums).
         drops = self._drops
         while drops:
-            key = drops.popleft()
+            batch = [drops.popleft() for _ in range(min(len(drops), 4096))]
             try:
-                self._append(_record(_DROP, 0, 0, 0, encode_key(key)))
+                self._append(b"".join(_record(_DROP, 0, 0, 0, encode_key(key)) for key in batch), len(batch))
             except BaseException:
-                drops.appendleft(key)
+                drops.extendleft(reversed(batch))  # written again before anything after them
                 raise
 
-    def _append(self, record: bytes) -> None:
-        # One write per record, O_APPEND: a crash leaves at most the last one torn.
-        written = os.write(self._fd, record)
-        if written != len(record):
-            raise OSError(f"short journal write ({written} of {len(record)} bytes)")
-        self.records += 1
+    def _append(self, records: bytes, count: int = 1) -> None:
+        # One write per call, O_APPEND: a crash leaves at most its end torn.
+        written = os.write(self._fd, records)
+        if written != len(records):
+            raise OSError(f"short journal write ({written} of {len(records)} bytes)")
+        self.records += count
 
     def rewrite(self, blocks: dict[Key, Entry]) -> None:
         """Replace the journal by one record per live block (atomic: a new file renamed over it).

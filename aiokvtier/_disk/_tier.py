@@ -152,6 +152,7 @@ class DiskTier(Owner):
         self._doomed: set[int] = set()
         """Slots whose block was dropped while a read had them pinned: freed by the last unpin."""
         self._busy = 0
+        self._flush_posted = False
         self._recovered = 0
         self._counts = dict.fromkeys(
             (
@@ -594,11 +595,20 @@ class DiskTier(Owner):
         journal = self._journal
         assert journal is not None
         journal.drop_soon(key)
-        self._workers[next(self._next) % len(self._workers)].post(lambda: _quietly(journal.flush))
+        if not self._flush_posted:  # one flush job for a burst of drops, not one per key
+            self._flush_posted = True
+            self._workers[next(self._next) % len(self._workers)].post(self._flush_drops)
         if slot in self._pins:
             self._doomed.add(slot)
         else:
             self._give_back(slot)
+
+    def _flush_drops(self) -> None:
+        """On an I/O thread: write the drops queued so far (those queued after this starts post again)."""
+        self._flush_posted = False
+        journal = self._journal
+        assert journal is not None
+        _quietly(journal.flush)
 
     def _give_back(self, slot: int) -> None:
         """A dropped block's slot is free. Its disk space stays allocated for the next write there: a
