@@ -1,7 +1,7 @@
 """BlockStore through its public API (host pages, no engine), on asyncio and uvloop.
 
 Copies are held where a test needs a block pinned or a store in flight: the
-store's host copy (``_memmove_all``, run on its thread) is replaced by a gated
+store's host copy (``memmove_all``, run on its thread) is replaced by a gated
 one. Every await is bounded, so a hang fails the test instead of stalling it.
 """
 
@@ -123,7 +123,7 @@ class Gate:
         self.entered = threading.Event()
         self.done = threading.Event()
         self.calls = 0
-        self._real = transfers_module._memmove_all
+        self._real = transfers_module.memmove_all
 
     def __call__(self, copies: list[tuple[int, int, int]], landed: threading.Event) -> None:
         self.calls += 1
@@ -142,7 +142,7 @@ class Gate:
 @pytest.fixture
 def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     gate = Gate()
-    monkeypatch.setattr(transfers_module, "_memmove_all", gate)
+    monkeypatch.setattr(transfers_module, "memmove_all", gate)
     yield gate
     gate.open.set()
 

@@ -39,10 +39,10 @@ from .._host._statistics import TierStatistics
 from .._host._views import ViewLedger
 from .._lifecycle import Lifecycle, Owner, finish
 from .._regions import I64, U64, InflightCopies
+from .._store._transfers import Pages, host_pages, memmove_all
 from . import _wire
 from ._events import EventFanout, PoolEvents
 from ._gpu import Registrations
-from ._pages import Pages, host_pages, memmove_all
 from ._socket import connect, recv_frame_with_fds
 from ._statistics import PoolStatistics
 from ._wire import BUSY, CLAIMED, PRESENT, Key, Message, as_key, decode, decode_keys, encode, encode_keys, error_from

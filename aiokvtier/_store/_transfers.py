@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .._copy._engine import CopyEngine
     from .._host._tier import HostTier
 
-__all__ = ["Pages", "Started", "Transfers"]
+__all__ = ["Pages", "Started", "Transfers", "host_pages", "memmove_all"]
 
 
 class Pages(NamedTuple):
@@ -74,7 +74,8 @@ def host_pages(obj: Any, n: int, *, writable: bool) -> Pages:
         items = list(obj)
     except TypeError:
         raise TypeError(
-            "without a CopyEngine, pages are a sequence of bytes-like objects or a 2-D uint8 numpy array"
+            "host pages are a sequence of bytes-like objects or a 2-D uint8 numpy array (device pages need a "
+            "CopyEngine)"
         ) from None
     if len(items) != n:
         raise ValueError(f"expected one page per key ({n}), got {len(items)}")
@@ -211,17 +212,19 @@ class Transfers:
             if region is not self._tier:
                 region.copies.track(done)
         try:
-            return self._life.submit(_memmove_all, copies, done)
+            return self._life.submit(memmove_all, copies, done)
         except BaseException:
             done.set()
             raise
 
 
-def _memmove_all(copies: list[tuple[int, int, int]], done: threading.Event) -> None:
-    """On the store's thread (ctypes releases the GIL for each copy); ``done`` tells the tier."""
+def memmove_all(copies: list[tuple[int, int, int]], done: threading.Event | None = None) -> None:
+    """``(dst, src, n)`` copies on a worker thread (ctypes releases the GIL for each); ``done`` (set
+    also on failure) tells the regions the copies were over."""
     move = ctypes.memmove
     try:
         for dst, src, n in copies:
             move(dst, src, n)
     finally:
-        done.set()
+        if done is not None:
+            done.set()
