@@ -400,6 +400,8 @@ async def test_bad_input_changes_nothing(master: Master) -> None:
         MooncakeTier(master.config(), block_size=0, fingerprint="m")
     with pytest.raises(ValueError, match="fingerprint"):
         MooncakeTier(master.config(), block_size=BLOCK, fingerprint="")
+    with pytest.raises(ValueError, match="UTF-8"):  # it is hashed into the keys' names
+        MooncakeTier(master.config(), block_size=BLOCK, fingerprint="\ud800")
     src, elsewhere = Pages(2), Pages(1)
     async with open_tier(master.config(), unique("bad"), src) as tier:
         with pytest.raises(ValueError, match="does not fit"):

@@ -31,6 +31,7 @@ from typing import Any, Self
 
 import xxhash
 
+from .._below import check_fingerprint, check_io_threads
 from .._config import DiskTierConfig
 from .._crossing import Worker
 from .._errors import DiskTierBusy
@@ -115,14 +116,8 @@ class DiskTier(Owner):
         self.config = config if isinstance(config, DiskTierConfig) else DiskTierConfig.model_validate(config)
         if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK or block_size % ALIGN:
             raise ValueError(f"block_size must be a positive multiple of {ALIGN} up to {MAX_BLOCK}, got {block_size!r}")
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise ValueError(f"fingerprint must be a non-empty str, got {fingerprint!r}")
-        try:
-            fingerprint.encode()
-        except UnicodeEncodeError:
-            raise ValueError(f"fingerprint must be encodable as UTF-8, got {fingerprint!r}") from None
-        if type(io_threads) is not int or not 1 <= io_threads <= 64:
-            raise ValueError(f"io_threads must be an int between 1 and 64, got {io_threads!r}")
+        check_fingerprint(fingerprint)
+        check_io_threads(io_threads)
         self.capacity = int(self.config.quota) // block_size
         if self.capacity == 0:
             raise ValueError(f"the disk quota ({int(self.config.quota)} bytes) holds no {block_size}-byte block")

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
+from .._below import check_fingerprint, check_io_threads
 from .._config import MooncakeTierConfig
 from .._crossing import Worker
 from .._errors import MooncakeError
@@ -110,15 +111,14 @@ class MooncakeTier(Owner):
         fingerprint: str,
         io_threads: int = 4,
     ) -> None:
-        """:raises ValueError: ``block_size`` is not positive, ``fingerprint`` is empty, or ``io_threads``
-        is not 1-64 (a config that does not validate is a pydantic ``ValidationError``, also a ValueError)."""
+        """:raises ValueError: ``block_size`` is not positive, ``fingerprint`` is empty (or not UTF-8), or
+        ``io_threads`` is not 1-64 (a config that does not validate is a pydantic ``ValidationError``, also a
+        ValueError)."""
         self.config = config if isinstance(config, MooncakeTierConfig) else MooncakeTierConfig.model_validate(config)
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise ValueError(f"fingerprint must be a non-empty str, got {fingerprint!r}")
-        if type(io_threads) is not int or not 1 <= io_threads <= 64:
-            raise ValueError(f"io_threads must be an int between 1 and 64, got {io_threads!r}")
+        check_fingerprint(fingerprint)
+        check_io_threads(io_threads)
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.timeout = float(self.config.timeout)

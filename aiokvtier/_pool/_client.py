@@ -35,6 +35,7 @@ import numpy.typing as npt
 from .. import _regions
 from .._errors import CopyPlanError, FillError, PoolError, PoolLostError, SlotError
 from .._host._shared import map_shared, unmap_shared
+from .._host._slots import positive_count
 from .._host._statistics import TierStatistics
 from .._host._views import ViewLedger
 from .._lifecycle import Lifecycle, Owner, finish
@@ -53,14 +54,6 @@ log = logging.getLogger("aiokvtier")
 
 ATTACH_TIMEOUT = 30.0
 """Seconds an attach waits for the owner's welcome (it answers at once unless it is stuck)."""
-
-
-def _positive(n: object, name: str) -> int:
-    if type(n) is bool or not isinstance(n, int | np.integer):
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-    if int(n) < 1:
-        raise ValueError(f"{name} must be positive, got {n}")
-    return int(n)
 
 
 class AttachedPool(Owner):
@@ -401,7 +394,7 @@ class AttachedPool(Owner):
         Cancellation: a cancelled call holds no slot (one the owner gave
         meanwhile is given back).
         """
-        ids = await self.allocate_ids(1 if n is None else _positive(n, "n"))
+        ids = await self.allocate_ids(1 if n is None else positive_count(n, "n"))
         if n is None:
             return int(ids[0])
         taken: list[int] = ids.tolist()
@@ -412,7 +405,7 @@ class AttachedPool(Owner):
 
         :raises WouldBlock: ``wait=False`` and fewer than ``n`` slots are resident and free.
         """
-        n = _positive(n, "n")
+        n = positive_count(n, "n")
         reply = await self._request(_wire.ALLOC, {"n": n, "wait": bool(wait)}, undo="free")
         ids = reply.ints(0).copy()
         self._mine.update(ids.tolist())
