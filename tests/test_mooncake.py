@@ -8,7 +8,6 @@ import contextlib
 import hashlib
 import mmap
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -34,52 +33,18 @@ pytestmark = pytest.mark.timeout(120)
 BLOCK = 64 * KiB
 
 
-def master_binary() -> str | None:
-    """``mooncake_master`` beside this interpreter, on PATH, or inside the wheel."""
-    found = shutil.which("mooncake_master", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
-    if found:
-        return found
-    with contextlib.suppress(ImportError):
-        import mooncake
-
-        inside = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-        if os.access(inside, os.X_OK):
-            return inside
-    return None
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 class Master:
     """A ``mooncake_master`` bound to loopback ports, its log in ``log``."""
 
     def __init__(self, binary: str, log: Path) -> None:
         self.binary = binary
         self.log = log
-        self.rpc, self.http, self.metrics = free_ports(3)
+        self.rpc, self.http, self.metrics = _client.loopback_ports(3)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def argv(self) -> list[str]:
-        return [
-            self.binary,
-            f"--rpc_port={self.rpc}",
-            "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={self.http}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={self.metrics}",
-        ]
+        return _client.master_argv(self.binary, self.rpc, self.http, self.metrics)
 
     def config(self, **overrides: Any) -> MooncakeTierConfig:
         values: dict[str, Any] = dict(
@@ -117,7 +82,7 @@ def _why_no_mooncake() -> str | None:
     why = _client.why_unloadable()
     if why is not None:
         return why
-    if master_binary() is None:
+    if _client.find_master() is None:
         return "mooncake_master is not installed (it comes with the mooncake wheel)"
     return None
 
@@ -127,7 +92,7 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
     why = _why_no_mooncake()
     if why is not None:
         pytest.skip(why)
-    binary = master_binary()
+    binary = _client.find_master()
     assert binary is not None
     m = Master(binary, tmp_path_factory.mktemp("mooncake") / "master.log")
     m.start()
@@ -143,7 +108,7 @@ def own_master(tmp_path: Path) -> Iterator[Master]:
     why = _why_no_mooncake()
     if why is not None:
         pytest.skip(why)
-    binary = master_binary()
+    binary = _client.find_master()
     assert binary is not None
     m = Master(binary, tmp_path / "master.log")
     m.start()
@@ -454,7 +419,7 @@ async def test_an_unreachable_master_fails_the_open_at_once() -> None:
     why = await asyncio.to_thread(_why_no_mooncake)
     if why is not None:
         pytest.skip(why)
-    rpc, http = await asyncio.to_thread(free_ports, 2)
+    rpc, http = await asyncio.to_thread(_client.loopback_ports, 2)
     child = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
@@ -480,7 +445,7 @@ def test_doctor_says_whether_a_master_answers(master: Master) -> None:
     from aiokvtier import _doctor
 
     assert _doctor.check_mooncake(f"127.0.0.1:{master.rpc}").verdict == "ok"
-    (closed,) = free_ports(1)
+    (closed,) = _client.loopback_ports(1)
     check = _doctor.check_mooncake(f"127.0.0.1:{closed}", timeout=1.0)
     assert check.verdict == "warn" and "does not answer" in check.summary
     assert _doctor.check_mooncake(None).verdict == "ok"

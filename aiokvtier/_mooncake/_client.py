@@ -151,3 +151,30 @@ def find_master() -> str | None:
         return None
     inside = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
     return inside if os.access(inside, os.X_OK) else None
+
+
+def loopback_ports(n: int) -> list[int]:
+    """``n`` free TCP ports on 127.0.0.1 (for a local master: the bench's, the tests')."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def master_argv(binary: str, rpc: int, http: int, metrics: int) -> list[str]:
+    """A ``mooncake_master`` with its RPC, HTTP metadata and metrics servers on loopback ports (the
+    metadata server binds every address whatever its host flag says: docs/mooncake.md)."""
+    return [
+        binary,
+        f"--rpc_port={rpc}",
+        "--rpc_address=127.0.0.1",
+        "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=127.0.0.1",
+        f"--http_metadata_server_port={http}",
+        "--metrics_host=127.0.0.1",
+        f"--metrics_port={metrics}",
+    ]

@@ -33,30 +33,10 @@ KiB, MiB = 1 << 10, 1 << 20
 BLOCK = 64 * KiB
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 @contextlib.contextmanager
 def _master(binary: str) -> Iterator[tuple[int, int]]:
-    rpc, http, metrics = _free_ports(3)
-    argv = [
-        binary,
-        f"--rpc_port={rpc}",
-        "--rpc_address=127.0.0.1",
-        "--enable_http_metadata_server=true",
-        "--http_metadata_server_host=127.0.0.1",
-        f"--http_metadata_server_port={http}",
-        "--metrics_host=127.0.0.1",
-        f"--metrics_port={metrics}",
-    ]
+    rpc, http, metrics = _client.loopback_ports(3)
+    argv = _client.master_argv(binary, rpc, http, metrics)
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
         try:
