@@ -65,6 +65,9 @@ async def test_blocks_round_trip_bit_exact_with_direct_io(tmp_path: Path) -> Non
         s = disk.statistics()
         assert s.direct_io and s.buffered_why is None  # ext4 and tmpfs (Linux 6.6+) both take O_DIRECT
         assert (s.blocks, s.hits, s.bytes_written, s.queue_depth) == (16, 16, sum(lengths), 0)
+        assert s.bytes_stored == sum(lengths)
+        assert disk.discard(keys[:2] + keys[8:10]) == 4
+        assert disk.statistics().bytes_stored == sum(lengths) - 2 * BLOCK - 1000 - 1001
     await wait_no_library_threads()
 
 
@@ -89,7 +92,7 @@ async def test_a_reopened_tier_finds_its_blocks_and_another_fingerprint_does_not
     async with await open_disk(tmp_path, fingerprint="model-b") as other:
         assert len(other) == 0 and other.directory != disk.directory
     async with await open_disk(tmp_path) as again:
-        assert again.statistics().recovered_blocks == 8
+        assert again.statistics().recovered_blocks == 8 and again.statistics().bytes_stored == 8 * BLOCK
         assert await again.read(list(range(8)), dst.addresses(range(8))) == (True,) * 8
     assert np.array_equal(src.array, dst.array)
 

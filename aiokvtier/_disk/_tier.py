@@ -147,6 +147,8 @@ class DiskTier(Owner):
         self._doomed: set[int] = set()
         """Slots whose block was dropped while a read had them pinned: freed by the last unpin."""
         self._busy = 0
+        self._bytes = 0
+        """The stored blocks' lengths, summed as the index changes (a statistics() call is any thread's, any time)."""
         self._flush_posted = False
         self._recovered = 0
         self._counts = dict.fromkeys(
@@ -271,6 +273,7 @@ class DiskTier(Owner):
                 del self._index[previous]  # the slot was reused and the older drop never made it
             owner[slot] = key
             self._index[key] = (slot, length, checksum)
+        self._bytes = sum(length for _, length, _ in self._index.values())
         self._fresh = max(owner, default=-1) + 1
         self._free = sorted(set(range(self._fresh)) - set(owner), reverse=True)
         self._recovered = len(self._index)
@@ -347,7 +350,7 @@ class DiskTier(Owner):
             capacity=self.capacity,
             blocks=len(self._index),
             free=len(self._free) + self.capacity - self._fresh,
-            bytes_stored=sum(length for _, length, _ in self._index.values()),
+            bytes_stored=self._bytes,
             hits=c["hits"],
             misses=c["misses"],
             bytes_read=c["bytes_read"],
@@ -419,6 +422,7 @@ class DiskTier(Owner):
             if isinstance(outcome, int):
                 self._counts["bytes_written"] += length
                 self._index[key] = (slot, length, outcome)
+                self._bytes += length
                 if key in self._unwanted:  # discarded while its bytes went to disk
                     self._drop(key)
                     continue
@@ -437,9 +441,10 @@ class DiskTier(Owner):
         if self._fresh < self.capacity:
             self._fresh += 1
             return self._fresh - 1
-        for key, (slot, _, _) in self._index.items():
+        for key, (slot, length, _) in self._index.items():
             if slot not in self._pins:
                 del self._index[key]
+                self._bytes -= length
                 assert self._journal is not None
                 self._journal.drop_soon(key)  # written before the slot's new bytes (``_write_all``)
                 self._counts["evictions"] += 1
@@ -586,7 +591,8 @@ class DiskTier(Owner):
         return dropped
 
     def _drop(self, key: Key) -> None:
-        slot, _, _ = self._index.pop(key)
+        slot, length, _ = self._index.pop(key)
+        self._bytes -= length
         journal = self._journal
         assert journal is not None
         journal.drop_soon(key)
