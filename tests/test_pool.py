@@ -317,11 +317,20 @@ def test_bad_arguments() -> None:
         Pool(CONFIG, "")
 
 
-async def test_a_gpu_backing_is_refused_before_anything_is_served(sock: str) -> None:
+async def test_the_vmm_backing_is_refused_before_anything_is_served(sock: str) -> None:
     from aiokvtier import ConfigError
 
-    with pytest.raises(ConfigError, match="host memory only"):
-        await Pool.open({**CONFIG, "device": 0, "backing": "register"}, sock)
+    with pytest.raises(ConfigError, match="backing='vmm' is not shared yet"):
+        await Pool.open({**CONFIG, "device": 0, "backing": "vmm"}, sock)
+    assert not await asyncio.to_thread(os.path.exists, sock)
+
+
+async def test_a_register_pool_that_cannot_reach_its_gpu_fails_to_open_and_serves_nothing(sock: str) -> None:
+    """The owner registers the shared memory with its GPU: a device it cannot use fails the open."""
+    from aiokvtier import AiokvtierError
+
+    with pytest.raises(AiokvtierError):
+        await Pool.open({**CONFIG, "device": 4096, "backing": "register"}, sock)
     assert not await asyncio.to_thread(os.path.exists, sock)
 
 

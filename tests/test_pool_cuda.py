@@ -81,8 +81,15 @@ def sock() -> Iterator[str]:
     os.rmdir(directory)
 
 
-async def test_an_attached_process_copies_pool_slots_to_the_gpu_and_back(sock: str) -> None:
-    config = {"quota": "256MiB", "max_quota": "256MiB", "slot_size": SLOT}
+OWNERS = {
+    "host": {},
+    "register": {"device": 0, "backing": "register"},  # the owner registers the shared memory too
+}
+
+
+@pytest.mark.parametrize("owner", list(OWNERS))
+async def test_an_attached_process_copies_pool_slots_to_the_gpu_and_back(sock: str, owner: str) -> None:
+    config = {"quota": "256MiB", "max_quota": "256MiB", "slot_size": SLOT, **OWNERS[owner]}
     async with Pool(config, sock) as pool:
         child = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -111,3 +118,35 @@ async def test_an_attached_process_copies_pool_slots_to_the_gpu_and_back(sock: s
         await child.stdin.drain()
         async with asyncio.timeout(60):
             assert await child.wait() == 0
+
+
+async def test_an_owner_with_the_register_backing_copies_its_own_slots_with_its_engine(sock: str) -> None:
+    import torch
+
+    from aiokvtier import CopyEngine
+
+    config = {"quota": "64MiB", "max_quota": "128MiB", "slot_size": SLOT, "device": 0, "backing": "register"}
+    n = 256
+    async with Pool(config, sock) as pool, CopyEngine(0) as engine:
+        tier = pool.tier
+        await tier.wait_resident()
+        stats = tier.statistics()
+        assert stats.backing == "shared-register"
+        assert stats.registered_bytes == stats.resident_bytes > 0  # every resident unit, registered
+        src = await tier.allocate(n)
+        dst = await tier.allocate(n)
+        rng = np.random.default_rng(3)
+        for slot in src:
+            tier.view(slot)[:] = rng.integers(0, 256, SLOT, dtype=np.uint8).tobytes()
+        gpu = torch.empty((n, SLOT), dtype=torch.uint8, device="cuda")
+        await engine.to_device(tier, src, gpu)
+        await engine.to_host(tier, dst, gpu)
+        assert all(bytes(tier.view(a)) == bytes(tier.view(b)) for a, b in zip(src, dst, strict=True))
+        await pool.resize("128MiB")  # the grown units are registered as the fill reaches them
+        await tier.wait_resident()
+        stats = tier.statistics()
+        assert stats.registered_bytes == stats.resident_bytes == 128 << 20
+        await pool.resize("64MiB")  # a shrink unregisters before it punches the units out
+        stats = tier.statistics()
+        assert stats.registered_bytes == stats.resident_bytes
+        tier.free_many(src + dst)

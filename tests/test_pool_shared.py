@@ -61,9 +61,9 @@ async def test_a_tier_over_shared_backings_fills_and_serves() -> None:
         assert tier.statistics().resident_bytes <= 16 * MiB
 
 
-def test_only_host_memory_is_shared() -> None:
+def test_the_vmm_backing_is_not_shared() -> None:
     from aiokvtier import HostTierConfig
 
-    config = HostTierConfig(quota="32MiB", device=0, backing="register").resolved
-    with pytest.raises(ConfigError, match="host memory only"):
+    config = HostTierConfig(quota="32MiB", device=0, backing="vmm").resolved
+    with pytest.raises(ConfigError, match="not shared yet"):
         SharedBackings().make(config, None)

@@ -10,15 +10,16 @@ import logging
 import threading
 import time
 from contextlib import ExitStack
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._config import ResolvedHostConfig
 from .._errors import CudaError, NumaPolicyError
 from .._host import _linux
 from .._host._backing import Backing, HostBacking
+from .._host._shared import SharedBacking
 from ._driver import CU_MEMHOSTREGISTER_PORTABLE, PrimaryContext, check, driver
 
-__all__ = ["RegisterBacking", "VmmBacking", "make_backing"]
+__all__ = ["RegisterBacking", "SharedRegisterBacking", "VmmBacking", "make_backing"]
 
 log = logging.getLogger("aiokvtier")
 
@@ -32,8 +33,14 @@ _REGISTERING = threading.Lock()
 _REGISTER_GAP_S = 0.0002
 
 
-class RegisterBacking(HostBacking):
-    """The host backing plus ``cuMemHostRegister`` of each unit once populated.
+if TYPE_CHECKING:
+    _Below = HostBacking  # type-checked against one concrete backing below it
+else:
+    _Below = object
+
+
+class _Registering(_Below):
+    """``cuMemHostRegister`` of each unit once the backing below made it resident (a mixin: first base).
 
     Registering populated memory runs at 12-22 GiB/s; registering untouched
     memory makes the driver fault it (1.5-2.7 GiB/s), hence populate first.
@@ -41,18 +48,16 @@ class RegisterBacking(HostBacking):
     more, and a large one stalls other CUDA calls for seconds.
     """
 
-    name = "register"
-
-    def __init__(
-        self, size: int, *, device: int, node: int | None, strict_numa: bool, huge_pages: bool | Literal["auto"]
-    ) -> None:
+    def __init__(self, size: int, *, device: int, **below: Any) -> None:
         self.context = PrimaryContext(device)
         try:
-            super().__init__(size, node=node, strict_numa=strict_numa, huge_pages=huge_pages)
+            super().__init__(size, **below)
         except BaseException:
             self.context.release()
             raise
         self._lock = threading.Lock()
+        self._registered: dict[int, int] = {}
+        """Offset -> length of each unit registered now (what a release unregisters)."""
 
     def thread_setup(self) -> None:
         self.context.make_current()
@@ -60,18 +65,22 @@ class RegisterBacking(HostBacking):
     def commit(self, offset: int, length: int) -> None:
         super().commit(offset, length)
         try:
-            with _REGISTERING:
-                result = driver().cuMemHostRegister(self.base + offset, length, CU_MEMHOSTREGISTER_PORTABLE)
-                if _REGISTER_GAP_S:
-                    time.sleep(_REGISTER_GAP_S)
-            check("cuMemHostRegister", result)
+            self._host_register(offset, length)
         except BaseException:
             super().decommit(offset, length)
             raise
+
+    def _host_register(self, offset: int, length: int) -> None:
+        with _REGISTERING:
+            result = driver().cuMemHostRegister(self.base + offset, length, CU_MEMHOSTREGISTER_PORTABLE)
+            if _REGISTER_GAP_S:
+                time.sleep(_REGISTER_GAP_S)
+        check("cuMemHostRegister", result)
         with self._lock:
+            self._registered[offset] = length
             self.registered_bytes += length
 
-    def _unregister(self, offset: int) -> None:
+    def _host_unregister(self, offset: int) -> None:
         # Paced like registrations: a close that unregistered a 96 GiB tier's units back to back
         # kept other CUDA calls of the process out for 0.27 s (benchmarks/register_stalls.py).
         with _REGISTERING:
@@ -79,29 +88,58 @@ class RegisterBacking(HostBacking):
             if _REGISTER_GAP_S:
                 time.sleep(_REGISTER_GAP_S)
         check("cuMemHostUnregister", result)
+        with self._lock:
+            self.registered_bytes -= self._registered.pop(offset)
 
     def decommit(self, offset: int, length: int) -> None:
-        with self.context.current():
-            self._unregister(offset)
-        with self._lock:
-            self.registered_bytes -= length
+        if offset in self._registered:  # absent: a stranded unit whose earlier decommit got this far
+            with self.context.current():
+                self._host_unregister(offset)
         super().decommit(offset, length)
+
+    def recommit(self, offset: int, length: int) -> None:
+        super().recommit(offset, length)
+        if offset not in self._registered:  # its failed decommit had unregistered it
+            with self.context.current():
+                self._host_register(offset, length)
 
     def release(self, committed: list[tuple[int, int]]) -> None:
         try:
             with self.context.current():
-                for offset, length in committed:
+                for offset in list(self._registered):
                     try:
-                        self._unregister(offset)
-                        with self._lock:
-                            self.registered_bytes -= length
+                        self._host_unregister(offset)
                     except CudaError as exc:
-                        log.error("aiokvtier: unregistering %d bytes at +%d failed: %s", length, offset, exc)
+                        log.error("aiokvtier: unregistering the unit at +%d failed: %s", offset, exc)
         finally:
             try:
                 super().release(committed)
             finally:
                 self.context.release()
+
+
+class RegisterBacking(_Registering, HostBacking):
+    """The host backing plus ``cuMemHostRegister`` of each unit once populated."""
+
+    name = "register"
+
+    def __init__(
+        self, size: int, *, device: int, node: int | None, strict_numa: bool, huge_pages: bool | Literal["auto"]
+    ) -> None:
+        super().__init__(size, device=device, node=node, strict_numa=strict_numa, huge_pages=huge_pages)
+
+
+class SharedRegisterBacking(_Registering, SharedBacking):
+    """A pool's shared memory (a memfd, ``aiokvtier._host._shared``) registered unit by unit in the owner.
+
+    Attached processes map the same file and register their own mapping
+    (``AttachedPool(device=)``); a registration belongs to one process.
+    """
+
+    name = "shared-register"
+
+    def __init__(self, size: int, *, device: int, node: int | None, strict_numa: bool, huge_pages: bool) -> None:
+        super().__init__(size, device=device, node=node, strict_numa=strict_numa, huge_pages=huge_pages)
 
 
 class VmmBacking(Backing):

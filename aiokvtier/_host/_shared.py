@@ -142,14 +142,19 @@ class SharedBackings:
         return DefaultBackings().numa_node(config)
 
     def make(self, config: ResolvedHostConfig, node: int | None) -> Backing:
-        if config.backing != "host":
-            raise ConfigError(
-                f"a pool shares host memory only (backing='host'); backing={config.backing!r} is not shared yet"
+        strict, huge = not config.allow_remote_numa_fallback, config.transparent_huge_pages is True
+        if config.backing == "register":
+            from .._cuda._backings import SharedRegisterBacking
+
+            assert config.device is not None  # a register backing names its device (the config's check)
+            self.made = SharedRegisterBacking(
+                config.max_quota, device=config.device, node=node, strict_numa=strict, huge_pages=huge
             )
-        self.made = SharedBacking(
-            config.max_quota,
-            node=node,
-            strict_numa=not config.allow_remote_numa_fallback,
-            huge_pages=config.transparent_huge_pages is True,
-        )
+        elif config.backing == "host":
+            self.made = SharedBacking(config.max_quota, node=node, strict_numa=strict, huge_pages=huge)
+        else:
+            raise ConfigError(
+                f"a pool shares host memory, registered with the owner's GPU or not (backing='host' or "
+                f"'register'); backing={config.backing!r} is not shared yet"
+            )
         return self.made

@@ -116,7 +116,9 @@ class Pool(Owner):
     Threads: the event loop that opened it; its blocking steps run on an
     ``aiokvtier-pool`` thread. Cancellation: as ``HostTier``.
 
-    :param config: the tier's config (``backing`` must resolve to ``"host"``).
+    :param config: the tier's config: ``backing`` resolves to ``"host"``, or to ``"register"``
+        (with ``device``: the owner registers the shared memory with its GPU unit by unit, so that
+        ``pool.tier`` is a copy region of its ``CopyEngine``).
     :param path: where the socket goes; its directory must exist.
     :param mode: the socket's permission bits.
     """
@@ -124,8 +126,11 @@ class Pool(Owner):
     def __init__(self, config: HostTierConfig | Mapping[str, Any], path: str | os.PathLike[str], *, mode: int = 0o600):
         self._config = config if isinstance(config, HostTierConfig) else HostTierConfig.model_validate(config)
         backing = self._config.resolved_backing
-        if backing != "host":
-            raise ConfigError(f"a pool shares host memory only (backing='host'); backing={backing!r} is not shared yet")
+        if backing == "vmm":
+            raise ConfigError(
+                "a pool shares host memory, registered with the owner's GPU or not (backing='host' or "
+                "'register'); backing='vmm' is not shared yet"
+            )
         self._path = os.fspath(path)
         if not self._path:
             raise ValueError("path must name a socket file, got an empty path")
@@ -162,7 +167,7 @@ class Pool(Owner):
         """Reserve the shared tier, start its fill and serve ``path``.
 
         :raises pydantic.ValidationError: the config is invalid.
-        :raises ConfigError: the config asks for a GPU backing (not shared yet; raised by the constructor).
+        :raises ConfigError: the config asks for the vmm backing (not shared yet; raised by the constructor).
         :raises PoolError: the directory does not exist, another owner serves ``path``, or a file
             that is not a socket is there.
         :raises OSError: the memory or the socket cannot be had.
