@@ -327,3 +327,40 @@ async def test_numa_auto_resolves_the_gpus_node() -> None:
         stats = tier.statistics()
         assert stats.numa_node == node
         assert stats.numa_policy == ("none" if node is None else "preferred")
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["register", "shared-register"])
+def test_a_unit_stranded_after_its_unregistration_is_registered_again_by_recommit(
+    shared: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decommit that unregistered the unit and then failed leaves it stranded: recommit registers it again."""
+    unit = 4 << 20
+    if shared:
+        backing: Backing = _backings.SharedRegisterBacking(
+            2 * unit, device=0, node=None, strict_numa=False, huge_pages=False
+        )
+    else:
+        backing = _backings.RegisterBacking(2 * unit, device=0, node=None, strict_numa=False, huge_pages=False)
+    below = type(backing).__mro__[2]  # the backing under the registration (HostBacking or SharedBacking)
+    committed: list[tuple[int, int]] = []
+    try:
+        backing.thread_setup()
+        backing.commit(0, unit)
+        committed.append((0, unit))
+        assert backing.registered_bytes == unit
+
+        def failing(self: Backing, offset: int, length: int) -> None:
+            raise OSError(12, "injected")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(below, "decommit", failing)
+            with pytest.raises(OSError, match="injected"):
+                backing.decommit(0, unit)
+        assert backing.registered_bytes == 0  # unregistered, still committed: stranded
+        backing.recommit(0, unit)
+        assert backing.registered_bytes == unit
+        backing.decommit(0, unit)
+        committed.clear()
+        assert backing.registered_bytes == 0
+    finally:
+        backing.release(committed)
