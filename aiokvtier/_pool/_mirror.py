@@ -220,7 +220,9 @@ class IndexMirror:
         finally:
             os.close(fd)
         h = mirror._header
-        if int(h[MAGIC_AT]) != MAGIC or int(h[CAPACITY]) != mirror.capacity or int(h[SLOTS]) != slots:
+        ok = int(h[MAGIC_AT]) == MAGIC and int(h[CAPACITY]) == mirror.capacity and int(h[SLOTS]) == slots
+        del h  # a view of the mapping: the unmap needs none left
+        if not ok:
             mirror.close()
             raise ValueError("the memory the pool sent is not its index mirror")
         mirror.fd = -1
@@ -273,12 +275,8 @@ class IndexMirror:
             pos[pending] = (pos[pending] + 1) & mask
         return found, stored
 
-    def lookup(self, keys: Sequence[bytes | int], types: set[type] | None = None) -> int | None:
-        """The stored prefix of ``keys`` (as ``BlockIndex.lookup``), its slots marked referenced; None when no
-        consistent read came within the retries, or the owner closed the pool: ask the owner."""
-        if not keys:
-            return 0
-        rows = key_rows(keys, self._hasher, types)
+    def _read(self, rows: U64) -> tuple[npt.NDArray[np.intp], U64] | None:
+        """``_probe`` within the seqlock: a copy taken while no write happened, or None."""
         header, table = self._header, self._table
         for _ in range(RETRIES):
             seq = int(header[SEQ])
@@ -287,14 +285,35 @@ class IndexMirror:
             if int(header[STATE]) == CLOSED:
                 return None
             found, stored = self._probe(rows, table)
-            if int(header[SEQ]) != seq:
-                continue
-            missing = np.flatnonzero(found < 0)
-            hits = int(missing[0]) if missing.size else len(keys)
-            slots = stored[:hits] & _LO
-            self._refs[slots[slots < self.slots].astype(np.intp)] = 1
-            return hits
+            if int(header[SEQ]) == seq:
+                return found, stored
         return None
+
+    def lookup(self, keys: Sequence[bytes | int], types: set[type] | None = None) -> int | None:
+        """The stored prefix of ``keys`` (as ``BlockIndex.lookup``), its slots marked referenced; None when no
+        consistent read came within the retries, or the owner closed the pool: ask the owner."""
+        if not keys:
+            return 0
+        read = self._read(key_rows(keys, self._hasher, types))
+        if read is None:
+            return None
+        found, stored = read
+        missing = np.flatnonzero(found < 0)
+        hits = int(missing[0]) if missing.size else len(keys)
+        slots = stored[:hits] & _LO
+        self._refs[slots[slots < self.slots].astype(np.intp)] = 1
+        return hits
+
+    def blocks(self, keys: Sequence[bytes | int]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+        """Each key's slot and length as one consistent read saw them (-1 and 0 where absent), or None
+        (as ``lookup``); touches nothing."""
+        read = self._read(key_rows(keys, self._hasher))
+        if read is None:
+            return None
+        found, stored = read
+        slots = np.where(found >= 0, (stored & _LO).astype(np.int64), -1)
+        lengths = np.where(found >= 0, (stored >> np.uint64(32)).astype(np.int64), 0)
+        return slots, lengths
 
     # -- writing (the owner only, on its loop) ------------------------------------------------
 
