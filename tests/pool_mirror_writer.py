@@ -22,10 +22,10 @@ STABLE, CHURN = 8, 40
 """Keys ``s00000``.. (inserted once by the test, never removed) and ``c00000``.. (churned here)."""
 
 
-def weak_hash(data: npt.NDArray[np.uint8], kind: int, length: int) -> npt.NDArray[np.uint64]:
-    """Seven values, from the key's last digit: collisions everywhere (the key bytes must tell keys apart)."""
+def weak_hash(data: npt.NDArray[np.uint8], kind: int, lengths: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+    """Seven values, from the key's last byte: collisions everywhere (the key bytes must tell keys apart)."""
     h = np.zeros((2, data.shape[0]), dtype=np.uint64)
-    h[0] = data[:, max(length - 1, 0)].astype(np.uint64) % np.uint64(7)
+    h[0] = data[np.arange(data.shape[0]), np.maximum(lengths - 1, 0)].astype(np.uint64) % np.uint64(7)
     return h
 
 

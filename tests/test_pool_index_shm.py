@@ -28,7 +28,7 @@ __all__ = ["sock"]  # the fixture, used by name
 pytestmark = pytest.mark.skipif(not USABLE, reason="the mirror is read only on x86-64")
 
 
-def same_hash(data: npt.NDArray[np.uint8], kind: int, length: int) -> npt.NDArray[np.uint64]:
+def same_hash(data: npt.NDArray[np.uint8], kind: int, lengths: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
     """Every key collides whole: both hashes equal for all."""
     return np.full((2, data.shape[0]), 5, dtype=np.uint64)
 
@@ -353,3 +353,24 @@ async def test_a_pool_churned_past_its_table_keeps_answering(sock: str) -> None:
             assert await reader.lookup(b(keys)) == 0
         assert pool.statistics().blocks == 0
         await until(lambda: pool.statistics().tier.slots_allocated == 0, "every slot back")
+
+
+@pytest.mark.parametrize("hasher", ["real", "colliding"])
+def test_a_key_hashes_the_same_alone_in_a_batch_of_its_length_or_among_others(hasher: str) -> None:
+    fn = hash_words if hasher == "real" else same_hash
+    writer = IndexMirror.create(16, hasher=fn)
+    reader = IndexMirror.attach(os.dup(writer.fd), 16, hasher=fn)
+    try:
+        stored: list[bytes | int] = [b"ab", b"abc\x00", b"\x00", b"x" * 33, 5, 2**65]
+        writer.insert(stored, list(range(6)), [1] * 6)  # one batch of every kind and length
+        for k in stored:
+            assert reader.lookup([k]) == 1, k
+        assert reader.lookup([b"ab", b"abc\x00", b"\x00", b"x" * 33]) == 4  # bytes of several lengths
+        assert reader.lookup([b"ab", b"ac", b"abc\x00"]) == 1  # one length
+        assert reader.lookup([5, 2**65, b"ab"]) == 3
+        # What differs only by length, and an int's bytes (not that int): each a miss.
+        for k in (b"abc", b"\x00\x00", b"", b"ab\x00", 6, b"x" * 32, b"x" * 34, b"\x05" + bytes(7)):
+            assert reader.lookup([k]) == 0, k
+    finally:
+        reader.close()
+        writer.close()

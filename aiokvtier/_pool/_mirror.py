@@ -53,8 +53,10 @@ import numpy.typing as npt
 __all__ = ["USABLE", "IndexMirror", "mirror_fits", "mirror_size"]
 
 U64 = npt.NDArray[np.uint64]
-Hasher = Callable[[npt.NDArray[np.uint8], int, int], U64]
-"""``(key bytes (n, width), kind, key length) -> (2, n) uint64``: two independent 64-bit hashes."""
+I64 = npt.NDArray[np.int64]
+Hasher = Callable[[npt.NDArray[np.uint8], int, I64], U64]
+"""``(keys' bytes (n, width) zero-padded, kind, each key's length) -> (2, n) uint64``: two independent
+64-bit hashes of each key."""
 
 USABLE = platform.machine().lower() in ("x86_64", "amd64")
 """The seqlock's reads are sound here (loads are not reordered with loads): attached processes read the
@@ -92,50 +94,78 @@ def mirror_size(slots: int) -> int:
     return HEADER + capacity_for(slots) * ENTRY + refs
 
 
-def hash_words(data: npt.NDArray[np.uint8], kind: int, length: int) -> U64:
-    """Two 64-bit hashes of each row of ``data`` (keys of one kind and length, zero-padded to whole words):
-    a multiply-xorshift over the words, seeded with the kind and length, in numpy."""
+def hash_words(data: npt.NDArray[np.uint8], kind: int, lengths: I64) -> U64:
+    """Two 64-bit hashes of each row of ``data`` (keys of one kind, zero-padded to whole words): a
+    multiply-xorshift over the key's own words (``ceil(length / 8)``), seeded with its kind and length, in
+    numpy."""
+    n = data.shape[0]
     words = data.view("<u8")
-    h = np.empty((2, data.shape[0]), dtype=np.uint64)
-    h[:] = _SEEDS ^ np.uint64(length | kind << 56)
+    h = np.empty((2, n), dtype=np.uint64)
+    h[:] = _SEEDS ^ (lengths.astype(np.uint64) | np.uint64(kind << 56))
+    if not n:
+        return h
+    counts = (lengths + 7) // 8
+    least, most = int(counts.min()), int(counts.max())
     shift = np.uint64(29)
-    for c in range(words.shape[1]):
-        h ^= words[:, c]
-        h *= _P
-        h ^= h >> shift
+    for c in range(most):
+        mixed = h ^ words[:, c]
+        mixed *= _P
+        mixed ^= mixed >> shift
+        h = mixed if c < least else np.where(c < counts, mixed, h)  # keys shorter than this word keep theirs
     h *= _P[::-1]
     h ^= h >> np.uint64(32)
     return h
 
 
-def _groups(
-    keys: Sequence[bytes | int], types: set[type] | None = None
-) -> list[tuple[int, int, npt.NDArray[np.intp] | None, bytes]]:
-    """``(kind, length, positions or None for all, joined bytes)`` per kind and length of key (``types``: the
-    keys' types, where the caller knows them)."""
+def _padded(parts: Sequence[bytes], lengths: I64) -> npt.NDArray[np.uint8]:
+    """The keys' bytes as rows of a uint8 matrix, zero-padded to whole words and at least ``KEY_BYTES``."""
+    n = len(parts)
+    longest = int(lengths.max()) if n else 0
+    data = np.zeros((n, max(-(-longest // 8) * 8, KEY_BYTES)), dtype=np.uint8)
+    if longest and int(lengths.min()) == longest:
+        data[:, :longest] = np.frombuffer(b"".join(parts), dtype=np.uint8).reshape(n, longest)
+    elif longest:  # numpy pads each to the longest, in C (zero bytes inside a key kept: "S" is raw bytes)
+        data[:, :longest] = np.array(parts, dtype=f"S{longest}").view(np.uint8).reshape(n, longest)
+    return data
+
+
+Group = tuple[int, npt.NDArray[np.intp] | None, npt.NDArray[np.uint8], I64]
+
+
+def _groups(keys: Sequence[bytes | int], types: set[type] | None = None) -> list[Group]:
+    """``(kind, positions or None for all, padded bytes, lengths)`` per kind of key (``types``: the keys'
+    types, where the caller knows them)."""
+    n = len(keys)
     if types is None:
         types = set(map(type, keys))
     if types == {bytes}:
-        sizes = set(map(len, keys))  # type: ignore[arg-type]
-        if len(sizes) == 1:
-            return [(KIND_BYTES, sizes.pop(), None, b"".join(keys))]  # type: ignore[arg-type]
-    elif types == {int}:
+        lengths = np.fromiter(map(len, keys), dtype=np.int64, count=n)  # type: ignore[arg-type]
+        return [(KIND_BYTES, None, _padded(keys, lengths), lengths)]  # type: ignore[arg-type]
+    if types == {int}:
         try:
-            return [(KIND_INT, 8, None, np.array(keys, dtype="<i8").tobytes())]
+            ints = np.array(keys, dtype="<i8")
         except OverflowError:
             pass
-    found: dict[tuple[int, int], tuple[list[int], list[bytes]]] = {}
+        else:
+            data = np.zeros((n, KEY_BYTES), dtype=np.uint8)
+            data[:, :8] = ints.view(np.uint8).reshape(n, 8)
+            return [(KIND_INT, None, data, np.full(n, 8, dtype=np.int64))]
+    found: dict[int, tuple[list[int], list[bytes]]] = {}
     for i, key in enumerate(keys):
         if isinstance(key, bytes):
-            kind, data = KIND_BYTES, key
+            kind, data_ = KIND_BYTES, key
         elif _I64_MIN <= key <= _I64_MAX:
-            kind, data = KIND_INT, int(key).to_bytes(8, "little", signed=True)
+            kind, data_ = KIND_INT, int(key).to_bytes(8, "little", signed=True)
         else:
-            kind, data = KIND_BIGINT, b"%d" % key
-        where, parts = found.setdefault((kind, len(data)), ([], []))
+            kind, data_ = KIND_BIGINT, b"%d" % key
+        where, parts = found.setdefault(kind, ([], []))
         where.append(i)
-        parts.append(data)
-    return [(kind, size, np.array(w, dtype=np.intp), b"".join(p)) for (kind, size), (w, p) in found.items()]
+        parts.append(data_)
+    out: list[Group] = []
+    for kind, (where, parts) in found.items():
+        lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+        out.append((kind, np.array(where, dtype=np.intp), _padded(parts, lengths), lengths))
+    return out
 
 
 def key_rows(keys: Sequence[bytes | int], hasher: Hasher = hash_words, types: set[type] | None = None) -> U64:
@@ -144,19 +174,14 @@ def key_rows(keys: Sequence[bytes | int], hasher: Hasher = hash_words, types: se
     rows = np.zeros((n, 8), dtype=np.uint64)
     if not n:
         return rows
-    for kind, size, where, joined in _groups(keys, types):
-        count = n if where is None else len(where)
-        width = max(-(-size // 8) * 8, KEY_BYTES)
-        data = np.zeros((count, width), dtype=np.uint8)
-        if size:
-            data[:, :size] = np.frombuffer(joined, dtype=np.uint8).reshape(count, size)
-        h = hasher(data[:, : max(-(-size // 8) * 8, 8)], kind, size)
+    for kind, where, data, lengths in _groups(keys, types):
+        h = hasher(data, kind, lengths)
         tag = h[0]
         tag[tag < 2] += np.uint64(2)  # 0 and 1 mark empty entries and tombstones
-        part = rows if where is None else np.empty((count, 8), dtype=np.uint64)
+        part = rows if where is None else np.empty((len(data), 8), dtype=np.uint64)
         part[:, 0] = tag
         part[:, 1] = h[1]
-        part[:, 2] = min(size, 0xFFFFFFFF) | kind << 56
+        part[:, 2] = np.minimum(lengths, 0xFFFFFFFF).astype(np.uint64) | np.uint64(kind << 56)
         part[:, 3:7] = data[:, :KEY_BYTES].view("<u8")
         part[:, 7] = 0
         if where is not None:
