@@ -355,7 +355,11 @@ class IndexMirror:
         pos = (rows[:, 0] & self._mask).astype(np.intp)
         pending = np.arange(rows.shape[0], dtype=np.intp)
         fresh = 0
-        while pending.size:
+        # It ends: an insert comes with at most ``slots`` live entries in all (each holds its own slot) and
+        # tombstones are dropped before used entries pass 3/4 of a table of 2 * slots or more.
+        for _ in range(self.capacity):
+            if not pending.size:
+                break
             at = pos[pending]
             tags = table[at, 0]
             free = tags < 2
@@ -368,6 +372,8 @@ class IndexMirror:
             left[winners] = False
             pending = pending[left]
             pos[pending] = (pos[pending] + 1) & mask
+        if pending.size:
+            raise RuntimeError("the pool's index mirror has no room left (more live blocks than slots?)")
         header[USED] += np.uint64(fresh)
         header[LIVE] += np.uint64(rows.shape[0])
 
