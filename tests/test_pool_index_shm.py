@@ -374,3 +374,28 @@ def test_a_key_hashes_the_same_alone_in_a_batch_of_its_length_or_among_others(ha
     finally:
         reader.close()
         writer.close()
+
+
+async def test_a_store_or_a_discard_is_seen_whole_by_lookups_meanwhile(sock: str) -> None:
+    """The owner writes a commit's blocks, or a discard's, in one write: a lookup in another process sees
+    all of them or none, never part."""
+    keys = [hexkey(i) for i in range(512)]
+    async with Pool(CONFIG, sock), attached(sock) as a, AttachedPool(sock) as reader:
+        await a.event("attached")
+        seen: set[int] = set()
+        done = asyncio.Event()
+
+        async def look() -> None:
+            while not done.is_set():
+                seen.add(await reader.lookup(b(keys)))
+                await asyncio.sleep(0)
+
+        looking = asyncio.ensure_future(look())
+        try:
+            for _ in range(10):
+                assert (await a.call("store", keys=keys, size=64))["skipped"] == 0
+                assert (await a.call("discard", keys=keys))["dropped"] == 512
+        finally:
+            done.set()
+            await looking
+        assert seen == {0, 512}
