@@ -1,10 +1,12 @@
 """AttachedPool: a process's view of a pool another process owns.
 
-Attaching connects to the owner's socket, receives the tier's memfd
-(SCM_RIGHTS) and maps it shared: the same pages, at an address of this
-process. Everything else is asked of the owner over the socket: slots
-(``allocate``, ``free``), the shared store's index (``lookup``, and the
-claims and pins behind ``store`` and ``load``) and ``statistics()``. The
+Attaching connects to the owner's socket, receives the tier's memfd and
+the index mirror's (SCM_RIGHTS) and maps them shared: the same pages, at an
+address of this process. ``lookup`` reads the mirror here
+(``aiokvtier._pool._mirror``: no round trip; the owner is asked only when
+the mirror cannot answer at once). Everything else is asked of the owner
+over the socket: slots (``allocate``, ``free``), the claims and pins behind
+``store`` and ``load``, ``discard`` and ``statistics()``. The
 bytes never cross the socket: a store copies into the slots the owner
 claimed for it, a load copies out of the slots it pinned, on this
 process's own ``aiokvtier-attached`` thread.
