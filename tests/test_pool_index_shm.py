@@ -399,3 +399,16 @@ async def test_a_store_or_a_discard_is_seen_whole_by_lookups_meanwhile(sock: str
             done.set()
             await looking
         assert seen == {0, 512}
+
+
+async def test_a_pool_without_a_mirror_asks_its_owner(sock: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier whose slots do not fit an entry's 32 bits (made to look so here) has no mirror: its
+    processes attach with the tier's memfd alone, and their lookups ask the owner."""
+    from aiokvtier._pool import _owner
+
+    monkeypatch.setattr(_owner, "mirror_fits", lambda slots, slot_size: False)
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as reader:
+        await reader.store([b"a"], [b"x"])
+        assert await reader.lookup([b"a", b"b"]) == 1
+        s = pool.statistics()  # counted by the owner as it answered: no message to wait for
+        assert (s.queries, s.hits, s.misses) == (1, 1, 1)

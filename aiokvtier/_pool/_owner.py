@@ -35,7 +35,7 @@ from .._host._tier import HostTier
 from .._lifecycle import Lifecycle, Owner
 from . import _wire
 from ._index import BlockIndex
-from ._mirror import IndexMirror, mirror_fits
+from ._mirror import USABLE, IndexMirror, mirror_fits
 from ._socket import Listener, recv_frame_with_fds, send_with_fds
 from ._statistics import PoolStatistics
 from ._wire import (
@@ -187,7 +187,7 @@ class Pool(Owner):
         self._fd = backings.made.fd
         s = self._tier.statistics()
         self._mirror: IndexMirror | None = None
-        if mirror_fits(s.max_quota // s.slot_size, s.slot_size):
+        if USABLE and mirror_fits(s.max_quota // s.slot_size, s.slot_size):  # else lookups ask the owner
             self._mirror = await life.run(IndexMirror.create, s.max_quota // s.slot_size)
             life.undo.callback(self._mirror.close)
         self._index = BlockIndex(self._mirror)
