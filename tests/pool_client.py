@@ -79,6 +79,8 @@ async def run(pool: AttachedPool, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"exact": bool((dst == pages(cmd["keys"], cmd["size"])).all())}
     if op == "lookup":
         return {"hits": await pool.lookup([bytes.fromhex(k) for k in cmd["keys"]])}
+    if op == "discard":
+        return {"dropped": await pool.discard([bytes.fromhex(k) for k in cmd["keys"]])}
     if op == "hold":
         holding = True
         held.clear()

@@ -29,6 +29,7 @@ def test_the_shared_section_prints_its_figures() -> None:
     assert {"lookup_ms_in_b", "load_gb_s_in_a", "load_gb_s_in_b", "b_over_a"} <= set(cross)
     concurrent = shared["concurrent"]
     assert concurrent["processes"] == 8 and concurrent["lookup_ms"]["n"] == concurrent["store_ms"]["n"] == 160
+    assert concurrent["lookup_cpu_ms"]["n"] == 160
     eight = shared["eight_processes"]
     assert eight["processes"] == 8 and eight["same_bytes_read"] is True
     assert len(eight["shared_bytes_mapped_per_process"]) == 8

@@ -1,10 +1,12 @@
 """AttachedPool: a process's view of a pool another process owns.
 
-Attaching connects to the owner's socket, receives the tier's memfd
-(SCM_RIGHTS) and maps it shared: the same pages, at an address of this
-process. Everything else is asked of the owner over the socket: slots
-(``allocate``, ``free``), the shared store's index (``lookup``, and the
-claims and pins behind ``store`` and ``load``) and ``statistics()``. The
+Attaching connects to the owner's socket, receives the tier's memfd and
+the index mirror's (SCM_RIGHTS) and maps them shared: the same pages, at an
+address of this process. ``lookup`` reads the mirror here
+(``aiokvtier._pool._mirror``: no round trip; the owner is asked only when
+the mirror cannot answer at once). Everything else is asked of the owner
+over the socket: slots (``allocate``, ``free``), the claims and pins behind
+``store`` and ``load``, ``discard`` and ``statistics()``. The
 bytes never cross the socket: a store copies into the slots the owner
 claimed for it, a load copies out of the slots it pinned, on this
 process's own ``aiokvtier-attached`` thread.
@@ -44,6 +46,7 @@ from .._store._transfers import Pages, host_pages, memmove_all
 from . import _wire
 from ._events import EventFanout, PoolEvents
 from ._gpu import Registrations
+from ._mirror import USABLE, IndexMirror
 from ._socket import connect, recv_frame_with_fds
 from ._statistics import PoolStatistics
 from ._wire import BUSY, CLAIMED, PRESENT, Key, Message, as_key, decode, decode_keys, encode, encode_keys, error_from
@@ -113,6 +116,10 @@ class AttachedPool(Owner):
         self._fill_error: str | None = None
         self._events = EventFanout()
         self._subscribed = False
+        self._mirror: IndexMirror | None = None
+        self._looked = [0, 0, 0]
+        """Queries, hits and misses answered from the mirror and not yet told to the owner."""
+        self._telling = False
 
     @classmethod
     async def attach(cls, path: str | os.PathLike[str], *, device: int | None = None) -> AttachedPool:
@@ -135,16 +142,34 @@ class AttachedPool(Owner):
             await self._loop.sock_sendall(sock, encode(_wire.HELLO, 0, {"v": _wire.VERSION, "pid": os.getpid()}))
             try:
                 async with asyncio.timeout(ATTACH_TIMEOUT):
-                    payload, fds = await recv_frame_with_fds(sock, 1)
+                    payload, fds = await recv_frame_with_fds(sock, 2)
             except (ConnectionError, TimeoutError) as exc:
                 raise PoolError(f"the pool at {self._path} did not welcome this process: {exc!r}") from None
             welcome = decode(payload)
             if welcome.op == _wire.ERROR:
                 raise error_from(welcome)
-            if welcome.op != _wire.WELCOME or len(fds) != 1:
+            index = welcome.fields.get("index")
+            wanted = 1 if index is None else 2
+            if welcome.op != _wire.WELCOME or len(fds) != wanted:
                 for fd in fds:
                     os.close(fd)
                 raise PoolError(f"{self._path} is not an aiokvtier pool (no memory came with its answer)")
+            if index is not None:
+                try:
+                    if not isinstance(index, dict) or type(index.get("slots")) is not int:
+                        os.close(fds[1])
+                        raise PoolError(f"the pool at {self._path} sent a malformed layout of its index mirror")
+                    if USABLE:
+                        try:  # takes the descriptor
+                            self._mirror = await life.run(IndexMirror.attach, fds[1], index["slots"])
+                        except ValueError as exc:
+                            raise PoolError(f"the pool at {self._path}: {exc}") from None
+                        life.undo.callback(self._mirror.close)
+                    else:  # the seqlock's reads are not sound on this architecture: lookups ask the owner
+                        os.close(fds[1])
+                except BaseException:
+                    os.close(fds[0])
+                    raise
             fields = welcome.fields
             self._pool_id = str(fields["pool"])
             self._owner_pid = int(fields["owner"])
@@ -183,6 +208,7 @@ class AttachedPool(Owner):
             await self._life.run(InflightCopies.wait, self._copies.snapshot())  # the GPU lets go first
         writer = self.__dict__.get("_writer")
         if writer is not None:
+            self._tell_looked()  # the last lookups' counts go before the connection ends
             writer.close()
         task: asyncio.Task[None] | None = self.__dict__.get("_reader_task")
         if task is not None:
@@ -318,6 +344,8 @@ class AttachedPool(Owner):
         """
         self._check_open()
         self._raise_if_lost()
+        if self._looked[0]:
+            self._tell_looked()  # before this request: one connection is one order
         rid = next(self._rids)
         future: asyncio.Future[Message] = self._loop.create_future()
         self._pending[rid] = future
@@ -536,24 +564,60 @@ class AttachedPool(Owner):
 
     # -- the shared store --------------------------------------------------------------------
 
-    def _keys(self, keys: Sequence[object]) -> tuple[list[Key], dict[str, Any], list[bytes]]:
+    @staticmethod
+    def _given(keys: Sequence[object]) -> tuple[list[Key], set[type] | None]:
+        """The keys as ``bytes`` and ``int``, and their types when they all came so (else None)."""
         if isinstance(keys, bytes | bytearray | memoryview | str | int):
             raise TypeError("keys are a sequence of keys (bytes or ints), not one key")
         # bytes and ints are keys as they are (a bool's type is bool): one pass over the types, not a call per key.
         types = set(map(type, keys))
-        given: list[Key] = list(keys) if types <= {bytes, int} else [as_key(k) for k in keys]  # type: ignore[arg-type]
-        kind, parts = encode_keys(given, types if types <= {bytes, int} else None)
+        if types <= {bytes, int}:
+            return list(keys), types  # type: ignore[arg-type]
+        return [as_key(k) for k in keys], None
+
+    def _keys(self, keys: Sequence[object]) -> tuple[list[Key], dict[str, Any], list[bytes]]:
+        given, _ = self._given(keys)
+        kind, parts = encode_keys(given)
         return given, {"k": kind}, parts
 
     async def lookup(self, keys: Sequence[object]) -> int:
-        """How many leading keys the shared store holds (a prefix hit); touches them.
+        """How many leading keys the shared store holds (a prefix hit).
+
+        Answered from the index mirror in this process's memory (no round
+        trip to the owner); the hits mark their blocks referenced, which
+        the owner's eviction honours (docs/pool.md). Asks the owner when the
+        mirror cannot give a consistent answer at once.
 
         :raises TypeError: a key that is not bytes-like or an int.
         :raises PoolLostError: the owner went away.
         """
-        _, fields, parts = self._keys(keys)
-        reply = await self._request(_wire.LOOKUP, fields, parts)
+        given, types = self._given(keys)
+        self._check_open()
+        self._raise_if_lost()
+        mirror = self._mirror
+        if mirror is not None:
+            hits = mirror.lookup(given, types)
+            if hits is not None:
+                looked = self._looked
+                looked[0] += 1
+                looked[1] += hits
+                looked[2] += len(given) - hits
+                if not self._telling:
+                    self._telling = True
+                    self._loop.call_soon(self._tell_looked)
+                return hits
+        kind, parts = encode_keys(given, types)
+        reply = await self._request(_wire.LOOKUP, {"k": kind}, parts)
         return int(reply.fields["hits"])
+
+    def _tell_looked(self) -> None:
+        """Send the counts of the lookups answered from the mirror (one message for all since the last)."""
+        self._telling = False
+        q, h, m = self._looked
+        writer = self.__dict__.get("_writer")
+        if q and self._lost is None and writer is not None and not writer.is_closing():
+            self._looked[:] = [0, 0, 0]
+            self._post(_wire.LOOKED, {"q": q, "h": h, "m": m})
 
     async def events(self, *, limit: int = 1024) -> PoolEvents:
         """A new subscription: every ``stored``, ``evicted`` and ``discarded`` event of the shared store,

@@ -35,6 +35,7 @@ from .._host._tier import HostTier
 from .._lifecycle import Lifecycle, Owner
 from . import _wire
 from ._index import BlockIndex
+from ._mirror import USABLE, IndexMirror, mirror_fits
 from ._socket import Listener, recv_frame_with_fds, send_with_fds
 from ._statistics import PoolStatistics
 from ._wire import (
@@ -153,6 +154,7 @@ class Pool(Owner):
             _wire.UNPIN: self._unpin,
             _wire.DISCARD: self._discard,
             _wire.SUBSCRIBE: self._subscribe,
+            _wire.LOOKED: self._looked,
         }
         self._waiting: dict[int, Callable[[_Peer, Message], Awaitable[Reply]]] = {
             _wire.ALLOC: self._alloc,
@@ -188,6 +190,12 @@ class Pool(Owner):
         self._tier = await HostTier.open(self._config, backings=backings)
         assert backings.made is not None
         self._fd = backings.made.fd
+        s = self._tier.statistics()
+        self._mirror: IndexMirror | None = None
+        if USABLE and mirror_fits(s.max_quota // s.slot_size, s.slot_size):  # else lookups ask the owner
+            self._mirror = await life.run(IndexMirror.create, s.max_quota // s.slot_size)
+            life.undo.callback(self._mirror.close)
+        self._index = BlockIndex(self._mirror)
         self._resized = asyncio.Event()
         self._accepting = asyncio.ensure_future(self._accept())
         self._publisher = asyncio.ensure_future(self._publish())
@@ -199,6 +207,9 @@ class Pool(Owner):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        mirror: IndexMirror | None = self.__dict__.get("_mirror")
+        if mirror is not None:
+            mirror.mark_closed()  # lookups in attached processes ask the owner now, and learn it closed
         bye = encode(_wire.BYE, 0, {"reason": "the pool's owner closed the pool"})
         for peer in list(self._peers):
             peer.send(bye)
@@ -347,7 +358,9 @@ class Pool(Owner):
                 await self._loop.sock_sendall(conn, encode(_wire.ERROR, hello.rid, fields, parts))
                 conn.close()
                 return
-            await send_with_fds(conn, encode(_wire.WELCOME, hello.rid, self._welcome()), [self._fd])
+            welcome = encode(_wire.WELCOME, hello.rid, self._welcome())
+            mirror = self._mirror
+            await send_with_fds(conn, welcome, [self._fd] if mirror is None else [self._fd, mirror.fd])
             reader, writer = await asyncio.open_unix_connection(sock=conn)
         except (OSError, ValueError, TimeoutError) as exc:
             log.warning("aiokvtier: a process (pid %d) could not attach to the pool: %r", pid, exc)
@@ -386,6 +399,7 @@ class Pool(Owner):
             "size": s.max_quota,
             "slot_size": s.slot_size,
             "commit_unit": s.commit_unit,
+            "index": None if self._mirror is None else {"slots": self._mirror.slots},
             "config": self._config.model_dump(mode="json"),
         }
 
@@ -586,6 +600,15 @@ class Pool(Owner):
         self._free_slots(freed)
         self._event("discarded", dropped)
         return {"dropped": len(dropped)}, []
+
+    def _looked(self, peer: _Peer, message: Message) -> None:
+        """Lookups a process answered from the index mirror: their counts (no reply)."""
+        figures = [message.fields.get(name) for name in ("q", "h", "m")]
+        if all(type(x) is int and 0 <= x < 1 << 62 for x in figures):
+            c = self._index.counts
+            c["queries"] += figures[0]  # type: ignore[operator]
+            c["hits"] += figures[1]  # type: ignore[operator]
+            c["misses"] += figures[2]  # type: ignore[operator]
 
     def _subscribe(self, peer: _Peer, message: Message) -> Reply:
         peer.subscribed = True

@@ -14,11 +14,13 @@ byte arrays, checked as they are read.
 
     client                                  owner
     HELLO {v, pid}            ───────────>
-                              <───────────  WELCOME {pool, layout, config} + the memfd (SCM_RIGHTS)
+                              <───────────  WELCOME {pool, layout, index, config} + the tier's memfd
+                                            and the index mirror's (SCM_RIGHTS)
                               <───────────  STATE {resident, quota, ...}    (pushed at every change)
     ALLOC {n, wait}           ───────────>  REPLY [slot ids]    (waits only for the fill)
     FREE [slot ids]           ───────────>  REPLY
-    LOOKUP keys               ───────────>  REPLY {hits}
+    LOOKUP keys               ───────────>  REPLY {hits}     (when the index mirror cannot answer)
+    LOOKED {q, h, m}          ───────────>  (no reply: lookups answered from the mirror, for the counts)
     BEGIN keys [lengths]      ───────────>  REPLY {claim} [outcomes] [slots]
     COMMIT {claim}            ───────────>  REPLY            (the blocks are visible to all)
     ABORT {claim}             ───────────>  (no reply)
@@ -57,10 +59,10 @@ __all__ = [
     "error_to",
 ]
 
-VERSION = 1
+VERSION = 2
 
 HELLO, WELCOME, STATE, ALLOC, FREE, LOOKUP, BEGIN, COMMIT, ABORT, AWAIT, LOAD, UNPIN, DISCARD, STATS = range(1, 15)
-SUBSCRIBE = 15
+SUBSCRIBE, LOOKED = 15, 16
 REPLY, ERROR, BYE, EVENT = 100, 101, 102, 103
 
 # A block's outcome in a BEGIN reply.

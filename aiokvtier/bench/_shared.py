@@ -11,7 +11,9 @@ Three figures, each from real processes attached to a pool this process owns:
   loads them bit-exact; its load throughput beside the same load done in A.
 - ``concurrent``: 8 processes at once, each storing ``blocks`` keys of its
   own in one call (1-byte pages), looking them up and dropping them, 20
-  rounds: p50 and p99 of the store and lookup calls.
+  rounds: p50 and p99 of the store and lookup calls, and of the CPU time the
+  lookups took in their thread (the rest of a lookup's time is waiting for
+  a CPU, or for the owner when it asked the owner).
 - ``eight_processes``: 8 processes attach at once and each reads every page
   of the (resident) pool: how much their private memory grew (from
   ``/proc/self/smaps_rollup``) beside the pool's size, and how much shared
@@ -93,19 +95,20 @@ async def _client(mode: str, path: str, n: int, repeats: int) -> dict[str, Any]:
             mine = [b"%d-%d-" % (os.getpid(), i) for i in range(n)]
             print(json.dumps({"ready": True}), flush=True)
             await asyncio.to_thread(sys.stdin.readline)  # "go": every process is attached
-            stores, lookups = [], []
+            stores, lookups, cpu = [], [], []
             page = np.zeros((n, 1), dtype=np.uint8)
             for _ in range(repeats):
                 started = time.perf_counter()
                 result = await pool.store(mine, page)
                 stores.append(time.perf_counter() - started)
-                started = time.perf_counter()
+                started, on_cpu = time.perf_counter(), time.thread_time()
                 hits = await pool.lookup(mine)
                 lookups.append(time.perf_counter() - started)
+                cpu.append(time.thread_time() - on_cpu)  # this thread's own CPU time: the rest is waiting
                 if result.skipped or hits != n:
                     raise RuntimeError(f"{len(result.skipped)} skipped, {hits} of {n} found")
                 await pool.discard(mine)
-            return {"store_s": stores, "lookup_s": lookups}
+            return {"store_s": stores, "lookup_s": lookups, "lookup_cpu_s": cpu}
     keys, pages = _keys(n), _pages(n)
     out: dict[str, Any] = {}
     async with AttachedPool(path) as pool:
@@ -230,6 +233,7 @@ async def _run(quota: int, blocks: int, repeats: int) -> dict[str, Any]:
             "calls_per_process": 20,
             "store_ms": summary_ms(stores),
             "lookup_ms": summary_ms(lookups),
+            "lookup_cpu_ms": summary_ms([x for c in contended for x in c["lookup_cpu_s"]]),
         }
         result = {"attach_during_fill": during, "cross_process": cross, "concurrent": concurrent}
         return result | {"eight_processes": eight}

@@ -1,0 +1,442 @@
+"""A mirror of the pool's block index in shared memory: lookups without asking the owner.
+
+The owner (``aiokvtier._pool._owner``) is the only writer: it changes its
+``BlockIndex`` on its loop, and each change of the ready blocks (a commit,
+an eviction, a discard) is written here in the same step. Every attached
+process maps the same memfd (passed with the tier's at attach) and reads it
+itself for ``lookup``: a hash of each key, a probe of the table with numpy
+gathers, the stored prefix, and no socket round trip.
+
+Layout (one memfd)::
+
+    header   4 KiB: seq, magic, capacity, slots, live, used, state
+    table    capacity x 64-byte entries (open addressing, linear probing)
+    refs     one byte per slot: "referenced since the owner last looked" (CLOCK)
+
+An entry is eight little-endian uint64: ``tag`` (the key's first 64-bit
+hash; 0 an empty entry, 1 a tombstone), ``check`` (a second, independent
+64-bit hash), the key's kind and length, the key's first 32 bytes, then
+``slot | length << 32``. A hit needs the first seven equal to the key's:
+keys of up to 32 bytes (block hashes, ints) are compared whole, so a hash
+collision can cost a probe, never a false hit; longer keys are told apart
+by their length, their first 32 bytes and 128 bits of hash. (A tier whose
+slots or slot size do not fit 32 bits has no mirror: its lookups ask the
+owner.)
+
+Consistency is a seqlock: the owner makes ``seq`` odd, writes, makes it even;
+a reader reads ``seq``, copies what it needs, reads ``seq`` again and keeps
+its copy only if both were the same even number. It retries a few times,
+then gives up (``None``: the caller asks the owner), so an owner that died
+mid-write (``seq`` odd for ever) or a table being rebuilt never makes it
+spin. That needs loads kept in order with loads and stores with stores,
+which x86-64 gives (``USABLE``); elsewhere the attached process asks the
+owner. A reader never trusts a torn copy: it only computes positions modulo
+the capacity and discards the copy unless ``seq`` held still.
+
+Sizing: every ready block holds a slot, so the table never holds more than
+``slots`` (the tier's at ``max_quota``) live entries; the capacity is the
+power of two at or above twice that, and a write that would take live
+entries and tombstones past three quarters rebuilds the table first, so a
+probe always ends at an empty entry and an insert always finds room.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["USABLE", "IndexMirror", "mirror_fits", "mirror_size"]
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+Hasher = Callable[[npt.NDArray[np.uint8], int, I64], U64]
+"""``(keys' bytes (n, width) zero-padded, kind, each key's length) -> (2, n) uint64``: two independent
+64-bit hashes of each key."""
+
+USABLE = platform.machine().lower() in ("x86_64", "amd64")
+"""The seqlock's reads are sound here (loads are not reordered with loads): attached processes read the
+mirror; elsewhere they ask the owner."""
+
+MAGIC = 0x61696F6B76696478  # "aiokvidx"
+HEADER = 4096
+ENTRY = 64
+KEY_BYTES = 32
+SEQ, MAGIC_AT, CAPACITY, SLOTS, LIVE, USED, STATE = range(7)
+CLOSED = 1
+EMPTY, TOMBSTONE = 0, 1
+KIND_BYTES, KIND_INT, KIND_BIGINT = 1, 2, 3
+RETRIES = 8
+"""Whole reads a lookup tries before it asks the owner (a write takes microseconds: two or three do)."""
+
+_LO = np.uint64(0xFFFFFFFF)
+_P = np.array([[0x9E3779B97F4A7C15], [0xC2B2AE3D27D4EB4F]], dtype=np.uint64)
+_SEEDS = np.array([[0x243F6A8885A308D3], [0x13198A2E03707344]], dtype=np.uint64)
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
+def mirror_fits(slots: int, slot_size: int) -> bool:
+    """Whether a tier's slot ids and block lengths fit an entry (32 bits each)."""
+    return 0 < slots < 1 << 32 and 0 < slot_size < 1 << 32
+
+
+def capacity_for(slots: int) -> int:
+    return max(16, 1 << (2 * max(slots, 1) - 1).bit_length())
+
+
+def mirror_size(slots: int) -> int:
+    """Bytes of the memfd for a tier of ``slots`` slots (at ``max_quota``)."""
+    refs = -(-slots // 4096) * 4096
+    return HEADER + capacity_for(slots) * ENTRY + refs
+
+
+def hash_words(data: npt.NDArray[np.uint8], kind: int, lengths: I64) -> U64:
+    """Two 64-bit hashes of each row of ``data`` (keys of one kind, zero-padded to whole words): a
+    multiply-xorshift over the key's own words (``ceil(length / 8)``), seeded with its kind and length, in
+    numpy."""
+    n = data.shape[0]
+    words = data.view("<u8")
+    h = np.empty((2, n), dtype=np.uint64)
+    h[:] = _SEEDS ^ (lengths.astype(np.uint64) | np.uint64(kind << 56))
+    if not n:
+        return h
+    counts = (lengths + 7) // 8
+    least, most = int(counts.min()), int(counts.max())
+    shift = np.uint64(29)
+    for c in range(most):
+        mixed = h ^ words[:, c]
+        mixed *= _P
+        mixed ^= mixed >> shift
+        h = mixed if c < least else np.where(c < counts, mixed, h)  # keys shorter than this word keep theirs
+    h *= _P[::-1]
+    h ^= h >> np.uint64(32)
+    return h
+
+
+def _padded(parts: Sequence[bytes], lengths: I64) -> npt.NDArray[np.uint8]:
+    """The keys' bytes as rows of a uint8 matrix, zero-padded to whole words and at least ``KEY_BYTES``."""
+    n = len(parts)
+    longest = int(lengths.max()) if n else 0
+    data = np.zeros((n, max(-(-longest // 8) * 8, KEY_BYTES)), dtype=np.uint8)
+    if longest and int(lengths.min()) == longest:
+        data[:, :longest] = np.frombuffer(b"".join(parts), dtype=np.uint8).reshape(n, longest)
+    elif longest:  # numpy pads each to the longest, in C (zero bytes inside a key kept: "S" is raw bytes)
+        data[:, :longest] = np.array(parts, dtype=f"S{longest}").view(np.uint8).reshape(n, longest)
+    return data
+
+
+Group = tuple[int, npt.NDArray[np.intp] | None, npt.NDArray[np.uint8], I64]
+
+
+def _groups(keys: Sequence[bytes | int], types: set[type] | None = None) -> list[Group]:
+    """``(kind, positions or None for all, padded bytes, lengths)`` per kind of key (``types``: the keys'
+    types, where the caller knows them)."""
+    n = len(keys)
+    if types is None:
+        types = set(map(type, keys))
+    if types == {bytes}:
+        lengths = np.fromiter(map(len, keys), dtype=np.int64, count=n)  # type: ignore[arg-type]
+        return [(KIND_BYTES, None, _padded(keys, lengths), lengths)]  # type: ignore[arg-type]
+    if types == {int}:
+        try:
+            ints = np.array(keys, dtype="<i8")
+        except OverflowError:
+            pass
+        else:
+            data = np.zeros((n, KEY_BYTES), dtype=np.uint8)
+            data[:, :8] = ints.view(np.uint8).reshape(n, 8)
+            return [(KIND_INT, None, data, np.full(n, 8, dtype=np.int64))]
+    found: dict[int, tuple[list[int], list[bytes]]] = {}
+    for i, key in enumerate(keys):
+        if isinstance(key, bytes):
+            kind, data_ = KIND_BYTES, key
+        elif _I64_MIN <= key <= _I64_MAX:
+            kind, data_ = KIND_INT, int(key).to_bytes(8, "little", signed=True)
+        else:
+            kind, data_ = KIND_BIGINT, b"%d" % key
+        where, parts = found.setdefault(kind, ([], []))
+        where.append(i)
+        parts.append(data_)
+    out: list[Group] = []
+    for kind, (where, parts) in found.items():
+        lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+        out.append((kind, np.array(where, dtype=np.intp), _padded(parts, lengths), lengths))
+    return out
+
+
+def key_rows(keys: Sequence[bytes | int], hasher: Hasher = hash_words, types: set[type] | None = None) -> U64:
+    """Each key's entry as it would be stored, with slot and length 0: ``(n, 8)`` uint64."""
+    n = len(keys)
+    rows = np.zeros((n, 8), dtype=np.uint64)
+    if not n:
+        return rows
+    for kind, where, data, lengths in _groups(keys, types):
+        h = hasher(data, kind, lengths)
+        tag = h[0]
+        tag[tag < 2] += np.uint64(2)  # 0 and 1 mark empty entries and tombstones
+        part = rows if where is None else np.empty((len(data), 8), dtype=np.uint64)
+        part[:, 0] = tag
+        part[:, 1] = h[1]
+        part[:, 2] = np.minimum(lengths, 0xFFFFFFFF).astype(np.uint64) | np.uint64(kind << 56)
+        part[:, 3:7] = data[:, :KEY_BYTES].view("<u8")
+        part[:, 7] = 0
+        if where is not None:
+            rows[where] = part
+    return rows
+
+
+class IndexMirror:
+    """The shared table: created by the owner (``create``, the writer) or mapped by an attached process
+    (``attach``, a reader). A reader writes only the referenced bytes."""
+
+    def __init__(self, fd: int, slots: int, *, owner: bool, hasher: Hasher = hash_words) -> None:
+        self.fd = fd
+        self.slots = slots
+        self.capacity = capacity_for(slots)
+        self.size = mirror_size(slots)
+        self._hasher = hasher
+        self._owner = owner
+        self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._header: U64 = np.frombuffer(self._map, dtype=np.uint64, count=8)
+        self._table: U64 = np.frombuffer(self._map, dtype=np.uint64, count=self.capacity * 8, offset=HEADER).reshape(
+            self.capacity, 8
+        )
+        self._refs: npt.NDArray[np.uint8] = np.frombuffer(
+            self._map, dtype=np.uint8, count=slots, offset=HEADER + self.capacity * ENTRY
+        )
+        self._flags = memoryview(self._map)[HEADER + self.capacity * ENTRY : HEADER + self.capacity * ENTRY + slots]
+        self._mask = np.uint64(self.capacity - 1)
+
+    @classmethod
+    def create(cls, slots: int, *, hasher: Hasher = hash_words) -> IndexMirror:
+        """A new, empty mirror for a tier of ``slots`` slots (the owner; blocking: a memfd and a mapping).
+
+        :raises ValueError: ``slots`` is not a positive int.
+        """
+        if type(slots) is not int or slots < 1:
+            raise ValueError(f"slots must be a positive int, got {slots!r}")
+        fd = os.memfd_create("aiokvtier-pool-index", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, mirror_size(slots))
+            mirror = cls(fd, slots, owner=True, hasher=hasher)
+        except BaseException:
+            os.close(fd)
+            raise
+        h = mirror._header
+        h[MAGIC_AT], h[CAPACITY], h[SLOTS] = MAGIC, mirror.capacity, slots
+        return mirror
+
+    @classmethod
+    def attach(cls, fd: int, slots: int, *, hasher: Hasher = hash_words) -> IndexMirror:
+        """Map the owner's mirror (takes ``fd``: closed here once mapped, or on failure).
+
+        :raises ValueError: the memfd is not a mirror of that many slots.
+        """
+        try:
+            if type(slots) is not int or slots < 1:
+                raise ValueError(f"the pool's index mirror has a bad slot count ({slots!r})")
+            if os.fstat(fd).st_size != mirror_size(slots):
+                raise ValueError("the pool's index mirror is not of the size its slots need")
+            mirror = cls(fd, slots, owner=False, hasher=hasher)
+        finally:
+            os.close(fd)
+        h = mirror._header
+        ok = int(h[MAGIC_AT]) == MAGIC and int(h[CAPACITY]) == mirror.capacity and int(h[SLOTS]) == slots
+        del h  # a view of the mapping: the unmap needs none left
+        if not ok:
+            mirror.close()
+            raise ValueError("the memory the pool sent is not its index mirror")
+        mirror.fd = -1
+        return mirror
+
+    def close(self) -> None:
+        """Unmap (and close the owner's memfd). Idempotent."""
+        if self._map.closed:
+            return
+        del self._header, self._table, self._refs
+        self._flags.release()
+        self._map.close()
+        if self._owner and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
+
+    @property
+    def live(self) -> int:
+        return int(self._header[LIVE])
+
+    # -- reading (any process) ----------------------------------------------------------------
+
+    def _probe(self, rows: U64, table: U64) -> tuple[npt.NDArray[np.intp], U64]:
+        """Each row's position in ``table`` (-1: absent) and its stored ``slot | length << 32``."""
+        n = rows.shape[0]
+        found = np.full(n, -1, dtype=np.intp)
+        stored = np.zeros(n, dtype=np.uint64)
+        pos = (rows[:, 0] & self._mask).astype(np.intp)
+        pending: npt.NDArray[np.intp] | None = None  # None: every row (the first round, no gather of rows)
+        mask = self.capacity - 1
+        for _ in range(self.capacity):  # a probe ends at an empty entry; the bound is for a torn copy
+            at = pos if pending is None else pos[pending]
+            want = rows if pending is None else rows[pending]
+            got = np.take(table, at, axis=0)
+            same = got[:, 0] == want[:, 0]
+            for column in range(1, 7):  # column by column: numpy is slow along a short last axis
+                same &= got[:, column] == want[:, column]
+            hit = np.flatnonzero(same) if pending is None else pending[same]
+            found[hit] = at[same]
+            stored[hit] = got[same, 7]
+            go_on = ~same
+            go_on &= got[:, 0] != EMPTY
+            pending = np.flatnonzero(go_on) if pending is None else pending[go_on]
+            if not pending.size:
+                break
+            pos[pending] = (pos[pending] + 1) & mask
+        return found, stored
+
+    def _read(self, rows: U64) -> tuple[npt.NDArray[np.intp], U64] | None:
+        """``_probe`` within the seqlock: a copy taken while no write happened, or None."""
+        header, table = self._header, self._table
+        for _ in range(RETRIES):
+            seq = int(header[SEQ])
+            if seq & 1:
+                continue
+            if int(header[STATE]) == CLOSED:
+                return None
+            found, stored = self._probe(rows, table)
+            if int(header[SEQ]) == seq:
+                return found, stored
+        return None
+
+    def lookup(self, keys: Sequence[bytes | int], types: set[type] | None = None) -> int | None:
+        """The stored prefix of ``keys`` (as ``BlockIndex.lookup``), its slots marked referenced; None when no
+        consistent read came within the retries, or the owner closed the pool: ask the owner."""
+        if not keys:
+            return 0
+        read = self._read(key_rows(keys, self._hasher, types))
+        if read is None:
+            return None
+        found, stored = read
+        missing = np.flatnonzero(found < 0)
+        hits = int(missing[0]) if missing.size else len(keys)
+        slots = stored[:hits] & _LO
+        self._refs[slots[slots < self.slots].astype(np.intp)] = 1
+        return hits
+
+    def blocks(self, keys: Sequence[bytes | int]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+        """Each key's slot and length as one consistent read saw them (-1 and 0 where absent), or None
+        (as ``lookup``); touches nothing."""
+        read = self._read(key_rows(keys, self._hasher))
+        if read is None:
+            return None
+        found, stored = read
+        slots = np.where(found >= 0, (stored & _LO).astype(np.int64), -1)
+        lengths = np.where(found >= 0, (stored >> np.uint64(32)).astype(np.int64), 0)
+        return slots, lengths
+
+    # -- writing (the owner only, on its loop) ------------------------------------------------
+
+    def _begin(self) -> None:
+        self._header[SEQ] += np.uint64(1)
+
+    def _end(self) -> None:
+        self._header[SEQ] += np.uint64(1)
+
+    def _place(self, rows: U64) -> None:
+        """Put rows (keys not in the table) into empty entries or tombstones, linear probing, in rounds."""
+        table, header = self._table, self._header
+        mask = self.capacity - 1
+        pos = (rows[:, 0] & self._mask).astype(np.intp)
+        pending = np.arange(rows.shape[0], dtype=np.intp)
+        fresh = 0
+        # It ends: an insert comes with at most ``slots`` live entries in all (each holds its own slot) and
+        # tombstones are dropped before used entries pass 3/4 of a table of 2 * slots or more.
+        for _ in range(self.capacity):
+            if not pending.size:
+                break
+            at = pos[pending]
+            tags = table[at, 0]
+            free = tags < 2
+            # One row per free entry this round; the rest probe on (the entry is taken by then).
+            _, first = np.unique(at[free], return_index=True)
+            winners = np.flatnonzero(free)[first]
+            table[at[winners]] = rows[pending[winners]]
+            fresh += int(np.count_nonzero(tags[winners] == EMPTY))
+            left = np.ones(pending.size, dtype=bool)
+            left[winners] = False
+            pending = pending[left]
+            pos[pending] = (pos[pending] + 1) & mask
+        if pending.size:
+            raise RuntimeError("the pool's index mirror has no room left (more live blocks than slots?)")
+        header[USED] += np.uint64(fresh)
+        header[LIVE] += np.uint64(rows.shape[0])
+
+    def _rebuild(self) -> None:
+        """Drop the tombstones: every live entry placed again into an empty table."""
+        table = self._table
+        live = table[table[:, 0] >= 2].copy()
+        table[:] = 0
+        self._header[USED] = 0
+        self._header[LIVE] = 0
+        self._place(live)
+
+    def insert(self, keys: Sequence[bytes | int], slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Committed blocks (keys not in the mirror); their slots start unreferenced."""
+        if not keys or self.closed:
+            return
+        rows = key_rows(keys, self._hasher)
+        slot_ids = np.asarray(slots, dtype=np.uint64)
+        rows[:, 7] = slot_ids | np.asarray(lengths, dtype=np.uint64) << np.uint64(32)
+        self._begin()
+        try:
+            if int(self._header[USED]) + len(keys) > self.capacity * 3 // 4:
+                self._rebuild()
+            self._place(rows)
+            self._refs[slot_ids.astype(np.intp)] = 0
+        finally:
+            self._end()
+
+    def remove(self, keys: Sequence[bytes | int]) -> None:
+        """Blocks evicted or discarded (keys not in the mirror are ignored)."""
+        if not keys or self.closed:
+            return
+        found, _ = self._probe(key_rows(keys, self._hasher), self._table)
+        found = found[found >= 0]
+        self._begin()
+        try:
+            self._table[found, 0] = TOMBSTONE
+            self._header[LIVE] -= np.uint64(found.size)
+        finally:
+            self._end()
+
+    def clear(self) -> None:
+        if self.closed:
+            return
+        self._begin()
+        try:
+            self._table[:] = 0
+            self._header[LIVE] = 0
+            self._header[USED] = 0
+        finally:
+            self._end()
+
+    def mark_closed(self) -> None:
+        """Readers stop answering from the mirror (the owner closes the pool)."""
+        if self.closed:
+            return
+        self._begin()
+        self._header[STATE] = CLOSED
+        self._end()
+
+    def referenced(self, slot: int) -> bool:
+        """Whether an attached process's lookup hit the block in ``slot`` since ``unreference``."""
+        return bool(self._flags[slot])
+
+    def unreference(self, slot: int) -> None:
+        self._flags[slot] = 0
