@@ -150,3 +150,86 @@ async def test_an_owner_with_the_register_backing_copies_its_own_slots_with_its_
         stats = tier.statistics()
         assert stats.registered_bytes == stats.resident_bytes
         tier.free_many(src + dst)
+
+
+# An attached process registered on device 0: reports its registered bytes at each step the owner asks
+# for, and after the regrow copies random bytes from the GPU into a slot past the old shrink.
+SHRINKING_CHILD = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    import numpy as np
+    from aiokvtier import AttachedPool, CopyEngine
+    import torch
+
+    SLOT = 65536
+
+    async def main():
+        pool = await AttachedPool.attach(sys.argv[1], device=0)
+        loop = asyncio.get_running_loop()
+        async with CopyEngine(0) as engine:
+            await pool.wait_resident()
+            print(json.dumps({"registered": pool.registered_bytes}), flush=True)
+            await loop.run_in_executor(None, sys.stdin.readline)  # the owner shrank the pool
+            while pool.registered_bytes > pool.quota:  # the pushed state reaches this process
+                await asyncio.sleep(0.01)
+            print(json.dumps({"registered": pool.registered_bytes}), flush=True)
+            await loop.run_in_executor(None, sys.stdin.readline)  # the owner grew it again
+            await pool.wait_resident()
+            slot = (await pool.allocate(1))[0]
+            while slot * SLOT < 64 << 20:  # one past the shrink: a unit handed back and made again
+                slot = (await pool.allocate(1))[0]
+            data = torch.randint(0, 256, (SLOT,), dtype=torch.uint8, device="cuda")
+            await engine.copy([(pool.address(slot), data.data_ptr(), SLOT)])
+            same = bytes(pool.view(slot)) == bytes(data.cpu().numpy())
+            print(json.dumps({"registered": pool.registered_bytes, "slot": int(slot), "same": same,
+                              "digest": bytes(data.cpu().numpy()[:16]).hex()}), flush=True)
+            await loop.run_in_executor(None, sys.stdin.readline)
+        await pool.aclose()
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_a_shrink_unregisters_the_handed_back_units_in_a_gpu_attached_process(sock: str) -> None:
+    """After a shrink and a regrow, the GPU and every CPU see the same new pages, never the old pinned ones."""
+    config = {"quota": "256MiB", "max_quota": "256MiB", "slot_size": SLOT, "commit_unit": "32MiB"}
+    async with Pool(config, sock) as pool:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            SHRINKING_CHILD,
+            sock,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=ENV,
+            cwd=ROOT,
+        )
+        assert child.stdout is not None and child.stdin is not None
+
+        async def report() -> dict[str, object]:
+            async with asyncio.timeout(150):
+                line = await child.stdout.readline()  # type: ignore[union-attr]
+            assert line, f"the attached process failed ({await child.wait()})"
+            result: dict[str, object] = json.loads(line)
+            return result
+
+        async def go_on() -> None:
+            child.stdin.write(b"go\n")  # type: ignore[union-attr]
+            await child.stdin.drain()  # type: ignore[union-attr]
+
+        assert (await report())["registered"] == 256 << 20
+        await pool.resize("64MiB")
+        await go_on()
+        assert (await report())["registered"] == 64 << 20  # the handed-back units, unregistered there
+        await pool.resize("256MiB")
+        await pool.tier.wait_resident()
+        await go_on()
+        last = await report()
+        assert last["registered"] == 256 << 20 and last["same"], last
+        base = pool.tier.statistics().base_address
+        seen = (np.ctypeslib.ctypes.c_uint8 * 16).from_address(base + int(last["slot"]) * SLOT)  # type: ignore[call-overload]
+        assert bytes(seen).hex() == last["digest"]  # what the GPU wrote is in the owner's memory too
+        await go_on()
+        async with asyncio.timeout(60):
+            assert await child.wait() == 0

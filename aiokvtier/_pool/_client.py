@@ -184,7 +184,9 @@ class AttachedPool(Owner):
             self._views = ViewLedger(self._slot_size)
             life.undo.callback(life.release_when_unviewed, self._views.defer_until_empty, self._unmap)
             if self._device is not None:
-                self._gpu = await life.run(Registrations, self._device, self._base, self._size, self._commit_unit)
+                self._gpu = await life.run(
+                    Registrations, self._device, self._base, self._size, self._slot_size, self._commit_unit
+                )
                 life.undo.callback(self._gpu.release)  # runs before the unmap (the undo stack is LIFO)
                 _regions.register(self)
                 life.undo.callback(_regions.unregister, self)
@@ -271,33 +273,48 @@ class AttachedPool(Owner):
         self._target = int(fields["target"])
         self._slots_total = int(fields["slots"])
         self._fill_error = fields.get("error")
+        gpu = self._gpu
+        if gpu is not None:
+            # A lower fill target is a shrink the owner has made: copies past it are refused from
+            # now on, and the units past it are unregistered before any later grow registers them.
+            lowered = self._target < gpu.bound
+            gpu.bound = self._target
+            if lowered and gpu.end > gpu.bound and not self._life.closed:
+                self._life.submit(gpu.shrink).add_done_callback(self._registered_to)
         self._on_resident(self._resident)
         self._wake_all()
 
     def _on_resident(self, end: int) -> None:
         """The watermark reached ``end``: a GPU-attached process registers the new units (on its worker)."""
-        if self._gpu is None or self._registering or self._gpu.end >= min(end, self._size) or self._life.closed:
+        gpu = self._gpu
+        if gpu is None or self._registering or gpu.end >= gpu.reachable(end) or self._life.closed:
             return
         self._registering = True
-        future = self._life.submit(self._gpu.extend, end)
-        future.add_done_callback(self._registered_to)
+        future = self._life.submit(gpu.extend, end)
+        future.add_done_callback(self._extended_to)
 
-    def _registered_to(self, future: asyncio.Future[int]) -> None:
+    def _extended_to(self, future: asyncio.Future[int]) -> None:
         self._registering = False
+        if self._registered_to(future):
+            self._on_resident(self._resident)  # the watermark moved on meanwhile
+
+    def _registered_to(self, future: asyncio.Future[int]) -> bool:
+        """A registration job ended (the worker runs them in turn): what is registered, or why not."""
         if future.cancelled():
-            return
+            return False
         error = future.exception()
+        assert self._gpu is not None
+        self._registered = self._gpu.end
         if error is not None:
             self._fill_error = f"registering the shared memory with device {self._device} failed: {error}"
             log.warning("aiokvtier: %s", self._fill_error)
-        else:
-            self._registered = future.result()
-            self._on_resident(self._resident)  # the watermark moved on meanwhile
         self._wake_all()
+        return error is None
 
     def _usable(self) -> int:
         """What this process may copy: resident, and registered here when attached to a device."""
-        return self._resident if self._gpu is None else min(self._resident, self._registered)
+        gpu = self._gpu
+        return self._resident if gpu is None else min(self._resident, self._registered, gpu.bound, gpu.ceiling)
 
     def _wake_all(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -394,6 +411,12 @@ class AttachedPool(Owner):
     def resident_bytes(self) -> int:
         """The shared watermark, as last pushed by the owner."""
         return self._resident
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes of the shared tier this process has registered with its GPU (0 without ``device=``):
+        the owner's units the watermark passed, less those a shrink handed back."""
+        return 0 if self._gpu is None else self._gpu.end
 
     @property
     def base_address(self) -> int:
