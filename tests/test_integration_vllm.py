@@ -10,9 +10,11 @@ host-to-host engine; CUDA tensors take the same path with a device engine.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -430,3 +432,150 @@ def test_pages_smaller_than_a_slot_round_trip() -> None:
             assert torch.equal(t[[0, 1, 2]], want)
     finally:
         worker.shutdown()
+
+
+TINY_MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float16",
+}
+
+
+def test_vllms_scheduler_and_connector_move_a_prefix_through_the_spec(tmp_path: Path) -> None:
+    """vLLM's Scheduler and OffloadingConnector (both roles) with the spec, one engine step at a time.
+
+    The config comes from vLLM's own ``build_offloading_config`` (a model config
+    read from a local ``config.json``, no weights), the worker's KV caches from
+    the connector's ``register_kv_caches`` over per-layer CPU tensors. Request A
+    fills four blocks; once its stores are reported, the GPU prefix cache is
+    reset and the KV tensors zeroed; request B with the same prompt must get
+    A's blocks back from the tier, bit for bit, into other GPU blocks.
+    """
+    from vllm import SamplingParams
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+    from vllm.forward_context import ForwardContext
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_MODEL))
+    model = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="float16", max_model_len=2048)
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "spec_name": "AiokvtierOffloadingSpec",
+            "spec_module_path": "aiokvtier.integrations.vllm",
+            "cpu_bytes_to_use": 1 << 24,
+        },
+    )
+    config = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        model_config=model,
+        cache_config=CacheConfig(block_size=16),
+        kv_transfer_config=transfer,
+    )
+    blocks = 32
+    config.cache_config.num_gpu_blocks = blocks
+    config.scheduler_config.async_scheduling = False
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    attention = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    kv_config = KVCacheConfig(
+        num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, attention)]
+    )
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=16,
+    )
+    worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_config)
+    caches = {
+        name: torch.randint(-1000, 1000, (blocks, 2, 16, 2, 64), dtype=torch.int16).view(torch.float16)
+        for name in layers
+    }
+    worker.register_kv_caches(caches)
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+
+    def step() -> None:
+        scheduled = scheduler.schedule()
+        metadata = scheduled.kv_connector_metadata
+        worker.handle_preemptions(metadata)
+        worker.bind_connector_metadata(metadata)
+        worker.start_load_kv(context)
+        worker.wait_for_save()
+        sending, receiving = worker.get_finished(scheduled.finished_req_ids)
+        worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        ids = list(scheduled.num_scheduled_tokens)
+        output = KVConnectorOutput(
+            finished_sending=sending, finished_recving=receiving, kv_connector_worker_meta=worker_meta
+        )
+        scheduler.update_from_output(
+            scheduled,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[0] for _ in ids],
+                kv_connector_output=output,
+            ),
+        )
+
+    def run(request_id: str, prompt: list[int]) -> list[int]:
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        scheduler.add_request(
+            Request(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling_params=params,
+                pooling_params=None,
+                block_hasher=hasher,
+            )
+        )
+        held: list[int] = []
+        for _ in range(500):
+            step()
+            if not held and request_id in scheduler.requests:
+                held = list(scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+            if not scheduler.requests:
+                return held
+            time.sleep(0.002)
+        raise AssertionError(f"request {request_id} did not finish")
+
+    try:
+        prompt = list(range(1, 65))  # four blocks of 16 tokens
+        first = run("A", prompt)
+        assert len(first) == 4
+        written = {name: caches[name][first].clone() for name in layers}
+        for _ in range(50):  # the stores land and are reported in later steps
+            step()
+            time.sleep(0.002)
+        spec_worker = worker.connector_worker.worker
+        assert isinstance(spec_worker, AiokvtierOffloadingWorker)
+        assert spec_worker.tier.statistics().slots_allocated == 4 * spec_worker.slots_per_chunk
+        assert scheduler.reset_prefix_cache()
+        for tensor in caches.values():
+            tensor.zero_()
+        second = run("B", prompt)
+        assert len(second) == 4 and not set(second) & set(first)
+        for name in layers:
+            assert torch.equal(caches[name][second].view(torch.int16), written[name].view(torch.int16))
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
