@@ -47,6 +47,7 @@ import numpy as np
 import numpy.typing as npt
 import pydantic
 import torch
+import vllm
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -81,6 +82,14 @@ _DERIVED = ("quota", "slot_size", "device", "kind")
 
 _T = TypeVar("_T")
 _logger = logging.getLogger(__name__)
+
+if not str(getattr(vllm, "__version__", "")).startswith(SUPPORTED_VLLM + "."):
+    # Loading goes on: the interfaces may still match, and vLLM's own checks fail loudly where they do not.
+    _logger.warning(
+        "aiokvtier.integrations.vllm implements vLLM %s's offloading interfaces; this is vLLM %s",
+        SUPPORTED_VLLM,
+        getattr(vllm, "__version__", "unknown"),
+    )
 I64 = npt.NDArray[np.int64]
 
 
