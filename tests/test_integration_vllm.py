@@ -579,3 +579,22 @@ def test_vllms_scheduler_and_connector_move_a_prefix_through_the_spec(tmp_path: 
     finally:
         worker.shutdown()
         scheduler.shutdown()
+
+
+def test_chunk_ids_far_from_the_first_are_stored_and_loaded() -> None:
+    """The worker's chunk map grows with the chunk ids it meets (the manager hands them out lowest first)."""
+    config = offloading_config(cpu_bytes=4096 * LAYERS * PAGE)
+    caches = kv_caches(seed=5)
+    worker = OffloadingSpecFactory.create_spec(config).get_worker(caches)
+    try:
+        expected = rows(caches, [10, 11])
+        assert worker.submit_store(1, gpu_spec([10, 11]), CPULoadStoreSpec([3000, 4095]))
+        assert finish(worker, {1})[0].success
+        assert worker.submit_load(2, CPULoadStoreSpec([4095, 3000]), gpu_spec([21, 20]))
+        assert finish(worker, {2})[0].success
+        for got, want in zip(rows(caches, [20, 21]), expected, strict=True):
+            assert torch.equal(got, want)
+        assert worker.submit_load(3, CPULoadStoreSpec([2000]), gpu_spec([0]))  # never stored
+        assert not finish(worker, {3})[0].success
+    finally:
+        worker.shutdown()

@@ -342,7 +342,9 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             settings, quota=num_chunks * self.slots_per_chunk * slot_size, slot_size=slot_size, device=device
         )
         self._buffers = [self._buffer(t, page) for t, page in zip(tensors, self._page, strict=True)]
-        self._slot_of: I64 = np.full(num_chunks * self.slots_per_chunk, -1, dtype=np.int64)
+        # Each chunk's slots (-1: never stored), grown as the manager hands out chunk ids (lowest first), so a
+        # 256 GiB tier does not write a map of millions of entries before its first store.
+        self._slot_of: I64 = np.full(min(num_chunks, 1024) * self.slots_per_chunk, -1, dtype=np.int64)
         self._finished: collections.deque[TransferResult] = collections.deque()
         self._pending: dict[int, concurrent.futures.Future[None]] = {}
         self._pending_lock = threading.Lock()
@@ -516,12 +518,29 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             with self._pending_lock:
                 self._pending.pop(job.job_id, None)
 
+    def _slots(self, positions: I64) -> I64:
+        """The slots at ``positions`` of the chunk map, -1 where no slot was claimed."""
+        inside = positions < len(self._slot_of)
+        if inside.all():
+            return self._slot_of[positions]
+        return np.where(inside, self._slot_of[np.where(inside, positions, 0)], -1)
+
+    def _grow(self, chunks: int) -> None:
+        width = self.slots_per_chunk
+        if chunks * width <= len(self._slot_of):
+            return
+        size = min(max(chunks, 2 * len(self._slot_of) // width), self._num_chunks) * width
+        grown = np.full(size, -1, dtype=np.int64)
+        grown[: len(self._slot_of)] = self._slot_of
+        self._slot_of = grown
+
     async def _claim(self, chunks: I64) -> None:
         """Gives each chunk not stored before its slots (waiting for the fill where they are not resident)."""
         width = self.slots_per_chunk
-        if not (self._slot_of[chunks * width] < 0).any():
+        if chunks.size == 0 or not (self._slots(chunks * width) < 0).any():
             return
         async with self._claiming:
+            self._grow(int(chunks.max()) + 1)
             fresh = np.unique(chunks[self._slot_of[chunks * width] < 0])
             if fresh.size == 0:
                 return
@@ -536,7 +555,7 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
         error: BaseException | None = None
         try:
             for part in job.parts:
-                slots = self._slot_of[part.positions]
+                slots = self._slots(part.positions)
                 if (slots < 0).any():
                     raise LookupError(f"job {job.job_id} loads a chunk that was never stored")
                 started.append(
