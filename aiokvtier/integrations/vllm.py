@@ -356,8 +356,10 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             self.tier, self.engine, self._claiming = self._runner.call(self._open(config, device))
             self._source_pages, self._dest_pages = self._runner.call(self._pages())
         except BaseException:
-            self._runner.call(self._close_opened())
-            self._runner.stop()
+            try:
+                self._runner.call(self._close_opened())
+            finally:
+                self._runner.stop()
             raise
 
     # -- opening and closing ------------------------------------------------------
