@@ -1,0 +1,14 @@
+"""Adapters that let serving engines load aiokvtier by configuration.
+
+Each adapter is a submodule that imports its engine (and torch) when it is
+imported, and only then: ``import aiokvtier.integrations`` imports nothing
+heavy, and the base install pulls in no engine.
+
+- ``aiokvtier.integrations.vllm``: an ``OffloadingSpec`` for vLLM's
+  ``OffloadingConnector`` (``pip install 'aiokvtier[vllm]'``; see
+  docs/integrations/vllm.md).
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
