@@ -315,7 +315,7 @@ async def test_a_journal_that_cannot_be_written_skips_the_writes(
     src = Pages(4)
     src.fill(10)
 
-    def refuse(journal: Journal, record: bytes) -> None:
+    def refuse(journal: Journal, records: bytes, count: int = 1) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     async with await open_disk(tmp_path, blocks=4) as disk:
