@@ -469,7 +469,7 @@ class DiskTier(Owner):
         for key, address, length, slot in jobs:
             try:
                 data.write(slot, address, length)  # first: memory the kernel cannot read is EFAULT, not a crash
-                checksum = xxhash.xxh3_64_intdigest(memory_at(address, length))
+                checksum = _checksum(address, length)
             except Exception as exc:  # this block is skipped; the rest of the share goes on
                 log.warning("aiokvtier: disk tier %s skipped a block: %s", self.directory, _why(exc))
                 out.append(exc)
@@ -568,7 +568,7 @@ class DiskTier(Owner):
                 file_error = isinstance(exc, OSError) and exc.errno != errno.EFAULT
                 out.append("error" if file_error else "failed")
                 continue
-            good = xxhash.xxh3_64_intdigest(memory_at(address, length)) == checksum
+            good = _checksum(address, length) == checksum
             out.append("ok" if good else "checksum")
         return out
 
@@ -699,6 +699,15 @@ def _address(value: object) -> int:
     if address <= 0:
         raise ValueError(f"an address must be above 0, got {address}")
     return address
+
+
+def _checksum(address: int, length: int) -> int:
+    """The xxh3-64 of ``length`` bytes at ``address``, computed without the GIL: a hasher's
+    ``update()`` lets go of it (``xxh3_64_intdigest()`` holds it, and the other I/O threads waited
+    behind each block's hash to issue their next read or write)."""
+    hasher = xxhash.xxh3_64()
+    hasher.update(memory_at(address, length))
+    return hasher.intdigest()
 
 
 def _span(address: int, length: int) -> int:
