@@ -309,6 +309,34 @@ async def test_efbig_mid_batch_then_the_disk_has_room_again(tmp_path: Path) -> N
     assert await reopened(tmp_path, keys, blocks=8) == set(keys)
 
 
+async def test_room_reserved_past_the_journal_end_is_allocated_and_never_replayed(tmp_path: Path) -> None:
+    """The records' room is taken before the data that may fill the disk; the records still land at the
+    journal's end (room that grew the file would put them after zeros, where the replay stops)."""
+    path = str(tmp_path / "journal")
+
+    def run() -> tuple[os.stat_result, dict[Key, Any], os.stat_result]:
+        journal = Journal(path)
+        try:
+            journal.replay()
+            journal.reserve([b"a", 1])
+            reserved = os.stat(path)
+            journal.put([(b"a", 0, BLOCK, 7), (1, 1, BLOCK, 8)])
+        finally:
+            journal.close()
+        again = Journal(path)
+        try:
+            return reserved, again.replay(), os.stat(path)
+        finally:
+            again.close()
+
+    reserved, blocks, written = await asyncio.to_thread(run)
+    assert reserved.st_size == 0 and reserved.st_blocks > 0
+    assert blocks == {b"a": (0, BLOCK, 7), 1: (1, BLOCK, 8)}
+    assert written.st_size == len(_journal._record(_journal._PUT, 0, BLOCK, 7, encode_key(b"a"))) + len(
+        _journal._record(_journal._PUT, 1, BLOCK, 8, encode_key(1))
+    )
+
+
 async def test_a_journal_that_cannot_be_written_skips_the_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
