@@ -247,20 +247,20 @@ async def test_an_error_that_is_no_oserror_mid_batch_skips_only_its_block(
     unwritten, their slots given back, and a reopen found blocks whose write had not returned them."""
     src = Pages(6)
     src.fill(7)
-    real = xxhash.xxh3_64_intdigest
+    real = xxhash.xxh3_64
     calls = 0
 
-    def digest(data: Any) -> int:
+    def hasher(*args: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 3:
             raise MemoryError
-        return real(data)
+        return real(*args)
 
     keys: list[Key] = list(range(6))
     disk = DiskTier(await config(tmp_path), block_size=BLOCK, fingerprint="model-a", io_threads=1)
     async with disk:
-        monkeypatch.setattr(_tier.xxhash, "xxh3_64_intdigest", digest)
+        monkeypatch.setattr(_tier.xxhash, "xxh3_64", hasher)
         written = await disk.write(keys, src.addresses(range(6)), [BLOCK] * 6)
         monkeypatch.undo()
         assert len(written) == 5 and disk.statistics().write_errors == 1
@@ -309,13 +309,41 @@ async def test_efbig_mid_batch_then_the_disk_has_room_again(tmp_path: Path) -> N
     assert await reopened(tmp_path, keys, blocks=8) == set(keys)
 
 
+async def test_room_reserved_past_the_journal_end_is_allocated_and_never_replayed(tmp_path: Path) -> None:
+    """The records' room is taken before the data that may fill the disk; the records still land at the
+    journal's end (room that grew the file would put them after zeros, where the replay stops)."""
+    path = str(tmp_path / "journal")
+
+    def run() -> tuple[os.stat_result, dict[Key, Any], os.stat_result]:
+        journal = Journal(path)
+        try:
+            journal.replay()
+            journal.reserve([b"a", 1])
+            reserved = os.stat(path)
+            journal.put([(b"a", 0, BLOCK, 7), (1, 1, BLOCK, 8)])
+        finally:
+            journal.close()
+        again = Journal(path)
+        try:
+            return reserved, again.replay(), os.stat(path)
+        finally:
+            again.close()
+
+    reserved, blocks, written = await asyncio.to_thread(run)
+    assert reserved.st_size == 0 and reserved.st_blocks > 0
+    assert blocks == {b"a": (0, BLOCK, 7), 1: (1, BLOCK, 8)}
+    assert written.st_size == len(_journal._record(_journal._PUT, 0, BLOCK, 7, encode_key(b"a"))) + len(
+        _journal._record(_journal._PUT, 1, BLOCK, 8, encode_key(1))
+    )
+
+
 async def test_a_journal_that_cannot_be_written_skips_the_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src = Pages(4)
     src.fill(10)
 
-    def refuse(journal: Journal, record: bytes) -> None:
+    def refuse(journal: Journal, records: bytes, count: int = 1) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     async with await open_disk(tmp_path, blocks=4) as disk:

@@ -16,12 +16,13 @@ its own late drop record.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import struct
 import threading
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 __all__ = ["Entry", "Journal", "decode_key", "encode_key"]
 
@@ -30,6 +31,12 @@ _HEAD = struct.Struct("<4sBQIQH")
 _CRC = struct.Struct("<I")
 _MAGIC = b"AKVJ"
 _PUT, _DROP = 1, 2
+_RESERVE = 1 << 20
+"""Bytes of file space kept allocated past the journal's end, taken a chunk at a time."""
+_KEEP_SIZE = 0x01  # FALLOC_FL_KEEP_SIZE: the space is allocated, the file's size (what replay reads) stays
+
+_fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 Key = bytes | int
 Entry = tuple[int, int, int]
@@ -63,6 +70,9 @@ class Journal:
         self._lock = threading.Lock()
         self._drops: deque[Key] = deque()
         """Keys dropped on the loop whose records are not written yet."""
+        self._end = os.fstat(self._fd).st_size
+        self._reserved = 0
+        """The file's space is allocated up to here (``reserve()``)."""
 
     def replay(self) -> dict[Key, Entry]:
         """The blocks the journal vouches for; a torn or foreign tail is cut off."""
@@ -80,14 +90,36 @@ class Journal:
                 blocks[name] = (slot, length, checksum)
         if end < len(data):
             os.ftruncate(self._fd, end)  # a crash mid-append: the next record starts clean
+        self._end = end
         return blocks
 
-    def put(self, key: Key, slot: int, length: int, checksum: int) -> None:
-        """On an I/O thread: the drops queued before, then ``key``'s record."""
-        record = _record(_PUT, slot, length, checksum, encode_key(key))
+    def reserve(self, keys: Iterable[Key]) -> None:
+        """On an I/O thread, before writing the data these keys' records will name: have the file
+        system allocate the records' room past the journal's end (with some to spare), so that data
+        which fills the disk still leaves room to record what it wrote. Best effort: where the room
+        cannot be had, the records take their chances when they are written."""
+        need = sum(_HEAD.size + len(encode_key(key)) + _CRC.size for key in keys)
+        with self._lock:
+            if self._end + need <= self._reserved:
+                return
+            for length in (max(need, _RESERVE), need):
+                if _fallocate(self._fd, _KEEP_SIZE, self._end, length) == 0:
+                    self._reserved = self._end + length
+                    return
+
+    def put(self, blocks: list[tuple[Key, int, int, int]]) -> None:
+        """On an I/O thread: the drops queued before, then one record per ``(key, slot, length, checksum)``,
+        all in one write (a record per block cost a syscall each, and the threads queued on the file).
+
+        :raises OSError: the records could not be written (any that were name bytes already on disk;
+            once their slot is reused, its new bytes fail their checksum).
+        """
+        records = b"".join(
+            _record(_PUT, slot, length, checksum, encode_key(key)) for key, slot, length, checksum in blocks
+        )
         with self._lock:
             self._flush()
-            self._append(record)
+            self._append(records, len(blocks))
 
     def drop_soon(self, key: Key) -> None:
         """On the loop, never blocking: ``key``'s drop is written before the next record (or ``flush()``)."""
@@ -99,9 +131,10 @@ class Journal:
         :raises OSError: a record could not be written (it stays queued: a
             slot is never rewritten while its old record is unwritten).
         """
-        if self._drops:
-            with self._lock:
-                self._flush()
+        # Under the lock even when none are queued: another thread may be writing the last ones, and a
+        # slot they name must not be rewritten before they are on file.
+        with self._lock:
+            self._flush()
 
     def _flush(self) -> None:
         # The queued drops in one write (a discard of many keys is one call, not one per key); a crash
@@ -121,6 +154,7 @@ class Journal:
         if written != len(records):
             raise OSError(f"short journal write ({written} of {len(records)} bytes)")
         self.records += count
+        self._end += written
 
     def rewrite(self, blocks: dict[Key, Entry]) -> None:
         """Replace the journal by one record per live block (atomic: a new file renamed over it).
@@ -142,6 +176,7 @@ class Journal:
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
         self.records = len(blocks)
+        self._end, self._reserved = os.fstat(self._fd).st_size, 0
 
     def sync(self) -> None:
         os.fsync(self._fd)

@@ -452,25 +452,36 @@ class DiskTier(Owner):
         return None
 
     def _write_all(self, jobs: list[tuple[Key, int, int, int]]) -> list[int | Exception]:
-        """On an I/O thread: the drops queued before (an evicted block's among them), each block's data,
-        its checksum, then its record."""
+        """On an I/O thread: the drops queued before (an evicted block's among them), each block's data
+        and checksum, then one journal write with every written block's record (none is visible, nor
+        reported written, before the whole share settles: a record per block bought nothing but a
+        syscall each, with the threads queued on the journal)."""
         data, journal = self._data, self._journal
         assert data is not None and journal is not None
         out: list[int | Exception] = []
+        try:
+            journal.flush()  # a slot's old record goes before its bytes change
+            journal.reserve(key for key, _, _, _ in jobs)  # room for the records, taken before the data's
+        except Exception as exc:
+            log.warning("aiokvtier: disk tier %s skipped %d blocks: %s", self.directory, len(jobs), _why(exc))
+            return [exc] * len(jobs)
+        written: list[tuple[Key, int, int, int]] = []
         for key, address, length, slot in jobs:
             try:
-                journal.flush()  # a slot's old record goes before its bytes change
                 data.write(slot, address, length)  # first: memory the kernel cannot read is EFAULT, not a crash
-                checksum = xxhash.xxh3_64_intdigest(memory_at(address, length))
-                journal.put(key, slot, length, checksum)
-                out.append(checksum)
-            except Exception as exc:  # this block is skipped; the rest of the batch goes on
-                log.warning(
-                    "aiokvtier: disk tier %s skipped a block: %s",
-                    self.directory,
-                    _why(exc),
-                )
+                checksum = _checksum(address, length)
+            except Exception as exc:  # this block is skipped; the rest of the share goes on
+                log.warning("aiokvtier: disk tier %s skipped a block: %s", self.directory, _why(exc))
                 out.append(exc)
+                continue
+            written.append((key, slot, length, checksum))
+            out.append(checksum)
+        if written:
+            try:
+                journal.put(written)
+            except Exception as exc:  # unrecorded blocks are not stored
+                log.warning("aiokvtier: disk tier %s skipped %d blocks: %s", self.directory, len(written), _why(exc))
+                out = [exc if isinstance(outcome, int) else outcome for outcome in out]
         self._sample_free()
         return out
 
@@ -557,7 +568,7 @@ class DiskTier(Owner):
                 file_error = isinstance(exc, OSError) and exc.errno != errno.EFAULT
                 out.append("error" if file_error else "failed")
                 continue
-            good = xxhash.xxh3_64_intdigest(memory_at(address, length)) == checksum
+            good = _checksum(address, length) == checksum
             out.append("ok" if good else "checksum")
         return out
 
@@ -688,6 +699,15 @@ def _address(value: object) -> int:
     if address <= 0:
         raise ValueError(f"an address must be above 0, got {address}")
     return address
+
+
+def _checksum(address: int, length: int) -> int:
+    """The xxh3-64 of ``length`` bytes at ``address``, computed without the GIL: a hasher's
+    ``update()`` lets go of it (``xxh3_64_intdigest()`` holds it, and the other I/O threads waited
+    behind each block's hash to issue their next read or write)."""
+    hasher = xxhash.xxh3_64()
+    hasher.update(memory_at(address, length))
+    return hasher.intdigest()
 
 
 def _span(address: int, length: int) -> int:

@@ -5,8 +5,13 @@ Both arms move the same blocks between the same page-aligned memory (a host
 tier's slots) and files in the same directory, on the same number of
 threads: the baseline is ``pwritev``/``preadv`` of each block at its offset
 and nothing else, the limit of that disk for this access pattern; the tier
-adds its checksums, its journal and its index. Rounds alternate between the
-arms; medians are reported.
+adds its checksums, its journal and its index. Each timed arm starts with
+the disk settled (``os.sync`` and a pause), and which arm goes first
+alternates by round; medians are reported.
+
+The prefix load goes to host memory and, where a CUDA device can be used,
+to GPU memory through a CopyEngine (``prefix_load_gpu``; otherwise it says
+why it was skipped).
 """
 
 from __future__ import annotations
@@ -79,24 +84,42 @@ async def _one_size(directory: str, block: int, total: int, rounds: int) -> dict
                 async with DiskTier(disk_config, block_size=block, fingerprint="bench", io_threads=THREADS) as disk:
                     direct = disk.statistics().direct_io
                     loop = asyncio.get_running_loop()
+
+                    async def raw(addresses: list[int], write: bool) -> float:
+                        await _settle()
+                        return await loop.run_in_executor(None, _raw_round, pool, fd, addresses, block, write)
+
+                    async def tier_write(keys: list[bytes]) -> float:
+                        await _settle()
+                        started = time.perf_counter()
+                        written = await disk.write(keys, src_addresses, [block] * n)
+                        elapsed = time.perf_counter() - started
+                        assert len(written) == n, "the disk tier skipped blocks: is the disk full?"
+                        return elapsed
+
+                    async def tier_read(keys: list[bytes]) -> float:
+                        await _settle()
+                        started = time.perf_counter()
+                        ok = await disk.read(keys, dst_addresses)
+                        elapsed = time.perf_counter() - started
+                        assert all(ok)
+                        return elapsed
+
                     for r in range(rounds + 1):
                         keys_b = [f"{r}:{i}".encode() for i in range(n)]
-                        t = await loop.run_in_executor(None, _raw_round, pool, fd, src_addresses, block, True)
-                        started = time.perf_counter()
-                        written = await disk.write(keys_b, src_addresses, [block] * n)
-                        tier_write = time.perf_counter() - started
-                        assert len(written) == n, "the disk tier skipped blocks: is the disk full?"
-                        t_read = await loop.run_in_executor(None, _raw_round, pool, fd, dst_addresses, block, False)
-                        started = time.perf_counter()
-                        ok = await disk.read(keys_b, dst_addresses)
-                        tier_read = time.perf_counter() - started
-                        assert all(ok)
+                        # Which arm goes first alternates: the second of two back-to-back writes runs while
+                        # the disk still drains the first (it measured 5-10% slower on the VM either way).
+                        times: dict[str, float] = {}
+                        for name in ("raw_write", "tier_write")[:: 1 if r % 2 else -1]:
+                            write_arm = raw(src_addresses, True) if name == "raw_write" else tier_write(keys_b)
+                            times[name] = await write_arm
+                        for name in ("raw_read", "tier_read")[:: 1 if r % 2 else -1]:
+                            read_arm = raw(dst_addresses, False) if name == "raw_read" else tier_read(keys_b)
+                            times[name] = await read_arm
                         disk.discard(keys_b)
                         if r:  # the first round warms the files and the threads
-                            samples["raw_write"].append(t)
-                            samples["tier_write"].append(tier_write)
-                            samples["raw_read"].append(t_read)
-                            samples["tier_read"].append(tier_read)
+                            for name, elapsed in times.items():
+                                samples[name].append(elapsed)
                     for slot_a, slot_b in zip(src[:4], dst[:4], strict=True):
                         assert bytes(tier.view(slot_a)) == bytes(tier.view(slot_b)), "a block came back wrong"
         finally:
@@ -111,6 +134,16 @@ async def _one_size(directory: str, block: int, total: int, rounds: int) -> dict
         "write_ratio": round(gbps["tier_write"] / gbps["raw_write"], 3),
         "read_ratio": round(gbps["tier_read"] / gbps["raw_read"], 3),
     }
+
+
+SETTLE_S = 0.2
+
+
+async def _settle() -> None:
+    """Before each timed arm: what the last one left dirty written out (the tier's journal, a drop
+    flush), and a pause for the disk to drain what it acknowledged but still holds."""
+    await asyncio.to_thread(os.sync)
+    await asyncio.sleep(SETTLE_S)
 
 
 def direct_ok(directory: str) -> bool:
@@ -149,52 +182,176 @@ async def _reopen(directory: str, blocks: int, rounds: int) -> dict[str, Any]:
     return {"blocks": blocks, "block_bytes": block, "reopen_s": round(median(times), 4)}
 
 
-async def _prefix_load(directory: str, blocks: int, rounds: int) -> dict[str, Any]:
+PREFIX_BLOCK = 64 * KiB
+
+
+async def _prefix_load(directory: str, blocks: int, rounds: int, destination: str = "host") -> dict[str, Any]:
     """A prefix whose second half is only on disk, loaded in one call, beside its parts measured alone:
-    reading that half from disk, and loading the whole prefix from the host tier."""
-    block = 64 * KiB
+    reading that half from disk, and loading the whole prefix from the host tier.
+
+    ``destination``: ``"host"`` (numpy memory, copied by the store's memmove) or ``"gpu"`` (device 0's
+    memory, copied by a CopyEngine: the host tier's half goes to the GPU while the other half is read
+    back from disk into host slots, then copied after it).
+    """
+    if destination not in ("host", "gpu"):
+        raise ValueError(f"destination is 'host' or 'gpu', got {destination!r}")
+    gpu = destination == "gpu"
+    block = PREFIX_BLOCK
     config = await asyncio.to_thread(DiskTierConfig.model_validate, {"quota": blocks * block, "path": directory})
     size = 4 * blocks * block
-    memory = HostTierConfig.model_validate({"quota": size, "max_quota": size, "slot_size": block})
+    memory = HostTierConfig.model_validate(
+        {"quota": size, "max_quota": size, "slot_size": block, "device": 0 if gpu else None}
+    )
     keys = [b"p%d" % i for i in range(blocks)]
     half = blocks // 2
     rng = np.random.default_rng(0)
     data = rng.integers(0, 256, (blocks, block), dtype=np.uint8)
-    out = np.zeros_like(data)
-    samples: dict[str, list[float]] = {"combined": [], "disk_read_alone": [], "host_load_alone": []}
-    async with HostTier(memory) as tier, DiskTier(config, block_size=block, fingerprint="prefix") as disk:
-        await tier.wait_resident()
-        async with BlockStore(tier, disk=disk, admit_after=1) as store:
-            await store.store(keys, data)
-            await store.load(keys, out)
-        assert store.statistics().written_back == blocks  # the close waited for the write-back
-        scratch = await tier.allocate(half)
-        scratch_addresses = tier.slot_addresses(scratch).tolist()
-        for r in range(rounds + 1):
-            async with BlockStore(tier, disk=disk) as store:
-                await store.store(keys[:half], data[:half])
-                started = time.perf_counter()
-                await store.load(keys, out)
-                combined = time.perf_counter() - started
-                assert np.array_equal(out, data), "a block came back wrong"
-                started = time.perf_counter()
-                await store.load(keys, out)
-                host_alone = time.perf_counter() - started
-            started = time.perf_counter()
-            assert all(await disk.read(keys[half:], scratch_addresses))
-            disk_alone = time.perf_counter() - started
-            if r:
-                samples["combined"].append(combined)
-                samples["disk_read_alone"].append(disk_alone)
-                samples["host_load_alone"].append(host_alone)
+    async with contextlib.AsyncExitStack() as stack:
+        engine = None
+        if gpu:
+            from .._copy._engine import CopyEngine
+
+            device = _DevicePages(data)
+            stack.callback(device.close)
+            pages: _Pages = device
+            engine = await stack.enter_async_context(CopyEngine(0))
+        else:
+            pages = _HostPages(data)
+        tier = await stack.enter_async_context(HostTier(memory))
+        disk = await stack.enter_async_context(DiskTier(config, block_size=block, fingerprint=f"prefix-{destination}"))
+        samples = await _prefix_rounds(tier, engine, disk, keys, pages, rounds)
     ms = {k: round(median(v) * 1e3, 3) for k, v in samples.items()}
-    return {
+    out: dict[str, Any] = {
         "prefix_bytes": blocks * block,
         "on_disk_bytes": (blocks - half) * block,
-        "destination": "host memory (memmove)",
+        "destination": "GPU memory (device 0, CopyEngine)" if gpu else "host memory (memmove)",
         "ms": ms,
         "ratio_vs_sum_of_parts": round(ms["combined"] / (ms["disk_read_alone"] + ms["host_load_alone"]), 3),
     }
+    if engine is not None:
+        out["engine_method"] = engine.method
+        out["bytes_by_method"] = engine.statistics().bytes_by_method
+    return out
+
+
+async def _prefix_rounds(
+    tier: HostTier, engine: Any, disk: DiskTier, keys: list[bytes], pages: _Pages, rounds: int
+) -> dict[str, list[float]]:
+    """The arms, one after another in each round (the first round warms up): the load with half
+    the prefix on disk, the same load with all of it in the host tier, and the disk half read alone."""
+    blocks, half = len(keys), len(keys) // 2
+    await tier.wait_resident()
+    async with BlockStore(tier, engine, disk=disk, admit_after=1) as store:
+        await store.store(keys, pages.src)
+        await store.load(keys, pages.out)
+    assert store.statistics().written_back == blocks  # the close waited for the write-back
+    scratch = await tier.allocate(half)
+    scratch_addresses = tier.slot_addresses(scratch).tolist()
+    samples: dict[str, list[float]] = {"combined": [], "disk_read_alone": [], "host_load_alone": []}
+    for r in range(rounds + 1):
+        async with BlockStore(tier, engine, disk=disk) as store:
+            await store.store(keys[:half], pages.src_of(half))
+            pages.clear()
+            started = time.perf_counter()
+            await store.load(keys, pages.out)
+            combined = time.perf_counter() - started
+            assert pages.arrived(), "a block came back wrong"
+            started = time.perf_counter()
+            await store.load(keys, pages.out)
+            host_alone = time.perf_counter() - started
+        started = time.perf_counter()
+        assert all(await disk.read(keys[half:], scratch_addresses))
+        disk_alone = time.perf_counter() - started
+        if r:
+            samples["combined"].append(combined)
+            samples["disk_read_alone"].append(disk_alone)
+            samples["host_load_alone"].append(host_alone)
+    tier.free_many(scratch)
+    return samples
+
+
+class _Pages:
+    """The prefix's source pages (what is stored) and destination pages (what is loaded into)."""
+
+    src: Any
+    out: Any
+
+    def src_of(self, n: int) -> Any:
+        """The first ``n`` source pages."""
+        return self.src[:n]
+
+    def clear(self) -> None:
+        """Zero the destination (a load that skipped a block fails ``arrived()``)."""
+
+    def arrived(self) -> bool:
+        """Whether the destination holds the source's bytes."""
+        raise NotImplementedError
+
+
+class _HostPages(_Pages):
+    def __init__(self, data: np.ndarray) -> None:
+        self.src, self.out = data, np.zeros_like(data)
+
+    def clear(self) -> None:
+        self.out[:] = 0
+
+    def arrived(self) -> bool:
+        return bool(np.array_equal(self.out, self.src))
+
+
+class _DevicePages(_Pages):
+    """Two device buffers of the prefix's size on device 0, as one address per page (the source
+    uploaded once from ``data``)."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        from .._cuda._driver import PrimaryContext, check, driver
+
+        self._drv, self._check = driver(), check
+        self._data = data
+        self._context = PrimaryContext(0)
+        self._buffers: list[int] = []
+        nbytes, page = data.nbytes, data.shape[1]
+        try:
+            with self._context.current():
+                for _ in range(2):
+                    self._buffers.append(int(check("cuMemAlloc", self._drv.cuMemAlloc(nbytes))))
+                check("cuMemcpyHtoD", self._drv.cuMemcpyHtoD(self._buffers[0], data.ctypes.data, nbytes))
+                # From pageable memory the call may return before the bytes land, on the legacy stream
+                # (the engine's streams do not wait for it).
+                check("cuCtxSynchronize", self._drv.cuCtxSynchronize())
+        except BaseException:
+            self.close()
+            raise
+        self.src, self.out = ([base + i * page for i in range(len(data))] for base in self._buffers)
+
+    def clear(self) -> None:
+        with self._context.current():
+            self._check("cuMemsetD8", self._drv.cuMemsetD8(self._buffers[1], 0, self._data.nbytes))
+            self._check("cuCtxSynchronize", self._drv.cuCtxSynchronize())  # a memset returns before it ran
+
+    def arrived(self) -> bool:
+        back = np.empty_like(self._data)
+        with self._context.current():
+            self._check("cuMemcpyDtoH", self._drv.cuMemcpyDtoH(back.ctypes.data, self._buffers[1], back.nbytes))
+        return bool(np.array_equal(back, self._data))
+
+    def close(self) -> None:
+        with self._context.current():
+            while self._buffers:
+                self._check("cuMemFree", self._drv.cuMemFree(self._buffers.pop()))
+        self._context.release()
+
+
+def gpu_missing() -> str | None:
+    """Why the prefix cannot be loaded into GPU memory here (None: device 0 can be used)."""
+    from .._cuda._driver import device_count
+    from .._errors import CudaError, CudaUnavailableError
+
+    try:
+        count = device_count()
+    except (CudaUnavailableError, CudaError) as exc:
+        return f"no CUDA device: {str(exc).removeprefix('a CUDA device was requested but ')}"
+    return None if count else "no CUDA device: the driver sees none"
 
 
 def section(quick: bool, path: str | None) -> dict[str, Any]:
@@ -207,16 +364,24 @@ def section(quick: bool, path: str | None) -> dict[str, Any]:
         sizes = [64 * KiB, 2 * MiB] if quick else [64 * KiB, 256 * KiB, 2 * MiB]
         results = [asyncio.run(_one_size(directory, block, total, rounds)) for block in sizes]
         reopen = asyncio.run(_reopen(directory, 10_000 if quick else 100_000, 3))
-        prefix = asyncio.run(_prefix_load(directory, 128 if quick else 1024, rounds))
+        prefix_blocks = 128 if quick else 1024
+        prefix = asyncio.run(_prefix_load(directory, prefix_blocks, rounds))
+        missing = gpu_missing()
+        if missing is None:
+            prefix_gpu = asyncio.run(_prefix_load(directory, prefix_blocks, rounds, "gpu"))
+        else:
+            prefix_gpu = {"skipped": f"needs CUDA: {missing}"}
         usage = shutil.disk_usage(directory)
         return {
             "directory": os.path.abspath(directory),
             "free_gib": round(usage.free / (1 << 30), 1),
             "threads": THREADS,
+            "settle_s": SETTLE_S,
             "bytes_per_round": total,
             "disk": results,
             "reopen": reopen,
             "prefix_load": prefix,
+            "prefix_load_gpu": prefix_gpu,
             "mooncake": _mooncake.row(quick),
         }
     finally:
