@@ -368,7 +368,10 @@ def section(quick: bool, path: str | None) -> dict[str, Any]:
         prefix = asyncio.run(_prefix_load(directory, prefix_blocks, rounds))
         missing = gpu_missing()
         if missing is None:
-            prefix_gpu = asyncio.run(_prefix_load(directory, prefix_blocks, rounds, "gpu"))
+            try:
+                prefix_gpu = asyncio.run(_prefix_load(directory, prefix_blocks, rounds, "gpu"))
+            except Exception as exc:  # not yet run on a GPU: report, and keep the section's other figures
+                prefix_gpu = {"error": repr(exc)}
         else:
             prefix_gpu = {"skipped": f"needs CUDA: {missing}"}
         usage = shutil.disk_usage(directory)
