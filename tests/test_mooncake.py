@@ -36,15 +36,17 @@ BLOCK = 64 * KiB
 class Master:
     """A ``mooncake_master`` bound to loopback ports, its log in ``log``."""
 
-    def __init__(self, binary: str, log: Path) -> None:
+    def __init__(self, binary: str, log: Path, *flags: str) -> None:
         self.binary = binary
         self.log = log
+        self.flags = flags
+        """More of ``mooncake_master``'s flags (``--default_kv_lease_ttl=200``)."""
         self.rpc, self.http, self.metrics = _client.loopback_ports(3)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def argv(self) -> list[str]:
-        return _client.master_argv(self.binary, self.rpc, self.http, self.metrics)
+        return [*_client.master_argv(self.binary, self.rpc, self.http, self.metrics), *self.flags]
 
     def config(self, **overrides: Any) -> MooncakeTierConfig:
         values: dict[str, Any] = dict(
@@ -87,35 +89,30 @@ def _why_no_mooncake() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
+def running_master(log: Path, *flags: str) -> Iterator[Master]:
+    """A started master for a fixture (skipped where the wheel or the binary is missing); stopped after."""
     why = _why_no_mooncake()
     if why is not None:
         pytest.skip(why)
     binary = _client.find_master()
     assert binary is not None
-    m = Master(binary, tmp_path_factory.mktemp("mooncake") / "master.log")
+    m = Master(binary, log, *flags)
     m.start()
     try:
         yield m
     finally:
         m.stop()
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
+    yield from running_master(tmp_path_factory.mktemp("mooncake") / "master.log")
 
 
 @pytest.fixture
 def own_master(tmp_path: Path) -> Iterator[Master]:
     """A master of this test's own, to kill and restart."""
-    why = _why_no_mooncake()
-    if why is not None:
-        pytest.skip(why)
-    binary = _client.find_master()
-    assert binary is not None
-    m = Master(binary, tmp_path / "master.log")
-    m.start()
-    try:
-        yield m
-    finally:
-        m.stop()
+    yield from running_master(tmp_path / "master.log")
 
 
 class Pages:
