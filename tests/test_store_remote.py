@@ -386,3 +386,77 @@ def test_the_mooncake_options_are_checked(capsys: pytest.CaptureFixture[str]) ->
     assert args.mooncake.metadata_server == "http://10.0.0.1:8080/metadata"
     assert args.mooncake.local_hostname == "10.0.0.2" and args.mooncake.segment_size == 1 << 30
     assert _options.parse([])[0].mooncake is None
+
+
+async def test_concurrent_loads_of_one_remote_block_fetch_it_once(master: Master) -> None:
+    keys = [b"d%d" % i for i in range(4)]
+    async with remote_store(master.config(), unique("twice"), admit_after=1) as (store, remote):
+        await store.store(keys, [page(i) for i in range(4)])
+        await load_pages(store, keys)
+        await eventually(lambda: store.statistics().remote_written == 4, 30)
+        await push_out(store)
+        both = await asyncio.gather(load_pages(store, keys), load_pages(store, keys[::-1]))
+        assert both == [[page(i) for i in range(4)], [page(i) for i in range(4)][::-1]]
+        assert store.statistics().remote_fetched == 4 and remote.statistics().hits == 4
+
+
+async def test_a_grown_host_tier_is_registered_before_its_new_slots_go_to_mooncake(master: Master) -> None:
+    config = small_config(quota=16 * SLOT, max_quota=32 * SLOT, slot_size=SLOT, commit_unit=SLOT * 16)
+    async with (
+        HostTier(config) as tier,
+        MooncakeTier(master.config(), block_size=SLOT, fingerprint=unique("grow")) as remote,
+        BlockStore(tier, remote=remote, admit_after=1) as store,
+    ):
+        await tier.wait_resident()
+        await store.resize(32 * SLOT)
+        await tier.wait_resident()
+        keys = [b"g%d" % i for i in range(32)]
+        await store.store(keys, [page(i) for i in range(32)])
+        await load_pages(store, keys)
+        await eventually(lambda: store.statistics().remote_written == 32, 30)
+        assert remote.statistics().registered_bytes == 32 * SLOT
+        await store.store([b"o%d" % i for i in range(32)], [page(100 + i) for i in range(32)])
+        assert await load_pages(store, keys[:16]) == [page(i) for i in range(16)]
+        await store.aclose()
+        assert remote.statistics().registered_bytes == 0
+    await wait_no_library_threads(15)
+
+
+async def test_a_mooncake_tier_closed_under_the_store_is_one_that_holds_nothing(master: Master) -> None:
+    keys = [b"z%d" % i for i in range(4)]
+    async with HostTier(host_config()) as tier:
+        await tier.wait_resident()
+        remote = await MooncakeTier.open(master.config(), block_size=SLOT, fingerprint=unique("gone"))
+        async with BlockStore(tier, remote=remote, admit_after=1) as store:
+            await store.store(keys, [page(i) for i in range(4)])
+            await load_pages(store, keys)
+            await eventually(lambda: store.statistics().remote_written == 4, 30)
+            await push_out(store)
+            await remote.aclose()
+            assert await store.lookup_remote(keys) == 0
+            with pytest.raises(BlockNotFound, match=repr(keys[0])):
+                await load_pages(store, keys)
+            await store.store([b"late"], [page(9)])
+            await load_pages(store, [b"late"])  # admitted: nothing to write it to
+            assert store.discard(keys) == 0
+            await eventually(lambda: store.statistics().in_flight == 0)
+            store.check_invariants(sole_user=True)
+            assert await load_pages(store, [b"late"]) == [page(9)]
+    await wait_no_library_threads(15)
+
+
+async def test_a_get_past_its_timeout_keeps_its_slots_until_it_returns(master: Master) -> None:
+    keys = [b"t%d" % i for i in range(16)]
+    fingerprint = unique("late")
+    async with remote_store(master.config(), fingerprint, admit_after=1) as (writer, _):
+        await writer.store(keys, [page(i) for i in range(16)])
+        await load_pages(writer, keys)
+        await eventually(lambda: writer.statistics().remote_written == 16, 30)
+        # A reader whose calls time out at once: each get is abandoned (its memory held) and returns later.
+        async with remote_store(master.config(timeout=0.0001), fingerprint) as (reader, remote):
+            with pytest.raises(BlockNotFound):
+                await load_pages(reader, keys)
+            s = remote.statistics()
+            assert s.timeouts >= 1 and s.held_calls == 0  # the load waited for the get before giving back slots
+            reader.check_invariants(sole_user=True)
+    await wait_no_library_threads(15)
