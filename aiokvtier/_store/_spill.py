@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from .._errors import BlockNotFound, TierClosedError
+from .._errors import BlockNotFound, MooncakeError, TierClosedError
 from .._lifecycle import finish
 from ._index import I64, BlockIndex
 from ._keys import Key
@@ -119,11 +119,18 @@ class _DiskSource(Source):
         # The slots were booked with the lengths seen before; the disk tier may have closed, or
         # dropped or rewritten a block, while they were taken.
         disk = self.disk
-        for key, length in zip(keys, lengths, strict=True):
-            if disk.closed or key not in disk or disk.length(key) != length:
-                return [0] * len(keys)
-        arrived = await disk.read(list(keys), self._tier.slot_addresses(slots).tolist())
-        return [n if ok else 0 for n, ok in zip(lengths, arrived, strict=True)]
+        there = [
+            i
+            for i, (key, length) in enumerate(zip(keys, lengths, strict=True))
+            if not disk.closed and key in disk and disk.length(key) == length
+        ]
+        sizes = [0] * len(keys)
+        if there:
+            addresses = self._tier.slot_addresses(slots[there]).tolist()
+            arrived = await disk.read([keys[i] for i in there], addresses)
+            for i, ok in zip(there, arrived, strict=True):
+                sizes[i] = lengths[i] if ok else 0
+        return sizes
 
 
 class _RemoteSource(Source):
@@ -141,7 +148,7 @@ class _RemoteSource(Source):
         try:
             await self._spill.cover()
             sizes = list(await remote.read_into(keys, addresses, lengths))
-        except (TierClosedError, ValueError) as exc:  # closed meanwhile, or the slots not registered
+        except (TierClosedError, MooncakeError, ValueError) as exc:  # closed meanwhile; the slots not registered
             log.warning("aiokvtier: reading blocks from the Mooncake tier failed: %r", exc)
             return [0] * len(keys)
         if not await remote.released(addresses, lengths):
