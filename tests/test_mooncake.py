@@ -480,3 +480,32 @@ async def test_a_failure_that_may_leave_a_transfer_running_poisons_the_tier(
         assert not tier.available  # no reconnecting out of this
     assert "left open" in caplog.text  # never closed under a transfer
     await asyncio.to_thread(real.close)  # here nothing runs: the test may close it
+
+
+async def test_read_into_takes_a_block_of_any_size_up_to_its_room_and_unregister_gives_memory_back(
+    master: Master,
+) -> None:
+    src, dst = Pages(2), Pages(2)
+    src.fill(7)
+    async with open_tier(master.config(), unique("room"), src) as tier:
+        await tier.register(dst.base, dst.size)
+        assert await tier.write([1, 2], src.addresses([0, 1]), [1000, BLOCK]) == (1, 2)
+        assert await tier.read_into([1, 2, 3], [*dst.addresses([0, 1]), dst.base], [BLOCK, BLOCK, BLOCK]) == (
+            1000,
+            BLOCK,
+            0,
+        )
+        assert bytes(dst.array[0, :1000]) == bytes(src.array[0, :1000]) and np.array_equal(dst.array[1], src.array[1])
+        assert await tier.read_into([2], dst.addresses([0]), [BLOCK // 2]) == (0,)  # larger than its room: a miss
+        assert await tier.released(dst.addresses([0, 1]), [BLOCK, BLOCK])  # nothing held
+        await tier.unregister(dst.base)
+        assert tier.statistics().registered_bytes == src.size
+        with pytest.raises(ValueError, match="not inside memory registered"):
+            await tier.read_into([1], dst.addresses([0]), [BLOCK])
+        with pytest.raises(ValueError, match="no memory is registered"):
+            await tier.unregister(dst.base)
+        await tier.register(dst.base, dst.size)  # registered again, unregistered once at close
+        assert await tier.read([2], dst.addresses([1])) == (True,)
+    with pytest.raises(TierClosedError):
+        await tier.unregister(src.base)
+    await wait_no_library_threads()

@@ -52,7 +52,7 @@ _MAX_HUNG_THREADS = 16
 """Past this many threads stuck in calls, no new one is started: the tier stays unavailable."""
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 1.0
 _RELEASE_POLL = 0.02
-"""Seconds between looks at ``held`` while ``released()`` waits (a call that hung returns rarely)."""
+"""Seconds between looks at ``held`` while ``released()`` waits (only after a call hung: rare)."""
 _HEALTHY_FOR = 2.5
 """Seconds ``health_check`` must answer 0 in a row: the client pings the master once a second, and
 for up to a second after the master died it still answered 0 (and then puts found no segment
@@ -138,7 +138,8 @@ class MooncakeTier(Owner):
         """Registered memory, sorted by start."""
         self._held: dict[int, tuple[Region, ...]] = {}
         self._held_ids = itertools.count()
-        self._inflight: set[asyncio.Future[Any]] = set()
+        self._inflight: dict[asyncio.Future[Any], tuple[Region, ...]] = {}
+        """Calls running, with the memory each reads or writes."""
         self._available = True
         self._why: str | None = None
         self._poisoned = False
@@ -268,8 +269,8 @@ class MooncakeTier(Owner):
     async def unregister(self, address: int) -> None:
         """Unregister the memory ``register()`` registered at ``address``, before the tier closes.
 
-        :raises ValueError: nothing was registered at ``address``, or a call that has not returned
-            still uses that memory (``held``): it stays registered.
+        :raises ValueError: nothing was registered at ``address``, or a call running now (or one
+            that has not returned, ``held``) uses that memory: it stays registered.
         :raises TierClosedError: the tier is not open.
         """
         self.check_open()
@@ -277,8 +278,9 @@ class MooncakeTier(Owner):
         if i == len(self._starts) or self._starts[i] != address:
             raise ValueError(f"no memory is registered at {address!r} with this tier")
         end = self._ends[i]
-        if any(start < end and address < start + n for start, n in self.held):
-            raise ValueError(f"[{address:#x}, +{end - address}) is held by a call that has not returned")
+        using = [region for regions in self._inflight.values() for region in regions]
+        if any(start < end and address < start + n for start, n in [*using, *self.held]):
+            raise ValueError(f"[{address:#x}, +{end - address}) is used by a call that has not returned")
         del self._starts[i], self._ends[i]  # refused from now on, before the await
         await finish(self._life.submit(self._client.unregister_buffer, address))
 
@@ -574,11 +576,11 @@ class MooncakeTier(Owner):
         start = next(self._next)
         client = self._client
         futures: list[tuple[Worker, asyncio.Future[Any]]] = []
-        for i, (method, args, _) in enumerate(calls):
+        for i, (method, args, regions) in enumerate(calls):
             worker = workers[(start + i) % len(workers)]
             future = worker.submit(getattr(client, method), *args)
-            self._inflight.add(future)
-            future.add_done_callback(self._inflight.discard)
+            self._inflight[future] = regions
+            future.add_done_callback(self._returned)
             futures.append((worker, future))
         self._busy += len(futures)
         try:
@@ -599,6 +601,9 @@ class MooncakeTier(Owner):
             else:
                 out.append(future.result())
         return out
+
+    def _returned(self, future: asyncio.Future[Any]) -> None:
+        self._inflight.pop(future, None)
 
     def _hold(self, worker: Worker, future: asyncio.Future[Any], regions: tuple[Region, ...], method: str) -> None:
         """A call that did not return in time: hold its memory until it does, and retire its thread."""
