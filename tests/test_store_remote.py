@@ -123,8 +123,10 @@ async def test_a_block_shorter_than_a_slot_comes_back_with_its_length(master: Ma
         await eventually(lambda: store.statistics().remote_written == 1, 30)
         await push_out(store)
         out = bytearray(SLOT)
+        stored = store.statistics().bytes_stored
         await store.load([b"s"], [out])
         assert store.length(b"s") == 1000 and bytes(out[:1000]) == short
+        assert store.statistics().bytes_stored == stored + 1000  # what arrived, not the slot booked for it
         # a destination page too short for the block: known once it arrived, nothing copied
         await push_out(store, seed=200)
         with pytest.raises(ValueError, match="destination page 0 has 10 bytes"):

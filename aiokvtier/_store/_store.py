@@ -1127,13 +1127,16 @@ class BlockStore(Owner):
         index = self._index
         lengths = source.lengths(keys)
         from_below = Pages(np.zeros(len(keys), dtype=np.uint64), np.asarray(lengths, dtype=np.uint64), [])
+        surplus = 0  # bytes booked past what arrived, counted as stored when the blocks were booked
 
         def start(slots: I64, pages: Pages, chosen: Sequence[Key]) -> Started:
             async def read() -> None:
+                nonlocal surplus
                 sizes = await source.fill(chosen, slots, pages.lengths.tolist())
                 index.length[slots] = sizes  # booked before (a Mooncake block's size is known only now)
                 if not all(sizes):
                     raise _LowerMiss(chosen[sizes.index(0)])
+                surplus += int(pages.lengths.sum()) - sum(sizes)
 
             return (None, asyncio.ensure_future(read()))
 
@@ -1141,6 +1144,7 @@ class BlockStore(Owner):
             result = await self._store(keys, from_below, None, True, True, start=start)
         except _LowerMiss as miss:
             raise BlockNotFound(miss.key) from None
+        self._counts["bytes_stored"] -= surplus
         source.brought += len(result.stored)
         if result.skipped:
             raise BlockNotFound(result.skipped[0])
