@@ -912,8 +912,7 @@ class BlockStore(Owner):
             call.own = [o for o in call.own if id(o) not in done]
             index.unpin(np.asarray(doomed, dtype=np.int64))
             if keys:
-                self._counts["evictions"] += len(keys)
-                self._events.publish("evicted", tuple(keys))
+                self._evicted(keys)  # their hit counts (and what the Mooncake lane sent) go too
             self._counts["skipped"] += len(done)
 
     async def _take_slots(self, n: int, wait: bool, taken: list[I64], vet: Callable[[], None]) -> None:
