@@ -86,6 +86,14 @@ async def load_pages(store: BlockStore, keys: list[bytes]) -> list[bytes]:
     return [row.tobytes() for row in out]
 
 
+async def admit(store: BlockStore, keys: list[bytes]) -> None:
+    """Store ``page(i)`` under the i-th key, load them once (a store with ``admit_after=1``) and wait until
+    they are written to the Mooncake tier."""
+    await store.store(keys, [page(i) for i in range(len(keys))])
+    await load_pages(store, keys)
+    await eventually(lambda: store.statistics().remote_written == len(keys), 30)
+
+
 async def push_out(store: BlockStore, n: int = 16, seed: int = 100) -> None:
     """Fill the host tier with other blocks (never loaded: never written below)."""
     await store.store([b"other-%d-%d" % (seed, i) for i in range(n)], [page(seed + i) for i in range(n)])
@@ -161,9 +169,7 @@ async def test_a_second_store_loads_what_the_first_wrote(master: Master) -> None
     keys = [b"shared%d" % i for i in range(8)]
     fingerprint = unique("shared")
     async with remote_store(master.config(), fingerprint, admit_after=1) as (first, _):
-        await first.store(keys, [page(i) for i in range(8)])
-        await load_pages(first, keys)
-        await eventually(lambda: first.statistics().remote_written == 8, 30)
+        await admit(first, keys)
         async with remote_store(master.config(), fingerprint) as (second, _):
             assert len(second) == 0 and await second.lookup_remote(keys) == 8
             assert await load_pages(second, keys[::-1]) == [page(i) for i in range(8)][::-1]
@@ -198,9 +204,7 @@ async def test_the_master_killed_and_restarted_under_the_store(
 ) -> None:
     keys = [b"r%d" % i for i in range(4)]
     async with remote_store(own_master.config(), unique("restart"), admit_after=1) as (store, remote):
-        await store.store(keys, [page(i) for i in range(4)])
-        await load_pages(store, keys)
-        await eventually(lambda: store.statistics().remote_written == 4, 30)
+        await admit(store, keys)
         await push_out(store, 12)  # r0-r3 out of the host tier, only in Mooncake now
         await store.store([b"h"], [page(50)])
         await asyncio.to_thread(own_master.stop)
@@ -235,9 +239,7 @@ async def test_the_master_killed_and_restarted_under_the_store(
 async def test_cancelled_loads_stores_and_lookups_leave_nothing_claimed(master: Master, delay: float) -> None:
     keys = [b"c%d" % i for i in range(12)]
     async with remote_store(master.config(), unique("cancel"), admit_after=1) as (store, remote):
-        await store.store(keys, [page(i) for i in range(12)])
-        await load_pages(store, keys)
-        await eventually(lambda: store.statistics().remote_written == 12, 30)
+        await admit(store, keys)
         await push_out(store)
         out = np.zeros((12, SLOT), dtype=np.uint8)
         calls = (
@@ -393,9 +395,7 @@ def test_the_mooncake_options_are_checked(capsys: pytest.CaptureFixture[str]) ->
 async def test_concurrent_loads_of_one_remote_block_fetch_it_once(master: Master) -> None:
     keys = [b"d%d" % i for i in range(4)]
     async with remote_store(master.config(), unique("twice"), admit_after=1) as (store, remote):
-        await store.store(keys, [page(i) for i in range(4)])
-        await load_pages(store, keys)
-        await eventually(lambda: store.statistics().remote_written == 4, 30)
+        await admit(store, keys)
         await push_out(store)
         both = await asyncio.gather(load_pages(store, keys), load_pages(store, keys[::-1]))
         assert both == [[page(i) for i in range(4)], [page(i) for i in range(4)][::-1]]
@@ -413,9 +413,7 @@ async def test_a_grown_host_tier_is_registered_before_its_new_slots_go_to_moonca
         await store.resize(32 * SLOT)
         await tier.wait_resident()
         keys = [b"g%d" % i for i in range(32)]
-        await store.store(keys, [page(i) for i in range(32)])
-        await load_pages(store, keys)
-        await eventually(lambda: store.statistics().remote_written == 32, 30)
+        await admit(store, keys)
         assert remote.statistics().registered_bytes == 32 * SLOT
         await store.store([b"o%d" % i for i in range(32)], [page(100 + i) for i in range(32)])
         assert await load_pages(store, keys[:16]) == [page(i) for i in range(16)]
@@ -430,9 +428,7 @@ async def test_a_mooncake_tier_closed_under_the_store_is_one_that_holds_nothing(
         await tier.wait_resident()
         remote = await MooncakeTier.open(master.config(), block_size=SLOT, fingerprint=unique("gone"))
         async with BlockStore(tier, remote=remote, admit_after=1) as store:
-            await store.store(keys, [page(i) for i in range(4)])
-            await load_pages(store, keys)
-            await eventually(lambda: store.statistics().remote_written == 4, 30)
+            await admit(store, keys)
             await push_out(store)
             await remote.aclose()
             assert await store.lookup_remote(keys) == 0
@@ -451,9 +447,7 @@ async def test_a_get_past_its_timeout_keeps_its_slots_until_it_returns(master: M
     keys = [b"t%d" % i for i in range(16)]
     fingerprint = unique("late")
     async with remote_store(master.config(), fingerprint, admit_after=1) as (writer, _):
-        await writer.store(keys, [page(i) for i in range(16)])
-        await load_pages(writer, keys)
-        await eventually(lambda: writer.statistics().remote_written == 16, 30)
+        await admit(writer, keys)
         # A reader whose calls time out at once: each get is abandoned (its memory held) and returns later.
         async with remote_store(master.config(timeout=0.0001), fingerprint) as (reader, remote):
             with pytest.raises(BlockNotFound):
