@@ -1,4 +1,4 @@
-"""Cache: a whole ``CacheConfig`` opened at once (host tier, disk tier, copy engine, block store)."""
+"""Cache: a whole ``CacheConfig`` opened at once (host tier, disk and Mooncake tiers, copy engine, block store)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, Self
 
-from ._config import CacheConfig, DiskTierConfig, GpuTierConfig, HostTierConfig
+from ._config import CacheConfig, DiskTierConfig, GpuTierConfig, HostTierConfig, MooncakeTierConfig
 from ._copy._engine import CopyEngine
 from ._disk._tier import DiskTier
 from ._errors import ConfigError
 from ._host._tier import HostTier
 from ._lifecycle import finish
+from ._mooncake._tier import MooncakeTier
 from ._store._policy import EvictionPolicy
 from ._store._store import BlockStore
 
@@ -32,20 +33,32 @@ class Cache:
       pages; the GPU tier's own memory stays the engine's to manage);
     - a disk tier: a ``DiskTier`` below the host tier, blocks of the host
       tier's slot size, under ``fingerprint`` (name the model and its KV
-      layout: blocks of another fingerprint are never found).
+      layout: blocks of another fingerprint are never found);
+    - a Mooncake tier: a ``MooncakeTier`` below those, blocks of the host
+      tier's slot size, under the same ``fingerprint`` (the store registers
+      the host tier's slots with it).
 
     Closing closes them all, store first. An open that fails or is
     cancelled closes whatever it had opened before the error reaches the
     caller.
     """
 
-    def __init__(self, store: BlockStore, tier: HostTier, engine: CopyEngine | None, disk: DiskTier | None) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        tier: HostTier,
+        engine: CopyEngine | None,
+        disk: DiskTier | None,
+        remote: MooncakeTier | None = None,
+    ) -> None:
         self.store = store
         self.tier = tier
         self.engine = engine
         """The engine for the GPU tier's device; None without a GPU tier."""
         self.disk = disk
         """The disk tier; None without one."""
+        self.remote = remote
+        """The Mooncake tier; None without one."""
         self._stack: AsyncExitStack | None = None
 
     @classmethod
@@ -60,14 +73,15 @@ class Cache:
         """Open every tier of ``config``, then the store.
 
         :raises pydantic.ValidationError: ``config`` is a mapping that does not validate.
-        :raises ConfigError: no host tier, a Mooncake tier (not under the store yet), a disk tier
-            without a ``fingerprint``, or a host
+        :raises ConfigError: no host tier, a disk or Mooncake tier without a ``fingerprint``, or a host
             tier registered for another device than the GPU tier's (a host tier that names no
             device is registered for the GPU tier's).
         :raises DiskTierBusy: another process has the disk tier's directory open.
+        :raises MooncakeError: the Mooncake tier's master does not answer, its setup failed, or it
+            refused the host tier's slots.
 
         And whatever opening each part raises (see ``HostTier.open()``, ``CopyEngine.open()``,
-        ``DiskTier.open()``).
+        ``DiskTier.open()``, ``MooncakeTier.open()``).
         """
         if not isinstance(config, CacheConfig):
             config = await asyncio.to_thread(CacheConfig.model_validate, config)  # a disk path is stat'ed
@@ -75,14 +89,10 @@ class Cache:
         host = tiers.get("host")
         if not isinstance(host, HostTierConfig):
             raise ConfigError("a cache needs a host tier: its slots hold the blocks")
-        gpu, disk = tiers.get("gpu"), tiers.get("disk")
-        if "mooncake" in tiers:
-            raise ConfigError(
-                "a cache does not put a Mooncake tier under its store yet: open MooncakeTier on its own "
-                "(docs/mooncake.md)"
-            )
-        if isinstance(disk, DiskTierConfig) and not fingerprint:
-            raise ConfigError("a cache with a disk tier needs a fingerprint (the model and its KV layout)")
+        gpu, disk, remote = tiers.get("gpu"), tiers.get("disk"), tiers.get("mooncake")
+        for name, below in (("disk", disk), ("Mooncake", remote)):
+            if below is not None and not fingerprint:
+                raise ConfigError(f"a cache with a {name} tier needs a fingerprint (the model and its KV layout)")
         device = gpu.device if isinstance(gpu, GpuTierConfig) else None
         if device is not None and host.device not in (None, device):
             raise ConfigError(f"the host tier is registered for device {host.device}, the GPU tier is device {device}")
@@ -90,7 +100,13 @@ class Cache:
             host = HostTierConfig.model_validate({**host.model_dump(exclude_unset=True), "device": device})
         task = asyncio.ensure_future(
             cls._open(
-                host, device, disk if isinstance(disk, DiskTierConfig) else None, fingerprint, policy, admit_after
+                host,
+                device,
+                disk if isinstance(disk, DiskTierConfig) else None,
+                remote if isinstance(remote, MooncakeTierConfig) else None,
+                fingerprint,
+                policy,
+                admit_after,
             )
         )
         try:
@@ -106,6 +122,7 @@ class Cache:
         host: HostTierConfig,
         device: int | None,
         disk_config: DiskTierConfig | None,
+        remote_config: MooncakeTierConfig | None,
         fingerprint: str | None,
         policy: str | EvictionPolicy,
         admit_after: int,
@@ -121,15 +138,21 @@ class Cache:
                 disk = await stack.enter_async_context(
                     DiskTier(disk_config, block_size=tier.slot_size, fingerprint=fingerprint)
                 )
+            remote = None
+            if remote_config is not None:
+                assert fingerprint is not None
+                remote = await stack.enter_async_context(
+                    MooncakeTier(remote_config, block_size=tier.slot_size, fingerprint=fingerprint)
+                )
             store = await stack.enter_async_context(
-                BlockStore(tier, engine, policy, disk=disk, admit_after=admit_after)
+                BlockStore(tier, engine, policy, disk=disk, remote=remote, admit_after=admit_after)
             )
-            cache = cls(store, tier, engine, disk)
+            cache = cls(store, tier, engine, disk, remote)
             cache._stack = stack.pop_all()
         return cache
 
     async def aclose(self) -> None:
-        """Close the store, then the disk tier, the engine and the host tier. Idempotent."""
+        """Close the store, then the Mooncake tier, the disk tier, the engine and the host tier. Idempotent."""
         stack, self._stack = self._stack, None
         if stack is not None:
             await finish(stack.aclose())
@@ -144,4 +167,5 @@ class Cache:
 
     def __repr__(self) -> str:
         parts = ["host", *(["gpu"] if self.engine is not None else []), *(["disk"] if self.disk is not None else [])]
+        parts += ["mooncake"] if self.remote is not None else []
         return f"<Cache [{' + '.join(parts)} | {len(self.store)} blocks]>"

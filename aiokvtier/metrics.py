@@ -5,15 +5,16 @@ collector reads ``statistics()`` of the objects it was given when Prometheus
 scrapes, so nothing is counted twice and nothing runs between scrapes:
 
     from prometheus_client import REGISTRY
-    from aiokvtier.metrics import DiskCollector, EngineCollector, StoreCollector, TierCollector
+    from aiokvtier.metrics import DiskCollector, EngineCollector, MooncakeCollector, StoreCollector, TierCollector
 
     REGISTRY.register(TierCollector(tier))
     REGISTRY.register(StoreCollector(store, name="kv"))
     REGISTRY.register(EngineCollector(engine, name="gpu0"))
     REGISTRY.register(DiskCollector(disk, name="nvme0"))
+    REGISTRY.register(MooncakeCollector(remote, name="cluster"))
 
 Every series carries the object's name as the label ``tier``, ``store``,
-``engine`` or ``disk``. A registry takes one collector of each kind (the metric names
+``engine``, ``disk`` or ``mooncake``. A registry takes one collector of each kind (the metric names
 would clash otherwise); [``TierCollector.add()``][aiokvtier.metrics.TierCollector.add] puts more objects under
 the same one. A closed object still scrapes (its last figures); a tier that
 has not opened yet scrapes as nothing.
@@ -40,9 +41,10 @@ from ._disk._tier import DiskStatistics, DiskTier
 from ._errors import TierClosedError
 from ._host._statistics import TierStatistics
 from ._host._tier import HostTier
+from ._mooncake._tier import MooncakeStatistics, MooncakeTier
 from ._store._store import BlockStore, StoreStatistics
 
-__all__ = ["DiskCollector", "EngineCollector", "StoreCollector", "TierCollector"]
+__all__ = ["DiskCollector", "EngineCollector", "MooncakeCollector", "StoreCollector", "TierCollector"]
 
 
 class _Snapshotting(Protocol):
@@ -101,12 +103,32 @@ class _Collector(Generic[_T, _S]):
         return f"<{type(self).__name__} [{', '.join(self._objects)}]>"
 
 
+_Figures = tuple[tuple[str, str, Any], ...]
+"""(metric, help, figure): gauges or counters read straight off a snapshot."""
+
+
+class _Tabled(_Collector[_T, _S]):
+    """A collector whose families are its tables of gauges and counters."""
+
+    _gauges: _Figures = ()
+    _counters: _Figures = ()
+
+    def _families(self, snapshots: list[tuple[str, _S]]) -> list[Metric]:
+        families: list[Metric] = []
+        for make, table in ((self._gauge, self._gauges), (self._counter, self._counters)):
+            for metric, doc, figure in table:
+                family = make(metric, doc)
+                for name, s in snapshots:
+                    family.add_metric([name], figure(s))
+                families.append(family)
+        return families
+
+
 def _fill_rate(s: TierStatistics) -> float:
     return s.resident_bytes / s.fill_seconds if s.fill_seconds > 0 else 0.0
 
 
-# (metric, help, figure): gauges and counters read straight off a snapshot.
-_TIER_GAUGES: tuple[tuple[str, str, Any], ...] = (
+_TIER_GAUGES: _Figures = (
     ("aiokvtier_tier_resident_bytes", "Bytes resident as one contiguous prefix.", lambda s: s.resident_bytes),
     ("aiokvtier_tier_target_bytes", "Bytes the fill works towards.", lambda s: s.target_bytes),
     ("aiokvtier_tier_quota_bytes", "The tier's quota.", lambda s: s.quota),
@@ -123,7 +145,7 @@ _TIER_GAUGES: tuple[tuple[str, str, Any], ...] = (
     ),
     ("aiokvtier_tier_fill_errors", "1 while the fill has failed.", lambda s: int(s.fill_error is not None)),
 )
-_TIER_COUNTERS: tuple[tuple[str, str, Any], ...] = (
+_TIER_COUNTERS: _Figures = (
     ("aiokvtier_tier_allocation_waits", "allocate calls that waited for the fill.", lambda s: s.allocation_waits),
     (
         "aiokvtier_tier_allocation_wait_seconds",
@@ -133,23 +155,22 @@ _TIER_COUNTERS: tuple[tuple[str, str, Any], ...] = (
 )
 
 
-class TierCollector(_Collector[HostTier, TierStatistics]):
+class TierCollector(_Tabled[HostTier, TierStatistics]):
     """Exports a [``HostTier``][aiokvtier.HostTier]'s statistics, labelled ``tier=name``."""
 
     _label = "tier"
+    _gauges = _TIER_GAUGES
+    _counters = _TIER_COUNTERS
 
-    def _families(self, snapshots: list[tuple[str, TierStatistics]]) -> list[Metric]:
-        return _table(self, snapshots, _TIER_GAUGES, _TIER_COUNTERS)
 
-
-_STORE_GAUGES: tuple[tuple[str, str, Any], ...] = (
+_STORE_GAUGES: _Figures = (
     ("aiokvtier_store_blocks", "Visible blocks.", lambda s: s.blocks),
     ("aiokvtier_store_capacity_blocks", "Blocks the tier's slots can hold.", lambda s: s.capacity),
     ("aiokvtier_store_pinned_blocks", "Blocks a load is reading now.", lambda s: s.blocks_pinned),
     ("aiokvtier_store_calls_in_flight", "store and load calls running now.", lambda s: s.in_flight),
     ("aiokvtier_store_event_subscribers", "Event subscriptions alive.", lambda s: s.subscribers),
 )
-_STORE_COUNTERS: tuple[tuple[str, str, Any], ...] = (
+_STORE_COUNTERS: _Figures = (
     ("aiokvtier_store_queries", "lookup calls.", lambda s: s.queries),
     ("aiokvtier_store_hits", "Keys lookup matched (the stored prefix).", lambda s: s.hits),
     ("aiokvtier_store_misses", "Keys lookup was asked beyond the stored prefix.", lambda s: s.misses),
@@ -164,19 +185,25 @@ _STORE_COUNTERS: tuple[tuple[str, str, Any], ...] = (
     ("aiokvtier_store_disk_hits", "Keys lookup found on the disk tier past the host prefix.", lambda s: s.disk_hits),
     ("aiokvtier_store_promoted", "Blocks load brought back from the disk tier.", lambda s: s.promoted),
     ("aiokvtier_store_written_back", "Blocks written back to the disk tier.", lambda s: s.written_back),
+    (
+        "aiokvtier_store_remote_hits",
+        "Keys lookup_remote found only on the Mooncake tier past the local prefix.",
+        lambda s: s.remote_hits,
+    ),
+    ("aiokvtier_store_remote_fetched", "Blocks load brought from the Mooncake tier.", lambda s: s.remote_fetched),
+    ("aiokvtier_store_remote_written", "Blocks written to the Mooncake tier.", lambda s: s.remote_written),
 )
 
 
-class StoreCollector(_Collector[BlockStore, StoreStatistics]):
+class StoreCollector(_Tabled[BlockStore, StoreStatistics]):
     """Exports a [``BlockStore``][aiokvtier.BlockStore]'s statistics, labelled ``store=name``."""
 
     _label = "store"
+    _gauges = _STORE_GAUGES
+    _counters = _STORE_COUNTERS
 
-    def _families(self, snapshots: list[tuple[str, StoreStatistics]]) -> list[Metric]:
-        return _table(self, snapshots, _STORE_GAUGES, _STORE_COUNTERS)
 
-
-_DISK_GAUGES: tuple[tuple[str, str, Any], ...] = (
+_DISK_GAUGES: _Figures = (
     ("aiokvtier_disk_blocks", "Blocks on disk.", lambda s: s.blocks),
     ("aiokvtier_disk_capacity_blocks", "Blocks the disk quota holds.", lambda s: s.capacity),
     ("aiokvtier_disk_stored_bytes", "Bytes of the blocks on disk.", lambda s: s.bytes_stored),
@@ -188,7 +215,7 @@ _DISK_GAUGES: tuple[tuple[str, str, Any], ...] = (
         lambda s: math.nan if s.free_disk_bytes is None else s.free_disk_bytes,
     ),
 )
-_DISK_COUNTERS: tuple[tuple[str, str, Any], ...] = (
+_DISK_COUNTERS: _Figures = (
     ("aiokvtier_disk_hits", "Blocks read back.", lambda s: s.hits),
     ("aiokvtier_disk_misses", "Keys asked of read that were absent or failed their checksum.", lambda s: s.misses),
     ("aiokvtier_disk_read_bytes", "Bytes read back.", lambda s: s.bytes_read),
@@ -205,29 +232,44 @@ _DISK_COUNTERS: tuple[tuple[str, str, Any], ...] = (
 )
 
 
-class DiskCollector(_Collector[DiskTier, DiskStatistics]):
+class DiskCollector(_Tabled[DiskTier, DiskStatistics]):
     """Exports a [``DiskTier``][aiokvtier.DiskTier]'s statistics, labelled ``disk=name``."""
 
     _label = "disk"
+    _gauges = _DISK_GAUGES
+    _counters = _DISK_COUNTERS
 
-    def _families(self, snapshots: list[tuple[str, DiskStatistics]]) -> list[Metric]:
-        return _table(self, snapshots, _DISK_GAUGES, _DISK_COUNTERS)
+
+_MOONCAKE_GAUGES: _Figures = (
+    ("aiokvtier_mooncake_available", "1 while calls go to the cluster; 0 while skipped.", lambda s: int(s.available)),
+    ("aiokvtier_mooncake_queue_depth", "Batch calls running now.", lambda s: s.queue_depth),
+    (
+        "aiokvtier_mooncake_held_calls",
+        "Calls past their timeout, holding memory.",
+        lambda s: s.held_calls,
+    ),
+    ("aiokvtier_mooncake_held_bytes", "Memory those calls hold.", lambda s: s.held_bytes),
+    ("aiokvtier_mooncake_registered_bytes", "Memory registered for transfers.", lambda s: s.registered_bytes),
+)
+_MOONCAKE_COUNTERS: _Figures = (
+    ("aiokvtier_mooncake_hits", "Blocks read.", lambda s: s.hits),
+    ("aiokvtier_mooncake_misses", "Keys read did not fill.", lambda s: s.misses),
+    ("aiokvtier_mooncake_read_bytes", "Bytes read.", lambda s: s.bytes_read),
+    ("aiokvtier_mooncake_written_bytes", "Bytes written.", lambda s: s.bytes_written),
+    ("aiokvtier_mooncake_writes_skipped", "Blocks write did not store.", lambda s: s.writes_skipped),
+    ("aiokvtier_mooncake_errors", "Keys or calls that failed.", lambda s: s.errors),
+    ("aiokvtier_mooncake_size_mismatches", "Gets of another size than expected.", lambda s: s.size_mismatches),
+    ("aiokvtier_mooncake_timeouts", "Calls that did not return within the timeout.", lambda s: s.timeouts),
+    ("aiokvtier_mooncake_reconnects", "Times the tier became available again.", lambda s: s.reconnects),
+)
 
 
-def _table(
-    collector: _Collector[Any, _S],
-    snapshots: list[tuple[str, _S]],
-    gauges: tuple[tuple[str, str, Any], ...],
-    counters: tuple[tuple[str, str, Any], ...],
-) -> list[Metric]:
-    families: list[Metric] = []
-    for make, table in ((collector._gauge, gauges), (collector._counter, counters)):
-        for metric, doc, figure in table:
-            family = make(metric, doc)
-            for name, s in snapshots:
-                family.add_metric([name], figure(s))
-            families.append(family)
-    return families
+class MooncakeCollector(_Tabled[MooncakeTier, MooncakeStatistics]):
+    """Exports a [``MooncakeTier``][aiokvtier.MooncakeTier]'s statistics, labelled ``mooncake=name``."""
+
+    _label = "mooncake"
+    _gauges = _MOONCAKE_GAUGES
+    _counters = _MOONCAKE_COUNTERS
 
 
 class EngineCollector(_Collector[CopyEngine, CopyStatistics]):

@@ -58,8 +58,8 @@ async def test_a_config_the_cache_cannot_open_is_refused_before_anything_opens(t
         "metadata_server": "http://127.0.0.1:8080/metadata",
         "local_hostname": "127.0.0.1",
     }
-    with pytest.raises(ConfigError, match="Mooncake tier"):
-        await Cache.open({"tiers": [tiers(tmp_path, disk=False)["tiers"][0], remote]}, fingerprint="m")
+    with pytest.raises(ConfigError, match="a Mooncake tier needs a fingerprint"):
+        await Cache.open({"tiers": [tiers(tmp_path, disk=False)["tiers"][0], remote]})
     with pytest.raises(ConfigError, match="needs a fingerprint"):
         await Cache.open(tiers(tmp_path))
     async with await Cache.open(tiers(tmp_path, disk=False)) as cache:  # no disk: no fingerprint needed

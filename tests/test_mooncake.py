@@ -36,15 +36,17 @@ BLOCK = 64 * KiB
 class Master:
     """A ``mooncake_master`` bound to loopback ports, its log in ``log``."""
 
-    def __init__(self, binary: str, log: Path) -> None:
+    def __init__(self, binary: str, log: Path, *flags: str) -> None:
         self.binary = binary
         self.log = log
+        self.flags = flags
+        """More of ``mooncake_master``'s flags (``--default_kv_lease_ttl=200``)."""
         self.rpc, self.http, self.metrics = _client.loopback_ports(3)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def argv(self) -> list[str]:
-        return _client.master_argv(self.binary, self.rpc, self.http, self.metrics)
+        return [*_client.master_argv(self.binary, self.rpc, self.http, self.metrics), *self.flags]
 
     def config(self, **overrides: Any) -> MooncakeTierConfig:
         values: dict[str, Any] = dict(
@@ -87,35 +89,30 @@ def _why_no_mooncake() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
+def running_master(log: Path, *flags: str) -> Iterator[Master]:
+    """A started master for a fixture (skipped where the wheel or the binary is missing); stopped after."""
     why = _why_no_mooncake()
     if why is not None:
         pytest.skip(why)
     binary = _client.find_master()
     assert binary is not None
-    m = Master(binary, tmp_path_factory.mktemp("mooncake") / "master.log")
+    m = Master(binary, log, *flags)
     m.start()
     try:
         yield m
     finally:
         m.stop()
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
+    yield from running_master(tmp_path_factory.mktemp("mooncake") / "master.log")
 
 
 @pytest.fixture
 def own_master(tmp_path: Path) -> Iterator[Master]:
     """A master of this test's own, to kill and restart."""
-    why = _why_no_mooncake()
-    if why is not None:
-        pytest.skip(why)
-    binary = _client.find_master()
-    assert binary is not None
-    m = Master(binary, tmp_path / "master.log")
-    m.start()
-    try:
-        yield m
-    finally:
-        m.stop()
+    yield from running_master(tmp_path / "master.log")
 
 
 class Pages:
@@ -483,3 +480,32 @@ async def test_a_failure_that_may_leave_a_transfer_running_poisons_the_tier(
         assert not tier.available  # no reconnecting out of this
     assert "left open" in caplog.text  # never closed under a transfer
     await asyncio.to_thread(real.close)  # here nothing runs: the test may close it
+
+
+async def test_read_into_takes_a_block_of_any_size_up_to_its_room_and_unregister_gives_memory_back(
+    master: Master,
+) -> None:
+    src, dst = Pages(2), Pages(2)
+    src.fill(7)
+    async with open_tier(master.config(), unique("room"), src) as tier:
+        await tier.register(dst.base, dst.size)
+        assert await tier.write([1, 2], src.addresses([0, 1]), [1000, BLOCK]) == (1, 2)
+        assert await tier.read_into([1, 2, 3], [*dst.addresses([0, 1]), dst.base], [BLOCK, BLOCK, BLOCK]) == (
+            1000,
+            BLOCK,
+            0,
+        )
+        assert bytes(dst.array[0, :1000]) == bytes(src.array[0, :1000]) and np.array_equal(dst.array[1], src.array[1])
+        assert await tier.read_into([2], dst.addresses([0]), [BLOCK // 2]) == (0,)  # larger than its room: a miss
+        assert await tier.released(dst.addresses([0, 1]), [BLOCK, BLOCK])  # nothing held
+        await tier.unregister(dst.base)
+        assert tier.statistics().registered_bytes == src.size
+        with pytest.raises(ValueError, match="not inside memory registered"):
+            await tier.read_into([1], dst.addresses([0]), [BLOCK])
+        with pytest.raises(ValueError, match="no memory is registered"):
+            await tier.unregister(dst.base)
+        await tier.register(dst.base, dst.size)  # registered again, unregistered once at close
+        assert await tier.read([2], dst.addresses([1])) == (True,)
+    with pytest.raises(TierClosedError):
+        await tier.unregister(src.base)
+    await wait_no_library_threads()

@@ -51,6 +51,8 @@ _HUNG = object()
 _MAX_HUNG_THREADS = 16
 """Past this many threads stuck in calls, no new one is started: the tier stays unavailable."""
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 1.0
+_RELEASE_POLL = 0.02
+"""Seconds between looks at ``held`` while ``released()`` waits (only after a call hung: rare)."""
 _HEALTHY_FOR = 2.5
 """Seconds ``health_check`` must answer 0 in a row: the client pings the master once a second, and
 for up to a second after the master died it still answered 0 (and then puts found no segment
@@ -136,7 +138,8 @@ class MooncakeTier(Owner):
         """Registered memory, sorted by start."""
         self._held: dict[int, tuple[Region, ...]] = {}
         self._held_ids = itertools.count()
-        self._inflight: set[asyncio.Future[Any]] = set()
+        self._inflight: dict[asyncio.Future[Any], tuple[Region, ...]] = {}
+        """Calls running, with the memory each reads or writes."""
         self._available = True
         self._why: str | None = None
         self._poisoned = False
@@ -263,9 +266,31 @@ class MooncakeTier(Owner):
         self._ends.insert(i, address + size)
         self._life.undo.callback(self._unregister, address)
 
+    async def unregister(self, address: int) -> None:
+        """Unregister the memory ``register()`` registered at ``address``, before the tier closes.
+
+        :raises ValueError: nothing was registered at ``address``, or a call running now (or one
+            that has not returned, ``held``) uses that memory: it stays registered.
+        :raises TierClosedError: the tier is not open.
+        """
+        self.check_open()
+        i = bisect.bisect_left(self._starts, address)
+        if i == len(self._starts) or self._starts[i] != address:
+            raise ValueError(f"no memory is registered at {address!r} with this tier")
+        end = self._ends[i]
+        using = [region for regions in self._inflight.values() for region in regions]
+        if any(start < end and address < start + n for start, n in [*using, *self.held]):
+            raise ValueError(f"[{address:#x}, +{end - address}) is used by a call that has not returned")
+        del self._starts[i], self._ends[i]  # refused from now on, before the await
+        await finish(self._life.submit(self._client.unregister_buffer, address))
+
     def _unregister(self, address: int) -> None:
-        if not self._leak and self._client is not None:
-            self._client.unregister_buffer(address)
+        """At close (on the tier's thread): what ``unregister()`` did not unregister already."""
+        if self._leak or self._client is None or address not in self._starts:
+            return
+        i = self._starts.index(address)
+        del self._starts[i], self._ends[i]
+        self._client.unregister_buffer(address)
 
     @property
     def held(self) -> tuple[Region, ...]:
@@ -274,6 +299,24 @@ class MooncakeTier(Owner):
         Empty in the usual case. The loop's thread.
         """
         return tuple(region for regions in self._held.values() for region in regions)
+
+    async def released(self, addresses: Sequence[int], lengths: Sequence[int]) -> bool:
+        """Wait until no call that did not return in time uses this memory (see ``held``).
+
+        Returns True once none does (at once in the usual case), False where some stays held for
+        good (the tier is poisoned) or the tier closed while it was: that memory must not be reused.
+        The loop's thread; cancelling it only stops the wait.
+        """
+        regions = list(zip(addresses, lengths, strict=True))
+
+        def held() -> bool:
+            return any(s < a + n and a < s + m for s, m in self.held for a, n in regions)
+
+        while held():
+            if self._poisoned or self._life.state != "open":
+                return False
+            await asyncio.sleep(_RELEASE_POLL)
+        return True
 
     def _check_memory(self, addresses: Sequence[int], lengths: Sequence[int]) -> None:
         starts, ends = self._starts, self._ends
@@ -418,6 +461,25 @@ class MooncakeTier(Owner):
         :raises TypeError: a key is neither bytes nor int.
         :raises TierClosedError: the tier is not open.
         """
+        sizes = await self._read_checked(keys, addresses, lengths, exact=True)
+        return tuple(n > 0 for n in sizes)
+
+    async def read_into(self, keys: Sequence[Key], addresses: Sequence[int], room: Sequence[int]) -> tuple[int, ...]:
+        """Read each key's block, of any size up to ``room[i]``, into ``addresses[i]``; returns, per key,
+        the bytes that arrived (0: a miss, as with ``read()``; a block larger than its room is one).
+
+        For a caller that does not know a block's size before it arrives (a store whose blocks
+        may be shorter than a slot).
+
+        :raises ValueError: as ``read()``, with ``room`` for ``lengths``.
+        :raises TypeError: a key is neither bytes nor int.
+        :raises TierClosedError: the tier is not open.
+        """
+        return await self._read_checked(keys, addresses, room, exact=False)
+
+    async def _read_checked(
+        self, keys: Sequence[Key], addresses: Sequence[int], lengths: Sequence[int] | None, *, exact: bool
+    ) -> tuple[int, ...]:
         self.check_open()
         if lengths is None:
             lengths = [self.block_size] * len(keys)
@@ -436,10 +498,10 @@ class MooncakeTier(Owner):
             return ()
         if not self._available:
             self._counts["misses"] += len(names)
-            return (False,) * len(names)
-        return await finish(self._read(names, addresses, lengths))
+            return (0,) * len(names)
+        return await finish(self._read(names, addresses, lengths, exact))
 
-    async def _read(self, names: list[str], addresses: list[int], lengths: list[int]) -> tuple[bool, ...]:
+    async def _read(self, names: list[str], addresses: list[int], lengths: list[int], exact: bool) -> tuple[int, ...]:
         shares = self._shares(list(range(len(names))))
         calls: list[Call] = [
             (
@@ -449,15 +511,15 @@ class MooncakeTier(Owner):
             )
             for share in shares
         ]
-        got = [False] * len(names)
+        got = [0] * len(names)
         c = self._counts
         for share, outcome in zip(shares, await self._run(calls), strict=True):
             if not isinstance(outcome, list):
                 continue
             failed: list[int] = []
             for i, n in zip(share, outcome, strict=True):
-                if n == lengths[i]:
-                    got[i] = True
+                if n == lengths[i] or (not exact and 0 < n < lengths[i]):
+                    got[i] = n
                     c["bytes_read"] += n
                 elif n >= 0:
                     c["size_mismatches"] += 1
@@ -466,7 +528,7 @@ class MooncakeTier(Owner):
                     if n not in _client.SAFE_GET:
                         self._poison(((addresses[i], lengths[i]),), f"a get failed with code {n}")
             self._check_codes([n for n in failed if n != _client.OBJECT_NOT_FOUND], "get")
-        hits = sum(got)
+        hits = sum(1 for n in got if n)
         c["hits"] += hits
         c["misses"] += len(got) - hits
         return tuple(got)
@@ -514,11 +576,11 @@ class MooncakeTier(Owner):
         start = next(self._next)
         client = self._client
         futures: list[tuple[Worker, asyncio.Future[Any]]] = []
-        for i, (method, args, _) in enumerate(calls):
+        for i, (method, args, regions) in enumerate(calls):
             worker = workers[(start + i) % len(workers)]
             future = worker.submit(getattr(client, method), *args)
-            self._inflight.add(future)
-            future.add_done_callback(self._inflight.discard)
+            self._inflight[future] = regions
+            future.add_done_callback(self._returned)
             futures.append((worker, future))
         self._busy += len(futures)
         try:
@@ -539,6 +601,9 @@ class MooncakeTier(Owner):
             else:
                 out.append(future.result())
         return out
+
+    def _returned(self, future: asyncio.Future[Any]) -> None:
+        self._inflight.pop(future, None)
 
     def _hold(self, worker: Worker, future: asyncio.Future[Any], regions: tuple[Region, ...], method: str) -> None:
         """A call that did not return in time: hold its memory until it does, and retire its thread."""

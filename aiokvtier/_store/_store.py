@@ -44,13 +44,14 @@ from ._events import EventHub, EventSubscription
 from ._index import I64, NO_IDS, READY, U64, BlockIndex, require
 from ._keys import Key, NotCanonical, canonical, key_list, key_of, key_seq, keys_of
 from ._policy import EvictionPolicy, has_repeats, make_policy
-from ._spill import Spill
+from ._spill import Source, Spill
 from ._transfers import Pages, Started, Transfers
 
 if TYPE_CHECKING:
     from .._copy._engine import CopyEngine
     from .._disk._tier import DiskStatistics, DiskTier
     from .._host._tier import HostTier
+    from .._mooncake._tier import MooncakeStatistics, MooncakeTier
 
 __all__ = ["BlockStore", "StoreResult", "StoreStatistics"]
 
@@ -113,6 +114,14 @@ class StoreStatistics:
     """Blocks written to the disk tier (admitted after ``admit_after`` load hits)."""
     disk: DiskStatistics | None = None
     """The disk tier's own figures; None without one."""
+    remote_hits: int = 0
+    """Keys ``lookup_remote`` found only on the Mooncake tier past the local prefix."""
+    remote_fetched: int = 0
+    """Blocks a ``load`` brought from the Mooncake tier into the host tier."""
+    remote_written: int = 0
+    """Blocks written to the Mooncake tier (admitted after ``admit_after`` load hits)."""
+    remote: MooncakeStatistics | None = None
+    """The Mooncake tier's own figures; None without one."""
 
 
 class _Own:
@@ -132,8 +141,8 @@ _Start = Callable[[I64, Pages, Sequence[Key]], Started]
 """Queue the copy of a call's blocks (``keys``, as ``pages``) into the slots taken for them."""
 
 
-class _DiskMiss(Exception):
-    """A block the disk tier held came back as a miss (a read error, a failed checksum)."""
+class _LowerMiss(Exception):
+    """A block a lower tier held came back as a miss (a read error, a failed checksum, gone meanwhile)."""
 
     def __init__(self, key: Key) -> None:
         self.key = key
@@ -184,7 +193,13 @@ class BlockStore(Owner):
         times are written back to it in the background, ``lookup`` counts the
         keys it holds past the host prefix, and ``load`` brings blocks found
         only there back into host slots before it copies them out.
-    :param admit_after: load hits that admit a block to the disk tier.
+    :param remote: an open [``MooncakeTier``][aiokvtier.MooncakeTier] below the host (and disk)
+        tier, its ``block_size`` the slot size: admitted blocks are written to it too (in the
+        background), ``lookup_remote`` counts the keys it holds past the local prefix, and ``load``
+        brings blocks found only there into host slots. The store registers the host tier's slots
+        with it at open and unregisters them at close. Its calls are network calls: ``lookup``
+        never asks it, and while it is unavailable it is skipped, never an error.
+    :param admit_after: load hits that admit a block to the tiers below.
     """
 
     def __init__(
@@ -195,6 +210,7 @@ class BlockStore(Owner):
         *,
         event_limit: int = 1024,
         disk: DiskTier | None = None,
+        remote: MooncakeTier | None = None,
         admit_after: int = 2,
     ) -> None:
         if not isinstance(policy, str | EvictionPolicy):
@@ -204,6 +220,7 @@ class BlockStore(Owner):
         if type(admit_after) is not int or admit_after < 1:
             raise ValueError(f"admit_after must be a positive int, got {admit_after!r}")
         self._disk = disk
+        self._remote = remote
         self._admit_after = admit_after
         self._spill: Spill | None = None
         self._tier = tier
@@ -232,6 +249,7 @@ class BlockStore(Owner):
                 "bytes_stored",
                 "bytes_loaded",
                 "disk_hits",
+                "remote_hits",
             ),
             0,
         )
@@ -247,14 +265,17 @@ class BlockStore(Owner):
         *,
         event_limit: int = 1024,
         disk: DiskTier | None = None,
+        remote: MooncakeTier | None = None,
         admit_after: int = 2,
     ) -> BlockStore:
         """Open a store over an open tier.
 
-        :raises TierClosedError: the tier (or the engine, or the disk tier) is not open.
-        :raises ValueError: an unknown policy name, or a disk tier whose block size is not the slot size.
+        :raises TierClosedError: the tier (or the engine, the disk or the Mooncake tier) is not open.
+        :raises ValueError: an unknown policy name, a disk or Mooncake tier whose block size is not the
+            slot size, or a disk and a Mooncake tier of different fingerprints.
+        :raises MooncakeError: the Mooncake tier refused to register the host tier's slots.
         """
-        store = cls(tier, engine, policy, event_limit=event_limit, disk=disk, admit_after=admit_after)
+        store = cls(tier, engine, policy, event_limit=event_limit, disk=disk, remote=remote, admit_after=admit_after)
         await store.__aenter__()
         return store
 
@@ -262,19 +283,29 @@ class BlockStore(Owner):
         self._tier.check_open()
         if self._engine_given is not None:
             self._engine_given.check_open()
-        if self._disk is not None:
-            self._disk.check_open()
-            if self._disk.block_size != self._tier.slot_size:
+        disk, remote = self._disk, self._remote
+        for name, lower in (("disk", disk), ("Mooncake", remote)):
+            if lower is None:
+                continue
+            lower.check_open()
+            if lower.block_size != self._tier.slot_size:
                 raise ValueError(
-                    f"the disk tier's blocks are {self._disk.block_size} bytes, the tier's slots "
+                    f"the {name} tier's blocks are {lower.block_size} bytes, the tier's slots "
                     f"{self._tier.slot_size}: they must be the same"
                 )
-            busy = (self._enter_quietly, self._exit)
-            self._spill = Spill(self._disk, self._tier, self._index, self._admit_after, busy)
+        if disk is not None and remote is not None and disk.fingerprint != remote.fingerprint:
+            raise ValueError(
+                f"the disk tier's fingerprint {disk.fingerprint!r} is not the Mooncake tier's "
+                f"{remote.fingerprint!r}: their blocks would not be the same blocks"
+            )
         capacity = self._tier.slots_total
         self._index.attach(make_policy(self._policy_arg, capacity), capacity)
         self._idle = asyncio.Event()
         self._idle.set()
+        if disk is not None or remote is not None:
+            busy = (self._enter_quietly, self._exit)
+            self._spill = Spill(disk, remote, self._tier, self._index, self._admit_after, busy)
+            await self._spill.cover()  # last: nothing after it can fail the open
 
     async def _teardown(self) -> None:
         if self._idle is not None:
@@ -283,6 +314,8 @@ class BlockStore(Owner):
             await self._spill.drain()  # blocks being written back stay pinned until then
         self._events.close()
         self._index.release_all()  # the blocks go with the store; the tier stays the owner's
+        if self._spill is not None:
+            await self._spill.uncover()
         await self._life.run_undo()
 
     async def aclose(self) -> None:
@@ -367,14 +400,45 @@ class BlockStore(Owner):
         """How many leading keys are stored (a prefix hit); touches them. Never blocks.
 
         With a disk tier, the prefix goes on through the keys it holds (a
-        ``load`` of them brings them back).
+        ``load`` of them brings them back). The Mooncake tier is not asked
+        (a network call): ``lookup_remote`` does.
 
         :raises TypeError: a key is not bytes-like or an int (a bool, a str).
         :raises TierClosedError: the store is closed.
         """
         self._check_open()
-        index = self._index
         keys = key_seq(keys)
+        found = self._lookup_local(keys)
+        self._counts["misses"] += len(keys) - found
+        return found
+
+    async def lookup_remote(self, keys: Sequence[object]) -> int:
+        """``lookup``, then the Mooncake tier: how many leading keys some tier holds (a ``load`` of
+        them brings those found only below back). Touches the host tier's prefix.
+
+        The Mooncake tier is asked about the keys past the local prefix that neither the host nor
+        the disk tier holds, in one call bounded by its ``timeout``; while it is unavailable (or
+        without one) this is ``lookup``. A block found there may be gone by the ``load``: a
+        ``BlockNotFound`` then. Cancellation: nothing to undo (nothing is claimed).
+
+        :raises TypeError: a key is not bytes-like or an int (a bool, a str).
+        :raises TierClosedError: the store is closed.
+        """
+        self._check_open()
+        keys = key_seq(keys)
+        found = self._lookup_local(keys)
+        more = 0
+        try:
+            if self._spill is not None and found < len(keys):
+                more = await self._spill.remote_more(keys, found)
+        finally:
+            self._counts["remote_hits"] += more
+            self._counts["misses"] += len(keys) - found - more
+        return found + more
+
+    def _lookup_local(self, keys: Sequence[Key]) -> int:
+        """The prefix found in the host tier, then on through the disk tier; counted, misses aside."""
+        index = self._index
         slots = index.slots(keys)
         misses = np.flatnonzero(~index.ready(slots))
         hits = int(misses[0]) if misses.size else len(keys)
@@ -385,11 +449,11 @@ class BlockStore(Owner):
         counts["hits"] += hits
         more = 0 if self._spill is None else self._spill.lookup_more(keys, hits)
         counts["disk_hits"] += more
-        counts["misses"] += len(keys) - hits - more
         return hits + more
 
     def statistics(self) -> StoreStatistics:
         c = self._counts
+        spill = self._spill
         return StoreStatistics(
             policy=self._policy_arg if isinstance(self._policy_arg, str) else self._policy_arg.name,
             blocks=self._index.visible,
@@ -409,9 +473,13 @@ class BlockStore(Owner):
             in_flight=self._in_flight,
             subscribers=len(self._events),
             disk_hits=c["disk_hits"],
-            promoted=0 if self._spill is None else self._spill.promoted,
-            written_back=0 if self._spill is None else self._spill.written_back,
+            promoted=0 if spill is None or spill.disk_source is None else spill.disk_source.brought,
+            written_back=0 if spill is None else spill.written("disk"),
             disk=None if self._disk is None else self._disk.statistics(),
+            remote_hits=c["remote_hits"],
+            remote_fetched=0 if spill is None or spill.remote_source is None else spill.remote_source.brought,
+            remote_written=0 if spill is None else spill.written("Mooncake"),
+            remote=None if self._remote is None else self._remote.statistics(),
         )
 
     def events(self) -> EventSubscription:
@@ -844,8 +912,7 @@ class BlockStore(Owner):
             call.own = [o for o in call.own if id(o) not in done]
             index.unpin(np.asarray(doomed, dtype=np.int64))
             if keys:
-                self._counts["evictions"] += len(keys)
-                self._events.publish("evicted", tuple(keys))
+                self._evicted(keys)  # their hit counts (and what the Mooncake lane sent) go too
             self._counts["skipped"] += len(done)
 
     async def _take_slots(self, n: int, wait: bool, taken: list[I64], vet: Callable[[], None]) -> None:
@@ -920,10 +987,14 @@ class BlockStore(Owner):
         block copies the length it was stored with.
 
         :raises BlockNotFound: a key is not stored (the first missing one is
-            named); nothing is copied. With a disk tier, blocks in the host tier
-            are copied while the others come back from disk: a block the disk
-            tier cannot give back intact raises this once the others landed.
-        :raises ValueError: a destination page shorter than its block, a
+            named); nothing is copied. With a disk or Mooncake tier, blocks in
+            the host tier are copied while the others come back from below (a
+            key the disk tier does not hold is asked of the Mooncake tier, unless
+            it is unavailable): a block that does not come back intact (or, from
+            the Mooncake tier, at all) raises this once the others landed; the
+            blocks that did come back stay in the host tier.
+        :raises ValueError: a destination page shorter than its block (for a
+            block from the Mooncake tier, known once it arrived), a
             read-only destination, pages that do not match the keys, a
             destination page in a block of this store (its own tier's slots).
         :raises TypeError: a key that is not bytes-like or an int.
@@ -943,16 +1014,20 @@ class BlockStore(Owner):
         ready = index.ready(index.slots(keys) if slots is None else slots)
         absent = np.flatnonzero(~ready)
         spill = self._spill
-        if spill is None or spill.disk.closed:
+        if spill is None:
             raise BlockNotFound(keys[int(absent[0])])
+        # The blocks in the host tier are copied out while the rest come back from below, in one
+        # batch per tier: the disk tier's, then the Mooncake tier's.
+        below: dict[Source, list[int]] = {}
         for i in absent.tolist():
-            if keys[i] not in spill.disk:
-                raise BlockNotFound(keys[i])
-        # The blocks in the host tier are copied out while the rest come back from disk.
+            below.setdefault(spill.source_of(keys[i]), []).append(i)
         pages = transfers.pages(dst, len(keys), writable=True)
         present = np.flatnonzero(ready)
-        disk_lengths = np.asarray([spill.disk.length(keys[i]) for i in absent.tolist()], dtype=np.uint64)
-        self._check_lengths(keys, absent, pages.lengths[absent], disk_lengths)
+        batches = [(source, np.asarray(ids, dtype=np.int64)) for source, ids in below.items()]
+        for source, ids in batches:
+            lengths = np.asarray(source.lengths([keys[i] for i in ids.tolist()]), dtype=np.uint64)
+            if source is spill.disk_source:  # a Mooncake block's length is known once it arrived
+                self._check_lengths(keys, ids, pages.lengths[ids], lengths)
         # In flight from the first promotion to the end of every copy: a close that begins meanwhile waits
         # for all of it (the copies' own entries would find the store closing).
         self._enter()
@@ -962,18 +1037,19 @@ class BlockStore(Owner):
                 here = [keys[i] for i in present.tolist()]
                 held = self._begin_load(here, slots_of(index, keys, present), pages.take(present), after, inside=True)
             try:
-                await self._load_from_disk([keys[i] for i in absent.tolist()], pages.take(absent), after)
+                for source, ids in batches:
+                    await self._load_from(source, [keys[i] for i in ids.tolist()], pages.take(ids), after)
             finally:
                 if held is not None:
                     await finish(held)
         finally:
             self._exit()
 
-    async def _load_from_disk(self, keys: list[Key], pages: Pages, after: Any) -> None:
-        """Bring ``keys`` back from the disk tier into host slots, then copy them into ``pages``."""
+    async def _load_from(self, source: Source, keys: list[Key], pages: Pages, after: Any) -> None:
+        """Bring ``keys`` back from a lower tier into host slots, then copy them into ``pages``."""
         index = self._index
         for _ in range(3):  # promoted blocks may be evicted by concurrent stores before the copy starts
-            await self._promote(list(dict.fromkeys(keys)))
+            await self._promote(source, list(dict.fromkeys(keys)))
             slots = index.slots_of_all(keys)
             if slots is not None and (index.state[slots] == READY).all():
                 await self._begin_load(keys, slots, pages, after, inside=True)
@@ -1041,40 +1117,34 @@ class BlockStore(Owner):
         if self._spill is not None:
             self._spill.loaded(keys)
 
-    async def _promote(self, keys: list[Key]) -> None:
-        """Store ``keys`` (absent from the host tier) from the disk tier into host slots.
+    async def _promote(self, source: Source, keys: list[Key]) -> None:
+        """Store ``keys`` (absent from the host tier) from a lower tier into host slots.
 
-        :raises BlockNotFound: a key the disk tier does not hold, or whose block it could not read
-            back (a read error, a failed checksum: dropped there), or found no room in the host tier.
+        :raises BlockNotFound: a key the tier does not hold, or whose block it could not give back
+            (a read error, a failed checksum, gone meanwhile), or found no room in the host tier.
         """
-        spill = self._spill
-        assert spill is not None
-        disk = spill.disk
-        lengths = []
-        for key in keys:
-            if disk.closed or key not in disk:  # a closed disk tier holds nothing any more
-                raise BlockNotFound(key)
-            lengths.append(disk.length(key))
-        source = Pages(np.zeros(len(keys), dtype=np.uint64), np.asarray(lengths, dtype=np.uint64), [])
+        index = self._index
+        lengths = source.lengths(keys)
+        from_below = Pages(np.zeros(len(keys), dtype=np.uint64), np.asarray(lengths, dtype=np.uint64), [])
+        surplus = 0  # bytes booked past what arrived, counted as stored when the blocks were booked
 
-        def from_disk(slots: I64, pages: Pages, chosen: Sequence[Key]) -> Started:
+        def start(slots: I64, pages: Pages, chosen: Sequence[Key]) -> Started:
             async def read() -> None:
-                # The slots were booked with the lengths seen above; the disk tier may have closed, or
-                # dropped or rewritten a block, while they were taken. (read() sees the same index.)
-                for key, length in zip(chosen, pages.lengths.tolist(), strict=True):
-                    if disk.closed or key not in disk or disk.length(key) != length:
-                        raise _DiskMiss(key)
-                arrived = await disk.read(list(chosen), self._tier.slot_addresses(slots).tolist())
-                if not all(arrived):
-                    raise _DiskMiss(chosen[arrived.index(False)])
+                nonlocal surplus
+                sizes = await source.fill(chosen, slots, pages.lengths.tolist())
+                index.length[slots] = sizes  # booked before (a Mooncake block's size is known only now)
+                if not all(sizes):
+                    raise _LowerMiss(chosen[sizes.index(0)])
+                surplus += int(pages.lengths.sum()) - sum(sizes)
 
             return (None, asyncio.ensure_future(read()))
 
         try:  # the caller (a load) is in flight meanwhile
-            result = await self._store(keys, source, None, True, True, start=from_disk)
-        except _DiskMiss as miss:
+            result = await self._store(keys, from_below, None, True, True, start=start)
+        except _LowerMiss as miss:
             raise BlockNotFound(miss.key) from None
-        spill.promoted += len(result.stored)
+        self._counts["bytes_stored"] -= surplus
+        source.brought += len(result.stored)
         if result.skipped:
             raise BlockNotFound(result.skipped[0])
 
@@ -1084,7 +1154,10 @@ class BlockStore(Owner):
         """Drop blocks; unknown keys (and keys still being stored) are ignored. Returns how many were dropped.
 
         A block a load is reading disappears at once and its slot is given
-        back when the load is done.
+        back when the load is done. The keys are dropped from the disk tier
+        too, and from the Mooncake tier in the background (the store's close
+        waits for that; Mooncake keeps a block under its lease, about 10 s
+        after any client's put, get or lookup of it, and offline it drops nothing).
 
         :raises TypeError: a key that is not bytes-like or an int.
         """
@@ -1097,9 +1170,7 @@ class BlockStore(Owner):
             hit.sort()
         dropped = keys if len(hit) == len(keys) else [keys[i] for i in hit.tolist()]
         if self._spill is not None:
-            self._spill.forget(keys)
-            if not self._spill.disk.closed:
-                self._spill.disk.discard(keys)  # a discarded block is wrong or unwanted everywhere
+            self._spill.discard(keys)  # a discarded block is wrong or unwanted everywhere
         if not dropped:
             return 0
         self._index.discard(slots[hit], dropped)

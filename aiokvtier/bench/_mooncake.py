@@ -7,6 +7,13 @@ host tier slots and the store, through the same client: the baseline is one
 engine calling Mooncake directly does; the tier splits the batch over its
 threads, checks sizes and counts. Rounds alternate between the arms, each
 round under fresh keys (removed after it); medians are reported.
+
+A third arm loads the tier's blocks through a ``BlockStore`` over another
+host tier (``remote=`` the same tier), into a numpy array: each block comes
+from the cluster into a store slot, then is copied out, the previous round's
+blocks evicted for room (``store_get``); the same load again, now host hits,
+is the copy out alone (``store_hit``). Its baseline is the tier's own get
+followed by that copy: ``store_get_ratio`` is their time over ``store_get``'s.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from .._config import HostTierConfig, MooncakeTierConfig
 from .._host._tier import HostTier
 from .._mooncake import _client
 from .._mooncake._tier import MooncakeTier
+from .._store._store import BlockStore
 from ._common import median
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -72,9 +80,18 @@ async def _run(rpc: int, http: int, n: int, rounds: int) -> dict[str, Any]:
     host_config = HostTierConfig.model_validate(
         {"quota": 2 * total, "max_quota": 2 * total, "slot_size": BLOCK, "fill_threads": 2}
     )
-    samples: dict[str, list[float]] = {k: [] for k in ("raw_put", "raw_get", "tier_put", "tier_get")}
-    async with HostTier(host_config) as host, MooncakeTier(config, block_size=BLOCK, fingerprint="bench") as tier:
+    near_config = HostTierConfig.model_validate({"quota": total, "max_quota": total, "slot_size": BLOCK})
+    arms = ("raw_put", "raw_get", "tier_put", "tier_get", "store_get", "store_hit")
+    samples: dict[str, list[float]] = {k: [] for k in arms}
+    out = np.empty((n, BLOCK), dtype=np.uint8)
+    async with (
+        HostTier(host_config) as host,
+        MooncakeTier(config, block_size=BLOCK, fingerprint="bench") as tier,
+        HostTier(near_config) as near,
+        BlockStore(near, remote=tier) as store,
+    ):
         await host.wait_resident()
+        await near.wait_resident()
         await tier.register(host.base_address, 2 * total)
         src, dst = await host.allocate(n), await host.allocate(n)
         rng = np.random.default_rng(7)
@@ -103,13 +120,21 @@ async def _run(rpc: int, http: int, n: int, rounds: int) -> dict[str, Any]:
             ok = await tier.read(keys, dst_addresses)
             tier_get = time.perf_counter() - started
             assert all(ok), tier.statistics()
+            started = time.perf_counter()
+            await store.load(keys, out)  # only in the cluster: into the store's slots, then out
+            store_get = time.perf_counter() - started
+            assert store.statistics().remote_fetched == (r + 1) * n, store.statistics()
+            started = time.perf_counter()
+            await store.load(keys, out)  # now host hits: the copy out alone
+            store_hit = time.perf_counter() - started
             # force: past the lease a put or get gives every block
             await asyncio.to_thread(client.batch_remove, raw_names + tier.keys.names(keys), True)
             if r:  # the first round warms the threads and the segment
-                for name, value in zip(samples, (raw_put, raw_get, tier_put, tier_get), strict=True):
+                measured = (raw_put, raw_get, tier_put, tier_get, store_get, store_hit)
+                for name, value in zip(samples, measured, strict=True):
                     samples[name].append(value)
-        for slot_a, slot_b in zip(src[:8], dst[:8], strict=True):
-            assert bytes(host.view(slot_a)) == bytes(host.view(slot_b)), "a block came back wrong"
+        for i, (slot_a, slot_b) in enumerate(zip(src[:8], dst[:8], strict=True)):
+            assert bytes(host.view(slot_a)) == bytes(host.view(slot_b)) == out[i].tobytes(), "a block came back wrong"
     gbps = {k: round(total / median(v) / 1e9, 3) for k, v in samples.items()}
     return {
         "block_bytes": BLOCK,
@@ -118,6 +143,9 @@ async def _run(rpc: int, http: int, n: int, rounds: int) -> dict[str, Any]:
         "gb_per_s": gbps,
         "put_ratio": round(gbps["tier_put"] / gbps["raw_put"], 3),
         "get_ratio": round(gbps["tier_get"] / gbps["raw_get"], 3),
+        "store_get_ratio": round(
+            (median(samples["tier_get"]) + median(samples["store_hit"])) / median(samples["store_get"]), 3
+        ),
     }
 
 

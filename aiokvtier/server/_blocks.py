@@ -10,10 +10,11 @@ from typing import Any, Literal, Protocol
 from prometheus_client.registry import Collector
 
 from .. import metrics
-from .._config import DiskTierConfig, HostTierConfig
+from .._config import DiskTierConfig, HostTierConfig, MooncakeTierConfig
 from .._disk._tier import DiskTier
 from .._errors import BlockNotFound
 from .._host._tier import HostTier
+from .._mooncake._tier import MooncakeTier
 from .._pool._client import AttachedPool
 from .._store._store import BlockStore
 
@@ -49,20 +50,32 @@ class StoreBlocks:
     tier: HostTier
     store: BlockStore
     disk: DiskTier | None = None
+    remote: MooncakeTier | None = None
 
-    def __init__(self, config: HostTierConfig, policy: str, disk: DiskTierConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: HostTierConfig,
+        policy: str,
+        disk: DiskTierConfig | None = None,
+        remote: MooncakeTierConfig | None = None,
+    ) -> None:
         self.config = config
         self.policy = policy
         self.slot_size = int(config.slot_size)
         self.disk_config = disk
+        self.remote_config = remote
 
     async def open(self) -> None:
         self.tier = await HostTier.open(self.config)  # returns once the fill has started, not when resident
         try:
+            fingerprint = f"aiokvtier-server/{self.slot_size}"  # blocks are opaque bytes of one slot size
             if self.disk_config is not None:
-                fingerprint = f"aiokvtier-server/{self.slot_size}"  # blocks are opaque bytes of one slot size
                 self.disk = await DiskTier.open(self.disk_config, block_size=self.slot_size, fingerprint=fingerprint)
-            self.store = await BlockStore.open(self.tier, None, policy=self.policy, disk=self.disk)
+            if self.remote_config is not None:
+                self.remote = await MooncakeTier.open(
+                    self.remote_config, block_size=self.slot_size, fingerprint=fingerprint
+                )
+            self.store = await BlockStore.open(self.tier, None, policy=self.policy, disk=self.disk, remote=self.remote)
         except BaseException:
             await self.aclose()
             raise
@@ -73,8 +86,9 @@ class StoreBlocks:
                 await self.store.aclose()
         finally:
             try:
-                if self.disk is not None:
-                    await self.disk.aclose()
+                for below in (self.remote, self.disk):
+                    if below is not None:
+                        await below.aclose()
             finally:
                 if "tier" in self.__dict__:
                     await self.tier.aclose()
@@ -89,10 +103,16 @@ class StoreBlocks:
 
     async def get(self, key: bytes) -> bytes | None:
         try:
-            if key not in self.store and self.disk is not None and key in self.disk:
-                buffer = bytearray(self.disk.length(key))  # loaded back through a host slot
-            else:
+            if key in self.store:
                 buffer = bytearray(self.store.length(key))
+            elif self.disk is not None and key in self.disk:
+                buffer = bytearray(self.disk.length(key))  # loaded back through a host slot
+            elif self.remote is not None:
+                buffer = bytearray(self.slot_size)  # its length is known once it is in a host slot
+                await self.store.load([key], [buffer])
+                return bytes(buffer[: self.store.length(key)])  # no await since the load: still there
+            else:
+                return None
             await self.store.load([key], [buffer])  # checks the key before its first await
         except (BlockNotFound, KeyError):
             return None
@@ -102,16 +122,18 @@ class StoreBlocks:
         return self.store.discard([key]) == 1
 
     async def lookup(self, keys: list[bytes]) -> int:
-        return self.store.lookup(keys)
+        return await self.store.lookup_remote(keys) if self.remote is not None else self.store.lookup(keys)
 
     async def stats(self) -> dict[str, Any]:
         tier, store = self.tier.statistics(), self.store.statistics()
-        return {"tier": dataclasses.asdict(tier), "store": dataclasses.asdict(store)}  # the store's has the disk's
+        return {"tier": dataclasses.asdict(tier), "store": dataclasses.asdict(store)}  # with the tiers below
 
     def collectors(self) -> list[Collector]:
         found: list[Collector] = [metrics.TierCollector(self.tier), metrics.StoreCollector(self.store)]
         if self.disk is not None:
             found.append(metrics.DiskCollector(self.disk))
+        if self.remote is not None:
+            found.append(metrics.MooncakeCollector(self.remote))
         return found
 
 

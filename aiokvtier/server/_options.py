@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from .._config import HostTierConfig
+from .._config import HostTierConfig, MooncakeTierConfig
 
 __all__ = ["build_parser", "parse"]
 
@@ -117,10 +118,70 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
     parser.add_argument(
         "--disk-quota", type=size, default="64GiB", metavar="SIZE", help="bytes of the disk tier (with --disk-path)"
     )
+    parser.add_argument(
+        "--mooncake-master",
+        metavar="HOST:PORT",
+        help="a Mooncake Store tier below the host (and disk) tier, through this mooncake_master "
+        "(blocks hit twice are written there; docs/mooncake.md)",
+    )
+    parser.add_argument(
+        "--mooncake-metadata-server",
+        metavar="URL",
+        help="the cluster's metadata server (default: http://HOST:8080/metadata, the master's own)",
+    )
+    parser.add_argument(
+        "--mooncake-local-hostname",
+        metavar="HOST",
+        help="where other Mooncake clients reach this one (default: the address this host reaches the master from)",
+    )
+    parser.add_argument(
+        "--mooncake-segment-size",
+        type=size,
+        default="1GiB",
+        metavar="SIZE",
+        help="host memory this server gives the cluster's pool (with --mooncake-master)",
+    )
     # A worker of --workers: the pool to attach to and the listening socket it inherits.
     parser.add_argument("--attach", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--listen-fd", type=int, metavar="FD", help=argparse.SUPPRESS)
     return parser
+
+
+def mooncake_config(parser: Parser, args: argparse.Namespace) -> MooncakeTierConfig:
+    """The Mooncake tier ``--mooncake-*`` describe.
+
+    :raises SystemExit: 2 after one line naming the option at fault.
+    """
+    if args.workers > 1 or args.plain_dict:
+        parser.error(
+            "argument --mooncake-master: a Mooncake tier goes under one process's store (no --workers, no --plain-dict)"
+        )
+    host, _, port = str(args.mooncake_master).rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"argument --mooncake-master: {args.mooncake_master!r} is not HOST:PORT")
+    values = {
+        "master": args.mooncake_master,
+        "metadata_server": args.mooncake_metadata_server or f"http://{host}:8080/metadata",
+        "local_hostname": args.mooncake_local_hostname or _address_towards(host.strip("[]"), int(port)),
+        "segment_size": args.mooncake_segment_size,
+    }
+    try:
+        return MooncakeTierConfig(**values)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = str(first["loc"][0]).replace("_", "-") if first["loc"] else "master"
+        parser.error(f"argument --mooncake-{field}: {first['msg'].removeprefix('Value error, ')}")
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This host's address on the route to ``host`` (a UDP socket's connect sends nothing)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            return str(probe.getsockname()[0])
+    except OSError:  # no route (yet): let the tier's open say what is wrong
+        return socket.gethostname()
 
 
 def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[argparse.Namespace, HostTierConfig]:
@@ -146,6 +207,7 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
         parser.error("argument --disk-path: a disk tier goes under one process's store (no --workers, no --plain-dict)")
     if args.disk_path is not None and not os.path.isdir(args.disk_path):
         parser.error(f"argument --disk-path: {args.disk_path} is not a directory")
+    args.mooncake = None if args.mooncake_master is None else mooncake_config(parser, args)
     if (args.attach is None) != (args.listen_fd is None):
         parser.error("argument --attach: a worker takes --attach and --listen-fd together")
     try:

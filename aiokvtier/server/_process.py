@@ -150,7 +150,7 @@ def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
         disk = None
         if args.disk_path is not None:
             disk = DiskTierConfig(quota=args.disk_quota, path=args.disk_path)
-        blocks = StoreBlocks(config, args.policy, disk)
+        blocks = StoreBlocks(config, args.policy, disk, args.mooncake)
     service = Service(blocks)
     uv = uvicorn.Config(
         service.app(),
