@@ -1,0 +1,347 @@
+"""aiokvtier.integrations.sglang: SGLang's HiCache storage, with SGLang's own classes (skipped without SGLang)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+except ImportError:
+    pytest.skip("sglang is not installed (pip install 'aiokvtier[sglang]')", allow_module_level=True)
+
+from aiokvtier import AttachedPool, ConfigError, PoolError, TierClosedError
+from aiokvtier.integrations.sglang import HiCacheAiokvtier
+
+from .sglang_instance import digests, fill_pages, make_host_pool, make_storage, storage_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TIER = {"tier": {"quota": "64MiB", "slot_size": "16KiB"}}
+"""A process-local tier whose slots are half a span (page_first: 32 KiB): a span is two blocks."""
+
+
+def keys_of(name: str, n: int) -> list[str]:
+    return [f"{name}-{i:060d}" for i in range(n)]
+
+
+def sglang_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "aiokvtier-sglang"]
+
+
+@pytest.fixture
+def pool_path(tmp_path: Path) -> Iterator[str]:
+    """A pool owner process (64 KiB slots, 256 MiB)."""
+    path = str(tmp_path / "pool.sock")
+    owner = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "pool_owner.py"), "asyncio", path, "256MiB"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert owner.stdout is not None and owner.stdin is not None
+    assert json.loads(owner.stdout.readline())["event"] == "serving"
+    try:
+        yield path
+    finally:
+        owner.stdin.close()
+        assert owner.wait(timeout=30) == 0
+
+
+def pool_statistics(path: str) -> Any:
+    async def read() -> Any:
+        async with AttachedPool(path) as pool:
+            return await pool.statistics()
+
+    return asyncio.run(read())
+
+
+# -- conformance -------------------------------------------------------------------------
+
+
+def test_sglang_creates_it_from_its_dynamic_backend_config() -> None:
+    host = make_host_pool()
+    storage = make_storage(host, TIER)
+    try:
+        assert type(storage) is HiCacheAiokvtier  # made by SGLang's factory, not a wrapper of it
+        assert isinstance(storage, HiCacheStorage)
+        assert not HiCacheAiokvtier.__abstractmethods__
+        for name in ("batch_get_v1", "batch_set_v1", "batch_exists", "get", "set", "batch_get", "batch_set"):
+            assert getattr(HiCacheAiokvtier, name) is not getattr(HiCacheStorage, name), name
+        assert sglang_threads() == ["aiokvtier-sglang"]
+    finally:
+        storage.close()
+    assert sglang_threads() == []
+    storage.close()  # idempotent
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+def test_v1_round_trip_is_bit_exact_through_the_host_pool(layout: str) -> None:
+    host = make_host_pool(layout)
+    storage = make_storage(host, TIER)
+    try:
+        keys = keys_of(layout, 8)
+        src = host.alloc(8 * host.page_size)
+        fill_pages(host, src, seed=7)
+        assert storage.batch_set_v1(keys, src) == [True] * 8
+        assert storage.batch_set_v1(keys[:2], src[: 2 * host.page_size]) == [True] * 2  # already present
+        assert storage.batch_exists(keys) == 8
+        assert storage.batch_exists([*keys, "missing"]) == 8
+        assert storage.batch_exists(["missing", *keys]) == 0
+        assert storage.exists(keys[3]) and not storage.exists("missing")
+
+        dst = host.alloc(8 * host.page_size)
+        assert storage.batch_get_v1(keys, dst) == [True] * 8
+        assert digests(host, dst) == digests(host, src)
+
+        # A missing page ends the prefix: it and the pages after it are not loaded.
+        mixed = [*keys[:3], "missing", *keys[3:5]]
+        dst2 = host.alloc(6 * host.page_size)
+        assert storage.batch_get_v1(mixed, dst2) == [True, True, True, False, False, False]
+        assert digests(host, dst2)[:3] == digests(host, src)[:3]
+    finally:
+        storage.close()
+
+
+def test_flat_pages_and_addresses_round_trip() -> None:
+    host = make_host_pool()
+    storage = make_storage(host, TIER, v1=False)  # SGLang's generic path: flat page tensors
+    try:
+        keys = keys_of("flat", 4)
+        src = host.alloc(4 * host.page_size)
+        fill_pages(host, src, seed=3)
+        pages = [host.get_data_page(int(src[i * host.page_size]), flat=True) for i in range(4)]
+        assert storage.batch_set(keys, pages)
+        assert storage.batch_exists(keys) == 4 and storage.exists(keys[0])
+        targets = [host.get_dummy_flat_data_page() for _ in range(5)]
+        got = storage.batch_get([*keys, "missing"], targets)
+        assert got[4] is None
+        for page, out in zip(pages, got[:4], strict=True):
+            assert bytes(out.view(torch.uint8).numpy()) == bytes(page.contiguous().view(torch.uint8).numpy())
+        assert storage.get("missing", host.get_dummy_flat_data_page()) is None
+        assert storage.set("one", pages[0]) and storage.get("one", targets[0]) is targets[0]
+
+        # The pointer form (address and size), as SGLang's Mooncake backend takes it.
+        a = torch.arange(1000, dtype=torch.int32)
+        b = torch.zeros(1000, dtype=torch.int32)
+        assert storage.set("raw", target_location=a.data_ptr(), target_sizes=4000)
+        assert storage.get("raw", target_location=b.data_ptr(), target_sizes=4000) is True
+        assert torch.equal(a, b)
+        assert storage.batch_get(["raw", "nope"], [b.data_ptr()] * 2, [4000, 4000]) == 1
+    finally:
+        storage.close()
+
+
+def test_get_stats_reports_sglang_storage_metrics_without_waiting() -> None:
+    host = make_host_pool()
+    storage = make_storage(host, TIER)
+    try:
+        keys = keys_of("stats", 3)
+        idx = host.alloc(3 * host.page_size)
+        storage.batch_set_v1(keys, idx)
+        storage.batch_get_v1(keys, idx)
+        stats = storage.get_stats()
+        assert isinstance(stats, StorageMetrics)
+        assert stats.backup_pgs == [3] and stats.prefetch_pgs == [3]
+        assert len(stats.backup_bandwidth) == 1 and stats.backup_bandwidth[0] > 0
+        assert storage.get_stats().backup_pgs == []  # drained, as SGLang's backends do
+        own = storage.statistics()
+        assert own.blocks == 3 * 4  # two spans of two blocks each per page
+        assert own.bytes_stored == 3 * 2 * 32 * 1024
+    finally:
+        storage.close()
+
+
+# -- one pool, two processes ---------------------------------------------------------------------
+
+
+def test_a_page_one_process_set_is_found_and_loaded_bit_exact_by_another(pool_path: str) -> None:
+    child = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "sglang_instance.py"), pool_path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert child.stdin is not None and child.stdout is not None
+
+    def ask(command: dict[str, Any]) -> Any:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(json.dumps(command) + "\n")
+        child.stdin.flush()
+        return json.loads(child.stdout.readline())
+
+    host = make_host_pool()
+    storage = make_storage(host, {"pool": pool_path})
+    try:
+        assert json.loads(child.stdout.readline())["event"] == "ready"
+        theirs = keys_of("child", 6)
+        answer = ask({"op": "set", "keys": theirs, "seed": 11})
+        assert answer["results"] == [True] * 6
+        assert [storage.exists(k) for k in theirs] == [True] * 6
+        assert storage.batch_exists(theirs) == 6
+        dst = host.alloc(6 * host.page_size)
+        assert storage.batch_get_v1(theirs, dst) == [True] * 6
+        assert digests(host, dst) == answer["digests"]
+
+        ours = keys_of("parent", 5)
+        src = host.alloc(5 * host.page_size)
+        fill_pages(host, src, seed=12)
+        assert storage.batch_set_v1(ours, src) == [True] * 5
+        answer = ask({"op": "get", "keys": ours})
+        assert answer["exists"] == [True] * 5 and answer["prefix"] == 5 and answer["results"] == [True] * 5
+        assert answer["digests"] == digests(host, src)
+
+        # Another TP rank's shard is other bytes: it never sees these pages.
+        other = make_storage(host, {"pool": pool_path}, tp_rank=1, tp_size=2)
+        try:
+            assert other.batch_exists(ours) == 0
+        finally:
+            other.close()
+        assert ask({"op": "close"}) == {"closed": True}
+        assert child.wait(timeout=30) == 0
+    finally:
+        storage.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    stats = pool_statistics(pool_path)
+    assert stats.blocks == 11 * 2 and stats.claims == 0 and stats.blocks_pinned == 0
+    assert stats.slots_attached == 0
+
+
+# -- close, errors ---------------------------------------------------------------------------
+
+
+def test_close_during_a_transfer_leaves_nothing_claimed(pool_path: str) -> None:
+    # 2,048 pages of 64 KiB (128 MiB) per call: the copy lasts long enough to be caught in flight.
+    host = make_host_pool(tokens=16384)
+    interrupted = 0
+    for attempt in range(4):
+        storage = make_storage(host, {"pool": pool_path})
+        keys = keys_of(f"close{attempt}", 2048)
+        src = host.alloc(2048 * host.page_size)
+        outcome: list[Any] = []
+
+        def run(storage: Any = storage, keys: list[str] = keys, src: Any = src, outcome: list[Any] = outcome) -> None:
+            try:
+                outcome.append(storage.batch_set_v1(keys, src))
+            except Exception as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and pool_statistics(pool_path).claims == 0 and worker.is_alive():
+            pass  # until the store has claimed its slots and is copying
+        storage.close()
+        worker.join()
+        host.free(src)
+        if isinstance(outcome[0], TierClosedError):
+            interrupted += 1
+            assert "interrupted by close()" in str(outcome[0])
+        else:
+            assert outcome[0] == [True] * 2048
+        with pytest.raises(TierClosedError, match="closed"):
+            storage.batch_exists(keys)
+        assert sglang_threads() == []
+        for _ in range(100):  # the owner sees the connection end, then takes back what it held
+            stats = pool_statistics(pool_path)
+            if stats.clients == 1:
+                break
+            time.sleep(0.02)
+        assert stats.clients == 1 and stats.claims == 0 and stats.blocks_pinned == 0 and stats.slots_attached == 0
+        assert stats.tier.slots_allocated == stats.blocks
+        if interrupted:
+            break
+    assert interrupted, "no close landed during a copy"
+
+
+def test_bad_config_is_a_clear_error_and_leaves_no_thread(tmp_path: Path) -> None:
+    cases: list[tuple[dict[str, Any] | None, type[Exception], str]] = [
+        ({}, ConfigError, '"aiokvtier"'),
+        ({"pool": "/x", "tier": {}}, ConfigError, "exactly one"),
+        ({"pool": "/x", "size": 1}, ConfigError, "unknown key"),
+        ({"pool": ""}, ConfigError, "socket path"),
+        ({"tier": {"quota": "lots"}}, ConfigError, "host tier config"),
+        ({"tier": {"quota": "16MiB"}, "namespace": 3}, ConfigError, "namespace"),
+        ({"pool": str(tmp_path / "none.sock")}, PoolError, "no pool at"),
+    ]
+    for section, error, words in cases:
+        config = storage_config(section) if section else storage_config({})
+        if section == {}:
+            config = dataclasses.replace(config, extra_config={"backend_name": "aiokvtier"})
+        with pytest.raises(error, match=words):
+            HiCacheAiokvtier(config, {})
+        assert sglang_threads() == []
+
+
+def test_bad_calls_are_refused_and_change_nothing() -> None:
+    host = make_host_pool()
+    config = storage_config(TIER)
+    storage = HiCacheAiokvtier(config, {})
+    try:
+        with pytest.raises(RuntimeError, match="register_mem_pool_host"):
+            storage.batch_set_v1(["a"], host.alloc(host.page_size))
+        storage.register_mem_pool_host(host)
+        with pytest.raises(ValueError, match="host indices"):
+            storage.batch_set_v1(["a", "b"], host.alloc(host.page_size))
+        with pytest.raises(TypeError, match="list of str"):
+            storage.batch_exists([b"a"])
+        with pytest.raises(ValueError, match="CPU tensor"):
+            storage.batch_set(["a"], [b"bytes"])
+        assert storage.batch_exists(["a", "b"]) == 0
+        assert storage.statistics().blocks == 0
+    finally:
+        storage.close()
+    with pytest.raises(TypeError, match="HiCacheStorageConfig"):
+        HiCacheAiokvtier({"extra_config": TIER})  # type: ignore[arg-type]
+
+
+def test_importing_aiokvtier_imports_neither_sglang_nor_torch() -> None:
+    code = (
+        "import sys, aiokvtier; aiokvtier.HostTier; aiokvtier.AttachedPool; aiokvtier.BlockStore\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch'))\n"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+# -- SGLang's own backend tests, with this backend in place --------------------------------------
+
+
+def test_sglangs_mooncake_store_tests_pass_with_this_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang ships unit tests for its Mooncake backend (``test_single_operation``, ``test_batch_operation``
+    over a mock host pool, through ``set``/``get``/``exists`` with addresses and ``batch_*_v1``/
+    ``batch_exists``). They run here with ``MooncakeStore`` replaced by this backend over a local tier."""
+    from sglang.srt.mem_cache.storage.mooncake_store import test_mooncake_store as suite
+
+    made: list[HiCacheAiokvtier] = []
+
+    def backend(config: Any = None) -> HiCacheAiokvtier:
+        extra = {"aiokvtier": {"tier": {"quota": "64MiB", "slot_size": "4KiB"}}}
+        storage = HiCacheAiokvtier(dataclasses.replace(config, extra_config=extra), {})
+        made.append(storage)
+        return storage
+
+    monkeypatch.setattr(suite, "MooncakeStore", backend)
+    try:
+        suite.test_single_operation()
+        for mla, rank, size in ((False, 0, 1), (True, 0, 1), (False, 1, 4), (True, 3, 8)):
+            suite.test_batch_operation(suite.make_hicache_storage_config(is_mla_model=mla, tp_rank=rank, tp_size=size))
+    finally:
+        for storage in made:
+            storage.close()
+    assert len(made) == 5
