@@ -160,6 +160,8 @@ def test_get_stats_reports_sglang_storage_metrics_without_waiting() -> None:
         own = storage.statistics()
         assert own.blocks == 3 * 4  # two spans of two blocks each per page
         assert own.bytes_stored == 3 * 2 * 32 * 1024
+        storage.clear()  # a process-local tier is this instance's alone: every block goes
+        assert storage.batch_exists(keys) == 0 and storage.statistics().blocks == 0
     finally:
         storage.close()
 
@@ -203,11 +205,13 @@ def test_a_page_one_process_set_is_found_and_loaded_bit_exact_by_another(pool_pa
         answer = ask({"op": "get", "keys": ours})
         assert answer["exists"] == [True] * 5 and answer["prefix"] == 5 and answer["results"] == [True] * 5
         assert answer["digests"] == digests(host, src)
+        assert storage.batch_exists(ours) == 5
 
         # Another TP rank's shard is other bytes: it never sees these pages.
         other = make_storage(host, {"pool": pool_path}, tp_rank=1, tp_size=2)
         try:
             assert other.batch_exists(ours) == 0
+            other.clear()  # a shared pool's pages are not one instance's to drop
         finally:
             other.close()
         assert ask({"op": "close"}) == {"closed": True}

@@ -333,8 +333,11 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
                 self._store = self._loop.run(BlockStore.open(self._tier))
                 self._slot_size = self._tier.slot_size
         except BaseException:
-            self._loop.run(self._release())
-            self._loop.stop()
+            self._closed = True
+            try:
+                self._loop.run(self._release())
+            finally:
+                self._loop.stop()
             raise
         self.mem_pool_host: Any = None
 
@@ -478,8 +481,10 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
                 return
             self._closed = True
             self._loop.cancel_all()  # after every call already submitted: aiokvtier gives back what each held
-        self._loop.run(self._release())
-        self._loop.stop()
+        try:
+            self._loop.run(self._release())
+        finally:
+            self._loop.stop()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

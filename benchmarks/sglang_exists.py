@@ -1,0 +1,222 @@
+"""SGLang's ``batch_exists`` through ``aiokvtier.integrations.sglang``, against the lookup beneath it.
+
+An ``aiokvtier pool`` owner runs in a child process; this process builds
+SGLang's host KV pool (MHA, fp16, ``page_first``) and the storage the way
+SGLang's dynamic loader does, stores ``--keys`` pages, then times
+``batch_exists`` of all of them (every page hit: the longest answer) from
+the calling thread, as SGLang's prefetch thread calls it:
+
+- ``one_call``: one call of ``--keys`` keys (the issue's goal: 4,096 keys in 1 ms or less);
+- ``sglang_batches``: the same keys in calls of 128 (SGLang's ``STORAGE_BATCH_SIZE``, what its
+  prefetch thread sends), the total per round;
+- ``floor``: ``AttachedPool.lookup`` of the same block keys awaited on a loop of this process
+  (no thread crossing, keys already bytes): the pool's own cost.
+
+Two page formats: ``v1`` (SGLang's zero-copy calls: a page is its K and V spans, two blocks)
+and ``flat`` (SGLang's generic calls: one flat page, one block). The same figures for a
+process-local tier (``--tier``) compare with ``BlockStore.lookup`` instead.
+
+    python benchmarks/sglang_exists.py [--keys 4096] [--rounds 50] [--tier]
+
+Needs SGLang (``pip install 'aiokvtier[sglang]'``). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from aiokvtier import AttachedPool, BlockStore, HostTier
+from aiokvtier.bench._common import machine
+
+PAGE = 16
+
+
+def host_pool(pages: int) -> Any:
+    """A small MHA host pool (1 layer, 1 head of 64: 2 KiB spans) with room for ``pages`` pages twice."""
+    device = MHATokenToKVPool(pages * PAGE, PAGE, torch.float16, 1, 64, 1, "cpu", False, start_layer=0, end_layer=0)
+    return MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2,
+        0,
+        PAGE,
+        "page_first",
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
+        write_back_staging=device.hicache_write_back_staging,
+    )
+
+
+def storage(host: Any, section: dict[str, Any], v1: bool) -> Any:
+    extra = {
+        "backend_name": "aiokvtier",
+        "module_path": "aiokvtier.integrations.sglang",
+        "class_name": "HiCacheAiokvtier",
+        "interface_v1": int(v1),
+        "aiokvtier": section,
+    }
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="bench",
+        extra_config=extra,
+    )
+    made = StorageBackendFactory.create_backend("dynamic", config, host)
+    made.register_mem_pool_host(host)
+    return made
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    ms = sorted(s * 1e3 for s in seconds)
+    return {
+        "p50_ms": round(statistics.median(ms), 4),
+        "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 4),
+        "min_ms": round(ms[0], 4),
+    }
+
+
+def timed(fn: Callable[[], Any], rounds: int) -> list[float]:
+    fn()  # warm
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def measure(section: dict[str, Any], n: int, rounds: int, floor: Callable[[list[bytes], int], list[float]]) -> Any:
+    host = host_pool(n)
+    results = {}
+    for fmt in ("v1", "flat"):
+        made = storage(host, section, v1=fmt == "v1")
+        try:
+            keys = [f"{fmt}-{i:060x}" for i in range(n)]
+            before = made.statistics().blocks
+            indices = host.alloc(n * PAGE)
+            if fmt == "v1":
+                assert all(made.batch_set_v1(keys, indices))
+            else:
+                pages = [host.get_data_page(int(indices[i * PAGE])) for i in range(n)]
+                assert made.batch_set(keys, pages)
+            host.free(indices)
+            assert made.batch_exists(keys) == n
+            batches = [keys[i : i + STORAGE_BATCH_SIZE] for i in range(0, n, STORAGE_BATCH_SIZE)]
+            blocks = (made.statistics().blocks - before) // n  # blocks per page
+            results[fmt] = {
+                "blocks_per_page": blocks,
+                "one_call": summary(timed(lambda made=made, keys=keys: made.batch_exists(keys), rounds)),
+                "sglang_batches": summary(
+                    timed(lambda made=made, b=batches: [made.batch_exists(k) for k in b], rounds)
+                ),
+                # The same number of stored block keys, of the same length, looked up beneath the adapter.
+                "floor": summary(floor(block_keys(fmt, n * blocks, 8 + 64 + (2 if blocks > 1 else 0)), rounds)),
+            }
+        finally:
+            made.close()
+    return results
+
+
+def block_keys(name: str, n: int, length: int) -> list[bytes]:
+    return [f"{name}{i}".encode().ljust(length, b".") for i in range(n)]
+
+
+def pool_floor(path: str) -> Callable[[list[bytes], int], list[float]]:
+    def run(keys: list[bytes], rounds: int) -> list[float]:
+        async def go() -> list[float]:
+            async with AttachedPool(path) as pool:
+                await pool.store(keys, [b"x"] * len(keys))
+                assert await pool.lookup(keys) == len(keys)
+                out = []
+                for _ in range(rounds):
+                    start = time.perf_counter()
+                    await pool.lookup(keys)
+                    out.append(time.perf_counter() - start)
+                return out
+
+        return asyncio.run(go())
+
+    return run
+
+
+def store_floor(keys: list[bytes], rounds: int) -> list[float]:
+    async def go() -> list[float]:
+        async with HostTier({"quota": "64MiB", "slot_size": "4KiB"}) as tier, BlockStore(tier) as store:
+            await store.store(keys, [b"x"] * len(keys))
+            assert store.lookup(keys) == len(keys)
+            out = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                store.lookup(keys)
+                out.append(time.perf_counter() - start)
+            return out
+
+    return asyncio.run(go())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=50)
+    parser.add_argument("--tier", action="store_true", help="a process-local tier instead of a pool")
+    args = parser.parse_args()
+    out: dict[str, Any] = {"bench": "sglang_exists", "keys": args.keys, "rounds": args.rounds, "machine": machine()}
+    if args.tier:
+        out["mode"] = "tier"
+        out["results"] = measure({"tier": {"quota": "64MiB", "slot_size": "4KiB"}}, args.keys, args.rounds, store_floor)
+    else:
+        out["mode"] = "pool"
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "pool.sock")
+            owner = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "aiokvtier",
+                    "pool",
+                    "--quota",
+                    "128MiB",
+                    "--slot-size",
+                    "4KiB",
+                    "--socket",
+                    path,
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert owner.stdout is not None
+                json.loads(owner.stdout.readline())
+                out["results"] = measure({"pool": path}, args.keys, args.rounds, pool_floor(path))
+            finally:
+                owner.terminate()
+                owner.wait()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
