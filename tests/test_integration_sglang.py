@@ -302,6 +302,11 @@ def test_bad_calls_are_refused_and_change_nothing() -> None:
         storage.register_mem_pool_host(host)
         with pytest.raises(ValueError, match="host indices"):
             storage.batch_set_v1(["a", "b"], host.alloc(host.page_size))
+        far = torch.full((host.page_size,), host.size + 64, dtype=torch.int64)
+        with pytest.raises(ValueError, match="outside the registered host pool"):
+            storage.batch_get_v1(["a"], far)  # a memmove there would kill the process
+        with pytest.raises(ValueError, match="outside the registered host pool"):
+            storage.batch_set_v1(["a"], far - 2 * (host.size + 64))
         with pytest.raises(TypeError, match="list of str"):
             storage.batch_exists([b"a"])
         with pytest.raises(ValueError, match="CPU tensor"):

@@ -38,6 +38,7 @@ import asyncio
 import ctypes
 import hashlib
 import logging
+import operator
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -92,7 +93,7 @@ class _Plan:
     def keys(self, keys: Sequence[str]) -> list[bytes]:
         """The block keys of ``keys``' pages, page by page (one list: the store's one call)."""
         ns = self.namespace
-        if not isinstance(keys, list | tuple) or not all(type(k) is str for k in keys):
+        if not isinstance(keys, list | tuple) or operator.countOf(map(type, keys), str) != len(keys):
             raise TypeError("SGLang's keys are a list of str")
         if len(self.suffixes) == 1:
             return [ns + k.encode() for k in keys]
@@ -114,6 +115,10 @@ def _plan(namespace: bytes, spans: Sequence[int], slot_size: int) -> _Plan:
             span.append(j)
             offset.append(start)
             length.append(min(slot_size, size - start))
+    if len(span) > 1 << 16:
+        raise ConfigError(
+            f"a page of {sum(spans)} bytes would be {len(span)} blocks of {slot_size} bytes: use larger slots"
+        )
     suffixes = (b"",) if len(span) == 1 else tuple(i.to_bytes(2, "little") for i in range(len(span)))
     return _Plan(
         namespace,
@@ -323,6 +328,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         self._v1: _Plan | None = None
         self._flat: dict[int, _Plan] = {}
         self._flat_default: int | None = None
+        self._bounds: tuple[U64, U64] = (np.empty(0, np.uint64), np.empty(0, np.uint64))
         self._loop = _Loop()
         try:
             if "pool" in section:
@@ -361,6 +367,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         if hasattr(mem_pool_host, "get_dummy_flat_data_page"):
             flat = mem_pool_host.get_dummy_flat_data_page()
             self._flat_default = int(flat.numel() * flat.element_size())
+        self._bounds = _buffers(mem_pool_host)
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` since the last call (pages and GiB/s per batch); never waits."""
@@ -621,10 +628,33 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return plan, []
         ptrs, sizes = host.get_page_buffer_meta(host_indices)
-        starts = np.array(_flatten(ptrs), dtype=np.uint64).reshape(len(keys), len(plan.spans))
-        if tuple(int(s) for s in _flatten(sizes)[: len(plan.spans)]) != plan.spans:
-            raise ValueError("the host pool's page spans changed since register_mem_pool_host()")
-        return plan, _views(*plan.addresses(starts))
+        ptrs = _flatten(ptrs)
+        if len(ptrs) != len(keys) * len(plan.spans) or tuple(_flatten(sizes)[: len(plan.spans)]) != plan.spans:
+            raise ValueError("the host pool's page spans changed since register_mem_pool_host(); nothing was copied")
+        addresses, lengths = plan.addresses(np.array(ptrs, dtype=np.uint64).reshape(len(keys), len(plan.spans)))
+        lo, hi = self._bounds
+        if lo.size:  # memmove outside SGLang's buffers would kill the process, not raise
+            inside = (addresses[:, None] >= lo) & (addresses[:, None] + lengths[:, None] <= hi)
+            if not bool(inside.any(axis=1).all()):
+                raise ValueError("host_indices point outside the registered host pool's buffers; nothing was copied")
+        return plan, _views(addresses, lengths)
+
+
+def _buffers(host: Any) -> tuple[U64, U64]:
+    """Where the host pool's tensors lie (start and end addresses), to check the pages a call names."""
+    tensors = [getattr(host, name, None) for name in ("kv_buffer", "k_buffer", "v_buffer")]
+    if hasattr(host, "get_hybrid_pool_buffer"):
+        tensors.extend(host.get_hybrid_pool_buffer())
+    spans = {
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel()
+    }
+    if not spans:
+        log.warning("aiokvtier: the host pool shows no CPU buffer: the *_v1 calls' pages are not checked")
+    lo = np.array([a for a, _ in spans], dtype=np.uint64)
+    hi = np.array([b for _, b in spans], dtype=np.uint64)
+    return lo, hi
 
 
 def _flatten(items: Sequence[Any]) -> list[Any]:
