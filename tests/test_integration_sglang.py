@@ -115,6 +115,40 @@ def test_v1_round_trip_is_bit_exact_through_the_host_pool(layout: str) -> None:
         storage.close()
 
 
+def test_sglangs_prefetch_and_backup_threads_call_at_once() -> None:
+    """SGLang's backup thread stores while its prefetch threads look up and load: calls from several threads
+    share the storage's one loop, each answered bit-exact."""
+    host = make_host_pool()
+    storage = make_storage(host, TIER)
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            keys = keys_of(f"thread{n}", 4)
+            src = host.alloc(4 * host.page_size)
+            fill_pages(host, src, seed=n)
+            for _ in range(5):
+                assert storage.batch_set_v1(keys, src) == [True] * 4
+                assert storage.batch_exists(keys) == 4
+                dst = host.alloc(4 * host.page_size)
+                assert storage.batch_get_v1(keys, dst) == [True] * 4
+                assert digests(host, dst) == digests(host, src)
+                host.free(dst)
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert storage.statistics().blocks == 4 * 4 * 4
+    finally:
+        storage.close()
+
+
 def test_flat_pages_and_addresses_round_trip() -> None:
     host = make_host_pool()
     storage = make_storage(host, TIER, v1=False)  # SGLang's generic path: flat page tensors

@@ -1,22 +1,29 @@
-"""SGLang's ``batch_exists`` through ``aiokvtier.integrations.sglang``, against the lookup beneath it.
+"""SGLang's calls through ``aiokvtier.integrations.sglang``, against what lies beneath them.
 
-An ``aiokvtier pool`` owner runs in a child process; this process builds
-SGLang's host KV pool (MHA, fp16, ``page_first``) and the storage the way
-SGLang's dynamic loader does, stores ``--keys`` pages, then times
-``batch_exists`` of all of them (every page hit: the longest answer) from
-the calling thread, as SGLang's prefetch thread calls it:
+An ``aiokvtier pool`` owner runs in a child process (or, with ``--tier``, the
+storage opens a tier of this process); this process builds SGLang's host KV
+pool (MHA, fp16, ``page_first``) and the storage the way SGLang's dynamic
+loader does, and calls it from the calling thread, as SGLang's prefetch and
+backup threads do.
+
+``exists``: ``--keys`` pages stored, then ``batch_exists`` of all of them
+(every page a hit: the longest answer):
 
 - ``one_call``: one call of ``--keys`` keys (the issue's goal: 4,096 keys in 1 ms or less);
 - ``sglang_batches``: the same keys in calls of 128 (SGLang's ``STORAGE_BATCH_SIZE``, what its
   prefetch thread sends), the total per round;
-- ``floor``: ``AttachedPool.lookup`` of the same block keys awaited on a loop of this process
-  (no thread crossing, keys already bytes): the pool's own cost.
+- ``floor``: the same number of stored block keys of the same length, looked up beneath the
+  adapter (``AttachedPool.lookup`` or ``BlockStore.lookup`` awaited on a loop of this process:
+  no thread crossing, keys already bytes).
 
 Two page formats: ``v1`` (SGLang's zero-copy calls: a page is its K and V spans, two blocks)
-and ``flat`` (SGLang's generic calls: one flat page, one block). The same figures for a
-process-local tier (``--tier``) compare with ``BlockStore.lookup`` instead.
+and ``flat`` (SGLang's generic calls: one flat page, one block).
 
-    python benchmarks/sglang_exists.py [--keys 4096] [--rounds 50] [--tier]
+``transfers``: ``batch_set_v1`` of 128 new pages (512 KiB each: 8 layers, 8 heads of 128, 16
+tokens; a span a slot) and ``batch_get_v1`` of 128 stored pages, against ``floor``: the same
+spans ``memmove``d by the calling thread into one buffer (the bytes alone).
+
+    python benchmarks/sglang_storage.py [--keys 4096] [--rounds 50] [--tier]
 
 Needs SGLang (``pip install 'aiokvtier[sglang]'``). Prints one JSON object.
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import json
 import os
 import statistics
@@ -35,6 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -47,9 +56,11 @@ from aiokvtier.bench._common import machine
 PAGE = 16
 
 
-def host_pool(pages: int) -> Any:
-    """A small MHA host pool (1 layer, 1 head of 64: 2 KiB spans) with room for ``pages`` pages twice."""
-    device = MHATokenToKVPool(pages * PAGE, PAGE, torch.float16, 1, 64, 1, "cpu", False, start_layer=0, end_layer=0)
+def host_pool(pages: int, layers: int = 1, heads: int = 1, dim: int = 64) -> Any:
+    """An MHA host pool (by default 1 layer, 1 head of 64: 2 KiB spans) with room for ``pages`` pages twice."""
+    device = MHATokenToKVPool(
+        pages * PAGE, PAGE, torch.float16, heads, dim, layers, "cpu", False, start_layer=0, end_layer=layers - 1
+    )
     return MHATokenToKVPoolHost(
         device.get_device_pool_infos()[0].buffer_info,
         2,
@@ -178,43 +189,85 @@ def store_floor(keys: list[bytes], rounds: int) -> list[float]:
     return asyncio.run(go())
 
 
+def transfers(section: dict[str, Any], rounds: int) -> dict[str, Any]:
+    n = STORAGE_BATCH_SIZE
+    host = host_pool(n, layers=8, heads=8, dim=128)
+    made = storage(host, section, v1=True)
+    try:
+        src, dst = host.alloc(n * PAGE), host.alloc(n * PAGE)
+        ptrs, sizes = host.get_page_buffer_meta(src)
+        for p, size in zip(ptrs, sizes, strict=True):
+            ctypes.memmove(p, os.urandom(size), size)
+        total = sum(sizes)
+        scratch = np.empty(total, dtype=np.uint8)
+        base = scratch.ctypes.data
+
+        def copy_alone() -> None:
+            offset = 0
+            for p, size in zip(ptrs, sizes, strict=True):
+                ctypes.memmove(base + offset, p, size)
+                offset += size
+
+        counter = iter(range(1 << 30))
+        last: list[list[str]] = []
+
+        def store() -> None:
+            keys = [f"t{next(counter)}-{i:058x}" for i in range(n)]
+            assert all(made.batch_set_v1(keys, src))
+            last[:] = [keys]
+
+        store()
+        sets = timed(store, rounds)
+        gets = timed(lambda: made.batch_get_v1(last[0], dst), rounds)
+        assert all(made.batch_get_v1(last[0], dst))
+        return {
+            "pages": n,
+            "mib_per_call": round(total / (1 << 20), 1),
+            "batch_set_v1": summary(sets),
+            "batch_get_v1": summary(gets),
+            "floor": summary(timed(copy_alone, rounds)),
+        }
+    finally:
+        made.close()
+
+
+class Owner:
+    """``aiokvtier pool`` in a child process, on a socket in a temporary directory."""
+
+    def __init__(self, quota: str, slot: str) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.path = os.path.join(self._tmp.name, "pool.sock")
+        command = ["pool", "--quota", quota, "--slot-size", slot, "--socket", self.path]
+        self._owner = subprocess.Popen([sys.executable, "-m", "aiokvtier", *command], stdout=subprocess.PIPE, text=True)
+        assert self._owner.stdout is not None
+        json.loads(self._owner.stdout.readline())
+
+    def __enter__(self) -> str:
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner.terminate()
+        self._owner.wait()
+        self._tmp.cleanup()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--tier", action="store_true", help="a process-local tier instead of a pool")
     args = parser.parse_args()
-    out: dict[str, Any] = {"bench": "sglang_exists", "keys": args.keys, "rounds": args.rounds, "machine": machine()}
+    out: dict[str, Any] = {"bench": "sglang_storage", "keys": args.keys, "rounds": args.rounds, "machine": machine()}
     if args.tier:
         out["mode"] = "tier"
-        out["results"] = measure({"tier": {"quota": "64MiB", "slot_size": "4KiB"}}, args.keys, args.rounds, store_floor)
+        out["exists"] = measure({"tier": {"quota": "64MiB", "slot_size": "4KiB"}}, args.keys, args.rounds, store_floor)
+        out["transfers"] = transfers({"tier": {"quota": "512MiB", "slot_size": "256KiB"}}, args.rounds)
     else:
         out["mode"] = "pool"
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "pool.sock")
-            owner = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "aiokvtier",
-                    "pool",
-                    "--quota",
-                    "128MiB",
-                    "--slot-size",
-                    "4KiB",
-                    "--socket",
-                    path,
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            try:
-                assert owner.stdout is not None
-                json.loads(owner.stdout.readline())
-                out["results"] = measure({"pool": path}, args.keys, args.rounds, pool_floor(path))
-            finally:
-                owner.terminate()
-                owner.wait()
+        with Owner("128MiB", "4KiB") as path:
+            out["exists"] = measure({"pool": path}, args.keys, args.rounds, pool_floor(path))
+        with Owner("512MiB", "256KiB") as path:
+            out["transfers"] = transfers({"pool": path}, args.rounds)
     print(json.dumps(out))
 
 
