@@ -95,10 +95,11 @@ class _Plan:
         ns = self.namespace
         if not isinstance(keys, list | tuple) or operator.countOf(map(type, keys), str) != len(keys):
             raise TypeError("SGLang's keys are a list of str")
+        pages = [ns + k.encode() for k in keys]
         if len(self.suffixes) == 1:
-            return [ns + k.encode() for k in keys]
+            return pages
         suffixes = self.suffixes
-        return [ns + k.encode() + s for k in keys for s in suffixes]
+        return [page + s for page in pages for s in suffixes]
 
     def addresses(self, starts: npt.NDArray[np.uint64]) -> tuple[U64, U64]:
         """Block addresses and lengths for pages whose spans start at ``starts`` (pages x spans)."""
@@ -572,20 +573,25 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         return [i < pages for i in range(len(keys))]
 
     async def _load(self, blocks: list[bytes], views: list[Any], per_page: int) -> int:
-        """Load the stored prefix of whole pages; a block evicted between the lookup and the load is
-        looked up again (the prefix only shrinks)."""
+        """Load the stored prefix of whole pages, in one request when every page is there (SGLang loads
+        what ``batch_exists`` just found). A missing block cuts the prefix before its page and the rest
+        is loaded again; the prefix only shrinks, a block evicted meanwhile included."""
         backend: Any = self._pool if self._pool is not None else self._store
-        n = len(blocks) // per_page
-        while True:
-            pages = (await self._lookup(blocks)) // per_page
-            if pages == 0:
+        for _ in range(64):  # each round follows an eviction under this call: a bound, not a wait
+            if not blocks:
                 return 0
             try:
-                await backend.load(blocks[: pages * per_page], views[: pages * per_page])
-            except BlockNotFound:
-                blocks = blocks[: pages * per_page]
-                continue
-            return min(pages, n)
+                await backend.load(blocks, views[: len(blocks)])
+                return len(blocks) // per_page
+            except BlockNotFound as exc:
+                try:
+                    found = blocks.index(exc.key)  # type: ignore[arg-type]
+                except ValueError:  # not one of ours: ask which prefix is there
+                    found = await self._lookup(blocks)
+                    if found == len(blocks):
+                        continue
+                blocks = blocks[: found // per_page * per_page]
+        return 0
 
     def _exists_plan(self) -> _Plan:
         if self._interface_v1 or (self._flat_default is None and not self._flat):
