@@ -231,6 +231,9 @@ def test_a_page_one_process_set_is_found_and_loaded_bit_exact_by_another(pool_pa
         dst = host.alloc(6 * host.page_size)
         assert storage.batch_get_v1(theirs, dst) == [True] * 6
         assert digests(host, dst) == answer["digests"]
+        dst2 = host.alloc(4 * host.page_size)
+        assert storage.batch_get_v1([*theirs[:2], "missing", theirs[2]], dst2) == [True, True, False, False]
+        assert digests(host, dst2)[:2] == answer["digests"][:2]
 
         ours = keys_of("parent", 5)
         src = host.alloc(5 * host.page_size)
