@@ -411,14 +411,14 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         plan, views = self._pool_pages(keys, host_indices)
         if not keys:
             return []
-        return self._set(plan, keys, views)
+        return self._set("batch_set_v1", plan, keys, views)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Load the stored pages into the host pool at ``host_indices``; True for the leading pages found."""
         plan, views = self._pool_pages(keys, host_indices)
         if not keys:
             return []
-        return self._get(plan, keys, views)
+        return self._get("batch_get_v1", plan, keys, views)
 
     # -- flat pages and raw addresses ---------------------------------------------------------
 
@@ -432,14 +432,11 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         """Store pages given as CPU tensors (``values``) or as addresses and sizes; True if every one was."""
         if not keys:
             return True
+        # ``pages`` holds the contiguous copies made of non-contiguous tensors until they are stored.
         pages = _flat_pages(keys, values, target_locations, target_sizes, writable=False)
-        size = self._one_size(pages)
-        plan = self._flat_plan(size)
+        plan = self._flat_plan(self._one_size(pages))
         views = _views(*plan.addresses(np.array([[p[0]] for p in pages], dtype=np.uint64)))
-        keep = [p[2] for p in pages]  # contiguous copies made of non-contiguous tensors live until stored
-        done = all(self._set(plan, keys, views))
-        del keep
-        return done
+        return all(self._set("batch_set", plan, keys, views))
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         """Load one page into a CPU tensor (returned, or None if missing) or into ``target_sizes`` bytes at an
@@ -459,7 +456,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         pages = _flat_pages(keys, None, target_locations, target_sizes, writable=True)
         plan = self._flat_plan(self._one_size(pages))
         views = _views(*plan.addresses(np.array([[p[0]] for p in pages], dtype=np.uint64)))
-        loaded = self._get(plan, keys, views)
+        loaded = self._get("batch_get", plan, keys, views)
         if target_sizes is not None:
             return sum(loaded)
         return [t if ok else None for t, ok in zip(target_locations, loaded, strict=True)]
@@ -549,11 +546,11 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         assert self._store is not None
         return self._store.lookup(keys)
 
-    def _set(self, plan: _Plan, keys: list[str], views: list[Any]) -> list[bool]:
+    def _set(self, name: str, plan: _Plan, keys: list[str], views: list[Any]) -> list[bool]:
         blocks = plan.keys(keys)
         backend: Any = self._pool if self._pool is not None else self._store
         start = time.perf_counter()
-        result = self._call("batch_set", backend.store(blocks, views))
+        result = self._call(name, backend.store(blocks, views))
         seconds = time.perf_counter() - start
         missed = set(result.skipped)
         n = plan.blocks
@@ -565,10 +562,10 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         self._counts.add(False, len(keys), len(result.stored) * plan.page_bytes // n, seconds)
         return ok
 
-    def _get(self, plan: _Plan, keys: list[str], views: list[Any]) -> list[bool]:
+    def _get(self, name: str, plan: _Plan, keys: list[str], views: list[Any]) -> list[bool]:
         blocks = plan.keys(keys)
         start = time.perf_counter()
-        pages = self._call("batch_get", self._load(blocks, views, plan.blocks))
+        pages = self._call(name, self._load(blocks, views, plan.blocks))
         self._counts.add(True, pages, pages * plan.page_bytes, time.perf_counter() - start)
         return [i < pages for i in range(len(keys))]
 
