@@ -21,7 +21,8 @@ and ``flat`` (SGLang's generic calls: one flat page, one block).
 
 ``transfers``: ``batch_set_v1`` of 128 new pages (512 KiB each: 8 layers, 8 heads of 128, 16
 tokens; a span a slot) and ``batch_get_v1`` of 128 stored pages, against ``floor``: the same
-spans ``memmove``d by the calling thread into one buffer (the bytes alone).
+spans ``memmove``d by the calling thread into one buffer (the bytes alone); and
+``get_stats()`` (what SGLang's scheduler thread calls) while another thread stores.
 
     python benchmarks/sglang_storage.py [--keys 4096] [--rounds 50] [--tier]
 
@@ -39,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -108,6 +110,18 @@ def summary(seconds: list[float]) -> dict[str, float]:
         "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 4),
         "min_ms": round(ms[0], 4),
     }
+
+
+def timed_once(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def section_slots(made: Any) -> int:
+    stats = made.statistics()
+    tier = getattr(stats, "tier", None)
+    return int(tier.slots_total if tier is not None else stats.capacity)
 
 
 def timed(fn: Callable[[], Any], rounds: int) -> list[float]:
@@ -216,16 +230,44 @@ def transfers(section: dict[str, Any], rounds: int) -> dict[str, Any]:
             assert all(made.batch_set_v1(keys, src))
             last[:] = [keys]
 
-        store()
+        # Until the tier is full, each store lands in slots this process has not touched yet: over a pool,
+        # its mapping of the shared memory takes a page fault per 4 KiB there. Timed apart.
+        first_touch = [timed_once(store) for _ in range(section_slots(made) // (2 * n))]
         sets = timed(store, rounds)
         gets = timed(lambda: made.batch_get_v1(last[0], dst), rounds)
         assert all(made.batch_get_v1(last[0], dst))
+
+        # SGLang's scheduler thread calls get_stats() while the backup thread stores: how long it takes then.
+        busy = threading.Event()
+
+        def backup() -> None:
+            while not busy.is_set():
+                store()
+
+        made.get_stats()  # its first call imports SGLang's metrics module
+        thread = threading.Thread(target=backup)
+        thread.start()
+        stats_calls = []
+        for _ in range(rounds * 20):
+            start = time.perf_counter()
+            made.get_stats()
+            stats_calls.append(time.perf_counter() - start)
+            time.sleep(0.001)
+        busy.set()
+        thread.join()
         return {
             "pages": n,
             "mib_per_call": round(total / (1 << 20), 1),
+            "batch_set_v1_first_touch": summary(first_touch),
             "batch_set_v1": summary(sets),
             "batch_get_v1": summary(gets),
             "floor": summary(timed(copy_alone, rounds)),
+            "get_stats_during_stores": {
+                **summary(stats_calls),
+                "p99_ms": round(sorted(stats_calls)[int(0.99 * (len(stats_calls) - 1))] * 1e3, 4),
+                "max_ms": round(max(stats_calls) * 1e3, 4),
+                "calls": len(stats_calls),
+            },
         }
     finally:
         made.close()
@@ -241,6 +283,12 @@ class Owner:
         self._owner = subprocess.Popen([sys.executable, "-m", "aiokvtier", *command], stdout=subprocess.PIPE, text=True)
         assert self._owner.stdout is not None
         json.loads(self._owner.stdout.readline())
+
+        async def filled() -> None:  # measure a filled pool, not one whose fill the first stores wait for
+            async with AttachedPool(self.path) as pool:
+                await pool.wait_resident()
+
+        asyncio.run(filled())
 
     def __enter__(self) -> str:
         return self.path
