@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ except ImportError:
     pytest.skip("sglang is not installed (pip install 'aiokvtier[sglang]')", allow_module_level=True)
 
 from aiokvtier import AttachedPool, ConfigError, PoolError, TierClosedError
-from aiokvtier.integrations.sglang import HiCacheAiokvtier
+from aiokvtier.integrations.sglang import REATTACH_AFTER, HiCacheAiokvtier
 
 from .sglang_instance import digests, fill_pages, make_host_pool, make_storage, storage_config
 
@@ -261,6 +262,54 @@ def test_a_page_one_process_set_is_found_and_loaded_bit_exact_by_another(pool_pa
     stats = pool_statistics(pool_path)
     assert stats.blocks == 11 * 2 and stats.claims == 0 and stats.blocks_pinned == 0
     assert stats.slots_attached == 0
+
+
+def start_owner(path: str) -> subprocess.Popen[str]:
+    owner = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "pool_owner.py"), "asyncio", path, "64MiB"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert owner.stdout is not None
+    assert json.loads(owner.stdout.readline())["event"] == "serving"
+    return owner
+
+
+def test_a_lost_pool_is_a_miss_until_its_owner_is_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = str(tmp_path / "pool.sock")
+    owner = start_owner(path)
+    host = make_host_pool()
+    storage = make_storage(host, {"pool": path})
+    try:
+        keys = keys_of("lost", 3)
+        src, dst = host.alloc(3 * host.page_size), host.alloc(3 * host.page_size)
+        fill_pages(host, src, seed=5)
+        assert storage.batch_set_v1(keys, src) == [True] * 3
+        with caplog.at_level(logging.WARNING, logger="aiokvtier"):
+            owner.kill()
+            owner.wait()
+            deadline = time.monotonic() + 10
+            while storage.batch_exists(keys) and time.monotonic() < deadline:
+                time.sleep(0.01)  # until this process has seen the connection end
+            assert storage.batch_exists(keys) == 0
+            assert storage.batch_set_v1(keys, src) == [False] * 3
+            assert storage.batch_get_v1(keys, dst) == [False] * 3
+        lost = [r for r in caplog.records if "L3 misses until a pool serves" in r.getMessage()]
+        assert len(lost) == 1, [r.getMessage() for r in caplog.records]
+
+        owner = start_owner(path)  # a restarted owner starts empty
+        time.sleep(REATTACH_AFTER + 0.2)
+        assert storage.batch_exists(keys) == 0
+        assert storage.batch_set_v1(keys, src) == [True] * 3
+        assert storage.batch_get_v1(keys, dst) == [True] * 3
+        assert digests(host, dst) == digests(host, src)
+    finally:
+        storage.close()
+        assert owner.stdin is not None
+        owner.stdin.close()
+        owner.wait(timeout=30)
+    assert sglang_threads() == []
 
 
 # -- close, errors ---------------------------------------------------------------------------

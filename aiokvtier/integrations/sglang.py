@@ -50,7 +50,17 @@ import numpy.typing as npt
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from .. import AttachedPool, BlockNotFound, BlockStore, ConfigError, HostTier, HostTierConfig, TierClosedError
+from .. import (
+    AttachedPool,
+    BlockNotFound,
+    BlockStore,
+    ConfigError,
+    HostTier,
+    HostTierConfig,
+    PoolError,
+    PoolLostError,
+    TierClosedError,
+)
 
 __all__ = ["SGLANG_VERSION", "HiCacheAiokvtier"]
 
@@ -63,6 +73,11 @@ T = TypeVar("T")
 U64 = npt.NDArray[np.uint64]
 
 _CONFIG_KEYS = frozenset({"pool", "tier", "namespace"})
+
+REATTACH_AFTER = 1.0
+"""Seconds between attempts to attach again to a pool whose owner went away (a restarted owner starts
+empty; meanwhile every lookup is a miss and every store fails, and SGLang computes what it would have
+loaded)."""
 
 
 @dataclass(frozen=True)
@@ -324,6 +339,11 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._closed = False
         self._pool: AttachedPool | None = None
+        self._pool_path: str = section.get("pool", "")
+        self._lost_at: float | None = None
+        """When the pool's owner went away (None: attached); on the loop only."""
+        self._next_attach = 0.0
+        self._attaching: asyncio.Lock | None = None
         self._tier: HostTier | None = None
         self._store: BlockStore | None = None
         self._v1: _Plan | None = None
@@ -540,18 +560,79 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         result: T = call.result
         return result
 
+    async def _backend(self) -> Any:
+        """The store, or the pool (attached again once its owner is back); None while the pool is gone."""
+        if self._pool is None:
+            return self._store
+        if self._lost_at is None:
+            return self._pool
+        if self._attaching is None:
+            self._attaching = asyncio.Lock()
+        async with self._attaching:
+            now = time.monotonic()
+            if self._lost_at is None or now < self._next_attach:
+                return self._pool if self._lost_at is None else None
+            self._next_attach = now + REATTACH_AFTER
+            try:
+                pool = await AttachedPool.attach(self._pool_path)
+            except (PoolError, OSError) as exc:
+                log.debug("aiokvtier: the pool at %s is not back yet: %s", self._pool_path, exc)
+                return None
+            if pool.slot_size != self._slot_size:
+                await pool.aclose()
+                log.warning(
+                    "aiokvtier: the pool at %s came back with %d-byte slots, this SGLang instance's pages are "
+                    "cut into %d-byte blocks: not used (restart the instance)",
+                    self._pool_path, pool.slot_size, self._slot_size,
+                )  # fmt: skip
+                return None
+            old, self._pool, self._lost_at = self._pool, pool, None
+            await old.aclose()
+            log.warning("aiokvtier: attached again to the pool at %s", self._pool_path)
+            return pool
+
+    def _pool_lost(self, pool: Any, exc: PoolLostError) -> None:
+        """The owner of ``pool`` went away: SGLang's calls miss until it is back (warned once per loss)."""
+        if pool is not self._pool or self._lost_at is not None:
+            return
+        self._lost_at = time.monotonic()
+        self._next_attach = self._lost_at + REATTACH_AFTER
+        log.warning(
+            "aiokvtier: %s; SGLang's L3 misses until a pool serves %s again (tried every %.0f s)",
+            exc, self._pool_path, REATTACH_AFTER,
+        )  # fmt: skip
+
     async def _lookup(self, keys: list[bytes]) -> int:
-        if self._pool is not None:
-            return await self._pool.lookup(keys)
-        assert self._store is not None
-        return self._store.lookup(keys)
+        if self._store is not None:
+            return self._store.lookup(keys)
+        backend = await self._backend()
+        if backend is None:
+            return 0
+        try:
+            found: int = await backend.lookup(keys)
+            return found
+        except PoolLostError as exc:
+            self._pool_lost(backend, exc)
+            return 0
+
+    async def _store_blocks(self, blocks: list[bytes], views: list[Any]) -> Any:
+        """``store()``'s ``StoreResult``, or None while the pool is gone."""
+        backend = await self._backend()
+        if backend is None:
+            return None
+        try:
+            return await backend.store(blocks, views)
+        except PoolLostError as exc:
+            self._pool_lost(backend, exc)
+            return None
 
     def _set(self, name: str, plan: _Plan, keys: list[str], views: list[Any]) -> list[bool]:
         blocks = plan.keys(keys)
-        backend: Any = self._pool if self._pool is not None else self._store
         start = time.perf_counter()
-        result = self._call(name, backend.store(blocks, views))
+        result = self._call(name, self._store_blocks(blocks, views))
         seconds = time.perf_counter() - start
+        if result is None:
+            return [False] * len(keys)
         missed = set(result.skipped)
         n = plan.blocks
         ok = (
@@ -573,13 +654,16 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         """Load the stored prefix of whole pages, in one request when every page is there (SGLang loads
         what ``batch_exists`` just found). A missing block cuts the prefix before its page and the rest
         is loaded again; the prefix only shrinks, a block evicted meanwhile included."""
-        backend: Any = self._pool if self._pool is not None else self._store
+        backend = await self._backend()
         for _ in range(64):  # each round follows an eviction under this call: a bound, not a wait
-            if not blocks:
+            if not blocks or backend is None:
                 return 0
             try:
                 await backend.load(blocks, views[: len(blocks)])
                 return len(blocks) // per_page
+            except PoolLostError as exc:
+                self._pool_lost(backend, exc)
+                return 0
             except BlockNotFound as exc:
                 try:
                     found = blocks.index(exc.key)  # type: ignore[arg-type]
