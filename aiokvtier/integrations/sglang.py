@@ -323,8 +323,11 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
     found and loaded, False from the first missing one on: the prefix is what SGLang uses). A page is
     stored when each of its blocks is stored or already present.
 
+    A pool whose owner goes away makes every call a miss (``batch_exists`` 0, gets and sets False:
+    SGLang computes instead) until an owner serves the path again; then it is attached again.
+
     :raises ConfigError: the extra config does not name a pool or a tier correctly.
-    :raises PoolError: no pool answers at the path (with the reason).
+    :raises PoolError: no pool answers at the path (with the reason): start the pool first.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
