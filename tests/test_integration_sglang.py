@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -412,6 +413,12 @@ def test_importing_aiokvtier_imports_neither_sglang_nor_torch() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_the_sglang_extra_is_optional() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["sglang"] == ["sglang>=0.5.23"]
+    assert not any("sglang" in r for name, reqs in extras.items() if name != "sglang" for r in reqs)
 
 
 # -- SGLang's own backend tests, with this backend in place --------------------------------------
