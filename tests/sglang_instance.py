@@ -52,7 +52,9 @@ def make_host_pool(
     )
 
 
-def storage_config(section: dict[str, Any], *, v1: bool = True, tp_rank: int = 0, tp_size: int = 1) -> Any:
+def storage_config(
+    section: dict[str, Any], *, v1: bool = True, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, dp_rank: int = 0
+) -> Any:
     extra = {
         "backend_name": "aiokvtier",
         "module_path": "aiokvtier.integrations.sglang",
@@ -67,10 +69,11 @@ def storage_config(section: dict[str, Any], *, v1: bool = True, tp_rank: int = 0
         pp_size=1,
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=False,
+        is_mla_model=mla,
         enable_storage_metrics=True,
         is_page_first_layout=True,
         model_name="test/model",
+        dp_rank=dp_rank,
         extra_config=extra,
     )
 

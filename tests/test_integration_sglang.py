@@ -313,6 +313,36 @@ def test_a_lost_pool_is_a_miss_until_its_owner_is_back(tmp_path: Path, caplog: p
     assert sglang_threads() == []
 
 
+def test_dp_replicas_share_pages_and_so_do_mla_tp_ranks(pool_path: str) -> None:
+    """Data-parallel replicas hold the same shards: they share. MLA's KV is the same on every TP rank:
+    those share too. MHA's TP ranks hold different heads: they do not."""
+    host = make_host_pool()
+    made = {
+        name: make_storage(host, {"pool": pool_path}, **kwargs)
+        for name, kwargs in {
+            "dp0": {"tp_rank": 0, "tp_size": 2},
+            "dp1": {"tp_rank": 0, "tp_size": 2, "dp_rank": 1},
+            "mha-rank1": {"tp_rank": 1, "tp_size": 2},
+            "mla-rank0": {"tp_rank": 0, "tp_size": 2, "mla": True},
+            "mla-rank1": {"tp_rank": 1, "tp_size": 2, "mla": True},
+        }.items()
+    }
+    try:
+        keys = keys_of("shared", 4)
+        src, dst = host.alloc(4 * host.page_size), host.alloc(4 * host.page_size)
+        fill_pages(host, src, seed=9)
+        assert made["dp0"].batch_set_v1(keys, src) == [True] * 4
+        assert made["dp1"].batch_get_v1(keys, dst) == [True] * 4
+        assert digests(host, dst) == digests(host, src)
+        assert made["mha-rank1"].batch_exists(keys) == 0
+        assert made["mla-rank0"].batch_exists(keys) == 0  # MLA keys leave the TP rank out: not MHA's keys
+        assert made["mla-rank0"].batch_set_v1(keys, src) == [True] * 4
+        assert made["mla-rank1"].batch_exists(keys) == 4
+    finally:
+        for storage in made.values():
+            storage.close()
+
+
 # -- close, errors ---------------------------------------------------------------------------
 
 
