@@ -27,8 +27,8 @@ staging copy.
 
 Threads: SGLang calls from its prefetch, backup and scheduler threads,
 synchronously. Every call crosses to one event loop on the
-``aiokvtier-sglang`` thread (``run_coroutine_threadsafe``) and waits for its
-answer there; nothing blocks that loop. ``get_stats`` never crosses: it
+``aiokvtier-sglang`` thread (a task made there with ``call_soon_threadsafe``)
+and the calling thread waits for its outcome; nothing blocks that loop. ``get_stats`` never crosses: it
 drains figures kept on the caller's side.
 """
 
