@@ -7,6 +7,9 @@ heavy, and the base install pulls in no engine.
 - ``aiokvtier.integrations.vllm``: an ``OffloadingSpec`` for vLLM's
   ``OffloadingConnector`` (``pip install 'aiokvtier[vllm]'``; see
   docs/integrations/vllm.md).
+- ``aiokvtier.integrations.sglang``: a ``HiCacheStorage`` for SGLang's
+  hierarchical cache (``pip install 'aiokvtier[sglang]'``; see
+  docs/integrations/sglang.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,787 @@
+"""aiokvtier as SGLang's HiCache storage (L3): a ``HiCacheStorage`` that SGLang loads by configuration.
+
+Supported: SGLang 0.5.23. Load it with::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{
+        "backend_name": "aiokvtier", "module_path": "aiokvtier.integrations.sglang",
+        "class_name": "HiCacheAiokvtier", "interface_v1": 1,
+        "aiokvtier": {"pool": "/run/aiokvtier.sock"}}'
+
+``"aiokvtier"`` names the storage: ``{"pool": PATH}`` attaches to the
+machine-wide pool served there (``aiokvtier pool``), so every SGLang
+instance of the host shares the pages one of them stored; ``{"tier": {...}}``
+opens a process-local ``HostTier`` (a ``HostTierConfig``) under a
+``BlockStore``.
+
+How SGLang's pages become blocks: a page is what the host pool's
+``get_page_buffer_meta`` describes (the zero-copy ``*_v1`` calls: K and V
+of the page, or one span per layer), or a flat page tensor (``get``,
+``set``, ``batch_get``, ``batch_set``), or ``(address, size)`` (the pointer
+form some backends take). Each span is cut into slot-sized pieces, and each
+piece is one block under the key ``namespace + page key + piece number``.
+The namespace is a digest of the model, the ranks whose shards differ and
+the page's byte format, so instances that would read each other's bytes
+differently never meet. Bytes move by ``memmove`` between SGLang's host pool
+and the slots, on the store's (or the attached pool's) own thread: no
+staging copy.
+
+Threads: SGLang calls from its prefetch, backup and scheduler threads,
+synchronously. Every call crosses to one event loop on the
+``aiokvtier-sglang`` thread (a task made there with ``call_soon_threadsafe``)
+and the calling thread waits for its outcome; nothing blocks that loop. ``get_stats`` never crosses: it
+drains figures kept on the caller's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import hashlib
+import logging
+import operator
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from .. import (
+    AttachedPool,
+    BlockNotFound,
+    BlockStore,
+    ConfigError,
+    HostTier,
+    HostTierConfig,
+    PoolError,
+    PoolLostError,
+    TierClosedError,
+)
+
+__all__ = ["SGLANG_VERSION", "HiCacheAiokvtier"]
+
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release whose ``HiCacheStorage`` this module implements."""
+
+log = logging.getLogger("aiokvtier")
+
+T = TypeVar("T")
+U64 = npt.NDArray[np.uint64]
+
+_CONFIG_KEYS = frozenset({"pool", "tier", "namespace"})
+
+REATTACH_AFTER = 1.0
+"""Seconds between attempts to attach again to a pool whose owner went away (a restarted owner starts
+empty; meanwhile every lookup is a miss and every store fails, and SGLang computes what it would have
+loaded)."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one page's bytes become blocks: a page format and the pieces of it, in order."""
+
+    namespace: bytes
+    """The first bytes of every key of this format."""
+    span: npt.NDArray[np.intp]
+    """For each block, the span of the page it lies in."""
+    offset: U64
+    """For each block, its offset in that span."""
+    length: U64
+    """For each block, its length."""
+    suffixes: tuple[bytes, ...]
+    """For each block, what follows the page key in its key."""
+    spans: tuple[int, ...]
+    """The page's span sizes."""
+
+    @property
+    def blocks(self) -> int:
+        return len(self.suffixes)
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(self.spans)
+
+    def keys(self, keys: Sequence[str]) -> list[bytes]:
+        """The block keys of ``keys``' pages, page by page (one list: the store's one call)."""
+        ns = self.namespace
+        if not isinstance(keys, list | tuple) or operator.countOf(map(type, keys), str) != len(keys):
+            raise TypeError("SGLang's keys are a list of str")
+        pages = [ns + k.encode() for k in keys]
+        if len(self.suffixes) == 1:
+            return pages
+        suffixes = self.suffixes
+        return [page + s for page in pages for s in suffixes]
+
+    def addresses(self, starts: npt.NDArray[np.uint64]) -> tuple[U64, U64]:
+        """Block addresses and lengths for pages whose spans start at ``starts`` (pages x spans)."""
+        addresses = starts[:, self.span] + self.offset
+        lengths = np.broadcast_to(self.length, addresses.shape)
+        return addresses.reshape(-1), np.ascontiguousarray(lengths).reshape(-1)
+
+
+def _plan(namespace: bytes, spans: Sequence[int], slot_size: int) -> _Plan:
+    """Cut each span into slot-sized pieces (the last one shorter)."""
+    span, offset, length = [], [], []
+    for j, size in enumerate(spans):
+        for start in range(0, size, slot_size):
+            span.append(j)
+            offset.append(start)
+            length.append(min(slot_size, size - start))
+    if len(span) > 1 << 16:
+        raise ConfigError(
+            f"a page of {sum(spans)} bytes would be {len(span)} blocks of {slot_size} bytes: use larger slots"
+        )
+    suffixes = (b"",) if len(span) == 1 else tuple(i.to_bytes(2, "little") for i in range(len(span)))
+    return _Plan(
+        namespace,
+        np.array(span, dtype=np.intp),
+        np.array(offset, dtype=np.uint64),
+        np.array(length, dtype=np.uint64),
+        suffixes,
+        tuple(spans),
+    )
+
+
+def _views(addresses: U64, lengths: U64) -> list[Any]:
+    """Writable bytes-like objects over SGLang's memory at ``addresses`` (no copy; SGLang owns it)."""
+    kinds: dict[int, Any] = {}
+    out = []
+    for address, n in zip(addresses.tolist(), lengths.tolist(), strict=True):
+        kind = kinds.get(n)
+        if kind is None:
+            kind = kinds[n] = ctypes.c_ubyte * n
+        out.append(kind.from_address(address))
+    return out
+
+
+def _namespace(config: HiCacheStorageConfig, user: str, page_format: str) -> bytes:
+    """A digest of what makes two instances' pages the same bytes: the model, the shard, the format.
+
+    DP replicas (``dp_rank``) are left out: they hold the same shards, which is what sharing is for.
+    MLA's KV is the same on every TP rank, so the TP rank is left out there too.
+    """
+    parts = [
+        "sglang-hicache/1",
+        user,
+        config.model_name or "",
+        f"pp{config.pp_rank}/{config.pp_size}",
+        f"cp{config.attn_cp_rank}/{config.attn_cp_size}",
+        f"dcp{config.dcp_rank}/{config.dcp_size}/{config.logical_page_size}",
+        page_format,
+    ]
+    if not config.is_mla_model:
+        parts.append(f"tp{config.tp_rank}/{config.tp_size}")
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).digest()
+
+
+def _parse(extra: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """The ``"aiokvtier"`` section of SGLang's extra config, checked, and whether ``interface_v1`` is on.
+
+    :raises ConfigError: it is missing, names neither or both of ``pool`` and ``tier``, or has other keys.
+    """
+    where = "--hicache-storage-backend-extra-config"
+    if not isinstance(extra, dict) or "aiokvtier" not in extra:
+        raise ConfigError(
+            f'{where} needs an "aiokvtier" object: {{"pool": "/path/to/pool.sock"}} to share the machine\'s '
+            'pool, or {"tier": {"quota": "16GiB", "slot_size": "1MiB"}} for a tier of this process'
+        )
+    section = extra["aiokvtier"]
+    if not isinstance(section, dict):
+        raise ConfigError(f'{where}: "aiokvtier" must be an object, got {type(section).__name__}')
+    unknown = sorted(set(section) - _CONFIG_KEYS)
+    if unknown:
+        raise ConfigError(f'{where}: unknown key(s) {unknown} in "aiokvtier" (known: {sorted(_CONFIG_KEYS)})')
+    if ("pool" in section) == ("tier" in section):
+        raise ConfigError(f'{where}: "aiokvtier" takes exactly one of "pool" (a socket path) and "tier" (a config)')
+    if "pool" in section and not (isinstance(section["pool"], str) and section["pool"]):
+        raise ConfigError(f'{where}: "aiokvtier.pool" must be the pool\'s socket path, got {section["pool"]!r}')
+    if "tier" in section:
+        try:
+            section = {**section, "tier": HostTierConfig.model_validate(section["tier"])}
+        except ValueError as exc:
+            raise ConfigError(f'{where}: "aiokvtier.tier" is not a valid host tier config: {exc}') from None
+    if not isinstance(section.get("namespace", ""), str):
+        raise ConfigError(f'{where}: "aiokvtier.namespace" must be a string')
+    return section, bool(extra.get("interface_v1", 0))
+
+
+class _Call:
+    """One call's outcome, set on the loop once its task is done (cancelled included)."""
+
+    __slots__ = ("done", "error", "result")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class _Loop:
+    """An event loop on its own thread, and calls into it from any other thread.
+
+    A call's task is the loop's until it is done: a caller whose call is cancelled (by ``close``)
+    returns only once the task has ended, so no copy is still running over SGLang's pages then.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="aiokvtier-sglang", daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> _Call:
+        call = _Call()
+
+        def finished(task: asyncio.Task[Any]) -> None:
+            self._tasks.discard(task)
+            if task.cancelled():
+                call.error = asyncio.CancelledError()
+            elif task.exception() is not None:
+                call.error = task.exception()
+            else:
+                call.result = task.result()
+            call.done.set()
+
+        def start() -> None:
+            task = self.loop.create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(finished)
+
+        self.loop.call_soon_threadsafe(start)
+        return call
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Submit and wait (for set-up and tear-down, which nothing cancels)."""
+        call = self.submit(coro)
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        result: T = call.result
+        return result
+
+    def cancel_all(self) -> None:
+        """Cancel every call's task (on the loop, after every call submitted before)."""
+
+        def cancel() -> None:
+            for task in self._tasks:
+                task.cancel()
+
+        self.loop.call_soon_threadsafe(cancel)
+
+    async def drain(self) -> None:
+        """Wait until every call's task has ended."""
+        mine = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not mine]
+        if tasks:
+            await asyncio.wait(tasks)
+
+    def on_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+class _Counts:
+    """What ``get_stats`` reports (SGLang's ``StorageMetrics``), kept on the callers' side."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.prefetch_pgs: list[int] = []
+        self.backup_pgs: list[int] = []
+        self.prefetch_bandwidth: list[float] = []
+        self.backup_bandwidth: list[float] = []
+
+    def add(self, load: bool, pages: int, nbytes: int, seconds: float) -> None:
+        gbps = nbytes / max(seconds, 1e-9) / (1 << 30)
+        with self.lock:
+            (self.prefetch_pgs if load else self.backup_pgs).append(pages)
+            (self.prefetch_bandwidth if load else self.backup_bandwidth).append(gbps)
+
+    def drain(self) -> tuple[list[int], list[int], list[float], list[float]]:
+        with self.lock:
+            out = (self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth)
+            self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth = [], [], [], []
+        return out
+
+
+class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
+    """SGLang's HiCache L3 over aiokvtier: a machine-wide pool shared by every instance, or a tier of this process.
+
+    Created by SGLang's ``StorageBackendFactory`` (``backend_class(storage_config, kwargs)``) with the
+    ``"aiokvtier"`` section of ``storage_config.extra_config`` (see the module docstring). The pool or
+    the tier is attached or opened here, at construction; ``close()`` gives everything back.
+
+    Results follow SGLang's rules: ``batch_exists`` is the length of the stored prefix of pages;
+    ``batch_get_v1``/``batch_set_v1`` answer per page (a get is True for the leading pages that were
+    found and loaded, False from the first missing one on: the prefix is what SGLang uses). A page is
+    stored when each of its blocks is stored or already present.
+
+    A pool whose owner goes away makes every call a miss (``batch_exists`` 0, gets and sets False:
+    SGLang computes instead) until an owner serves the path again; then it is attached again.
+
+    :raises ConfigError: the extra config does not name a pool or a tier correctly.
+    :raises PoolError: no pool answers at the path (with the reason): start the pool first.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        if not isinstance(storage_config, HiCacheStorageConfig):
+            raise TypeError(
+                f"storage_config must be SGLang's HiCacheStorageConfig, not {type(storage_config).__name__}"
+            )
+        section, self._interface_v1 = _parse(storage_config.extra_config)
+        self.storage_config = storage_config
+        self._user_namespace: str = section.get("namespace", "")
+        self._counts = _Counts()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pool: AttachedPool | None = None
+        self._pool_path: str = section.get("pool", "")
+        self._lost_at: float | None = None
+        """When the pool's owner went away (None: attached); on the loop only."""
+        self._next_attach = 0.0
+        self._attaching: asyncio.Lock | None = None
+        self._tier: HostTier | None = None
+        self._store: BlockStore | None = None
+        self._v1: _Plan | None = None
+        self._flat: dict[int, _Plan] = {}
+        self._flat_default: int | None = None
+        self._bounds: tuple[U64, U64] = (np.empty(0, np.uint64), np.empty(0, np.uint64))
+        self._loop = _Loop()
+        try:
+            if "pool" in section:
+                self._pool = self._loop.run(AttachedPool.attach(section["pool"]))
+                self._slot_size = self._pool.slot_size
+            else:
+                self._tier = self._loop.run(HostTier.open(section["tier"]))
+                self._store = self._loop.run(BlockStore.open(self._tier))
+                self._slot_size = self._tier.slot_size
+        except BaseException:
+            self._closed = True
+            try:
+                self._loop.run(self._release())
+            finally:
+                self._loop.stop()
+            raise
+        self.mem_pool_host: Any = None
+
+    # -- SGLang's hooks ----------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Learn the host pool's page format: its spans (``get_page_buffer_meta``) and its flat page."""
+        super().register_mem_pool_host(mem_pool_host)
+        page_size = int(mem_pool_host.page_size)
+        dtype = str(getattr(mem_pool_host, "dtype", ""))
+        layout = str(getattr(mem_pool_host, "layout", ""))
+        if hasattr(mem_pool_host, "get_page_buffer_meta"):
+            _, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
+            spans = [int(s) for s in _flatten(sizes)]
+            page_format = f"v1/{layout}/{dtype}/{page_size}/{','.join(map(str, spans))}"
+            self._v1 = _plan(_namespace(self.storage_config, self._user_namespace, page_format), spans, self._slot_size)
+            log.info(
+                "aiokvtier: SGLang pages of %d spans (%d bytes) as %d blocks of up to %d bytes",
+                len(spans), sum(spans), self._v1.blocks, self._slot_size,
+            )  # fmt: skip
+        if hasattr(mem_pool_host, "get_dummy_flat_data_page"):
+            flat = mem_pool_host.get_dummy_flat_data_page()
+            self._flat_default = int(flat.numel() * flat.element_size())
+        self._bounds = _buffers(mem_pool_host)
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` since the last call (pages and GiB/s per batch); never waits."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        prefetch_pgs, backup_pgs, prefetch_bw, backup_bw = self._counts.drain()
+        return StorageMetrics(
+            prefetch_pgs=prefetch_pgs,
+            backup_pgs=backup_pgs,
+            prefetch_bandwidth=prefetch_bw,
+            backup_bandwidth=backup_bw,
+        )
+
+    def statistics(self) -> Any:
+        """aiokvtier's own figures: the pool's ``PoolStatistics`` or the store's ``StoreStatistics``."""
+        if self._pool is not None:
+            return self._call("statistics", self._pool.statistics())
+        assert self._store is not None
+        store = self._store
+
+        async def stats() -> Any:
+            return store.statistics()
+
+        return self._call("statistics", stats())
+
+    # -- zero-copy: pages of SGLang's registered host pool -------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading pages of ``keys`` are stored (every block of each)."""
+        if not keys:
+            return 0
+        plan = self._exists_plan()
+        return self._call("batch_exists", self._lookup(plan.keys(keys))) // plan.blocks
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Store the pages at ``host_indices`` of the registered host pool (``page_size`` indices per key)."""
+        plan, views = self._pool_pages(keys, host_indices)
+        if not keys:
+            return []
+        return self._set("batch_set_v1", plan, keys, views)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Load the stored pages into the host pool at ``host_indices``; True for the leading pages found."""
+        plan, views = self._pool_pages(keys, host_indices)
+        if not keys:
+            return []
+        return self._get("batch_get_v1", plan, keys, views)
+
+    # -- flat pages and raw addresses ---------------------------------------------------------
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Store one page: a CPU tensor ``value``, or ``target_sizes`` bytes at address ``target_location``."""
+        return self.batch_set([key], None if value is None else [value], [target_location], [target_sizes])
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Store pages given as CPU tensors (``values``) or as addresses and sizes; True if every one was."""
+        if not keys:
+            return True
+        # ``pages`` holds the contiguous copies made of non-contiguous tensors until they are stored.
+        pages = _flat_pages(keys, values, target_locations, target_sizes, writable=False)
+        plan = self._flat_plan(self._one_size(pages))
+        views = _views(*plan.addresses(np.array([[p[0]] for p in pages], dtype=np.uint64)))
+        return all(self._set("batch_set", plan, keys, views))
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        """Load one page into a CPU tensor (returned, or None if missing) or into ``target_sizes`` bytes at an
+        address (True or False)."""
+        result = self.batch_get([key], [target_location], None if target_sizes is None else [target_sizes])
+        if isinstance(result, int):
+            return result == 1
+        return result[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
+        """Load pages into CPU tensors (a list: each tensor, or None from the first missing page on) or into
+        addresses with sizes (the number of leading pages loaded)."""
+        if not keys:
+            return 0 if target_sizes is not None else []
+        if target_locations is None:
+            raise ValueError("batch_get needs target_locations: one CPU tensor (or address) per key")
+        pages = _flat_pages(keys, None, target_locations, target_sizes, writable=True)
+        plan = self._flat_plan(self._one_size(pages))
+        views = _views(*plan.addresses(np.array([[p[0]] for p in pages], dtype=np.uint64)))
+        loaded = self._get("batch_get", plan, keys, views)
+        if target_sizes is not None:
+            return sum(loaded)
+        return [t if ok else None for t, ok in zip(target_locations, loaded, strict=True)]
+
+    def clear(self) -> None:
+        """Not supported over a shared pool (another instance's pages are not this one's to drop): a no-op
+        there; over a process-local tier, every block is dropped."""
+        if self._store is None:
+            return
+        store = self._store
+
+        async def drop() -> None:
+            store.discard(store.keys())
+
+        self._call("clear", drop())
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Give everything back: calls in flight are cancelled (they raise ``TierClosedError``; a page
+        whose copy had not landed is never visible), the pool is detached or the store and tier closed,
+        and the loop's thread ends. Idempotent; safe from any thread but the loop's."""
+        if self._loop.on_loop():
+            raise RuntimeError("HiCacheAiokvtier.close() was called on its own loop's thread")
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._loop.cancel_all()  # after every call already submitted: aiokvtier gives back what each held
+        try:
+            self._loop.run(self._release())
+        finally:
+            self._loop.stop()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            log.warning("aiokvtier: a HiCacheAiokvtier was not closed; closing it now")
+            try:
+                self.close()
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+    async def _release(self) -> None:
+        await self._loop.drain()  # cancelled calls end once nothing reads or writes SGLang's pages
+        if self._store is not None:
+            await self._store.aclose()
+        if self._tier is not None:
+            await self._tier.aclose()
+        if self._pool is not None:
+            await self._pool.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        where = f"pool {self._pool!r}" if self._pool is not None else f"tier {self._tier!r}"
+        return f"<HiCacheAiokvtier [{state} | {where}]>"
+
+    # -- the bridge and the copies -------------------------------------------------------------
+
+    def _call(self, name: str, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and wait for it here; a close meanwhile raises ``TierClosedError``."""
+        if self._loop.on_loop():
+            coro.close()
+            raise RuntimeError(f"HiCacheAiokvtier.{name}() was called on its own loop's thread (it would deadlock)")
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise TierClosedError(f"HiCacheAiokvtier.{name}(): the storage is closed")
+            call = self._loop.submit(coro)
+        call.done.wait()
+        if isinstance(call.error, asyncio.CancelledError):
+            raise TierClosedError(
+                f"HiCacheAiokvtier.{name}() was interrupted by close(): pages it was storing may or may not be "
+                "stored, pages it was loading must not be used"
+            )
+        if call.error is not None:
+            raise call.error
+        result: T = call.result
+        return result
+
+    async def _backend(self) -> Any:
+        """The store, or the pool (attached again once its owner is back); None while the pool is gone."""
+        if self._pool is None:
+            return self._store
+        if self._lost_at is None:
+            return self._pool
+        if self._attaching is None:
+            self._attaching = asyncio.Lock()
+        async with self._attaching:
+            now = time.monotonic()
+            if self._lost_at is None or now < self._next_attach:
+                return self._pool if self._lost_at is None else None
+            self._next_attach = now + REATTACH_AFTER
+            try:
+                pool = await AttachedPool.attach(self._pool_path)
+            except (PoolError, OSError) as exc:
+                log.debug("aiokvtier: the pool at %s is not back yet: %s", self._pool_path, exc)
+                return None
+            if pool.slot_size != self._slot_size:
+                await pool.aclose()
+                log.warning(
+                    "aiokvtier: the pool at %s came back with %d-byte slots, this SGLang instance's pages are "
+                    "cut into %d-byte blocks: not used (restart the instance)",
+                    self._pool_path, pool.slot_size, self._slot_size,
+                )  # fmt: skip
+                return None
+            old, self._pool, self._lost_at = self._pool, pool, None
+            await old.aclose()
+            log.warning("aiokvtier: attached again to the pool at %s", self._pool_path)
+            return pool
+
+    def _pool_lost(self, pool: Any, exc: PoolLostError) -> None:
+        """The owner of ``pool`` went away: SGLang's calls miss until it is back (warned once per loss)."""
+        if pool is not self._pool or self._lost_at is not None:
+            return
+        self._lost_at = time.monotonic()
+        self._next_attach = self._lost_at + REATTACH_AFTER
+        log.warning(
+            "aiokvtier: %s; SGLang's L3 misses until a pool serves %s again (tried every %.0f s)",
+            exc, self._pool_path, REATTACH_AFTER,
+        )  # fmt: skip
+
+    async def _lookup(self, keys: list[bytes]) -> int:
+        if self._store is not None:
+            return self._store.lookup(keys)
+        backend = await self._backend()
+        if backend is None:
+            return 0
+        try:
+            found: int = await backend.lookup(keys)
+            return found
+        except PoolLostError as exc:
+            self._pool_lost(backend, exc)
+            return 0
+
+    async def _store_blocks(self, blocks: list[bytes], views: list[Any]) -> Any:
+        """``store()``'s ``StoreResult``, or None while the pool is gone."""
+        backend = await self._backend()
+        if backend is None:
+            return None
+        try:
+            return await backend.store(blocks, views)
+        except PoolLostError as exc:
+            self._pool_lost(backend, exc)
+            return None
+
+    def _set(self, name: str, plan: _Plan, keys: list[str], views: list[Any]) -> list[bool]:
+        blocks = plan.keys(keys)
+        start = time.perf_counter()
+        result = self._call(name, self._store_blocks(blocks, views))
+        seconds = time.perf_counter() - start
+        if result is None:
+            return [False] * len(keys)
+        missed = set(result.skipped)
+        n = plan.blocks
+        ok = (
+            [not any(blocks[i * n + j] in missed for j in range(n)) for i in range(len(keys))]
+            if missed
+            else [True] * len(keys)
+        )
+        self._counts.add(False, len(keys), len(result.stored) * plan.page_bytes // n, seconds)
+        return ok
+
+    def _get(self, name: str, plan: _Plan, keys: list[str], views: list[Any]) -> list[bool]:
+        blocks = plan.keys(keys)
+        start = time.perf_counter()
+        pages = self._call(name, self._load(blocks, views, plan.blocks))
+        self._counts.add(True, pages, pages * plan.page_bytes, time.perf_counter() - start)
+        return [i < pages for i in range(len(keys))]
+
+    async def _load(self, blocks: list[bytes], views: list[Any], per_page: int) -> int:
+        """Load the stored prefix of whole pages, in one request when every page is there (SGLang loads
+        what ``batch_exists`` just found). A missing block cuts the prefix before its page and the rest
+        is loaded again; the prefix only shrinks, a block evicted meanwhile included."""
+        backend = await self._backend()
+        for _ in range(64):  # each round follows an eviction under this call: a bound, not a wait
+            if not blocks or backend is None:
+                return 0
+            try:
+                await backend.load(blocks, views[: len(blocks)])
+                return len(blocks) // per_page
+            except PoolLostError as exc:
+                self._pool_lost(backend, exc)
+                return 0
+            except BlockNotFound as exc:
+                try:
+                    found = blocks.index(exc.key)  # type: ignore[arg-type]
+                except ValueError:  # not one of ours: ask which prefix is there
+                    found = await self._lookup(blocks)
+                    if found == len(blocks):
+                        continue
+                blocks = blocks[: found // per_page * per_page]
+        return 0
+
+    def _exists_plan(self) -> _Plan:
+        if self._interface_v1 or (self._flat_default is None and not self._flat):
+            if self._v1 is None:
+                raise RuntimeError("HiCacheAiokvtier: register_mem_pool_host() first (the page format comes from it)")
+            return self._v1
+        if self._flat_default is not None:
+            return self._flat_plan(self._flat_default)
+        return next(iter(self._flat.values()))
+
+    def _flat_plan(self, size: int) -> _Plan:
+        plan = self._flat.get(size)
+        if plan is None:
+            dtype = str(getattr(self.mem_pool_host, "dtype", ""))
+            namespace = _namespace(self.storage_config, self._user_namespace, f"flat/{dtype}/{size}")
+            plan = self._flat[size] = _plan(namespace, [size], self._slot_size)
+        return plan
+
+    @staticmethod
+    def _one_size(pages: list[tuple[int, int, Any]]) -> int:
+        sizes = {p[1] for p in pages}
+        if len(sizes) != 1:
+            raise ValueError(f"pages of one call must have one size, got {sorted(sizes)}")
+        return sizes.pop()
+
+    def _pool_pages(self, keys: list[str], host_indices: Any) -> tuple[_Plan, list[Any]]:
+        """The block views of the pages at ``host_indices`` in the registered host pool."""
+        plan = self._v1
+        host = self.mem_pool_host
+        if plan is None or host is None:
+            raise RuntimeError("HiCacheAiokvtier: register_mem_pool_host() first (the *_v1 calls copy its pages)")
+        if not isinstance(host_indices, torch.Tensor):
+            raise TypeError(f"host_indices must be a torch.Tensor, not {type(host_indices).__name__}")
+        page_size = int(host.page_size)
+        if host_indices.numel() != len(keys) * page_size:
+            raise ValueError(
+                f"{len(keys)} keys need {len(keys) * page_size} host indices ({page_size} per page), "
+                f"got {host_indices.numel()}; nothing was copied"
+            )
+        if not keys:
+            return plan, []
+        ptrs, sizes = host.get_page_buffer_meta(host_indices)
+        ptrs = _flatten(ptrs)
+        if len(ptrs) != len(keys) * len(plan.spans) or tuple(_flatten(sizes)[: len(plan.spans)]) != plan.spans:
+            raise ValueError("the host pool's page spans changed since register_mem_pool_host(); nothing was copied")
+        addresses, lengths = plan.addresses(np.array(ptrs, dtype=np.uint64).reshape(len(keys), len(plan.spans)))
+        lo, hi = self._bounds
+        if lo.size:  # memmove outside SGLang's buffers would kill the process, not raise
+            inside = (addresses[:, None] >= lo) & (addresses[:, None] + lengths[:, None] <= hi)
+            if not bool(inside.any(axis=1).all()):
+                raise ValueError("host_indices point outside the registered host pool's buffers; nothing was copied")
+        return plan, _views(addresses, lengths)
+
+
+def _buffers(host: Any) -> tuple[U64, U64]:
+    """Where the host pool's tensors lie (start and end addresses), to check the pages a call names."""
+    tensors = [getattr(host, name, None) for name in ("kv_buffer", "k_buffer", "v_buffer")]
+    if hasattr(host, "get_hybrid_pool_buffer"):
+        tensors.extend(host.get_hybrid_pool_buffer())
+    spans = {
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel()
+    }
+    if not spans:
+        log.warning("aiokvtier: the host pool shows no CPU buffer: the *_v1 calls' pages are not checked")
+    lo = np.array([a for a, _ in spans], dtype=np.uint64)
+    hi = np.array([b for _, b in spans], dtype=np.uint64)
+    return lo, hi
+
+
+def _flatten(items: Sequence[Any]) -> list[Any]:
+    """SGLang's buffer metadata: a flat list, or a list per page (multi-buffer pools)."""
+    if items and isinstance(items[0], list | tuple):
+        return [x for group in items for x in group]
+    return list(items)
+
+
+def _flat_pages(
+    keys: list[str], values: Any, locations: Any, sizes: Any, *, writable: bool
+) -> list[tuple[int, int, Any]]:
+    """``(address, nbytes, owner)`` per key: from CPU tensors, or from addresses and sizes.
+
+    :raises ValueError: counts that do not match the keys, a tensor not on the CPU, a read-only target.
+    """
+    if values is None and locations is not None and sizes is None:
+        values = locations  # get(): the target tensors
+    if values is not None:
+        if len(values) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(values)} tensors; nothing changed")
+        out = []
+        for value in values:
+            if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+                raise ValueError(
+                    f"a page must be a CPU tensor, not {type(value).__name__} on {getattr(value, 'device', '?')}"
+                )
+            if writable and not value.is_contiguous():
+                raise ValueError("a target page tensor must be contiguous (it is written in place)")
+            owner = value.contiguous()
+            out.append((owner.data_ptr(), owner.numel() * owner.element_size(), owner))
+        return out
+    if locations is None or sizes is None or len(locations) != len(keys) or len(sizes) != len(keys):
+        raise ValueError("pages are CPU tensors, or one address (target_locations) and one size (target_sizes) per key")
+    out = []
+    for address, size in zip(locations, sizes, strict=True):
+        if type(address) is not int or type(size) is not int or address <= 0 or size <= 0:
+            raise ValueError(f"an address and a size are positive ints, got {address!r} and {size!r}")
+        out.append((address, size, None))
+    return out

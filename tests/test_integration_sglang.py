@@ -1,0 +1,479 @@
+"""aiokvtier.integrations.sglang: SGLang's HiCache storage, with SGLang's own classes (skipped without SGLang)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+except ImportError:
+    pytest.skip("sglang is not installed (pip install 'aiokvtier[sglang]')", allow_module_level=True)
+
+from aiokvtier import AttachedPool, ConfigError, PoolError, TierClosedError
+from aiokvtier.integrations.sglang import REATTACH_AFTER, HiCacheAiokvtier
+
+from .sglang_instance import digests, fill_pages, make_host_pool, make_storage, storage_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TIER = {"tier": {"quota": "64MiB", "slot_size": "16KiB"}}
+"""A process-local tier whose slots are half a span (page_first: 32 KiB): a span is two blocks."""
+
+
+def keys_of(name: str, n: int) -> list[str]:
+    return [f"{name}-{i:060d}" for i in range(n)]
+
+
+def sglang_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "aiokvtier-sglang"]
+
+
+@pytest.fixture
+def pool_path(tmp_path: Path) -> Iterator[str]:
+    """A pool owner process (64 KiB slots, 256 MiB)."""
+    path = str(tmp_path / "pool.sock")
+    owner = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "pool_owner.py"), "asyncio", path, "256MiB"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert owner.stdout is not None and owner.stdin is not None
+    assert json.loads(owner.stdout.readline())["event"] == "serving"
+    try:
+        yield path
+    finally:
+        owner.stdin.close()
+        assert owner.wait(timeout=30) == 0
+
+
+def pool_statistics(path: str) -> Any:
+    async def read() -> Any:
+        async with AttachedPool(path) as pool:
+            return await pool.statistics()
+
+    return asyncio.run(read())
+
+
+# -- conformance -------------------------------------------------------------------------
+
+
+def test_sglang_creates_it_from_its_dynamic_backend_config() -> None:
+    host = make_host_pool()
+    storage = make_storage(host, TIER)
+    try:
+        assert type(storage) is HiCacheAiokvtier  # made by SGLang's factory, not a wrapper of it
+        assert isinstance(storage, HiCacheStorage)
+        assert not HiCacheAiokvtier.__abstractmethods__
+        for name in ("batch_get_v1", "batch_set_v1", "batch_exists", "get", "set", "batch_get", "batch_set"):
+            assert getattr(HiCacheAiokvtier, name) is not getattr(HiCacheStorage, name), name
+        assert sglang_threads() == ["aiokvtier-sglang"]
+    finally:
+        storage.close()
+    assert sglang_threads() == []
+    storage.close()  # idempotent
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+def test_v1_round_trip_is_bit_exact_through_the_host_pool(layout: str) -> None:
+    host = make_host_pool(layout)
+    storage = make_storage(host, TIER)
+    try:
+        keys = keys_of(layout, 8)
+        src = host.alloc(8 * host.page_size)
+        fill_pages(host, src, seed=7)
+        assert storage.batch_set_v1(keys, src) == [True] * 8
+        assert storage.batch_set_v1(keys[:2], src[: 2 * host.page_size]) == [True] * 2  # already present
+        assert storage.batch_exists(keys) == 8
+        assert storage.batch_exists([*keys, "missing"]) == 8
+        assert storage.batch_exists(["missing", *keys]) == 0
+        assert storage.exists(keys[3]) and not storage.exists("missing")
+
+        dst = host.alloc(8 * host.page_size)
+        assert storage.batch_get_v1(keys, dst) == [True] * 8
+        assert digests(host, dst) == digests(host, src)
+
+        # A missing page ends the prefix: it and the pages after it are not loaded.
+        mixed = [*keys[:3], "missing", *keys[3:5]]
+        dst2 = host.alloc(6 * host.page_size)
+        assert storage.batch_get_v1(mixed, dst2) == [True, True, True, False, False, False]
+        assert digests(host, dst2)[:3] == digests(host, src)[:3]
+    finally:
+        storage.close()
+
+
+def test_sglangs_prefetch_and_backup_threads_call_at_once() -> None:
+    """SGLang's backup thread stores while its prefetch threads look up and load: calls from several threads
+    share the storage's one loop, each answered bit-exact."""
+    host = make_host_pool()
+    storage = make_storage(host, TIER)
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            keys = keys_of(f"thread{n}", 4)
+            src = host.alloc(4 * host.page_size)
+            fill_pages(host, src, seed=n)
+            for _ in range(5):
+                assert storage.batch_set_v1(keys, src) == [True] * 4
+                assert storage.batch_exists(keys) == 4
+                dst = host.alloc(4 * host.page_size)
+                assert storage.batch_get_v1(keys, dst) == [True] * 4
+                assert digests(host, dst) == digests(host, src)
+                host.free(dst)
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert storage.statistics().blocks == 4 * 4 * 4
+    finally:
+        storage.close()
+
+
+def test_flat_pages_and_addresses_round_trip() -> None:
+    host = make_host_pool()
+    storage = make_storage(host, TIER, v1=False)  # SGLang's generic path: flat page tensors
+    try:
+        keys = keys_of("flat", 4)
+        src = host.alloc(4 * host.page_size)
+        fill_pages(host, src, seed=3)
+        pages = [host.get_data_page(int(src[i * host.page_size]), flat=True) for i in range(4)]
+        assert storage.batch_set(keys, pages)
+        assert storage.batch_exists(keys) == 4 and storage.exists(keys[0])
+        targets = [host.get_dummy_flat_data_page() for _ in range(5)]
+        got = storage.batch_get([*keys, "missing"], targets)
+        assert got[4] is None
+        for page, out in zip(pages, got[:4], strict=True):
+            assert bytes(out.view(torch.uint8).numpy()) == bytes(page.contiguous().view(torch.uint8).numpy())
+        assert storage.get("missing", host.get_dummy_flat_data_page()) is None
+        assert storage.set("one", pages[0]) and storage.get("one", targets[0]) is targets[0]
+
+        # The pointer form (address and size), as SGLang's Mooncake backend takes it.
+        a = torch.arange(1000, dtype=torch.int32)
+        b = torch.zeros(1000, dtype=torch.int32)
+        assert storage.set("raw", target_location=a.data_ptr(), target_sizes=4000)
+        assert storage.get("raw", target_location=b.data_ptr(), target_sizes=4000) is True
+        assert torch.equal(a, b)
+        assert storage.batch_get(["raw", "nope"], [b.data_ptr()] * 2, [4000, 4000]) == 1
+    finally:
+        storage.close()
+
+
+def test_get_stats_reports_sglang_storage_metrics_without_waiting() -> None:
+    host = make_host_pool()
+    storage = make_storage(host, TIER)
+    try:
+        keys = keys_of("stats", 3)
+        idx = host.alloc(3 * host.page_size)
+        storage.batch_set_v1(keys, idx)
+        storage.batch_get_v1(keys, idx)
+        stats = storage.get_stats()
+        assert isinstance(stats, StorageMetrics)
+        assert stats.backup_pgs == [3] and stats.prefetch_pgs == [3]
+        assert len(stats.backup_bandwidth) == 1 and stats.backup_bandwidth[0] > 0
+        assert storage.get_stats().backup_pgs == []  # drained, as SGLang's backends do
+        own = storage.statistics()
+        assert own.blocks == 3 * 4  # two spans of two blocks each per page
+        assert own.bytes_stored == 3 * 2 * 32 * 1024
+        storage.clear()  # a process-local tier is this instance's alone: every block goes
+        assert storage.batch_exists(keys) == 0 and storage.statistics().blocks == 0
+    finally:
+        storage.close()
+
+
+# -- one pool, two processes ---------------------------------------------------------------------
+
+
+def test_a_page_one_process_set_is_found_and_loaded_bit_exact_by_another(pool_path: str) -> None:
+    child = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "sglang_instance.py"), pool_path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert child.stdin is not None and child.stdout is not None
+
+    def ask(command: dict[str, Any]) -> Any:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(json.dumps(command) + "\n")
+        child.stdin.flush()
+        return json.loads(child.stdout.readline())
+
+    host = make_host_pool()
+    storage = make_storage(host, {"pool": pool_path})
+    try:
+        assert json.loads(child.stdout.readline())["event"] == "ready"
+        theirs = keys_of("child", 6)
+        answer = ask({"op": "set", "keys": theirs, "seed": 11})
+        assert answer["results"] == [True] * 6
+        assert [storage.exists(k) for k in theirs] == [True] * 6
+        assert storage.batch_exists(theirs) == 6
+        dst = host.alloc(6 * host.page_size)
+        assert storage.batch_get_v1(theirs, dst) == [True] * 6
+        assert digests(host, dst) == answer["digests"]
+        dst2 = host.alloc(4 * host.page_size)
+        assert storage.batch_get_v1([*theirs[:2], "missing", theirs[2]], dst2) == [True, True, False, False]
+        assert digests(host, dst2)[:2] == answer["digests"][:2]
+
+        ours = keys_of("parent", 5)
+        src = host.alloc(5 * host.page_size)
+        fill_pages(host, src, seed=12)
+        assert storage.batch_set_v1(ours, src) == [True] * 5
+        answer = ask({"op": "get", "keys": ours})
+        assert answer["exists"] == [True] * 5 and answer["prefix"] == 5 and answer["results"] == [True] * 5
+        assert answer["digests"] == digests(host, src)
+        assert storage.batch_exists(ours) == 5
+
+        # Another TP rank's shard is other bytes: it never sees these pages.
+        other = make_storage(host, {"pool": pool_path}, tp_rank=1, tp_size=2)
+        try:
+            assert other.batch_exists(ours) == 0
+            other.clear()  # a shared pool's pages are not one instance's to drop
+        finally:
+            other.close()
+        assert ask({"op": "close"}) == {"closed": True}
+        assert child.wait(timeout=30) == 0
+    finally:
+        storage.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    stats = pool_statistics(pool_path)
+    assert stats.blocks == 11 * 2 and stats.claims == 0 and stats.blocks_pinned == 0
+    assert stats.slots_attached == 0
+
+
+def start_owner(path: str) -> subprocess.Popen[str]:
+    owner = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "pool_owner.py"), "asyncio", path, "64MiB"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert owner.stdout is not None
+    assert json.loads(owner.stdout.readline())["event"] == "serving"
+    return owner
+
+
+def test_a_lost_pool_is_a_miss_until_its_owner_is_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = str(tmp_path / "pool.sock")
+    owner = start_owner(path)
+    host = make_host_pool()
+    storage = make_storage(host, {"pool": path})
+    try:
+        keys = keys_of("lost", 3)
+        src, dst = host.alloc(3 * host.page_size), host.alloc(3 * host.page_size)
+        fill_pages(host, src, seed=5)
+        assert storage.batch_set_v1(keys, src) == [True] * 3
+        with caplog.at_level(logging.WARNING, logger="aiokvtier"):
+            owner.kill()
+            owner.wait()
+            deadline = time.monotonic() + 10
+            while storage.batch_exists(keys) and time.monotonic() < deadline:
+                time.sleep(0.01)  # until this process has seen the connection end
+            assert storage.batch_exists(keys) == 0
+            assert storage.batch_set_v1(keys, src) == [False] * 3
+            assert storage.batch_get_v1(keys, dst) == [False] * 3
+        lost = [r for r in caplog.records if "L3 misses until a pool serves" in r.getMessage()]
+        assert len(lost) == 1, [r.getMessage() for r in caplog.records]
+
+        owner = start_owner(path)  # a restarted owner starts empty
+        time.sleep(REATTACH_AFTER + 0.2)
+        assert storage.batch_exists(keys) == 0
+        assert storage.batch_set_v1(keys, src) == [True] * 3
+        assert storage.batch_get_v1(keys, dst) == [True] * 3
+        assert digests(host, dst) == digests(host, src)
+    finally:
+        storage.close()
+        assert owner.stdin is not None
+        owner.stdin.close()
+        owner.wait(timeout=30)
+    assert sglang_threads() == []
+
+
+def test_dp_replicas_share_pages_and_so_do_mla_tp_ranks(pool_path: str) -> None:
+    """Data-parallel replicas hold the same shards: they share. MLA's KV is the same on every TP rank:
+    those share too. MHA's TP ranks hold different heads: they do not."""
+    host = make_host_pool()
+    made = {
+        name: make_storage(host, {"pool": pool_path}, **kwargs)
+        for name, kwargs in {
+            "dp0": {"tp_rank": 0, "tp_size": 2},
+            "dp1": {"tp_rank": 0, "tp_size": 2, "dp_rank": 1},
+            "mha-rank1": {"tp_rank": 1, "tp_size": 2},
+            "mla-rank0": {"tp_rank": 0, "tp_size": 2, "mla": True},
+            "mla-rank1": {"tp_rank": 1, "tp_size": 2, "mla": True},
+        }.items()
+    }
+    try:
+        keys = keys_of("shared", 4)
+        src, dst = host.alloc(4 * host.page_size), host.alloc(4 * host.page_size)
+        fill_pages(host, src, seed=9)
+        assert made["dp0"].batch_set_v1(keys, src) == [True] * 4
+        assert made["dp1"].batch_get_v1(keys, dst) == [True] * 4
+        assert digests(host, dst) == digests(host, src)
+        assert made["mha-rank1"].batch_exists(keys) == 0
+        assert made["mla-rank0"].batch_exists(keys) == 0  # MLA keys leave the TP rank out: not MHA's keys
+        assert made["mla-rank0"].batch_set_v1(keys, src) == [True] * 4
+        assert made["mla-rank1"].batch_exists(keys) == 4
+    finally:
+        for storage in made.values():
+            storage.close()
+
+
+# -- close, errors ---------------------------------------------------------------------------
+
+
+def test_close_during_a_transfer_leaves_nothing_claimed(pool_path: str) -> None:
+    # 2,048 pages of 64 KiB (128 MiB) per call: the copy lasts long enough to be caught in flight.
+    host = make_host_pool(tokens=16384)
+    interrupted = 0
+    for attempt in range(4):
+        storage = make_storage(host, {"pool": pool_path})
+        keys = keys_of(f"close{attempt}", 2048)
+        src = host.alloc(2048 * host.page_size)
+        outcome: list[Any] = []
+
+        def run(storage: Any = storage, keys: list[str] = keys, src: Any = src, outcome: list[Any] = outcome) -> None:
+            try:
+                outcome.append(storage.batch_set_v1(keys, src))
+            except Exception as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and pool_statistics(pool_path).claims == 0 and worker.is_alive():
+            pass  # until the store has claimed its slots and is copying
+        storage.close()
+        worker.join()
+        host.free(src)
+        if isinstance(outcome[0], TierClosedError):
+            interrupted += 1
+            assert "interrupted by close()" in str(outcome[0])
+        else:
+            assert outcome[0] == [True] * 2048
+        with pytest.raises(TierClosedError, match="closed"):
+            storage.batch_exists(keys)
+        assert sglang_threads() == []
+        for _ in range(100):  # the owner sees the connection end, then takes back what it held
+            stats = pool_statistics(pool_path)
+            if stats.clients == 1:
+                break
+            time.sleep(0.02)
+        assert stats.clients == 1 and stats.claims == 0 and stats.blocks_pinned == 0 and stats.slots_attached == 0
+        assert stats.tier.slots_allocated == stats.blocks
+        if interrupted:
+            break
+    assert interrupted, "no close landed during a copy"
+
+
+def test_bad_config_is_a_clear_error_and_leaves_no_thread(tmp_path: Path) -> None:
+    cases: list[tuple[dict[str, Any] | None, type[Exception], str]] = [
+        ({}, ConfigError, '"aiokvtier"'),
+        ({"pool": "/x", "tier": {}}, ConfigError, "exactly one"),
+        ({"pool": "/x", "size": 1}, ConfigError, "unknown key"),
+        ({"pool": ""}, ConfigError, "socket path"),
+        ({"tier": {"quota": "lots"}}, ConfigError, "host tier config"),
+        ({"tier": {"quota": "16MiB"}, "namespace": 3}, ConfigError, "namespace"),
+        ({"pool": str(tmp_path / "none.sock")}, PoolError, "no pool at"),
+    ]
+    for section, error, words in cases:
+        config = storage_config(section) if section else storage_config({})
+        if section == {}:
+            config = dataclasses.replace(config, extra_config={"backend_name": "aiokvtier"})
+        with pytest.raises(error, match=words):
+            HiCacheAiokvtier(config, {})
+        assert sglang_threads() == []
+
+
+def test_bad_calls_are_refused_and_change_nothing() -> None:
+    host = make_host_pool()
+    config = storage_config(TIER)
+    storage = HiCacheAiokvtier(config, {})
+    try:
+        with pytest.raises(RuntimeError, match="register_mem_pool_host"):
+            storage.batch_set_v1(["a"], host.alloc(host.page_size))
+        storage.register_mem_pool_host(host)
+        with pytest.raises(ValueError, match="host indices"):
+            storage.batch_set_v1(["a", "b"], host.alloc(host.page_size))
+        far = torch.full((host.page_size,), host.size + 64, dtype=torch.int64)
+        with pytest.raises(ValueError, match="outside the registered host pool"):
+            storage.batch_get_v1(["a"], far)  # a memmove there would kill the process
+        with pytest.raises(ValueError, match="outside the registered host pool"):
+            storage.batch_set_v1(["a"], far - 2 * (host.size + 64))
+        with pytest.raises(TypeError, match="list of str"):
+            storage.batch_exists([b"a"])
+        with pytest.raises(ValueError, match="CPU tensor"):
+            storage.batch_set(["a"], [b"bytes"])
+        assert storage.batch_exists(["a", "b"]) == 0
+        assert storage.statistics().blocks == 0
+    finally:
+        storage.close()
+    with pytest.raises(TypeError, match="HiCacheStorageConfig"):
+        HiCacheAiokvtier({"extra_config": TIER})  # type: ignore[arg-type]
+
+
+def test_importing_aiokvtier_imports_neither_sglang_nor_torch() -> None:
+    code = (
+        "import sys, aiokvtier; aiokvtier.HostTier; aiokvtier.AttachedPool; aiokvtier.BlockStore\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch'))\n"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_the_sglang_extra_is_optional() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["sglang"] == ["sglang>=0.5.23"]
+    assert not any("sglang" in r for name, reqs in extras.items() if name != "sglang" for r in reqs)
+
+
+# -- SGLang's own backend tests, with this backend in place --------------------------------------
+
+
+def test_sglangs_mooncake_store_tests_pass_with_this_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang ships unit tests for its Mooncake backend (``test_single_operation``, ``test_batch_operation``
+    over a mock host pool, through ``set``/``get``/``exists`` with addresses and ``batch_*_v1``/
+    ``batch_exists``). They run here with ``MooncakeStore`` replaced by this backend over a local tier."""
+    from sglang.srt.mem_cache.storage.mooncake_store import test_mooncake_store as suite
+
+    made: list[HiCacheAiokvtier] = []
+
+    def backend(config: Any = None) -> HiCacheAiokvtier:
+        extra = {"aiokvtier": {"tier": {"quota": "64MiB", "slot_size": "4KiB"}}}
+        storage = HiCacheAiokvtier(dataclasses.replace(config, extra_config=extra), {})
+        made.append(storage)
+        return storage
+
+    monkeypatch.setattr(suite, "MooncakeStore", backend)
+    try:
+        suite.test_single_operation()
+        for mla, rank, size in ((False, 0, 1), (True, 0, 1), (False, 1, 4), (True, 3, 8)):
+            suite.test_batch_operation(suite.make_hicache_storage_config(is_mla_model=mla, tp_rank=rank, tp_size=size))
+    finally:
+        for storage in made:
+            storage.close()
+    assert len(made) == 5
