@@ -1,0 +1,1 @@
+"""Adapters that let serving engines load aiokvtier by configuration."""
