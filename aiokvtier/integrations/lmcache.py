@@ -31,7 +31,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -267,14 +267,13 @@ class AiokvtierL2Adapter(L2AdapterInterface):
 
     # -- LMCache's threads: submit and collect ----------------------------------------------
 
-    def _submit(self, make: Coroutine[Any, Any, None]) -> None:
+    def _submit(self, work: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
         # Under the lock: close() cannot come between the check and the scheduling, so every task
         # submitted is on the loop before the shutdown, which then cancels and awaits it.
         with self._lock:
             if not self._closed:
-                asyncio.run_coroutine_threadsafe(make, self._loop)
+                asyncio.run_coroutine_threadsafe(self._tracked(work, *args), self._loop)
                 return
-        make.close()
         raise RuntimeError("the aiokvtier L2 adapter is closed")
 
     def _task_id(self) -> L2TaskId:
@@ -285,7 +284,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} memory objects")
         tid = self._task_id()
-        self._submit(self._tracked(self._store_task(tid, list(keys), list(objects))))
+        self._submit(self._store_task, tid, list(keys), list(objects))
         return tid
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
@@ -295,7 +294,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
 
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: object = None) -> L2TaskId:
         tid = self._task_id()
-        self._submit(self._tracked(self._lookup_task(tid, list(keys))))
+        self._submit(self._lookup_task, tid, list(keys))
         return tid
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -311,7 +310,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         if len(keys) != len(objects):
             raise ValueError(f"{len(keys)} keys but {len(objects)} memory objects")
         tid = self._task_id()
-        self._submit(self._tracked(self._load_task(tid, list(keys), list(objects))))
+        self._submit(self._load_task, tid, list(keys), list(objects))
         return tid
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -321,7 +320,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
     def delete(self, keys: list[ObjectKey]) -> None:
         with self._lock:
             if not self._closed:
-                asyncio.run_coroutine_threadsafe(self._tracked(self._delete(list(keys))), self._loop)
+                asyncio.run_coroutine_threadsafe(self._tracked(self._delete, list(keys)), self._loop)
 
     def report_status(self) -> dict[str, Any]:
         with self._lock:
@@ -359,12 +358,12 @@ class AiokvtierL2Adapter(L2AdapterInterface):
 
     # -- the loop ------------------------------------------------------------------------------
 
-    async def _tracked(self, work: Coroutine[Any, Any, None]) -> None:
+    async def _tracked(self, work: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
-            await work
+            await work(*args)
         finally:
             self._tasks.discard(task)
 
