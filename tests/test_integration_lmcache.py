@@ -218,6 +218,27 @@ def test_a_miss_or_a_wrong_size_loads_nothing_into_that_object(adapters: Callabl
     assert same_bytes(objs[0], outs[0]) and not outs[1].raw_tensor.any() and not outs[2].raw_tensor.any()
 
 
+def test_an_object_larger_than_a_slot_is_skipped_not_a_failed_task(adapters: Callable[[dict[str, Any]], Any]) -> None:
+    adapter = adapters({"quota": "1MiB", "slot_size": SLOT})
+    objs = [random_obj(SLOT), random_obj(SLOT + 4096), random_obj(4096)]
+    result = store(adapter, [key(0), key(1), key(2)], objs)
+    assert result.is_successful() and result.bytes_transferred() == SLOT + 4096
+    assert lookup(adapter, [key(0), key(1), key(2)]) == [True, False, True]
+    adapter.submit_unlock([key(0), key(2)])
+
+
+def test_delete_is_done_and_told_when_it_returns(adapters: Callable[[dict[str, Any]], Any]) -> None:
+    adapter = adapters({"quota": "1MiB", "slot_size": SLOT})
+    listener = Listener()
+    adapter.register_listener(listener)
+    store(adapter, [key(0), key(1)], [random_obj(SLOT), random_obj(4096)])
+    adapter.delete([key(0), key(5), key(0)])  # as LMCache's L2 eviction calls it; unknown and repeated keys ignored
+    assert listener.deleted == [key(0)] and adapter.get_usage().total_bytes_used == 4096
+    assert lookup(adapter, [key(0), key(1)]) == [False, True]
+    adapter.submit_unlock([key(1)])
+    adapter.check_invariants()
+
+
 # -- lookup-and-lock ---------------------------------------------------------------------
 
 

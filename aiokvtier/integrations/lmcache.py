@@ -28,6 +28,7 @@ it, torch).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -215,6 +216,8 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         self._policy: _Locking | None = None
         self._pool: AttachedPool | None = None
         self._events: asyncio.Task[None] | None = None
+        self._slot_size = 0
+        self._warned_size = False
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="aiokvtier-lmcache", daemon=True)
@@ -235,12 +238,14 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         try:
             if config.pool is not None:
                 self._pool = await AttachedPool.attach(config.pool)
-                return self._pool.slots_total * self._pool.slot_size
+                self._slot_size = self._pool.slot_size
+                return self._pool.slots_total * self._slot_size
             assert config.tier is not None
             self._tier = await HostTier.open(config.tier)
             self._policy = _Locking(make_policy(config.policy, max(1, self._tier.slots_total)))
             self._store = await BlockStore.open(self._tier, None, self._policy)
-            return self._tier.slots_total * self._tier.slot_size
+            self._slot_size = self._tier.slot_size
+            return self._tier.slots_total * self._slot_size
         except BaseException:
             await self._close_backend()
             raise
@@ -318,9 +323,19 @@ class AiokvtierL2Adapter(L2AdapterInterface):
             return self._done_load.pop(task_id, None)
 
     def delete(self, keys: list[ObjectKey]) -> None:
+        """Drop blocks (LMCache's own L2 eviction); locked blocks stay.
+
+        Returns once they are gone and the listeners were told, as LMCache's
+        accounting expects: a discard on the loop, microseconds per key.
+        """
         with self._lock:
-            if not self._closed:
-                asyncio.run_coroutine_threadsafe(self._tracked(self._delete, list(keys)), self._loop)
+            if self._closed:
+                return
+            done = asyncio.run_coroutine_threadsafe(self._tracked(self._delete, list(keys)), self._loop)
+        try:
+            done.result()
+        except concurrent.futures.CancelledError:
+            pass  # close() came meanwhile: everything is gone
 
     def report_status(self) -> dict[str, Any]:
         with self._lock:
@@ -389,8 +404,19 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         ok, nbytes = True, 0
         try:
             chosen: dict[Key, int] = {}  # a key once (the store refuses repeats), first object wins
+            slot_size = self._slot_size
             for i, key in enumerate(keys):
-                chosen.setdefault(self._key(key), i)
+                size = objects[i].get_size()
+                if 0 < size <= slot_size:
+                    chosen.setdefault(self._key(key), i)
+                elif size and not self._warned_size:  # never fits: not stored, as a full tier skips
+                    self._warned_size = True
+                    log.warning(
+                        "aiokvtier L2 adapter: a %d-byte object does not fit a %d-byte slot and is not stored; "
+                        "set slot_size to at least LMCache's chunk size in bytes",
+                        size,
+                        slot_size,
+                    )
             akeys = list(chosen)
             pages = [objects[i].byte_array for i in chosen.values()]
             if self._store is not None:
@@ -493,11 +519,16 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         self._finish(self._done_load, tid, bitmap, self._load_efd)
 
     async def _delete(self, keys: list[ObjectKey]) -> None:
-        akeys = [k for k in (self._key(key) for key in keys) if k not in self._locks]  # locked: kept
+        akeys = list(dict.fromkeys(self._key(key) for key in keys))
         if self._store is not None:
+            akeys = [k for k in akeys if k in self._store and k not in self._locks]  # locked: kept
             self._store.discard(akeys)
         elif self._pool is not None:
             await self._pool.discard(akeys)
+        # Told here rather than by the "discarded" event, which comes later: it then finds nothing to tell.
+        gone = [self._objects.pop(k) for k in akeys if k in self._objects]
+        if gone:
+            self._notify_keys_deleted([okey for okey, _ in gone], [size for _, size in gone])
 
     async def _forward_events(self) -> None:
         """Tell LMCache's listeners about blocks of this adapter that the store evicted or discarded."""
