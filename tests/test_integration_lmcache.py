@@ -239,6 +239,17 @@ def test_delete_is_done_and_told_when_it_returns(adapters: Callable[[dict[str, A
     adapter.check_invariants()
 
 
+def test_no_result_is_lost_while_lmcache_collects_them(adapters: Callable[[dict[str, Any]], Any]) -> None:
+    adapter = adapters({"quota": "4MiB", "slot_size": 4096})
+    obj = random_obj(4096)
+    tids = {adapter.submit_store_task([key(i)], [obj]) for i in range(400)}
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + 20
+    while not tids <= got.keys() and time.monotonic() < deadline:  # collects while the tasks finish
+        got.update(adapter.pop_completed_store_tasks())
+    assert tids <= got.keys() and all(got[t].bytes_transferred() == 4096 for t in tids)
+
+
 # -- lookup-and-lock ---------------------------------------------------------------------
 
 

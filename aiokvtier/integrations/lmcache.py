@@ -293,8 +293,9 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         return tid
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        with self._lock:
-            done, self._done_store = self._done_store, {}
+        with self._lock:  # copied and cleared, never swapped: _finish holds this dict while it waits for the lock
+            done = dict(self._done_store)
+            self._done_store.clear()
         return done
 
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: object = None) -> L2TaskId:
