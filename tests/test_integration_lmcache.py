@@ -457,3 +457,12 @@ def test_import_aiokvtier_imports_neither_lmcache_nor_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_lmcache_is_an_optional_extra_that_the_tests_do_not_install() -> None:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert extras["lmcache"] == ["lmcache>=0.5.6"]
+    assert not any("lmcache" in req for req in extras["test"])
