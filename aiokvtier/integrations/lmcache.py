@@ -210,7 +210,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         self._tasks: set[asyncio.Task[None]] = set()
         self._prefixes: dict[tuple[str, int, int, str], bytes] = {}
         self._objects: dict[Key, tuple[ObjectKey, int]] = {}  # stored by this adapter: for LMCache's listeners
-        self._locks: dict[bytes, tuple[int, int]] = {}  # key -> (slot, locks)
+        self._locks: dict[Key, tuple[int, int]] = {}  # key -> (slot, locks)
         self._tier: HostTier | None = None
         self._store: BlockStore | None = None
         self._policy: _Locking | None = None
@@ -465,18 +465,23 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         self._finish(self._done_lookup, tid, bitmap, self._lookup_efd)
 
     async def _lookup_pool(self, tid: L2TaskId, keys: list[ObjectKey]) -> None:
-        """Without locks: the pool's owner evicts for every process (see the docs)."""
+        """The stored prefix of each row's chunks, without locks: the pool's owner evicts for every process.
+
+        A row is one (model, rank, object group, salt); LMCache lists a row's chunks in token order and
+        its default ("prefix") prefetch uses a row's leading hits only, so one request per row (all at
+        once) answers it, where a key-by-key answer would cost a request per key.
+        """
         bitmap = Bitmap(len(keys))
         try:
             pool = self._pool
             assert pool is not None
-            akeys = [self._key(k) for k in keys]
-            i = 0
-            while i < len(akeys):  # the pool answers stored prefixes: one request per miss, past it
-                hits = await pool.lookup(akeys[i:])
-                for j in range(i, i + hits):
-                    bitmap.set(j)
-                i += hits + 1
+            rows: dict[tuple[str, int, int, str], list[int]] = {}
+            for i, k in enumerate(keys):
+                rows.setdefault((k.model_name, k.kv_rank, k.object_group_id, k.cache_salt), []).append(i)
+            hits = await asyncio.gather(*(pool.lookup([self._key(keys[i]) for i in row]) for row in rows.values()))
+            for row, n in zip(rows.values(), hits, strict=True):
+                for i in row[:n]:
+                    bitmap.set(i)
         except asyncio.CancelledError:
             raise
         except Exception:
