@@ -334,9 +334,8 @@ class PoolOwner:
 
 
 @pytest.fixture
-def pool_owner() -> Iterator[PoolOwner]:
-    path = Path(f"/tmp/aiokvtier-lmcache-test-{os.getpid()}.sock")
-    owner = PoolOwner(path)
+def pool_owner(tmp_path: Path) -> Iterator[PoolOwner]:
+    owner = PoolOwner(tmp_path / "pool.sock")
     yield owner
     owner.close()
 
