@@ -303,7 +303,9 @@ def test_close_mid_transfer_returns_with_nothing_left() -> None:
     with pytest.raises(RuntimeError, match="closed"):
         adapter.submit_store_task([key(0)], objs[:1])
     adapter.submit_unlock([key(0)])  # LMCache may still unlock after close: nothing happens
-    assert adapter.report_status()["is_healthy"] is False
+    assert adapter.report_status()["is_healthy"] is False and adapter.statistics() is None
+    with pytest.raises(RuntimeError, match="closed"):
+        adapter.check_invariants()
 
 
 class PoolOwner:

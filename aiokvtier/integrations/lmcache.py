@@ -348,19 +348,29 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         with self._lock:
             if self._closed:
                 return {"is_healthy": False, "type": type(self).__name__, "closed": True}
-        status: dict[str, Any] = asyncio.run_coroutine_threadsafe(self._status(), self._loop).result()
+            done = asyncio.run_coroutine_threadsafe(self._status(), self._loop)
+        status: dict[str, Any] = done.result()
         return status
 
     def statistics(self) -> StoreStatistics | None:
-        """The host tier's ``StoreStatistics`` (None with a pool), read on the adapter's loop."""
-        return asyncio.run_coroutine_threadsafe(self._statistics(), self._loop).result()
+        """The host tier's ``StoreStatistics``, read on the adapter's loop (None with a pool, or once closed)."""
+        with self._lock:
+            if self._closed:
+                return None
+            done = asyncio.run_coroutine_threadsafe(self._statistics(), self._loop)
+        return done.result()
 
     def check_invariants(self) -> None:
         """Check the store's books and the adapter's locks against each other (tests, debugging).
 
         :raises AssertionError: naming what is broken.
+        :raises RuntimeError: the adapter is closed.
         """
-        asyncio.run_coroutine_threadsafe(self._check(), self._loop).result()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the aiokvtier L2 adapter is closed")
+            done = asyncio.run_coroutine_threadsafe(self._check(), self._loop)
+        done.result()
 
     def close(self) -> None:
         """Cancel what is in flight, close the store and the tier (or detach from the pool), end the thread.
