@@ -288,6 +288,8 @@ def test_unlocking_what_was_never_locked_changes_nothing(adapters: Callable[[dic
 
 
 def test_close_mid_transfer_returns_with_nothing_left() -> None:
+    # The first build makes LMCache's factory import its built-in adapters, gRPC among them, whose fds stay.
+    build({"quota": "1MiB", "slot_size": SLOT}).close()
     before = adapter_threads()
     fds_before = len(os.listdir("/proc/self/fd"))
     adapter = build({"quota": "64MiB", "slot_size": "1MiB"})
@@ -295,10 +297,16 @@ def test_close_mid_transfer_returns_with_nothing_left() -> None:
     store(adapter, [key(i) for i in range(16)], objs[:16])
     adapter.submit_store_task([key(i) for i in range(16, 48)], objs[16:])
     adapter.submit_lookup_and_lock_task([key(i) for i in range(16)], {})
-    adapter.submit_load_task([key(i) for i in range(16)], [random_obj(1 << 20) for _ in range(16)])
+    into = [memory_obj(torch.zeros(1 << 20, dtype=torch.uint8)) for _ in range(16)]
+    adapter.submit_load_task([key(i) for i in range(16)], into)
     adapter.close()  # cancels the store and the load in flight, releases the locks, closes the tier
+    after_close = [bytes(o.byte_array) for o in into]
     adapter.close()
+    time.sleep(0.05)
+    assert [bytes(o.byte_array) for o in into] == after_close  # nothing writes LMCache's objects after close
+    assert all(not o.raw_tensor.any() or same_bytes(o, objs[i]) for i, o in enumerate(into))  # none half-written
     assert adapter_threads() == before
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("aiokvtier")]
     assert len(os.listdir("/proc/self/fd")) == fds_before
     with pytest.raises(RuntimeError, match="closed"):
         adapter.submit_store_task([key(0)], objs[:1])
