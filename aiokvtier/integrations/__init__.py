@@ -10,6 +10,9 @@ heavy, and the base install pulls in no engine.
 - ``aiokvtier.integrations.sglang``: a ``HiCacheStorage`` for SGLang's
   hierarchical cache (``pip install 'aiokvtier[sglang]'``; see
   docs/integrations/sglang.md).
+- ``aiokvtier.integrations.lmcache``: an L2 adapter for LMCache's
+  multi-process server (``pip install 'aiokvtier[lmcache]'``; see
+  docs/integrations/lmcache.md).
 """
 
 from __future__ import annotations
