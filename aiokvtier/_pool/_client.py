@@ -103,7 +103,8 @@ class AttachedPool(Owner):
         self._path = os.fspath(path)
         self._life = Lifecycle("AttachedPool", "aiokvtier-attached")
         self._rids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._pending: dict[int, tuple[asyncio.Future[Message], str]] = {}
+        """Requests awaiting their answer: the caller's future, and what to undo if the caller gave up."""
         self._orphans: dict[int, str] = {}
         """Requests whose caller gave up: what to undo when their reply comes (``"free"``, ``"abort"``, ``"unpin"``)."""
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -256,7 +257,7 @@ class AttachedPool(Owner):
         self._lost = reason
         if not closed:
             log.warning("aiokvtier: %s", reason)
-        for future in self._pending.values():
+        for future, _ in self._pending.values():
             if not future.done():
                 future.set_exception(PoolLostError(reason))
         self._pending.clear()
@@ -323,13 +324,17 @@ class AttachedPool(Owner):
                 future.set_result(None)
 
     def _on_reply(self, message: Message) -> None:
-        future = self._pending.pop(message.rid, None)
-        if future is not None and not future.done():
-            future.set_result(message)
+        pending = self._pending.pop(message.rid, None)
+        if pending is not None:
+            future, undo = pending
+            if not future.done():
+                future.set_result(message)
+            elif undo:  # the caller was cancelled and has not run since: it can no longer see this answer
+                self._undo(undo, message)
             return
-        undo = self._orphans.pop(message.rid, None)
-        if undo is not None:
-            self._undo(undo, message)
+        orphan = self._orphans.pop(message.rid, None)
+        if orphan is not None:
+            self._undo(orphan, message)
 
     def _undo(self, undo: str, message: Message) -> None:
         """The caller was cancelled after its request left: give back what the owner gave it."""
@@ -365,7 +370,7 @@ class AttachedPool(Owner):
             self._tell_looked()  # before this request: one connection is one order
         rid = next(self._rids)
         future: asyncio.Future[Message] = self._loop.create_future()
-        self._pending[rid] = future
+        self._pending[rid] = (future, undo)
         self._writer.write(encode(op, rid, fields, parts))
         try:
             message = await future

@@ -1,0 +1,225 @@
+"""The single-process tier's adversarial suite, against an attached pool.
+
+The owner (``Pool``) and its attached processes (``AttachedPool``) run on
+the test's loop, except where a test needs a separate process. Every call
+is attacked three ways: cancelled at every await (after 0 to 40 turns of
+the loop, through ``wait_for`` with delays of 0 to 5 ms, ``task.cancel()``
+and a TaskGroup whose sibling fails), raced against closes and resizes,
+and given bad input. Afterwards the owner's books must agree with what the
+attached processes hold (``Pool.check_invariants(sole_user=True)``), a
+following store and load of the same keys must work, and once everything
+is closed no library thread, mapping or descriptor of the pool is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from aiokvtier import (
+    AttachedPool,
+    Pool,
+)
+from tests.conftest import proc_text
+from tests.invariants import wait_no_library_threads
+from tests.test_cancellation import cancel_during
+from tests.test_pool import sock, until
+
+__all__ = ["sock"]  # the fixture, used by name
+
+SLOT = 64 << 10
+CONFIG = {"quota": "16MiB", "max_quota": "32MiB", "slot_size": "64KiB"}  # 256 slots, room to grow to 512
+HANG = 10.0
+
+TICKS = tuple(range(0, 40, 3))
+"""Turns of the loop before a ``task.cancel()``: one lands inside each await of a call."""
+DELAYS = (0, 0.0002, 0.0005, 0.001, 0.002, 0.005)
+
+
+def pages(keys: list[bytes], size: int = 4096) -> np.ndarray:
+    out = np.empty((len(keys), size), dtype=np.uint8)
+    for i, k in enumerate(keys):
+        out[i] = np.frombuffer((k * (size // len(k) + 1))[:size], dtype=np.uint8)
+    return out
+
+
+def pool_fds() -> list[str]:
+    """Descriptors of this process that point at a pool's memfd (its tier or its index mirror)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:aiokvtier-pool"):
+            out.append(target)
+    return out
+
+
+def pool_maps() -> list[str]:
+    return [line for line in proc_text("/proc/self/maps").splitlines() if "memfd:aiokvtier-pool" in line]
+
+
+async def assert_nothing_left() -> None:
+    await wait_no_library_threads()
+    assert not await asyncio.to_thread(pool_maps), "a mapping of the pool's memory is left"
+    assert not await asyncio.to_thread(pool_fds), "a descriptor of the pool's memory is left"
+
+
+async def settle(pool: Pool, held: int = 0) -> None:
+    """Once every answer has come: nothing claimed or pinned, and the owner's books are whole."""
+    await until(
+        lambda: (s := pool.statistics()).claims == 0 and s.blocks_pinned == 0 and s.slots_attached == held,
+        "a cancelled call left something claimed, pinned or held",
+    )
+    pool.check_invariants(sole_user=True)
+    s = pool.statistics()
+    assert s.tier.slots_allocated == s.blocks + held
+
+
+@contextlib.asynccontextmanager
+async def rig(
+    sock: str, clients: int = 1, config: dict[str, Any] = CONFIG
+) -> AsyncIterator[tuple[Pool, list[AttachedPool]]]:
+    """An owner and ``clients`` attached pools; on the way out, the books and the leaks are checked."""
+    async with Pool(config, sock) as pool:
+        attached_pools = [await AttachedPool.attach(sock) for _ in range(clients)]
+        try:
+            yield pool, attached_pools
+        finally:
+            for a in attached_pools:
+                await a.aclose()
+        await until(lambda: pool.clients == 0, "the owner did not see its processes go")
+        await settle(pool)
+    await assert_nothing_left()
+
+
+async def roundtrip(a: AttachedPool, keys: list[bytes]) -> None:
+    """A store and a load of ``keys`` work, bit-exact."""
+    src = pages(keys)
+    result = await a.store(keys, src)
+    assert not result.skipped
+    assert await a.lookup(keys) == len(keys)
+    dst = np.zeros_like(src)
+    await a.load(keys, dst)
+    assert (dst == src).all()
+
+
+async def cancel_after_ticks(call: Callable[[], Awaitable[Any]], ticks: int) -> tuple[bool, Any]:
+    """Run ``call()`` and cancel it after ``ticks`` turns of the loop; ``(cancelled, result)``."""
+    task = asyncio.ensure_future(call())
+    for _ in range(ticks):
+        await asyncio.sleep(0)
+    task.cancel()
+    async with asyncio.timeout(HANG):
+        try:
+            return False, await task
+        except asyncio.CancelledError:
+            return True, None
+
+
+def cases() -> list[tuple[str, float]]:
+    out: list[tuple[str, float]] = [("ticks", t) for t in TICKS]
+    out += [("wait_for", d) for d in DELAYS] + [("taskgroup", d) for d in DELAYS] + [("cancel", d) for d in DELAYS]
+    return out
+
+
+async def attack(call: Callable[[], Awaitable[Any]], how: str, delay: float) -> tuple[bool, Any]:
+    if how == "ticks":
+        return await cancel_after_ticks(call, int(delay))
+    _, cancelled, result = await cancel_during(call, how, delay)
+    return cancelled, result
+
+
+# -- cancellation at every await ----------------------------------------------------------------------
+
+
+async def test_a_cancelled_allocate_holds_nothing(sock: str) -> None:
+    async with rig(sock) as (pool, (a,)):
+        for how, delay in cases():
+            for call in (lambda: a.allocate(3), lambda: a.allocate(), lambda: a.allocate_ids(2, wait=False)):
+                cancelled, got = await attack(call, how, delay)
+                if not cancelled:
+                    await a.free_many([got] if isinstance(got, int) else list(got))
+                await settle(pool)
+
+
+async def test_a_cancelled_store_leaves_nothing_claimed_and_the_keys_can_be_stored_again(sock: str) -> None:
+    async with rig(sock) as (pool, (a,)):
+        for n, (how, delay) in enumerate(cases()):
+            keys = [b"s%d-%d" % (n, i) for i in range(32)]
+            src = pages(keys)
+            await attack(lambda k=keys, s=src: a.store(k, s), how, delay)  # type: ignore[misc]
+            await settle(pool)
+            # Visible or not, never half: a block that is visible is whole.
+            visible = await a.lookup(keys)
+            if visible:
+                dst = np.zeros((visible, 4096), dtype=np.uint8)
+                await a.load(keys[:visible], dst)
+                assert (dst == src[:visible]).all()
+            await roundtrip(a, keys)
+            await a.discard(keys)
+            await settle(pool)
+
+
+async def test_a_cancelled_load_leaves_nothing_pinned(sock: str) -> None:
+    async with rig(sock) as (pool, (a,)):
+        keys = [b"load-%d" % i for i in range(64)]
+        await a.store(keys, pages(keys))
+        dst = np.zeros((64, 4096), dtype=np.uint8)
+        for how, delay in cases():
+            await attack(lambda: a.load(keys, dst), how, delay)
+            await settle(pool)
+            await roundtrip(a, keys)
+
+
+async def test_a_store_waiting_for_another_store_of_its_keys_cancelled(sock: str) -> None:
+    async with rig(sock, clients=2) as (pool, (a, b)):
+        for n, (how, delay) in enumerate(cases()):
+            keys = [b"w%d-%d" % (n, i) for i in range(16)]
+            src = pages(keys)
+            first = asyncio.ensure_future(a.store(keys, src))
+            await attack(lambda k=keys, s=src: b.store(k, s), how, delay)  # type: ignore[misc]
+            async with asyncio.timeout(HANG):
+                await first
+            await settle(pool)
+            await roundtrip(b, keys)
+
+
+async def test_other_calls_cancelled(sock: str) -> None:
+    async with rig(sock) as (pool, (a,)):
+        keys = [b"o-%d" % i for i in range(16)]
+        await a.store(keys, pages(keys))
+        calls: list[Callable[[], Awaitable[Any]]] = [
+            lambda: a.statistics(),
+            lambda: a.discard(keys[:1]),
+            lambda: a.lookup(keys),
+            lambda: a.wait_resident(SLOT),
+            lambda: a.events(),
+        ]
+        for how, delay in cases():
+            for call in calls:
+                await attack(call, how, delay)
+                await settle(pool)
+            await a.store(keys, pages(keys))
+        await roundtrip(a, keys)
+
+
+async def test_cancelled_attach_leaves_nothing(sock: str) -> None:
+    async with rig(sock, clients=0) as (pool, _):
+        for how, delay in cases():
+            cancelled, got = await attack(lambda: AttachedPool.attach(sock), how, delay)
+            if not cancelled:
+                await got.aclose()
+        await until(lambda: pool.clients == 0, "a cancelled attach stayed attached")
+
+
+# -- close and resize races -------------------------------------------------------------------------
+
+
+# -- bad input ------------------------------------------------------------------------------------
