@@ -24,6 +24,7 @@ import numpy as np
 from aiokvtier import (
     AttachedPool,
     Pool,
+    SlotError,
 )
 from tests.conftest import proc_text
 from tests.invariants import wait_no_library_threads
@@ -147,6 +148,29 @@ async def test_a_cancelled_allocate_holds_nothing(sock: str) -> None:
                 if not cancelled:
                     await a.free_many([got] if isinstance(got, int) else list(got))
                 await settle(pool)
+
+
+async def test_a_cancelled_free_frees_all_or_none_and_the_process_knows_which(sock: str) -> None:
+    async with rig(sock) as (pool, (a,)):
+        for how, delay in cases():
+            slots = await a.allocate(4)
+            await attack(lambda s=slots: a.free_many(s), how, delay)  # type: ignore[misc]
+            # Whatever the owner did, this process agrees: it still holds the slots (and may free them) or not.
+            held = []
+            for slot in slots:
+                try:
+                    a.address(slot)
+                    held.append(slot)
+                except SlotError:
+                    pass
+            assert len(held) in (0, 4), f"{how} {delay}: half a free"
+            await until(
+                lambda h=held: pool.statistics().slots_attached == len(h),  # type: ignore[misc]
+                f"{how} {delay}: the owner disagrees",
+            )
+            if held:
+                await a.free_many(held)
+            await settle(pool)
 
 
 async def test_a_cancelled_store_leaves_nothing_claimed_and_the_keys_can_be_stored_again(sock: str) -> None:

@@ -491,8 +491,18 @@ class AttachedPool(Owner):
         for slot in ids.tolist():
             if slot not in self._mine:
                 raise SlotError(f"slot {slot} is not allocated by this process; nothing was freed")
-        await self._request(_wire.FREE, {}, [ids.tobytes()])
+        request = self._request(_wire.FREE, {}, [ids.tobytes()])
+        # Once the request has left, the owner frees them (a cancelled caller included): let go of them here
+        # now, and take them back only if the request never left or the owner refused it (it freed nothing).
         self._mine.difference_update(ids.tolist())
+        try:
+            await request
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            if self._lost is None:
+                self._mine.update(ids.tolist())
+            raise
 
     def address(self, slot: int) -> int:
         """This process's address of a slot it holds.
