@@ -20,11 +20,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
+import pytest
 
 from aiokvtier import (
     AttachedPool,
+    OutOfSlots,
     Pool,
     SlotError,
+    WouldBlock,
 )
 from tests.conftest import proc_text
 from tests.invariants import wait_no_library_threads
@@ -247,3 +250,74 @@ async def test_cancelled_attach_leaves_nothing(sock: str) -> None:
 
 
 # -- bad input ------------------------------------------------------------------------------------
+
+
+Refusal = tuple[Callable[[], Awaitable[Any]], "type[BaseException] | tuple[type[BaseException], ...]", str]
+
+
+async def refuse_all(pool: Pool, refusals: list[Refusal]) -> None:
+    """Each call raises its error, naming the problem, and changes nothing the owner holds."""
+    before = pool.statistics()
+    for i, (call, error, words) in enumerate(refusals):
+        with pytest.raises(error, match=words or None):
+            try:
+                await call()
+            except BaseException as exc:
+                exc.add_note(f"bad input #{i}")
+                raise
+            raise AssertionError(f"bad input #{i} was taken")
+        after = pool.statistics()
+        assert after.tier.slots_allocated == before.tier.slots_allocated, f"bad input #{i} changed the slots"
+        assert after.blocks == before.blocks and after.claims == 0 and after.blocks_pinned == 0, f"bad input #{i}"
+        pool.check_invariants(sole_user=True)
+
+
+async def test_bad_counts_are_refused(sock: str) -> None:
+    async with rig(sock) as (pool, (a,)):
+        await refuse_all(
+            pool,
+            [
+                (lambda: a.allocate(0), ValueError, "n"),
+                (lambda: a.allocate(-1), ValueError, "n"),
+                (lambda: a.allocate(True), TypeError, "bool"),
+                (lambda: a.allocate(1.5), TypeError, "n must be an integer"),  # type: ignore[call-overload]
+                (lambda: a.allocate("2"), TypeError, "n must be an integer"),  # type: ignore[call-overload]
+                (lambda: a.allocate(1 << 70), OutOfSlots, "slots"),
+                (lambda: a.allocate(10_000), OutOfSlots, "slots"),
+                (lambda: a.allocate_ids(0), ValueError, "n"),
+                (lambda: a.allocate_ids(1 << 70, wait=False), (OutOfSlots, WouldBlock), "slots"),
+                (lambda: a.events(limit=0), ValueError, "limit"),
+                (lambda: a.events(limit=True), ValueError, "limit"),
+            ],
+        )
+
+
+async def test_slot_ids_this_process_does_not_hold_are_refused(sock: str) -> None:
+    async with rig(sock, clients=2) as (pool, (a, b)):
+        mine = await a.allocate(2)
+        theirs = await b.allocate()
+        await refuse_all(
+            pool,
+            [
+                (lambda: a.free(theirs), SlotError, "not allocated by this process"),
+                (lambda: a.free(1 << 40), SlotError, "not allocated by this process"),
+                (lambda: a.free(-1), SlotError, "not allocated by this process"),
+                (lambda: a.free_many([mine[0], theirs]), SlotError, "not allocated by this process"),
+                (lambda: a.free_many([mine[0], mine[0]]), SlotError, "twice"),
+                (lambda: a.free(float(mine[0])), SlotError, "not a slot id"),  # type: ignore[arg-type]
+                (lambda: a.free("1"), SlotError, "not a slot id"),  # type: ignore[arg-type]
+                (lambda: a.free(True), SlotError, "not a slot id"),
+                (lambda: a.free_many([mine[0], None]), SlotError, "not a slot id"),  # type: ignore[list-item]
+                (lambda: a.free_many(mine[0]), TypeError, ""),  # type: ignore[arg-type]
+            ],
+        )
+        for sync in (lambda: a.address(theirs), lambda: a.view(theirs), lambda: a.address(-1)):
+            with pytest.raises(SlotError, match="not allocated by this process"):
+                sync()
+        for bad in ("1", float(mine[0]), None, True):
+            with pytest.raises(SlotError, match="not a slot id"):
+                a.address(bad)  # type: ignore[arg-type]
+        # Still this process's: written, then freed.
+        a.view(mine[0])[:3] = b"abc"
+        await a.free_many(mine)
+        await b.free(theirs)

@@ -487,10 +487,10 @@ class AttachedPool(Owner):
 
         :raises SlotError: one is not held by this process, or repeated.
         """
-        ids = np.array([int(s) for s in slots], dtype=np.int64)
-        for slot in ids.tolist():
-            if slot not in self._mine:
-                raise SlotError(f"slot {slot} is not allocated by this process; nothing was freed")
+        held = [self._held(slot, "; nothing was freed") for slot in slots]
+        if len(set(held)) != len(held):
+            raise SlotError("a slot appears twice in one free; nothing was freed")
+        ids = np.array(held, dtype=np.int64)
         request = self._request(_wire.FREE, {}, [ids.tobytes()])
         # Once the request has left, the owner frees them (a cancelled caller included): let go of them here
         # now, and take them back only if the request never left or the owner refused it (it freed nothing).
@@ -510,9 +510,18 @@ class AttachedPool(Owner):
         :raises SlotError: not allocated by this process.
         """
         self._check_open()
-        if slot not in self._mine:
-            raise SlotError(f"slot {slot} is not allocated by this process")
-        return self._base + int(slot) * self._slot_size
+        return self._base + self._held(slot) * self._slot_size
+
+    def _held(self, slot: object, then: str = "") -> int:
+        """``slot`` as an int, a slot this process holds (an integer, not a bool or a float).
+
+        :raises SlotError: not a slot id, or not allocated by this process.
+        """
+        if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
+            raise SlotError(f"slot {slot!r} is not a slot id (an integer){then}")
+        if int(slot) not in self._mine:
+            raise SlotError(f"slot {slot} is not allocated by this process{then}")
+        return int(slot)
 
     def view(self, slot: int) -> memoryview:
         """A writable ``slot_size``-byte view of a slot this process holds (``aclose`` unmaps only once
@@ -520,7 +529,8 @@ class AttachedPool(Owner):
 
         :raises SlotError: not allocated by this process.
         """
-        return self._views.view(int(slot), self.address(slot))
+        address = self.address(slot)
+        return self._views.view(int(slot), address)
 
     async def wait_resident(self, nbytes: int | None = None) -> None:
         """Wait until the shared watermark reaches ``nbytes`` (None: the whole quota), from the owner's pushes.
