@@ -322,3 +322,17 @@ async def test_slot_ids_this_process_does_not_hold_are_refused(sock: str) -> Non
         a.view(mine[0])[:3] = b"abc"
         await a.free_many(mine)
         await b.free(theirs)
+
+
+async def test_bad_watermarks_are_refused(sock: str) -> None:
+    async with rig(sock) as (pool, (a,)):
+        await refuse_all(
+            pool,
+            [
+                (lambda: a.wait_resident(-1), ValueError, "nbytes"),
+                (lambda: a.wait_resident(1 << 40), ValueError, "nbytes"),
+                (lambda: a.wait_resident("1"), TypeError, "nbytes"),  # type: ignore[arg-type]
+                (lambda: a.wait_resident(1.5), TypeError, "nbytes"),  # type: ignore[arg-type]
+                (lambda: a.wait_resident(True), TypeError, "nbytes"),
+            ],
+        )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import operator
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any, overload
@@ -535,14 +536,22 @@ class AttachedPool(Owner):
     async def wait_resident(self, nbytes: int | None = None) -> None:
         """Wait until the shared watermark reaches ``nbytes`` (None: the whole quota), from the owner's pushes.
 
-        :raises ValueError: ``nbytes`` is past the quota.
+        :raises TypeError: ``nbytes`` is not an integer (a bool, a float, a string).
+        :raises ValueError: ``nbytes`` is negative or past the quota.
         :raises FillError: the fill failed below ``nbytes``.
         :raises PoolLostError: the owner went away.
         """
         self._check_open()
+        if nbytes is not None:
+            if isinstance(nbytes, bool):
+                raise TypeError(f"nbytes must be an integer, not a bool ({nbytes!r})")
+            try:
+                nbytes = operator.index(nbytes)
+            except TypeError:
+                raise TypeError(f"nbytes must be an integer or None, got {nbytes!r}") from None
         while True:
             self._raise_if_lost()
-            need = self._quota if nbytes is None else int(nbytes)
+            need = self._quota if nbytes is None else nbytes
             if need > self._quota or need < 0:
                 raise ValueError(f"nbytes ({need}) must be between 0 and the quota ({self._quota})")
             if self._usable() >= need:
