@@ -24,6 +24,7 @@ import pytest
 
 from aiokvtier import (
     AttachedPool,
+    BlockNotFound,
     OutOfSlots,
     Pool,
     SlotError,
@@ -256,8 +257,9 @@ async def test_cancelled_attach_leaves_nothing(sock: str) -> None:
 Refusal = tuple[Callable[[], Awaitable[Any]], "type[BaseException] | tuple[type[BaseException], ...]", str]
 
 
-async def refuse_all(pool: Pool, refusals: list[Refusal]) -> None:
-    """Each call raises its error, naming the problem, and changes nothing the owner holds."""
+async def refuse_all(pool: Pool, a: AttachedPool, refusals: list[Refusal]) -> None:
+    """Each call raises its error, naming the problem, and changes nothing the owner holds (once the
+    one-way messages the call sent have arrived: a round trip of the same process comes after them)."""
     before = pool.statistics()
     for i, (call, error, words) in enumerate(refusals):
         with pytest.raises(error, match=words or None):
@@ -267,6 +269,7 @@ async def refuse_all(pool: Pool, refusals: list[Refusal]) -> None:
                 exc.add_note(f"bad input #{i}")
                 raise
             raise AssertionError(f"bad input #{i} was taken")
+        await a.statistics()
         after = pool.statistics()
         assert after.tier.slots_allocated == before.tier.slots_allocated, f"bad input #{i} changed the slots"
         assert after.blocks == before.blocks and after.claims == 0 and after.blocks_pinned == 0, f"bad input #{i}"
@@ -277,6 +280,7 @@ async def test_bad_counts_are_refused(sock: str) -> None:
     async with rig(sock) as (pool, (a,)):
         await refuse_all(
             pool,
+            a,
             [
                 (lambda: a.allocate(0), ValueError, "n"),
                 (lambda: a.allocate(-1), ValueError, "n"),
@@ -299,6 +303,7 @@ async def test_slot_ids_this_process_does_not_hold_are_refused(sock: str) -> Non
         theirs = await b.allocate()
         await refuse_all(
             pool,
+            a,
             [
                 (lambda: a.free(theirs), SlotError, "not allocated by this process"),
                 (lambda: a.free(1 << 40), SlotError, "not allocated by this process"),
@@ -328,6 +333,7 @@ async def test_bad_watermarks_are_refused(sock: str) -> None:
     async with rig(sock) as (pool, (a,)):
         await refuse_all(
             pool,
+            a,
             [
                 (lambda: a.wait_resident(-1), ValueError, "nbytes"),
                 (lambda: a.wait_resident(1 << 40), ValueError, "nbytes"),
@@ -336,3 +342,55 @@ async def test_bad_watermarks_are_refused(sock: str) -> None:
                 (lambda: a.wait_resident(True), TypeError, "nbytes"),
             ],
         )
+
+
+async def test_bad_keys_and_pages_are_refused(sock: str) -> None:
+    async with rig(sock) as (pool, (a,)):
+        keys = [b"b-%d" % i for i in range(8)]
+        await a.store(keys, pages(keys))
+        await refuse_all(
+            pool,
+            a,
+            [
+                (lambda: a.store([b"x"], [b"a" * (SLOT + 1)]), ValueError, "does not fit"),
+                (lambda: a.store([b"x", b"x"], [b"a", b"b"]), ValueError, "twice"),
+                (lambda: a.store([b"x"], [b""]), ValueError, "empty"),
+                (lambda: a.store([b"x", b"y"], [b"a"]), ValueError, "one page per key"),
+                (lambda: a.store([b"x"], np.zeros((2, 8), dtype=np.uint8)), ValueError, "page"),
+                (lambda: a.store([b"x"], np.zeros((1, 8), dtype=np.float32)), (TypeError, ValueError), ""),
+                (lambda: a.store([1.5], [b"a"]), TypeError, "key"),
+                (lambda: a.store([None], [b"a"]), TypeError, "key"),
+                (lambda: a.store([True], [b"a"]), TypeError, "bool"),
+                (lambda: a.store(b"x", [b"a"]), TypeError, "not one key"),
+                (lambda: a.store([b"x"], None), (TypeError, ValueError), ""),
+                (lambda: a.load(keys[:1], [b"a" * 4096]), ValueError, "read-only"),
+                (lambda: a.load(keys[:1], np.zeros((1, 8192), dtype=np.uint8)[:, ::2]), ValueError, ""),
+                (lambda: a.load(keys[:2], [bytearray(4096)]), ValueError, "one page per key"),
+                (lambda: a.load(keys[:1], [bytearray(100)]), ValueError, "has 100 bytes"),
+                (lambda: a.load([b"missing"], [bytearray(4096)]), BlockNotFound, "missing"),
+                (lambda: a.load([keys[0], b"missing"], [bytearray(4096)] * 2), BlockNotFound, "missing"),
+                (lambda: a.load([1.5], [bytearray(4096)]), TypeError, "key"),
+                (lambda: a.lookup([1.5]), TypeError, "key"),
+                (lambda: a.lookup([True]), TypeError, "bool"),
+                (lambda: a.lookup(b"abc"), TypeError, "not one key"),
+                (lambda: a.lookup(7), TypeError, ""),  # type: ignore[arg-type]
+                (lambda: a.discard([None]), TypeError, "key"),
+                (lambda: a.discard(b"abc"), TypeError, "not one key"),
+            ],
+        )
+        await roundtrip(a, keys)  # still whole
+
+
+async def test_keys_from_an_iterator_are_taken_as_a_list(sock: str) -> None:
+    async with rig(sock) as (_, (a,)):
+        keys = [b"g-%d" % i for i in range(8)]
+        src = pages(keys)
+        result = await a.store(iter(keys), src)
+        assert result.stored == tuple(keys)
+        assert await a.lookup(iter(keys)) == 8
+        assert await a.lookup(k for k in keys[:3]) == 3
+        dst = np.zeros_like(src)
+        await a.load(iter(keys), dst)
+        assert (dst == src).all()
+        assert await a.discard(iter(keys)) == 8
+        assert await a.lookup(keys) == 0

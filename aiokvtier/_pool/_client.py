@@ -626,10 +626,12 @@ class AttachedPool(Owner):
         """The keys as ``bytes`` and ``int``, and their types when they all came so (else None)."""
         if isinstance(keys, bytes | bytearray | memoryview | str | int):
             raise TypeError("keys are a sequence of keys (bytes or ints), not one key")
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)  # an iterator is read once: the types' pass below would consume it
         # bytes and ints are keys as they are (a bool's type is bool): one pass over the types, not a call per key.
         types = set(map(type, keys))
         if types <= {bytes, int}:
-            return list(keys), types  # type: ignore[arg-type]
+            return list(keys), types
         return [as_key(k) for k in keys], None
 
     def _keys(self, keys: Sequence[object]) -> tuple[list[Key], dict[str, Any], list[bytes]]:
