@@ -27,10 +27,12 @@ from aiokvtier import (
     BlockNotFound,
     OutOfSlots,
     Pool,
+    QuotaError,
     SlotError,
     WouldBlock,
 )
-from tests.conftest import proc_text
+from aiokvtier._host import _linux
+from tests.conftest import PopulateGate, proc_text
 from tests.invariants import wait_no_library_threads
 from tests.test_cancellation import cancel_during
 from tests.test_pool import sock, until
@@ -249,6 +251,73 @@ async def test_cancelled_attach_leaves_nothing(sock: str) -> None:
 
 
 # -- close and resize races -------------------------------------------------------------------------
+
+
+async def test_resizes_race_attached_allocations_and_stores(sock: str) -> None:
+    async with rig(sock, clients=2) as (pool, (a, b)):
+        for round_ in range(6):
+            keys = [b"r%d-%d" % (round_, i) for i in range(48)]
+
+            async def allocations() -> None:
+                for _ in range(10):
+                    try:
+                        slots = await a.allocate(8)
+                    except OutOfSlots:
+                        continue
+                    await asyncio.sleep(0)
+                    await a.free_many(slots)
+
+            async def stores(keys: list[bytes] = keys) -> None:
+                result = await b.store(keys, pages(keys))
+                assert len(result.stored) + len(result.skipped) + len(result.present) == 48
+
+            async def resizes() -> None:
+                for quota in ("8MiB", "32MiB", "4MiB", "16MiB"):
+                    try:
+                        await pool.resize(quota)
+                    except QuotaError:
+                        pass  # a slot past the new end is held: refused, nothing changed
+                    await asyncio.sleep(0.001)
+
+            async with asyncio.timeout(HANG):
+                await asyncio.gather(allocations(), stores(), resizes())
+            await pool.resize("16MiB")
+            await settle(pool)
+            s = pool.statistics()
+            assert s.tier.quota == 16 << 20
+            await until(lambda: a.quota == 16 << 20 and b.quota == 16 << 20, "the new quota was not pushed")
+            await b.discard(keys)
+        await roundtrip(a, [b"after-%d" % i for i in range(16)])
+
+
+async def test_a_shrink_below_the_watermark_while_the_fill_goes_on_reaches_every_process(sock: str) -> None:
+    gate = PopulateGate(_linux.populate_write)
+    real, _linux.populate_write = _linux.populate_write, gate  # type: ignore[assignment]
+    try:
+        gate.allow(2)  # two steps of the fill (4 MiB each) resident, the fill held at the third
+        async with rig(sock) as (pool, (a,)):
+            await a.wait_resident(8 << 20)
+            assert a.resident_bytes < 16 << 20
+            # The shrink waits for the fill's step under way (held here): let that step end meanwhile.
+            shrink = asyncio.ensure_future(pool.resize("4MiB"))  # below the watermark: nothing left to fill
+            await asyncio.sleep(0.05)
+            gate.allow(3)
+            async with asyncio.timeout(HANG):
+                await shrink
+            async with asyncio.timeout(HANG):
+                while a.quota != 4 << 20:  # noqa: ASYNC110 - pushed by the owner, no event to await here
+                    await asyncio.sleep(0.01)
+            await pool.resize("16MiB")
+            async with asyncio.timeout(HANG):
+                while a.quota != 16 << 20:  # noqa: ASYNC110 - pushed by the owner, no event to await here
+                    await asyncio.sleep(0.01)
+            gate.release_all()
+            await a.wait_resident()
+            assert a.quota == 16 << 20 and a.resident_bytes == 16 << 20
+            await roundtrip(a, [b"after-%d" % i for i in range(16)])
+    finally:
+        gate.release_all()
+        _linux.populate_write = real  # type: ignore[assignment]
 
 
 # -- bad input ------------------------------------------------------------------------------------

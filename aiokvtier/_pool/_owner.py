@@ -350,23 +350,32 @@ class Pool(Owner):
         return encode(_wire.STATE, 0, fields)
 
     async def _publish(self) -> None:
-        """Push the tier's state to every process at each change of the watermark; nothing polls."""
+        """Push the tier's state to every process at each change of the watermark or the quota; nothing polls.
+
+        It waits for the next byte of the fill and for a resize at once: a shrink below the byte it
+        waits for would stop the fill short of it (that wait would end only in a ``ValueError``, or
+        never), and every process must learn the new quota.
+        """
         tier = self._tier
         while True:
+            self._resized.clear()  # a resize from here on is pushed by the next turn
             frame = self._state()
             for peer in self._peers:
                 peer.send(frame)
             s = tier.statistics()
+            waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._resized.wait())}
             if s.resident_bytes < s.quota and s.fill_error is None:
-                try:
-                    await tier.wait_resident(min(s.resident_bytes + 1, s.quota))
-                except FillError:
-                    continue  # pushed with the next state, then it waits for a resize
-                except TierClosedError:
-                    return
-            else:
-                self._resized.clear()
-                await self._resized.wait()
+                waits.add(asyncio.ensure_future(tier.wait_resident(min(s.resident_bytes + 1, s.quota))))
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+                outcomes = await asyncio.gather(*waits, return_exceptions=True)
+            if any(isinstance(outcome, TierClosedError) for outcome in outcomes):
+                return
+            # A FillError is pushed with the next state (then only a resize wakes this); a ValueError is a
+            # shrink below the byte awaited (the resize is pushed next).
 
     # -- connections ------------------------------------------------------------------------
 
