@@ -29,6 +29,7 @@ from aiokvtier import (
     Pool,
     QuotaError,
     SlotError,
+    TierClosedError,
     WouldBlock,
 )
 from aiokvtier._host import _linux
@@ -251,6 +252,34 @@ async def test_cancelled_attach_leaves_nothing(sock: str) -> None:
 
 
 # -- close and resize races -------------------------------------------------------------------------
+
+
+async def test_calls_after_detach_and_double_close(sock: str) -> None:
+    async with rig(sock, clients=0) as (pool, _):
+        a = await AttachedPool.attach(sock)
+        slot = await a.allocate()
+        await a.aclose()
+        await a.aclose()
+        await asyncio.gather(a.aclose(), a.aclose())
+        for call in (
+            lambda: a.allocate(),
+            lambda: a.allocate_ids(1),
+            lambda: a.free(slot),
+            lambda: a.free_many([slot]),
+            lambda: a.store([b"k"], [b"v"]),
+            lambda: a.load([b"k"], [bytearray(1)]),
+            lambda: a.lookup([b"k"]),
+            lambda: a.discard([b"k"]),
+            lambda: a.statistics(),
+            lambda: a.events(),
+            lambda: a.wait_resident(),
+        ):
+            with pytest.raises(TierClosedError, match="AttachedPool is closed"):
+                await call()
+        for sync in (lambda: a.address(slot), lambda: a.view(slot)):
+            with pytest.raises(TierClosedError, match="AttachedPool is closed"):
+                sync()
+        await until(lambda: pool.clients == 0, "")
 
 
 async def test_resizes_race_attached_allocations_and_stores(sock: str) -> None:

@@ -488,6 +488,7 @@ class AttachedPool(Owner):
 
         :raises SlotError: one is not held by this process, or repeated.
         """
+        self._check_open()
         held = [self._held(slot, "; nothing was freed") for slot in slots]
         if len(set(held)) != len(held):
             raise SlotError("a slot appears twice in one free; nothing was freed")
