@@ -27,6 +27,7 @@ from aiokvtier import (
     BlockNotFound,
     OutOfSlots,
     Pool,
+    PoolLostError,
     QuotaError,
     SlotError,
     TierClosedError,
@@ -36,7 +37,7 @@ from aiokvtier._host import _linux
 from tests.conftest import PopulateGate, proc_text
 from tests.invariants import wait_no_library_threads
 from tests.test_cancellation import cancel_during
-from tests.test_pool import sock, until
+from tests.test_pool import attached, key, sock, until
 
 __all__ = ["sock"]  # the fixture, used by name
 
@@ -254,6 +255,37 @@ async def test_cancelled_attach_leaves_nothing(sock: str) -> None:
 # -- close and resize races -------------------------------------------------------------------------
 
 
+async def test_detaching_while_calls_are_in_flight(sock: str) -> None:
+    async with rig(sock, clients=0) as (pool, _):
+        keys = [b"d-%d" % i for i in range(32)]
+        async with AttachedPool(sock) as a:
+            await a.store(keys, pages(keys))
+        for ticks in range(0, 30, 2):
+            a = await AttachedPool.attach(sock)
+            dst = np.zeros((32, 4096), dtype=np.uint8)
+            calls = [
+                a.allocate(4),
+                a.store([b"new-%d-%d" % (ticks, i) for i in range(8)], pages([b"x"] * 8)),
+                a.load(keys, dst),
+                a.lookup(keys),
+                a.statistics(),
+                a.wait_resident(),
+            ]
+            tasks = [asyncio.ensure_future(c) for c in calls]
+            for _ in range(ticks):
+                await asyncio.sleep(0)
+            async with asyncio.timeout(HANG):
+                await a.aclose()
+                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    assert isinstance(outcome, PoolLostError | TierClosedError), repr(outcome)
+            await until(lambda: pool.clients == 0, "the owner did not see a detached process go")
+            await settle(pool)
+        async with AttachedPool(sock) as b:
+            await roundtrip(b, keys)
+
+
 async def test_calls_after_detach_and_double_close(sock: str) -> None:
     async with rig(sock, clients=0) as (pool, _):
         a = await AttachedPool.attach(sock)
@@ -280,6 +312,77 @@ async def test_calls_after_detach_and_double_close(sock: str) -> None:
             with pytest.raises(TierClosedError, match="AttachedPool is closed"):
                 sync()
         await until(lambda: pool.clients == 0, "")
+
+
+async def test_the_owner_closing_under_pending_calls(sock: str) -> None:
+    for ticks in (0, 1, 3, 6, 10, 20):
+        async with Pool(CONFIG, sock) as pool:
+            a = await AttachedPool.attach(sock)
+            keys = [b"p-%d" % i for i in range(32)]
+            await a.store(keys, pages(keys))
+            big = await a.allocate(200)  # what is left cannot hold the next allocate: it waits
+            del big
+            dst = np.zeros((32, 4096), dtype=np.uint8)
+            tasks = [
+                asyncio.ensure_future(c)
+                for c in (
+                    a.allocate(100),  # waits for room it never gets
+                    a.wait_resident(),
+                    a.store([b"q-%d" % i for i in range(8)], pages([b"y"] * 8)),
+                    a.load(keys, dst),
+                    a.statistics(),
+                )
+            ]
+            events = await a.events()
+            for _ in range(ticks):
+                await asyncio.sleep(0)
+            async with asyncio.timeout(HANG):
+                await pool.aclose()
+                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+                ended = [e async for e in events]  # the subscription ends with the pool
+            assert all(e.kind == "stored" for e in ended)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    assert isinstance(outcome, PoolLostError | OutOfSlots), repr(outcome)
+            with pytest.raises(PoolLostError, match="closed the pool"):
+                await a.allocate()
+            with pytest.raises(PoolLostError, match="closed the pool"):
+                await a.lookup(keys)
+            await pool.aclose()  # twice
+            await a.aclose()
+    await assert_nothing_left()
+
+
+async def test_the_owner_closing_under_a_process_in_another_process(sock: str) -> None:
+    gate = PopulateGate(_linux.populate_write)
+    real, _linux.populate_write = _linux.populate_write, gate  # type: ignore[assignment]
+    try:
+        gate.allow(1)  # one commit unit resident: an allocation past it waits for the fill
+        pool = await Pool.open(CONFIG, sock)
+        async with attached(sock) as child:
+            await child.event("attached")
+            await child.call("hold")
+            storing = child.send("store", keys=[key(i) for i in range(4)], size=4096)
+            await child.event("copying")
+            waiting = child.send("allocate", n=200)
+            await until(lambda: pool.statistics().claims == 1, "the child's store did not begin")
+            await asyncio.sleep(0.05)  # the allocation is waiting in the owner
+            assert child.pending(waiting)
+            async with asyncio.timeout(HANG):
+                # The client learns it at once, while the owner's close waits for the (held) fill to stop.
+                closing = asyncio.ensure_future(pool.aclose())
+                assert "closed the pool" in (await child.answer(waiting))["message"]
+                gate.release_all()
+                await closing
+                await child.call("release")
+                answer = await child.answer(storing)
+            assert answer["error"] == "PoolLostError" and "closed the pool" in answer["message"], answer
+            answer = await child.answer(child.send("stats"))
+            assert answer["error"] == "PoolLostError", answer
+    finally:
+        gate.release_all()
+        _linux.populate_write = real  # type: ignore[assignment]
+    await assert_nothing_left()
 
 
 async def test_resizes_race_attached_allocations_and_stores(sock: str) -> None:
