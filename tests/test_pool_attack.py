@@ -34,7 +34,7 @@ from aiokvtier import (
     WouldBlock,
 )
 from aiokvtier._host import _linux
-from tests.conftest import PopulateGate, proc_text
+from tests.conftest import PopulateGate, mappings_in, proc_text
 from tests.invariants import wait_no_library_threads
 from tests.test_cancellation import cancel_during
 from tests.test_pool import attached, key, sock, until
@@ -284,6 +284,38 @@ async def test_detaching_while_calls_are_in_flight(sock: str) -> None:
             await settle(pool)
         async with AttachedPool(sock) as b:
             await roundtrip(b, keys)
+
+
+async def test_a_cancelled_close_still_closes_and_unmaps(sock: str) -> None:
+    async with rig(sock, clients=0) as (pool, _):
+        for how, delay in cases():
+            a = await AttachedPool.attach(sock)
+            base, size = a.base_address, a.max_quota
+            slots = await a.allocate(3)
+            busy = asyncio.ensure_future(a.store([b"c-%d" % i for i in range(8)], pages([b"z"] * 8)))
+            await attack(a.aclose, how, delay)
+            async with asyncio.timeout(HANG):
+                await a.aclose()  # waits for a teardown under way, if the first was cancelled before it began
+                await asyncio.gather(busy, return_exceptions=True)
+            assert a.closed and slots
+            assert not await asyncio.to_thread(mappings_in, base, size), f"{how} {delay}: still mapped"
+            await until(lambda: pool.clients == 0, f"{how} {delay}: the owner did not see it go")
+            await settle(pool)
+
+
+async def test_a_cancelled_owner_close_still_closes(sock: str) -> None:
+    for how, delay in cases()[::3]:
+        pool = await Pool.open(CONFIG, sock)
+        a = await AttachedPool.attach(sock)
+        pending = asyncio.ensure_future(a.allocate(1000))
+        await attack(pool.aclose, how, delay)
+        async with asyncio.timeout(HANG):
+            await pool.aclose()
+            outcome = (await asyncio.gather(pending, return_exceptions=True))[0]
+        assert isinstance(outcome, PoolLostError | OutOfSlots), repr(outcome)
+        assert not await asyncio.to_thread(os.path.exists, sock)
+        await a.aclose()
+    await assert_nothing_left()
 
 
 async def test_calls_after_detach_and_double_close(sock: str) -> None:
@@ -595,3 +627,19 @@ async def test_keys_from_an_iterator_are_taken_as_a_list(sock: str) -> None:
         assert (dst == src).all()
         assert await a.discard(iter(keys)) == 8
         assert await a.lookup(keys) == 0
+
+
+async def test_empty_and_oversized_calls(sock: str) -> None:
+    async with rig(sock) as (pool, (a,)):
+        assert await a.lookup([]) == 0
+        assert await a.load([], np.zeros((0, 8), dtype=np.uint8)) == []
+        assert await a.discard([]) == 0
+        result = await a.store([], np.zeros((0, 8), dtype=np.uint8))
+        assert result.stored == result.present == result.skipped == ()
+        await a.free_many([])
+        # More keys than the tier has slots: what fits is stored, the rest skipped, nothing held after.
+        keys = [b"big-%d" % i for i in range(300)]
+        result = await a.store(keys, [b"v"] * 300)
+        assert len(result.stored) == 256 and result.skipped == tuple(keys[256:])
+        await settle(pool)
+        assert pool.statistics().blocks == 256
