@@ -524,6 +524,9 @@ async def test_bad_counts_are_refused(sock: str) -> None:
                 (lambda: a.allocate(10_000), OutOfSlots, "slots"),
                 (lambda: a.allocate_ids(0), ValueError, "n"),
                 (lambda: a.allocate_ids(1 << 70, wait=False), (OutOfSlots, WouldBlock), "slots"),
+                (lambda: a.allocate_ids(1, wait="no"), TypeError, "wait must be a bool"),  # type: ignore[arg-type]
+                (lambda: a.allocate_ids(1, wait=None), TypeError, "wait must be a bool"),  # type: ignore[arg-type]
+                (lambda: a.store([b"w"], [b"v"], wait=1), TypeError, "wait must be a bool"),  # type: ignore[arg-type]
                 (lambda: a.events(limit=0), ValueError, "limit"),
                 (lambda: a.events(limit=True), ValueError, "limit"),
             ],

@@ -461,9 +461,12 @@ class AttachedPool(Owner):
         """``allocate(n)`` as an int64 array; ``wait=False`` raises ``WouldBlock`` rather than wait for the fill.
 
         :raises WouldBlock: ``wait=False`` and fewer than ``n`` slots are resident and free.
+        :raises TypeError: ``wait`` is not a bool.
         """
         n = positive_count(n, "n")
-        reply = await self._request(_wire.ALLOC, {"n": n, "wait": bool(wait)}, undo="free")
+        if type(wait) is not bool:
+            raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
+        reply = await self._request(_wire.ALLOC, {"n": n, "wait": wait}, undo="free")
         ids = reply.ints(0).copy()
         self._mine.update(ids.tolist())
         if self._gpu is not None and ids.size:
@@ -719,7 +722,7 @@ class AttachedPool(Owner):
         :returns: a ``StoreResult`` (stored, present, skipped: keys in the caller's order).
         :raises ValueError: a page larger than a slot, an empty page, a key twice, pages that do not
             match the keys (nothing changed).
-        :raises TypeError: a key that is not bytes-like or an int.
+        :raises TypeError: a key that is not bytes-like or an int, or a ``wait`` that is not a bool.
         :raises PoolLostError: the owner went away (nothing of this call is visible then).
 
         Cancellation: the call returns once nothing reads the caller's pages;
@@ -729,6 +732,8 @@ class AttachedPool(Owner):
         """
         from .. import StoreResult
 
+        if type(wait) is not bool:
+            raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
         given, _, _ = self._keys(keys)
         pages = host_pages(src, len(given), writable=False)
         if len(given) and int(pages.lengths.max()) > self._slot_size:
