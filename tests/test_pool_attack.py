@@ -484,6 +484,30 @@ async def test_a_shrink_below_the_watermark_while_the_fill_goes_on_reaches_every
         _linux.populate_write = real  # type: ignore[assignment]
 
 
+async def test_resizes_race_the_stores_of_another_process(sock: str) -> None:
+    async with rig(sock, clients=0) as (pool, _), attached(sock) as child:
+        await child.event("attached")
+        batches = [[key(1000 * r + i) for i in range(40)] for r in range(5)]
+        sent = [child.send("store", keys=keys, size=4096) for keys in batches]
+        slots = (await child.call("allocate", n=20))["slots"]
+        for quota in ("4MiB", "32MiB", "2MiB", "8MiB", "16MiB"):
+            try:
+                await pool.resize(quota)
+            except QuotaError:
+                pass  # a slot past the new end is held: refused, nothing changed
+            await asyncio.sleep(0.002)
+        await pool.resize("16MiB")
+        stored: list[str] = []
+        for rid in sent:
+            answer = await child.answer(rid)
+            assert "error" not in answer, answer
+            stored += answer["stored"]
+        assert (await child.call("load", keys=stored, size=4096))["exact"]
+        await settle(pool, held=20)
+        await child.call("free", slots=slots)
+        await settle(pool)
+
+
 # -- bad input ------------------------------------------------------------------------------------
 
 
