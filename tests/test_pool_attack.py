@@ -252,6 +252,18 @@ async def test_cancelled_attach_leaves_nothing(sock: str) -> None:
         await until(lambda: pool.clients == 0, "a cancelled attach stayed attached")
 
 
+async def test_a_cancelled_open_of_the_owner_leaves_nothing(sock: str) -> None:
+    for how, delay in cases():
+        cancelled, pool = await attack(lambda: Pool.open(CONFIG, sock), how, delay)
+        if not cancelled:
+            await pool.aclose()
+        assert not await asyncio.to_thread(os.path.exists, sock), f"{how} {delay}: the socket is left"
+        await assert_nothing_left()
+    async with Pool(CONFIG, sock), AttachedPool(sock) as a:  # the path serves again
+        await roundtrip(a, [b"reopened"])
+    await assert_nothing_left()
+
+
 # -- close and resize races -------------------------------------------------------------------------
 
 
