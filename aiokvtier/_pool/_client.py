@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import operator
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any, overload
@@ -103,7 +104,8 @@ class AttachedPool(Owner):
         self._path = os.fspath(path)
         self._life = Lifecycle("AttachedPool", "aiokvtier-attached")
         self._rids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._pending: dict[int, tuple[asyncio.Future[Message], str]] = {}
+        """Requests awaiting their answer: the caller's future, and what to undo if the caller gave up."""
         self._orphans: dict[int, str] = {}
         """Requests whose caller gave up: what to undo when their reply comes (``"free"``, ``"abort"``, ``"unpin"``)."""
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -256,7 +258,7 @@ class AttachedPool(Owner):
         self._lost = reason
         if not closed:
             log.warning("aiokvtier: %s", reason)
-        for future in self._pending.values():
+        for future, _ in self._pending.values():
             if not future.done():
                 future.set_exception(PoolLostError(reason))
         self._pending.clear()
@@ -323,13 +325,17 @@ class AttachedPool(Owner):
                 future.set_result(None)
 
     def _on_reply(self, message: Message) -> None:
-        future = self._pending.pop(message.rid, None)
-        if future is not None and not future.done():
-            future.set_result(message)
+        pending = self._pending.pop(message.rid, None)
+        if pending is not None:
+            future, undo = pending
+            if not future.done():
+                future.set_result(message)
+            elif undo:  # the caller was cancelled and has not run since: it can no longer see this answer
+                self._undo(undo, message)
             return
-        undo = self._orphans.pop(message.rid, None)
-        if undo is not None:
-            self._undo(undo, message)
+        orphan = self._orphans.pop(message.rid, None)
+        if orphan is not None:
+            self._undo(orphan, message)
 
     def _undo(self, undo: str, message: Message) -> None:
         """The caller was cancelled after its request left: give back what the owner gave it."""
@@ -365,7 +371,7 @@ class AttachedPool(Owner):
             self._tell_looked()  # before this request: one connection is one order
         rid = next(self._rids)
         future: asyncio.Future[Message] = self._loop.create_future()
-        self._pending[rid] = future
+        self._pending[rid] = (future, undo)
         self._writer.write(encode(op, rid, fields, parts))
         try:
             message = await future
@@ -455,9 +461,12 @@ class AttachedPool(Owner):
         """``allocate(n)`` as an int64 array; ``wait=False`` raises ``WouldBlock`` rather than wait for the fill.
 
         :raises WouldBlock: ``wait=False`` and fewer than ``n`` slots are resident and free.
+        :raises TypeError: ``wait`` is not a bool.
         """
         n = positive_count(n, "n")
-        reply = await self._request(_wire.ALLOC, {"n": n, "wait": bool(wait)}, undo="free")
+        if type(wait) is not bool:
+            raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
+        reply = await self._request(_wire.ALLOC, {"n": n, "wait": wait}, undo="free")
         ids = reply.ints(0).copy()
         self._mine.update(ids.tolist())
         if self._gpu is not None and ids.size:
@@ -482,12 +491,23 @@ class AttachedPool(Owner):
 
         :raises SlotError: one is not held by this process, or repeated.
         """
-        ids = np.array([int(s) for s in slots], dtype=np.int64)
-        for slot in ids.tolist():
-            if slot not in self._mine:
-                raise SlotError(f"slot {slot} is not allocated by this process; nothing was freed")
-        await self._request(_wire.FREE, {}, [ids.tobytes()])
+        self._check_open()
+        held = [self._held(slot, "; nothing was freed") for slot in slots]
+        if len(set(held)) != len(held):
+            raise SlotError("a slot appears twice in one free; nothing was freed")
+        ids = np.array(held, dtype=np.int64)
+        request = self._request(_wire.FREE, {}, [ids.tobytes()])
+        # Once the request has left, the owner frees them (a cancelled caller included): let go of them here
+        # now, and take them back only if the request never left or the owner refused it (it freed nothing).
         self._mine.difference_update(ids.tolist())
+        try:
+            await request
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            if self._lost is None:
+                self._mine.update(ids.tolist())
+            raise
 
     def address(self, slot: int) -> int:
         """This process's address of a slot it holds.
@@ -495,9 +515,18 @@ class AttachedPool(Owner):
         :raises SlotError: not allocated by this process.
         """
         self._check_open()
-        if slot not in self._mine:
-            raise SlotError(f"slot {slot} is not allocated by this process")
-        return self._base + int(slot) * self._slot_size
+        return self._base + self._held(slot) * self._slot_size
+
+    def _held(self, slot: object, then: str = "") -> int:
+        """``slot`` as an int, a slot this process holds (an integer, not a bool or a float).
+
+        :raises SlotError: not a slot id, or not allocated by this process.
+        """
+        if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
+            raise SlotError(f"slot {slot!r} is not a slot id (an integer){then}")
+        if int(slot) not in self._mine:
+            raise SlotError(f"slot {slot} is not allocated by this process{then}")
+        return int(slot)
 
     def view(self, slot: int) -> memoryview:
         """A writable ``slot_size``-byte view of a slot this process holds (``aclose`` unmaps only once
@@ -505,19 +534,28 @@ class AttachedPool(Owner):
 
         :raises SlotError: not allocated by this process.
         """
-        return self._views.view(int(slot), self.address(slot))
+        address = self.address(slot)
+        return self._views.view(int(slot), address)
 
     async def wait_resident(self, nbytes: int | None = None) -> None:
         """Wait until the shared watermark reaches ``nbytes`` (None: the whole quota), from the owner's pushes.
 
-        :raises ValueError: ``nbytes`` is past the quota.
+        :raises TypeError: ``nbytes`` is not an integer (a bool, a float, a string).
+        :raises ValueError: ``nbytes`` is negative or past the quota.
         :raises FillError: the fill failed below ``nbytes``.
         :raises PoolLostError: the owner went away.
         """
         self._check_open()
+        if nbytes is not None:
+            if isinstance(nbytes, bool):
+                raise TypeError(f"nbytes must be an integer, not a bool ({nbytes!r})")
+            try:
+                nbytes = operator.index(nbytes)
+            except TypeError:
+                raise TypeError(f"nbytes must be an integer or None, got {nbytes!r}") from None
         while True:
             self._raise_if_lost()
-            need = self._quota if nbytes is None else int(nbytes)
+            need = self._quota if nbytes is None else nbytes
             if need > self._quota or need < 0:
                 raise ValueError(f"nbytes ({need}) must be between 0 and the quota ({self._quota})")
             if self._usable() >= need:
@@ -592,10 +630,12 @@ class AttachedPool(Owner):
         """The keys as ``bytes`` and ``int``, and their types when they all came so (else None)."""
         if isinstance(keys, bytes | bytearray | memoryview | str | int):
             raise TypeError("keys are a sequence of keys (bytes or ints), not one key")
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)  # an iterator is read once: the types' pass below would consume it
         # bytes and ints are keys as they are (a bool's type is bool): one pass over the types, not a call per key.
         types = set(map(type, keys))
         if types <= {bytes, int}:
-            return list(keys), types  # type: ignore[arg-type]
+            return list(keys), types
         return [as_key(k) for k in keys], None
 
     def _keys(self, keys: Sequence[object]) -> tuple[list[Key], dict[str, Any], list[bytes]]:
@@ -682,7 +722,7 @@ class AttachedPool(Owner):
         :returns: a ``StoreResult`` (stored, present, skipped: keys in the caller's order).
         :raises ValueError: a page larger than a slot, an empty page, a key twice, pages that do not
             match the keys (nothing changed).
-        :raises TypeError: a key that is not bytes-like or an int.
+        :raises TypeError: a key that is not bytes-like or an int, or a ``wait`` that is not a bool.
         :raises PoolLostError: the owner went away (nothing of this call is visible then).
 
         Cancellation: the call returns once nothing reads the caller's pages;
@@ -692,6 +732,8 @@ class AttachedPool(Owner):
         """
         from .. import StoreResult
 
+        if type(wait) is not bool:
+            raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
         given, _, _ = self._keys(keys)
         pages = host_pages(src, len(given), writable=False)
         if len(given) and int(pages.lengths.max()) > self._slot_size:

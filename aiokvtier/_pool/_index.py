@@ -28,6 +28,8 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+import numpy as np
+
 from .._errors import BlockNotFound
 from ._mirror import IndexMirror
 from ._wire import BUSY, CLAIMED, PRESENT, SKIPPED, Key
@@ -260,6 +262,65 @@ class BlockIndex:
         self.counts["discards"] += len(dropped)
         return dropped, freed
 
+    # -- checks ------------------------------------------------------------------------------
+
+    def check(self) -> list[int]:
+        """Check the index against itself and its mirror; returns every slot it holds (blocks, claims,
+        discarded blocks still pinned).
+
+        :raises AssertionError: an invariant does not hold (the message names it).
+        """
+        held: list[int] = [block.slot for block in self.ready.values()]
+        for claim, (keys, slots, lengths) in self._claims.items():
+            _require(len(lengths) == len(keys), f"claim {claim} has {len(keys)} keys and {len(lengths)} lengths")
+            _require(not slots or len(slots) == len(keys), f"claim {claim}: {len(slots)} slots, {len(keys)} keys")
+            for key in keys:
+                _require(self.storing.get(key) == claim, f"key {key!r} of claim {claim} is not marked as stored by it")
+                _require(key not in self.ready, f"key {key!r} is visible and being stored at once")
+            held.extend(slots)
+        _require(
+            len(self.storing) == sum(len(keys) for keys, _, _ in self._claims.values()),
+            "a key is marked as being stored by no claim",
+        )
+        pins: dict[int, int] = {}
+        blocks: dict[int, Block] = {}
+        for pinned in self._pins.values():
+            for block in pinned:
+                pins[id(block)] = pins.get(id(block), 0) + 1
+                blocks[id(block)] = block
+        for block in self.ready.values():
+            _require(not block.doomed, f"the block in slot {block.slot} is visible and discarded")
+            _require(block.pins == pins.get(id(block), 0), f"the block in slot {block.slot} has a wrong pin count")
+        ready = {id(block) for block in self.ready.values()}
+        for ident, block in blocks.items():
+            if ident not in ready:
+                _require(block.doomed, f"the block in slot {block.slot} is pinned, neither visible nor discarded")
+                _require(block.pins == pins[ident], f"the discarded block in slot {block.slot} has a wrong pin count")
+                held.append(block.slot)
+        _require(len(set(held)) == len(held), "a slot is held twice (two blocks, or a block and a claim)")
+        mirror = self.mirror
+        if mirror is not None and not mirror.closed:
+            _require(mirror.live == len(self.ready), f"mirror: {mirror.live} keys, index: {len(self.ready)}")
+            keys = list(self.ready)
+            seen = mirror.blocks(keys) if keys else None
+            if seen is not None:
+                found, sizes = seen
+                want = np.array([b.slot for b in self.ready.values()], dtype=np.int64)
+                have = np.array([b.length for b in self.ready.values()], dtype=np.int64)
+                _require(np.array_equal(found, want), "the mirror names another slot for a visible key")
+                _require(np.array_equal(sizes, have), "the mirror names another length for a visible key")
+        return held
+
+    @property
+    def pins_held(self) -> set[int]:
+        """The ids of the loads pinning blocks now."""
+        return set(self._pins)
+
+    @property
+    def claims_held(self) -> set[int]:
+        """The ids of the stores in flight now."""
+        return set(self._claims)
+
     def clear(self) -> list[int]:
         """Forget everything (the owner closes); returns every slot held."""
         slots = [block.slot for block in self.ready.values()]
@@ -272,3 +333,8 @@ class BlockIndex:
         if self.mirror is not None:
             self.mirror.clear()
         return sorted(set(slots))
+
+
+def _require(ok: object, broken: str) -> None:
+    if not ok:
+        raise AssertionError(f"pool invariant broken: {broken}")

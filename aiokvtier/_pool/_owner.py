@@ -269,6 +269,50 @@ class Pool(Owner):
             **c,
         )
 
+    def check_invariants(self, *, sole_user: bool = False) -> None:
+        """Check the shared store's and the attached processes' bookkeeping against each other and the
+        tier: for tests and debugging.
+
+        At any time: a key being stored belongs to one store in flight and is
+        not visible; each block's pin count is the loads reading it; a
+        discarded block is kept only while a load reads it; the index mirror
+        names the index's slot and length for every visible key; every store
+        in flight and every load belongs to one attached process; no slot is
+        held twice (by two processes, or by a process and a block), and
+        every one is below the tier's slot count. With ``sole_user`` (the
+        owner's own code allocates nothing from ``pool.tier``): the tier's
+        ``slots_allocated`` is exactly what the blocks, the stores in flight
+        and the attached processes hold.
+
+        A pass over every block and slot: not for a hot path. Call it from
+        the owner's event loop.
+
+        :raises AssertionError: an invariant does not hold (the message names it).
+        :raises TierClosedError: the pool is not open.
+        """
+        self.check_open()
+        index = self._index
+        held = index.check()
+        claims: set[int] = set()
+        pins: set[int] = set()
+        for peer in self._peers:
+            _require(not claims & peer.claims, "a store in flight belongs to two processes")
+            _require(not pins & peer.pins, "a load belongs to two processes")
+            claims |= peer.claims
+            pins |= peer.pins
+            held.extend(peer.slots)
+        _require(claims == index.claims_held, "a store in flight belongs to no attached process")
+        _require(pins == index.pins_held, "a load belongs to no attached process")
+        _require(len(set(held)) == len(held), "a slot is held twice (by two processes, or a process and a block)")
+        s = self._tier.statistics()
+        _require(all(0 <= slot < s.slots_total for slot in held), f"a slot held is past the tier's {s.slots_total}")
+        _require(s.slots_allocated >= len(held), f"{len(held)} slots held, the tier has {s.slots_allocated} allocated")
+        if sole_user:
+            _require(
+                s.slots_allocated == len(held),
+                f"the tier has {s.slots_allocated} slots allocated, the blocks and processes hold {len(held)}",
+            )
+
     def __repr__(self) -> str:
         if "_tier" not in self.__dict__:
             return f"<Pool [{self._life.state} | {self._path}]>"
@@ -306,23 +350,32 @@ class Pool(Owner):
         return encode(_wire.STATE, 0, fields)
 
     async def _publish(self) -> None:
-        """Push the tier's state to every process at each change of the watermark; nothing polls."""
+        """Push the tier's state to every process at each change of the watermark or the quota; nothing polls.
+
+        It waits for the next byte of the fill and for a resize at once: a shrink below the byte it
+        waits for would stop the fill short of it (that wait would end only in a ``ValueError``, or
+        never), and every process must learn the new quota.
+        """
         tier = self._tier
         while True:
+            self._resized.clear()  # a resize from here on is pushed by the next turn
             frame = self._state()
             for peer in self._peers:
                 peer.send(frame)
             s = tier.statistics()
+            waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._resized.wait())}
             if s.resident_bytes < s.quota and s.fill_error is None:
-                try:
-                    await tier.wait_resident(min(s.resident_bytes + 1, s.quota))
-                except FillError:
-                    continue  # pushed with the next state, then it waits for a resize
-                except TierClosedError:
-                    return
-            else:
-                self._resized.clear()
-                await self._resized.wait()
+                waits.add(asyncio.ensure_future(tier.wait_resident(min(s.resident_bytes + 1, s.quota))))
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+                outcomes = await asyncio.gather(*waits, return_exceptions=True)
+            if any(isinstance(outcome, TierClosedError) for outcome in outcomes):
+                return
+            # A FillError is pushed with the next state (then only a resize wakes this); a ValueError is a
+            # shrink below the byte awaited (the resize is pushed next).
 
     # -- connections ------------------------------------------------------------------------
 
@@ -625,3 +678,8 @@ class Pool(Owner):
         frame = encode(_wire.EVENT, 0, {"kind": kind, "k": form}, parts)
         for peer in subscribed:
             peer.send(frame)
+
+
+def _require(ok: object, broken: str) -> None:
+    if not ok:
+        raise AssertionError(f"pool invariant broken: {broken}")
