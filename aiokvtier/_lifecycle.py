@@ -287,6 +287,11 @@ class Owner:
     def closed(self) -> bool:
         return self._life.closed
 
+    @property
+    def state(self) -> str:
+        """``"new"``, ``"opening"``, ``"open"``, ``"closing"`` or ``"closed"``: where its life is now."""
+        return self._life.state
+
     def check_open(self) -> None:
         """Raise unless the object is open: for a caller that builds on it (a store over a tier
         and an engine checks both at open). Any thread.

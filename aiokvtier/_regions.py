@@ -24,7 +24,7 @@ from ._errors import CopyPlanError
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
-__all__ = ["InflightCopies", "Region", "locate", "meets_any", "register", "unregister"]
+__all__ = ["InflightCopies", "Region", "known", "locate", "meets_any", "register", "unregister"]
 
 
 class InflightCopies:
@@ -103,6 +103,12 @@ def register(region: Region) -> None:
 def unregister(region: Region) -> None:
     with _lock:
         _regions.pop(id(region), None)
+
+
+def known() -> list[Region]:
+    """The regions open now, in no particular order."""
+    with _lock:
+        return list(_regions.values())
 
 
 def meets_any(lo: int, hi: int) -> bool:

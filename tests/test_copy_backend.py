@@ -413,8 +413,11 @@ class ModelSmPath:
     """Stands in for ``SmPath``: launches are recorded (or refused), slabs counted out and back."""
 
     refuse: ClassVar[bool] = False
+    made: ClassVar[list[ModelSmPath]] = []
+    """Every path made, newest last (the backend keeps its own to itself)."""
 
     def __init__(self, device: int, budget: int, *, options: Any = None) -> None:
+        ModelSmPath.made.append(self)
         self.budget, self.options = budget, options
         self.kernel = None
         self.launched: list[int] = []
@@ -443,6 +446,7 @@ def model_sm(model_driver: ModelDriver, monkeypatch: pytest.MonkeyPatch) -> dict
     problem: dict[str, str | None] = {"device": None}
     monkeypatch.setattr(_backend, "SmPath", ModelSmPath)
     monkeypatch.setattr(ModelSmPath, "refuse", False)
+    monkeypatch.setattr(ModelSmPath, "made", [])
     monkeypatch.setattr(_backend, "device_side_problem", lambda addrs, sizes, device: problem["device"])
     return problem
 
@@ -459,7 +463,7 @@ async def test_auto_sends_pages_to_the_kernel_and_falls_back_to_the_copy_engines
         slots = await tier.allocate(2)
         pages = [DEVICE, DEVICE + 2 * SLOT]
         async with CopyEngine(0, crossover={"h2d": 1 << 30, "d2h": 1 << 30}) as engine:
-            sm = engine._backend._sm  # type: ignore[attr-defined]
+            sm = ModelSmPath.made[-1]
             await bounded(engine.to_device(tier, slots, pages))
             assert sm.launched == [2] and sm.out == 0 and ModelBatch.calls == []
             model_sm["device"] = "address 0x7f0000000000 is no allocation the driver knows"

@@ -19,6 +19,7 @@ from aiokvtier._copy._requests import (
     check_disjoint,
     copy_table,
     integers,
+    plan_slots,
     registrations,
     stream_handle,
 )
@@ -241,9 +242,11 @@ async def test_host_engine_refuses_addresses_outside_known_regions() -> None:
 
 async def test_addresses_in_another_region_make_it_an_owner() -> None:
     async with _setup() as (tier, stage, engine, ids):
-        _, owners = engine._plan_slots(tier, ids[:2], [stage.address, stage.address + SLOT], "h2d")
+        _, owners = plan_slots(
+            tier, ids[:2], [stage.address, stage.address + SLOT], "h2d", None, host_only=engine.device is None
+        )
         assert owners == [tier, stage]
-        _, owners = engine._plan_slots(tier, ids[:1], [tier.address(ids[3])], "d2h")
+        _, owners = plan_slots(tier, ids[:1], [tier.address(ids[3])], "d2h", None, host_only=engine.device is None)
         assert owners == [tier]
         await engine.to_device(tier, ids[:2], [stage.address + SLOT, stage.address])
         assert bytes(stage.view()[:SLOT]) == bytes(tier.view(ids[1]))

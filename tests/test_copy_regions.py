@@ -17,7 +17,6 @@ import bisect
 import ctypes
 import itertools
 import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +29,8 @@ from hypothesis import strategies as st
 
 from aiokvtier import CopyEngine, CopyPlanError, HostTier, SlotError, StaticHostMem, TierClosedError, _regions
 from aiokvtier._copy._plan import plan
-from aiokvtier._copy._requests import buffer_addresses, check_disjoint, registrations
+from aiokvtier._copy._requests import buffer_addresses, check_disjoint, plan_slots, registrations
+from aiokvtier._host._layout import UnitLayout
 from aiokvtier._regions import InflightCopies
 
 from .conftest import PopulateGate
@@ -68,18 +68,19 @@ class Problem:
 def model_of(region: Any) -> Model:
     base, size = region.region_bounds()
     if isinstance(region, HostTier):
-        layout, stats = region._layout, region.statistics()
+        stats = region.statistics()
+        layout = UnitLayout.build(size, stats.slot_size, stats.commit_unit)  # the tier's, from its public facts
         starts = tuple(layout.start(i) for i in range(layout.count + 1))
         committed = min(stats.resident_bytes, stats.slots_total * stats.slot_size)
-        return Model(region, base, size, starts, committed, region._life.state)
+        return Model(region, base, size, starts, committed, region.state)
     if isinstance(region, StaticHostMem):
-        return Model(region, base, size, (0, size), size, region._life.state)
+        return Model(region, base, size, (0, size), size, region.state)
     assert isinstance(region, FakeRegion)
     return Model(region, base, size, region.starts, region.committed, region.state)
 
 
 def known_models() -> list[Model]:
-    return [model_of(r) for r in list(_regions._regions.values())]
+    return [model_of(r) for r in _regions.known()]
 
 
 def check_span(models: Sequence[Model], addr: int, n: int) -> Problem | tuple[Model, int] | None:
@@ -185,14 +186,18 @@ class FakeRegion:
 @contextmanager
 def only_regions(*regions: Any) -> Iterator[None]:
     """The known regions are exactly these while the block runs."""
-    saved = _regions._regions
-    _regions._regions = weakref.WeakValueDictionary()
+    saved = _regions.known()
+    for region in saved:
+        _regions.unregister(region)
     try:
         for region in regions:
             _regions.register(region)
         yield
     finally:
-        _regions._regions = saved
+        for region in regions:
+            _regions.unregister(region)
+        for region in saved:
+            _regions.register(region)
 
 
 @st.composite
@@ -610,7 +615,9 @@ async def test_raw_copies_between_tiers_and_staging_agree_with_the_reference() -
     ):
         await a.wait_resident()
         await b.wait_resident()
-        assert b._layout.ramp == (0, 4 * MiB, 8 * MiB, 16 * MiB)
+        stats = b.statistics()
+        ramp = UnitLayout.build(b.region_bounds()[1], stats.slot_size, stats.commit_unit).ramp
+        assert ramp == (0, 4 * MiB, 8 * MiB, 16 * MiB)
         for seed, region in enumerate((a, b, small, stage)):
             _fill(region, seed)
         accepted, refused = await _attack(engine, np.random.default_rng(11), 400)
@@ -682,9 +689,9 @@ async def test_a_closing_tier_refuses_copies_over_it() -> None:
         closing = asyncio.create_task(tier.aclose())
         for _ in range(100):
             await asyncio.sleep(0)
-            if tier._life.state == "closing":
+            if tier.state == "closing":
                 break
-        assert tier._life.state == "closing"
+        assert tier.state == "closing"
         before = engine.statistics().jobs_submitted
         for copy in ((stage.address, base, SLOT), (base, stage.address, SLOT), (base - 1, base + SLOT, 2)):
             with pytest.raises(CopyPlanError, match=r"is closing|runs into"):
@@ -868,7 +875,7 @@ async def test_slot_copies_with_addresses_in_several_regions_agree_with_the_refe
             slot_spans = [(tier.address(s), tier.address(s) + page) for s in slots]
             if any(max(a, lo) < min(a + page, hi) for a in addrs for lo, hi in slot_spans):
                 continue  # the other side overlaps a slot of the request: no promised order
-            _, owners = engine._plan_slots(tier, slots, addrs, direction, page)
+            _, owners = plan_slots(tier, slots, addrs, direction, page, host_only=engine.device is None)
             assert owners == [tier, *(o for o in expect[1] if o is not tier)]
             if direction == "h2d":
                 want = [ctypes.string_at(tier.address(s), page) for s in slots]
@@ -960,14 +967,14 @@ async def test_a_device_engine_waits_for_a_staging_buffer_named_by_address(backi
         ctypes.memmove(stage.address, np.random.default_rng(7).bytes(4 * slot), 4 * slot)
         a = stage.address
         addrs = [a + 3 * slot, a + slot, a, a + 2 * slot]
-        _, owners = engine._plan_slots(tier, ids, addrs, "d2h")
+        _, owners = plan_slots(tier, ids, addrs, "d2h", None, host_only=engine.device is None)
         assert owners == [tier, stage]
         await engine.to_host(tier, ids, addrs)
         assert [bytes(tier.view(s)) for s in ids] == [ctypes.string_at(x, slot) for x in addrs]
         ctypes.memset(a, 0, 4 * slot)
-        tracked = len(stage.copies._events)
+        tracked = len(stage.copies)
         started = engine.begin(tier, ids, addrs, "h2d")
-        assert len(stage.copies._events) == tracked + 1  # tracked (its event is set once the bytes land)
+        assert len(stage.copies) == tracked + 1  # tracked (its event is set once the bytes land)
         await started.done
         assert len(stage.copies) == 0
         assert [ctypes.string_at(x, slot) for x in addrs] == [bytes(tier.view(s)) for s in ids]

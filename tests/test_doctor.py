@@ -78,11 +78,14 @@ def test_the_copy_fill_is_tried_on_a_scratch_range(monkeypatch: pytest.MonkeyPat
 def test_a_refused_userfaultfd_is_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     from aiokvtier._host import _userfault
 
-    def refused(self: object, addr: int, length: int) -> None:
-        raise OSError(errno.EPERM, "Operation not permitted")
+    class Refused:
+        """What the kernel's refusal looks like to the doctor: the userfaultfd cannot be made."""
+
+        def __init__(self, addr: int, length: int) -> None:
+            raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(_userfault, "supported", lambda: True)
-    monkeypatch.setattr(_userfault.Userfault, "__init__", refused)
+    monkeypatch.setattr(_userfault, "Userfault", Refused)
     check = _doctor.check_copy_fill()
     assert check.verdict == "warn" and "seccomp" in check.advice and check.data["errno"] == errno.EPERM
 
