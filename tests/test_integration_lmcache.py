@@ -417,6 +417,29 @@ def test_a_pool_that_is_not_there_is_a_clear_error_and_leaves_no_thread(tmp_path
     assert adapter_threads() == before
 
 
+def test_no_eventfd_to_be_had_after_the_open_leaves_no_tier_thread_or_fd(monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import aiokvtier.integrations.lmcache as module
+
+    made: list[Any] = []
+    real = module.create_event_notifier
+
+    def notifier() -> Any:  # the process runs out of descriptors at the second eventfd
+        if made:
+            raise OSError(errno.EMFILE, "Too many open files")
+        made.append(real())
+        return made[-1]
+
+    monkeypatch.setattr(module, "create_event_notifier", notifier)
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("aiokvtier")]
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="Too many open files"):
+        AiokvtierL2Adapter({"quota": "4MiB", "slot_size": "64KiB"})
+    assert [t.name for t in threading.enumerate() if t.name.startswith("aiokvtier")] == threads
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
 # -- LMCache's storage manager over the adapter ----------------------------------------------
 
 

@@ -190,8 +190,8 @@ class AiokvtierL2Adapter(L2AdapterInterface):
     accepted at once, each waiting only for the slots it takes).
 
     :raises ValueError: bad ``adapter_params`` (nothing opened).
-    :raises OSError, NumaPolicyError, PoolError: the tier could not be opened or the pool attached
-        (nothing left open).
+    :raises OSError, NumaPolicyError, PoolError: the tier could not be opened, the pool attached, or
+        the eventfds made (nothing left open).
     """
 
     def __init__(self, config: AiokvtierL2AdapterConfig | Mapping[str, Any], **_kwargs: object) -> None:
@@ -227,10 +227,21 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         except BaseException:
             self._stop_loop()
             raise
-        super().__init__(max_capacity_bytes=capacity)
-        self._store_efd = create_event_notifier()
-        self._lookup_efd = create_event_notifier()
-        self._load_efd = create_event_notifier()
+        efds: list[Any] = []
+        try:
+            super().__init__(max_capacity_bytes=capacity)
+            for _ in range(3):
+                efds.append(create_event_notifier())
+        except BaseException:  # out of descriptors, say: nothing opened above stays open
+            self._closed = True
+            for efd in efds:
+                efd.close()
+            try:
+                asyncio.run_coroutine_threadsafe(self._close_backend(), self._loop).result()
+            finally:
+                self._stop_loop()
+            raise
+        self._store_efd, self._lookup_efd, self._load_efd = efds
         self._loop.call_soon_threadsafe(self._start_events)
 
     async def _open(self) -> int:
