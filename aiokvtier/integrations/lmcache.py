@@ -489,8 +489,9 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         """The stored prefix of each row's chunks, without locks: the pool's owner evicts for every process.
 
         A row is one (model, rank, object group, salt); LMCache lists a row's chunks in token order and
-        its default ("prefix") prefetch uses a row's leading hits only, so one request per row (all at
-        once) answers it, where a key-by-key answer would cost a request per key.
+        its default ("prefix") prefetch uses a row's leading hits only, so one lookup per row (all at
+        once; each read from the pool's index mirror, or a request to the owner when the mirror cannot
+        answer) answers it, where a key-by-key answer would cost a lookup per key.
         """
         bitmap = Bitmap(len(keys))
         try:
