@@ -239,6 +239,33 @@ def test_delete_is_done_and_told_when_it_returns(adapters: Callable[[dict[str, A
     adapter.check_invariants()
 
 
+def test_a_listener_that_raises_fails_no_task_and_stops_no_later_event(
+    adapters: Callable[[dict[str, Any]], Any],
+) -> None:
+    class Raising(Listener):
+        def on_l2_keys_stored(self, keys: list[Any], sizes: list[int]) -> None:
+            raise RuntimeError("a listener's bug")
+
+        def on_l2_keys_deleted(self, keys: list[Any]) -> None:
+            raise RuntimeError("a listener's bug")
+
+    adapter = adapters({"quota": 4 * SLOT, "slot_size": SLOT})  # four blocks
+    listener = Listener()
+    adapter.register_listener(listener)
+    adapter.register_listener(Raising())
+    objs = [random_obj(SLOT, seed=i) for i in range(4)]
+    for round_ in range(3):  # each round evicts the one before
+        keys = [key(4 * round_ + i) for i in range(4)]
+        assert store(adapter, keys, objs).is_successful()
+        assert listener.stored[-4:] == keys
+        if round_:
+            deadline = time.monotonic() + 10
+            while len(listener.deleted) < 4 * round_ and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert sorted(listener.deleted, key=lambda k: k.chunk_hash) == [key(i) for i in range(4 * round_)]
+    adapter.check_invariants()
+
+
 def test_no_result_is_lost_while_lmcache_collects_them(adapters: Callable[[dict[str, Any]], Any]) -> None:
     adapter = adapters({"quota": "4MiB", "slot_size": 4096})
     obj = random_obj(4096)

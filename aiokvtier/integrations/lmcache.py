@@ -459,7 +459,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
                 for k, (okey, size) in zip(stored, done, strict=True):
                     self._objects[k] = (okey, size)
                 nbytes = sum(size for _, size in done)
-                self._notify_keys_stored([okey for okey, _ in done], [size for _, size in done])
+                _tell(self._notify_keys_stored, [okey for okey, _ in done], [size for _, size in done])
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -552,7 +552,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
             for i in loaded:
                 bitmap.set(i)
             if loaded:
-                self._notify_keys_accessed([keys[i] for i in loaded])
+                _tell(self._notify_keys_accessed, [keys[i] for i in loaded])
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -582,7 +582,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
                     continue
                 gone = [self._objects.pop(k) for k in event.keys if k in self._objects]
                 if gone:
-                    self._notify_keys_deleted([okey for okey, _ in gone], [size for _, size in gone])
+                    _tell(self._notify_keys_deleted, [okey for okey, _ in gone], [size for _, size in gone])
 
     async def _statistics(self) -> StoreStatistics | None:
         return self._store.statistics() if self._store is not None else None
@@ -635,3 +635,12 @@ class AiokvtierL2Adapter(L2AdapterInterface):
             finally:
                 if self._pool is not None:
                     await self._pool.aclose()
+
+
+def _tell(notify: Callable[..., None], *args: Any) -> None:
+    """Tell LMCache's listeners (on the loop): a listener that raises is logged, and neither fails the
+    task that did the work (its blocks are stored or loaded) nor ends the forwarding of later events."""
+    try:
+        notify(*args)
+    except Exception:
+        log.exception("aiokvtier L2 adapter: a listener of LMCache's raised")
