@@ -391,6 +391,20 @@ def test_two_lmcache_servers_share_one_pool(pool_owner: PoolOwner, adapters: Cal
     assert b.report_status()["processes"] == 2
 
 
+def test_a_pool_block_of_another_size_is_a_miss_and_the_rest_load(
+    pool_owner: PoolOwner, adapters: Callable[[dict[str, Any]], Any]
+) -> None:
+    adapter = adapters({"pool": pool_owner.pool.path})
+    objs = [random_obj(4096, seed=0), random_obj(8192, seed=1), random_obj(4096, seed=2)]
+    store(adapter, [key(0), key(1), key(2)], objs)
+    outs = [memory_obj(torch.zeros(n, dtype=torch.uint8)) for n in (4096, 4096, 4096)]
+    # key(1)'s block is longer than its object: a miss; the others load
+    assert load(adapter, [key(0), key(1), key(2)], outs) == [True, False, True]
+    assert same_bytes(objs[0], outs[0]) and not outs[1].raw_tensor.any() and same_bytes(objs[2], outs[2])
+    longer = memory_obj(torch.zeros(8192, dtype=torch.uint8))
+    assert load(adapter, [key(0)], [longer]) == [False]  # a block shorter than its object: a miss too
+
+
 def test_close_mid_transfer_leaves_nothing_claimed_in_the_pool(
     pool_owner: PoolOwner, adapters: Callable[[dict[str, Any]], Any]
 ) -> None:

@@ -543,9 +543,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
                         await store.load([akeys[i] for i in want], pages)
                         loaded = want
                     else:
-                        assert self._pool is not None
-                        lengths = await self._pool.load([akeys[i] for i in want], pages)
-                        loaded = [i for i, n in zip(want, lengths, strict=True) if n == objects[i].get_size()]
+                        loaded = await self._load_pool(akeys, objects, want, pages)
                     break
                 except BlockNotFound as e:  # evicted since (a pool's other process): a miss, the rest load
                     want = [i for i in want if akeys[i] != e.key]
@@ -558,6 +556,28 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         except Exception:
             log.exception("aiokvtier L2 adapter: load task %d failed", tid)
         self._finish(self._done_load, tid, bitmap, self._load_efd)
+
+    async def _load_pool(
+        self, akeys: list[bytes], objects: list[MemoryObj], want: list[int], pages: list[Any]
+    ) -> list[int]:
+        """Load ``want`` from the pool; the positions loaded whole. A block stored with another size than
+        its object is a miss: a longer one refuses the pool's load (nothing copied), so the keys are then
+        loaded one by one, that one left out; a shorter one is copied into the object's first bytes."""
+        pool = self._pool
+        assert pool is not None
+        try:
+            lengths = await pool.load([akeys[i] for i in want], pages)
+        except ValueError:  # a block longer than its object
+            loaded = []
+            for i, page in zip(want, pages, strict=True):
+                try:
+                    [n] = await pool.load([akeys[i]], [page])
+                except (ValueError, BlockNotFound):
+                    continue
+                if n == objects[i].get_size():
+                    loaded.append(i)
+            return loaded
+        return [i for i, n in zip(want, lengths, strict=True) if n == objects[i].get_size()]
 
     async def _delete(self, keys: list[ObjectKey]) -> None:
         akeys = list(dict.fromkeys(self._key(key) for key in keys))
