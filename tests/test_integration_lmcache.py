@@ -239,6 +239,33 @@ def test_delete_is_done_and_told_when_it_returns(adapters: Callable[[dict[str, A
     adapter.check_invariants()
 
 
+def test_a_listener_that_raises_fails_no_task_and_stops_no_later_event(
+    adapters: Callable[[dict[str, Any]], Any],
+) -> None:
+    class Raising(Listener):
+        def on_l2_keys_stored(self, keys: list[Any], sizes: list[int]) -> None:
+            raise RuntimeError("a listener's bug")
+
+        def on_l2_keys_deleted(self, keys: list[Any]) -> None:
+            raise RuntimeError("a listener's bug")
+
+    adapter = adapters({"quota": 4 * SLOT, "slot_size": SLOT})  # four blocks
+    listener = Listener()
+    adapter.register_listener(listener)
+    adapter.register_listener(Raising())
+    objs = [random_obj(SLOT, seed=i) for i in range(4)]
+    for round_ in range(3):  # each round evicts the one before
+        keys = [key(4 * round_ + i) for i in range(4)]
+        assert store(adapter, keys, objs).is_successful()
+        assert listener.stored[-4:] == keys
+        if round_:
+            deadline = time.monotonic() + 10
+            while len(listener.deleted) < 4 * round_ and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert sorted(listener.deleted, key=lambda k: k.chunk_hash) == [key(i) for i in range(4 * round_)]
+    adapter.check_invariants()
+
+
 def test_no_result_is_lost_while_lmcache_collects_them(adapters: Callable[[dict[str, Any]], Any]) -> None:
     adapter = adapters({"quota": "4MiB", "slot_size": 4096})
     obj = random_obj(4096)
@@ -364,6 +391,20 @@ def test_two_lmcache_servers_share_one_pool(pool_owner: PoolOwner, adapters: Cal
     assert b.report_status()["processes"] == 2
 
 
+def test_a_pool_block_of_another_size_is_a_miss_and_the_rest_load(
+    pool_owner: PoolOwner, adapters: Callable[[dict[str, Any]], Any]
+) -> None:
+    adapter = adapters({"pool": pool_owner.pool.path})
+    objs = [random_obj(4096, seed=0), random_obj(8192, seed=1), random_obj(4096, seed=2)]
+    store(adapter, [key(0), key(1), key(2)], objs)
+    outs = [memory_obj(torch.zeros(n, dtype=torch.uint8)) for n in (4096, 4096, 4096)]
+    # key(1)'s block is longer than its object: a miss; the others load
+    assert load(adapter, [key(0), key(1), key(2)], outs) == [True, False, True]
+    assert same_bytes(objs[0], outs[0]) and not outs[1].raw_tensor.any() and same_bytes(objs[2], outs[2])
+    longer = memory_obj(torch.zeros(8192, dtype=torch.uint8))
+    assert load(adapter, [key(0)], [longer]) == [False]  # a block shorter than its object: a miss too
+
+
 def test_close_mid_transfer_leaves_nothing_claimed_in_the_pool(
     pool_owner: PoolOwner, adapters: Callable[[dict[str, Any]], Any]
 ) -> None:
@@ -415,6 +456,29 @@ def test_a_pool_that_is_not_there_is_a_clear_error_and_leaves_no_thread(tmp_path
     with pytest.raises(PoolError, match="no pool at"):
         build({"pool": str(tmp_path / "none.sock")})
     assert adapter_threads() == before
+
+
+def test_no_eventfd_to_be_had_after_the_open_leaves_no_tier_thread_or_fd(monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import aiokvtier.integrations.lmcache as module
+
+    made: list[Any] = []
+    real = module.create_event_notifier
+
+    def notifier() -> Any:  # the process runs out of descriptors at the second eventfd
+        if made:
+            raise OSError(errno.EMFILE, "Too many open files")
+        made.append(real())
+        return made[-1]
+
+    monkeypatch.setattr(module, "create_event_notifier", notifier)
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("aiokvtier")]
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="Too many open files"):
+        AiokvtierL2Adapter({"quota": "4MiB", "slot_size": "64KiB"})
+    assert [t.name for t in threading.enumerate() if t.name.startswith("aiokvtier")] == threads
+    assert len(os.listdir("/proc/self/fd")) == fds
 
 
 # -- LMCache's storage manager over the adapter ----------------------------------------------

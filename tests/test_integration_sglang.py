@@ -409,6 +409,23 @@ def test_bad_config_is_a_clear_error_and_leaves_no_thread(tmp_path: Path) -> Non
         assert sglang_threads() == []
 
 
+def test_a_close_whose_store_fails_to_close_still_closes_the_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokvtier import BlockStore
+
+    storage = HiCacheAiokvtier(storage_config(TIER), {})
+    real = BlockStore.aclose
+
+    async def failing(self: BlockStore) -> None:
+        await real(self)
+        raise RuntimeError("the store's close failed")
+
+    monkeypatch.setattr(BlockStore, "aclose", failing)
+    with pytest.raises(RuntimeError, match="the store's close failed"):
+        storage.close()
+    assert "tier <HostTier [closed" in repr(storage)
+    assert sglang_threads() == []
+
+
 def test_bad_calls_are_refused_and_change_nothing() -> None:
     host = make_host_pool()
     config = storage_config(TIER)

@@ -376,6 +376,25 @@ async def test_the_server_serves_blocks_through_a_mooncake_tier_and_exports_its_
     await wait_no_library_threads(15)
 
 
+async def test_the_server_closes_its_disk_and_host_tiers_when_its_mooncake_tier_fails_to_close(
+    master: Master, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=tmp_path)
+    blocks = _blocks.StoreBlocks(host_config(), "lru", disk, master.config())
+    await blocks.open()
+    real = MooncakeTier.aclose
+
+    async def failing(self: MooncakeTier) -> None:
+        await real(self)
+        raise RuntimeError("the Mooncake tier's close failed")
+
+    monkeypatch.setattr(MooncakeTier, "aclose", failing)
+    with pytest.raises(RuntimeError, match="the Mooncake tier's close failed"):
+        await blocks.aclose()
+    assert blocks.disk is not None and blocks.disk.closed
+    assert blocks.tier.statistics().closed
+
+
 def test_the_mooncake_options_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     for options, named in (
         (["--mooncake-master", "nohost"], "--mooncake-master"),

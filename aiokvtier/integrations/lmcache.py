@@ -190,8 +190,8 @@ class AiokvtierL2Adapter(L2AdapterInterface):
     accepted at once, each waiting only for the slots it takes).
 
     :raises ValueError: bad ``adapter_params`` (nothing opened).
-    :raises OSError, NumaPolicyError, PoolError: the tier could not be opened or the pool attached
-        (nothing left open).
+    :raises OSError, NumaPolicyError, PoolError: the tier could not be opened, the pool attached, or
+        the eventfds made (nothing left open).
     """
 
     def __init__(self, config: AiokvtierL2AdapterConfig | Mapping[str, Any], **_kwargs: object) -> None:
@@ -227,10 +227,21 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         except BaseException:
             self._stop_loop()
             raise
-        super().__init__(max_capacity_bytes=capacity)
-        self._store_efd = create_event_notifier()
-        self._lookup_efd = create_event_notifier()
-        self._load_efd = create_event_notifier()
+        efds: list[Any] = []
+        try:
+            super().__init__(max_capacity_bytes=capacity)
+            for _ in range(3):
+                efds.append(create_event_notifier())
+        except BaseException:  # out of descriptors, say: nothing opened above stays open
+            self._closed = True
+            for efd in efds:
+                efd.close()
+            try:
+                asyncio.run_coroutine_threadsafe(self._close_backend(), self._loop).result()
+            finally:
+                self._stop_loop()
+            raise
+        self._store_efd, self._lookup_efd, self._load_efd = efds
         self._loop.call_soon_threadsafe(self._start_events)
 
     async def _open(self) -> int:
@@ -448,7 +459,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
                 for k, (okey, size) in zip(stored, done, strict=True):
                     self._objects[k] = (okey, size)
                 nbytes = sum(size for _, size in done)
-                self._notify_keys_stored([okey for okey, _ in done], [size for _, size in done])
+                _tell(self._notify_keys_stored, [okey for okey, _ in done], [size for _, size in done])
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -478,8 +489,9 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         """The stored prefix of each row's chunks, without locks: the pool's owner evicts for every process.
 
         A row is one (model, rank, object group, salt); LMCache lists a row's chunks in token order and
-        its default ("prefix") prefetch uses a row's leading hits only, so one request per row (all at
-        once) answers it, where a key-by-key answer would cost a request per key.
+        its default ("prefix") prefetch uses a row's leading hits only, so one lookup per row (all at
+        once; each read from the pool's index mirror, or a request to the owner when the mirror cannot
+        answer) answers it, where a key-by-key answer would cost a lookup per key.
         """
         bitmap = Bitmap(len(keys))
         try:
@@ -531,21 +543,41 @@ class AiokvtierL2Adapter(L2AdapterInterface):
                         await store.load([akeys[i] for i in want], pages)
                         loaded = want
                     else:
-                        assert self._pool is not None
-                        lengths = await self._pool.load([akeys[i] for i in want], pages)
-                        loaded = [i for i, n in zip(want, lengths, strict=True) if n == objects[i].get_size()]
+                        loaded = await self._load_pool(akeys, objects, want, pages)
                     break
                 except BlockNotFound as e:  # evicted since (a pool's other process): a miss, the rest load
                     want = [i for i in want if akeys[i] != e.key]
             for i in loaded:
                 bitmap.set(i)
             if loaded:
-                self._notify_keys_accessed([keys[i] for i in loaded])
+                _tell(self._notify_keys_accessed, [keys[i] for i in loaded])
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("aiokvtier L2 adapter: load task %d failed", tid)
         self._finish(self._done_load, tid, bitmap, self._load_efd)
+
+    async def _load_pool(
+        self, akeys: list[bytes], objects: list[MemoryObj], want: list[int], pages: list[Any]
+    ) -> list[int]:
+        """Load ``want`` from the pool; the positions loaded whole. A block stored with another size than
+        its object is a miss: a longer one refuses the pool's load (nothing copied), so the keys are then
+        loaded one by one, that one left out; a shorter one is copied into the object's first bytes."""
+        pool = self._pool
+        assert pool is not None
+        try:
+            lengths = await pool.load([akeys[i] for i in want], pages)
+        except ValueError:  # a block longer than its object
+            loaded = []
+            for i, page in zip(want, pages, strict=True):
+                try:
+                    [n] = await pool.load([akeys[i]], [page])
+                except (ValueError, BlockNotFound):
+                    continue
+                if n == objects[i].get_size():
+                    loaded.append(i)
+            return loaded
+        return [i for i, n in zip(want, lengths, strict=True) if n == objects[i].get_size()]
 
     async def _delete(self, keys: list[ObjectKey]) -> None:
         akeys = list(dict.fromkeys(self._key(key) for key in keys))
@@ -570,7 +602,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
                     continue
                 gone = [self._objects.pop(k) for k in event.keys if k in self._objects]
                 if gone:
-                    self._notify_keys_deleted([okey for okey, _ in gone], [size for _, size in gone])
+                    _tell(self._notify_keys_deleted, [okey for okey, _ in gone], [size for _, size in gone])
 
     async def _statistics(self) -> StoreStatistics | None:
         return self._store.statistics() if self._store is not None else None
@@ -623,3 +655,12 @@ class AiokvtierL2Adapter(L2AdapterInterface):
             finally:
                 if self._pool is not None:
                     await self._pool.aclose()
+
+
+def _tell(notify: Callable[..., None], *args: Any) -> None:
+    """Tell LMCache's listeners (on the loop): a listener that raises is logged, and neither fails the
+    task that did the work (its blocks are stored or loaded) nor ends the forwarding of later events."""
+    try:
+        notify(*args)
+    except Exception:
+        log.exception("aiokvtier L2 adapter: a listener of LMCache's raised")

@@ -524,12 +524,16 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
 
     async def _release(self) -> None:
         await self._loop.drain()  # cancelled calls end once nothing reads or writes SGLang's pages
-        if self._store is not None:
-            await self._store.aclose()
-        if self._tier is not None:
-            await self._tier.aclose()
-        if self._pool is not None:
-            await self._pool.aclose()
+        try:
+            if self._store is not None:
+                await self._store.aclose()
+        finally:  # the tier and the pool are closed whatever the store's close raised
+            try:
+                if self._tier is not None:
+                    await self._tier.aclose()
+            finally:
+                if self._pool is not None:
+                    await self._pool.aclose()
 
     @property
     def closed(self) -> bool:

@@ -86,9 +86,12 @@ class StoreBlocks:
                 await self.store.aclose()
         finally:
             try:
-                for below in (self.remote, self.disk):
-                    if below is not None:
-                        await below.aclose()
+                try:
+                    if self.remote is not None:
+                        await self.remote.aclose()
+                finally:  # the disk tier is closed whatever the Mooncake tier's close raised
+                    if self.disk is not None:
+                        await self.disk.aclose()
             finally:
                 if "tier" in self.__dict__:
                     await self.tier.aclose()
