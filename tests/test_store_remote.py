@@ -401,6 +401,9 @@ def test_the_mooncake_options_are_checked(capsys: pytest.CaptureFixture[str]) ->
         (["--mooncake-master", "127.0.0.1:50051", "--workers", "2"], "--mooncake-master"),
         (["--mooncake-master", "127.0.0.1:50051", "--plain-dict"], "--mooncake-master"),
         (["--mooncake-master", "127.0.0.1:50051", "--mooncake-segment-size", "lots"], "--mooncake-segment-size"),
+        (["--mooncake-segment-size", "2GiB"], "--mooncake-segment-size"),  # no master to describe
+        (["--mooncake-local-hostname", "10.0.0.2"], "--mooncake-local-hostname"),
+        (["--mooncake-metadata-server", "http://10.0.0.1:8080/metadata"], "--mooncake-metadata-server"),
     ):
         with pytest.raises(SystemExit) as exit_:
             _options.parse(options)

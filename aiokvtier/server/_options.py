@@ -137,9 +137,8 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
     parser.add_argument(
         "--mooncake-segment-size",
         type=size,
-        default="1GiB",
         metavar="SIZE",
-        help="host memory this server gives the cluster's pool (with --mooncake-master)",
+        help="host memory this server gives the cluster's pool (with --mooncake-master; default 1GiB)",
     )
     # A worker of --workers: the pool to attach to and the listening socket it inherits.
     parser.add_argument("--attach", metavar="PATH", help=argparse.SUPPRESS)
@@ -163,7 +162,7 @@ def mooncake_config(parser: Parser, args: argparse.Namespace) -> MooncakeTierCon
         "master": args.mooncake_master,
         "metadata_server": args.mooncake_metadata_server or f"http://{host}:8080/metadata",
         "local_hostname": args.mooncake_local_hostname or _address_towards(host.strip("[]"), int(port)),
-        "segment_size": args.mooncake_segment_size,
+        "segment_size": 1 << 30 if args.mooncake_segment_size is None else args.mooncake_segment_size,
     }
     try:
         return MooncakeTierConfig(**values)
@@ -207,6 +206,18 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
         parser.error("argument --disk-path: a disk tier goes under one process's store (no --workers, no --plain-dict)")
     if args.disk_path is not None and not os.path.isdir(args.disk_path):
         parser.error(f"argument --disk-path: {args.disk_path} is not a directory")
+    if args.mooncake_master is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--mooncake-metadata-server", args.mooncake_metadata_server),
+                ("--mooncake-local-hostname", args.mooncake_local_hostname),
+                ("--mooncake-segment-size", args.mooncake_segment_size),
+            )
+            if value is not None
+        ]
+        if given:
+            parser.error(f"argument {given[0]}: it describes the Mooncake tier of --mooncake-master, not given")
     args.mooncake = None if args.mooncake_master is None else mooncake_config(parser, args)
     if (args.attach is None) != (args.listen_fd is None):
         parser.error("argument --attach: a worker takes --attach and --listen-fd together")
