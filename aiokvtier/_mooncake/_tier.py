@@ -271,6 +271,8 @@ class MooncakeTier(Owner):
 
         :raises ValueError: nothing was registered at ``address``, or a call running now (or one
             that has not returned, ``held``) uses that memory: it stays registered.
+        :raises MooncakeError: Mooncake refused to unregister it: it stays registered (and is tried
+            again at close).
         :raises TierClosedError: the tier is not open.
         """
         self.check_open()
@@ -282,7 +284,12 @@ class MooncakeTier(Owner):
         if any(start < end and address < start + n for start, n in [*using, *self.held]):
             raise ValueError(f"[{address:#x}, +{end - address}) is used by a call that has not returned")
         del self._starts[i], self._ends[i]  # refused from now on, before the await
-        await finish(self._life.submit(self._client.unregister_buffer, address))
+        code = await finish(self._life.submit(self._client.unregister_buffer, address))
+        if code != 0:  # still registered: back in the books, so the close tries it again
+            j = bisect.bisect_left(self._starts, address)
+            self._starts.insert(j, address)
+            self._ends.insert(j, end)
+            raise MooncakeError(f"Mooncake refused to unregister the memory at {address:#x} (code {code})")
 
     def _unregister(self, address: int) -> None:
         """At close (on the tier's thread): what ``unregister()`` did not unregister already."""
@@ -290,7 +297,9 @@ class MooncakeTier(Owner):
             return
         i = self._starts.index(address)
         del self._starts[i], self._ends[i]
-        self._client.unregister_buffer(address)
+        code = self._client.unregister_buffer(address)
+        if code != 0:
+            log.error("aiokvtier: Mooncake refused to unregister the memory at %#x at close (code %s)", address, code)
 
     @property
     def held(self) -> tuple[Region, ...]:
