@@ -49,7 +49,7 @@ from lmcache.v1.distributed.storage_manager import StorageManager  # noqa: E402
 from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 from lmcache.v1.platform import consume_fd  # noqa: E402
 
-from aiokvtier import Pool  # noqa: E402
+from aiokvtier import Pool, TierClosedError  # noqa: E402
 from aiokvtier.integrations.lmcache import AiokvtierL2Adapter, AiokvtierL2AdapterConfig  # noqa: E402
 
 SLOT = 64 << 10
@@ -335,11 +335,11 @@ def test_close_mid_transfer_returns_with_nothing_left() -> None:
     assert adapter_threads() == before
     assert not [t.name for t in threading.enumerate() if t.name.startswith("aiokvtier")]
     assert len(os.listdir("/proc/self/fd")) == fds_before
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(TierClosedError, match="closed"):
         adapter.submit_store_task([key(0)], objs[:1])
     adapter.submit_unlock([key(0)])  # LMCache may still unlock after close: nothing happens
     assert adapter.report_status()["is_healthy"] is False and adapter.statistics() is None
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(TierClosedError, match="closed"):
         adapter.check_invariants()
 
 

@@ -47,7 +47,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from .._config import HostTierConfig
-from .._errors import BlockNotFound
+from .._errors import BlockNotFound, TierClosedError
 from .._host._tier import HostTier
 from .._pool._client import AttachedPool
 from .._store._keys import Key
@@ -290,7 +290,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
             if not self._closed:
                 asyncio.run_coroutine_threadsafe(self._tracked(work, *args), self._loop)
                 return
-        raise RuntimeError("the aiokvtier L2 adapter is closed")
+        raise TierClosedError("the aiokvtier L2 adapter is closed")
 
     def _task_id(self) -> L2TaskId:
         with self._lock:
@@ -318,7 +318,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
             if not self._closed:
                 self._loop.call_soon_threadsafe(self._lookup_here, tid, list(keys))
                 return tid
-        raise RuntimeError("the aiokvtier L2 adapter is closed")
+        raise TierClosedError("the aiokvtier L2 adapter is closed")
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -375,11 +375,11 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         """Check the store's books and the adapter's locks against each other (tests, debugging).
 
         :raises AssertionError: naming what is broken.
-        :raises RuntimeError: the adapter is closed.
+        :raises TierClosedError: the adapter is closed.
         """
         with self._lock:
             if self._closed:
-                raise RuntimeError("the aiokvtier L2 adapter is closed")
+                raise TierClosedError("the aiokvtier L2 adapter is closed")
             done = asyncio.run_coroutine_threadsafe(self._check(), self._loop)
         done.result()
 
