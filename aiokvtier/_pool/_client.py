@@ -86,8 +86,9 @@ class AttachedPool(Owner):
     region of this process: ``CopyEngine.copy()`` with slot addresses
     (``address()``) moves pages at the rate of registered memory, and
     ``aclose()`` waits for such copies in flight before it unregisters and
-    unmaps. A pool with GPU-attached processes must not shrink (the owner's
-    decommit cannot reach another process's registration).
+    unmaps. A shrink's lower fill target, pushed by the owner, refuses copies
+    past it at once and unregisters the units it handed back before a regrow
+    registers the new pages (``registered_bytes``).
 
     :param path: the pool's socket.
     :param device: a CUDA ordinal to register the memory for, or None (host copies only).
