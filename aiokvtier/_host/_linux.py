@@ -219,6 +219,24 @@ def populate_write(addr: int, length: int, step: int = POPULATE_STEP) -> None:
         _memset(piece, 0, n)
 
 
+def map_in(addr: int, length: int, step: int = POPULATE_STEP) -> bool:
+    """Map pages that already exist (a shared mapping of a file whose pages are resident) into this
+    process's page tables, ``step`` bytes per call, without touching their contents.
+
+    MADV_POPULATE_WRITE (Linux 5.14). Returns False, having done nothing, on a kernel without it:
+    never a memset (that would write over what another process stored).
+
+    :raises OSError: ENOMEM or EFAULT from the kernel.
+    """
+    for offset in range(0, length, step):
+        if _madvise(addr + offset, min(step, length - offset), MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            if err == errno.EINVAL and offset == 0:
+                return False
+            raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+    return True
+
+
 def populate(addr: int, length: int) -> None:
     """Make ``length`` writable bytes at ``addr`` resident (zeroed), GIL released.
 

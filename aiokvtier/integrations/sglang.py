@@ -356,7 +356,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         self._loop = _Loop()
         try:
             if "pool" in section:
-                self._pool = self._loop.run(AttachedPool.attach(section["pool"]))
+                self._pool = self._loop.run(AttachedPool.attach(section["pool"], prefault=True))
                 self._slot_size = self._pool.slot_size
             else:
                 self._tier = self._loop.run(HostTier.open(section["tier"]))
@@ -581,7 +581,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
                 return self._pool if self._lost_at is None else None
             self._next_attach = now + REATTACH_AFTER
             try:
-                pool = await AttachedPool.attach(self._pool_path)
+                pool = await AttachedPool.attach(self._pool_path, prefault=True)
             except (PoolError, OSError) as exc:
                 log.debug("aiokvtier: the pool at %s is not back yet: %s", self._pool_path, exc)
                 return None
