@@ -32,7 +32,7 @@ from typing import Any, Self, TypeVar
 from ._crossing import Worker
 from ._errors import TierClosedError
 
-__all__ = ["Lifecycle", "Owner", "finish"]
+__all__ = ["Lifecycle", "Owner", "close_in_turn", "finish"]
 
 T = TypeVar("T")
 log = logging.getLogger("aiokvtier")
@@ -302,3 +302,15 @@ class Owner:
         self._life.check_open()
 
     _check_open = check_open
+
+
+async def close_in_turn(*owners: Owner | None) -> None:
+    """``aclose()`` each owner given (None: skipped), first to last, every one whatever an earlier
+    close raised: nested ``finally`` blocks (the last error raised, an earlier one its context)."""
+    if not owners:
+        return
+    try:
+        if owners[0] is not None:
+            await owners[0].aclose()
+    finally:
+        await close_in_turn(*owners[1:])

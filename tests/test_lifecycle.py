@@ -619,3 +619,36 @@ async def test_debug_logs_a_record_per_committed_unit(caplog: pytest.LogCaptureF
     assert sorted(units) == list(range(32))
     loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not loud, f"a normal run logged warnings: {loud}"
+
+
+class _Closing:
+    """Records its close in ``order``; raises ``error`` from it if given."""
+
+    def __init__(self, name: str, order: list[str], error: BaseException | None = None) -> None:
+        self.name, self.order, self.error = name, order, error
+
+    async def aclose(self) -> None:
+        self.order.append(self.name)
+        if self.error is not None:
+            raise self.error
+
+
+async def test_close_in_turn_closes_every_owner_first_to_last_whatever_an_earlier_close_raised() -> None:
+    from typing import Any
+
+    from aiokvtier._lifecycle import close_in_turn
+
+    order: list[str] = []
+    owners: list[Any] = [
+        _Closing("store", order, OSError("store")),
+        None,
+        _Closing("tier", order),
+        _Closing("pool", order, ValueError("pool")),
+    ]
+    with pytest.raises(ValueError, match="pool") as caught:
+        await close_in_turn(*owners)
+    assert order == ["store", "tier", "pool"]  # None skipped, every one closed, in the order given
+    assert isinstance(caught.value.__context__, OSError)  # the earlier error rides along, as with finally
+    order.clear()
+    await close_in_turn(_Closing("a", order), _Closing("b", order))  # type: ignore[arg-type]
+    assert order == ["a", "b"]

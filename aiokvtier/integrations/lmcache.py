@@ -49,6 +49,7 @@ from lmcache.v1.platform import create_event_notifier
 from .._config import HostTierConfig
 from .._errors import BlockNotFound, TierClosedError
 from .._host._tier import HostTier
+from .._lifecycle import close_in_turn
 from .._pool._client import AttachedPool
 from .._store._keys import Key
 from .._store._policy import EvictionPolicy, make_policy
@@ -645,16 +646,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         await self._close_backend()
 
     async def _close_backend(self) -> None:
-        try:
-            if self._store is not None:
-                await self._store.aclose()
-        finally:
-            try:
-                if self._tier is not None:
-                    await self._tier.aclose()
-            finally:
-                if self._pool is not None:
-                    await self._pool.aclose()
+        await close_in_turn(self._store, self._tier, self._pool)
 
 
 def _tell(notify: Callable[..., None], *args: Any) -> None:

@@ -61,6 +61,7 @@ from .. import (
     PoolLostError,
     TierClosedError,
 )
+from .._lifecycle import close_in_turn
 
 __all__ = ["SGLANG_VERSION", "HiCacheAiokvtier"]
 
@@ -524,16 +525,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
 
     async def _release(self) -> None:
         await self._loop.drain()  # cancelled calls end once nothing reads or writes SGLang's pages
-        try:
-            if self._store is not None:
-                await self._store.aclose()
-        finally:  # the tier and the pool are closed whatever the store's close raised
-            try:
-                if self._tier is not None:
-                    await self._tier.aclose()
-            finally:
-                if self._pool is not None:
-                    await self._pool.aclose()
+        await close_in_turn(self._store, self._tier, self._pool)  # each whatever an earlier close raised
 
     @property
     def closed(self) -> bool:

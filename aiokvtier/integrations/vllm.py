@@ -68,6 +68,7 @@ from .._copy._engine import CopyEngine, StartedCopy
 from .._copy._requests import Pages
 from .._host._linux import PAGE_SIZE
 from .._host._tier import HostTier
+from .._lifecycle import close_in_turn
 
 __all__ = ["SUPPORTED_VLLM", "AiokvtierOffloadingSpec", "AiokvtierOffloadingWorker"]
 
@@ -378,12 +379,8 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
         return sources, dests
 
     async def _close_opened(self) -> None:
-        engine: CopyEngine | None = getattr(self, "engine", None)
-        tier: HostTier | None = getattr(self, "tier", None)
-        if engine is not None:
-            await engine.aclose()
-        if tier is not None:
-            await tier.aclose()
+        # The tier is closed whatever the engine's close raised.
+        await close_in_turn(getattr(self, "engine", None), getattr(self, "tier", None))
 
     def _buffer(self, tensor: torch.Tensor, page: int) -> tuple[Any, int, int | None]:
         """What ``CopyEngine.pages`` takes for one KV tensor: addresses on a GPU, a host array on a CPU."""

@@ -14,6 +14,7 @@ from .._config import DiskTierConfig, HostTierConfig, MooncakeTierConfig
 from .._disk._tier import DiskTier
 from .._errors import BlockNotFound
 from .._host._tier import HostTier
+from .._lifecycle import close_in_turn
 from .._mooncake._tier import MooncakeTier
 from .._pool._client import AttachedPool
 from .._store._store import BlockStore
@@ -81,20 +82,8 @@ class StoreBlocks:
             raise
 
     async def aclose(self) -> None:
-        try:
-            if "store" in self.__dict__:
-                await self.store.aclose()
-        finally:
-            try:
-                try:
-                    if self.remote is not None:
-                        await self.remote.aclose()
-                finally:  # the disk tier is closed whatever the Mooncake tier's close raised
-                    if self.disk is not None:
-                        await self.disk.aclose()
-            finally:
-                if "tier" in self.__dict__:
-                    await self.tier.aclose()
+        # Each closed whatever an earlier close raised; the store and the tier may not be made yet.
+        await close_in_turn(self.__dict__.get("store"), self.remote, self.disk, self.__dict__.get("tier"))
 
     def residency(self) -> tuple[int, int, str | None]:
         s = self.tier.statistics()
