@@ -7,24 +7,17 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.test_pool import sock
+
+__all__ = ["sock"]  # the fixture, used by name
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 CLI = [sys.executable, "-m", "aiokvtier", "pool"]
-
-
-@pytest.fixture
-def sock() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="akc", dir="/tmp")
-    yield os.path.join(directory, "pool.sock")
-    for name in os.listdir(directory):
-        os.unlink(os.path.join(directory, name))
-    os.rmdir(directory)
 
 
 def _start(sock: str) -> tuple[subprocess.Popen[str], dict[str, object]]:

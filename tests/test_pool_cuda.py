@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
-import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from aiokvtier import Pool
+from tests.test_pool import sock
+
+__all__ = ["sock"]  # the fixture, used by name
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(180)]
 
@@ -72,40 +76,61 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def sock() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="akg", dir="/tmp")
-    yield os.path.join(directory, "pool.sock")
-    for name in os.listdir(directory):
-        os.unlink(os.path.join(directory, name))
-    os.rmdir(directory)
-
-
 OWNERS = {
     "host": {},
     "register": {"device": 0, "backing": "register"},  # the owner registers the shared memory too
 }
 
 
+class _Child:
+    """An attached process running ``code`` against the pool: one JSON report a line, a line to go on."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None and proc.stdin is not None
+        self.proc, self._out, self._in = proc, proc.stdout, proc.stdin
+
+    async def report(self) -> dict[str, Any]:
+        async with asyncio.timeout(150):
+            line = await self._out.readline()
+        assert line, f"the attached process failed ({await self.proc.wait()})"
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    async def go_on(self) -> None:
+        self._in.write(b"go\n")
+        await self._in.drain()
+
+    async def exits(self) -> None:
+        async with asyncio.timeout(60):
+            assert await self.proc.wait() == 0
+
+
+@contextlib.asynccontextmanager
+async def _child(code: str, sock: str) -> AsyncIterator[_Child]:
+    """Start it; stopped however the test ends (a failed assertion leaves no process behind)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        code,
+        sock,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env=ENV,
+        cwd=ROOT,
+    )
+    try:
+        yield _Child(proc)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 @pytest.mark.parametrize("owner", list(OWNERS))
 async def test_an_attached_process_copies_pool_slots_to_the_gpu_and_back(sock: str, owner: str) -> None:
     config = {"quota": "256MiB", "max_quota": "256MiB", "slot_size": SLOT, **OWNERS[owner]}
-    async with Pool(config, sock) as pool:
-        child = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            CHILD,
-            sock,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            env=ENV,
-            cwd=ROOT,
-        )
-        assert child.stdout is not None and child.stdin is not None
-        async with asyncio.timeout(150):
-            line = await child.stdout.readline()
-        assert line, f"the attached process failed ({await child.wait()})"
-        report = json.loads(line)
+    async with Pool(config, sock) as pool, _child(CHILD, sock) as child:
+        report = await child.report()
         assert report["same"], "the bytes that went to the GPU and back differ"
         # What the attached process wrote through the GPU is in the owner's memory too.
         tier = pool.tier
@@ -114,10 +139,8 @@ async def test_an_attached_process_copies_pool_slots_to_the_gpu_and_back(sock: s
         want = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * SLOT).from_address(base + report["src"][0] * SLOT))
         assert np.array_equal(got, want)
         print(f"attached pool H2D {report['pool_gb_s']:.1f} GB/s, StaticHostMem {report['static_gb_s']:.1f} GB/s")
-        child.stdin.write(b"done\n")
-        await child.stdin.drain()
-        async with asyncio.timeout(60):
-            assert await child.wait() == 0
+        await child.go_on()
+        await child.exits()
 
 
 async def test_an_owner_with_the_register_backing_copies_its_own_slots_with_its_engine(sock: str) -> None:
@@ -194,42 +217,18 @@ SHRINKING_CHILD = textwrap.dedent(
 async def test_a_shrink_unregisters_the_handed_back_units_in_a_gpu_attached_process(sock: str) -> None:
     """After a shrink and a regrow, the GPU and every CPU see the same new pages, never the old pinned ones."""
     config = {"quota": "256MiB", "max_quota": "256MiB", "slot_size": SLOT, "commit_unit": "32MiB"}
-    async with Pool(config, sock) as pool:
-        child = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            SHRINKING_CHILD,
-            sock,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            env=ENV,
-            cwd=ROOT,
-        )
-        assert child.stdout is not None and child.stdin is not None
-
-        async def report() -> dict[str, object]:
-            async with asyncio.timeout(150):
-                line = await child.stdout.readline()  # type: ignore[union-attr]
-            assert line, f"the attached process failed ({await child.wait()})"
-            result: dict[str, object] = json.loads(line)
-            return result
-
-        async def go_on() -> None:
-            child.stdin.write(b"go\n")  # type: ignore[union-attr]
-            await child.stdin.drain()  # type: ignore[union-attr]
-
-        assert (await report())["registered"] == 256 << 20
+    async with Pool(config, sock) as pool, _child(SHRINKING_CHILD, sock) as child:
+        assert (await child.report())["registered"] == 256 << 20
         await pool.resize("64MiB")
-        await go_on()
-        assert (await report())["registered"] == 64 << 20  # the handed-back units, unregistered there
+        await child.go_on()
+        assert (await child.report())["registered"] == 64 << 20  # the handed-back units, unregistered there
         await pool.resize("256MiB")
         await pool.tier.wait_resident()
-        await go_on()
-        last = await report()
+        await child.go_on()
+        last = await child.report()
         assert last["registered"] == 256 << 20 and last["same"], last
         base = pool.tier.statistics().base_address
         seen = (np.ctypeslib.ctypes.c_uint8 * 16).from_address(base + int(last["slot"]) * SLOT)  # type: ignore[call-overload]
         assert bytes(seen).hex() == last["digest"]  # what the GPU wrote is in the owner's memory too
-        await go_on()
-        async with asyncio.timeout(60):
-            assert await child.wait() == 0
+        await child.go_on()
+        await child.exits()

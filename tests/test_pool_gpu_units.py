@@ -8,11 +8,8 @@ a regrow registers the new pages. tests/test_pool_cuda.py runs the same on a GPU
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -20,6 +17,9 @@ import pytest
 from aiokvtier import AttachedPool, CopyPlanError, CudaError, Pool
 from aiokvtier._host._layout import UnitLayout
 from aiokvtier._pool import _gpu
+from tests.test_pool import sock, until
+
+__all__ = ["sock"]  # the fixture, used by name
 
 MiB = 1 << 20
 SLOT = 64 << 10
@@ -67,23 +67,6 @@ def model(monkeypatch: pytest.MonkeyPatch) -> ModelDriver:
     monkeypatch.setattr(_gpu, "driver", lambda: drv)
     monkeypatch.setattr(_gpu, "PrimaryContext", ModelContext)
     return drv
-
-
-@pytest.fixture
-def sock() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="akgu", dir="/tmp")
-    yield os.path.join(directory, "pool.sock")
-    for name in os.listdir(directory):
-        os.unlink(os.path.join(directory, name))
-    os.rmdir(directory)
-
-
-async def _until(done: Callable[[], bool]) -> None:
-    for _ in range(2000):
-        if done():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("the attached process did not get there in 10 s")
 
 
 def _units(base: int, size: int) -> list[tuple[int, int]]:
@@ -155,13 +138,13 @@ async def test_an_attached_process_unregisters_what_a_shrink_handed_back_before_
         assert attached.registered_bytes == 256 * MiB
         base = attached.base_address
         await pool.resize("64MiB")
-        await _until(lambda: attached.registered_bytes == 64 * MiB)  # the pushed state reaches the client
+        await until(lambda: attached.registered_bytes == 64 * MiB, "the shrink unregistered in the attached process")
         assert set(model.registered) == {a for a, _ in _units(base, 64 * MiB)}
         with pytest.raises(CopyPlanError, match="registered"):
             attached.registrations_of(np.array([64 * MiB], dtype=np.uint64), np.array([SLOT], dtype=np.uint64))
         model.calls.clear()
         await pool.resize("256MiB")
-        await _until(lambda: attached.quota == 256 * MiB)
+        await until(lambda: attached.quota == 256 * MiB, "the regrow reached the attached process")
         await attached.wait_resident()
         assert attached.registered_bytes == 256 * MiB
         assert [op for op, _ in model.calls] == ["register"] * 6  # 64-256 MiB, in units of 32 MiB

@@ -4,28 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import os
-import tempfile
-from collections.abc import Callable, Iterator
 
 import pytest
 
 from aiokvtier import AttachedPool, Pool
+from tests.test_pool import sock, until
 
 from .conftest import proc_text
+
+__all__ = ["sock"]  # the fixture, used by name
 
 MiB = 1 << 20
 SLOT = 64 << 10
 CONFIG = {"quota": "64MiB", "max_quota": "64MiB", "slot_size": SLOT, "commit_unit": "16MiB"}
-
-
-@pytest.fixture
-def sock() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="akpf", dir="/tmp")
-    yield os.path.join(directory, "pool.sock")
-    for name in os.listdir(directory):
-        os.unlink(os.path.join(directory, name))
-    os.rmdir(directory)
 
 
 def _rss(base: int) -> int:
@@ -40,14 +31,6 @@ def _rss(base: int) -> int:
     raise AssertionError(f"no mapping starts at {base:#x}")
 
 
-async def _until(done: Callable[[], bool]) -> None:
-    for _ in range(2000):
-        if done():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("not there in 10 s")
-
-
 async def test_prefault_maps_the_resident_pool_in_and_leaves_its_bytes_alone(sock: str) -> None:
     async with Pool(CONFIG, sock) as pool:
         await pool.tier.wait_resident()
@@ -55,7 +38,7 @@ async def test_prefault_maps_the_resident_pool_in_and_leaves_its_bytes_alone(soc
         pool.tier.view(slot)[:5] = b"hello"
         async with AttachedPool(sock) as plain, AttachedPool(sock, prefault=True) as eager:
             await eager.wait_resident()
-            await _until(lambda: eager.prefaulted_bytes == 64 * MiB)
+            await until(lambda: eager.prefaulted_bytes == 64 * MiB, "the whole pool mapped in")
             assert plain.prefaulted_bytes == 0
             assert await asyncio.to_thread(_rss, eager.base_address) == 64 * MiB
             assert await asyncio.to_thread(_rss, plain.base_address) < 64 * MiB // 4  # maps on first touch
@@ -64,12 +47,12 @@ async def test_prefault_maps_the_resident_pool_in_and_leaves_its_bytes_alone(soc
 
 async def test_a_shrink_lowers_what_is_prefaulted_and_a_regrow_maps_the_new_pages(sock: str) -> None:
     async with Pool(CONFIG, sock) as pool, AttachedPool(sock, prefault=True) as eager:
-        await _until(lambda: eager.prefaulted_bytes == 64 * MiB)
+        await until(lambda: eager.prefaulted_bytes == 64 * MiB, "the whole pool mapped in")
         await pool.resize("16MiB")
-        await _until(lambda: eager.quota == 16 * MiB)
+        await until(lambda: eager.quota == 16 * MiB, "the shrink reached the attached process")
         assert eager.prefaulted_bytes <= 16 * MiB
         await pool.resize("64MiB")
-        await _until(lambda: eager.prefaulted_bytes == 64 * MiB)
+        await until(lambda: eager.prefaulted_bytes == 64 * MiB, "the whole pool mapped in")
         slot = await pool.tier.allocate()
         while slot * SLOT < 16 * MiB:  # one in a unit the shrink handed back and the regrow made again
             slot = await pool.tier.allocate()
