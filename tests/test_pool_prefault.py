@@ -10,7 +10,7 @@ import pytest
 from aiokvtier import AttachedPool, Pool
 from tests.test_pool import sock, until
 
-from .conftest import proc_text
+from .conftest import fill_threads_alive, mappings_in, proc_text
 
 __all__ = ["sock"]  # the fixture, used by name
 
@@ -63,3 +63,16 @@ async def test_a_shrink_lowers_what_is_prefaulted_and_a_regrow_maps_the_new_page
 def test_prefault_is_a_bool() -> None:
     with pytest.raises(TypeError, match="prefault must be a bool"):
         AttachedPool("/tmp/x.sock", prefault="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.001, 0.005, 0.02])
+async def test_a_close_while_prefaulting_leaves_no_mapping_or_thread(sock: str, delay: float) -> None:
+    config = {"quota": "512MiB", "max_quota": "512MiB", "slot_size": SLOT, "commit_unit": "32MiB"}
+    async with Pool(config, sock):  # still filling while the process attaches and maps in
+        eager = await AttachedPool.attach(sock, prefault=True)
+        base, size = eager.base_address, eager.max_quota
+        await asyncio.sleep(delay)
+        await eager.aclose()
+        assert eager.prefaulted_bytes <= eager.resident_bytes
+        assert await asyncio.to_thread(mappings_in, base, size) == []
+        assert not [t for t in fill_threads_alive() if t.name == "aiokvtier-attached"]
