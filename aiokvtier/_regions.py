@@ -24,7 +24,7 @@ from ._errors import CopyPlanError
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
-__all__ = ["InflightCopies", "Region", "known", "locate", "meets_any", "register", "unregister"]
+__all__ = ["InflightCopies", "Region", "known", "locate", "locate_span", "meets_any", "register", "unregister"]
 
 
 class InflightCopies:
@@ -121,6 +121,28 @@ def meets_any(lo: int, hi: int) -> bool:
         if start < hi and lo < start + size:
             return True
     return False
+
+
+def locate_span(addr: int, nbytes: int) -> Region | None:
+    """The known region one span ``[addr, addr + nbytes)`` lies in, inside one of its
+    registrations; None where it meets no region. Python ints, no arrays but the
+    region's own answer: a request's whole buffer, checked at once.
+
+    :raises CopyPlanError: the span meets a region without lying inside it, crosses
+        registrations or is not committed (as ``locate``).
+    """
+    with _lock:
+        regions = list(_regions.values())
+    end = addr + nbytes
+    for region in regions:
+        start, size = region.region_bounds()
+        if start < end and addr < start + size:
+            if addr < start or end > start + size:
+                raise CopyPlanError(f"copy of {nbytes} bytes at {addr:#x} does not lie inside {region.region_name}")
+            offset = np.array([addr - start], dtype=np.uint64)
+            region.registrations_of(offset, np.array([nbytes], dtype=np.uint64))
+            return region
+    return None
 
 
 def locate(addrs: U64, nbytes: U64) -> tuple[I64, list[Region], I64]:

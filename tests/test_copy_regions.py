@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from aiokvtier import CopyEngine, CopyPlanError, HostTier, SlotError, StaticHostMem, TierClosedError, _regions
@@ -1174,3 +1174,46 @@ def test_locate_bounding_span_at_region_edges(data: st.DataObject, regions: list
     the region though no span meets it), into one from below, over one, with sizes up to 2**64 - 1."""
     spans = data.draw(st.lists(outside_spans(regions), min_size=1, max_size=4))
     _check_against_reference(regions, [[a for a, _ in spans]], [n for _, n in spans], False)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), regions=fake_layouts())
+def test_locate_span_agrees_with_the_scalar_reference(data: st.DataObject, regions: list[FakeRegion]) -> None:
+    """One span: the region holding it inside one registration, None where it meets none, refused
+    wherever the reference finds a problem (a whole buffer is checked this way at once)."""
+    addr, n = data.draw(spans_near(regions))
+    expect = reference([model_of(r) for r in regions], [[addr]], [n], known_only=False)
+    with only_regions(*regions):
+        if isinstance(expect, list):
+            with pytest.raises(CopyPlanError):
+                _regions.locate_span(addr, n)
+            return
+        found = _regions.locate_span(addr, n)
+    assert found is (expect[1][0] if expect[1] else None)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), regions=fake_layouts(), known_only=st.booleans())
+def test_pages_of_one_size_get_the_owners_a_page_by_page_search_gives(
+    data: st.DataObject, regions: list[FakeRegion], known_only: bool
+) -> None:
+    """``buffer_addresses`` searches the pages' bounding span once and falls back to one search per
+    page: either way, the same owners (as a set) and the same refusals as the reference."""
+    first, page = data.draw(spans_near(regions))
+    page = min(page, 1 << 40)
+    count = data.draw(st.integers(1, 6))
+    step = data.draw(st.sampled_from([page, 2 * page, page + 1]))
+    addrs = [first + i * step for i in range(count) if first + i * step + page < TOP]
+    assume(addrs)
+    addrs = data.draw(st.permutations(addrs))
+    expect = reference([model_of(r) for r in regions], [addrs], [page] * len(addrs), known_only=known_only)
+    with only_regions(*regions):
+        if isinstance(expect, list):
+            with pytest.raises(CopyPlanError):
+                buffer_addresses(addrs, len(addrs), page, writable=True, host_only=known_only)
+            return
+        pages = buffer_addresses(addrs, len(addrs), page, writable=True, host_only=known_only)
+    if known_only or pages.regions:  # with a device, pages meeting no region pass with no owners
+        assert set(map(id, pages.regions)) == set(map(id, expect[1]))
+    else:
+        assert expect[1] == []

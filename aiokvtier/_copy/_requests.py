@@ -47,6 +47,7 @@ __all__ = [
     "check_disjoint",
     "copy_table",
     "integers",
+    "owners_of",
     "plan_side",
     "plan_slots",
     "registrations",
@@ -307,8 +308,7 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
             return Pages(unsigned, default_page, (), obj, writable)  # device memory, in no tier or staging buffer
         # Located with a device too: a staging buffer or tier named by address is an owner whose
         # close must wait for the DMA, and a page leaving it is refused, as in a raw copy.
-        _, regions = registrations([unsigned], default_page, known_only=host_only)
-        return Pages(unsigned, default_page, tuple(regions), obj, writable)
+        return Pages(unsigned, default_page, owners_of(unsigned, default_page, known_only=host_only), obj, writable)
     data = iface.get("data")
     if n == 0 and tuple(iface["shape"])[:1] == (0,):
         # No pages (a store or load of no keys): no page size to find, and an empty tensor may
@@ -342,8 +342,7 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
     # An array over a tier's or a StaticHostMem's memory (made from its address, not through a
     # view that keeps it mapped): an owner whose close must wait for the copy, its pages checked
     # as addresses naming it are. The array vouches for memory outside every region.
-    _, regions = registrations([addresses], page, known_only=False)
-    return Pages(addresses, page, tuple(regions), obj, writable)
+    return Pages(addresses, page, owners_of(addresses, page, known_only=False), obj, writable)
 
 
 def plan_slots(
@@ -410,8 +409,30 @@ def relocate(side: Pages) -> Pages:
     for region in side.regions:
         if region.closed:
             raise CopyPlanError(f"{region.region_name} closed after the pages were checked; nothing was copied")
-    _, regions = registrations([side.addresses], side.page, known_only=False)
-    return replace(side, regions=tuple(regions))
+    return replace(side, regions=owners_of(side.addresses, side.page, known_only=False))
+
+
+def owners_of(addresses: U64, sizes: int | U64, *, known_only: bool) -> tuple[Any, ...]:
+    """The regions spans of ``sizes`` bytes (one size, or one per span) at ``addresses`` lie in.
+
+    The usual spans (a staging buffer's pages, a tier's) lie in one registration of one region:
+    their bounding span, searched once, says so; anything else is searched span by span, which
+    names the span at fault. Raises as ``registrations()``.
+    """
+    if len(addresses):
+        ends = addresses + sizes  # real addresses and lengths: far below 2**64
+        lo, hi = int(addresses.min()), int(ends.max())
+        try:
+            region = _regions.locate_span(lo, hi - lo)
+        except CopyPlanError:
+            pass  # spans may still each lie inside one registration (or outside every region)
+        else:
+            if region is not None:
+                return (region,)
+            if not known_only:
+                return ()
+    _, regions = registrations([addresses], sizes, known_only=known_only)
+    return tuple(regions)
 
 
 def _check_page(tier: HostTier, page: int) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import numpy as np
 
 from .._copy._requests import Pages as CopyPages
-from .._copy._requests import buffer_addresses, registrations
+from .._copy._requests import buffer_addresses, owners_of
 from .._lifecycle import Lifecycle, finish
 from ._index import I64, NO_IDS, U64
 
@@ -206,7 +206,7 @@ class Transfers:
         :raises CopyPlanError: a page lies in a region that is closing, or leaves it.
         """
         # Located now, in the step that located the slots: every region met is open.
-        _, regions = registrations([pages], lengths, known_only=False)
+        regions = owners_of(pages, lengths, known_only=False)
         done = self._tier.copies.begin()
         for region in regions:
             if region is not self._tier:
