@@ -93,30 +93,39 @@ class Region(Protocol):
 
 _lock = threading.Lock()
 _regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
+_live: tuple[weakref.ref[Region], ...] = ()
+"""The regions as one tuple, replaced whole under the lock: a request reads it without the lock
+(every planner call does, so a dictionary's iteration guard is too dear)."""
+
+
+def _republish(_: object = None) -> None:
+    global _live
+    with _lock:
+        _live = tuple(weakref.ref(region) for region in _regions.values())
 
 
 def register(region: Region) -> None:
     with _lock:
         _regions[id(region)] = region
+    _republish()
+    weakref.finalize(region, _republish)  # a region dropped without unregister() leaves the tuple too
 
 
 def unregister(region: Region) -> None:
     with _lock:
         _regions.pop(id(region), None)
+    _republish()
 
 
 def known() -> list[Region]:
     """The regions open now, in no particular order."""
-    with _lock:
-        return list(_regions.values())
+    return [region for ref in _live if (region := ref()) is not None]
 
 
 def meets_any(lo: int, hi: int) -> bool:
     """Whether ``[lo, hi)`` meets any known region: the usual device side of a request does not,
     and knowing it from its bounds alone spares every per-address search."""
-    with _lock:
-        regions = list(_regions.values())
-    for region in regions:
+    for region in known():
         start, size = region.region_bounds()
         if start < hi and lo < start + size:
             return True
@@ -131,10 +140,8 @@ def locate_span(addr: int, nbytes: int) -> Region | None:
     :raises CopyPlanError: the span meets a region without lying inside it, crosses
         registrations or is not committed (as ``locate``).
     """
-    with _lock:
-        regions = list(_regions.values())
     end = addr + nbytes
-    for region in regions:
+    for region in known():
         start, size = region.region_bounds()
         if start < end and addr < start + size:
             if addr < start or end > start + size:
@@ -156,8 +163,7 @@ def locate(addrs: U64, nbytes: U64) -> tuple[I64, list[Region], I64]:
     :raises CopyPlanError: a span leaves its region, runs into (or over) one
         from outside, crosses registrations or is not committed.
     """
-    with _lock:
-        regions = list(_regions.values())
+    regions = known()
     bounds = [region.region_bounds() for region in regions]
     if not regions or not len(addrs):
         return np.full(len(addrs), -1, dtype=np.int64), regions, np.full(len(addrs), -1, dtype=np.int64)

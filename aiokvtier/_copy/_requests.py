@@ -337,12 +337,15 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         raise ValueError(f"the buffer's pages are zero bytes (shape {shape}): a copy of zero bytes")
     base = int(data[0])
     addresses = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(page)
-    if not _regions.meets_any(base, base + total):
-        return Pages(addresses, page, (), obj, writable)  # the caller's own memory, or device memory
     # An array over a tier's or a StaticHostMem's memory (made from its address, not through a
     # view that keeps it mapped): an owner whose close must wait for the copy, its pages checked
-    # as addresses naming it are. The array vouches for memory outside every region.
-    return Pages(addresses, page, owners_of(addresses, page, known_only=False), obj, writable)
+    # as addresses naming it are. The array vouches for memory outside every region (the caller's
+    # own, or device memory). The usual array lies in one registration or in no region: one search.
+    try:
+        region = _regions.locate_span(base, total)
+    except CopyPlanError:
+        return Pages(addresses, page, owners_of(addresses, page, known_only=False), obj, writable)
+    return Pages(addresses, page, () if region is None else (region,), obj, writable)
 
 
 def plan_slots(
