@@ -25,7 +25,7 @@ import numpy as np
 from aiokvtier import CopyEngine, HostTier, HostTierConfig, SmOptions
 from aiokvtier._cuda import _sm
 from aiokvtier._cuda._driver import PrimaryContext, check, driver
-from aiokvtier.bench._sm import Gate, _sync_time
+from aiokvtier.bench._sm import Gate, sync_time
 
 MiB, GiB = 1 << 20, 1 << 30
 PAGE = 4096
@@ -62,14 +62,14 @@ async def study(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"request_mib": total // MiB, "page": PAGE, "sm_budget": 4, "repeats": args.repeats}
     cfg = HostTierConfig.model_validate({"quota": total, "max_quota": total, "slot_size": PAGE, "device": 0})
     try:
-        one = _sync_time(lambda: check("h2d", drv.cuMemcpyHtoDAsync(dbuf, pinned, GiB, stream)), stream, gate=gate)
+        one = sync_time(lambda: check("h2d", drv.cuMemcpyHtoDAsync(dbuf, pinned, GiB, stream)), stream, gate=gate)
         rate = GiB / one
         out["one_copy_GBps"] = round(rate / 1e9, 2)
         async with HostTier(cfg) as tier, CopyEngine(0, method="dma") as planner:
             await tier.wait_resident()
             ids = np.asarray(await tier.allocate(n), dtype=np.int64)
             path = _sm.SmPath(0, 4)
-            partner = tuple(x for x in (path._partner(stream),) if x is not None)
+            partner = tuple(x for x in (path.partner(stream),) if x is not None)
             try:
                 for run in args.run_pages:
                     slot_ix, dev_ix = layout(n, run, seed=run)
@@ -84,7 +84,7 @@ async def study(args: argparse.Namespace) -> dict[str, Any]:
                             def submit(p: Any = plan) -> None:
                                 path.give_back(path.submit(p.dsts, p.srcs, p.sizes, stream))
 
-                            times[arm].append(_sync_time(submit, stream, gate=gate, also=partner))
+                            times[arm].append(sync_time(submit, stream, gate=gate, also=partner))
                     row = {
                         "copies_planned": int(plan.count),
                         **{arm: round(total / statistics.median(t) / rate, 3) for arm, t in times.items()},

@@ -6,7 +6,6 @@ import ctypes
 import dataclasses
 import itertools
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -542,11 +541,8 @@ def model_path(
     """An SmPath over the model (no GPU): one slab free, the kernel recording its launches."""
     model = StreamModel(fail_at) if model is None else model
     monkeypatch.setattr(_sm, "driver", lambda: model)
-    path: Any = object.__new__(_sm.SmPath)
-    path.options = options or SmOptions()
     slab = _sm.Slab(_sm.MIN_SLAB, SLAB_HOST, SLAB_DEVICE, np.zeros(3 * _sm.MIN_SLAB, dtype=U))
-    path.device, path.kernel, path.budget = 0, ModelKernel(model, budget), budget
-    path._free, path._all, path._partners, path._lock = [slab], [slab], {}, threading.Lock()
+    path = _sm.SmPath(0, budget, options=options, kernel=ModelKernel(model, budget), slabs=[slab])
     return path, model
 
 
@@ -604,7 +600,7 @@ def test_sliced_launches_follow_the_upload_and_precede_the_completion(
     assert len({model.ops[i][1] for i in launches}) == (2 if alternate and budget > 1 and pages > 1 else 1)
     assert not model.events
     path.close()
-    assert not model.streams and not path._partners
+    assert not model.streams and not path.partners
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -658,7 +654,7 @@ def test_a_refused_call_midway_leaves_no_slice_running_and_no_event(
         else:  # only a refused partner stream is not an error: every slice then runs on the copy's stream
             assert not model.streams and {op[1] for op in model.ops} == {STREAM}
             assert sum(op[3][2] for op in model.ops if op[0] == "launch") == pages
-        assert len(path._free) == 1 and not model.events
+        assert len(path.free_slabs) == 1 and not model.events
         model.fail_at = None
         path.give_back(path.submit(*args, slice_bytes=4096))
         done = model.enqueue("completion", STREAM)
@@ -677,7 +673,7 @@ def test_an_empty_request_launches_nothing(monkeypatch: pytest.MonkeyPatch, alte
     """No copies: no launch, no event, no error; the slab comes back."""
     path, model = model_path(monkeypatch, 4, options=SmOptions(alternate=alternate, head=head))
     path.give_back(path.submit(*request(0), slice_bytes=4096))
-    assert not [op for op in model.ops if op[0] == "launch"] and not model.events and len(path._free) == 1
+    assert not [op for op in model.ops if op[0] == "launch"] and not model.events and len(path.free_slabs) == 1
     path.close()
 
 
@@ -718,7 +714,7 @@ def test_a_refused_partner_stream_uploads_on_the_copy_stream_first(
     path.give_back(path.submit(*request(pages), slice_bytes=4096))
     launches = [i for i, op in enumerate(model.ops) if op[0] == "launch"]
     uploads = [i for i, op in enumerate(model.ops) if op[0] == "upload"]
-    assert {op[1] for op in model.ops} == {STREAM} and not path._partners and not model.events
+    assert {op[1] for op in model.ops} == {STREAM} and not path.partners and not model.events
     if head and pages == 1:
         assert not uploads and model.sources[launches[0]] == "host"
     else:
@@ -726,7 +722,7 @@ def test_a_refused_partner_stream_uploads_on_the_copy_stream_first(
         assert all(model.sources[i] == "device" and uploads[0] in model.before(i) for i in launches)
     model.cuStreamCreate = refuse  # type: ignore[method-assign]
     path.give_back(path.submit(*request(pages), slice_bytes=4096))
-    assert bool(path._partners) == (head and pages > 1)
+    assert bool(path.partners) == (head and pages > 1)
     path.close()
 
 
@@ -886,13 +882,13 @@ def test_a_failing_submit_behind_the_gate_does_not_hold_its_stream_forever(
             model.fail_at = model.calls + (3 if head else 1)
         path.give_back(path.submit(*request(5), slice_bytes=4096))
 
-    partner = (path._partner(STREAM),)
+    partner = (path.partner(STREAM),)
     started = time.monotonic()
     with pytest.raises(CudaError, match="INJECTED"):
-        bench._sync_time(submit, STREAM, gate=gate, also=partner)
+        bench.sync_time(submit, STREAM, gate=gate, also=partner)
     assert time.monotonic() - started < 4
     assert not model.held(STREAM) and not model.held(partner[0]) and not gate.usable
-    assert len(path._free) == 1 and not model.events
+    assert len(path.free_slabs) == 1 and not model.events
     gate.close()
     path.close()
 
@@ -936,7 +932,7 @@ def test_a_merged_request_is_launched_as_pages(monkeypatch: pytest.MonkeyPatch) 
     path.give_back(path.submit(dsts, srcs, sizes, STREAM))
     launches = [op[3] for op in model.ops if op[0] == "launch"]
     assert sum(count for _, _, count in launches) == 6
-    view = path._free[0].view
+    view = path.free_slabs[0].view
     assert view[:3].view(np.uint32).tolist() == [0, 0x1000, 0x1001, 0x1002, 0x2000, 0x2001]  # srcs, 4 KiB steps
     path, model = model_path(monkeypatch, 4, options=SmOptions(split_runs=False))
     path.give_back(path.submit(dsts, srcs, sizes, STREAM))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,16 +202,34 @@ class SmPath:
         spec: KernelSpec | None = None,
         *,
         options: SmOptions | None = None,
+        kernel: Any = None,
+        slabs: Sequence[Slab] = (),
     ) -> None:
+        """``kernel``: one already loaded (anything with ``budget``, ``launch()`` and
+        ``unload()``) instead of the compiled one; ``slabs``: descriptor slabs made elsewhere,
+        the path's from now on (freed at close). Both let the launch logic run over a model
+        of the driver."""
         self.device = device
         self.options = options = options or SmOptions()
-        spec = spec or KernelSpec(device_arch(device), bounded=options.bounded)
-        self.kernel = SmKernel(device, budget, spec)
-        self.budget = self.kernel.budget
-        self._free: list[Slab] = []
-        self._all: list[Slab] = []
+        if kernel is None:
+            kernel = SmKernel(device, budget, spec or KernelSpec(device_arch(device), bounded=options.bounded))
+        self.kernel = kernel
+        self.budget: int = kernel.budget
+        self._free: list[Slab] = list(slabs)
+        self._all: list[Slab] = list(slabs)
         self._partners: dict[int, Any] = {}
         self._lock = threading.Lock()
+
+    @property
+    def free_slabs(self) -> tuple[Slab, ...]:
+        """The slabs no launch holds now."""
+        with self._lock:
+            return tuple(self._free)
+
+    @property
+    def partners(self) -> dict[int, Any]:
+        """The partner stream made for each of the engine's streams (handle -> stream)."""
+        return dict(self._partners)
 
     def submit(
         self, dsts: U64, srcs: U64, sizes: U64, stream: Any, budget: int | None = None, slice_bytes: int | None = None
@@ -236,7 +255,7 @@ class SmPath:
                 return slab
             drv = driver()
             check("cuMemcpyHtoDAsync", drv.cuMemcpyHtoDAsync(slab.device, slab.host, layout.nbytes, stream))
-            partner = self._partner(stream) if opt.alternate and len(runs) > 1 and blocks > 1 else None
+            partner = self.partner(stream) if opt.alternate and len(runs) > 1 and blocks > 1 else None
             if partner is not None:
                 self._alternate(slab.device, layout, runs, stream, partner, blocks)
             else:
@@ -262,7 +281,7 @@ class SmPath:
         if not runs:
             return True  # no copies: nothing to read the descriptors
         (first, count), rest = runs[0], runs[1:]
-        partner = self._partner(stream) if rest else None
+        partner = self.partner(stream) if rest else None
         if rest and partner is None:
             return False
         drv = driver()
@@ -313,7 +332,7 @@ class SmPath:
         finally:
             drv.cuEventDestroy(done)
 
-    def _partner(self, stream: Any) -> Any:
+    def partner(self, stream: Any) -> Any:
         """The partner of one of the engine's streams, made on first use (submit thread, context
         current); None where the driver refuses a stream: the slices then run on ``stream`` alone
         (slower across their boundaries, never wrong), and the next request asks again."""

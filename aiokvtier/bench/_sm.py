@@ -146,7 +146,7 @@ class Gate:
         driver().cuMemFreeHost(self.host)
 
 
-def _sync_time(fn: Any, stream: Any, repeats: int = 3, gate: Gate | None = None, also: tuple[Any, ...] = ()) -> float:
+def sync_time(fn: Any, stream: Any, repeats: int = 3, gate: Gate | None = None, also: tuple[Any, ...] = ()) -> float:
     """Seconds, the best of ``repeats``, timed by events on ``stream``; with a ``gate``, the work is
     all queued before it starts (no host time in it), else it starts as it is queued. ``also``:
     other streams the work uses, held by the gate too."""
@@ -223,12 +223,12 @@ async def _page_size(
 
                     # The partner stream, where the upload may run (SmOptions.head), is held too; where it is
                     # refused, nothing is (None would name the default stream).
-                    partner = tuple(x for x in (path._partner(stream),) if x is not None)
+                    partner = tuple(x for x in (path.partner(stream),) if x is not None)
                     for key, held in (
                         (f"kernel{budget}_{direction}", gate),
                         (f"kernel{budget}_{direction}_ungated", None),
                     ):
-                        secs = _sync_time(submit, stream, gate=held, also=partner)
+                        secs = sync_time(submit, stream, gate=held, also=partner)
                         row[key] = round(n * page / secs / rate[direction], 3)
             finally:
                 check("cuStreamSynchronize", drv.cuStreamSynchronize(stream))
@@ -240,7 +240,7 @@ async def _page_size(
             desc = int(check("cuMemAlloc", drv.cuMemAlloc(arr.nbytes)))
             try:
                 check("cuMemcpyHtoD", drv.cuMemcpyHtoD(desc, arr.ctypes.data, arr.nbytes))
-                secs = _sync_time(lambda d=desc: anchor.run(d, n, stream), stream, gate=gate)
+                secs = sync_time(lambda d=desc: anchor.run(d, n, stream), stream, gate=gate)
             finally:
                 drv.cuMemFree(desc)
             row[f"anchor16_{direction}"] = round(n * page / secs / rate[direction], 3)
@@ -267,10 +267,10 @@ async def _bandwidth(total: int, options: _sm.SmOptions) -> dict[str, Any]:
     try:
         scratch = int(check("cuMemAlloc", drv.cuMemAlloc(GiB)))
         try:
-            h2d = _sync_time(
+            h2d = sync_time(
                 lambda: check("h2d", drv.cuMemcpyHtoDAsync(scratch, pinned, GiB, stream)), stream, gate=gate
             )
-            d2h = _sync_time(
+            d2h = sync_time(
                 lambda: check("d2h", drv.cuMemcpyDtoHAsync(pinned, scratch, GiB, stream)), stream, gate=gate
             )
         finally:
