@@ -137,8 +137,10 @@ def unique(name: str) -> str:
 
 
 @contextlib.asynccontextmanager
-async def open_tier(config: MooncakeTierConfig, fingerprint: str, *memory: Pages) -> AsyncIterator[MooncakeTier]:
-    async with MooncakeTier(config, block_size=BLOCK, fingerprint=fingerprint) as tier:
+async def open_tier(
+    config: MooncakeTierConfig, fingerprint: str, *memory: Pages, wrap_client: Any = None
+) -> AsyncIterator[MooncakeTier]:
+    async with MooncakeTier(config, block_size=BLOCK, fingerprint=fingerprint, wrap_client=wrap_client) as tier:
         for pages in memory:
             await tier.register(pages.base, pages.size)
         yield tier
@@ -290,19 +292,33 @@ async def test_the_master_killed_and_restarted_makes_the_tier_unavailable_then_b
     await wait_no_library_threads()
 
 
-class Hanging:
-    """The client, with ``batch_get_into`` held until ``gate`` is set."""
+class Wrapped:
+    """The tier's client as ``wrap_client`` hands it over, every call passed through; a subclass
+    changes some calls while ``active``."""
 
-    def __init__(self, client: Any, gate: threading.Event) -> None:
-        self._client = client
-        self._gate = gate
+    def __init__(self) -> None:
+        self.client: Any = None
+        self.active = False
 
-    def batch_get_into(self, *args: Any) -> Any:
-        self._gate.wait(60)
-        return self._client.batch_get_into(*args)
+    def __call__(self, client: Any) -> Wrapped:
+        self.client = client
+        return self
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
+        return getattr(self.client, name)
+
+
+class Hanging(Wrapped):
+    """While active, ``batch_get_into`` is held until ``gate`` is set."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def batch_get_into(self, *args: Any) -> Any:
+        if self.active:
+            self.gate.wait(60)
+        return self.client.batch_get_into(*args)
 
 
 async def test_a_hung_call_returns_at_the_timeout_and_holds_its_memory_until_it_ends(master: Master) -> None:
@@ -317,10 +333,10 @@ async def test_a_hung_call_returns_at_the_timeout_and_holds_its_memory_until_it_
 
 
 async def hung_call_round(master: Master, src: Pages, dst: Pages, gate: threading.Event) -> None:
-    async with open_tier(master.config(timeout=0.3), unique("hung"), src, dst) as tier:
+    hanging = Hanging(gate)
+    async with open_tier(master.config(timeout=0.3), unique("hung"), src, dst, wrap_client=hanging) as tier:
         assert len(await tier.write([0, 1], src.addresses([0, 1]), [BLOCK] * 2)) == 2
-        real = tier._client
-        tier._client = Hanging(real, gate)
+        hanging.active = True
         started = time.monotonic()
         assert await tier.read([0, 1], dst.addresses([0, 1])) == (False, False)
         assert time.monotonic() - started < 5
@@ -332,7 +348,7 @@ async def hung_call_round(master: Master, src: Pages, dst: Pages, gate: threadin
         gate.set()
         await until(lambda: not tier.held, 10, "released")
         await until(lambda: tier.available, 10, "available again")
-        tier._client = real
+        hanging.active = False
         assert await tier.read([0, 1], dst.addresses([0, 1])) == (True, True)
         assert np.array_equal(dst.array[:2], src.array[:2])
 
@@ -448,28 +464,24 @@ def test_doctor_says_whether_a_master_answers(master: Master) -> None:
     assert _doctor.check_mooncake(None).verdict == "ok"
 
 
-class Failing:
-    """The client, with every put failing with ``TRANSFER_FAIL``: a transfer may still run."""
+class Failing(Wrapped):
+    """While active, every put fails with ``TRANSFER_FAIL``: a transfer may still run."""
 
-    def __init__(self, client: Any) -> None:
-        self._client = client
-
-    def batch_put_from(self, names: list[str], *args: Any) -> list[int]:
-        return [-800] * len(names)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
+    def batch_put_from(self, names: list[str], *args: Any) -> Any:
+        if self.active:
+            return [-800] * len(names)
+        return self.client.batch_put_from(names, *args)
 
 
 async def test_a_failure_that_may_leave_a_transfer_running_poisons_the_tier(
     master: Master, caplog: pytest.LogCaptureFixture
 ) -> None:
     src = Pages(2)
-    tier = MooncakeTier(master.config(), block_size=BLOCK, fingerprint=unique("poison"))
+    failing = Failing()
+    tier = MooncakeTier(master.config(), block_size=BLOCK, fingerprint=unique("poison"), wrap_client=failing)
     async with tier:
         await tier.register(src.base, src.size)
-        real = tier._client
-        tier._client = Failing(real)
+        failing.active = True
         assert await tier.write([0, 1], src.addresses([0, 1]), [BLOCK] * 2) == ()
         s = tier.statistics()
         assert not s.available and "open a new tier" in (s.unavailable_why or "")
@@ -479,7 +491,7 @@ async def test_a_failure_that_may_leave_a_transfer_running_poisons_the_tier(
         await asyncio.sleep(0.3)
         assert not tier.available  # no reconnecting out of this
     assert "left open" in caplog.text  # never closed under a transfer
-    await asyncio.to_thread(real.close)  # here nothing runs: the test may close it
+    await asyncio.to_thread(failing.client.close)  # here nothing runs: the test may close it
 
 
 async def test_read_into_takes_a_block_of_any_size_up_to_its_room_and_unregister_gives_memory_back(
@@ -543,4 +555,30 @@ async def test_an_unregister_mooncake_refuses_keeps_the_memory_registered_and_sa
             assert tier.statistics().registered_bytes == src.size
         finally:
             tier._client = real
+    await wait_no_library_threads()
+
+
+async def test_wrap_client_sees_every_call_and_a_wrapper_that_fails_leaves_nothing_open(master: Master) -> None:
+    with pytest.raises(TypeError, match="wrap_client must be callable"):
+        MooncakeTier(master.config(), block_size=BLOCK, fingerprint="x", wrap_client=42)  # type: ignore[arg-type]
+    src, dst = Pages(2), Pages(2)
+    src.fill(3)
+    calls: list[str] = []
+
+    class Counting(Wrapped):
+        def __getattr__(self, name: str) -> Any:
+            calls.append(name)
+            return getattr(self.client, name)
+
+    async with open_tier(master.config(), unique("wrap"), src, dst, wrap_client=Counting()) as tier:
+        assert len(await tier.write([0, 1], src.addresses([0, 1]), [BLOCK] * 2)) == 2
+        assert await tier.read([0, 1], dst.addresses([0, 1])) == (True, True)
+    assert {"register_buffer", "batch_put_from", "batch_get_into", "close"} <= set(calls)
+    assert np.array_equal(dst.array, src.array)
+
+    def refuse(client: Any) -> Any:
+        raise RuntimeError("no wrapper today")
+
+    with pytest.raises(RuntimeError, match="no wrapper today"):
+        await MooncakeTier.open(master.config(), block_size=BLOCK, fingerprint=unique("refused"), wrap_client=refuse)
     await wait_no_library_threads()

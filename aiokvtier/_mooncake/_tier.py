@@ -26,7 +26,7 @@ import asyncio
 import bisect
 import itertools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -112,10 +112,16 @@ class MooncakeTier(Owner):
         block_size: int,
         fingerprint: str,
         io_threads: int = 4,
+        wrap_client: Callable[[Any], Any] | None = None,
     ) -> None:
-        """:raises ValueError: ``block_size`` is not positive, ``fingerprint`` is empty (or not UTF-8), or
-        ``io_threads`` is not 1-64 (a config that does not validate is a pydantic ``ValidationError``, also a
-        ValueError)."""
+        """``wrap_client``: the Mooncake Store client, once set up, is passed through it and the tier
+        calls what it returns (an object with the client's methods): to count or time the calls, or to
+        inject faults in tests.
+
+        :raises ValueError: ``block_size`` is not positive, ``fingerprint`` is empty (or not UTF-8), or
+            ``io_threads`` is not 1-64 (a config that does not validate is a pydantic ``ValidationError``,
+            also a ValueError).
+        :raises TypeError: ``wrap_client`` is not callable."""
         self.config = config if isinstance(config, MooncakeTierConfig) else MooncakeTierConfig.model_validate(config)
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -126,6 +132,9 @@ class MooncakeTier(Owner):
         self.timeout = float(self.config.timeout)
         self.keys = KeySpace(self.config.key_prefix, fingerprint)
         self._io_threads = io_threads
+        if wrap_client is not None and not callable(wrap_client):
+            raise TypeError(f"wrap_client must be callable, not {type(wrap_client).__name__}")
+        self._wrap_client = wrap_client
         self._life = Lifecycle("MooncakeTier", "aiokvtier-mooncake")
         self._workers: list[Worker] = []
         """I/O threads with no call stuck on them."""
@@ -170,6 +179,7 @@ class MooncakeTier(Owner):
         block_size: int,
         fingerprint: str,
         io_threads: int = 4,
+        wrap_client: Callable[[Any], Any] | None = None,
     ) -> MooncakeTier:
         """Start the threads and set the client up (bounded by ``config.open_timeout``).
 
@@ -177,7 +187,9 @@ class MooncakeTier(Owner):
             not finish in time (it is then closed on its own thread if it ever finishes).
         :raises RuntimeError: the threads cannot start.
         """
-        tier = cls(config, block_size=block_size, fingerprint=fingerprint, io_threads=io_threads)
+        tier = cls(
+            config, block_size=block_size, fingerprint=fingerprint, io_threads=io_threads, wrap_client=wrap_client
+        )
         return await tier.__aenter__()
 
     async def _build(self) -> None:
@@ -193,8 +205,11 @@ class MooncakeTier(Owner):
                 f"the Mooncake Store client's setup did not finish within {self.config.open_timeout:g} s: "
                 f"is the master at {self.config.master} reachable?"
             )
-        self._client = future.result()
+        client = future.result()
+        self._client = client
         self._life.undo.callback(self._close_client)
+        if self._wrap_client is not None:
+            self._client = self._wrap_client(client)
 
     def _start_workers(self) -> Worker:
         """On the tier's worker: the I/O threads and the one that sets the client up."""
