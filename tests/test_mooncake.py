@@ -523,38 +523,31 @@ async def test_read_into_takes_a_block_of_any_size_up_to_its_room_and_unregister
     await wait_no_library_threads()
 
 
-class RefusingUnregister:
-    """The client, refusing to unregister memory once (the code Mooncake returns for a failure)."""
+class RefusingUnregister(Wrapped):
+    """While active, refuses to unregister memory once (the code Mooncake returns for a failure)."""
 
-    def __init__(self, client: Any) -> None:
-        self._client = client
+    def __init__(self) -> None:
+        super().__init__()
         self.refuse = 1
 
-    def unregister_buffer(self, address: int) -> int:
-        if self.refuse:
+    def unregister_buffer(self, address: int) -> Any:
+        if self.active and self.refuse:
             self.refuse -= 1
             return -1
-        code: int = self._client.unregister_buffer(address)
-        return code
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
+        return self.client.unregister_buffer(address)
 
 
 async def test_an_unregister_mooncake_refuses_keeps_the_memory_registered_and_says_so(master: Master) -> None:
     src, dst = Pages(1), Pages(1)
-    async with open_tier(master.config(), unique("unreg"), src) as tier:
+    refusing = RefusingUnregister()
+    async with open_tier(master.config(), unique("unreg"), src, wrap_client=refusing) as tier:
         await tier.register(dst.base, dst.size)
-        real = tier._client
-        tier._client = RefusingUnregister(real)
-        try:
-            with pytest.raises(MooncakeError, match="refused to unregister"):
-                await tier.unregister(dst.base)
-            assert tier.statistics().registered_bytes == src.size + dst.size  # still in the books
-            await tier.unregister(dst.base)  # the second time Mooncake lets go
-            assert tier.statistics().registered_bytes == src.size
-        finally:
-            tier._client = real
+        refusing.active = True
+        with pytest.raises(MooncakeError, match="refused to unregister"):
+            await tier.unregister(dst.base)
+        assert tier.statistics().registered_bytes == src.size + dst.size  # still in the books
+        await tier.unregister(dst.base)  # the second time Mooncake lets go
+        assert tier.statistics().registered_bytes == src.size
     await wait_no_library_threads()
 
 
