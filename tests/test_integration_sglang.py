@@ -117,6 +117,35 @@ def test_v1_round_trip_is_bit_exact_through_the_host_pool(layout: str) -> None:
         storage.close()
 
 
+@pytest.mark.parametrize("v1", [True, False])
+def test_batch_exists_over_a_pool_answers_keys_of_any_length_and_text(pool_path: str, v1: bool) -> None:
+    """Keys of one length are looked up as one array; keys of several lengths, with a newline or
+    outside ASCII, one by one: the same answers (the same block keys) either way."""
+    host = make_host_pool()
+    storage = make_storage(host, {"pool": pool_path}, v1=v1)
+    try:
+        keys = ["a", "bb", "cc\n", "d\u00e9", "e" * 64, "f" * 64, "\u00e9" * 32]
+        src = host.alloc(len(keys) * host.page_size)
+        fill_pages(host, src, seed=3)
+        if v1:
+            assert storage.batch_set_v1(keys, src) == [True] * len(keys)
+        else:
+            pages = [host.get_data_page(int(src[i * host.page_size]), flat=True) for i in range(len(keys))]
+            assert storage.batch_set(keys, pages)
+        assert storage.batch_exists(keys) == len(keys)
+        assert storage.batch_exists(keys[4:6]) == 2  # one length: one array
+        assert storage.batch_exists(["e" * 64, "g" * 64, "f" * 64]) == 1
+        assert storage.batch_exists(["\u00e9" * 32, "e" * 64]) == 2  # 64 bytes in UTF-8 each
+        assert storage.batch_exists(["cc\n", "bb"]) == 2 and storage.batch_exists(["cc", "bb"]) == 0
+        assert storage.batch_exists(["de", "a"]) == 0 and storage.exists("d\u00e9")
+        with pytest.raises(TypeError, match="list of str"):
+            storage.batch_exists(["a", b"bb"])
+        with pytest.raises(TypeError, match="list of str"):
+            storage.batch_exists("abc")
+    finally:
+        storage.close()
+
+
 def test_sglangs_prefetch_and_backup_threads_call_at_once() -> None:
     """SGLang's backup thread stores while its prefetch threads look up and load: calls from several threads
     share the storage's one loop, each answered bit-exact."""
