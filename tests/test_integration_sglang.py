@@ -419,6 +419,50 @@ def test_close_during_a_transfer_leaves_nothing_claimed(pool_path: str) -> None:
     assert interrupted, "no close landed during a copy"
 
 
+def test_close_while_threads_ask_batch_exists_unmaps_the_mirror_after_them(pool_path: str) -> None:
+    """``batch_exists`` over a pool reads the mirror on SGLang's threads: a close meanwhile lets each
+    lookup in flight finish on the mapping, then every call says closed, and no mapping is left."""
+
+    def mappings() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum("aiokvtier-pool-index" in line for line in maps)
+
+    host = make_host_pool()
+    before = mappings()
+    storage = make_storage(host, {"pool": pool_path})
+    keys = keys_of("busy", 64)
+    src = host.alloc(64 * host.page_size)
+    fill_pages(host, src, seed=9)
+    assert storage.batch_set_v1(keys, src) == [True] * 64
+    assert mappings() == before + 1
+    outcomes: list[list[Any]] = [[] for _ in range(4)]
+    started = threading.Barrier(5)
+
+    def ask(seen: list[Any]) -> None:
+        started.wait()
+        while True:
+            try:
+                seen.append(storage.batch_exists(keys))
+            except TierClosedError as exc:
+                seen.append(exc)
+                return
+
+    threads = [threading.Thread(target=ask, args=(seen,)) for seen in outcomes]
+    for thread in threads:
+        thread.start()
+    try:
+        started.wait()
+        while not all(seen for seen in outcomes):
+            time.sleep(0.001)
+    finally:
+        storage.close()
+        for thread in threads:
+            thread.join()
+    for seen in outcomes:
+        assert set(seen[:-1]) == {64} and isinstance(seen[-1], TierClosedError)
+    assert mappings() == before and sglang_threads() == []
+
+
 def test_bad_config_is_a_clear_error_and_leaves_no_thread(tmp_path: Path) -> None:
     cases: list[tuple[dict[str, Any] | None, type[Exception], str]] = [
         ({}, ConfigError, '"aiokvtier"'),
