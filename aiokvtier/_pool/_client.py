@@ -32,7 +32,7 @@ import operator
 import os
 from collections.abc import Iterable, Sequence
 from functools import partial
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -695,6 +695,8 @@ class AttachedPool(Owner):
         if type(keys) is not list and type(keys) is not tuple:
             keys = list(keys)  # an iterator is read once: the types' pass below would consume it
         # bytes and ints are keys as they are (a bool's type is bool): one pass over the types, not a call per key.
+        if keys and operator.countOf(map(type, keys), bytes) == len(keys):  # the common case, a cheaper pass
+            return list(cast("Sequence[bytes]", keys)), {bytes}
         types = set(map(type, keys))
         if types <= {bytes, int}:
             return list(keys), types

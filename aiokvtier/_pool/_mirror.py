@@ -204,7 +204,7 @@ def _groups(keys: Keys, types: set[type] | None = None) -> list[Group]:
 def key_rows(keys: Keys, hasher: Hasher = hash_words, types: set[type] | None = None) -> U64:
     """Each key's entry as it would be stored, with slot and length 0: ``(n, 8)`` uint64."""
     n = len(keys)
-    rows = np.zeros((n, 8), dtype=np.uint64)
+    rows = np.empty((n, 8), dtype=np.uint64)  # every row is written below, by its kind's group
     if not n:
         return rows
     for kind, where, data, lengths in _groups(keys, types):
