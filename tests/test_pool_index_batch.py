@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from aiokvtier import AttachedPool, Pool
-from aiokvtier._pool._mirror import CHUNK, USABLE, IndexMirror
+from aiokvtier._pool._mirror import CHUNK, USABLE, IndexMirror, capacity_for
 from tests.test_pool import CONFIG, sock, until
 from tests.test_pool import key as hexkey
 
@@ -73,6 +73,39 @@ def test_a_batch_past_a_chunk_stops_at_its_first_miss(missing: int | None) -> No
         marked = [reader.referenced(i) for i in range(n) if i != missing]
         assert all(marked[:end]) and not any(marked[end:])  # the prefix's blocks, none after the miss
         assert reader.lookup(np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(n, -1)) == end
+    finally:
+        reader.close()
+        writer.close()
+
+
+def near_the_end(data: np.ndarray, kind: int, lengths: np.ndarray) -> np.ndarray:
+    """Every key starts its probe two entries before the end of a table of 32: the chain wraps."""
+    h = np.full((2, data.shape[0]), capacity_for(16) - 2, dtype=np.uint64)
+    h[1] = data.view("<u8")[:, 0]  # the check hash differs, the tag collides
+    return h
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_a_chain_that_wraps_past_the_table_end_is_probed_whole(as_array: bool) -> None:
+    writer = IndexMirror.create(16, hasher=near_the_end)
+    reader = IndexMirror.attach(os.dup(writer.fd), 16, hasher=near_the_end)
+    try:
+        keys = [b"key-%04d" % i for i in range(16)]
+        writer.insert(keys, list(range(16)), [1] * 16)  # one chain of 16 entries, 14 of them past the end
+        writer.remove(keys[3:12:2])  # tombstones in the chain: probes go on past them
+
+        def look(batch: list[bytes]) -> int | None:
+            if as_array:
+                return reader.lookup(np.frombuffer(b"".join(batch), dtype=np.uint8).reshape(len(batch), -1))
+            return reader.lookup(list(batch))
+
+        kept = [k for k in keys if k not in keys[3:12:2]]
+        assert look(kept) == len(kept)
+        assert look(keys) == 3
+        for k in keys:
+            assert look([k]) == (k in kept), k
+        assert look([b"key-9999", *kept]) == 0
+        assert look([*kept[::-1], b"key-9999"]) == len(kept)
     finally:
         reader.close()
         writer.close()

@@ -73,6 +73,8 @@ EMPTY, TOMBSTONE = 0, 1
 KIND_BYTES, KIND_INT, KIND_BIGINT = 1, 2, 3
 RETRIES = 8
 """Whole reads a lookup tries before it asks the owner (a write takes microseconds: two or three do)."""
+WINDOW = 4
+"""Entries a probe reads a round past its first (at most a few keys in a hundred go that far)."""
 CHUNK = 8192
 """Keys a lookup hashes and probes at a time, stopping after the first chunk with a miss (a batch of SGLang's
 largest is one chunk: numpy's fixed cost per call is most of a small chunk's)."""
@@ -335,32 +337,42 @@ class IndexMirror:
 
     def _probe(self, rows: U64, table: U64) -> tuple[npt.NDArray[np.intp], U64]:
         """Each row's position in ``table`` (-1: absent) and its stored ``slot | length << 32`` (``rows``'
-        last column is scratch here)."""
+        last column is scratch here).
+
+        Most keys end at their first entry: a first round reads one entry per key. The few left read
+        ``WINDOW`` entries a round (a round costs numpy's fixed cost over again, whatever its size)."""
         mask = self.capacity - 1
         at = (rows[:, 0] & self._mask).astype(np.intp)
-        want = rows
-        pending: npt.NDArray[np.intp] | None = None  # the rows still probing; None: all (the first round)
-        for _ in range(self.capacity):  # a probe ends at an empty entry; the bound is for a torn copy
-            got = np.take(table, at, axis=0)
-            # A whole entry compared at once: the stored column copied over, the 8 flags of a row read
-            # as one word (numpy is slow along a short last axis, and with masks).
-            want[:, 7] = got[:, 7]
-            same = (got != want).view(np.uint64)[:, 0] == 0
-            if pending is None:
-                found = np.where(same, at, -1)
-                stored = np.where(same, got[:, 7], np.uint64(0))
-            else:
-                hit = np.flatnonzero(same)
-                found[pending[hit]] = at[hit]
-                stored[pending[hit]] = got[hit, 7]
-            go_on = got[:, 0] != EMPTY
-            go_on &= ~same
-            left = np.flatnonzero(go_on)
-            if not left.size:
+        got = np.take(table, at, axis=0)
+        # A whole entry compared at once: the stored column copied over, the 8 flags of a row read as one
+        # word (numpy is slow along a short last axis, and with masks).
+        rows[:, 7] = got[:, 7]
+        same = (got != rows).view(np.uint64)[:, 0] == 0
+        found = np.where(same, at, -1)
+        stored = np.where(same, got[:, 7], np.uint64(0))
+        go_on = got[:, 0] != EMPTY
+        go_on &= ~same
+        pending = np.flatnonzero(go_on)
+        last = at[pending]
+        steps = np.arange(1, WINDOW + 1, dtype=np.intp)
+        for _ in range(0, self.capacity, WINDOW):  # a probe ends at an empty entry; the bound is for a torn copy
+            if not pending.size:
                 break
-            pending = left if pending is None else pending[left]
-            at = (at[left] + 1) & mask
-            want = rows[pending]
+            n = pending.size
+            window = (last[:, None] + steps) & mask
+            got = np.take(table, window.reshape(-1), axis=0)
+            want = np.repeat(rows[pending], WINDOW, axis=0)
+            want[:, 7] = got[:, 7]
+            same = ((got != want).view(np.uint64)[:, 0] == 0).reshape(n, WINDOW)
+            stop = (got[:, 0] == EMPTY).reshape(n, WINDOW)
+            stop |= same
+            first = stop.argmax(axis=1)  # the first entry that ends each probe, or 0 where none does
+            each = np.arange(n)
+            hit = same[each, first]
+            found[pending[hit]] = window[hit, first[hit]]
+            stored[pending[hit]] = got.reshape(n, WINDOW, 8)[hit, first[hit], 7]
+            left = ~stop[each, first]
+            pending, last = pending[left], window[left, -1]
         return found, stored
 
     def _read(self, rows: U64) -> tuple[npt.NDArray[np.intp], U64] | None:
