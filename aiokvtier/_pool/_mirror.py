@@ -5,7 +5,9 @@ The owner (``aiokvtier._pool._owner``) is the only writer: it changes its
 an eviction, a discard) is written here in the same step. Every attached
 process maps the same memfd (passed with the tier's at attach) and reads it
 itself for ``lookup``: a hash of each key, a probe of the table with numpy
-gathers, the stored prefix, and no socket round trip.
+gathers, the stored prefix, and no socket round trip. Any thread of that
+process may read (``AttachedPool.lookup_nowait``); ``close`` unmaps once
+the last read in flight ends.
 
 Layout (one memfd)::
 
