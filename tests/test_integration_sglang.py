@@ -117,6 +117,35 @@ def test_v1_round_trip_is_bit_exact_through_the_host_pool(layout: str) -> None:
         storage.close()
 
 
+@pytest.mark.parametrize("v1", [True, False])
+def test_batch_exists_over_a_pool_answers_keys_of_any_length_and_text(pool_path: str, v1: bool) -> None:
+    """Keys of one length are looked up as one array; keys of several lengths, with a newline or
+    outside ASCII, one by one: the same answers (the same block keys) either way."""
+    host = make_host_pool()
+    storage = make_storage(host, {"pool": pool_path}, v1=v1)
+    try:
+        keys = ["a", "bb", "cc\n", "d\u00e9", "e" * 64, "f" * 64, "\u00e9" * 32]
+        src = host.alloc(len(keys) * host.page_size)
+        fill_pages(host, src, seed=3)
+        if v1:
+            assert storage.batch_set_v1(keys, src) == [True] * len(keys)
+        else:
+            pages = [host.get_data_page(int(src[i * host.page_size]), flat=True) for i in range(len(keys))]
+            assert storage.batch_set(keys, pages)
+        assert storage.batch_exists(keys) == len(keys)
+        assert storage.batch_exists(keys[4:6]) == 2  # one length: one array
+        assert storage.batch_exists(["e" * 64, "g" * 64, "f" * 64]) == 1
+        assert storage.batch_exists(["\u00e9" * 32, "e" * 64]) == 2  # 64 bytes in UTF-8 each
+        assert storage.batch_exists(["cc\n", "bb"]) == 2 and storage.batch_exists(["cc", "bb"]) == 0
+        assert storage.batch_exists(["de", "a"]) == 0 and storage.exists("d\u00e9")
+        with pytest.raises(TypeError, match="list of str"):
+            storage.batch_exists(["a", b"bb"])
+        with pytest.raises(TypeError, match="list of str"):
+            storage.batch_exists("abc")
+    finally:
+        storage.close()
+
+
 def test_sglangs_prefetch_and_backup_threads_call_at_once() -> None:
     """SGLang's backup thread stores while its prefetch threads look up and load: calls from several threads
     share the storage's one loop, each answered bit-exact."""
@@ -388,6 +417,50 @@ def test_close_during_a_transfer_leaves_nothing_claimed(pool_path: str) -> None:
         if interrupted:
             break
     assert interrupted, "no close landed during a copy"
+
+
+def test_close_while_threads_ask_batch_exists_unmaps_the_mirror_after_them(pool_path: str) -> None:
+    """``batch_exists`` over a pool reads the mirror on SGLang's threads: a close meanwhile lets each
+    lookup in flight finish on the mapping, then every call says closed, and no mapping is left."""
+
+    def mappings() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum("aiokvtier-pool-index" in line for line in maps)
+
+    host = make_host_pool()
+    before = mappings()
+    storage = make_storage(host, {"pool": pool_path})
+    keys = keys_of("busy", 64)
+    src = host.alloc(64 * host.page_size)
+    fill_pages(host, src, seed=9)
+    assert storage.batch_set_v1(keys, src) == [True] * 64
+    assert mappings() == before + 1
+    outcomes: list[list[Any]] = [[] for _ in range(4)]
+    started = threading.Barrier(5)
+
+    def ask(seen: list[Any]) -> None:
+        started.wait()
+        while True:
+            try:
+                seen.append(storage.batch_exists(keys))
+            except TierClosedError as exc:
+                seen.append(exc)
+                return
+
+    threads = [threading.Thread(target=ask, args=(seen,)) for seen in outcomes]
+    for thread in threads:
+        thread.start()
+    try:
+        started.wait()
+        while not all(seen for seen in outcomes):
+            time.sleep(0.001)
+    finally:
+        storage.close()
+        for thread in threads:
+            thread.join()
+    for seen in outcomes:
+        assert set(seen[:-1]) == {64} and isinstance(seen[-1], TierClosedError)
+    assert mappings() == before and sglang_threads() == []
 
 
 def test_bad_config_is_a_clear_error_and_leaves_no_thread(tmp_path: Path) -> None:

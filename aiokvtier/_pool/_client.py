@@ -25,13 +25,14 @@ to do there.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import operator
 import os
 from collections.abc import Iterable, Sequence
 from functools import partial
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -49,7 +50,7 @@ from .._store._transfers import Pages, host_pages, memmove_all
 from . import _wire
 from ._events import EventFanout, PoolEvents
 from ._gpu import Registrations
-from ._mirror import USABLE, IndexMirror
+from ._mirror import USABLE, IndexMirror, Keys
 from ._socket import connect, recv_frame_with_fds
 from ._statistics import PoolStatistics
 from ._wire import BUSY, CLAIMED, PRESENT, Key, Message, as_key, decode, decode_keys, encode, encode_keys, error_from
@@ -62,6 +63,10 @@ ATTACH_TIMEOUT = 30.0
 """Seconds an attach waits for the owner's welcome (it answers at once unless it is stuck)."""
 PREFAULT_CHUNK = 64 << 20
 """Bytes one prefault job maps in: copies queued on the worker wait behind one chunk at most."""
+TELL_AFTER = 0.05
+"""Seconds the counts of lookups answered on other threads wait to go to the owner, in one message: a
+message per call woke this process's loop and the owner at each of SGLang's calls (a call of 128 keys took
+0.2 ms instead of 0.09 on the development VM)."""
 
 
 class AttachedPool(Owner):
@@ -140,8 +145,9 @@ class AttachedPool(Owner):
         self._events = EventFanout()
         self._subscribed = False
         self._mirror: IndexMirror | None = None
-        self._looked = [0, 0, 0]
-        """Queries, hits and misses answered from the mirror and not yet told to the owner."""
+        self._looked: collections.deque[tuple[int, int]] = collections.deque()
+        """Hits and misses of each lookup answered from the mirror and not yet told to the owner (appended
+        from any thread: a deque's appends and pops need no lock)."""
         self._telling = False
 
     @classmethod
@@ -418,7 +424,7 @@ class AttachedPool(Owner):
         """
         self._check_open()
         self._raise_if_lost()
-        if self._looked[0]:
+        if self._looked:
             self._tell_looked()  # before this request: one connection is one order
         rid = next(self._rids)
         future: asyncio.Future[Message] = self._loop.create_future()
@@ -689,6 +695,8 @@ class AttachedPool(Owner):
         if type(keys) is not list and type(keys) is not tuple:
             keys = list(keys)  # an iterator is read once: the types' pass below would consume it
         # bytes and ints are keys as they are (a bool's type is bool): one pass over the types, not a call per key.
+        if keys and operator.countOf(map(type, keys), bytes) == len(keys):  # the common case, a cheaper pass
+            return list(cast("Sequence[bytes]", keys)), {bytes}
         types = set(map(type, keys))
         if types <= {bytes, int}:
             return list(keys), types
@@ -699,7 +707,7 @@ class AttachedPool(Owner):
         kind, parts = encode_keys(given)
         return given, {"k": kind}, parts
 
-    async def lookup(self, keys: Sequence[object]) -> int:
+    async def lookup(self, keys: Sequence[object] | npt.NDArray[np.uint8]) -> int:
         """How many leading keys the shared store holds (a prefix hit).
 
         Answered from the index mirror in this process's memory (no round
@@ -707,35 +715,83 @@ class AttachedPool(Owner):
         the owner's eviction honours (docs/pool.md). Asks the owner when the
         mirror cannot give a consistent answer at once.
 
-        :raises TypeError: a key that is not bytes-like or an int.
+        :param keys: a sequence of keys, or a 2-D uint8 array whose rows are keys (bytes keys of one
+            length, with no Python object per key: the cheaper form for large batches).
+        :raises TypeError: a key that is not bytes-like or an int, or an array that is not 2-D uint8.
         :raises PoolLostError: the owner went away.
         """
-        given, types = self._given(keys)
+        given, types = self._lookup_keys(keys)
         self._check_open()
         self._raise_if_lost()
-        mirror = self._mirror
-        if mirror is not None:
-            hits = mirror.lookup(given, types)
-            if hits is not None:
-                looked = self._looked
-                looked[0] += 1
-                looked[1] += hits
-                looked[2] += len(given) - hits
-                if not self._telling:
-                    self._telling = True
-                    self._loop.call_soon(self._tell_looked)
-                return hits
+        hits = self._from_mirror(given, types)
+        if hits is not None:
+            return hits
+        if isinstance(given, np.ndarray):
+            given, types = [row.tobytes() for row in given], {bytes}
         kind, parts = encode_keys(given, types)
         reply = await self._request(_wire.LOOKUP, {"k": kind}, parts)
         return int(reply.fields["hits"])
 
+    def lookup_nowait(self, keys: Sequence[object] | npt.NDArray[np.uint8]) -> int | None:
+        """``lookup`` answered on the calling thread from the index mirror, or None where only the owner
+        can answer: then ``await lookup(keys)`` on the pool's loop.
+
+        None comes when the pool has no mirror (not x86-64, or a tier too large for one), when no
+        consistent read came within a few tries (the owner writing all the while), and once the pool is
+        closing, closed or lost. Hits mark their blocks referenced, and are counted by the owner, as
+        ``lookup``'s are.
+
+        Threads: any (no await and no crossing to the loop: a thread that serves a framework's
+        synchronous calls asks here first). ``aclose()`` unmaps the mirror only once no such lookup
+        reads it.
+
+        :raises TypeError: as ``lookup``.
+        """
+        given, types = self._lookup_keys(keys)
+        if self._life.state != "open" or self._lost is not None:
+            return None
+        return self._from_mirror(given, types, threadsafe=True)
+
+    def _lookup_keys(self, keys: Sequence[object] | npt.NDArray[np.uint8]) -> tuple[Keys, set[type] | None]:
+        if isinstance(keys, np.ndarray):
+            if keys.dtype != np.uint8 or keys.ndim != 2:
+                raise TypeError(
+                    f"keys as an array are a 2-D uint8 array (a key per row), not {keys.ndim}-D {keys.dtype}"
+                )
+            return keys, {bytes}
+        return self._given(keys)
+
+    def _from_mirror(self, keys: Keys, types: set[type] | None, threadsafe: bool = False) -> int | None:
+        """The mirror's answer, counted for the owner; None: ask the owner."""
+        mirror = self._mirror
+        if mirror is None:
+            return None
+        hits = mirror.lookup(keys, types)
+        if hits is None:
+            return None
+        self._looked.append((hits, len(keys) - hits))
+        if not self._telling:
+            self._telling = True
+            if not threadsafe:
+                self._loop.call_soon(self._tell_looked)
+            else:
+                try:
+                    self._loop.call_soon_threadsafe(self._loop.call_later, TELL_AFTER, self._tell_looked)
+                except RuntimeError:  # the loop closed under a lookup on another thread: nobody to tell
+                    pass
+        return hits
+
     def _tell_looked(self) -> None:
         """Send the counts of the lookups answered from the mirror (one message for all since the last)."""
         self._telling = False
-        q, h, m = self._looked
         writer = self.__dict__.get("_writer")
-        if q and self._lost is None and writer is not None and not writer.is_closing():
-            self._looked[:] = [0, 0, 0]
+        if self._lost is not None or writer is None or writer.is_closing():
+            return
+        looked, q, h, m = self._looked, 0, 0, 0
+        while looked:  # other threads may append meanwhile: what they add after this is told next time
+            hits, misses = looked.popleft()
+            q, h, m = q + 1, h + hits, m + misses
+        if q:
             self._post(_wire.LOOKED, {"q": q, "h": h, "m": m})
 
     async def events(self, *, limit: int = 1024) -> PoolEvents:

@@ -5,7 +5,9 @@ The owner (``aiokvtier._pool._owner``) is the only writer: it changes its
 an eviction, a discard) is written here in the same step. Every attached
 process maps the same memfd (passed with the tier's at attach) and reads it
 itself for ``lookup``: a hash of each key, a probe of the table with numpy
-gathers, the stored prefix, and no socket round trip.
+gathers, the stored prefix, and no socket round trip. Any thread of that
+process may read (``AttachedPool.lookup_nowait``); ``close`` unmaps once
+the last read in flight ends.
 
 Layout (one memfd)::
 
@@ -45,6 +47,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -72,6 +75,11 @@ EMPTY, TOMBSTONE = 0, 1
 KIND_BYTES, KIND_INT, KIND_BIGINT = 1, 2, 3
 RETRIES = 8
 """Whole reads a lookup tries before it asks the owner (a write takes microseconds: two or three do)."""
+WINDOW = 4
+"""Entries a probe reads a round past its first (at most a few keys in a hundred go that far)."""
+CHUNK = 8192
+"""Keys a lookup hashes and probes at a time, stopping after the first chunk with a miss (a batch of SGLang's
+largest is one chunk: numpy's fixed cost per call is most of a small chunk's)."""
 
 _LO = np.uint64(0xFFFFFFFF)
 _P = np.array([[0x9E3779B97F4A7C15], [0xC2B2AE3D27D4EB4F]], dtype=np.uint64)
@@ -99,21 +107,33 @@ def hash_words(data: npt.NDArray[np.uint8], kind: int, lengths: I64) -> U64:
     multiply-xorshift over the key's own words (``ceil(length / 8)``), seeded with its kind and length, in
     numpy."""
     n = data.shape[0]
-    words = data.view("<u8")
     h = np.empty((2, n), dtype=np.uint64)
     h[:] = _SEEDS ^ (lengths.astype(np.uint64) | np.uint64(kind << 56))
     if not n:
         return h
     counts = (lengths + 7) // 8
     least, most = int(counts.min()), int(counts.max())
+    # A word of every key at a time, contiguous, both hashes as one flat array and every step in place:
+    # numpy is slow broadcasting along a short axis, and a fresh array per step of a large batch can cost
+    # more in page faults than its arithmetic.
+    words = np.ascontiguousarray(data.view("<u8")[:, :most].T)
+    factors = np.repeat(_P, n, axis=1).reshape(-1)
+    flat = h.reshape(-1)
+    mixed = np.empty_like(h)
+    spare = np.empty_like(flat)
     shift = np.uint64(29)
     for c in range(most):
-        mixed = h ^ words[:, c]
-        mixed *= _P
-        mixed ^= mixed >> shift
-        h = mixed if c < least else np.where(c < counts, mixed, h)  # keys shorter than this word keep theirs
-    h *= _P[::-1]
-    h ^= h >> np.uint64(32)
+        into = h if c < least else mixed  # keys shorter than this word keep theirs
+        np.bitwise_xor(h, words[c], out=into)
+        step = into.reshape(-1)
+        step *= factors
+        np.right_shift(step, shift, out=spare)
+        step ^= spare
+        if c >= least:
+            np.copyto(h, mixed, where=c < counts)
+    flat *= factors.reshape(2, n)[::-1].reshape(-1)
+    np.right_shift(flat, np.uint64(32), out=spare)
+    flat ^= spare
     return h
 
 
@@ -130,11 +150,28 @@ def _padded(parts: Sequence[bytes], lengths: I64) -> npt.NDArray[np.uint8]:
 
 
 Group = tuple[int, npt.NDArray[np.intp] | None, npt.NDArray[np.uint8], I64]
+Keys = Sequence[bytes | int] | npt.NDArray[np.uint8]
+"""Keys as a sequence of bytes and ints, or as the rows of a 2-D uint8 array (byte keys of one length, with no
+Python object per key)."""
 
 
-def _groups(keys: Sequence[bytes | int], types: set[type] | None = None) -> list[Group]:
+def _matrix(keys: npt.NDArray[np.uint8]) -> Group:
+    """A key matrix's rows as one group: zero-padded to whole words (a copy only where they are not)."""
+    n, width = keys.shape
+    padded = max(-(-width // 8) * 8, KEY_BYTES)
+    if padded == width and keys.flags.c_contiguous:
+        data = keys
+    else:
+        data = np.zeros((n, padded), dtype=np.uint8)
+        data[:, :width] = keys
+    return KIND_BYTES, None, data, np.full(n, width, dtype=np.int64)
+
+
+def _groups(keys: Keys, types: set[type] | None = None) -> list[Group]:
     """``(kind, positions or None for all, padded bytes, lengths)`` per kind of key (``types``: the keys'
     types, where the caller knows them)."""
+    if isinstance(keys, np.ndarray):
+        return [_matrix(keys)]
     n = len(keys)
     if types is None:
         types = set(map(type, keys))
@@ -168,10 +205,10 @@ def _groups(keys: Sequence[bytes | int], types: set[type] | None = None) -> list
     return out
 
 
-def key_rows(keys: Sequence[bytes | int], hasher: Hasher = hash_words, types: set[type] | None = None) -> U64:
+def key_rows(keys: Keys, hasher: Hasher = hash_words, types: set[type] | None = None) -> U64:
     """Each key's entry as it would be stored, with slot and length 0: ``(n, 8)`` uint64."""
     n = len(keys)
-    rows = np.zeros((n, 8), dtype=np.uint64)
+    rows = np.empty((n, 8), dtype=np.uint64)  # every row is written below, by its kind's group
     if not n:
         return rows
     for kind, where, data, lengths in _groups(keys, types):
@@ -210,6 +247,9 @@ class IndexMirror:
         )
         self._flags = memoryview(self._map)[HEADER + self.capacity * ENTRY : HEADER + self.capacity * ENTRY + slots]
         self._mask = np.uint64(self.capacity - 1)
+        self._guard = threading.Lock()
+        self._readers = 0
+        self._closing = False
 
     @classmethod
     def create(cls, slots: int, *, hasher: Hasher = hash_words) -> IndexMirror:
@@ -254,9 +294,32 @@ class IndexMirror:
         return mirror
 
     def close(self) -> None:
-        """Unmap (and close the owner's memfd). Idempotent."""
-        if self._map.closed:
-            return
+        """Unmap (and close the owner's memfd), at once or when the last lookup reading on another thread
+        ends. Idempotent."""
+        with self._guard:
+            if self._closing:
+                return
+            self._closing = True
+            reading = self._readers
+        if not reading:
+            self._unmap()
+
+    def _enter(self) -> bool:
+        """A lookup starts reading: False once ``close`` has begun (the memory may be unmapped)."""
+        with self._guard:
+            if self._closing:
+                return False
+            self._readers += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._guard:
+            self._readers -= 1
+            last = self._closing and not self._readers
+        if last:
+            self._unmap()
+
+    def _unmap(self) -> None:
         del self._header, self._table, self._refs
         self._flags.release()
         self._map.close()
@@ -266,7 +329,7 @@ class IndexMirror:
 
     @property
     def closed(self) -> bool:
-        return self._map.closed
+        return self._closing
 
     @property
     def live(self) -> int:
@@ -275,29 +338,43 @@ class IndexMirror:
     # -- reading (any process) ----------------------------------------------------------------
 
     def _probe(self, rows: U64, table: U64) -> tuple[npt.NDArray[np.intp], U64]:
-        """Each row's position in ``table`` (-1: absent) and its stored ``slot | length << 32``."""
-        n = rows.shape[0]
-        found = np.full(n, -1, dtype=np.intp)
-        stored = np.zeros(n, dtype=np.uint64)
-        pos = (rows[:, 0] & self._mask).astype(np.intp)
-        pending: npt.NDArray[np.intp] | None = None  # None: every row (the first round, no gather of rows)
+        """Each row's position in ``table`` (-1: absent) and its stored ``slot | length << 32`` (``rows``'
+        last column is scratch here).
+
+        Most keys end at their first entry: a first round reads one entry per key. The few left read
+        ``WINDOW`` entries a round (a round costs numpy's fixed cost over again, whatever its size)."""
         mask = self.capacity - 1
-        for _ in range(self.capacity):  # a probe ends at an empty entry; the bound is for a torn copy
-            at = pos if pending is None else pos[pending]
-            want = rows if pending is None else rows[pending]
-            got = np.take(table, at, axis=0)
-            same = got[:, 0] == want[:, 0]
-            for column in range(1, 7):  # column by column: numpy is slow along a short last axis
-                same &= got[:, column] == want[:, column]
-            hit = np.flatnonzero(same) if pending is None else pending[same]
-            found[hit] = at[same]
-            stored[hit] = got[same, 7]
-            go_on = ~same
-            go_on &= got[:, 0] != EMPTY
-            pending = np.flatnonzero(go_on) if pending is None else pending[go_on]
+        at = (rows[:, 0] & self._mask).astype(np.intp)
+        got = np.take(table, at, axis=0)
+        # A whole entry compared at once: the stored column copied over, the 8 flags of a row read as one
+        # word (numpy is slow along a short last axis, and with masks).
+        rows[:, 7] = got[:, 7]
+        same = (got != rows).view(np.uint64)[:, 0] == 0
+        found = np.where(same, at, -1)
+        stored = np.where(same, got[:, 7], np.uint64(0))
+        go_on = got[:, 0] != EMPTY
+        go_on &= ~same
+        pending = np.flatnonzero(go_on)
+        last = at[pending]
+        steps = np.arange(1, WINDOW + 1, dtype=np.intp)
+        for _ in range(0, self.capacity, WINDOW):  # a probe ends at an empty entry; the bound is for a torn copy
             if not pending.size:
                 break
-            pos[pending] = (pos[pending] + 1) & mask
+            n = pending.size
+            window = (last[:, None] + steps) & mask
+            got = np.take(table, window.reshape(-1), axis=0)
+            want = np.repeat(rows[pending], WINDOW, axis=0)
+            want[:, 7] = got[:, 7]
+            same = ((got != want).view(np.uint64)[:, 0] == 0).reshape(n, WINDOW)
+            stop = (got[:, 0] == EMPTY).reshape(n, WINDOW)
+            stop |= same
+            first = stop.argmax(axis=1)  # the first entry that ends each probe, or 0 where none does
+            each = np.arange(n)
+            hit = same[each, first]
+            found[pending[hit]] = window[hit, first[hit]]
+            stored[pending[hit]] = got.reshape(n, WINDOW, 8)[hit, first[hit], 7]
+            left = ~stop[each, first]
+            pending, last = pending[left], window[left, -1]
         return found, stored
 
     def _read(self, rows: U64) -> tuple[npt.NDArray[np.intp], U64] | None:
@@ -314,25 +391,59 @@ class IndexMirror:
                 return found, stored
         return None
 
-    def lookup(self, keys: Sequence[bytes | int], types: set[type] | None = None) -> int | None:
+    def lookup(self, keys: Keys, types: set[type] | None = None) -> int | None:
         """The stored prefix of ``keys`` (as ``BlockIndex.lookup``), its slots marked referenced; None when no
-        consistent read came within the retries, or the owner closed the pool: ask the owner."""
-        if not keys:
+        consistent read came within the retries, or the owner closed the pool: ask the owner.
+
+        Any thread (reads only; ``close`` waits for the unmap until no lookup reads). Keys are hashed and
+        probed ``CHUNK`` at a time, and the first chunk with a miss is the last: a short prefix costs its
+        own keys, not the batch's."""
+        n = len(keys)
+        if not n:
             return 0
-        read = self._read(key_rows(keys, self._hasher, types))
-        if read is None:
+        if not self._enter():
             return None
-        found, stored = read
-        missing = np.flatnonzero(found < 0)
-        hits = int(missing[0]) if missing.size else len(keys)
-        slots = stored[:hits] & _LO
-        self._refs[slots[slots < self.slots].astype(np.intp)] = 1
-        return hits
+        try:
+            return self._lookup(keys, n, types)
+        finally:
+            self._leave()
+
+    def _lookup(self, keys: Keys, n: int, types: set[type] | None) -> int | None:
+        header, table = self._header, self._table
+        rows: list[U64] = []  # hashed once, kept for a retry
+        for _ in range(RETRIES):
+            seq = int(header[SEQ])
+            if seq & 1:
+                continue
+            if int(header[STATE]) == CLOSED:
+                return None
+            hits, hit_slots = 0, []
+            for i, start in enumerate(range(0, n, CHUNK)):
+                if i == len(rows):
+                    rows.append(key_rows(keys[start : start + CHUNK], self._hasher, types))
+                found, stored = self._probe(rows[i], table)
+                missing = np.flatnonzero(found < 0)
+                end = int(missing[0]) if missing.size else found.size
+                hits += end
+                hit_slots.append(stored[:end] & _LO)
+                if missing.size:
+                    break
+            if int(header[SEQ]) == seq:
+                for slots in hit_slots:
+                    self._refs[slots[slots < self.slots].astype(np.intp)] = 1
+                return hits
+        return None
 
     def blocks(self, keys: Sequence[bytes | int]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
         """Each key's slot and length as one consistent read saw them (-1 and 0 where absent), or None
         (as ``lookup``); touches nothing."""
-        read = self._read(key_rows(keys, self._hasher))
+        rows = key_rows(keys, self._hasher)
+        if not self._enter():
+            return None
+        try:
+            read = self._read(rows)
+        finally:
+            self._leave()
         if read is None:
             return None
         found, stored = read

@@ -29,7 +29,9 @@ Threads: SGLang calls from its prefetch, backup and scheduler threads,
 synchronously. Every call crosses to one event loop on the
 ``aiokvtier-sglang`` thread (a task made there with ``call_soon_threadsafe``)
 and the calling thread waits for its outcome; nothing blocks that loop. ``get_stats`` never crosses: it
-drains figures kept on the caller's side.
+drains figures kept on the caller's side. Nor does ``batch_exists`` over a pool, as a rule: the calling
+thread reads the pool's index mirror (``AttachedPool.lookup_nowait``), with the batch's block keys built
+as one array; it crosses only when the mirror cannot answer.
 """
 
 from __future__ import annotations
@@ -116,6 +118,41 @@ class _Plan:
             return pages
         suffixes = self.suffixes
         return [page + s for page in pages for s in suffixes]
+
+    def key_matrix(self, keys: Sequence[str]) -> npt.NDArray[np.uint8] | None:
+        """The block keys of ``keys``' pages as the rows of one array, page by page (as ``keys()``), built
+        without a Python object per key; None when the pages' keys are not all of one length in UTF-8 (then
+        ``keys()``).
+
+        :raises TypeError: ``keys`` is not a list of str.
+        """
+        if not isinstance(keys, list | tuple) or not keys:
+            raise TypeError("SGLang's keys are a list of str")
+        n = len(keys)
+        try:  # one join and one encode for the batch; the separators say where each key ends
+            raw = "\n".join(keys).encode()
+        except TypeError:
+            raise TypeError("SGLang's keys are a list of str") from None
+        if (len(raw) + 1) % n:
+            return None  # the lengths differ
+        width = (len(raw) + 1) // n - 1
+        text = np.frombuffer(raw, dtype=np.uint8)
+        newline = text == ord("\n")
+        if np.count_nonzero(newline) != n - 1 or not bool(newline[width :: width + 1].all()):
+            return None  # a key holds a newline, or the lengths differ
+        # Key i's bytes start at i * (width + 1): a strided view of the joined text, no copy.
+        keyed = np.lib.stride_tricks.as_strided(text, (n, width), (width + 1, 1), writeable=False)
+        ns, suffixes = self.namespace, self.suffixes
+        tail, blocks = len(suffixes[0]), len(suffixes)
+        page = np.empty((n, len(ns) + width + tail), dtype=np.uint8)
+        page[:, : len(ns)] = np.frombuffer(ns, dtype=np.uint8)
+        page[:, len(ns) : len(ns) + width] = keyed
+        if blocks == 1:
+            return page
+        out = np.repeat(page, blocks, axis=0)  # whole rows: numpy is slow copying a few bytes a row
+        ends = np.frombuffer(b"".join(suffixes), dtype=np.uint8).reshape(blocks, tail)
+        out.reshape(n, blocks, -1)[:, :, -tail:] = ends
+        return out
 
     def addresses(self, starts: npt.NDArray[np.uint64]) -> tuple[U64, U64]:
         """Block addresses and lengths for pages whose spans start at ``starts`` (pages x spans)."""
@@ -425,6 +462,15 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return 0
         plan = self._exists_plan()
+        pool = self._pool
+        if pool is not None and not self._closed:
+            # Answered here, on the calling thread, from the pool's index mirror (shared memory): no
+            # crossing to the loop. What the mirror cannot answer (a pool lost or being attached again,
+            # an owner writing all the while) goes the loop's way.
+            matrix = plan.key_matrix(keys)
+            found = pool.lookup_nowait(plan.keys(keys) if matrix is None else matrix)
+            if found is not None:
+                return found // plan.blocks
         return self._call("batch_exists", self._lookup(plan.keys(keys))) // plan.blocks
 
     def exists(self, key: str) -> bool:
