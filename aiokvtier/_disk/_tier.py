@@ -278,7 +278,14 @@ class DiskTier(Owner):
         self._free = sorted(set(range(self._fresh)) - set(owner), reverse=True)
         self._recovered = len(self._index)
         assert self._journal is not None
-        if self._journal.records > 2 * len(self._index) + 1024:
+        if self._journal.skipped:
+            log.warning(
+                "aiokvtier: disk tier %s stepped over %d damaged bytes in its journal",
+                self.directory,
+                self._journal.skipped,
+            )
+        # A damaged journal is rewritten whole: the damage would be stepped over again at every open.
+        if self._journal.skipped or self._journal.records > 2 * len(self._index) + 1024:
             try:
                 self._journal.rewrite(dict(self._index))
             except OSError as exc:  # a read-only directory, a full disk: the long journal still serves
