@@ -473,13 +473,17 @@ class DiskTier(Owner):
             log.warning("aiokvtier: disk tier %s skipped %d blocks: %s", self.directory, len(jobs), _why(exc))
             return [exc] * len(jobs)
         written: list[tuple[Key, int, int, int]] = []
-        for key, address, length, slot in jobs:
-            try:
-                data.write(slot, address, length)  # first: memory the kernel cannot read is EFAULT, not a crash
-                checksum = _checksum(address, length)
-            except Exception as exc:  # this block is skipped; the rest of the share goes on
-                log.warning("aiokvtier: disk tier %s skipped a block: %s", self.directory, _why(exc))
-                out.append(exc)
+        # The data first (neighbouring slots in one call): memory the kernel cannot read is EFAULT, not a crash.
+        errors = data.write_blocks([(slot, address, length) for _, address, length, slot in jobs])
+        for (key, address, length, slot), error in zip(jobs, errors, strict=True):
+            if error is None:
+                try:
+                    checksum = _checksum(address, length)
+                except Exception as exc:
+                    error = exc
+            if error is not None:  # this block is skipped; the rest of the share goes on
+                log.warning("aiokvtier: disk tier %s skipped a block: %s", self.directory, _why(error))
+                out.append(error)
                 continue
             written.append((key, slot, length, checksum))
             out.append(checksum)
@@ -567,12 +571,11 @@ class DiskTier(Owner):
         data = self._data
         assert data is not None
         out: list[str] = []
-        for _, address, (slot, length, checksum) in jobs:
-            try:
-                data.read(slot, address, length)
-            except Exception as exc:
-                log.warning("aiokvtier: disk tier %s: a read failed: %s", self.directory, _why(exc))
-                file_error = isinstance(exc, OSError) and exc.errno != errno.EFAULT
+        errors = data.read_blocks([(slot, address, length) for _, address, (slot, length, _) in jobs])
+        for (_, address, (_, length, checksum)), error in zip(jobs, errors, strict=True):
+            if error is not None:
+                log.warning("aiokvtier: disk tier %s: a read failed: %s", self.directory, _why(error))
+                file_error = isinstance(error, OSError) and error.errno != errno.EFAULT
                 out.append("error" if file_error else "failed")
                 continue
             good = _checksum(address, length) == checksum
