@@ -129,10 +129,13 @@ def test_a_run_moves_every_block_bit_exact_in_one_call(data: DataFile, calls: Ca
     src.fill(30)
     slots = [*range(3, 35), 50, 51, 60]  # 32 blocks of 64 KiB (2 MiB), then 2, then 1 (and 3 more, a gap)
     blocks = [(slot, address, BLOCK) for slot, address in zip(slots, src.addresses(range(35)), strict=True)]
-    assert data.write_blocks(blocks) == [None] * 35
+    moving = data.write_blocks(blocks)
+    assert next(moving) is None and calls.runs == [32]  # the caller hashes a run before the next moves
+    assert [next(moving) for _ in range(31)] == [None] * 31 and calls.runs == [32]
+    assert list(moving) == [None] * 3
     assert calls.runs == [32, 2] and calls.singles == 1
     back = [(slot, address, BLOCK) for slot, address in zip(slots, dst.addresses(range(35)), strict=True)]
-    assert data.read_blocks(back) == [None] * 35
+    assert list(data.read_blocks(back)) == [None] * 35
     assert calls.runs == [32, 2, 32, 2] and calls.singles == 2
     assert np.array_equal(src.array[:35], dst.array[:35])
 
@@ -142,12 +145,12 @@ def test_a_block_whose_memory_the_kernel_cannot_reach_fails_alone(data: DataFile
     src.fill(31)
     blocks = [(slot, address, BLOCK) for slot, address in zip(range(6), src.addresses(range(6)), strict=True)]
     with Unreadable(src, [2]):
-        out = data.write_blocks(blocks)
+        out = list(data.write_blocks(blocks))
     assert [e is None for e in out] == [True, True, False, True, True, True]
     assert isinstance(out[2], OSError) and out[2].errno == errno.EFAULT
     back = [(slot, address, BLOCK) for slot, address in zip(range(6), dst.addresses(range(6)), strict=True)]
     with Unreadable(dst, [4]):
-        out = data.read_blocks(back)
+        out = list(data.read_blocks(back))
     assert [e is None for e in out] == [True, True, True, True, False, True]
     assert isinstance(out[4], OSError) and out[4].errno == errno.EFAULT
     for i in (0, 1, 3, 5):
@@ -171,10 +174,10 @@ def test_a_run_cut_short_is_finished_a_block_at_a_time(data: DataFile, calls: Ca
 
     calls.answer = short
     blocks = [(slot, address, BLOCK) for slot, address in zip(range(10, 14), src.addresses(range(4)), strict=True)]
-    assert data.write_blocks(blocks) == [None] * 4
+    assert list(data.write_blocks(blocks)) == [None] * 4
     assert calls.singles == 4 - cut // BLOCK  # the blocks the run did not move whole, from their start
     back = [(slot, address, BLOCK) for slot, address in zip(range(10, 14), dst.addresses(range(4)), strict=True)]
-    assert data.read_blocks(back) == [None] * 4
+    assert list(data.read_blocks(back)) == [None] * 4
     assert np.array_equal(src.array, dst.array)
 
 
@@ -198,12 +201,12 @@ def test_a_failed_run_gives_each_block_its_own_outcome(
 
     monkeypatch.setattr(os, "pwritev", bad_sector)
     blocks = [(slot, address, BLOCK) for slot, address in zip(range(20, 24), src.addresses(range(4)), strict=True)]
-    out = data.write_blocks(blocks)
+    out = list(data.write_blocks(blocks))
     assert [e is None for e in out] == [True, True, False, True]
     assert isinstance(out[2], OSError) and "bad sector" in str(out[2])
     calls.answer = None
     back = [(slot, address, BLOCK) for slot, address in zip(range(20, 24), dst.addresses(range(4)), strict=True)]
-    assert data.read_blocks(back) == [None] * 4
+    assert list(data.read_blocks(back)) == [None] * 4
     for i in (0, 1, 3):
         assert np.array_equal(src.array[i], dst.array[i])
 
@@ -212,10 +215,10 @@ def test_a_run_past_the_files_end_reads_the_blocks_before_it(data: DataFile) -> 
     src, dst = Pages(4), Pages(4)
     src.fill(34)
     blocks = [(slot, address, BLOCK) for slot, address in zip(range(60, 64), src.addresses(range(4)), strict=True)]
-    assert data.write_blocks(blocks) == [None] * 4
+    assert list(data.write_blocks(blocks)) == [None] * 4
     os.truncate(data.path, 62 * BLOCK)  # behind the file's back
     back = [(slot, address, BLOCK) for slot, address in zip(range(60, 64), dst.addresses(range(4)), strict=True)]
-    out = data.read_blocks(back)
+    out = list(data.read_blocks(back))
     assert [e is None for e in out] == [True, True, False, False]
     assert np.array_equal(src.array[:2], dst.array[:2])
 

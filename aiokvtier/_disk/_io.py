@@ -10,7 +10,12 @@ block's length is rounded up to ``ALIGN`` inside its slot.
 Blocks bound for neighbouring slots move in one ``pwritev``/``preadv`` (a
 run), one buffer per block: a system call per block cost more of the CPU
 than the copy on a small machine. A run that fails or comes up short is
-done again a block at a time, so each block gets its own outcome.
+done again a block at a time, so each block gets its own outcome. The
+outcomes come out a run at a time: the caller hashes a run's blocks before
+the next run moves, as it hashed each block after its own call (a share
+hashed only after all its calls left the disk idle while the threads
+hashed: 2 MiB writes on the development VM went from 0.97-1.02x the plain
+loop to 0.85-0.87x).
 """
 
 from __future__ import annotations
@@ -126,36 +131,37 @@ class DataFile:
         if lengths:
             yield start, len(blocks), fd, lengths
 
-    def write_blocks(self, blocks: Sequence[Block]) -> list[Exception | None]:
-        """Write each ``(slot, address, length)``; returns, per block, None or why it was not written."""
+    def write_blocks(self, blocks: Sequence[Block]) -> Iterator[Exception | None]:
+        """Write each ``(slot, address, length)``; yields, per block in order, None or why it was not
+        written, a run's blocks once the run is written (the caller works on them before the next)."""
         return self._move(blocks, write=True)
 
-    def read_blocks(self, blocks: Sequence[Block]) -> list[Exception | None]:
-        """Read each ``(slot, address, length)``; returns, per block, None or why it did not arrive."""
+    def read_blocks(self, blocks: Sequence[Block]) -> Iterator[Exception | None]:
+        """Read each ``(slot, address, length)``; yields, per block in order, None or why it did not
+        arrive, a run's blocks once the run is read."""
         return self._move(blocks, write=False)
 
-    def _move(self, blocks: Sequence[Block], write: bool) -> list[Exception | None]:
-        out: list[Exception | None] = [None] * len(blocks)
+    def _move(self, blocks: Sequence[Block], write: bool) -> Iterator[Exception | None]:
         call, one = (os.pwritev, self.write) if write else (os.preadv, self.read)
         for start, stop, fd, lengths in self.runs(blocks):
-            done, total = 0, sum(lengths)
+            done = 0
             if stop - start > 1:
                 views = [memory_at(address, n) for (_, address, _), n in zip(blocks[start:stop], lengths, strict=True)]
                 with contextlib.suppress(Exception):  # a block at a time says which blocks failed, and why
                     done = call(fd, views, blocks[start][0] * self.slot_bytes)
-                if done == total:
-                    continue
             # Blocks the run moved whole are done; the rest one at a time (a block half-moved again from its start).
             for i, n in zip(range(start, stop), lengths, strict=True):
                 done -= n
                 if done >= 0:
+                    yield None
                     continue
                 slot, address, length = blocks[i]
                 try:
                     one(slot, address, length)
                 except Exception as exc:
-                    out[i] = exc
-        return out
+                    yield exc
+                    continue
+                yield None
 
     def read(self, slot: int, address: int, length: int) -> None:
         """Read ``slot``'s first ``length`` bytes to ``address`` (writable up to the rounded length)."""

@@ -459,10 +459,10 @@ class DiskTier(Owner):
         return None
 
     def _write_all(self, jobs: list[tuple[Key, int, int, int]]) -> list[int | Exception]:
-        """On an I/O thread: the drops queued before (an evicted block's among them), each block's data
-        and checksum, then one journal write with every written block's record (none is visible, nor
-        reported written, before the whole share settles: a record per block bought nothing but a
-        syscall each, with the threads queued on the journal)."""
+        """On an I/O thread: the drops queued before (an evicted block's among them), the blocks' data
+        (neighbouring slots in one call) and each block's checksum, then one journal write with every
+        written block's record (none is visible, nor reported written, before the whole share settles:
+        a record per block bought nothing but a syscall each, with the threads queued on the journal)."""
         data, journal = self._data, self._journal
         assert data is not None and journal is not None
         out: list[int | Exception] = []
@@ -473,7 +473,8 @@ class DiskTier(Owner):
             log.warning("aiokvtier: disk tier %s skipped %d blocks: %s", self.directory, len(jobs), _why(exc))
             return [exc] * len(jobs)
         written: list[tuple[Key, int, int, int]] = []
-        # The data first (neighbouring slots in one call): memory the kernel cannot read is EFAULT, not a crash.
+        # The data first (neighbouring slots in one call, hashed a run at a time as the calls return):
+        # memory the kernel cannot read is EFAULT, not a crash.
         errors = data.write_blocks([(slot, address, length) for _, address, length, slot in jobs])
         for (key, address, length, slot), error in zip(jobs, errors, strict=True):
             if error is None:
@@ -642,8 +643,8 @@ class DiskTier(Owner):
 
     async def _spread(self, fn: Any, jobs: list[Any], slot: Any) -> list[Any]:
         """Run ``fn`` over ``jobs`` on the I/O threads, each thread a run of neighbouring data slots
-        (``slot(job)``: the disk sees the ascending runs a plain loop would issue); returns one
-        outcome per job, in the order given.
+        (``slot(job)``: the disk sees ascending runs, and the slots that follow one another move in
+        one call); returns one outcome per job, in the order given.
 
         Returns only once every share has run (the memory is the threads' until then).
         """
