@@ -144,11 +144,18 @@ class DataFile:
     def _move(self, blocks: Sequence[Block], write: bool) -> Iterator[Exception | None]:
         call, one = (os.pwritev, self.write) if write else (os.preadv, self.read)
         for start, stop, fd, lengths in self.runs(blocks):
+            if stop - start == 1:  # no neighbour to move with: the block's own call, without a run's bookkeeping
+                try:
+                    one(*blocks[start])
+                except Exception as exc:
+                    yield exc
+                else:
+                    yield None
+                continue
             done = 0
-            if stop - start > 1:
-                views = [memory_at(address, n) for (_, address, _), n in zip(blocks[start:stop], lengths, strict=True)]
-                with contextlib.suppress(Exception):  # a block at a time says which blocks failed, and why
-                    done = call(fd, views, blocks[start][0] * self.slot_bytes)
+            views = [memory_at(address, n) for (_, address, _), n in zip(blocks[start:stop], lengths, strict=True)]
+            with contextlib.suppress(Exception):  # a block at a time says which blocks failed, and why
+                done = call(fd, views, blocks[start][0] * self.slot_bytes)
             # Blocks the run moved whole are done; the rest one at a time (a block half-moved again from its start).
             for i, n in zip(range(start, stop), lengths, strict=True):
                 done -= n
