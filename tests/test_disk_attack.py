@@ -101,7 +101,7 @@ async def test_a_close_waits_for_the_writes_in_flight(tmp_path: Path, monkeypatc
     src.fill(1)
     keys: list[Key] = list(range(8))
     disk = await DiskTier.open(await config(tmp_path), block_size=BLOCK, fingerprint="model-a")
-    with gate(monkeypatch, "write") as g:
+    with gate(monkeypatch, "write_blocks") as g:
         writing = asyncio.create_task(disk.write(keys, src.addresses(range(8)), [BLOCK] * 8))
         await g.reached()
         closing = asyncio.create_task(disk.aclose())
@@ -121,7 +121,7 @@ async def test_a_close_waits_for_the_reads_in_flight(tmp_path: Path, monkeypatch
     src.fill(2)
     disk = await DiskTier.open(await config(tmp_path), block_size=BLOCK, fingerprint="model-a")
     await disk.write([0, 1, 2, 3], src.addresses(range(4)), [BLOCK] * 4)
-    with gate(monkeypatch, "read") as g:
+    with gate(monkeypatch, "read_blocks") as g:
         reading = asyncio.create_task(disk.read([0, 1, 2, 3], dst.addresses(range(4))))
         await g.reached()
         closing = asyncio.create_task(disk.aclose())
@@ -143,7 +143,7 @@ async def test_a_key_discarded_while_it_is_written_is_not_stored(
     src = Pages(2)
     src.fill(3)
     async with await open_disk(tmp_path) as disk:
-        with gate(monkeypatch, "write") as g:
+        with gate(monkeypatch, "write_blocks") as g:
             writing = asyncio.create_task(disk.write([b"gone", b"kept"], src.addresses([0, 1]), [BLOCK] * 2))
             await g.reached()
             assert disk.discard([b"gone"]) == 0  # not stored yet: dropped when the write settles
@@ -272,24 +272,23 @@ async def test_an_error_that_is_no_oserror_mid_batch_skips_only_its_block(
 async def test_an_io_error_mid_batch_skips_only_its_block(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
 ) -> None:
+    """The third block's slot refuses every write: the run that holds it fails, and of its blocks,
+    written again one at a time, only that one is skipped."""
     src = Pages(6)
     src.fill(8)
-    real = DataFile.write
-    calls = 0
+    real = os.pwritev
 
-    def write(data: DataFile, slot: int, address: int, length: int) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
+    def pwritev(fd: int, buffers: list[Any], offset: int) -> int:
+        if offset <= 2 * BLOCK < offset + sum(len(memoryview(b)) for b in buffers):
             raise OSError(code, os.strerror(code))
-        real(data, slot, address, length)
+        return real(fd, buffers, offset)
 
     keys: list[Key] = list(range(6))
-    async with await open_disk(tmp_path) as disk:
-        monkeypatch.setattr(DataFile, "write", write)
+    async with await open_disk(tmp_path) as disk:  # a fresh tier: key i in slot i
+        monkeypatch.setattr(os, "pwritev", pwritev)
         written = await disk.write(keys, src.addresses(range(6)), [BLOCK] * 6)
         monkeypatch.undo()
-        assert len(written) == 5 and disk.statistics().write_errors == 1
+        assert written == (0, 1, 3, 4, 5) and disk.statistics().write_errors == 1
         settled(disk)
     assert await reopened(tmp_path, keys) == set(written)
 
@@ -831,7 +830,7 @@ async def test_a_disk_tier_closed_under_the_store_is_a_miss(tmp_path: Path) -> N
 async def test_a_disk_tier_closed_during_the_write_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with cache(tmp_path) as (store, disk, _):
         await store.store(KEYS, [page(i) for i in range(4)])
-        with gate(monkeypatch, "write") as g:
+        with gate(monkeypatch, "write_blocks") as g:
             await load_pages(store, KEYS)
             await g.reached()
             assert store.statistics().blocks_pinned == 4  # pinned while their bytes go to disk
@@ -854,7 +853,7 @@ async def reopened_store_keys(path: Path) -> set[Key]:
 async def test_a_disk_tier_closed_during_a_promotion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with cache(tmp_path) as (store, disk, _):
         await on_disk_only(store, KEYS)
-        with gate(monkeypatch, "read") as g:
+        with gate(monkeypatch, "read_blocks") as g:
             loading = asyncio.create_task(load_pages(store, KEYS[:2]))
             await g.reached()
             closing = asyncio.create_task(disk.aclose())
@@ -870,7 +869,7 @@ async def test_the_store_closed_during_the_write_back_and_its_load_cancelled(
 ) -> None:
     async with cache(tmp_path) as (store, disk, tier):
         await store.store(KEYS, [page(i) for i in range(4)])
-        with gate(monkeypatch, "write") as g:
+        with gate(monkeypatch, "write_blocks") as g:
             loading = asyncio.create_task(load_pages(store, KEYS))
             await g.reached()
             loading.cancel()
@@ -893,7 +892,7 @@ async def test_a_discard_during_the_write_back_drops_the_block_from_the_disk(
     """The discarded block used to be published on disk when its write settled: it came back."""
     async with cache(tmp_path) as (store, disk, _):
         await store.store(KEYS, [page(i) for i in range(4)])
-        with gate(monkeypatch, "write") as g:
+        with gate(monkeypatch, "write_blocks") as g:
             await load_pages(store, KEYS)
             await g.reached()
             assert store.discard([KEYS[0]]) == 1
@@ -907,7 +906,7 @@ async def test_a_discard_during_the_write_back_drops_the_block_from_the_disk(
 async def test_a_discard_during_a_promotion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with cache(tmp_path) as (store, disk, _):
         await on_disk_only(store, KEYS)
-        with gate(monkeypatch, "read") as g:
+        with gate(monkeypatch, "read_blocks") as g:
             loading = asyncio.create_task(load_pages(store, KEYS))
             await g.reached()
             assert store.discard([KEYS[1]]) == 0  # being stored: the store ignores it, the disk drops it
@@ -921,7 +920,7 @@ async def test_a_store_of_the_key_a_load_is_promoting_waits_for_it(
 ) -> None:
     async with cache(tmp_path) as (store, _, _):
         await on_disk_only(store, KEYS)
-        with gate(monkeypatch, "read") as g:
+        with gate(monkeypatch, "read_blocks") as g:
             loading = asyncio.create_task(load_pages(store, KEYS))
             await g.reached()
             storing = asyncio.create_task(store.store([KEYS[2], b"fresh"], [page(77), page(78)]))
@@ -936,7 +935,7 @@ async def test_a_store_of_the_key_a_load_is_promoting_waits_for_it(
 async def test_two_loads_promoting_the_same_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with cache(tmp_path) as (store, _, _):
         await on_disk_only(store, KEYS)
-        with gate(monkeypatch, "read") as g:
+        with gate(monkeypatch, "read_blocks") as g:
             first = asyncio.create_task(load_pages(store, KEYS))
             second = asyncio.create_task(load_pages(store, KEYS[::-1]))
             await g.reached()
@@ -950,7 +949,7 @@ async def test_two_loads_promoting_the_same_keys(tmp_path: Path, monkeypatch: py
 async def test_a_shrink_while_a_promotion_holds_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with cache(tmp_path) as (store, _, tier):
         await on_disk_only(store, KEYS)
-        with gate(monkeypatch, "read") as g:
+        with gate(monkeypatch, "read_blocks") as g:
             loading = asyncio.create_task(load_pages(store, KEYS))
             await g.reached()
             with contextlib.suppress(QuotaError):  # refused if a promoted block lies past the new end
@@ -1006,7 +1005,7 @@ async def test_the_invariant_check_during_a_write_back(tmp_path: Path, monkeypat
     """The check took the write-back's pins for pins that outlived their load."""
     async with cache(tmp_path) as (store, _, _):
         await store.store(KEYS, [page(i) for i in range(4)])
-        with gate(monkeypatch, "write") as g:
+        with gate(monkeypatch, "write_blocks") as g:
             await load_pages(store, KEYS)
             await g.reached()
             store.check_invariants(sole_user=True)
@@ -1024,7 +1023,7 @@ async def test_a_write_that_finds_every_block_held_by_reads_is_skipped(
     src.fill(30)
     async with await open_disk(tmp_path, blocks=2) as disk:
         await disk.write([0, 1], src.addresses([0, 1]), [BLOCK] * 2)
-        with gate(monkeypatch, "read") as g:
+        with gate(monkeypatch, "read_blocks") as g:
             reading = asyncio.create_task(disk.read([0, 1], dst.addresses([0, 1])))
             await g.reached()
             assert await disk.write([2], src.addresses([2]), [BLOCK]) == ()  # nothing to evict
@@ -1162,7 +1161,7 @@ async def test_a_disk_tier_closed_while_a_promotion_waits_for_host_slots(
 async def test_the_store_closed_during_a_promotion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with cache(tmp_path) as (store, _, tier):
         await on_disk_only(store, KEYS)
-        with gate(monkeypatch, "read") as g:
+        with gate(monkeypatch, "read_blocks") as g:
             loading = asyncio.create_task(load_pages(store, KEYS))
             await g.reached()
             closing = asyncio.create_task(store.aclose())
@@ -1213,7 +1212,7 @@ async def test_a_shrink_while_the_write_back_pins_blocks(tmp_path: Path, monkeyp
         await store.store(
             [b"o%d" % i for i in range(12)] + KEYS, [page(200 + i) for i in range(12)] + [page(i) for i in range(4)]
         )
-        with gate(monkeypatch, "write") as g:
+        with gate(monkeypatch, "write_blocks") as g:
             await load_pages(store, KEYS)
             await g.reached()
             with contextlib.suppress(QuotaError):  # the pinned blocks lie past the new end
@@ -1274,7 +1273,7 @@ async def test_closes_cancelled_and_repeated_while_a_write_is_in_flight(
     src = Pages(4)
     src.fill(43)
     disk = await DiskTier.open(await config(tmp_path), block_size=BLOCK, fingerprint="model-a")
-    with gate(monkeypatch, "write") as g:
+    with gate(monkeypatch, "write_blocks") as g:
         writing = asyncio.create_task(disk.write([0, 1, 2, 3], src.addresses(range(4)), [BLOCK] * 4))
         await g.reached()
         closes = [asyncio.create_task(disk.aclose()) for _ in range(3)]

@@ -173,6 +173,8 @@ def test_store_benchmark_quick_prints_json_side_by_side() -> None:
     for row in tiers["disk"]:
         assert set(row["gb_per_s"]) == {"raw_write", "raw_read", "tier_write", "tier_read"}
         assert row["write_ratio"] > 0 and row["read_ratio"] > 0 and isinstance(row["direct_io"], bool)
+        assert set(row["cpu_us_per_block"]) == set(row["gb_per_s"])
+        assert all(cpu["user"] >= 0 and cpu["sys"] >= 0 for cpu in row["cpu_us_per_block"].values())
     assert tiers["reopen"]["blocks"] == 10_000 and tiers["reopen"]["reopen_s"] > 0
     assert set(tiers["prefix_load"]["ms"]) == {"combined", "disk_read_alone", "host_load_alone"}
     assert tiers["prefix_load"]["ratio_vs_sum_of_parts"] > 0

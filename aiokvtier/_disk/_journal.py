@@ -2,10 +2,17 @@
 
 One record per change, appended after the data it names was written (a put)
 or before its slot is reused (a drop). Each record carries its own CRC, so a
-record torn by a crash ends the replay there instead of being believed. A
-block whose data write did not complete before a crash has no record; a slot
+record torn by a crash is never believed: the replay cuts a torn tail off,
+and steps over damage inside the file to the next whole record. A block
+whose data write did not complete before a crash has no record; a slot
 overwritten after its record (a crash between a reuse's write and its drop)
 fails the checksum: both are misses, never wrong data.
+
+An append that fails (a short write, ENOSPC, EIO) is cut back off the file
+before the error is raised, so the next record follows the last whole one.
+Where even the cut fails, the journal takes no more records until it is
+opened again (the replay cuts the torn tail then): its blocks are still
+read, but nothing more is written.
 
 Drops are decided on the event loop and written by whichever I/O thread
 appends next: every append first writes the drops queued before it, so a
@@ -17,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import logging
 import os
 import struct
 import threading
@@ -25,6 +34,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 __all__ = ["Entry", "Journal", "decode_key", "encode_key"]
+
+log = logging.getLogger("aiokvtier")
 
 _HEAD = struct.Struct("<4sBQIQH")
 """magic, op, slot, length, checksum, key length; then the key, then a CRC32 of all of it."""
@@ -73,14 +84,23 @@ class Journal:
         self._end = os.fstat(self._fd).st_size
         self._reserved = 0
         """The file's space is allocated up to here (``reserve()``)."""
+        self.skipped = 0
+        """Bytes of damage inside the file the replay stepped over (the caller compacts the journal)."""
+        self.broken: str | None = None
+        """Why the journal takes no more records: an append failed and could not be cut back off."""
 
     def replay(self) -> dict[Key, Entry]:
-        """The blocks the journal vouches for; a torn or foreign tail is cut off."""
+        """The blocks the journal vouches for; a torn or foreign tail is cut off, damage before the
+        last whole record is stepped over (counted in ``skipped``)."""
         with open(self.path, "rb") as f:
             data = f.read()
         blocks: dict[Key, Entry] = {}
         end = 0
-        for op, slot, length, checksum, key, stop in _records(data):
+        for op, slot, length, checksum, key, start, stop in _records(data):
+            # Stepping over a lost record is safe: a lost put is a miss, and a lost drop brings back a
+            # block whose slot either a later record names (the later wins) or holds bytes that fail
+            # the block's checksum unless they are its own.
+            self.skipped += start - end
             end = stop
             self.records += 1
             # A key put again moves to the end: the order says which of two keys naming one slot is the later.
@@ -134,7 +154,12 @@ class Journal:
         # Under the lock even when none are queued: another thread may be writing the last ones, and a
         # slot they name must not be rewritten before they are on file.
         with self._lock:
+            self._refuse_if_broken()
             self._flush()
+
+    def _refuse_if_broken(self) -> None:
+        if self.broken is not None:
+            raise OSError(errno.EIO, f"the journal {self.path} takes no more records: {self.broken}")
 
     def _flush(self) -> None:
         # The queued drops in one write (a discard of many keys is one call, not one per key); a crash
@@ -149,12 +174,31 @@ class Journal:
                 raise
 
     def _append(self, records: bytes, count: int = 1) -> None:
-        # One write per call, O_APPEND: a crash leaves at most its end torn.
-        written = os.write(self._fd, records)
-        if written != len(records):
-            raise OSError(f"short journal write ({written} of {len(records)} bytes)")
+        # O_APPEND under the lock: a crash leaves at most the end torn, and the replay cuts it. A failed
+        # append is cut back here: a torn record left inside the file would hide the records after it.
+        self._refuse_if_broken()
+        view, done = memoryview(records), 0
+        try:
+            while done < len(records):  # a short write (a signal, the disk filling) goes on, or fails next
+                wrote = os.write(self._fd, view[done:])
+                if wrote <= 0:
+                    raise OSError(errno.EIO, f"a write to the journal {self.path} made no progress")
+                done += wrote
+        except BaseException as exc:
+            self._cut(exc)
+            raise
         self.records += count
-        self._end += written
+        self._end += done
+
+    def _cut(self, cause: BaseException) -> None:
+        """Take a failed append's bytes back off the file, or stop taking records."""
+        try:
+            if os.fstat(self._fd).st_size != self._end:
+                os.ftruncate(self._fd, self._end)
+                self._reserved = 0  # the cut freed the room reserve() had taken past the end
+        except OSError as exc:
+            self.broken = f"a failed append ({cause}) could not be cut back off ({exc})"
+            log.error("aiokvtier: the disk tier journal %s takes no more records: %s", self.path, self.broken)
 
     def rewrite(self, blocks: dict[Key, Entry]) -> None:
         """Replace the journal by one record per live block (atomic: a new file renamed over it).
@@ -177,6 +221,7 @@ class Journal:
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
         self.records = len(blocks)
         self._end, self._reserved = os.fstat(self._fd).st_size, 0
+        self.skipped, self.broken = 0, None  # a whole new file
 
     def sync(self) -> None:
         os.fsync(self._fd)
@@ -185,15 +230,21 @@ class Journal:
         os.close(self._fd)
 
 
-def _records(data: bytes) -> Iterator[tuple[int, int, int, int, bytes, int]]:
+def _records(data: bytes) -> Iterator[tuple[int, int, int, int, bytes, int, int]]:
+    """Each whole record's fields, start and end; past a bad one, the next magic that starts a whole record."""
     at, head, crc = 0, _HEAD.size, _CRC.size
     while at + head + crc <= len(data):
         magic, op, slot, length, checksum, klen = _HEAD.unpack_from(data, at)
         end = at + head + klen + crc
-        if magic != _MAGIC or op not in (_PUT, _DROP) or end > len(data):
+        if (
+            magic == _MAGIC
+            and op in (_PUT, _DROP)
+            and end <= len(data)
+            and zlib.crc32(data[at : end - crc]) == _CRC.unpack_from(data, end - crc)[0]
+        ):
+            yield op, slot, length, checksum, data[at + head : end - crc], at, end
+            at = end
+            continue
+        at = data.find(_MAGIC, at + 1)
+        if at < 0:
             return
-        (stored,) = _CRC.unpack_from(data, end - crc)
-        if zlib.crc32(data[at : end - crc]) != stored:
-            return
-        yield op, slot, length, checksum, data[at + head : end - crc], end
-        at = end

@@ -278,7 +278,14 @@ class DiskTier(Owner):
         self._free = sorted(set(range(self._fresh)) - set(owner), reverse=True)
         self._recovered = len(self._index)
         assert self._journal is not None
-        if self._journal.records > 2 * len(self._index) + 1024:
+        if self._journal.skipped:
+            log.warning(
+                "aiokvtier: disk tier %s stepped over %d damaged bytes in its journal",
+                self.directory,
+                self._journal.skipped,
+            )
+        # A damaged journal is rewritten whole: the damage would be stepped over again at every open.
+        if self._journal.skipped or self._journal.records > 2 * len(self._index) + 1024:
             try:
                 self._journal.rewrite(dict(self._index))
             except OSError as exc:  # a read-only directory, a full disk: the long journal still serves
@@ -452,10 +459,10 @@ class DiskTier(Owner):
         return None
 
     def _write_all(self, jobs: list[tuple[Key, int, int, int]]) -> list[int | Exception]:
-        """On an I/O thread: the drops queued before (an evicted block's among them), each block's data
-        and checksum, then one journal write with every written block's record (none is visible, nor
-        reported written, before the whole share settles: a record per block bought nothing but a
-        syscall each, with the threads queued on the journal)."""
+        """On an I/O thread: the drops queued before (an evicted block's among them), the blocks' data
+        (neighbouring slots in one call) and each block's checksum, then one journal write with every
+        written block's record (none is visible, nor reported written, before the whole share settles:
+        a record per block bought nothing but a syscall each, with the threads queued on the journal)."""
         data, journal = self._data, self._journal
         assert data is not None and journal is not None
         out: list[int | Exception] = []
@@ -466,13 +473,18 @@ class DiskTier(Owner):
             log.warning("aiokvtier: disk tier %s skipped %d blocks: %s", self.directory, len(jobs), _why(exc))
             return [exc] * len(jobs)
         written: list[tuple[Key, int, int, int]] = []
-        for key, address, length, slot in jobs:
-            try:
-                data.write(slot, address, length)  # first: memory the kernel cannot read is EFAULT, not a crash
-                checksum = _checksum(address, length)
-            except Exception as exc:  # this block is skipped; the rest of the share goes on
-                log.warning("aiokvtier: disk tier %s skipped a block: %s", self.directory, _why(exc))
-                out.append(exc)
+        # The data first (neighbouring slots in one call, hashed a run at a time as the calls return):
+        # memory the kernel cannot read is EFAULT, not a crash.
+        errors = data.write_blocks([(slot, address, length) for _, address, length, slot in jobs])
+        for (key, address, length, slot), error in zip(jobs, errors, strict=True):
+            if error is None:
+                try:
+                    checksum = _checksum(address, length)
+                except Exception as exc:
+                    error = exc
+            if error is not None:  # this block is skipped; the rest of the share goes on
+                log.warning("aiokvtier: disk tier %s skipped a block: %s", self.directory, _why(error))
+                out.append(error)
                 continue
             written.append((key, slot, length, checksum))
             out.append(checksum)
@@ -560,12 +572,11 @@ class DiskTier(Owner):
         data = self._data
         assert data is not None
         out: list[str] = []
-        for _, address, (slot, length, checksum) in jobs:
-            try:
-                data.read(slot, address, length)
-            except Exception as exc:
-                log.warning("aiokvtier: disk tier %s: a read failed: %s", self.directory, _why(exc))
-                file_error = isinstance(exc, OSError) and exc.errno != errno.EFAULT
+        errors = data.read_blocks([(slot, address, length) for _, address, (slot, length, _) in jobs])
+        for (_, address, (_, length, checksum)), error in zip(jobs, errors, strict=True):
+            if error is not None:
+                log.warning("aiokvtier: disk tier %s: a read failed: %s", self.directory, _why(error))
+                file_error = isinstance(error, OSError) and error.errno != errno.EFAULT
                 out.append("error" if file_error else "failed")
                 continue
             good = _checksum(address, length) == checksum
@@ -632,8 +643,8 @@ class DiskTier(Owner):
 
     async def _spread(self, fn: Any, jobs: list[Any], slot: Any) -> list[Any]:
         """Run ``fn`` over ``jobs`` on the I/O threads, each thread a run of neighbouring data slots
-        (``slot(job)``: the disk sees the ascending runs a plain loop would issue); returns one
-        outcome per job, in the order given.
+        (``slot(job)``: the disk sees ascending runs, and the slots that follow one another move in
+        one call); returns one outcome per job, in the order given.
 
         Returns only once every share has run (the memory is the threads' until then).
         """

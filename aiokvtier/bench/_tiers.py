@@ -7,7 +7,9 @@ threads: the baseline is ``pwritev``/``preadv`` of each block at its offset
 and nothing else, the limit of that disk for this access pattern; the tier
 adds its checksums, its journal and its index. Each timed arm starts with
 the disk settled (``os.sync`` and a pause), and which arm goes first
-alternates by round; medians are reported.
+alternates by round; medians are reported, with each arm's CPU time per
+block (the process's user and system time over the arm: its threads and
+the event loop).
 
 The prefix load goes to host memory and, where a CUDA device can be used,
 to GPU memory through a CopyEngine (``prefix_load_gpu``; otherwise it says
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -78,6 +81,7 @@ async def _one_size(directory: str, block: int, total: int, rounds: int) -> dict
         flags = os.O_RDWR | os.O_CREAT
         fd = os.open(raw_path, flags | (os.O_DIRECT if direct_ok(directory) else 0), 0o600)
         samples: dict[str, list[float]] = {k: [] for k in ("raw_write", "raw_read", "tier_write", "tier_read")}
+        cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in samples}
         try:
             os.ftruncate(fd, n * block)
             with ThreadPoolExecutor(THREADS, thread_name_prefix="aiokvtier-bench-io") as pool:
@@ -85,31 +89,33 @@ async def _one_size(directory: str, block: int, total: int, rounds: int) -> dict
                     direct = disk.statistics().direct_io
                     loop = asyncio.get_running_loop()
 
-                    async def raw(addresses: list[int], write: bool) -> float:
+                    async def raw(addresses: list[int], write: bool) -> tuple[float, float, float]:
                         await _settle()
-                        return await loop.run_in_executor(None, _raw_round, pool, fd, addresses, block, write)
+                        used = _cpu()
+                        elapsed = await loop.run_in_executor(None, _raw_round, pool, fd, addresses, block, write)
+                        return elapsed, *_cpu_since(used)
 
-                    async def tier_write(keys: list[bytes]) -> float:
+                    async def tier_write(keys: list[bytes]) -> tuple[float, float, float]:
                         await _settle()
-                        started = time.perf_counter()
+                        used, started = _cpu(), time.perf_counter()
                         written = await disk.write(keys, src_addresses, [block] * n)
                         elapsed = time.perf_counter() - started
                         assert len(written) == n, "the disk tier skipped blocks: is the disk full?"
-                        return elapsed
+                        return elapsed, *_cpu_since(used)
 
-                    async def tier_read(keys: list[bytes]) -> float:
+                    async def tier_read(keys: list[bytes]) -> tuple[float, float, float]:
                         await _settle()
-                        started = time.perf_counter()
+                        used, started = _cpu(), time.perf_counter()
                         ok = await disk.read(keys, dst_addresses)
                         elapsed = time.perf_counter() - started
                         assert all(ok)
-                        return elapsed
+                        return elapsed, *_cpu_since(used)
 
                     for r in range(rounds + 1):
                         keys_b = [f"{r}:{i}".encode() for i in range(n)]
                         # Which arm goes first alternates: the second of two back-to-back writes runs while
                         # the disk still drains the first (it measured 5-10% slower on the VM either way).
-                        times: dict[str, float] = {}
+                        times: dict[str, tuple[float, float, float]] = {}
                         for name in ("raw_write", "tier_write")[:: 1 if r % 2 else -1]:
                             write_arm = raw(src_addresses, True) if name == "raw_write" else tier_write(keys_b)
                             times[name] = await write_arm
@@ -118,8 +124,9 @@ async def _one_size(directory: str, block: int, total: int, rounds: int) -> dict
                             times[name] = await read_arm
                         disk.discard(keys_b)
                         if r:  # the first round warms the files and the threads
-                            for name, elapsed in times.items():
+                            for name, (elapsed, user, system) in times.items():
                                 samples[name].append(elapsed)
+                                cpu[name].append((user, system))
                     for slot_a, slot_b in zip(src[:4], dst[:4], strict=True):
                         assert bytes(tier.view(slot_a)) == bytes(tier.view(slot_b)), "a block came back wrong"
         finally:
@@ -133,10 +140,28 @@ async def _one_size(directory: str, block: int, total: int, rounds: int) -> dict
         "gb_per_s": gbps,
         "write_ratio": round(gbps["tier_write"] / gbps["raw_write"], 3),
         "read_ratio": round(gbps["tier_read"] / gbps["raw_read"], 3),
+        "cpu_us_per_block": {
+            k: {
+                "user": round(median([u for u, _ in v]) / n * 1e6, 2),
+                "sys": round(median([y for _, y in v]) / n * 1e6, 2),
+            }
+            for k, v in cpu.items()
+        },
     }
 
 
 SETTLE_S = 0.2
+
+
+def _cpu() -> tuple[float, float]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
+
+
+def _cpu_since(before: tuple[float, float]) -> tuple[float, float]:
+    """The process's user and system seconds since ``before``."""
+    user, system = _cpu()
+    return user - before[0], system - before[1]
 
 
 async def _settle() -> None:
