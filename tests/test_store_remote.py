@@ -258,6 +258,40 @@ async def test_cancelled_loads_stores_and_lookups_leave_nothing_claimed(master: 
     await wait_no_library_threads(15)
 
 
+def lookup_counts(store: BlockStore) -> tuple[int, ...]:
+    s = store.statistics()
+    return (s.queries, s.hits, s.disk_hits, s.remote_hits, s.misses)
+
+
+async def test_a_cancelled_lookup_remote_counts_nothing(master: Master) -> None:
+    keys = [b"q%d" % i for i in range(6)]
+    async with remote_store(master.config(), unique("counted"), admit_after=1) as (store, _):
+        await admit(store, keys[1:5])
+        await push_out(store)
+        await store.store([keys[0]], [page(0)])  # host, Mooncake x4, nowhere
+        before = lookup_counts(store)
+        task = asyncio.ensure_future(store.lookup_remote(keys))
+        await asyncio.sleep(0)  # on its way: the Mooncake tier asked
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert lookup_counts(store) == before  # no misses for keys it never answered about
+        answered = 0
+        for delay in (0.0, 0.0002, 0.001, 0.003, 0.01, 0.05, 5.0):
+            before = lookup_counts(store)
+            try:
+                found = await asyncio.wait_for(store.lookup_remote(keys), delay)
+            except TimeoutError:
+                assert lookup_counts(store) == before, delay
+                continue
+            assert found == 5
+            delta = tuple(a - b for a, b in zip(lookup_counts(store), before, strict=True))
+            assert delta == (1, 1, 0, 4, 1), delay  # one query: host, Mooncake x4, a miss
+            answered += 1
+        assert answered  # the longest delay at least
+        store.check_invariants(sole_user=True)
+
+
 async def test_a_mooncake_tier_that_does_not_fit_is_refused_and_changes_nothing(master: Master, tmp_path: Path) -> None:
     disk_config = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=tmp_path)
     async with (
