@@ -292,6 +292,41 @@ async def test_a_cancelled_lookup_remote_counts_nothing(master: Master) -> None:
         store.check_invariants(sole_user=True)
 
 
+async def test_a_load_cancelled_while_a_late_get_may_write_keeps_its_slots_until_it_returned(master: Master) -> None:
+    keys = [b"late%d" % i for i in range(32)]
+    fresh = [b"fresh%d" % i for i in range(32)]
+    fingerprint = unique("late-cancel")
+    caught = 0
+    async with remote_store(master.config(), fingerprint, slots=32, admit_after=1) as (writer, _):
+        await admit(writer, keys)
+        for _ in range(4):
+            # A reader whose gets all pass their timeout: each returns later, writing into the slots it was
+            # given (and whose tier, unavailable after the first, is made anew for the next attempt).
+            async with (
+                HostTier(host_config(32)) as tier,
+                MooncakeTier(master.config(timeout=0.0001), block_size=SLOT, fingerprint=fingerprint) as remote,
+                BlockStore(tier, remote=remote) as reader,
+            ):
+                await tier.wait_resident()
+                loading = asyncio.ensure_future(load_pages(reader, keys))
+                await eventually(lambda: loading.done() or remote.statistics().held_calls > 0, 30)  # noqa: B023
+                caught += not loading.done()
+                loading.cancel()  # while a get past its timeout may still write into the slots
+                with contextlib.suppress(asyncio.CancelledError, BlockNotFound):
+                    await loading
+                # the load gave its slots back only once the get returned (to the store below, say)
+                assert remote.statistics().held_calls == 0
+                assert tier.statistics().slots_allocated == len(reader)
+                await reader.store(fresh, [page(600 + i) for i in range(32)])
+                assert all(k in reader for k in fresh)
+                assert await load_pages(reader, fresh) == [page(600 + i) for i in range(32)]  # no late write
+                reader.check_invariants(sole_user=True)
+            if caught >= 2:
+                break
+    assert caught  # a cancellation came while a get was held
+    await wait_no_library_threads(15)
+
+
 async def test_a_mooncake_tier_that_does_not_fit_is_refused_and_changes_nothing(master: Master, tmp_path: Path) -> None:
     disk_config = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=tmp_path)
     async with (
