@@ -511,6 +511,25 @@ async def test_read_into_takes_a_block_of_any_size_up_to_its_room_and_unregister
     await wait_no_library_threads()
 
 
+async def test_a_register_cancelled_while_mooncake_registers_is_recorded_and_unregistered(master: Master) -> None:
+    memory = Pages(64)
+    async with open_tier(master.config(), unique("register")) as tier:
+        for _ in range(3):
+            registering = asyncio.ensure_future(tier.register(memory.base, memory.size))
+            await asyncio.sleep(0)  # the client registers it on the tier's thread
+            registering.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await registering
+            # done all the same: the tier knows it (it would never unregister it else), and lets it go
+            assert tier.statistics().registered_bytes == memory.size
+            with pytest.raises(ValueError, match="overlaps memory already registered"):
+                await tier.register(memory.base, memory.size)
+            await tier.unregister(memory.base)
+            assert tier.statistics().registered_bytes == 0
+        await tier.register(memory.base, memory.size)  # unregistered at close
+    await wait_no_library_threads()
+
+
 class RefusingUnregister:
     """The client, refusing to unregister memory once (the code Mooncake returns for a failure)."""
 
