@@ -327,6 +327,35 @@ async def test_a_load_cancelled_while_a_late_get_may_write_keeps_its_slots_until
     await wait_no_library_threads(15)
 
 
+async def test_an_open_cancelled_while_it_registers_the_slots_leaves_nothing_registered(master: Master) -> None:
+    async with (
+        HostTier(host_config()) as tier,
+        MooncakeTier(master.config(), block_size=SLOT, fingerprint=unique("open-cancel")) as remote,
+    ):
+        await tier.wait_resident()
+        cancelled = opened = 0
+        delays = [0.0, 0.0, *(0.0001 * 1.5**i for i in range(30))]
+        for delay in delays:  # cancelled ever later, until the open is done first
+            opening = asyncio.ensure_future(BlockStore.open(tier, remote=remote))
+            await asyncio.sleep(delay)
+            opening.cancel()
+            try:
+                store = await opening
+            except asyncio.CancelledError:
+                cancelled += 1
+            else:
+                opened += 1
+                await store.aclose()
+            assert remote.statistics().registered_bytes == 0, delay  # the slots are not left registered
+            assert tier.statistics().slots_allocated == 0
+            if opened >= 3:
+                break
+        assert cancelled and opened
+        async with BlockStore(tier, remote=remote):  # and a store opens over them again
+            assert remote.statistics().registered_bytes == 16 * SLOT
+        assert remote.statistics().registered_bytes == 0
+
+
 async def test_a_mooncake_tier_that_does_not_fit_is_refused_and_changes_nothing(master: Master, tmp_path: Path) -> None:
     disk_config = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=tmp_path)
     async with (
