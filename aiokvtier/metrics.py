@@ -171,7 +171,7 @@ _STORE_GAUGES: _Figures = (
     ("aiokvtier_store_event_subscribers", "Event subscriptions alive.", lambda s: s.subscribers),
 )
 _STORE_COUNTERS: _Figures = (
-    ("aiokvtier_store_queries", "lookup calls.", lambda s: s.queries),
+    ("aiokvtier_store_queries", "lookup and lookup_remote calls that answered.", lambda s: s.queries),
     ("aiokvtier_store_hits", "Keys lookup matched (the stored prefix).", lambda s: s.hits),
     ("aiokvtier_store_misses", "Keys lookup was asked beyond the stored prefix.", lambda s: s.misses),
     ("aiokvtier_store_stores", "Blocks stored.", lambda s: s.stores),

@@ -311,6 +311,59 @@ def test_unlocking_what_was_never_locked_changes_nothing(adapters: Callable[[dic
     adapter.check_invariants()
 
 
+class Calling(Listener):
+    """A listener that calls the adapter back from where LMCache tells it: the adapter's loop thread."""
+
+    def __init__(self, adapter: Any, calls: dict[str, Callable[[], Any]]) -> None:
+        super().__init__()
+        self.calls = calls
+        self.answers: dict[str, Any] = {}
+        self.thread = ""
+        adapter.register_listener(self)
+
+    def on_l2_keys_stored(self, keys: list[Any], sizes: list[int]) -> None:
+        super().on_l2_keys_stored(keys, sizes)
+        self.thread = threading.current_thread().name
+        for name, call in self.calls.items():
+            try:
+                self.answers[name] = call()
+            except Exception as exc:
+                self.answers[name] = exc
+
+
+LOOP_THREAD = "would wait for that loop forever"
+
+
+@pytest.mark.timeout(60)
+def test_a_listener_on_the_loop_thread_reads_and_deletes_without_waiting_for_itself(
+    adapters: Callable[[dict[str, Any]], Any],
+) -> None:
+    adapter = adapters({"quota": "1MiB", "slot_size": SLOT})
+    store(adapter, [key(0)], [random_obj(4096)])
+    listener = Calling(
+        adapter,
+        {
+            "statistics": adapter.statistics,
+            "report_status": adapter.report_status,
+            "check_invariants": adapter.check_invariants,
+            "delete": lambda: adapter.delete([key(0)]),
+            "close": adapter.close,
+        },
+    )
+    assert store(adapter, [key(1)], [random_obj(4096, seed=1)]).is_successful()
+    answers = listener.answers
+    assert listener.thread == "aiokvtier-lmcache"
+    assert answers["statistics"].blocks == 2 and answers["statistics"].stores == 2
+    assert answers["report_status"]["is_healthy"] is True and answers["report_status"]["blocks"] == 2
+    assert answers["check_invariants"] is None and answers["delete"] is None
+    assert listener.deleted == [key(0)]  # done, and told, before delete() returned
+    assert isinstance(answers["close"], RuntimeError) and LOOP_THREAD in str(answers["close"])
+    assert lookup(adapter, [key(0), key(1)]) == [False, True]  # the refused close closed nothing
+    adapter.submit_unlock([key(1)])
+    adapter.check_invariants()
+    assert adapter.statistics().blocks == 1
+
+
 # -- close and cancellation ------------------------------------------------------------
 
 
@@ -425,6 +478,44 @@ def test_close_mid_transfer_leaves_nothing_claimed_in_the_pool(
         loaded = load(b, [key(i) for i in range(24)], outs)
         assert all(loaded[i] for i in range(24) if found[i])  # what is visible is whole
         assert all(same_bytes(objs[i], outs[i]) for i in range(24) if loaded[i])
+
+
+@pytest.mark.timeout(60)
+def test_a_listener_on_the_loop_thread_is_refused_what_a_pool_answers_later(
+    pool_owner: PoolOwner, adapters: Callable[[dict[str, Any]], Any]
+) -> None:
+    adapter = adapters({"pool": pool_owner.pool.path})
+    listener = Calling(
+        adapter,
+        {
+            "report_status": adapter.report_status,
+            "delete": lambda: adapter.delete([key(0)]),
+            "statistics": adapter.statistics,
+            "close": adapter.close,
+        },
+    )
+    assert store(adapter, [key(0)], [random_obj(4096)]).is_successful()
+    answers = listener.answers
+    for name in ("report_status", "delete", "close"):
+        assert isinstance(answers[name], RuntimeError) and f"{name}() was called" in str(answers[name]), name
+        assert LOOP_THREAD in str(answers[name])
+    assert answers["statistics"] is None  # a pool's adapter has no store figures: nothing to wait for
+    assert lookup(adapter, [key(0)]) == [True] and listener.deleted == []  # nothing deleted, nothing closed
+    assert adapter.report_status()["blocks"] == 1  # from another thread: answered
+
+
+def test_report_status_in_flight_when_close_comes_is_cancelled_with_it(pool_owner: PoolOwner) -> None:
+    adapter = build({"pool": pool_owner.pool.path})
+    answers: list[Any] = []
+    reporting = threading.Thread(target=lambda: answers.append(adapter.report_status()))
+    pool_owner.loop.call_soon_threadsafe(time.sleep, 1.0)  # the owner answers nothing for a second
+    reporting.start()
+    time.sleep(0.2)  # the report waits for the owner's figures
+    adapter.close()  # cancels it with the rest: nothing of the adapter runs on after close
+    reporting.join(10)
+    assert not reporting.is_alive(), "report_status never returned after close"
+    assert answers == [{"is_healthy": False, "type": "AiokvtierL2Adapter", "closed": True}]
+    assert adapter_threads() == 0
 
 
 # -- configuration errors ----------------------------------------------------------------

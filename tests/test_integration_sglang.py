@@ -342,6 +342,49 @@ def test_a_lost_pool_is_a_miss_until_its_owner_is_back(tmp_path: Path, caplog: p
     assert sglang_threads() == []
 
 
+@pytest.mark.timeout(60)
+def test_calls_on_the_storages_loop_thread_raise_instead_of_hanging(tmp_path: Path) -> None:
+    path = str(tmp_path / "pool.sock")
+    owner = start_owner(path)
+    host = make_host_pool()
+    storage = make_storage(host, {"pool": path})
+    keys = keys_of("here", 2)
+    answers: dict[str, Any] = {}
+
+    class Calling(logging.Handler):
+        """A handler of the lost pool's warning, logged on the storage's loop thread."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if "L3 misses until a pool serves" not in record.getMessage():
+                return
+            answers["thread"] = threading.current_thread().name
+            calls = (("statistics", storage.statistics), ("batch_exists", lambda: storage.batch_exists(keys)))
+            for name, call in (*calls, ("close", storage.close)):
+                try:
+                    answers[name] = call()
+                except Exception as exc:
+                    answers[name] = exc
+
+    handler = Calling(logging.WARNING)
+    logger = logging.getLogger("aiokvtier")
+    logger.addHandler(handler)
+    try:
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while "close" not in answers and time.monotonic() < deadline:
+            storage.batch_exists(keys)  # a call that finds the connection gone
+            time.sleep(0.01)
+        assert answers.get("thread") == "aiokvtier-sglang"
+        for name in ("statistics", "batch_exists", "close"):
+            assert isinstance(answers[name], RuntimeError) and "its own loop's thread" in str(answers[name]), name
+        assert not storage.closed and storage.batch_exists(keys) == 0  # the refused close closed nothing
+    finally:
+        logger.removeHandler(handler)
+        storage.close()
+    assert sglang_threads() == []
+
+
 def test_dp_replicas_share_pages_and_so_do_mla_tp_ranks(pool_path: str) -> None:
     """Data-parallel replicas hold the same shards: they share. MLA's KV is the same on every TP rank:
     those share too. MHA's TP ranks hold different heads: they do not."""

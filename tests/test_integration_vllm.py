@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -288,6 +289,42 @@ def test_submissions_from_another_thread_and_wait() -> None:
         assert result.success
         assert worker.get_finished() == []
     finally:
+        worker.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_wait_and_shutdown_on_the_workers_loop_thread_raise_instead_of_hanging() -> None:
+    worker = OffloadingSpecFactory.create_spec(offloading_config()).get_worker(kv_caches(seed=5))
+    answers: dict[str, Any] = {}
+
+    class Calling(logging.Handler):
+        """A handler of the failure a job logs, on the thread the job ran on: the worker's loop thread."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            answers["thread"] = threading.current_thread().name
+            for name, call in (("wait", lambda: worker.wait({1})), ("shutdown", worker.shutdown)):
+                try:
+                    answers[name] = call()
+                except Exception as exc:
+                    answers[name] = exc
+
+    handler = Calling(logging.ERROR)
+    logger = logging.getLogger("aiokvtier.integrations.vllm")
+    logger.addHandler(handler)
+    try:
+        assert worker.submit_load(1, CPULoadStoreSpec([5]), gpu_spec([0]))  # a chunk never stored: it fails
+        (result,) = finish(worker, {1})
+        assert not result.success and answers["thread"] == "aiokvtier-vllm"
+        for name in ("wait", "shutdown"):
+            assert isinstance(answers[name], RuntimeError), name
+            assert f"{name}() was called on the worker's own loop thread" in str(answers[name])
+        logger.removeHandler(handler)
+        # the refused shutdown shut nothing down
+        assert worker.submit_load(2, CPULoadStoreSpec([5]), gpu_spec([0]))
+        worker.wait({2})
+        assert [r.job_id for r in finish(worker, {2})] == [2]
+    finally:
+        logger.removeHandler(handler)
         worker.shutdown()
 
 

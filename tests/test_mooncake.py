@@ -523,6 +523,25 @@ async def test_read_into_takes_a_block_of_any_size_up_to_its_room_and_unregister
     await wait_no_library_threads()
 
 
+async def test_a_register_cancelled_while_mooncake_registers_is_recorded_and_unregistered(master: Master) -> None:
+    memory = Pages(64)
+    async with open_tier(master.config(), unique("register")) as tier:
+        for _ in range(3):
+            registering = asyncio.ensure_future(tier.register(memory.base, memory.size))
+            await asyncio.sleep(0)  # the client registers it on the tier's thread
+            registering.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await registering
+            # done all the same: the tier knows it (it would never unregister it else), and lets it go
+            assert tier.statistics().registered_bytes == memory.size
+            with pytest.raises(ValueError, match="overlaps memory already registered"):
+                await tier.register(memory.base, memory.size)
+            await tier.unregister(memory.base)
+            assert tier.statistics().registered_bytes == 0
+        await tier.register(memory.base, memory.size)  # unregistered at close
+    await wait_no_library_threads()
+
+
 class RefusingUnregister(Wrapped):
     """While active, refuses to unregister memory once (the code Mooncake returns for a failure)."""
 
@@ -548,6 +567,49 @@ async def test_an_unregister_mooncake_refuses_keeps_the_memory_registered_and_sa
         assert tier.statistics().registered_bytes == src.size + dst.size  # still in the books
         await tier.unregister(dst.base)  # the second time Mooncake lets go
         assert tier.statistics().registered_bytes == src.size
+    await wait_no_library_threads()
+
+
+class SlowRefusal(RefusingUnregister):
+    """While active, refuses to unregister once, after ``gate`` is set (the caller is cancelled first)."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.gate = gate
+        self.unregistered: list[int] = []
+
+    def unregister_buffer(self, address: int) -> Any:
+        if self.active and self.refuse:
+            self.gate.wait(30)
+        code = super().unregister_buffer(address)
+        if code == 0:
+            self.unregistered.append(address)
+        return code
+
+
+async def test_an_unregister_cancelled_while_mooncake_refuses_stays_booked_and_the_close_lets_it_go(
+    master: Master,
+) -> None:
+    src, dst = Pages(1), Pages(1)
+    gate = threading.Event()
+    refusing = SlowRefusal(gate)
+    try:
+        async with open_tier(master.config(), unique("unreg-cancel"), src, wrap_client=refusing) as tier:
+            await tier.register(dst.base, dst.size)
+            refusing.active = True
+            unregistering = asyncio.ensure_future(tier.unregister(dst.base))
+            await asyncio.sleep(0.05)  # Mooncake is asked, on the tier's thread
+            unregistering.cancel()
+            gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                await unregistering
+            # still registered with Mooncake: still in the books, refused again as a second registration
+            assert tier.statistics().registered_bytes == src.size + dst.size
+            with pytest.raises(ValueError, match="overlaps memory already registered"):
+                await tier.register(dst.base, dst.size)
+        assert dst.base in refusing.unregistered  # the close let it go
+    finally:
+        gate.set()
     await wait_no_library_threads()
 
 

@@ -258,6 +258,104 @@ async def test_cancelled_loads_stores_and_lookups_leave_nothing_claimed(master: 
     await wait_no_library_threads(15)
 
 
+def lookup_counts(store: BlockStore) -> tuple[int, ...]:
+    s = store.statistics()
+    return (s.queries, s.hits, s.disk_hits, s.remote_hits, s.misses)
+
+
+async def test_a_cancelled_lookup_remote_counts_nothing(master: Master) -> None:
+    keys = [b"q%d" % i for i in range(6)]
+    async with remote_store(master.config(), unique("counted"), admit_after=1) as (store, _):
+        await admit(store, keys[1:5])
+        await push_out(store)
+        await store.store([keys[0]], [page(0)])  # host, Mooncake x4, nowhere
+        before = lookup_counts(store)
+        task = asyncio.ensure_future(store.lookup_remote(keys))
+        await asyncio.sleep(0)  # on its way: the Mooncake tier asked
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert lookup_counts(store) == before  # no misses for keys it never answered about
+        answered = 0
+        for delay in (0.0, 0.0002, 0.001, 0.003, 0.01, 0.05, 5.0):
+            before = lookup_counts(store)
+            try:
+                found = await asyncio.wait_for(store.lookup_remote(keys), delay)
+            except TimeoutError:
+                assert lookup_counts(store) == before, delay
+                continue
+            assert found == 5
+            delta = tuple(a - b for a, b in zip(lookup_counts(store), before, strict=True))
+            assert delta == (1, 1, 0, 4, 1), delay  # one query: host, Mooncake x4, a miss
+            answered += 1
+        assert answered  # the longest delay at least
+        store.check_invariants(sole_user=True)
+
+
+async def test_a_load_cancelled_while_a_late_get_may_write_keeps_its_slots_until_it_returned(master: Master) -> None:
+    keys = [b"late%d" % i for i in range(32)]
+    fresh = [b"fresh%d" % i for i in range(32)]
+    fingerprint = unique("late-cancel")
+    caught = 0
+    async with remote_store(master.config(), fingerprint, slots=32, admit_after=1) as (writer, _):
+        await admit(writer, keys)
+        for _ in range(4):
+            # A reader whose gets all pass their timeout: each returns later, writing into the slots it was
+            # given (and whose tier, unavailable after the first, is made anew for the next attempt).
+            async with (
+                HostTier(host_config(32)) as tier,
+                MooncakeTier(master.config(timeout=0.0001), block_size=SLOT, fingerprint=fingerprint) as remote,
+                BlockStore(tier, remote=remote) as reader,
+            ):
+                await tier.wait_resident()
+                loading = asyncio.ensure_future(load_pages(reader, keys))
+                await eventually(lambda: loading.done() or remote.statistics().held_calls > 0, 30)  # noqa: B023
+                caught += not loading.done()
+                loading.cancel()  # while a get past its timeout may still write into the slots
+                with contextlib.suppress(asyncio.CancelledError, BlockNotFound):
+                    await loading
+                # the load gave its slots back only once the get returned (to the store below, say)
+                assert remote.statistics().held_calls == 0
+                assert tier.statistics().slots_allocated == len(reader)
+                await reader.store(fresh, [page(600 + i) for i in range(32)])
+                assert all(k in reader for k in fresh)
+                assert await load_pages(reader, fresh) == [page(600 + i) for i in range(32)]  # no late write
+                reader.check_invariants(sole_user=True)
+            if caught >= 2:
+                break
+    assert caught  # a cancellation came while a get was held
+    await wait_no_library_threads(15)
+
+
+async def test_an_open_cancelled_while_it_registers_the_slots_leaves_nothing_registered(master: Master) -> None:
+    async with (
+        HostTier(host_config()) as tier,
+        MooncakeTier(master.config(), block_size=SLOT, fingerprint=unique("open-cancel")) as remote,
+    ):
+        await tier.wait_resident()
+        cancelled = opened = 0
+        delays = [0.0, 0.0, *(0.0001 * 1.5**i for i in range(30))]
+        for delay in delays:  # cancelled ever later, until the open is done first
+            opening = asyncio.ensure_future(BlockStore.open(tier, remote=remote))
+            await asyncio.sleep(delay)
+            opening.cancel()
+            try:
+                store = await opening
+            except asyncio.CancelledError:
+                cancelled += 1
+            else:
+                opened += 1
+                await store.aclose()
+            assert remote.statistics().registered_bytes == 0, delay  # the slots are not left registered
+            assert tier.statistics().slots_allocated == 0
+            if opened >= 3:
+                break
+        assert cancelled and opened
+        async with BlockStore(tier, remote=remote):  # and a store opens over them again
+            assert remote.statistics().registered_bytes == 16 * SLOT
+        assert remote.statistics().registered_bytes == 0
+
+
 async def test_a_mooncake_tier_that_does_not_fit_is_refused_and_changes_nothing(master: Master, tmp_path: Path) -> None:
     disk_config = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=tmp_path)
     async with (

@@ -262,7 +262,9 @@ class MooncakeTier(Owner):
     async def register(self, address: int, size: int) -> None:
         """Register ``size`` bytes at ``address`` for transfers; unregistered at close.
 
-        Runs on the tier's thread (registering pins and maps the memory).
+        Runs on the tier's thread (registering pins and maps the memory). A cancellation is
+        delivered once Mooncake answered, the memory then registered and recorded as it would be
+        without one (``unregister()`` or the close lets it go).
 
         :raises ValueError: not positive, or it overlaps memory registered before.
         :raises MooncakeError: Mooncake refused it.
@@ -274,12 +276,17 @@ class MooncakeTier(Owner):
         i = bisect.bisect_left(self._starts, address)
         if (i > 0 and self._ends[i - 1] > address) or (i < len(self._starts) and self._starts[i] < address + size):
             raise ValueError(f"[{address:#x}, +{size}) overlaps memory already registered with this tier")
-        code = await self._life.run(self._client.register_buffer, address, size)
+        registering = self._life.submit(self._client.register_buffer, address, size)
+        try:
+            code = await finish(registering)
+        finally:  # booked also when cancelled: memory Mooncake registered that the books lack is never let go
+            if _answer(registering) == 0:
+                i = bisect.bisect_left(self._starts, address)
+                self._starts.insert(i, address)
+                self._ends.insert(i, address + size)
+                self._life.undo.callback(self._unregister, address)
         if code != 0:
             raise MooncakeError(f"Mooncake refused to register {size} bytes at {address:#x} (code {code})")
-        self._starts.insert(i, address)
-        self._ends.insert(i, address + size)
-        self._life.undo.callback(self._unregister, address)
 
     async def unregister(self, address: int) -> None:
         """Unregister the memory ``register()`` registered at ``address``, before the tier closes.
@@ -299,11 +306,15 @@ class MooncakeTier(Owner):
         if any(start < end and address < start + n for start, n in [*using, *self.held]):
             raise ValueError(f"[{address:#x}, +{end - address}) is used by a call that has not returned")
         del self._starts[i], self._ends[i]  # refused from now on, before the await
-        code = await finish(self._life.submit(self._client.unregister_buffer, address))
-        if code != 0:  # still registered: back in the books, so the close tries it again
-            j = bisect.bisect_left(self._starts, address)
-            self._starts.insert(j, address)
-            self._ends.insert(j, end)
+        unregistering = self._life.submit(self._client.unregister_buffer, address)
+        try:
+            code = await finish(unregistering)
+        finally:  # still registered (also when cancelled): back in the books, so the close tries it again
+            if _answer(unregistering) != 0:
+                j = bisect.bisect_left(self._starts, address)
+                self._starts.insert(j, address)
+                self._ends.insert(j, end)
+        if code != 0:
             raise MooncakeError(f"Mooncake refused to unregister the memory at {address:#x} (code {code})")
 
     def _unregister(self, address: int) -> None:
@@ -721,6 +732,13 @@ class MooncakeTier(Owner):
     async def __aenter__(self) -> Self:
         """Open the tier (see ``open()``)."""
         return await super().__aenter__()
+
+
+def _answer(future: asyncio.Future[int]) -> int | None:
+    """A finished client call's return code; None where it raised (or is not done)."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return None
+    return future.result()
 
 
 def _set_up_into(config: MooncakeTierConfig, box: list[Any]) -> Any:

@@ -84,11 +84,11 @@ class StoreStatistics:
     capacity: int
     """The tier's slot count."""
     queries: int
-    """``lookup`` calls."""
+    """``lookup`` and ``lookup_remote`` calls that answered (a cancelled one counts nothing here or below)."""
     hits: int
     """Keys matched by ``lookup`` (the stored prefix)."""
     misses: int
-    """Keys asked of ``lookup`` beyond the stored prefix."""
+    """Keys asked of ``lookup`` beyond the stored prefix (of ``lookup_remote``: beyond the prefix any tier holds)."""
     stores: int
     """Blocks stored."""
     present: int
@@ -408,9 +408,9 @@ class BlockStore(Owner):
         """
         self._check_open()
         keys = key_seq(keys)
-        found = self._lookup_local(keys)
-        self._counts["misses"] += len(keys) - found
-        return found
+        hits, disk_hits = self._lookup_local(keys)
+        self._count_lookup(len(keys), hits, disk_hits, 0)
+        return hits + disk_hits
 
     async def lookup_remote(self, keys: Sequence[object]) -> int:
         """``lookup``, then the Mooncake tier: how many leading keys some tier holds (a ``load`` of
@@ -419,37 +419,42 @@ class BlockStore(Owner):
         The Mooncake tier is asked about the keys past the local prefix that neither the host nor
         the disk tier holds, in one call bounded by its ``timeout``; while it is unavailable (or
         without one) this is ``lookup``. A block found there may be gone by the ``load``: a
-        ``BlockNotFound`` then. Cancellation: nothing to undo (nothing is claimed).
+        ``BlockNotFound`` then. Cancellation: nothing to undo (nothing is claimed), and a call
+        that is cancelled (or fails) counts nothing in the statistics: they count the keys of
+        the calls that answered (the host tier's prefix may have been touched all the same).
 
         :raises TypeError: a key is not bytes-like or an int (a bool, a str).
         :raises TierClosedError: the store is closed.
         """
         self._check_open()
         keys = key_seq(keys)
-        found = self._lookup_local(keys)
+        hits, disk_hits = self._lookup_local(keys)
+        found = hits + disk_hits
         more = 0
-        try:
-            if self._spill is not None and found < len(keys):
-                more = await self._spill.remote_more(keys, found)
-        finally:
-            self._counts["remote_hits"] += more
-            self._counts["misses"] += len(keys) - found - more
+        if self._spill is not None and found < len(keys):
+            more = await self._spill.remote_more(keys, found)
+        self._count_lookup(len(keys), hits, disk_hits, more)
         return found + more
 
-    def _lookup_local(self, keys: Sequence[Key]) -> int:
-        """The prefix found in the host tier, then on through the disk tier; counted, misses aside."""
+    def _lookup_local(self, keys: Sequence[Key]) -> tuple[int, int]:
+        """The prefix found in the host tier (touched), then on through the disk tier: the two lengths."""
         index = self._index
         slots = index.slots(keys)
         misses = np.flatnonzero(~index.ready(slots))
         hits = int(misses[0]) if misses.size else len(keys)
         if hits:
             index.policy.accessed(slots[:hits])
+        more = 0 if self._spill is None else self._spill.lookup_more(keys, hits)
+        return hits, more
+
+    def _count_lookup(self, asked: int, hits: int, disk_hits: int, remote_hits: int) -> None:
+        """Count a lookup once it answered: a cancelled or failed one counts nothing."""
         counts = self._counts
         counts["queries"] += 1
         counts["hits"] += hits
-        more = 0 if self._spill is None else self._spill.lookup_more(keys, hits)
-        counts["disk_hits"] += more
-        return hits + more
+        counts["disk_hits"] += disk_hits
+        counts["remote_hits"] += remote_hits
+        counts["misses"] += asked - hits - disk_hits - remote_hits
 
     def statistics(self) -> StoreStatistics:
         c = self._counts

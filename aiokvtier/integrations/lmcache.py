@@ -10,7 +10,11 @@ and keeps a ``BlockStore`` over a ``HostTier`` there (or, with ``"pool"``,
 an ``AttachedPool``). LMCache's controller threads submit tasks with
 ``run_coroutine_threadsafe`` / ``call_soon_threadsafe`` and never wait for
 the loop; each finished task is recorded under a lock and its eventfd is
-signalled. A memory object's bytes move by address (``MemoryObj.byte_array``
+signalled. LMCache's listeners are told on the loop's thread: a listener
+that calls back ``statistics``, ``report_status``, ``check_invariants`` or
+``delete`` is answered there over a host tier, and what would wait for the
+loop from its own thread (``close``; over a pool, ``report_status`` and
+``delete``) raises ``RuntimeError`` rather than hang. A memory object's bytes move by address (``MemoryObj.byte_array``
 is a view of LMCache's L1 buffer): one ``memmove`` into the tier slot on a
 store, one out of it on a load.
 
@@ -33,7 +37,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -61,6 +65,8 @@ LMCACHE_VERSION = "0.5.6"
 """The LMCache release whose ``L2AdapterInterface`` this module implements."""
 
 log = logging.getLogger("aiokvtier")
+
+T = TypeVar("T")
 
 _POLICIES = ("lru", "s3fifo")
 _PREFIXES_MAX = 4096  # (model, rank, group, salt) prefixes kept; salts may be per user
@@ -345,30 +351,52 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         """Drop blocks (LMCache's own L2 eviction); locked blocks stay.
 
         Returns once they are gone and the listeners were told, as LMCache's
-        accounting expects: a discard on the loop, microseconds per key.
+        accounting expects: a discard on the loop, microseconds per key. On
+        the adapter's loop thread (from a listener) it is done there and then
+        over a host tier; over a pool it would wait for itself: a RuntimeError.
         """
         with self._lock:
             if self._closed:
                 return
-            done = asyncio.run_coroutine_threadsafe(self._tracked(self._delete, list(keys)), self._loop)
+            here = self._on_loop()
+            if not here:
+                done = asyncio.run_coroutine_threadsafe(self._tracked(self._delete, list(keys)), self._loop)
+        if here:  # outside the lock: the listeners told may call the adapter again
+            if self._store is None:
+                raise self._would_wait("delete")
+            self._delete_here(list(keys))
+            return
         try:
             done.result()
         except concurrent.futures.CancelledError:
             pass  # close() came meanwhile: everything is gone
 
     def report_status(self) -> dict[str, Any]:
+        """LMCache's health and usage figures. On the adapter's loop thread (from a listener) over a pool,
+        whose figures are a request away, it would wait for itself: a RuntimeError."""
         with self._lock:
             if self._closed:
-                return {"is_healthy": False, "type": type(self).__name__, "closed": True}
-            done = asyncio.run_coroutine_threadsafe(self._status(), self._loop)
-        status: dict[str, Any] = done.result()
-        return status
+                return self._closed_status()
+            if self._on_loop():
+                if self._store is None:
+                    raise self._would_wait("report_status")
+                return self._status_here()
+            done = asyncio.run_coroutine_threadsafe(self._tracked(self._status), self._loop)
+        try:
+            return done.result()
+        except concurrent.futures.CancelledError:  # close() came meanwhile
+            return self._closed_status()
+
+    def _closed_status(self) -> dict[str, Any]:
+        return {"is_healthy": False, "type": type(self).__name__, "closed": True}
 
     def statistics(self) -> StoreStatistics | None:
         """The host tier's ``StoreStatistics``, read on the adapter's loop (None with a pool, or once closed)."""
         with self._lock:
             if self._closed:
                 return None
+            if self._on_loop():  # the books are this thread's: read them, rather than wait for itself
+                return self._statistics_here()
             done = asyncio.run_coroutine_threadsafe(self._statistics(), self._loop)
         return done.result()
 
@@ -381,17 +409,27 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         with self._lock:
             if self._closed:
                 raise TierClosedError("the aiokvtier L2 adapter is closed")
-            done = asyncio.run_coroutine_threadsafe(self._check(), self._loop)
+            here = self._on_loop()
+            if not here:
+                done = asyncio.run_coroutine_threadsafe(self._check(), self._loop)
+        if here:
+            self._check_here()
+            return
         done.result()
 
     def close(self) -> None:
         """Cancel what is in flight, close the store and the tier (or detach from the pool), end the thread.
 
         Returns once nothing reads or writes LMCache's memory objects any more; idempotent.
+
+        :raises RuntimeError: called on the adapter's own loop thread (from a listener): the close
+            waits for that thread to end. Nothing is closed.
         """
         with self._lock:
             if self._closed:
                 return
+            if self._on_loop():
+                raise self._would_wait("close")
             self._closed = True
         try:
             asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
@@ -400,14 +438,26 @@ class AiokvtierL2Adapter(L2AdapterInterface):
             for efd in (self._store_efd, self._lookup_efd, self._load_efd):
                 efd.close()
 
+    def _on_loop(self) -> bool:
+        """Called on the adapter's loop thread (by a listener LMCache's notifications run there)."""
+        return threading.get_ident() == self._thread.ident
+
+    @staticmethod
+    def _would_wait(what: str) -> RuntimeError:
+        return RuntimeError(
+            f"AiokvtierL2Adapter.{what}() was called on the adapter's own loop thread (from a listener, say), "
+            "where it would wait for that loop forever: call it from another thread"
+        )
+
     # -- the loop ------------------------------------------------------------------------------
 
-    async def _tracked(self, work: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+    async def _tracked(self, work: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+        """``work(*args)``, cancelled and awaited by close() if it is still running then."""
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
-            await work(*args)
+            return await work(*args)
         finally:
             self._tasks.discard(task)
 
@@ -581,12 +631,22 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         return [i for i, n in zip(want, lengths, strict=True) if n == objects[i].get_size()]
 
     async def _delete(self, keys: list[ObjectKey]) -> None:
+        if self._pool is None:
+            self._delete_here(keys)
+            return
+        akeys = list(dict.fromkeys(self._key(key) for key in keys))
+        await self._pool.discard(akeys)
+        self._told_deleted(akeys)
+
+    def _delete_here(self, keys: list[ObjectKey]) -> None:
+        """``_delete`` over a host tier: nothing to wait for."""
         akeys = list(dict.fromkeys(self._key(key) for key in keys))
         if self._store is not None:
             akeys = [k for k in akeys if k in self._store and k not in self._locks]  # locked: kept
             self._store.discard(akeys)
-        elif self._pool is not None:
-            await self._pool.discard(akeys)
+        self._told_deleted(akeys)
+
+    def _told_deleted(self, akeys: Sequence[Key]) -> None:
         # Told here rather than by the "discarded" event, which comes later: it then finds nothing to tell.
         gone = [self._objects.pop(k) for k in akeys if k in self._objects]
         if gone:
@@ -606,9 +666,21 @@ class AiokvtierL2Adapter(L2AdapterInterface):
                     _tell(self._notify_keys_deleted, [okey for okey, _ in gone], [size for _, size in gone])
 
     async def _statistics(self) -> StoreStatistics | None:
+        return self._statistics_here()
+
+    def _statistics_here(self) -> StoreStatistics | None:
         return self._store.statistics() if self._store is not None else None
 
     async def _status(self) -> dict[str, Any]:
+        if self._pool is None:
+            return self._status_here()
+        status: dict[str, Any] = {"is_healthy": True, "type": type(self).__name__, "locked_keys": len(self._locks)}
+        p = await self._pool.statistics()
+        status.update(pool=p.path, blocks=p.blocks, capacity_blocks=p.tier.slots_total, processes=p.clients)
+        return status
+
+    def _status_here(self) -> dict[str, Any]:
+        """``_status`` over a host tier: nothing to wait for."""
         status: dict[str, Any] = {"is_healthy": True, "type": type(self).__name__, "locked_keys": len(self._locks)}
         if self._store is not None:
             s = self._store.statistics()
@@ -616,12 +688,12 @@ class AiokvtierL2Adapter(L2AdapterInterface):
                 blocks=s.blocks, capacity_blocks=s.capacity, evictions=s.evictions, bytes_stored=s.bytes_stored,
                 bytes_loaded=s.bytes_loaded, blocks_pinned=s.blocks_pinned, in_flight=s.in_flight,
             )  # fmt: skip
-        elif self._pool is not None:
-            p = await self._pool.statistics()
-            status.update(pool=p.path, blocks=p.blocks, capacity_blocks=p.tier.slots_total, processes=p.clients)
         return status
 
     async def _check(self) -> None:
+        self._check_here()
+
+    def _check_here(self) -> None:
         if self._store is None:
             return
         self._store.check_invariants()

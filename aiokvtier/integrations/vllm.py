@@ -258,6 +258,10 @@ class _LoopThread:
     def call(self, coro: Coroutine[Any, Any, _T]) -> _T:
         return self.submit(coro).result()
 
+    def here(self) -> bool:
+        """Called on the loop's own thread, where waiting for the loop waits forever."""
+        return threading.get_ident() == self._thread.ident
+
     def stop(self) -> None:
         """Stops the loop and joins the thread (the loop's own work must be done)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -399,10 +403,15 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
         """Stops taking jobs, cancels those waiting for the fill, waits for copies in flight, closes the tier.
 
         Jobs cancelled here end as failed results. Idempotent.
+
+        :raises RuntimeError: called on the worker's loop thread (from a logging handler, say), where it
+            would wait for that loop forever: nothing is shut down.
         """
         with self._pending_lock:
             if self._closed:
                 return
+            if self._runner.here():
+                raise _would_wait("shutdown")
             self._closing = self._closed = True
         try:
             self._runner.call(self._shutdown())
@@ -582,10 +591,23 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
                 return results
 
     def wait(self, job_ids: set[int]) -> None:
-        """Blocks until the given jobs ended (vLLM calls it for flushes and synchronous loads)."""
+        """Blocks until the given jobs ended (vLLM calls it for flushes and synchronous loads).
+
+        :raises RuntimeError: called on the worker's loop thread (from a logging handler, say) while a
+            job has not ended: it would wait for that loop forever.
+        """
         with self._pending_lock:
             futures = [f for job_id in job_ids if (f := self._pending.get(job_id)) is not None]
+        if self._runner.here() and not all(f.done() for f in futures):
+            raise _would_wait("wait")
         concurrent.futures.wait(futures)
+
+
+def _would_wait(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"AiokvtierOffloadingWorker.{what}() was called on the worker's own loop thread, where it would "
+        "wait for that loop forever: call it from another thread"
+    )
 
 
 def _log_failure(job: _Job, error: BaseException) -> None:
