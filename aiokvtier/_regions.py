@@ -95,10 +95,12 @@ _lock = threading.Lock()
 _regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
 _live: tuple[weakref.ref[Region], ...] = ()
 """The regions as one tuple, replaced whole under the lock: a request reads it without the lock
-(every planner call does, so a dictionary's iteration guard is too dear)."""
+(every planner call does, so a dictionary's iteration guard is too dear). A region dropped without
+``unregister()`` stays in it as a dead reference, skipped, until the next change: nothing here runs
+from a garbage collector's callback, which could come while this thread holds the lock."""
 
 
-def _republish(_: object = None) -> None:
+def _republish() -> None:
     global _live
     with _lock:
         _live = tuple(weakref.ref(region) for region in _regions.values())
@@ -108,7 +110,6 @@ def register(region: Region) -> None:
     with _lock:
         _regions[id(region)] = region
     _republish()
-    weakref.finalize(region, _republish)  # a region dropped without unregister() leaves the tuple too
 
 
 def unregister(region: Region) -> None:

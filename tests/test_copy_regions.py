@@ -1217,3 +1217,39 @@ def test_pages_of_one_size_get_the_owners_a_page_by_page_search_gives(
         assert set(map(id, pages.regions)) == set(map(id, expect[1]))
     else:
         assert expect[1] == []
+
+
+GC_CHURN = """
+import gc
+from aiokvtier import _regions
+
+class Region:
+    region_name = "churn"
+    def __init__(self, base):
+        self.base, self.cycle = base, self  # a cycle: only the collector frees it
+    def region_bounds(self):
+        return self.base, 4096
+    def registrations_of(self, offsets, nbytes):
+        return offsets.astype("int64") * 0
+
+gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation, inside register() too
+for i in range(3000):
+    kept = Region(i << 20)
+    _regions.register(kept)
+    Region((i << 20) + 4096)  # registered below, then dropped without unregister()
+    _regions.register(Region((i << 20) + 8192))
+    _regions.locate_span(i << 20, 64)
+    _regions.unregister(kept)
+print("done", len(_regions.known()))
+"""
+
+
+def test_regions_dropped_without_unregister_are_collected_while_others_register() -> None:
+    """The collector may free a dropped region while this thread holds the regions' lock (inside
+    ``register``): nothing it runs then may take the lock again, or the thread waits for itself."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", GC_CHURN], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("done")
