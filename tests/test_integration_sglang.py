@@ -610,3 +610,31 @@ def test_sglangs_mooncake_store_tests_pass_with_this_backend(monkeypatch: pytest
         for storage in made:
             storage.close()
     assert len(made) == 5
+
+
+def test_a_storage_dropped_unclosed_is_closed_on_its_own_thread_without_waiting(
+    pool_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The finalizer does not wait for the storage's loop (the collector may run it on a thread
+    holding a lock that loop needs): it hands the close over, and the loop's thread ends after it."""
+    import gc
+
+    host = make_host_pool()
+    storage = make_storage(host, {"pool": pool_path})
+    keys = keys_of("dropped", 4)
+    src = host.alloc(4 * host.page_size)
+    assert storage.batch_set_v1(keys, src) == [True] * 4
+    del storage
+    gc.collect()
+    assert "was not closed" in caplog.text
+    deadline = time.monotonic() + 10
+    while sglang_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sglang_threads() == []
+    for _ in range(200):  # the owner sees the connection end
+        stats = pool_statistics(pool_path)
+        if stats.clients == 1:
+            break
+        time.sleep(0.02)
+    assert stats.clients == 1 and stats.claims == 0 and stats.blocks_pinned == 0 and stats.slots_attached == 0
+    host.free(src)

@@ -268,8 +268,14 @@ class _Loop:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="aiokvtier-sglang", daemon=True)
+        self._detached = False
+        self._thread = threading.Thread(target=self._main, name="aiokvtier-sglang", daemon=True)
         self._thread.start()
+
+    def _main(self) -> None:
+        self.loop.run_forever()
+        if self._detached:  # nobody joins this thread to close the loop
+            self.loop.close()
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> _Call:
         call = _Call()
@@ -324,6 +330,25 @@ class _Loop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()
+
+    def finish_detached(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` after the calls submitted so far, then stop the loop and close it, all on its
+        own thread; the caller does not wait (a finalizer must not: the collector may run it on a
+        thread holding a lock the loop needs)."""
+
+        async def last() -> None:
+            try:
+                await coro
+            except Exception:
+                log.exception("aiokvtier: closing an unclosed HiCacheAiokvtier failed")
+            finally:
+                self.loop.call_soon(self.loop.stop)
+
+        def closing() -> None:
+            self.loop.create_task(last())
+
+        self._detached = True
+        self.loop.call_soon_threadsafe(closing)
 
 
 class _Counts:
@@ -562,12 +587,15 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             self._loop.stop()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            log.warning("aiokvtier: a HiCacheAiokvtier was not closed; closing it now")
-            try:
-                self.close()
-            except Exception:  # pragma: no cover - interpreter shutdown
-                pass
+        if getattr(self, "_closed", True):
+            return
+        log.warning("aiokvtier: a HiCacheAiokvtier was not closed; closing it on its own thread")
+        self._closed = True
+        try:
+            self._loop.cancel_all()
+            self._loop.finish_detached(self._release())
+        except RuntimeError:  # pragma: no cover - the loop is gone (interpreter shutdown)
+            pass
 
     async def _release(self) -> None:
         await self._loop.drain()  # cancelled calls end once nothing reads or writes SGLang's pages
