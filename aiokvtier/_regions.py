@@ -91,7 +91,9 @@ class Region(Protocol):
         ...
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
+"""Reentrant: a region the garbage collector frees republishes (its finalizer), and the collector may run
+at any allocation, under this lock too, on the thread that holds it."""
 _regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
 _live: tuple[weakref.ref[Region], ...] = ()
 """The regions as one tuple, replaced whole under the lock: a request reads it without the lock
