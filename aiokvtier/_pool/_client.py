@@ -239,6 +239,12 @@ class AttachedPool(Owner):
     async def _teardown(self) -> None:
         if self._gpu is not None and self._life.worker is not None:
             await self._life.run(InflightCopies.wait, self._copies.snapshot())  # the GPU lets go first
+        mirror = self._mirror
+        if mirror is not None:
+            # No lookup starts reading now; those reading on other threads record their counts as they end,
+            # and the mapping goes with the last (a read is short): then every answer given is counted.
+            mirror.close()
+            await self._life.run(mirror.wait_unmapped)
         writer = self.__dict__.get("_writer")
         if writer is not None:
             self._tell_looked()  # the last lookups' counts go before the connection ends
@@ -742,8 +748,8 @@ class AttachedPool(Owner):
         ``lookup``'s are.
 
         Threads: any (no await and no crossing to the loop: a thread that serves a framework's
-        synchronous calls asks here first). ``aclose()`` unmaps the mirror only once no such lookup
-        reads it.
+        synchronous calls asks here first). ``aclose()`` waits for such lookups in flight, tells the owner
+        their counts, and returns with the mirror unmapped.
 
         :raises TypeError: as ``lookup``.
         """
@@ -766,10 +772,9 @@ class AttachedPool(Owner):
         mirror = self._mirror
         if mirror is None:
             return None
-        hits = mirror.lookup(keys, types)
+        hits = mirror.lookup(keys, types, self._looked.append)  # counted before its read ends (``_teardown``)
         if hits is None:
             return None
-        self._looked.append((hits, len(keys) - hits))
         if not self._telling:
             self._telling = True
             if not threadsafe:
