@@ -398,3 +398,31 @@ async def test_counts_from_threads_are_flushed_before_statistics_and_a_none_coun
             raw.close()
         s = await reader.statistics()
         assert (s.queries, s.hits, s.misses) == (21, 672, 672)
+
+
+# -- the table rebuilt, the tier resized, under the reads -------------------------------------------
+
+
+async def test_stable_keys_stay_found_while_churn_rebuilds_the_table_and_the_tier_is_resized(sock: str) -> None:
+    """64 keys stay stored while another process stores and discards 800 others over and over (tombstones
+    pile up past the table's limit: it is rebuilt in place, every live entry moved) and the owner shrinks
+    and regrows the tier: every answer from the threads is all 64, or None (ask the owner), never fewer."""
+    stable = [bytes.fromhex(hexkey(i)) for i in range(64)]
+    async with Pool(CONFIG, sock) as pool, attached(sock) as a, AttachedPool(sock) as reader:
+        await a.event("attached")
+        await reader.store(stable, [b"s"] * 64)  # the lowest slots: a shrink to 60 MiB keeps them
+        lookers = Lookers(3, lambda i: reader.lookup_nowait(stable))
+        try:
+            for round_ in range(6):
+                churn = [hexkey(100_000 + round_ * 1000 + i) for i in range(800)]
+                assert (await a.call("store", keys=churn, size=64))["skipped"] == 0
+                assert (await a.call("discard", keys=churn))["dropped"] == 800
+                await pool.resize("60MiB" if round_ % 2 == 0 else "64MiB")
+            marks = lookers.counts()
+            await until(lambda: lookers.each_answered(5, since=marks), "answers after the churn")
+        finally:
+            await lookers.stop()
+        assert not lookers.errors
+        assert set(lookers.given()) == {64}
+        assert reader.lookup_nowait(stable) == 64
+        pool.check_invariants()
