@@ -186,10 +186,11 @@ async def test_aclose_under_threads_looking_up_counts_every_answer_and_returns_u
         assert (s.hits, s.misses) == (300 * len(given), 0)
 
 
-@pytest.mark.parametrize("mid_write", [False, True])
-async def test_an_owner_killed_then_restarted_under_threads_looking_up(sock: str, mid_write: bool) -> None:
+@pytest.mark.parametrize(("mid_write", "end"), [(False, "kill"), (True, "kill"), (False, "close")])
+async def test_an_owner_killed_then_restarted_under_threads_looking_up(sock: str, mid_write: bool, end: str) -> None:
     """Each call answers the stored prefix, or None: while the owner is stuck mid-write, and from the
-    loss on (for good: the pool does not follow a restarted owner); a new attach finds the new owner."""
+    loss on (the owner killed, or closing the pool: for good, the pool does not follow a restarted owner);
+    a new attach finds the new owner."""
     keys = [b"%d" % i for i in range(256)]
     before = await mappings()
     owner = await Child.start("pool_owner.py", sock, "64MiB")
@@ -213,7 +214,7 @@ async def test_an_owner_killed_then_restarted_under_threads_looking_up(sock: str
                 raw.close()
                 await none_from_now()
                 assert await reader.lookup(keys) == 256  # the owner answers
-            await owner.kill()
+            await (owner.kill() if end == "kill" else owner.close())
             with pytest.raises(PoolLostError):
                 async with asyncio.timeout(30):
                     while True:
