@@ -54,6 +54,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from ._wire import decimal
+
 __all__ = ["USABLE", "IndexMirror", "mirror_fits", "mirror_size"]
 
 U64 = npt.NDArray[np.uint64]
@@ -195,7 +197,7 @@ def _groups(keys: Keys, types: set[type] | None = None) -> list[Group]:
         elif _I64_MIN <= key <= _I64_MAX:
             kind, data_ = KIND_INT, int(key).to_bytes(8, "little", signed=True)
         else:
-            kind, data_ = KIND_BIGINT, b"%d" % key
+            kind, data_ = KIND_BIGINT, decimal(key)
         where, parts = found.setdefault(kind, ([], []))
         where.append(i)
         parts.append(data_)
