@@ -431,3 +431,41 @@ async def test_stable_keys_stay_found_while_churn_rebuilds_the_table_and_the_tie
         assert set(lookers.given()) == {64}
         assert reader.lookup_nowait(stable) == 64
         pool.check_invariants()
+
+
+async def test_aclose_gives_up_waiting_for_a_read_stopped_midway_and_the_mapping_goes_when_it_ends(
+    sock: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A thread stopped in the middle of a read (held here while it hashes its keys) does not hang the
+    close: after ``READ_WAIT`` it closes without it, says so, and the mapping goes when the read ends."""
+    from aiokvtier._pool import _client, _mirror
+
+    held, reading = threading.Event(), threading.Event()
+    real = _mirror.key_rows
+
+    def key_rows(*args: object, **kwargs: object) -> np.ndarray:
+        reading.set()
+        held.wait(30)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_client, "READ_WAIT", 0.3)
+    before = await mappings()
+    async with Pool(CONFIG, sock):
+        reader = await AttachedPool.attach(sock)
+        await reader.store([b"a"], [b"x"])
+        monkeypatch.setattr(_mirror, "key_rows", key_rows)
+        answer: list[int | None] = []
+        thread = threading.Thread(target=lambda: answer.append(reader.lookup_nowait([b"a"])))
+        thread.start()
+        try:
+            await asyncio.to_thread(reading.wait, 30)
+            async with asyncio.timeout(10):
+                await reader.aclose()
+            assert "still reads the pool's index mirror" in caplog.text
+            assert await mappings() == before + 2  # the owner's, and the one the read holds
+            assert not attached_threads()
+        finally:
+            held.set()
+            await asyncio.to_thread(thread.join, 30)
+        assert answer == [1]
+        assert await mappings() == before + 1
