@@ -16,6 +16,8 @@ import asyncio
 import bisect
 import ctypes
 import itertools
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,6 +37,7 @@ from aiokvtier._regions import InflightCopies
 
 from .conftest import PopulateGate
 from .helpers import KiB, MiB, eventually, small_config
+from .test_pool import ENV, ROOT
 
 SLOT = 64 * KiB
 TOP = 1 << 63
@@ -1253,3 +1256,37 @@ def test_regions_dropped_without_unregister_are_collected_while_others_register(
     done = subprocess.run([sys.executable, "-c", GC_CHURN], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("done")
+
+
+def test_a_region_collected_while_the_known_regions_are_republished_does_not_deadlock() -> None:
+    """A region dropped without ``unregister`` (in a reference cycle: only the garbage collector frees it)
+    whose collection runs inside another ``register`` (any allocation there may run the collector)
+    republishes the regions from within it, on the same thread: it deadlocked on the registry's lock. The
+    collector is made to run at each of the first allocations of ``register`` in turn (a child process,
+    so that a regression fails on the timeout instead of hanging the run)."""
+    script = """
+import gc
+from tests.test_copy_regions import FakeRegion
+from aiokvtier import _regions
+
+for k in range(1, 40):
+    gc.disable()
+    gc.collect()
+    dropped = FakeRegion(1 << 40, 4096, (0,), 4096)
+    dropped.cycle = dropped
+    _regions.register(dropped)
+    del dropped
+    kept = FakeRegion(1 << 30, 4096, (0,), 4096)
+    gc.set_threshold(gc.get_count()[0] + k)  # a collection at the k-th allocation from here
+    gc.enable()
+    _regions.register(kept)
+    gc.disable()
+    gc.collect()
+    assert [r.region_bounds() for r in _regions.known()] == [(1 << 30, 4096)]
+    _regions.unregister(kept)
+print("done")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr

@@ -63,6 +63,9 @@ ATTACH_TIMEOUT = 30.0
 """Seconds an attach waits for the owner's welcome (it answers at once unless it is stuck)."""
 PREFAULT_CHUNK = 64 << 20
 """Bytes one prefault job maps in: copies queued on the worker wait behind one chunk at most."""
+READ_WAIT = 10.0
+"""Seconds ``aclose`` waits for lookups reading the index mirror on other threads (a read takes milliseconds:
+this bounds only a thread stopped mid-read, say by an exception raised in it from outside)."""
 TELL_AFTER = 0.05
 """Seconds the counts of lookups answered on other threads wait to go to the owner, in one message: a
 message per call woke this process's loop and the owner at each of SGLang's calls (a call of 128 keys took
@@ -239,6 +242,17 @@ class AttachedPool(Owner):
     async def _teardown(self) -> None:
         if self._gpu is not None and self._life.worker is not None:
             await self._life.run(InflightCopies.wait, self._copies.snapshot())  # the GPU lets go first
+        mirror = self._mirror
+        if mirror is not None:
+            # No lookup starts reading now; those reading on other threads record their counts as they end,
+            # and the mapping goes with the last (a read is short): then every answer given is counted.
+            mirror.close()
+            if not await self._life.run(mirror.wait_unmapped, READ_WAIT):
+                log.warning(
+                    "aiokvtier: a lookup on another thread still reads the pool's index mirror after %.0f s; "
+                    "closing without it (the mapping goes when it ends, its count is not told)",
+                    READ_WAIT,
+                )
         writer = self.__dict__.get("_writer")
         if writer is not None:
             self._tell_looked()  # the last lookups' counts go before the connection ends
@@ -742,8 +756,8 @@ class AttachedPool(Owner):
         ``lookup``'s are.
 
         Threads: any (no await and no crossing to the loop: a thread that serves a framework's
-        synchronous calls asks here first). ``aclose()`` unmaps the mirror only once no such lookup
-        reads it.
+        synchronous calls asks here first). ``aclose()`` waits for such lookups in flight, tells the owner
+        their counts, and returns with the mirror unmapped.
 
         :raises TypeError: as ``lookup``.
         """
@@ -766,10 +780,9 @@ class AttachedPool(Owner):
         mirror = self._mirror
         if mirror is None:
             return None
-        hits = mirror.lookup(keys, types)
+        hits = mirror.lookup(keys, types, self._looked.append)  # counted before its read ends (``_teardown``)
         if hits is None:
             return None
-        self._looked.append((hits, len(keys) - hits))
         if not self._telling:
             self._telling = True
             if not threadsafe:

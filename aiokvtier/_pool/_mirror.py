@@ -48,10 +48,13 @@ import mmap
 import os
 import platform
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
+
+from ._wire import decimal
 
 __all__ = ["USABLE", "IndexMirror", "mirror_fits", "mirror_size"]
 
@@ -194,7 +197,7 @@ def _groups(keys: Keys, types: set[type] | None = None) -> list[Group]:
         elif _I64_MIN <= key <= _I64_MAX:
             kind, data_ = KIND_INT, int(key).to_bytes(8, "little", signed=True)
         else:
-            kind, data_ = KIND_BIGINT, b"%d" % key
+            kind, data_ = KIND_BIGINT, decimal(key)
         where, parts = found.setdefault(kind, ([], []))
         where.append(i)
         parts.append(data_)
@@ -226,6 +229,12 @@ def key_rows(keys: Keys, hasher: Hasher = hash_words, types: set[type] | None = 
     return rows
 
 
+def _drop_views(exc: BaseException) -> None:
+    """Clear the locals of the frames an exception raised during a read passed through: they hold views of
+    the mapping, and a traceback kept alive (logged, stored) would keep ``close`` from unmapping it."""
+    traceback.clear_frames(exc.__traceback__)
+
+
 class IndexMirror:
     """The shared table: created by the owner (``create``, the writer) or mapped by an attached process
     (``attach``, a reader). A reader writes only the referenced bytes."""
@@ -250,6 +259,7 @@ class IndexMirror:
         self._guard = threading.Lock()
         self._readers = 0
         self._closing = False
+        self._unmapped = threading.Event()
 
     @classmethod
     def create(cls, slots: int, *, hasher: Hasher = hash_words) -> IndexMirror:
@@ -320,12 +330,23 @@ class IndexMirror:
             self._unmap()
 
     def _unmap(self) -> None:
-        del self._header, self._table, self._refs
-        self._flags.release()
-        self._map.close()
-        if self._owner and self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        try:
+            del self._header, self._table, self._refs
+            self._flags.release()
+            try:
+                self._map.close()
+            except BufferError:  # a view of it is still alive elsewhere: the mapping goes with the last one
+                pass
+            if self._owner and self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+        finally:
+            self._unmapped.set()  # whoever waits for it is never left hanging
+
+    def wait_unmapped(self, timeout: float | None = None) -> bool:
+        """After ``close``: wait until the last lookup reading on another thread has ended and the mapping
+        is gone (blocking; a lookup reads for a bounded time). Returns whether it did within ``timeout``."""
+        return self._unmapped.wait(timeout)
 
     @property
     def closed(self) -> bool:
@@ -391,20 +412,27 @@ class IndexMirror:
                 return found, stored
         return None
 
-    def lookup(self, keys: Keys, types: set[type] | None = None) -> int | None:
+    def lookup(
+        self, keys: Keys, types: set[type] | None = None, counted: Callable[[tuple[int, int]], object] | None = None
+    ) -> int | None:
         """The stored prefix of ``keys`` (as ``BlockIndex.lookup``), its slots marked referenced; None when no
         consistent read came within the retries, or the owner closed the pool: ask the owner.
 
         Any thread (reads only; ``close`` waits for the unmap until no lookup reads). Keys are hashed and
         probed ``CHUNK`` at a time, and the first chunk with a miss is the last: a short prefix costs its
-        own keys, not the batch's."""
-        n = len(keys)
-        if not n:
-            return 0
+        own keys, not the batch's. ``counted`` gets ``(hits, misses)`` of an answer before the read ends
+        (so that whoever waits for the readers after ``close`` sees every answer given)."""
         if not self._enter():
             return None
         try:
-            return self._lookup(keys, n, types)
+            n = len(keys)
+            hits = self._lookup(keys, n, types) if n else 0
+            if hits is not None and counted is not None:
+                counted((hits, n - hits))
+            return hits
+        except BaseException as exc:
+            _drop_views(exc)
+            raise
         finally:
             self._leave()
 
@@ -442,6 +470,9 @@ class IndexMirror:
             return None
         try:
             read = self._read(rows)
+        except BaseException as exc:
+            _drop_views(exc)
+            raise
         finally:
             self._leave()
         if read is None:

@@ -148,6 +148,21 @@ def as_key(key: object) -> Key:
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
+def decimal(key: int) -> bytes:
+    """An int key past 64 bits as the decimal text a pool carries it as.
+
+    :raises ValueError: the int has more digits than Python converts to text
+        (``sys.get_int_max_str_digits()``): no pool can hold that key.
+    """
+    try:
+        return b"%d" % key
+    except ValueError:
+        raise ValueError(
+            f"an int key of {key.bit_length()} bits has more digits than Python converts to text "
+            f"(sys.get_int_max_str_digits()): a pool carries such keys as decimal text and cannot hold it"
+        ) from None
+
+
 def encode_keys(keys: Sequence[Key], types: set[type] | None = None) -> tuple[str, list[bytes]]:
     """``(kind, parts)``: ``"f"`` bytes of one length (that length, then the bytes joined: block hashes,
     the usual keys), ``"b"`` bytes (their lengths, then the bytes joined), ``"i"`` all int64 ints,
@@ -162,7 +177,7 @@ def encode_keys(keys: Sequence[Key], types: set[type] | None = None) -> tuple[st
         return "b", [lengths.tobytes(), b"".join(keys)]  # type: ignore[arg-type]
     if all(type(k) is int and _I64_MIN <= k <= _I64_MAX for k in keys):
         return "i", [np.array(keys, dtype=np.int64).tobytes()]
-    tagged = [b"b" + k if isinstance(k, bytes) else b"i%d" % k for k in keys]
+    tagged = [b"b" + k if isinstance(k, bytes) else b"i" + decimal(k) for k in keys]
     lengths = np.fromiter(map(len, tagged), dtype=np.uint32, count=len(tagged))
     return "m", [lengths.tobytes(), b"".join(tagged)]
 
