@@ -412,3 +412,43 @@ async def test_a_pool_without_a_mirror_asks_its_owner(sock: str, monkeypatch: py
         assert await reader.lookup([b"a", b"b"]) == 1
         s = pool.statistics()  # counted by the owner as it answered: no message to wait for
         assert (s.queries, s.hits, s.misses) == (1, 1, 1)
+
+
+def test_removal_by_slot_agrees_with_removal_by_key_through_rebuilds() -> None:
+    """The owner removes blocks by slot (its own record of where each slot's entry lies, no hashing):
+    random inserts and removals, enough to rebuild the table many times, give the reader exactly the
+    model's answers, with the same live count as removals by key would."""
+    rng = np.random.default_rng(7)
+    slots = 64
+    writer = IndexMirror.create(slots)
+    reader = IndexMirror.attach(os.dup(writer.fd), slots)
+    try:
+        model: dict[bytes | int, tuple[int, int]] = {}
+        free = list(range(slots))
+        serial = 0
+        for step in range(400):
+            if free and (not model or rng.random() < 0.55):
+                n = int(rng.integers(1, min(len(free), 9) + 1))
+                taken = [free.pop(int(rng.integers(len(free)))) for _ in range(n)]
+                keys: list[bytes | int] = []
+                for _ in taken:
+                    serial += 1
+                    keys.append(serial if serial % 3 == 0 else b"key-%d" % serial)
+                lengths = [int(x) for x in rng.integers(1, 1 << 20, n)]
+                writer.insert(keys, taken, lengths)
+                model.update(zip(keys, zip(taken, lengths, strict=True), strict=True))
+            else:
+                victims = list(model)[: int(rng.integers(1, len(model) + 1))]
+                gone = [model.pop(k)[0] for k in victims]
+                if step % 2:
+                    writer.remove_slots([*gone, *free[:2]])  # slots holding nothing are ignored
+                else:
+                    writer.remove(victims)
+                free.extend(gone)
+            assert writer.live == len(model)
+            probe = [*model, b"never", 10**9]
+            check(reader, model, probe)
+        writer.remove_slots([])
+    finally:
+        reader.close()
+        writer.close()

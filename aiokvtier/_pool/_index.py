@@ -205,7 +205,7 @@ class BlockIndex:
             if len(keys) == n or not spared:
                 break
         if mirror is not None:
-            mirror.remove(keys)
+            mirror.remove_slots(slots)
         self.counts["evictions"] += len(keys)
         return keys, slots
 
@@ -248,17 +248,19 @@ class BlockIndex:
         block's slot is freed at its last unpin)."""
         dropped: list[Key] = []
         freed: list[int] = []
+        gone: list[int] = []
         for key in keys:
             block = self.ready.pop(key, None)
             if block is None:
                 continue
             dropped.append(key)
+            gone.append(block.slot)
             if block.pins:
                 block.doomed = True
             else:
                 freed.append(block.slot)
         if self.mirror is not None:
-            self.mirror.remove(dropped)
+            self.mirror.remove_slots(gone)
         self.counts["discards"] += len(dropped)
         return dropped, freed
 

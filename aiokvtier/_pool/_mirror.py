@@ -256,6 +256,9 @@ class IndexMirror:
         )
         self._flags = memoryview(self._map)[HEADER + self.capacity * ENTRY : HEADER + self.capacity * ENTRY + slots]
         self._mask = np.uint64(self.capacity - 1)
+        self._entry_of: npt.NDArray[np.intp] = np.full(slots if owner else 0, -1, dtype=np.intp)
+        """The owner's own record of the table entry holding each slot's block (-1: none), so that a
+        removal needs no hashing and no probe (it knows the blocks' slots)."""
         self._guard = threading.Lock()
         self._readers = 0
         self._closing = False
@@ -509,6 +512,8 @@ class IndexMirror:
             _, first = np.unique(at[free], return_index=True)
             winners = np.flatnonzero(free)[first]
             table[at[winners]] = rows[pending[winners]]
+            if self._entry_of.size:  # the owner (a reader never places)
+                self._entry_of[(rows[pending[winners], 7] & _LO).astype(np.intp)] = at[winners]
             fresh += int(np.count_nonzero(tags[winners] == EMPTY))
             left = np.ones(pending.size, dtype=bool)
             left[winners] = False
@@ -544,6 +549,26 @@ class IndexMirror:
         finally:
             self._end()
 
+    def remove_slots(self, slots: Sequence[int]) -> None:
+        """The blocks in ``slots`` evicted or discarded (owner): their entries are found by slot, with no
+        hashing and no probe. A slot holding no block in the table is ignored."""
+        if not len(slots) or self.closed:
+            return
+        ids = np.asarray(slots, dtype=np.intp)
+        entries = self._entry_of[ids]
+        held = entries >= 0
+        entries, ids = entries[held], ids[held]
+        # The record is the owner's alone; the table's own slot field is checked all the same.
+        if not np.array_equal((self._table[entries, 7] & _LO).astype(np.intp), ids):
+            raise AssertionError("pool invariant broken: the mirror's record of its entries is stale")
+        self._begin()
+        try:
+            self._table[entries, 0] = TOMBSTONE
+            self._header[LIVE] -= np.uint64(entries.size)
+        finally:
+            self._end()
+        self._entry_of[ids] = -1
+
     def remove(self, keys: Sequence[bytes | int]) -> None:
         """Blocks evicted or discarded (keys not in the mirror are ignored)."""
         if not keys or self.closed:
@@ -556,6 +581,8 @@ class IndexMirror:
             self._header[LIVE] -= np.uint64(found.size)
         finally:
             self._end()
+        if self._entry_of.size:
+            self._entry_of[(self._table[found, 7] & _LO).astype(np.intp)] = -1
 
     def clear(self) -> None:
         if self.closed:
@@ -567,6 +594,7 @@ class IndexMirror:
             self._header[USED] = 0
         finally:
             self._end()
+        self._entry_of[:] = -1
 
     def mark_closed(self) -> None:
         """Readers stop answering from the mirror (the owner closes the pool)."""
