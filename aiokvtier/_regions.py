@@ -24,7 +24,7 @@ from ._errors import CopyPlanError
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
-__all__ = ["InflightCopies", "Region", "known", "locate", "locate_span", "meets_any", "register", "unregister"]
+__all__ = ["InflightCopies", "Region", "known", "locate", "locate_span", "register", "unregister"]
 
 
 class InflightCopies:
@@ -121,16 +121,6 @@ def unregister(region: Region) -> None:
 def known() -> list[Region]:
     """The regions open now, in no particular order."""
     return [region for ref in _live if (region := ref()) is not None]
-
-
-def meets_any(lo: int, hi: int) -> bool:
-    """Whether ``[lo, hi)`` meets any known region: the usual device side of a request does not,
-    and knowing it from its bounds alone spares every per-address search."""
-    for region in known():
-        start, size = region.region_bounds()
-        if start < hi and lo < start + size:
-            return True
-    return False
 
 
 def locate_span(addr: int, nbytes: int) -> Region | None:

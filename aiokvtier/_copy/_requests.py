@@ -304,10 +304,9 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         if lo < 0:
             raise ValueError(f"address {int(addrs[addrs < 0][0])} is negative")
         unsigned = addrs.view(np.uint64)
-        if not host_only and n and not _regions.meets_any(lo, int(addrs.max()) + default_page):
-            return Pages(unsigned, default_page, (), obj, writable)  # device memory, in no tier or staging buffer
         # Located with a device too: a staging buffer or tier named by address is an owner whose
-        # close must wait for the DMA, and a page leaving it is refused, as in a raw copy.
+        # close must wait for the DMA, and a page leaving it is refused, as in a raw copy. Device
+        # memory meets no region: no owners.
         return Pages(unsigned, default_page, owners_of(unsigned, default_page, known_only=host_only), obj, writable)
     data = iface.get("data")
     if n == 0 and tuple(iface["shape"])[:1] == (0,):
@@ -340,12 +339,9 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
     # An array over a tier's or a StaticHostMem's memory (made from its address, not through a
     # view that keeps it mapped): an owner whose close must wait for the copy, its pages checked
     # as addresses naming it are. The array vouches for memory outside every region (the caller's
-    # own, or device memory). The usual array lies in one registration or in no region: one search.
-    try:
-        region = _regions.locate_span(base, total)
-    except CopyPlanError:
-        return Pages(addresses, page, owners_of(addresses, page, known_only=False), obj, writable)
-    return Pages(addresses, page, () if region is None else (region,), obj, writable)
+    # own, or device memory).
+    owners = owners_of(addresses, page, known_only=False, span=(base, base + total))
+    return Pages(addresses, page, owners, obj, writable)
 
 
 def plan_slots(
@@ -415,16 +411,23 @@ def relocate(side: Pages) -> Pages:
     return replace(side, regions=owners_of(side.addresses, side.page, known_only=False))
 
 
-def owners_of(addresses: U64, sizes: int | U64, *, known_only: bool) -> tuple[Any, ...]:
+def owners_of(
+    addresses: U64, sizes: int | U64, *, known_only: bool, span: tuple[int, int] | None = None
+) -> tuple[Any, ...]:
     """The regions spans of ``sizes`` bytes (one size, or one per span) at ``addresses`` lie in.
 
-    The usual spans (a staging buffer's pages, a tier's) lie in one registration of one region:
-    their bounding span, searched once, says so; anything else is searched span by span, which
-    names the span at fault. Raises as ``registrations()``.
+    The usual spans (a staging buffer's pages, a tier's) lie in one registration of one region,
+    or (device memory) in none: their bounding span, searched once, says so; anything else is
+    searched span by span, which names the span at fault. ``span``: that bounding ``(lo, hi)``
+    where the caller knows it (an array's). Raises as ``registrations()``.
     """
     if len(addresses):
-        ends = addresses + sizes  # real addresses and lengths: far below 2**64
-        lo, hi = int(addresses.min()), int(ends.max())
+        if span is not None:
+            lo, hi = span
+        elif isinstance(sizes, int):
+            lo, hi = int(addresses.min()), int(addresses.max()) + sizes  # Python ints: no wrap
+        else:
+            lo, hi = int(addresses.min()), int((addresses + sizes).max())  # host pages' own lengths
         try:
             region = _regions.locate_span(lo, hi - lo)
         except CopyPlanError:
