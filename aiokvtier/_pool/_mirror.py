@@ -44,12 +44,14 @@ probe always ends at an empty entry and an insert always finds room.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -60,6 +62,7 @@ __all__ = ["USABLE", "IndexMirror", "mirror_fits", "mirror_size"]
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
+T = TypeVar("T")
 Hasher = Callable[[npt.NDArray[np.uint8], int, I64], U64]
 """``(keys' bytes (n, width) zero-padded, kind, each key's length) -> (2, n) uint64``: two independent
 64-bit hashes of each key."""
@@ -401,18 +404,34 @@ class IndexMirror:
             pending, last = pending[left], window[left, -1]
         return found, stored
 
-    def _read(self, rows: U64) -> tuple[npt.NDArray[np.intp], U64] | None:
-        """``_probe`` within the seqlock: a copy taken while no write happened, or None."""
-        header, table = self._header, self._table
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[bool]:
+        """A read of the mapping: False once ``close`` has begun (the memory may be unmapped), else the
+        mapping stays until the block ends. A read that raises leaves no view of it in its traceback."""
+        if not self._enter():
+            yield False
+            return
+        try:
+            yield True
+        except BaseException as exc:
+            _drop_views(exc)
+            raise
+        finally:
+            self._leave()
+
+    def _consistent(self, attempt: Callable[[], T]) -> T | None:
+        """``attempt()`` within the seqlock: what it returned while no write happened, or None (no
+        consistent read within the retries, or the owner closed the pool)."""
+        header = self._header
         for _ in range(RETRIES):
             seq = int(header[SEQ])
             if seq & 1:
                 continue
             if int(header[STATE]) == CLOSED:
                 return None
-            found, stored = self._probe(rows, table)
+            result = attempt()
             if int(header[SEQ]) == seq:
-                return found, stored
+                return result
         return None
 
     def lookup(
@@ -425,29 +444,22 @@ class IndexMirror:
         probed ``CHUNK`` at a time, and the first chunk with a miss is the last: a short prefix costs its
         own keys, not the batch's. ``counted`` gets ``(hits, misses)`` of an answer before the read ends
         (so that whoever waits for the readers after ``close`` sees every answer given)."""
-        if not self._enter():
-            return None
-        try:
+        with self._reading() as mapped:
+            if not mapped:
+                return None
             n = len(keys)
             hits = self._lookup(keys, n, types) if n else 0
             if hits is not None and counted is not None:
                 counted((hits, n - hits))
             return hits
-        except BaseException as exc:
-            _drop_views(exc)
-            raise
-        finally:
-            self._leave()
 
     def _lookup(self, keys: Keys, n: int, types: set[type] | None) -> int | None:
-        header, table = self._header, self._table
         rows: list[U64] = []  # hashed once, kept for a retry
-        for _ in range(RETRIES):
-            seq = int(header[SEQ])
-            if seq & 1:
-                continue
-            if int(header[STATE]) == CLOSED:
-                return None
+
+        def attempt() -> tuple[int, list[U64]]:
+            # No view of the mapping in a closure cell: a traceback keeps this function alive (its
+            # frame does), and clearing the frames does not empty the cells.
+            table = self._table
             hits, hit_slots = 0, []
             for i, start in enumerate(range(0, n, CHUNK)):
                 if i == len(rows):
@@ -459,25 +471,22 @@ class IndexMirror:
                 hit_slots.append(stored[:end] & _LO)
                 if missing.size:
                     break
-            if int(header[SEQ]) == seq:
-                for slots in hit_slots:
-                    self._refs[slots[slots < self.slots].astype(np.intp)] = 1
-                return hits
-        return None
+            return hits, hit_slots
+
+        read = self._consistent(attempt)
+        if read is None:
+            return None
+        hits, hit_slots = read
+        for slots in hit_slots:
+            self._refs[slots[slots < self.slots].astype(np.intp)] = 1
+        return hits
 
     def blocks(self, keys: Sequence[bytes | int]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
         """Each key's slot and length as one consistent read saw them (-1 and 0 where absent), or None
         (as ``lookup``); touches nothing."""
         rows = key_rows(keys, self._hasher)
-        if not self._enter():
-            return None
-        try:
-            read = self._read(rows)
-        except BaseException as exc:
-            _drop_views(exc)
-            raise
-        finally:
-            self._leave()
+        with self._reading() as mapped:
+            read = self._consistent(lambda: self._probe(rows, self._table)) if mapped else None
         if read is None:
             return None
         found, stored = read
