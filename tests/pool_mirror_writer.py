@@ -50,7 +50,7 @@ def main(fd: int, slots: int, seconds: float, seed: int) -> None:
             present.update(add)
         drop = rng.sample(sorted(present), rng.randint(0, len(present)))
         if drop:
-            mirror.remove([key("c", i) for i in drop])
+            mirror.remove_slots(drop)  # key c<i> lives in slot i
             present.difference_update(drop)
         writes += 2
     mirror.close()

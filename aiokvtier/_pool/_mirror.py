@@ -578,21 +578,6 @@ class IndexMirror:
             self._end()
         self._entry_of[ids] = -1
 
-    def remove(self, keys: Sequence[bytes | int]) -> None:
-        """Blocks evicted or discarded (keys not in the mirror are ignored)."""
-        if not keys or self.closed:
-            return
-        found, _ = self._probe(key_rows(keys, self._hasher), self._table)
-        found = found[found >= 0]
-        self._begin()
-        try:
-            self._table[found, 0] = TOMBSTONE
-            self._header[LIVE] -= np.uint64(found.size)
-        finally:
-            self._end()
-        if self._entry_of.size:
-            self._entry_of[(self._table[found, 7] & _LO).astype(np.intp)] = -1
-
     def clear(self) -> None:
         if self.closed:
             return
