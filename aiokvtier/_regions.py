@@ -24,7 +24,38 @@ from ._errors import CopyPlanError
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
-__all__ = ["InflightCopies", "Region", "known", "locate", "locate_span", "register", "unregister"]
+__all__ = ["InflightCopies", "Landing", "Region", "known", "locate", "locate_span", "register", "unregister"]
+
+
+class Landing:
+    """One copy's "the bytes have landed" flag: set once by whoever copies (any thread), waited
+    for by an owner's close or shrink on its worker thread.
+
+    A lock taken at creation and released by ``set()``: a request makes one, and a
+    ``threading.Event`` (a condition over a lock) costs ten times as much to make and set.
+    """
+
+    __slots__ = ("_flag", "_lock")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        """Idempotent; one thread sets (the one that copied or failed to)."""
+        if not self._flag:
+            self._flag = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self) -> None:
+        """Block until ``set()``."""
+        if not self._flag:
+            with self._lock:
+                pass
 
 
 class InflightCopies:
@@ -33,36 +64,40 @@ class InflightCopies:
     BlockStore's host copies).
 
     Only the event loop thread adds and snapshots; the threads that copy only
-    set events. The owner waits for a snapshot on its worker thread.
+    set their ``Landing``. The owner waits for a snapshot on its worker thread.
     """
 
     def __init__(self) -> None:
-        self._events: list[threading.Event] = []
+        self._events: list[Landing] = []
+        self._compact_at = 64
 
-    def begin(self) -> threading.Event:
+    def begin(self) -> Landing:
         """Track a copy about to start (on the loop, in the same step that checked the region open);
-        whoever copies sets the event once the bytes have landed, also when the copy failed."""
-        done = threading.Event()
+        whoever copies sets it once the bytes have landed, also when the copy failed."""
+        done = Landing()
         self.track(done)
         return done
 
-    def track(self, done: threading.Event) -> None:
+    def track(self, done: Landing) -> None:
         events = self._events
-        if len(events) > 64:
+        if len(events) >= self._compact_at:
+            # Landed copies are dropped now and then; the bound doubles past what stays in flight,
+            # so many copies in flight cost a scan per doubling, not one per copy.
             events[:] = [e for e in events if not e.is_set()]
+            self._compact_at = max(64, 2 * len(events))
         events.append(done)
 
     def __len__(self) -> int:
         return sum(not e.is_set() for e in self._events)
 
-    def snapshot(self) -> list[threading.Event]:
+    def snapshot(self) -> list[Landing]:
         """The copies in flight now (on the loop); later ones are the planner's to refuse."""
         pending = [e for e in self._events if not e.is_set()]
         self._events = pending
         return list(pending)
 
     @staticmethod
-    def wait(events: list[threading.Event]) -> None:
+    def wait(events: list[Landing]) -> None:
         """Block until every copy of a snapshot has landed (on a worker thread)."""
         for event in events:
             event.wait()

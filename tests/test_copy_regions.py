@@ -1290,3 +1290,42 @@ print("done")
         [sys.executable, "-c", script], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+
+
+# -- the copies in flight over a region --------------------------------------------------------
+
+
+def test_a_landing_is_waited_for_until_set_from_another_thread_and_set_once() -> None:
+    copies = InflightCopies()
+    first, second = copies.begin(), copies.begin()
+    assert len(copies) == 2 and not first.is_set()
+    waited = threading.Event()
+
+    def waiter() -> None:
+        InflightCopies.wait(copies.snapshot())
+        waited.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    first.set()
+    assert not waited.wait(0.05)  # the second copy is still in flight
+    second.set()
+    second.set()  # idempotent
+    thread.join(5)
+    assert waited.is_set() and not thread.is_alive()
+    assert len(copies) == 0 and copies.snapshot() == []
+    first.wait()  # a landed copy does not block
+
+
+def test_many_copies_in_flight_are_all_kept_and_landed_ones_dropped() -> None:
+    copies = InflightCopies()
+    pending = [copies.begin() for _ in range(1000)]  # past every compaction bound, none landed
+    assert len(copies) == 1000
+    for landing in pending[::2]:
+        landing.set()
+    later = [copies.begin() for _ in range(1000)]
+    assert len(copies) == 1500
+    assert set(map(id, copies.snapshot())) == set(map(id, pending[1::2] + later))
+    for landing in pending[1::2] + later:
+        landing.set()
+    assert len(copies) == 0 and copies.snapshot() == []

@@ -39,6 +39,7 @@ from .._errors import CopyPlanError
 from .._handoff import handoff
 from .._host._slots import positive_count
 from .._lifecycle import Lifecycle, Owner
+from .._regions import Landing
 from ._backend import CopyBackend, HostBackend
 from ._plan import Plan, plan
 from ._requests import (
@@ -80,7 +81,7 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[None]
     keepalive: tuple[Any, ...]
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Landing = field(default_factory=Landing)
     error: BaseException | None = None
     submitted: float = 0.0
     """``time.perf_counter()`` when it was queued."""

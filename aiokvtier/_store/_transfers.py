@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -21,6 +20,7 @@ import numpy as np
 from .._copy._requests import Pages as CopyPages
 from .._copy._requests import buffer_addresses, owners_of
 from .._lifecycle import Lifecycle, finish
+from .._regions import Landing
 from ._index import I64, NO_IDS, U64
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ class Transfers:
             raise
 
 
-def memmove_all(copies: list[tuple[int, int, int]], done: threading.Event | None = None) -> None:
+def memmove_all(copies: list[tuple[int, int, int]], done: Landing | None = None) -> None:
     """``(dst, src, n)`` copies on a worker thread (ctypes releases the GIL for each); ``done`` (set
     also on failure) tells the regions the copies were over."""
     move = ctypes.memmove
