@@ -130,3 +130,43 @@ def test_slots_shrink_refuses_allocated_tail_and_filters_free_list() -> None:
     assert slots.take_one() == 4
     slots.resize(7)
     assert slots.take(2) == [5, 6]
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["take", "give"]), st.integers(1, 3 * FEW_IDS)),
+        max_size=40,
+    ),
+)
+def test_taking_few_slots_and_many_agree_with_a_model(steps: list[tuple[str, int]]) -> None:
+    """Few ids (list steps) and many (numpy) hand out the same slots: recycled ones, most
+    recently freed first, then fresh ones in order; freed slots can be taken again."""
+    total = 4 * FEW_IDS
+    slots = SlotAllocator(total)
+    held: list[int] = []
+    free: list[int] = []  # most recently freed last
+    fresh = 0
+    for op, n in steps:
+        if op == "take":
+            if n > total - len(held):
+                with pytest.raises(OutOfSlots):
+                    slots.take_ids(n)
+                continue
+            k = min(n, len(free))
+            expect = free[::-1][:k] + list(range(fresh, fresh + n - k))
+            del free[len(free) - k :]
+            fresh += n - k
+            got = slots.take_ids(n)
+            assert got.dtype == np.int64 and got.tolist() == expect
+            held += expect
+        elif held:
+            given_back = held[: min(n, len(held))]
+            held = held[len(given_back) :]
+            slots.give_many(given_back)
+            free += given_back
+        assert slots.count == len(held) and slots.available == total - len(held)
+        for slot in held:
+            slots.check_allocated(slot)  # marked allocated
+        for slot in free:
+            with pytest.raises(SlotError):
+                slots.check_allocated(slot)

@@ -594,12 +594,15 @@ class BlockStore(Owner):
         its slot handed to a new block while the copy still reads it.
         """
         slots = self._blocks_under(pages)
+        if not slots.size:  # the usual call: pages of the caller's own
+            return NO_IDS
         ready: I64 = slots[self._index.state[slots] == READY]
         return ready
 
     def _blocks_under(self, pages: Pages) -> I64:
         """The slots the pages lie in that hold (or are getting) a block of the store, ascending."""
-        return self._index.blocks_in(self._transfers.slots_under(pages))
+        slots = self._transfers.slots_under(pages)
+        return self._index.blocks_in(slots) if slots.size else NO_IDS
 
     async def _store(
         self,
