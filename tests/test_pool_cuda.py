@@ -193,7 +193,7 @@ SHRINKING_CHILD = textwrap.dedent(
             await pool.wait_resident()
             print(json.dumps({"registered": pool.registered_bytes}), flush=True)
             await loop.run_in_executor(None, sys.stdin.readline)  # the owner shrank the pool
-            while pool.registered_bytes > pool.quota:  # the pushed state reaches this process
+            while pool.quota > 64 << 20 or pool.registered_bytes > pool.quota:  # the pushed state arrives
                 await asyncio.sleep(0.01)
             print(json.dumps({"registered": pool.registered_bytes}), flush=True)
             await loop.run_in_executor(None, sys.stdin.readline)  # the owner grew it again
@@ -230,5 +230,53 @@ async def test_a_shrink_unregisters_the_handed_back_units_in_a_gpu_attached_proc
         base = pool.tier.statistics().base_address
         seen = (np.ctypeslib.ctypes.c_uint8 * 16).from_address(base + int(last["slot"]) * SLOT)  # type: ignore[call-overload]
         assert bytes(seen).hex() == last["digest"]  # what the GPU wrote is in the owner's memory too
+        await child.go_on()
+        await child.exits()
+
+
+REGROWN_CHILD = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from aiokvtier import AttachedPool, CopyEngine
+    import torch
+
+    SLOT = 65536
+
+    async def main():
+        pool = await AttachedPool.attach(sys.argv[1], device=0)
+        loop = asyncio.get_running_loop()
+        async with CopyEngine(0) as engine:
+            await pool.wait_resident()
+            print(json.dumps({"registered": pool.registered_bytes}), flush=True)
+            await loop.run_in_executor(None, sys.stdin.readline)  # the owner shrank and grew back at once
+            await pool.wait_resident()  # registered here again, past the shrink
+            slot = (await pool.allocate(1))[0]
+            while slot * SLOT < 64 << 20:
+                slot = (await pool.allocate(1))[0]
+            data = torch.randint(0, 256, (SLOT,), dtype=torch.uint8, device="cuda")
+            await engine.copy([(pool.address(slot), data.data_ptr(), SLOT)])
+            print(json.dumps({"slot": int(slot), "digest": bytes(data.cpu().numpy()[:16]).hex()}), flush=True)
+            await loop.run_in_executor(None, sys.stdin.readline)
+        await pool.aclose()
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_a_shrink_and_a_grow_back_to_back_reach_a_gpu_attached_process_as_two(sock: str) -> None:
+    """Two resizes in a row are pushed one by one: the attached process unregisters the punched units
+    before it registers the regrown ones, so what its GPU writes there is the owner's memory."""
+    config = {"quota": "256MiB", "max_quota": "256MiB", "slot_size": SLOT, "commit_unit": "32MiB"}
+    async with Pool(config, sock) as pool, _child(REGROWN_CHILD, sock) as child:
+        assert (await child.report())["registered"] == 256 << 20
+        await pool.resize("64MiB")
+        await pool.resize("256MiB")  # no await between them reaches the publisher
+        await pool.tier.wait_resident()
+        await child.go_on()
+        last = await child.report()
+        base = pool.tier.statistics().base_address
+        seen = (np.ctypeslib.ctypes.c_uint8 * 16).from_address(base + int(last["slot"]) * SLOT)  # type: ignore[call-overload]
+        assert bytes(seen).hex() == last["digest"]
         await child.go_on()
         await child.exits()

@@ -129,6 +129,8 @@ class AttachedPool(Owner):
         self._gpu: Registrations | None = None
         self._registered = 0
         self._registering = False
+        self._unregistering = 0
+        """Shrinks whose units are being unregistered here (the bound stays down until none is)."""
         self._copies = InflightCopies()
         self._path = os.fspath(path)
         self._life = Lifecycle("AttachedPool", "aiokvtier-attached")
@@ -320,12 +322,19 @@ class AttachedPool(Owner):
         self._fill_error = fields.get("error")
         gpu = self._gpu
         if gpu is not None:
-            # A lower fill target is a shrink the owner has made: copies past it are refused from
-            # now on, and the units past it are unregistered before any later grow registers them.
-            lowered = self._target < gpu.bound
-            gpu.bound = self._target
-            if lowered and gpu.end > gpu.bound and not self._life.closed:
-                self._life.submit(gpu.shrink).add_done_callback(self._registered_to)
+            # A lower fill target is a shrink the owner has made (it punched the units out): copies
+            # past it are refused from now on, and the units past it are unregistered here, since
+            # they pin the old pages. The bound stays down until that is done, through any grow
+            # pushed meanwhile: until then a copy there would reach the old pages, not the file's.
+            if self._target < gpu.bound and gpu.end > self._target and not self._life.closed:
+                gpu.bound = self._target
+                self._registered = min(self._registered, self._target)
+                self._unregistering += 1
+                self._life.submit(gpu.shrink).add_done_callback(self._unregistered)
+            elif self._unregistering:
+                gpu.bound = min(gpu.bound, self._target)
+            else:
+                gpu.bound = self._target
         self._prefaulted = min(self._prefaulted, self._target)  # a shrink punched the rest out
         self._on_resident(self._resident)
         self._wake_all()
@@ -365,6 +374,14 @@ class AttachedPool(Owner):
             return
         self._prefaulted = min(stop, self._target)
         self._prefault_to(self._resident)
+
+    def _unregistered(self, future: asyncio.Future[int]) -> None:
+        """A shrink's units were unregistered here: the bound follows the owner's target again."""
+        self._unregistering -= 1
+        if not self._unregistering and self._gpu is not None:
+            self._gpu.bound = self._target
+        if self._registered_to(future):
+            self._on_resident(self._resident)
 
     def _extended_to(self, future: asyncio.Future[int]) -> None:
         self._registering = False

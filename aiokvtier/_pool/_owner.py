@@ -334,6 +334,13 @@ class Pool(Owner):
         try:
             await self._tier.resize(new_quota)
         finally:
+            # Pushed now, each resize in turn, not coalesced by the publisher: a shrink then a grow
+            # seen as one state would leave an attached process's registrations of the punched units
+            # (the old pages) in place; and every reply sent after this one follows it on the wire.
+            if not self._tier.closed:
+                frame = self._state()
+                for peer in self._peers:
+                    peer.send(frame)
             self._resized.set()
 
     # -- the watermark, pushed -------------------------------------------------------------
