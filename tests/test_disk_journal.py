@@ -199,7 +199,7 @@ async def test_damage_inside_the_journal_is_stepped_over_and_compacted_away(
 
     def damage(data: bytes) -> bytes:
         flipped = bytearray(data)
-        flipped[starts[1] + 10] ^= 0x01  # block 1's record fails its CRC
+        flipped[starts[1] + 10] ^= 0x01  # block 1's record fails its tag
         return bytes(flipped[: starts[3]]) + torn + bytes(flipped[starts[3] :])
 
     await edit_journal(directory, damage)
