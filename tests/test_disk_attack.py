@@ -226,8 +226,11 @@ async def test_the_later_of_two_records_for_one_slot_wins_at_replay(tmp_path: Pa
             f.seek(slot_of_b * BLOCK)
             f.write(src.array[2].tobytes())
         checksum = xxhash.xxh3_64_intdigest(src.array[2].tobytes())
-        with open(Path(directory, "journal"), "ab") as f:
-            f.write(_journal._record(_journal._PUT, slot_of_b, BLOCK, checksum, encode_key(b"a")))
+        journal = Journal(str(Path(directory, "journal")))  # appends after the records there
+        try:
+            journal.put([(b"a", slot_of_b, BLOCK, checksum)])
+        finally:
+            journal.close()
 
     await asyncio.to_thread(rewrite)
     async with await open_disk(tmp_path) as disk:
@@ -313,10 +316,11 @@ async def test_room_reserved_past_the_journal_end_is_allocated_and_never_replaye
     journal's end (room that grew the file would put them after zeros, where the replay stops)."""
     path = str(tmp_path / "journal")
 
-    def run() -> tuple[os.stat_result, dict[Key, Any], os.stat_result]:
+    def run() -> tuple[os.stat_result, os.stat_result, dict[Key, Any], os.stat_result]:
         journal = Journal(path)
         try:
             journal.replay()
+            header = os.stat(path)
             journal.reserve([b"a", 1])
             reserved = os.stat(path)
             journal.put([(b"a", 0, BLOCK, 7), (1, 1, BLOCK, 8)])
@@ -324,16 +328,15 @@ async def test_room_reserved_past_the_journal_end_is_allocated_and_never_replaye
             journal.close()
         again = Journal(path)
         try:
-            return reserved, again.replay(), os.stat(path)
+            return header, reserved, again.replay(), os.stat(path)
         finally:
             again.close()
 
-    reserved, blocks, written = await asyncio.to_thread(run)
-    assert reserved.st_size == 0 and reserved.st_blocks > 0
+    header, reserved, blocks, written = await asyncio.to_thread(run)
+    assert reserved.st_size == header.st_size and reserved.st_blocks > header.st_blocks
     assert blocks == {b"a": (0, BLOCK, 7), 1: (1, BLOCK, 8)}
-    assert written.st_size == len(_journal._record(_journal._PUT, 0, BLOCK, 7, encode_key(b"a"))) + len(
-        _journal._record(_journal._PUT, 1, BLOCK, 8, encode_key(1))
-    )
+    # a record: 27 bytes of fields, the key's encoding, an 8-byte tag
+    assert written.st_size == header.st_size + 2 * (27 + 8) + len(encode_key(b"a")) + len(encode_key(1))
 
 
 async def test_a_journal_that_cannot_be_written_skips_the_writes(
@@ -417,14 +420,20 @@ async def test_a_journal_of_garbage_or_of_slots_past_the_quota_starts_clean(tmp_
     async with await open_disk(tmp_path, blocks=4) as disk:
         directory = disk.directory
 
-    def forge(records: bytes) -> None:
-        Path(directory, "journal").write_bytes(records)
+    def forge(records: bytes | None) -> None:
+        path = Path(directory, "journal")
+        if records is not None:
+            path.write_bytes(records)
+            return
+        path.unlink()  # whole records, naming slots past the quota or lengths no block has
+        journal = Journal(str(path))
+        try:
+            journal.put([(i, slot, length, 0) for i, (slot, length) in enumerate(past)])
+        finally:
+            journal.close()
 
-    past = b"".join(
-        _journal._record(_journal._PUT, slot, length, 0, encode_key(i))
-        for i, (slot, length) in enumerate([(4, BLOCK), (1 << 40, BLOCK), (0, BLOCK + 1), (1, 0)])
-    )
-    for records in (os.urandom(10_000), b"AKVJ" * 1000, past):
+    past = [(4, BLOCK), (1 << 40, BLOCK), (0, BLOCK + 1), (1, 0)]
+    for records in (os.urandom(10_000), b"AKVJ" * 1000, None):
         await asyncio.to_thread(forge, records)
         async with await open_disk(tmp_path, blocks=4) as disk:
             assert len(disk) == 0

@@ -277,18 +277,19 @@ class DiskTier(Owner):
         self._fresh = max(owner, default=-1) + 1
         self._free = sorted(set(range(self._fresh)) - set(owner), reverse=True)
         self._recovered = len(self._index)
-        assert self._journal is not None
-        if self._journal.skipped:
+        journal = self._journal
+        assert journal is not None
+        if journal.skipped:
             log.warning(
-                "aiokvtier: disk tier %s stepped over %d damaged bytes in its journal",
-                self.directory,
-                self._journal.skipped,
+                "aiokvtier: disk tier %s stepped over %d damaged bytes in its journal", self.directory, journal.skipped
             )
-        # A damaged journal is rewritten whole: the damage would be stepped over again at every open.
-        if self._journal.skipped or self._journal.records > 2 * len(self._index) + 1024:
+        # A damaged journal is rewritten whole: the damage would be stepped over again at every open. An
+        # outdated one (format 1, a torn header) takes no records until it is rewritten in this format.
+        if journal.skipped or journal.outdated or journal.records > 2 * len(self._index) + 1024:
             try:
-                self._journal.rewrite(dict(self._index))
-            except OSError as exc:  # a read-only directory, a full disk: the long journal still serves
+                journal.rewrite(dict(self._index))
+            except OSError as exc:  # a read-only directory, a full disk: the long journal still serves (an
+                # outdated one for reads only: it refuses records, and the writes are skipped)
                 log.warning("aiokvtier: disk tier %s could not compact its journal: %s", self.directory, _why(exc))
 
     def _close_files(self) -> None:
