@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from aiokvtier import DiskTier
+from aiokvtier._disk import _tier
 from aiokvtier._disk._io import ALIGN, MAX_RUN_BYTES, DataFile
 
 from .test_disk import BLOCK, Pages, config
@@ -243,3 +244,34 @@ async def test_the_tier_writes_and_reads_runs_and_skips_only_the_unreachable_blo
         for i, key in enumerate(written):
             if i != 1:
                 assert np.array_equal(dst.array[i], src.array[key])
+
+
+async def test_blocks_are_hashed_on_the_writing_thread_where_no_hashing_thread_can_be_had(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's hashes go to a hashing thread beside the next run's write; where the pool refuses
+    (no thread can start), the writing thread hashes them itself: every block is stored and read back
+    bit-exact, in runs and alone, and the checksums agree with the ones the hashing threads give."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    src, dst = Pages(16), Pages(16)
+    src.fill(41)
+    keys = list(range(16))
+    addresses = src.addresses([*range(8), 9, 11, 13, 15, 8, 10, 12, 14])  # runs, then blocks alone
+
+    class Refusing(ThreadPoolExecutor):
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("can't start new thread")
+
+    for attempt in ("pool", "refused"):
+        name = f"hash-{attempt}"
+        with monkeypatch.context() as patch:
+            if attempt == "refused":
+                patch.setattr(_tier, "ThreadPoolExecutor", Refusing)
+            async with DiskTier(await config(tmp_path), block_size=BLOCK, fingerprint=name, io_threads=2) as disk:
+                assert await disk.write(keys, addresses, [BLOCK] * 16) == tuple(keys)
+                assert disk.statistics().write_errors == 0
+        async with DiskTier(await config(tmp_path), block_size=BLOCK, fingerprint=name, io_threads=2) as disk:
+            assert await disk.read(keys, dst.addresses(range(16))) == (True,) * 16  # each checksum matched
+        for i, address in enumerate(addresses):
+            assert np.array_equal(dst.array[i], src.array[(address - src.base) // BLOCK])

@@ -26,7 +26,7 @@ import errno
 import logging
 import mmap
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["ALIGN", "MAX_RUN_BYTES", "DataFile", "memory_at"]
 
@@ -131,19 +131,28 @@ class DataFile:
         if lengths:
             yield start, len(blocks), fd, lengths
 
-    def write_blocks(self, blocks: Sequence[Block]) -> Iterator[Exception | None]:
+    def write_blocks(
+        self, blocks: Sequence[Block], before: Callable[[int, int], None] | None = None
+    ) -> Iterator[Exception | None]:
         """Write each ``(slot, address, length)``; yields, per block in order, None or why it was not
-        written, a run's blocks once the run is written (the caller works on them before the next)."""
-        return self._move(blocks, write=True)
+        written, a run's blocks once the run is written (the caller works on them before the next).
+
+        ``before(start, stop)``: called as ``blocks[start:stop]`` are about to be written in one run
+        (or alone), so the caller can start work on their bytes beside the call."""
+        return self._move(blocks, write=True, before=before)
 
     def read_blocks(self, blocks: Sequence[Block]) -> Iterator[Exception | None]:
         """Read each ``(slot, address, length)``; yields, per block in order, None or why it did not
         arrive, a run's blocks once the run is read."""
         return self._move(blocks, write=False)
 
-    def _move(self, blocks: Sequence[Block], write: bool) -> Iterator[Exception | None]:
+    def _move(
+        self, blocks: Sequence[Block], write: bool, before: Callable[[int, int], None] | None = None
+    ) -> Iterator[Exception | None]:
         call, one = (os.pwritev, self.write) if write else (os.preadv, self.read)
         for start, stop, fd, lengths in self.runs(blocks):
+            if before is not None:
+                before(start, stop)
             if stop - start == 1:  # no neighbour to move with: the block's own call, without a run's bookkeeping
                 try:
                     one(*blocks[start])
