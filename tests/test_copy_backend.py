@@ -495,3 +495,58 @@ async def test_sm_refuses_a_device_side_it_cannot_reach(model_sm: dict[str, str 
             with pytest.raises(CudaError, match="INJECTED"):
                 await bounded(engine.to_device(tier, slots, [DEVICE]))
             assert ModelBatch.calls == [] and len(tier.copies) == 0
+
+
+# -- an idle engine's small job, waited for on the submit thread ---------------------------------
+
+
+class _InlineBackend(RecordingBackend):
+    """Lands jobs of up to four slots on the submit thread when the engine is idle; records, per job
+    waited for, which thread waited and the job's number (its place in the issue order)."""
+
+    inline_wait_bytes = 4 * SLOT
+
+    def __init__(self) -> None:
+        super().__init__(memmove=True)
+        self.waited: list[tuple[str, int]] = []
+
+    def wait(self, handle: Any) -> None:
+        super().wait(handle)
+        self.waited.append((threading.current_thread().name, handle.copy.order))
+
+
+@pytest.mark.parametrize("burst", [1, 48])
+async def test_an_idle_engines_small_job_lands_on_the_submit_thread_and_the_order_holds(burst: int) -> None:
+    """Awaited one at a time, small jobs are waited for on the submit thread (no hand-over); a large
+    one, and jobs queued behind others in a burst, go to the completion thread. Every job lands once,
+    bit-exact, and the jobs are waited for in the order they were issued."""
+    backend = _InlineBackend()
+    async with (
+        HostTier(small_config()) as tier,
+        StaticHostMem(16 * SLOT) as stage,
+        CopyEngine(0, backend=backend) as engine,
+    ):
+        await tier.wait_resident()
+        slots = await tier.allocate(8)
+        for i, slot in enumerate(slots):
+            tier.view(slot)[:8] = bytes([i + 1]) * 8
+        pages = [stage.address + i * SLOT for i in range(8)]
+        rounds = 3
+        for r in range(rounds):
+            jobs = [engine.to_device(tier, [slots[(r + k) % 8]], [pages[k % 8]]) for k in range(burst)]
+            await bounded(asyncio.gather(*jobs))
+        await bounded(engine.to_device(tier, slots, pages))  # eight slots: past inline_wait_bytes
+        view = stage.view()
+        assert [view[i * SLOT] for i in range(8)] == list(range(1, 9))
+        view.release()
+        stats = engine.statistics()
+        assert stats.jobs_completed == stats.jobs_submitted == rounds * burst + 1
+    numbers = [number for _, number in backend.waited]
+    assert numbers == sorted(numbers) and len(numbers) == len(set(numbers)) == rounds * burst + 1
+    threads = [name for name, _ in backend.waited]
+    assert threads[-1] == "aiokvtier-copy-complete"  # the large job
+    if burst == 1:
+        assert set(threads[:-1]) == {"aiokvtier-copy-submit"}
+    else:
+        assert "aiokvtier-copy-complete" in threads[:-1]  # queued behind others: handed over
+    await wait_no_library_threads()
