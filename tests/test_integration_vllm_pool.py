@@ -430,3 +430,197 @@ def test_a_lost_pool_makes_misses_and_failed_loads_until_it_is_back(tmp_path: Pa
     finally:
         a.close()
         stop_owner(owner)
+
+
+# -- vLLM's scheduler and connector ---------------------------------------------------------------
+
+
+class Engine:
+    """vLLM's Scheduler and ``AiokvtierOffloadingConnector`` (worker role) over the pool, stepped as vLLM's
+    engine core steps them (as ``test_vllms_scheduler_and_connector_move_a_prefix_through_the_spec``), with
+    per-layer CPU tensors of its own for the KV cache."""
+
+    LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+    BLOCKS = 32
+
+    def __init__(self, model_dir: Path, pool: str, seed: int) -> None:
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+        from vllm.forward_context import ForwardContext
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=2048)
+        transfer = KVTransferConfig(
+            kv_connector="AiokvtierOffloadingConnector",
+            kv_connector_module_path="aiokvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "spec_name": "AiokvtierOffloadingSpec",
+                "spec_module_path": "aiokvtier.integrations.vllm",
+                "aiokvtier": {"pool": pool},
+            },
+        )
+        config = VllmConfig(
+            device_config=DeviceConfig(device="cpu"),
+            model_config=model,
+            cache_config=CacheConfig(block_size=16),
+            kv_transfer_config=transfer,
+        )
+        config.cache_config.num_gpu_blocks = self.BLOCKS
+        config.scheduler_config.async_scheduling = False
+        attention = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+        kv_config = KVCacheConfig(
+            num_blocks=self.BLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(list(self.LAYERS), attention)],
+        )
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_config,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=16,
+        )
+        self.worker = AiokvtierOffloadingConnector(config, KVConnectorRole.WORKER, kv_config)
+        generator = torch.Generator().manual_seed(seed)
+        self.caches = {
+            name: torch.randint(-1000, 1000, (self.BLOCKS, 2, 16, 2, 64), dtype=torch.int16, generator=generator).view(
+                torch.float16
+            )
+            for name in self.LAYERS
+        }
+        self.worker.register_kv_caches(self.caches)
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(16, sha256)
+        self.context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        self.invalid: set[int] = set()
+        self.before_load: Callable[[Any], None] = lambda metadata: None
+
+    def step(self) -> None:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        scheduled = self.scheduler.schedule()
+        metadata = scheduled.kv_connector_metadata
+        worker = self.worker
+        worker.handle_preemptions(metadata)
+        worker.bind_connector_metadata(metadata)
+        self.before_load(metadata)
+        worker.start_load_kv(self.context)
+        worker.wait_for_save()
+        sending, receiving = worker.get_finished(scheduled.finished_req_ids)
+        invalid = worker.get_block_ids_with_load_errors()  # after get_finished, as vLLM's model runner asks
+        self.invalid |= invalid
+        output = KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=receiving,
+            invalid_block_ids=invalid,
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+        )
+        worker.clear_connector_metadata()
+        ids = list(scheduled.num_scheduled_tokens)
+        self.scheduler.update_from_output(
+            scheduled,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[0] for _ in ids],
+                kv_connector_output=output,
+            ),
+        )
+
+    def request(self, request_id: str, prompt: list[int]) -> Any:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=self.hasher,
+        )
+
+    def run(self, request: Any) -> list[int]:
+        """Runs the request to its end; the GPU blocks it held."""
+        self.scheduler.add_request(request)
+        held: list[int] = []
+        for _ in range(500):
+            self.step()
+            if not held and request.request_id in self.scheduler.requests:
+                held = list(self.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0])
+            if not self.scheduler.requests:
+                return held
+            time.sleep(0.002)
+        raise AssertionError(f"request {request.request_id} did not finish")
+
+    def settle(self) -> None:
+        for _ in range(50):  # stores land and are reported in later steps
+            self.step()
+            time.sleep(0.002)
+
+    def rows(self, blocks: list[int]) -> dict[str, torch.Tensor]:
+        return {name: self.caches[name][blocks].view(torch.int16).clone() for name in self.LAYERS}
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def test_two_vllm_engines_share_a_prefix_through_the_pool_and_recompute_what_was_evicted(
+    tmp_path: Path, pool_path: str
+) -> None:
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    from tests.test_integration_vllm import TINY_MODEL
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_MODEL))
+    a = Engine(tmp_path, pool_path, seed=1)
+    b = Engine(tmp_path, pool_path, seed=2)
+    try:
+        prompt = list(range(1, 65))  # four blocks of 16 tokens
+        first = a.run(a.request("A", prompt))
+        assert len(first) == 4
+        written = a.rows(first)
+        a.settle()
+        assert statistics(pool_path).blocks == 4 * (LAYERS + 1)
+        # Engine B, its own scheduler, worker and KV caches: the prefix comes from the pool, bit for bit.
+        second = b.run(b.request("B", prompt))
+        assert len(second) == 4 and b.invalid == set()
+        for name, rows in b.rows(second).items():
+            assert torch.equal(rows, written[name])
+
+        # Another prompt of four blocks, stored by A; B's scheduler finds all four, and another process
+        # drops the third's pages between B's lookup and B's worker's load.
+        other = list(range(100, 164))
+        stored = a.rows(a.run(a.request("A2", other)))
+        a.settle()
+        request = b.request("B2", other)
+        chunks = [make_offload_key(bytes(h), 0) for h in request.block_hashes[:4]]
+        spec_worker = b.worker.connector_worker.worker
+        assert isinstance(spec_worker, PoolOffloadingWorker) and spec_worker.report_load_errors
+        victim = block_key(spec_worker.namespace, chunks[2], 0, 0)
+        dropped: list[int] = []
+
+        def evict(metadata: Any) -> None:
+            if not dropped and metadata.load_jobs:
+                dropped.append(in_pool(pool_path, lambda pool: pool.discard([victim])))
+
+        b.before_load = evict
+        held = b.run(request)
+        assert dropped == [1]
+        # The worker named the GPU blocks of the third and fourth chunks as load errors, and vLLM
+        # recomputed them (the request ran to its end under kv_load_failure_policy="recompute").
+        assert b.invalid == set(held[2:4])
+        for name, rows in b.rows(held[:2]).items():  # the chunks before it loaded, bit for bit
+            assert torch.equal(rows, stored[name][:2])
+        stats = statistics(pool_path)
+        assert stats.claims == 0 and stats.blocks_pinned == 0
+    finally:
+        a.close()
+        b.close()

@@ -515,6 +515,11 @@ class PoolOffloadingWorker(OffloadingWorker):
             self._first.append(first)
             self.blocks_per_chunk.append(at)
 
+    @property
+    def namespace(self) -> bytes:
+        """The first bytes of every pool key of this engine (``namespace()`` of its config)."""
+        return self._ns
+
     # -- planning (on the caller's thread) ----------------------------------------------------
 
     def _plan(self, job_id: int, gpu: LoadStoreSpec, host: LoadStoreSpec, *, store: bool) -> _PoolJob:
