@@ -27,7 +27,13 @@ pytest.importorskip("vllm", reason="vllm is not installed")
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadingWorker, ReqContext
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingManager,
+    OffloadingWorker,
+    ReqContext,
+    ScheduleEndContext,
+)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from aiokvtier import AttachedPool, PoolError
@@ -102,9 +108,23 @@ class Replica:
         self.manager.on_new_request(self.request)
         self._jobs = 0
 
-    def lookup(self, chunks: list[Any]) -> list[LookupResult]:
+    def step(self) -> None:
+        """The end of a scheduler step: lookups queued in it are read."""
         with self.manager.lock:
-            return [self.manager.lookup(k, self.request) for k in chunks]
+            self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+
+    def lookup(self, chunks: list[Any]) -> list[LookupResult]:
+        """Each chunk's answer, as vLLM gets it: steps go by (answers hold a step), a lookup whose answers
+        include RETRY is asked again at the next step."""
+        self.step()
+        self.step()
+        for _ in range(2):
+            with self.manager.lock:
+                answers = [self.manager.lookup(k, self.request) for k in chunks]
+            self.step()
+            if LookupResult.RETRY not in answers:
+                break
+        return answers
 
     def store(self, chunks: list[Any], blocks: list[int]) -> list[Any]:
         """Stores what ``prepare_store`` asks for: the GPU blocks of those of ``chunks`` the pool lacks."""
@@ -217,6 +237,34 @@ def test_kv_caches_outside_host_memory_are_refused(pool_path: str) -> None:
     with pytest.raises(NotImplementedError, match="host memory only"):
         OffloadingSpecFactory.create_spec(pool_config(pool_path)).get_worker(caches)
     assert statistics(pool_path).clients == 1
+
+
+def test_lookups_read_the_pool_once_for_a_requests_first_chunk_and_once_for_the_rest(
+    pool_path: str, replicas: Callable[..., Replica]
+) -> None:
+    a = replicas(seed=6)
+    chunks = keys(list(range(12)))
+    a.store(chunks[:8], list(range(8)))
+    assert a.lookup(chunks[:1]) == [LookupResult.HIT]  # the chunks' block count is learned (once)
+    a.step()
+    a.step()
+    manager = a.manager
+    time.sleep(0.2)  # the counts of reads of the mirror reach the owner within 50 ms
+    queries = statistics(pool_path).queries
+    cold, warm = ReqContext(req_id="cold"), ReqContext(req_id="warm")
+    with manager.lock:
+        # A prompt the pool does not hold misses at its first chunk, answered at once.
+        assert manager.lookup(keys([99])[0], cold) is LookupResult.MISS
+        # One it holds: the first chunk is read at once, the others wait for the step's end.
+        answers = [manager.lookup(k, warm) for k in chunks]
+        assert answers == [LookupResult.HIT] + [LookupResult.RETRY] * 11
+        manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        # The next step answers from that read: the first eight, then misses.
+        answers = [manager.lookup(k, warm) for k in chunks]
+        assert answers == [LookupResult.HIT] * 8 + [LookupResult.MISS] * 4
+    # Three reads in all: the first chunk of each request, and the rest of one.
+    time.sleep(0.2)
+    assert statistics(pool_path).queries - queries == 3
 
 
 # -- sharing -----------------------------------------------------------------------------------
@@ -348,9 +396,12 @@ def test_a_chunk_evicted_before_its_load_is_a_load_error_never_wrong_bytes(
     result = b.load(chunks[3:], [50, 51, 52])
     assert result.success and result.transfer_size is None
     assert b.worker.take_load_errors() == {50, 51, 52}
-    # The scheduler sees it now: chunk 3 misses, and a store puts it back.
-    assert b.lookup(chunks) == [LookupResult.HIT] * 3 + [LookupResult.MISS] + [LookupResult.HIT] * 2
-    assert b.store(chunks, [0, 1, 2, 3, 4, 5]) == [chunks[3]]
+    # The scheduler sees it now: the prefix ends at chunk 3 (later chunks answer as misses too, since
+    # vLLM takes a prefix), and a store puts chunk 3 back (the pool copies none of the others again).
+    assert b.lookup(chunks) == [LookupResult.HIT] * 3 + [LookupResult.MISS] * 3
+    assert b.store(chunks, [0, 1, 2, 3, 4, 5]) == chunks[3:]
+    assert b.lookup(chunks) == [LookupResult.HIT] * 6
+    assert statistics(pool_path).present >= 2 * (LAYERS + 1)  # chunks 4 and 5 were there: not copied
     stats = statistics(pool_path)
     assert stats.claims == 0 and stats.blocks_pinned == 0
 

@@ -117,7 +117,7 @@ def finish(worker: OffloadingWorker, job_ids: set[int], timeout: float = 30.0) -
 
 
 def main(path: str, order: dict[str, Any]) -> dict[str, Any]:
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     config = pool_config(path, dp=order["dp"])
@@ -129,8 +129,13 @@ def main(path: str, order: dict[str, Any]) -> dict[str, Any]:
         manager.on_new_request(request)
         chunks = keys(order["keys"])
         blocks = order["blocks"]
-        with manager.lock:
-            found = [manager.lookup(k, request) is LookupResult.HIT for k in chunks]
+        for _ in range(2):  # a lookup that answers RETRY is asked again at the next step, as vLLM does
+            with manager.lock:
+                answers = [manager.lookup(k, request) for k in chunks]
+                manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+            if LookupResult.RETRY not in answers:
+                break
+        found = [answer is LookupResult.HIT for answer in answers]
         if order["op"] == "load":
             with manager.lock:
                 spec = manager.prepare_load(chunks, request)

@@ -33,7 +33,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
     TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -198,6 +199,11 @@ class _Link:
             await pool.aclose()
 
 
+def _group(offload_key: bytes) -> int:
+    """The KV cache group of an offload key (vLLM's ``get_offload_group_idx``)."""
+    return int.from_bytes(offload_key[-4:], "big")
+
+
 def block_key(ns: bytes, chunk: bytes, rank: int, index: int) -> bytes:
     """The pool key of block ``index`` (``SEAL``: the seal) of ``rank``'s share of the chunk ``chunk``."""
     return ns + chunk + _SUFFIX.pack(rank, index)
@@ -235,6 +241,12 @@ class PoolOffloadingManager(OffloadingManager):
         self._ns = namespace(config, settings["namespace"])
         self._ranks = max(int(config.parallel.world_size), 1)
         self._storing: collections.Counter[bytes] = collections.Counter()
+        self._fresh: dict[bytes, bool] = {}
+        """What the pool held of chunks read in this step (and at its end)."""
+        self._last: dict[bytes, bool] = {}
+        """What it held of those read in the last step."""
+        self._queued: dict[str, list[bytes]] = {}
+        """Per request, the chunks whose lookup answered RETRY in this step, to read at its end."""
         self._blocks: dict[int, tuple[int, ...]] = {}
         """Per KV cache group, each rank's block count of a chunk (learned from the seals)."""
         self._suffixes: dict[int, npt.NDArray[np.uint8]] = {}
@@ -258,7 +270,7 @@ class PoolOffloadingManager(OffloadingManager):
     # -- lookups -----------------------------------------------------------------------------
 
     def _rows(self, key: bytes) -> npt.NDArray[np.uint8]:
-        group = int.from_bytes(key[-4:], "big")
+        group = _group(key)
         suffixes = self._suffixes.get(group)
         if suffixes is None:
             blocks = self._blocks.get(group)
@@ -269,18 +281,40 @@ class PoolOffloadingManager(OffloadingManager):
             suffixes = self._suffixes[group] = _suffixes(pairs)
         return _key_rows(self._ns, key, suffixes)
 
-    def _present(self, key: bytes) -> bool:
-        rows = self._rows(key)
+    def _count(self, rows: npt.NDArray[np.uint8]) -> int:
+        """How many leading rows the pool holds: from the mirror here, from the owner when it cannot say."""
         pool = self._link.current
         found = None if pool is None else pool.lookup_nowait(rows)
         if found is None:
             found = self._runner.call(self._lookup(rows))
-        if found < len(rows):
-            return False
-        group = int.from_bytes(key[-4:], "big")
-        if group not in self._blocks:
-            return self._learn(key, group)
-        return True
+        return found
+
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which chunks the pool holds for every rank, in one read of the mirror (not one per chunk).
+
+        The read answers the leading chunks that are there; those after the first that is not are
+        answered absent too (vLLM's lookup stops at a miss anyway): a chunk taken for absent is stored
+        again (the pool copies nothing it holds) or computed, never loaded wrong.
+        """
+        answers = [False] * len(keys)
+        if not keys:
+            return answers
+        rows = [self._rows(k) for k in keys]
+        ends = np.cumsum([len(r) for r in rows])
+        whole = int(np.searchsorted(ends, self._count(np.concatenate(rows)), side="right"))
+        answers[:whole] = [True] * whole
+        unknown = {_group(k) for k in keys[:whole]} - set(self._blocks)
+        if unknown:
+            # Found by their seals alone: learn each group's block counts from one chunk's seals, then ask
+            # again with every block (which the hits then mark referenced, for the owner's eviction).
+            for group in unknown:
+                first = next(k for k, a in zip(keys, answers, strict=True) if a and _group(k) == group)
+                if not self._learn(first, group):
+                    answers = [a and _group(k) != group for k, a in zip(keys, answers, strict=True)]
+            again = [i for i, k in enumerate(keys) if answers[i] and _group(k) in unknown]
+            for i, present in zip(again, self._present([keys[i] for i in again]), strict=True):
+                answers[i] = present
+        return answers
 
     async def _lookup(self, rows: npt.NDArray[np.uint8]) -> int:
         pool = await self._link.get()
@@ -293,12 +327,12 @@ class PoolOffloadingManager(OffloadingManager):
             return 0
 
     def _learn(self, key: bytes, group: int) -> bool:
-        """Read each rank's seal of ``key`` for the group's block counts; False if they are gone or bad."""
+        """Reads each rank's seal of ``key`` for the group's block counts; False if they are gone or bad."""
         counts = self._runner.call(self._read_seals(_key_rows(self._ns, key, self._seals)))
         if counts is None:
             return False
         self._blocks[group] = counts
-        return self._present(key)  # now with every block of the chunk, which the hit also marks referenced
+        return True
 
     async def _read_seals(self, rows: npt.NDArray[np.uint8]) -> tuple[int, ...] | None:
         pool = await self._link.get()
@@ -324,24 +358,55 @@ class PoolOffloadingManager(OffloadingManager):
     # -- vLLM's OffloadingManager --------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT when the pool holds the chunk for every rank; HIT_PENDING while this engine stores it."""
+        """HIT when the pool holds the chunk for every rank; HIT_PENDING while this engine stores it.
+
+        vLLM asks chunk by chunk, and a read of the mirror costs about the same for one chunk as for many:
+        a request's first chunk not answered lately is read at once (a miss ends the lookup there), and
+        when it is there, the request's later chunks answer RETRY and are read together at the step's
+        end; vLLM asks again at the next step, and they answer from that read.
+        """
         if self._storing[key]:
             return LookupResult.HIT_PENDING
-        return LookupResult.HIT if self._present(key) else LookupResult.MISS
+        known = self._fresh.get(key)
+        if known is None:
+            known = self._last.get(key)
+        if known is not None:
+            return LookupResult.HIT if known else LookupResult.MISS
+        queued = self._queued.get(req_context.req_id)
+        if queued is not None:
+            queued.append(key)
+            return LookupResult.RETRY
+        (present,) = self._present([key])
+        self._fresh[key] = present
+        if not present:
+            return LookupResult.MISS
+        self._queued[req_context.req_id] = []
+        return LookupResult.HIT
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Reads the chunks that lookups queued in this step (one read a request); their answers, and
+        this step's, hold for the next step."""
+        for keys in self._queued.values():
+            if keys:
+                keys = list(dict.fromkeys(keys))
+                self._fresh.update(zip(keys, self._present(keys), strict=True))
+        self._queued.clear()
+        self._last, self._fresh = self._fresh, {}
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """The keys, for the workers (nothing is pinned: a block evicted before the load is a load error)."""
         return PoolLoadStoreSpec(keys)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Marks the chunks referenced in the pool (a lookup's hit does, for the owner's eviction)."""
-        for key in keys:
-            if not self._storing[key]:
-                self._present(key)
+        """Marks the chunks referenced in the pool (a lookup's hit does, for the owner's eviction): one read."""
+        keys = [k for k in keys if not self._storing[k]]
+        if keys:
+            self._present(keys)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
         """The chunks neither in the pool nor being stored by this engine; the owner evicts for them."""
-        todo = [k for k in dict.fromkeys(keys) if not self._storing[k] and not self._present(k)]
+        offered = [k for k in dict.fromkeys(keys) if not self._storing[k]]
+        todo = [k for k, present in zip(offered, self._present(offered), strict=True) if not present]
         self._storing.update(todo)
         return PrepareStoreOutput(keys_to_store=todo, store_spec=PoolLoadStoreSpec(todo), evicted_keys=[])
 
@@ -351,6 +416,8 @@ class PoolOffloadingManager(OffloadingManager):
         for key in keys:
             if self._storing[key] <= 0:
                 del self._storing[key]
+            self._fresh.pop(key, None)  # read again at the next lookup
+            self._last.pop(key, None)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
