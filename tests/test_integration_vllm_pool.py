@@ -267,6 +267,24 @@ def test_lookups_read_the_pool_once_for_a_requests_first_chunk_and_once_for_the_
     assert statistics(pool_path).queries - queries == 3
 
 
+def test_a_job_that_does_not_match_the_caches_is_refused_on_the_callers_thread(
+    pool_path: str, replicas: Callable[..., Replica]
+) -> None:
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    a = replicas(seed=7)
+    chunk = PoolLoadStoreSpec(keys([1]))
+    with pytest.raises(ValueError, match=r"GPU block ids must lie in \[0, 64\)"):
+        a.worker.submit_store(1, gpu_spec([GPU_BLOCKS]), chunk)
+    with pytest.raises(ValueError, match="do not match"):
+        a.worker.submit_load(2, chunk, gpu_spec([0, 1]))
+    with pytest.raises(TypeError, match="PoolLoadStoreSpec"):
+        a.worker.submit_load(3, CPULoadStoreSpec([0]), gpu_spec([0]))
+    assert a.worker.get_finished() == []
+    stats = statistics(pool_path)
+    assert stats.stores == 0 and stats.loads == 0 and stats.claims == 0
+
+
 # -- sharing -----------------------------------------------------------------------------------
 
 

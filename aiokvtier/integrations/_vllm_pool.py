@@ -12,10 +12,11 @@ at the same commit), the rank stores a seal (``i = 0xFFFFFFFF``) whose 8 bytes s
 is a digest of what makes two engines' pages the same bytes (model, dtype, layout, block geometry, the
 parallel sizes), and leaves out the DP index: replicas share.
 
-Lookups. The scheduler never sees a KV tensor, so it learns ``n`` from the seals themselves (read once
-per group); until then a chunk is a hit when every rank's seal is there, after that when every rank's
-seal and blocks are. The answer comes from the pool's index mirror on the scheduler's thread
-(``AttachedPool.lookup_nowait``), from the owner only when the mirror cannot answer.
+Lookups. A chunk is a hit when the pool holds every rank's seal and blocks. The scheduler never sees a
+KV tensor, so it learns ``n`` from the seals of the first chunk it finds by its seals (once per group).
+The answer comes from the pool's index mirror on the scheduler's thread (``AttachedPool.lookup_nowait``),
+from the owner only when the mirror cannot answer; a request's chunks after its first are read together
+at the step's end (``PoolOffloadingManager.lookup``).
 
 Nothing pins a block between the scheduler's lookup and the worker's load, so another process may evict
 it meanwhile. The worker then loads the leading blocks still there and reports the rest as vLLM's load
@@ -161,15 +162,15 @@ class _Link:
         self.current: AttachedPool | None = None
         self._lost_at: float | None = None
         self._next = 0.0
-        self._old: list[AttachedPool] = []
+        self._closed = False
 
     async def attach(self) -> None:
         # Returns once attached: the first state push, not the pool's fill.
         self.current = await AttachedPool.attach(self.path, prefault=self._prefault)
 
     async def get(self) -> AttachedPool | None:
-        """The pool, or None while its owner is away."""
-        if self._lost_at is None:
+        """The pool, or None while its owner is away (and once closed)."""
+        if self._lost_at is None or self._closed:
             return self.current
         now = time.monotonic()
         if now < self._next:
@@ -194,6 +195,7 @@ class _Link:
         log.warning("aiokvtier: %s; vLLM's offloading misses until a pool serves %s again", exc, self.path)
 
     async def aclose(self) -> None:
+        self._closed = True  # attaches no more
         pool, self.current = self.current, None
         if pool is not None:
             await pool.aclose()
@@ -422,6 +424,11 @@ class PoolOffloadingManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    def reset_cache(self) -> None:
+        """Forgets the answers of recent lookups; the pool's blocks are every engine's, not this one's to drop."""
+        self._fresh.clear()
+        self._last.clear()
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         """The pool's stores and removals of chunks (by rank 0's seal), from any engine, since the last call."""
         events = self._events
@@ -548,6 +555,7 @@ class PoolOffloadingWorker(OffloadingWorker):
             if not tensor.is_contiguous() or row < page:
                 raise ValueError("CPU KV tensors must hold their pages contiguously, one block a row")
         self._tensors_held = tensors  # their memory must outlive every copy
+        self._num_blocks = min(int(t.shape[0]) for t in tensors)
         self._finished: collections.deque[TransferResult] = collections.deque()
         self._errors: set[int] = set()
         self._errors_lock = threading.Lock()
@@ -598,6 +606,9 @@ class PoolOffloadingWorker(OffloadingWorker):
             raise ValueError(f"{len(gpu.group_sizes)} group sizes for {len(self._group_tensors)} KV cache groups")
         bpc, rank, ns = self._bpc, self._rank, self._ns
         ids = gpu.block_ids.astype(np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self._num_blocks):
+            # A copy outside the tensors would corrupt the process's memory, not raise.
+            raise ValueError(f"GPU block ids must lie in [0, {self._num_blocks}), got {ids.min()}..{ids.max()}")
         keys: list[bytes] = []
         addresses: list[int] = []
         lengths: list[int] = []
