@@ -211,6 +211,30 @@ def test_the_pool_halves_are_vllms_classes_and_the_scheduler_reserves_nothing(po
     assert statistics(pool_path).clients == 1  # both detached: only the reader of these figures
 
 
+def test_the_halves_attach_and_a_store_lands_before_the_pools_fill_ends(tmp_path: Path) -> None:
+    path = str(tmp_path / "pool.sock")
+    owner = subprocess.Popen(
+        [sys.executable, "-m", "aiokvtier", "pool", "--socket", path, "--quota", "1GiB", "--max-quota", "1GiB",
+         "--fill-threads", "1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert owner.stdout is not None
+        assert json.loads(owner.stdout.readline())["event"] == "serving"
+        a = Replica(path, seed=8)
+        try:
+            a.store(keys([1, 2]), [0, 1])
+            assert a.lookup(keys([1, 2])) == [LookupResult.HIT] * 2
+            tier = statistics(path).tier
+            assert tier.resident_bytes < tier.quota  # the fill goes on behind the first store
+        finally:
+            a.close()
+    finally:
+        owner.terminate()
+        assert owner.wait(timeout=30) == 0
+
+
 def test_bad_pool_settings_are_refused_by_name(tmp_path: Path) -> None:
     path = str(tmp_path / "pool.sock")
     cases = [
