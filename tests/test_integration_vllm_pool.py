@@ -206,8 +206,10 @@ def test_the_pool_halves_are_vllms_classes_and_the_scheduler_reserves_nothing(po
     worker = OffloadingSpecFactory.create_spec(config).get_worker(kv_caches(0))
     try:
         assert isinstance(worker, PoolOffloadingWorker) and isinstance(worker, OffloadingWorker)
+        assert {"aiokvtier-vllm", "aiokvtier-attached"} <= {t.name for t in threading.enumerate()}
     finally:
         worker.shutdown()
+    assert {t.name for t in threading.enumerate()} <= before
     assert statistics(pool_path).clients == 1  # both detached: only the reader of these figures
 
 
