@@ -48,6 +48,7 @@ import numpy.typing as npt
 import pydantic
 import torch
 import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -70,7 +71,7 @@ from .._host._linux import PAGE_SIZE
 from .._host._tier import HostTier
 from .._lifecycle import close_in_turn
 
-__all__ = ["SUPPORTED_VLLM", "AiokvtierOffloadingSpec", "AiokvtierOffloadingWorker"]
+__all__ = ["SUPPORTED_VLLM", "AiokvtierOffloadingConnector", "AiokvtierOffloadingSpec", "AiokvtierOffloadingWorker"]
 
 SUPPORTED_VLLM = "0.33"
 """The vLLM release whose ``vllm.v1.kv_offload`` interfaces this module implements."""
@@ -169,6 +170,11 @@ def chunk_count(config: OffloadingConfig) -> int:
     return total // per_chunk
 
 
+def _pooled(extra_config: Mapping[str, Any]) -> bool:
+    section = extra_config.get(EXTRA_KEY)
+    return isinstance(section, Mapping) and "pool" in section
+
+
 class AiokvtierOffloadingSpec(OffloadingSpec):
     """The spec vLLM's ``OffloadingConnector`` loads by ``spec_name`` and ``spec_module_path``.
 
@@ -177,6 +183,12 @@ class AiokvtierOffloadingSpec(OffloadingSpec):
     tier), ``aiokvtier`` (host tier settings, see ``tier_settings``),
     and vLLM's own ``eviction_policy``, ``cache_policy_module_path``,
     ``store_threshold`` and ``max_tracker_size`` for the manager.
+
+    With ``"aiokvtier": {"pool": PATH}`` (and optionally ``"namespace"``) the
+    halves attach to the machine-wide pool at ``PATH`` instead
+    (``aiokvtier.integrations._vllm_pool``): ``cpu_bytes_to_use`` is not
+    read (the pool's owner sets the quota), and the eviction settings are
+    refused (the owner evicts).
 
     Building it checks the settings and allocates nothing: the scheduler's
     spec never opens a tier, a worker's opens one in ``get_worker()``.
@@ -187,12 +199,16 @@ class AiokvtierOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        """The metrics of vLLM's CPU manager, which keeps the books here."""
+        """The metrics of vLLM's CPU manager, which keeps the books here (none over a pool)."""
+        if _pooled(extra_config):
+            return {}
         definitions: dict[str, OffloadingMetricMetadata] = CPUOffloadingSpec.build_metric_definitions(extra_config)
         return definitions
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        if _pooled(extra_config):
+            return ()
         keys: tuple[str, ...] = CPUOffloadingInfo.config_info_keys()
         return keys
 
@@ -203,15 +219,29 @@ class AiokvtierOffloadingSpec(OffloadingSpec):
                 "kv_connector_extra_config['canonical_layout'] is not supported by AiokvtierOffloadingSpec: "
                 "each worker stores its own pages"
             )
-        self.tier_settings = tier_settings(self.extra_config)
-        self.num_chunks = chunk_count(config)
-        self.replicated_layout = False  # every worker stores its own shard in its own tier
+        from ._vllm_pool import pool_section
+
+        self.pool_settings = pool_section(self.extra_config)
+        """The pool's settings (``{"pool": PATH}``), or None: a private tier per worker."""
+        if self.pool_settings is None:
+            self.tier_settings = tier_settings(self.extra_config)
+            self.num_chunks = chunk_count(config)
+        self.replicated_layout = False  # every worker stores its own shard (in its tier, or under its rank)
         self.eviction_policy: str = str(self.extra_config.get("eviction_policy", "lru"))
         self._manager: OffloadingManager | None = None
-        self._worker: AiokvtierOffloadingWorker | None = None
+        self._worker: OffloadingWorker | None = None
 
     def get_manager(self) -> OffloadingManager:
-        """vLLM's ``CPUOffloadingManager`` over ``num_chunks`` chunks: its chunk ids are the worker's tier chunks."""
+        """vLLM's ``CPUOffloadingManager`` over ``num_chunks`` chunks: its chunk ids are the worker's tier chunks.
+
+        With a pool, a ``PoolOffloadingManager`` attached to it instead (the pool keeps the books).
+
+        :raises PoolError: a pool is named and none answers at its path.
+        """
+        if self._manager is None and self.pool_settings is not None:
+            from ._vllm_pool import PoolOffloadingManager
+
+            self._manager = PoolOffloadingManager(self.config, self.pool_settings)
         if self._manager is None:
             bytes_per_chunk = self.config.worker_kv_bytes_per_block * self.blocks_per_chunk
             self._manager = CPUOffloadingManager(
@@ -226,10 +256,16 @@ class AiokvtierOffloadingSpec(OffloadingSpec):
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        """Opens this worker's tier and copy engine (once) and returns the worker.
+        """Opens this worker's tier and copy engine (once) and returns the worker; with a pool, attaches to it.
 
         :raises ValueError: a KV cache layout the worker cannot copy, or tier settings refused for the real slot size.
+        :raises PoolError: a pool is named and none answers at its path.
+        :raises NotImplementedError: a pool is named and the KV caches are not in host memory.
         """
+        if self._worker is None and self.pool_settings is not None:
+            from ._vllm_pool import PoolOffloadingWorker
+
+            self._worker = PoolOffloadingWorker(kv_caches, config=self.config, settings=self.pool_settings)
         if self._worker is None:
             self._worker = AiokvtierOffloadingWorker(
                 kv_caches,
@@ -613,3 +649,32 @@ def _would_wait(what: str) -> RuntimeError:
 def _log_failure(job: _Job, error: BaseException) -> None:
     kind = "store" if job.store else "load"
     _logger.error("aiokvtier %s job %d failed: %r", kind, job.job_id, error)
+
+
+class AiokvtierOffloadingConnector(OffloadingConnector):
+    """vLLM's ``OffloadingConnector`` that takes a load the pool could not serve as vLLM's load error.
+
+    vLLM 0.33's connector takes no failed job (it asserts each succeeded). Over a shared pool a block the
+    scheduler found may be evicted by another process before this worker loads it; with this connector
+    such a load finishes, and its GPU blocks come back from ``get_block_ids_with_load_errors``, so vLLM
+    recomputes them (``kv_load_failure_policy="recompute"``) or fails the request (``"fail"``, vLLM's
+    default): never wrong bytes. Load it with ``"kv_connector": "AiokvtierOffloadingConnector",
+    "kv_connector_module_path": "aiokvtier.integrations.vllm"``; with a private tier it is vLLM's own.
+    """
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        worker = self._spec_worker()
+        if worker is not None:
+            worker.report_load_errors = True
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The GPU blocks of loads the pool could not serve, since the last call."""
+        worker = self._spec_worker()
+        return set() if worker is None else worker.take_load_errors()
+
+    def _spec_worker(self) -> Any:
+        from ._vllm_pool import PoolOffloadingWorker
+
+        worker = getattr(self.connector_worker, "worker", None)
+        return worker if isinstance(worker, PoolOffloadingWorker) else None

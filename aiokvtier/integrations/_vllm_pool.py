@@ -1,0 +1,835 @@
+"""vLLM's offloading over the machine-wide pool: the scheduler's manager and the worker, by key.
+
+Chosen by ``kv_connector_extra_config["aiokvtier"] = {"pool": PATH}`` (``aiokvtier.integrations.vllm``
+builds these). Every vLLM engine of the host (DP replicas, separate servers) attaches to one pool and
+shares what any of them stored.
+
+Keys. vLLM names a chunk (``blocks_per_chunk`` GPU blocks of one KV cache group) by its offload key
+(block-hash bytes and the group). A worker rank's share of a chunk is ``n`` pool blocks: for each KV
+tensor of the group and each block of the chunk, the page cut into slot-sized pieces. Block ``i`` of rank
+``r`` is ``namespace + offload key + r (2 bytes) + i (4 bytes)``; with it, in the same store (so visible
+at the same commit), the rank stores a seal (``i = 0xFFFFFFFF``) whose 8 bytes say ``n``. The namespace
+is a digest of what makes two engines' pages the same bytes (model, dtype, layout, block geometry, the
+parallel sizes), and leaves out the DP index: replicas share.
+
+Lookups. A chunk is a hit when the pool holds every rank's seal and blocks. The scheduler never sees a
+KV tensor, so it learns ``n`` from the seals of the first chunk it finds by its seals (once per group).
+The answer comes from the pool's index mirror on the scheduler's thread (``AttachedPool.lookup_nowait``),
+from the owner only when the mirror cannot answer; a request's chunks after its first are read together
+at the step's end (``PoolOffloadingManager.lookup``).
+
+Nothing pins a block between the scheduler's lookup and the worker's load, so another process may evict
+it meanwhile. The worker then loads the leading blocks still there and reports the rest as vLLM's load
+errors (``AiokvtierOffloadingConnector``), which vLLM recomputes: a load never copies wrong bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import ctypes
+import hashlib
+import logging
+import struct
+import threading
+import time
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from .. import AttachedPool, BlockNotFound, PoolError, PoolLostError
+from .vllm import EXTRA_KEY, _LoopThread, _would_wait
+
+__all__ = [
+    "SEAL",
+    "PoolLoadStoreSpec",
+    "PoolOffloadingManager",
+    "PoolOffloadingWorker",
+    "block_key",
+    "namespace",
+    "pool_section",
+]
+
+log = logging.getLogger(__name__)
+
+SEAL = 0xFFFFFFFF
+"""The block index of a rank's seal of a chunk."""
+_SUFFIX = struct.Struct(">HI")
+_SEAL_BYTES = struct.Struct("<4sI")
+_MAGIC = b"akv1"
+REATTACH_AFTER = 1.0
+"""Seconds between attempts to attach again to a pool whose owner went away (meanwhile lookups miss,
+stores are dropped and loads fail: vLLM recomputes)."""
+
+_POOL_KEYS = frozenset({"pool", "namespace"})
+_REFUSED = {
+    "eviction_policy": "lru",
+    "cache_policy_module_path": None,
+    "store_threshold": 0,
+}
+"""Manager settings of vLLM's CPU tier the pool does not take (its owner evicts), with the values that
+mean 'not set'."""
+
+
+def pool_section(extra_config: Mapping[str, Any]) -> dict[str, str] | None:
+    """The pool settings of ``kv_connector_extra_config``, checked; None when no pool is named.
+
+    :raises ValueError: a bad or unknown key, or a CPU tier setting the pool does not take; the message
+        names it.
+    """
+    raw = extra_config.get(EXTRA_KEY)
+    if not isinstance(raw, Mapping) or "pool" not in raw:
+        return None
+    where = f"kv_connector_extra_config[{EXTRA_KEY!r}]"
+    unknown = sorted(set(raw) - _POOL_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: {unknown} cannot go with 'pool' (the pool's owner sets the tier; known: "
+                         f"{sorted(_POOL_KEYS)})")  # fmt: skip
+    path = raw["pool"]
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{where}['pool'] must be the pool's socket path, got {path!r}")
+    namespace = raw.get("namespace", "")
+    if not isinstance(namespace, str):
+        raise ValueError(f"{where}['namespace'] must be a string, got {type(namespace).__name__}")
+    for name, unset in _REFUSED.items():
+        value = extra_config.get(name, unset)
+        if value != unset and not (name == "store_threshold" and value in (0, 1)):
+            raise ValueError(
+                f"kv_connector_extra_config[{name!r}] is not supported with a pool: the pool's owner evicts "
+                "(least recently used, shared by every process); leave it out"
+            )
+    return {"pool": path, "namespace": namespace}
+
+
+def namespace(config: OffloadingConfig, user: str) -> bytes:
+    """A digest of what makes two engines' pages the same bytes; the DP index is left out (replicas share)."""
+    parallel = config.parallel
+    parts = [
+        "vllm-offload/1",
+        user,
+        config.model.name,
+        config.model.dtype,
+        str(config.kv_cache_layout),
+        ";".join(f"{g.group_id}/{g.tokens_per_block}/{len(g.layer_names)}" for g in config.groups),
+        f"hash{config.cache.tokens_per_hash}/chunk{config.cache.blocks_per_chunk}",
+        f"bytes{config.worker_kv_bytes_per_block}",
+        f"world{parallel.world_size}/tp{parallel.tp_size}/pp{parallel.pp_size}",
+        f"pcp{parallel.pcp_size}/dcp{parallel.dcp_size}",
+    ]
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).digest()
+
+
+class PoolLoadStoreSpec(LoadStoreSpec):
+    """The pool side of a job: the chunks' offload keys, in the job's order (each worker adds its rank)."""
+
+    def __init__(self, keys: Iterable[bytes]) -> None:
+        self.keys: tuple[bytes, ...] = tuple(bytes(k) for k in keys)
+
+    def __repr__(self) -> str:
+        return f"PoolLoadStoreSpec({len(self.keys)} chunks)"
+
+
+class _Link:
+    """The attached pool of one process, attached again (every ``REATTACH_AFTER`` s) once its owner is back.
+
+    Lives on the runner's loop; ``current`` may be read from any thread.
+    """
+
+    def __init__(self, path: str, *, prefault: bool) -> None:
+        self.path = path
+        self._prefault = prefault
+        self.current: AttachedPool | None = None
+        self._lost_at: float | None = None
+        self._next = 0.0
+        self._closed = False
+
+    async def attach(self) -> None:
+        # Returns once attached: the first state push, not the pool's fill.
+        self.current = await AttachedPool.attach(self.path, prefault=self._prefault)
+
+    async def get(self) -> AttachedPool | None:
+        """The pool, or None while its owner is away (and once closed)."""
+        if self._lost_at is None or self._closed:
+            return self.current
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + REATTACH_AFTER
+        try:
+            pool = await AttachedPool.attach(self.path, prefault=self._prefault)
+        except (PoolError, OSError) as exc:
+            log.debug("aiokvtier: the pool at %s is not back yet: %s", self.path, exc)
+            return None
+        old, self.current, self._lost_at = self.current, pool, None
+        if old is not None:
+            await old.aclose()
+        log.warning("aiokvtier: attached again to the pool at %s", self.path)
+        return pool
+
+    def lost(self, pool: AttachedPool, exc: PoolLostError) -> None:
+        if pool is not self.current or self._lost_at is not None:
+            return
+        self._lost_at = time.monotonic()
+        self._next = self._lost_at + REATTACH_AFTER
+        log.warning("aiokvtier: %s; vLLM's offloading misses until a pool serves %s again", exc, self.path)
+
+    async def aclose(self) -> None:
+        self._closed = True  # attaches no more
+        pool, self.current = self.current, None
+        if pool is not None:
+            await pool.aclose()
+
+
+def _group(offload_key: bytes) -> int:
+    """The KV cache group of an offload key (vLLM's ``get_offload_group_idx``)."""
+    return int.from_bytes(offload_key[-4:], "big")
+
+
+def block_key(ns: bytes, chunk: bytes, rank: int, index: int) -> bytes:
+    """The pool key of block ``index`` (``SEAL``: the seal) of ``rank``'s share of the chunk ``chunk``."""
+    return ns + chunk + _SUFFIX.pack(rank, index)
+
+
+def _key_rows(ns: bytes, offload_key: bytes, suffixes: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """The pool keys ``ns + offload_key + suffix`` as the rows of one array (no Python object per key)."""
+    head = len(ns) + len(offload_key)
+    rows = np.empty((len(suffixes), head + _SUFFIX.size), dtype=np.uint8)
+    rows[:, :head] = np.frombuffer(ns + offload_key, dtype=np.uint8)
+    rows[:, head:] = suffixes
+    return rows
+
+
+def _suffixes(pairs: Iterable[tuple[int, int]]) -> npt.NDArray[np.uint8]:
+    raw = b"".join(_SUFFIX.pack(rank, i) for rank, i in pairs)
+    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, _SUFFIX.size)
+
+
+class PoolOffloadingManager(OffloadingManager):
+    """The scheduler's books over the pool: a chunk is offloaded when the pool holds it for every rank.
+
+    The pool keeps the only record (what any engine stored, what its owner evicted); this manager keeps
+    only its own stores in flight, which are ``HIT_PENDING`` until ``complete_store``. ``prepare_store``
+    never evicts (the owner does, at store time) and never refuses; ``evicted_keys`` is empty, and the
+    evictions come through ``take_events`` with the stores, whichever engine caused them.
+
+    Threads: vLLM's scheduler thread calls it; it attaches on a loop thread of its own
+    (``aiokvtier-vllm-scheduler``), used only when the mirror cannot answer and for the pool's events.
+
+    :raises PoolError: no pool answers at the path (start the pool first).
+    """
+
+    def __init__(self, config: OffloadingConfig, settings: Mapping[str, str]) -> None:
+        self._ns = namespace(config, settings["namespace"])
+        self._ranks = max(int(config.parallel.world_size), 1)
+        self._storing: collections.Counter[bytes] = collections.Counter()
+        self._fresh: dict[bytes, bool] = {}
+        """What the pool held of chunks read in this step (and at its end)."""
+        self._last: dict[bytes, bool] = {}
+        """What it held of those read in the last step."""
+        self._queued: dict[str, list[bytes]] = {}
+        """Per request, the chunks whose lookup answered RETRY in this step, to read at its end."""
+        self._blocks: dict[int, tuple[int, ...]] = {}
+        """Per KV cache group, each rank's block count of a chunk (learned from the seals)."""
+        self._suffixes: dict[int, npt.NDArray[np.uint8]] = {}
+        self._seals = _suffixes((rank, SEAL) for rank in range(self._ranks))
+        self._events: collections.deque[OffloadingEvent] | None = (
+            collections.deque() if config.enable_kv_cache_events else None
+        )
+        self._closed = False
+        self._runner = _LoopThread("aiokvtier-vllm-scheduler")
+        self._link = _Link(settings["pool"], prefault=False)  # it copies only the seals
+        self._watcher: asyncio.Task[None] | None = None
+        try:
+            self._runner.call(self._link.attach())
+            if self._events is not None:
+                self._watcher = self._runner.call(self._start_watching())
+        except BaseException:
+            self._runner.call(self._link.aclose())
+            self._runner.stop()
+            raise
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def _rows(self, key: bytes) -> npt.NDArray[np.uint8]:
+        group = _group(key)
+        suffixes = self._suffixes.get(group)
+        if suffixes is None:
+            blocks = self._blocks.get(group)
+            if blocks is None:
+                return _key_rows(self._ns, key, self._seals)
+            pairs = [(rank, SEAL) for rank in range(self._ranks)]
+            pairs += [(rank, i) for rank, n in enumerate(blocks) for i in range(n)]
+            suffixes = self._suffixes[group] = _suffixes(pairs)
+        return _key_rows(self._ns, key, suffixes)
+
+    def _count(self, rows: npt.NDArray[np.uint8]) -> int:
+        """How many leading rows the pool holds: from the mirror here, from the owner when it cannot say."""
+        pool = self._link.current
+        found = None if pool is None else pool.lookup_nowait(rows)
+        if found is None:
+            found = self._runner.call(self._lookup(rows))
+        return found
+
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which chunks the pool holds for every rank, in one read of the mirror (not one per chunk).
+
+        The read answers the leading chunks that are there; those after the first that is not are
+        answered absent too (vLLM's lookup stops at a miss anyway): a chunk taken for absent is stored
+        again (the pool copies nothing it holds) or computed, never loaded wrong.
+        """
+        answers = [False] * len(keys)
+        if not keys:
+            return answers
+        rows = [self._rows(k) for k in keys]
+        ends = np.cumsum([len(r) for r in rows])
+        whole = int(np.searchsorted(ends, self._count(np.concatenate(rows)), side="right"))
+        answers[:whole] = [True] * whole
+        unknown = {_group(k) for k in keys[:whole]} - set(self._blocks)
+        if unknown:
+            # Found by their seals alone: learn each group's block counts from one chunk's seals, then ask
+            # again with every block (which the hits then mark referenced, for the owner's eviction).
+            for group in unknown:
+                first = next(k for k, a in zip(keys, answers, strict=True) if a and _group(k) == group)
+                if not self._learn(first, group):
+                    answers = [a and _group(k) != group for k, a in zip(keys, answers, strict=True)]
+            again = [i for i, k in enumerate(keys) if answers[i] and _group(k) in unknown]
+            for i, present in zip(again, self._present([keys[i] for i in again]), strict=True):
+                answers[i] = present
+        return answers
+
+    async def _lookup(self, rows: npt.NDArray[np.uint8]) -> int:
+        pool = await self._link.get()
+        if pool is None:
+            return 0
+        try:
+            return await pool.lookup(rows)
+        except PoolLostError as exc:
+            self._link.lost(pool, exc)
+            return 0
+
+    def _learn(self, key: bytes, group: int) -> bool:
+        """Reads each rank's seal of ``key`` for the group's block counts; False if they are gone or bad."""
+        counts = self._runner.call(self._read_seals(_key_rows(self._ns, key, self._seals)))
+        if counts is None:
+            return False
+        self._blocks[group] = counts
+        return True
+
+    async def _read_seals(self, rows: npt.NDArray[np.uint8]) -> tuple[int, ...] | None:
+        pool = await self._link.get()
+        if pool is None:
+            return None
+        out = np.zeros((len(rows), _SEAL_BYTES.size), dtype=np.uint8)
+        try:
+            await pool.load([row.tobytes() for row in rows], out)
+        except PoolLostError as exc:
+            self._link.lost(pool, exc)
+            return None
+        except BlockNotFound:
+            return None
+        counts = []
+        for row in out:
+            magic, n = _SEAL_BYTES.unpack(row.tobytes())
+            if magic != _MAGIC:
+                log.warning("aiokvtier: a chunk's seal in the pool is not one this version writes: ignored")
+                return None
+            counts.append(n)
+        return tuple(counts)
+
+    # -- vLLM's OffloadingManager --------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT when the pool holds the chunk for every rank; HIT_PENDING while this engine stores it.
+
+        vLLM asks chunk by chunk, and a read of the mirror costs about the same for one chunk as for many:
+        a request's first chunk not answered lately is read at once (a miss ends the lookup there), and
+        when it is there, the request's later chunks answer RETRY and are read together at the step's
+        end; vLLM asks again at the next step, and they answer from that read.
+        """
+        if self._storing[key]:
+            return LookupResult.HIT_PENDING
+        known = self._fresh.get(key)
+        if known is None:
+            known = self._last.get(key)
+        if known is not None:
+            return LookupResult.HIT if known else LookupResult.MISS
+        queued = self._queued.get(req_context.req_id)
+        if queued is not None:
+            queued.append(key)
+            return LookupResult.RETRY
+        (present,) = self._present([key])
+        self._fresh[key] = present
+        if not present:
+            return LookupResult.MISS
+        self._queued[req_context.req_id] = []
+        return LookupResult.HIT
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Reads the chunks that lookups queued in this step (one read a request); their answers, and
+        this step's, hold for the next step."""
+        for keys in self._queued.values():
+            if keys:
+                keys = list(dict.fromkeys(keys))
+                self._fresh.update(zip(keys, self._present(keys), strict=True))
+        self._queued.clear()
+        self._last, self._fresh = self._fresh, {}
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        """The keys, for the workers (nothing is pinned: a block evicted before the load is a load error)."""
+        return PoolLoadStoreSpec(keys)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Marks the chunks referenced in the pool (a lookup's hit does, for the owner's eviction): one read."""
+        keys = [k for k in keys if not self._storing[k]]
+        if keys:
+            self._present(keys)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
+        """The chunks neither in the pool nor being stored by this engine; the owner evicts for them."""
+        offered = [k for k in dict.fromkeys(keys) if not self._storing[k]]
+        todo = [k for k, present in zip(offered, self._present(offered), strict=True) if not present]
+        self._storing.update(todo)
+        return PrepareStoreOutput(keys_to_store=todo, store_spec=PoolLoadStoreSpec(todo), evicted_keys=[])
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        """The store ended: the chunks are what the pool says (stored, or skipped when it was full)."""
+        self._storing.subtract(keys)
+        for key in keys:
+            if self._storing[key] <= 0:
+                del self._storing[key]
+            self._fresh.pop(key, None)  # read again at the next lookup
+            self._last.pop(key, None)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def reset_cache(self) -> None:
+        """Forgets the answers of recent lookups; the pool's blocks are every engine's, not this one's to drop."""
+        self._fresh.clear()
+        self._last.clear()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The pool's stores and removals of chunks (by rank 0's seal), from any engine, since the last call."""
+        events = self._events
+        if events is None:
+            return ()
+        out = []
+        while events:
+            out.append(events.popleft())
+        return out
+
+    async def _start_watching(self) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Turns the pool's events into vLLM's (for the life of the manager, across reattaches)."""
+        assert self._events is not None
+        events = self._events
+        head, tail = len(self._ns), _SUFFIX.pack(0, SEAL)
+        while not self._closed:
+            pool = await self._link.get()
+            if pool is None:
+                await asyncio.sleep(REATTACH_AFTER)
+                continue
+            try:
+                subscription = await pool.events()
+                async for event in subscription:
+                    keys = [
+                        OffloadKey(k[head : -len(tail)])
+                        for k in event.keys
+                        if isinstance(k, bytes) and k.startswith(self._ns) and k.endswith(tail)
+                    ]
+                    if keys:
+                        events.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=event.kind != "stored"))
+            except PoolLostError as exc:
+                self._link.lost(pool, exc)
+            if not self._closed and self._link.current is pool:
+                # The subscription ended with the pool still current: its owner is closing.
+                await asyncio.sleep(REATTACH_AFTER)
+
+    def shutdown(self) -> None:
+        """Detaches from the pool and stops the loop thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._runner.call(self._close())
+        finally:
+            self._runner.stop()
+
+    async def _close(self) -> None:
+        watcher = self._watcher
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        await self._link.aclose()
+
+
+# -- the worker --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One KV tensor of this worker: where its blocks lie and how its page is cut into pool blocks."""
+
+    base: int
+    row: int
+    page: int
+    pieces: int
+
+
+@dataclass(frozen=True)
+class _PoolJob:
+    job_id: int
+    store: bool
+    keys: list[bytes]
+    """Pool keys, in the job's order (a load's leading keys are its prefix)."""
+    addresses: npt.NDArray[np.uint64]
+    lengths: npt.NDArray[np.uint64]
+    gpu_blocks: npt.NDArray[np.int64]
+    """For each key, the GPU block it copies from or to (-1: a seal)."""
+    nbytes: int
+    seals: dict[int, bytes]
+    """The seal's bytes of each key that is a seal, by its position."""
+
+
+class PoolOffloadingWorker(OffloadingWorker):
+    """Copies KV blocks between vLLM's KV cache tensors and the pool, by key, with the pool's copies.
+
+    KV tensors in host memory only (CPU tensors: tests, development machines); the pool's store and load
+    copy with ``memmove`` on the attached pool's own thread, straight between the tensors and the slots.
+
+    A store reports success when it ended, whatever the pool kept: a pool that was full skipped what did
+    not fit, and the scheduler, which asks the pool, sees those chunks missing. A load whose blocks the
+    pool no longer holds loads the leading ones that are there; the GPU blocks of the rest are load
+    errors (``take_load_errors``). With ``report_load_errors`` set (``AiokvtierOffloadingConnector`` sets
+    it) such a load ends as a success and vLLM recomputes the blocks named; without it, as a failure
+    (vLLM's stock ``OffloadingConnector`` then stops: it takes no failed job).
+
+    Threads: the ``submit_*`` calls, ``get_finished``, ``take_load_errors`` and ``wait`` may come from any
+    thread; the copies run on the ``aiokvtier-vllm`` loop thread.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, *, config: OffloadingConfig, settings: Mapping[str, str]) -> None:
+        tensors = [entry.tensor for entry in kv_caches.tensors]
+        if not tensors:
+            raise ValueError("no KV cache tensors to offload")
+        where = {t.device.type for t in tensors}
+        if where != {"cpu"}:
+            raise NotImplementedError(
+                f"KV cache tensors on {sorted(where)}: the pool mode copies host memory only for now "
+                "(use the private tier, without 'pool', for CUDA KV caches)"
+            )
+        self._rank = int(config.parallel.rank)
+        self._bpc = int(config.cache.blocks_per_chunk)
+        self._ns = namespace(config, settings["namespace"])
+        self._group_tensors: list[tuple[int, ...]] = [
+            tuple(dict.fromkeys(ref.tensor_idx for ref in refs)) for refs in kv_caches.group_data_refs
+        ]
+        if not any(self._group_tensors):
+            raise ValueError("no KV cache group references a tensor")
+        self._pages = [int(entry.page_size_bytes) for entry in kv_caches.tensors]
+        for tensor, page in zip(tensors, self._pages, strict=True):
+            row = tensor.stride(0) * tensor.element_size()
+            if not tensor.is_contiguous() or row < page:
+                raise ValueError("CPU KV tensors must hold their pages contiguously, one block a row")
+        self._tensors_held = tensors  # their memory must outlive every copy
+        self._num_blocks = min(int(t.shape[0]) for t in tensors)
+        self._finished: collections.deque[TransferResult] = collections.deque()
+        self._errors: set[int] = set()
+        self._errors_lock = threading.Lock()
+        self.report_load_errors = False
+        self._pending: dict[int, concurrent.futures.Future[None]] = {}
+        self._lock = threading.Lock()
+        self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._runner = _LoopThread("aiokvtier-vllm")
+        self._link = _Link(settings["pool"], prefault=True)
+        try:
+            self._runner.call(self._link.attach())
+            assert self._link.current is not None
+            slot = self._link.current.slot_size
+        except BaseException:
+            self._runner.call(self._link.aclose())
+            self._runner.stop()
+            raise
+        self.slot_size = slot
+        self._tensors = [
+            _Tensor(t.data_ptr(), t.stride(0) * t.element_size(), page, -(-page // slot))
+            for t, page in zip(tensors, self._pages, strict=True)
+        ]
+        # Each group's block numbering within a chunk: tensor by tensor, block by block, piece by piece.
+        self._first: list[dict[int, int]] = []
+        self.blocks_per_chunk: list[int] = []
+        for group in self._group_tensors:
+            first, at = {}, 0
+            for t in group:
+                first[t] = at
+                at += self._bpc * self._tensors[t].pieces
+            self._first.append(first)
+            self.blocks_per_chunk.append(at)
+
+    @property
+    def namespace(self) -> bytes:
+        """The first bytes of every pool key of this engine (``namespace()`` of its config)."""
+        return self._ns
+
+    # -- planning (on the caller's thread) ----------------------------------------------------
+
+    def _plan(self, job_id: int, gpu: LoadStoreSpec, host: LoadStoreSpec, *, store: bool) -> _PoolJob:
+        if not isinstance(gpu, GPULoadStoreSpec):
+            raise TypeError(f"the GPU side is a GPULoadStoreSpec, not {type(gpu).__name__}")
+        if not isinstance(host, PoolLoadStoreSpec):
+            raise TypeError(f"the pool side is a PoolLoadStoreSpec, not {type(host).__name__}")
+        if len(gpu.group_sizes) != len(self._group_tensors):
+            raise ValueError(f"{len(gpu.group_sizes)} group sizes for {len(self._group_tensors)} KV cache groups")
+        bpc, rank, ns = self._bpc, self._rank, self._ns
+        ids = gpu.block_ids.astype(np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self._num_blocks):
+            # A copy outside the tensors would corrupt the process's memory, not raise.
+            raise ValueError(f"GPU block ids must lie in [0, {self._num_blocks}), got {ids.min()}..{ids.max()}")
+        keys: list[bytes] = []
+        addresses: list[int] = []
+        lengths: list[int] = []
+        blocks: list[int] = []
+        nbytes = 0
+        seals: dict[int, bytes] = {}
+        offset = chunk_offset = 0
+        for group, (size, first_block) in enumerate(zip(gpu.group_sizes, gpu.block_indices, strict=True)):
+            size = int(size)
+            if size == 0:
+                continue
+            skip = int(first_block) % bpc
+            used = -(-(skip + size) // bpc)
+            if chunk_offset + used > len(host.keys) or offset + size > len(ids):
+                raise ValueError("the GPU blocks and the chunks of a job do not match")
+            chunks = host.keys[chunk_offset : chunk_offset + used]
+            for c, chunk in enumerate(chunks):
+                lo, hi = max(skip, c * bpc), min(skip + size, (c + 1) * bpc)
+                whole = lo == c * bpc and hi == (c + 1) * bpc
+                if store and not whole:
+                    continue  # a chunk a store covers in part is not stored: its seal would claim all of it
+                prefix = ns + chunk
+                for logical in range(lo, hi):
+                    j = logical % bpc
+                    gpu_block = int(ids[offset + logical - skip])
+                    for t in self._group_tensors[group]:
+                        tensor = self._tensors[t]
+                        at = self._first[group][t] + j * tensor.pieces
+                        start = tensor.base + gpu_block * tensor.row
+                        for p in range(tensor.pieces):
+                            keys.append(prefix + _SUFFIX.pack(rank, at + p))
+                            addresses.append(start + p * self.slot_size)
+                            lengths.append(min(self.slot_size, tensor.page - p * self.slot_size))
+                            blocks.append(gpu_block)
+                        nbytes += tensor.page
+                if store:
+                    seals[len(keys)] = _SEAL_BYTES.pack(_MAGIC, self.blocks_per_chunk[group])
+                    keys.append(prefix + _SUFFIX.pack(rank, SEAL))
+                    addresses.append(0)
+                    lengths.append(_SEAL_BYTES.size)
+                    blocks.append(-1)
+            offset += size
+            chunk_offset += used
+        if offset != len(ids) or chunk_offset != len(host.keys):
+            raise ValueError("the GPU blocks and the chunks of a job do not match")
+        return _PoolJob(
+            job_id,
+            store,
+            keys,
+            np.array(addresses, dtype=np.uint64),
+            np.array(lengths, dtype=np.uint64),
+            np.array(blocks, dtype=np.int64),
+            nbytes,
+            seals,
+        )
+
+    def _views(self, job: _PoolJob, count: int) -> list[Any]:
+        """The first ``count`` pages of the job: views of the KV tensors' memory (a seal's own bytes)."""
+        out: list[Any] = []
+        kinds: dict[int, Any] = {}
+        seals = job.seals
+        for i, (address, n) in enumerate(
+            zip(job.addresses[:count].tolist(), job.lengths[:count].tolist(), strict=True)
+        ):
+            if i in seals:
+                out.append(seals[i])
+                continue
+            kind = kinds.get(n)
+            if kind is None:
+                kind = kinds[n] = ctypes.c_ubyte * n
+            out.append(kind.from_address(address))
+        return out
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        """Queue GPU blocks -> pool. Returns at once; the result comes from ``get_finished``."""
+        return self._submit(self._plan(job_id, src_spec, dst_spec, store=True))
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        """Queue pool -> GPU blocks. ``expedited`` changes nothing: no load queues behind another here."""
+        return self._submit(self._plan(job_id, dst_spec, src_spec, store=False))
+
+    def _submit(self, job: _PoolJob) -> bool:
+        with self._lock:
+            if self._closing:
+                return False
+            if job.job_id in self._pending:
+                raise ValueError(f"job {job.job_id} is already in flight")
+            self._pending[job.job_id] = self._runner.submit(self._run(job))
+        return True
+
+    async def _run(self, job: _PoolJob) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        began = time.perf_counter()
+        success, moved = False, 0
+        failed = job.gpu_blocks
+        try:
+            if self._closing:
+                raise asyncio.CancelledError
+            if job.store:
+                # Success once it ended, whatever the pool kept: the scheduler asks the pool what is there.
+                moved = await self._store(job)
+                success = True
+            else:
+                failed = job.gpu_blocks[await self._load(job) :]
+                success = not failed.size
+                moved = job.nbytes if success else 0
+        except asyncio.CancelledError:
+            pass  # shutdown: the job ends as a failure, with nothing of it in flight
+        except Exception as error:
+            log.error("aiokvtier %s job %d failed: %r", "store" if job.store else "load", job.job_id, error)
+        finally:
+            self._tasks.discard(task)
+            if not job.store and not success:
+                with self._errors_lock:
+                    self._errors.update(int(b) for b in np.unique(failed) if b >= 0)
+                success = self.report_load_errors  # vLLM recomputes the blocks named
+            self._finished.append(
+                TransferResult(
+                    job_id=job.job_id,
+                    success=success,
+                    transfer_size=moved if moved else None,
+                    transfer_time=time.perf_counter() - began if moved else None,
+                )
+            )
+            with self._lock:
+                self._pending.pop(job.job_id, None)
+
+    async def _store(self, job: _PoolJob) -> int:
+        """Stores the job's blocks; the bytes the pool took (0 while it is away)."""
+        if not job.keys:
+            return 0
+        pool = await self._link.get()
+        if pool is None:
+            return 0
+        try:
+            result = await pool.store(job.keys, self._views(job, len(job.keys)))
+        except PoolLostError as exc:
+            self._link.lost(pool, exc)
+            return 0
+        if result.skipped:
+            log.debug("aiokvtier: the pool skipped %d of %d blocks of job %d", len(result.skipped), len(job.keys),
+                      job.job_id)  # fmt: skip
+        stored = set(result.stored)
+        return int(sum(int(n) for k, n, b in zip(job.keys, job.lengths, job.gpu_blocks, strict=True)
+                       if b >= 0 and k in stored))  # fmt: skip
+
+    async def _load(self, job: _PoolJob) -> int:
+        """Loads the job's leading blocks that the pool holds; how many keys (whole GPU blocks) were loaded."""
+        count = len(job.keys)
+        pool = await self._link.get()
+        for _ in range(64):  # each round follows a block evicted under this load: a bound, not a wait
+            if count == 0 or pool is None:
+                return 0
+            try:
+                await pool.load(job.keys[:count], self._views(job, count))
+                return count
+            except PoolLostError as exc:
+                self._link.lost(pool, exc)
+                return 0
+            except BlockNotFound as exc:
+                try:
+                    missing = job.keys.index(exc.key)  # type: ignore[arg-type]
+                except ValueError:
+                    return 0
+                # Back to the start of the missing key's GPU block: a block is loaded whole or not at all.
+                block = job.gpu_blocks[missing]
+                while missing > 0 and job.gpu_blocks[missing - 1] == block:
+                    missing -= 1
+                count = missing
+        return 0
+
+    def get_finished(self) -> list[TransferResult]:
+        """The jobs that ended since the last call."""
+        results: list[TransferResult] = []
+        while self._finished:
+            results.append(self._finished.popleft())
+        return results
+
+    def take_load_errors(self) -> set[int]:
+        """The GPU blocks that loads since the last call could not fill (vLLM's ``invalid_block_ids``)."""
+        with self._errors_lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Blocks until the given jobs ended.
+
+        :raises RuntimeError: called on the worker's loop thread while a job has not ended.
+        """
+        with self._lock:
+            futures = [f for job_id in job_ids if (f := self._pending.get(job_id)) is not None]
+        if self._runner.here() and not all(f.done() for f in futures):
+            raise _would_wait("wait")
+        concurrent.futures.wait(futures)
+
+    def shutdown(self) -> None:
+        """Stops taking jobs, cancels those in flight (each returns once nothing copies for it, and the pool
+        takes back what it claimed or pinned), detaches. Cancelled jobs end as failures. Idempotent.
+
+        :raises RuntimeError: called on the worker's loop thread.
+        """
+        with self._lock:
+            if self._closing:
+                return
+            if self._runner.here():
+                raise _would_wait("shutdown")
+            self._closing = True
+        try:
+            self._runner.call(self._shutdown())
+        finally:
+            self._runner.stop()
+
+    async def _shutdown(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._link.aclose()
