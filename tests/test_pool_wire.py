@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -84,14 +85,14 @@ def test_as_key() -> None:
 
 def test_the_index_claims_commits_pins_evicts_and_discards() -> None:
     index = BlockIndex()
-    assert index.classify([b"a", b"b"]) == [_wire.CLAIMED, _wire.CLAIMED]
-    claim = index.claim([b"a", b"b"], [10, 20])
-    assert index.classify([b"a", b"c"]) == [_wire.BUSY, _wire.CLAIMED]
-    index.place(claim, [0, 1])
+    assert index.classify([b"a", b"b"]).tolist() == [_wire.CLAIMED, _wire.CLAIMED]
+    claim = index.claim([b"a", b"b"], np.array([10, 20]))
+    assert index.classify([b"a", b"c"]).tolist() == [_wire.BUSY, _wire.CLAIMED]
+    index.place(claim, np.array([0, 1]))
     assert index.commit(claim) == [b"a", b"b"]
     assert index.lookup([b"a", b"b", b"x"]) == 2
     pin, slots, lengths = index.pin([b"a"])
-    assert (slots, lengths) == ([0], [10])
+    assert (slots.tolist(), lengths.tolist()) == ([0], [10])
     assert index.evict(2, keep=set()) == ([b"b"], [1])  # a is pinned
     assert index.discard([b"a", b"zz"]) == ([b"a"], [])  # freed at its unpin
     assert index.unpin(pin, loaded=True) == [0]
@@ -100,10 +101,11 @@ def test_the_index_claims_commits_pins_evicts_and_discards() -> None:
         index.pin([b"a"])
     with pytest.raises(ValueError, match="twice"):
         index.classify([b"q", b"q"])
-    claim = index.claim([b"c"], [5])
-    index.place(claim, [7])
+    claim = index.claim([b"c"], np.array([5]))
+    index.place(claim, np.array([7]))
     assert index.abort(claim) == [7] and index.abort(claim) == []
-    assert BlockIndex.cut([_wire.CLAIMED, _wire.PRESENT, _wire.CLAIMED, _wire.BUSY, _wire.PRESENT], 1) == [
+    outcomes = np.array([_wire.CLAIMED, _wire.PRESENT, _wire.CLAIMED, _wire.BUSY, _wire.PRESENT], dtype=np.uint8)
+    assert BlockIndex.cut(outcomes, 1).tolist() == [
         _wire.CLAIMED,
         _wire.PRESENT,
         _wire.SKIPPED,

@@ -542,7 +542,7 @@ class IndexMirror:
         self._header[LIVE] = 0
         self._place(live)
 
-    def insert(self, keys: Sequence[bytes | int], slots: Sequence[int], lengths: Sequence[int]) -> None:
+    def insert(self, keys: Sequence[bytes | int], slots: Sequence[int] | I64, lengths: Sequence[int] | I64) -> None:
         """Committed blocks (keys not in the mirror); their slots start unreferenced."""
         if not keys or self.closed:
             return
@@ -558,7 +558,7 @@ class IndexMirror:
         finally:
             self._end()
 
-    def remove_slots(self, slots: Sequence[int]) -> None:
+    def remove_slots(self, slots: Sequence[int] | I64) -> None:
         """The blocks in ``slots`` evicted or discarded (owner): their entries are found by slot, with no
         hashing and no probe. A slot holding no block in the table is ignored."""
         if not len(slots) or self.closed:
