@@ -449,3 +449,45 @@ def test_removal_by_slot_matches_a_model_through_rebuilds() -> None:
     finally:
         reader.close()
         writer.close()
+
+
+@pytest.mark.parametrize("hasher", ["real", "weak"])
+def test_large_batches_are_placed_as_key_by_key_inserts_through_rebuilds(hasher: str) -> None:
+    """Batches of hundreds of keys (placed in rounds, then the last few one by one) and single keys give a
+    reader exactly the model's answers, and the same answers as a mirror fed the same keys one at a time,
+    through clusters of colliding homes (the weak hash) and rebuilds."""
+    fn = hash_words if hasher == "real" else weak_hash
+    rng = np.random.default_rng(11)
+    slots = 1024
+    batched, single = IndexMirror.create(slots, hasher=fn), IndexMirror.create(slots, hasher=fn)
+    reader = IndexMirror.attach(os.dup(batched.fd), slots, hasher=fn)
+    try:
+        model: dict[bytes | int, tuple[int, int]] = {}
+        free = list(range(slots))
+        serial = 0
+        for _ in range(40):
+            n = min(len(free), int(rng.choice([1, 31, 33, 200, 700])))
+            taken = [free.pop(int(rng.integers(len(free)))) for _ in range(n)]
+            keys: list[bytes | int] = []
+            for _ in taken:
+                serial += 1
+                keys.append(serial if serial % 4 == 0 else b"batch-%d" % serial)
+            lengths = [int(x) for x in rng.integers(1, 1 << 20, n)]
+            batched.insert(keys, taken, lengths)
+            for k, s, length in zip(keys, taken, lengths, strict=True):
+                single.insert([k], [s], [length])
+            model.update(zip(keys, zip(taken, lengths, strict=True), strict=True))
+            assert reader.live == single.live == len(model)
+            probe = [*model, b"never", 10**9]
+            check(reader, model, probe)
+            assert np.array_equal(reader.blocks(probe), single.blocks(probe))  # type: ignore[arg-type]
+            victims = [k for k in model if rng.random() < 0.6]
+            gone = [model.pop(k)[0] for k in victims]
+            batched.remove_slots(gone)
+            single.remove_slots(gone)
+            free.extend(gone)
+            check(reader, model, [*model, *victims[:50]])
+    finally:
+        reader.close()
+        batched.close()
+        single.close()

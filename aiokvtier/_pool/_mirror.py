@@ -83,6 +83,9 @@ RETRIES = 8
 """Whole reads a lookup tries before it asks the owner (a write takes microseconds: two or three do)."""
 WINDOW = 4
 """Entries a probe reads a round past its first (at most a few keys in a hundred go that far)."""
+ONE_BY_ONE = 32
+"""Keys left to place that go one at a time rather than in another round (a round costs ~50 us of numpy calls,
+a key a few microseconds)."""
 CHUNK = 8192
 """Keys a lookup hashes and probes at a time, stopping after the first chunk with a miss (a batch of SGLang's
 largest is one chunk: numpy's fixed cost per call is most of a small chunk's)."""
@@ -260,6 +263,8 @@ class IndexMirror:
         self._flags = memoryview(self._map)[HEADER + self.capacity * ENTRY : HEADER + self.capacity * ENTRY + slots]
         self._mask = np.uint64(self.capacity - 1)
         self._entry_of: npt.NDArray[np.intp] = np.full(slots if owner else 0, -1, dtype=np.intp)
+        self._claimant: npt.NDArray[np.intp] = np.full(self.capacity if owner else 0, -1, dtype=np.intp)
+        """The owner's scratch for a round of ``_place``: the key taking each entry (-1 between rounds)."""
         """The owner's own record of the table entry holding each slot's block (-1: none), so that a
         removal needs no hashing and no probe (it knows the blocks' slots)."""
         self._guard = threading.Lock()
@@ -503,33 +508,54 @@ class IndexMirror:
         self._header[SEQ] += np.uint64(1)
 
     def _place(self, rows: U64) -> None:
-        """Put rows (keys not in the table) into empty entries or tombstones, linear probing, in rounds."""
+        """Put rows (keys not in the table) into empty entries or tombstones, linear probing: in rounds while
+        many keys are left, then one key at a time (a round costs numpy's fixed cost over again; 4,096 keys
+        took 8 rounds, the last few for a handful of keys)."""
         table, header = self._table, self._header
+        tags = table[:, 0]
         mask = self.capacity - 1
         pos = (rows[:, 0] & self._mask).astype(np.intp)
         pending = np.arange(rows.shape[0], dtype=np.intp)
+        if self._claimant.size != self.capacity:  # a mirror placing that did not create it (tests)
+            self._claimant = np.full(self.capacity, -1, dtype=np.intp)
+        claimant = self._claimant
         fresh = 0
+        placed: list[tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]] = []
         # It ends: an insert comes with at most ``slots`` live entries in all (each holds its own slot) and
         # tombstones are dropped before used entries pass 3/4 of a table of 2 * slots or more.
         for _ in range(self.capacity):
-            if not pending.size:
+            if pending.size <= ONE_BY_ONE:
                 break
             at = pos[pending]
-            tags = table[at, 0]
-            free = tags < 2
-            # One row per free entry this round; the rest probe on (the entry is taken by then).
-            _, first = np.unique(at[free], return_index=True)
-            winners = np.flatnonzero(free)[first]
+            seen = np.take(tags, at)
+            free = np.flatnonzero(seen < 2)
+            # One key per free entry this round (the last written wins, as a sort would pick one); the rest
+            # probe on, the entry taken by then.
+            claimant[at[free]] = free
+            winners = free[claimant[at[free]] == free]
+            claimant[at[free]] = -1
             table[at[winners]] = rows[pending[winners]]
-            if self._entry_of.size:  # the owner (a reader never places)
-                self._entry_of[(rows[pending[winners], 7] & _LO).astype(np.intp)] = at[winners]
-            fresh += int(np.count_nonzero(tags[winners] == EMPTY))
-            left = np.ones(pending.size, dtype=bool)
+            placed.append((pending[winners], at[winners]))
+            fresh += int(np.count_nonzero(seen[winners] == EMPTY))
+            left = np.ones(pending.size, dtype=np.bool_)
             left[winners] = False
             pending = pending[left]
             pos[pending] = (pos[pending] + 1) & mask
-        if pending.size:
-            raise RuntimeError("the pool's index mirror has no room left (more live blocks than slots?)")
+        for i in pending.tolist():
+            p = int(pos[i])
+            for _ in range(self.capacity):
+                tag = int(tags[p])
+                if tag < 2:
+                    break
+                p = (p + 1) & mask
+            else:
+                raise RuntimeError("the pool's index mirror has no room left (more live blocks than slots?)")
+            table[p] = rows[i]
+            fresh += tag == EMPTY
+            placed.append((np.array([i], dtype=np.intp), np.array([p], dtype=np.intp)))
+        if self._entry_of.size and placed:  # the owner (a reader never places)
+            which = np.concatenate([w for w, _ in placed])
+            self._entry_of[(rows[which, 7] & _LO).astype(np.intp)] = np.concatenate([a for _, a in placed])
         header[USED] += np.uint64(fresh)
         header[LIVE] += np.uint64(rows.shape[0])
 
