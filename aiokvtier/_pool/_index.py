@@ -72,7 +72,8 @@ class BlockIndex:
         """Key -> slot of every visible block, least recently used first."""
         self.storing: dict[Key, int] = {}
         """Key -> the claim storing it."""
-        self._claims: dict[int, tuple[list[Key], I64, I64]] = {}
+        self._claims: dict[int, tuple[list[Key], I64, I64, set[type] | None]] = {}
+        """Claim -> its keys, slots (once placed), lengths and the keys' types where known."""
         self._pins: dict[int, I64] = {}
         self._ids = itertools.count(1)
         self._length: I64 = np.zeros(slots, dtype=np.int64)
@@ -164,33 +165,35 @@ class BlockIndex:
         tail[tail != PRESENT] = SKIPPED
         return out
 
-    def claim(self, keys: list[Key], lengths: I64) -> int:
-        """Mark ``keys`` as being stored (slots come later, ``place``); returns the claim id."""
+    def claim(self, keys: list[Key], lengths: I64, types: set[type] | None = None) -> int:
+        """Mark ``keys`` as being stored (slots come later, ``place``); returns the claim id. ``types``: the
+        keys' types, where the caller knows them (the mirror then need not find them)."""
         claim = next(self._ids)
         self.storing.update(zip(keys, itertools.repeat(claim)))
-        self._claims[claim] = (keys, _NONE, np.asarray(lengths, dtype=np.int64))
+        self._claims[claim] = (keys, _NONE, np.asarray(lengths, dtype=np.int64), types)
         return claim
 
     def place(self, claim: int, slots: I64) -> None:
-        keys, _, lengths = self._claims[claim]
+        keys, _, lengths, types = self._claims[claim]
         slots = np.asarray(slots, dtype=np.int64)
         self._fit(slots)
-        self._claims[claim] = (keys, slots, lengths)
+        self._claims[claim] = (keys, slots, lengths, types)
 
     def commit(self, claim: int) -> list[Key]:
         """The claim's blocks become visible (most recently used).
 
         :raises KeyError: no such claim.
         """
-        keys, slots, lengths = self._claims.pop(claim)
+        entry = self._claims.pop(claim)
+        keys, slots, lengths, types = entry
         if len(slots) != len(keys):
-            self._claims[claim] = (keys, slots, lengths)
+            self._claims[claim] = entry
             raise KeyError(f"claim {claim} has no slots placed")
         deque(map(self.storing.__delitem__, keys), maxlen=0)
         self.ready.update(zip(keys, slots.tolist(), strict=True))
         self._length[slots] = lengths
         if self.mirror is not None:
-            self.mirror.insert(keys, slots, lengths)
+            self.mirror.insert(keys, slots, lengths, types)
         self.counts["stores"] += len(keys)
         self.bytes_stored += int(lengths.sum())
         return keys
@@ -200,7 +203,7 @@ class BlockIndex:
         entry = self._claims.pop(claim, None)
         if entry is None:
             return []
-        keys, slots, _ = entry
+        keys, slots, _, _ = entry
         storing = self.storing
         deque(map(storing.pop, keys, itertools.repeat(None)), maxlen=0)
         freed: list[int] = slots.tolist()
@@ -282,7 +285,7 @@ class BlockIndex:
         freed: list[int] = released.tolist()
         return freed
 
-    def discard(self, keys: Sequence[Key]) -> tuple[list[Key], list[int]]:
+    def discard(self, keys: Sequence[Key]) -> tuple[list[Key], I64]:
         """Drop blocks (unknown keys ignored); returns the keys dropped, and the slots to free now (a pinned
         block's slot is freed at its last unpin)."""
         n = len(keys)
@@ -295,7 +298,7 @@ class BlockIndex:
             gone = gone[known]
         pinned = self._pinned[gone] > 0
         self._doomed[gone[pinned]] = True
-        freed: list[int] = gone[~pinned].tolist()
+        freed = gone[~pinned]
         if self.mirror is not None:
             self.mirror.remove_slots(gone)
         self.counts["discards"] += len(dropped)
@@ -311,7 +314,7 @@ class BlockIndex:
         """
         ready = self._slots_of_ready()
         held: list[int] = ready.tolist()
-        for claim, (keys, slots, lengths) in self._claims.items():
+        for claim, (keys, slots, lengths, _) in self._claims.items():
             _require(len(lengths) == len(keys), f"claim {claim} has {len(keys)} keys and {len(lengths)} lengths")
             _require(not slots.size or len(slots) == len(keys), f"claim {claim}: {len(slots)} slots, {len(keys)} keys")
             for key in keys:
@@ -319,7 +322,7 @@ class BlockIndex:
                 _require(key not in self.ready, f"key {key!r} is visible and being stored at once")
             held.extend(slots.tolist())
         _require(
-            len(self.storing) == sum(len(keys) for keys, _, _ in self._claims.values()),
+            len(self.storing) == sum(len(entry[0]) for entry in self._claims.values()),
             "a key is marked as being stored by no claim",
         )
         pins = np.zeros_like(self._pinned)

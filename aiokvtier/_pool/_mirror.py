@@ -568,11 +568,18 @@ class IndexMirror:
         self._header[LIVE] = 0
         self._place(live)
 
-    def insert(self, keys: Sequence[bytes | int], slots: Sequence[int] | I64, lengths: Sequence[int] | I64) -> None:
-        """Committed blocks (keys not in the mirror); their slots start unreferenced."""
+    def insert(
+        self,
+        keys: Sequence[bytes | int],
+        slots: Sequence[int] | I64,
+        lengths: Sequence[int] | I64,
+        types: set[type] | None = None,
+    ) -> None:
+        """Committed blocks (keys not in the mirror); their slots start unreferenced. ``types``: the keys'
+        types, where the caller knows them."""
         if not keys or self.closed:
             return
-        rows = key_rows(keys, self._hasher)
+        rows = key_rows(keys, self._hasher, types)
         slot_ids = np.asarray(slots, dtype=np.uint64)
         rows[:, 7] = slot_ids | np.asarray(lengths, dtype=np.uint64) << np.uint64(32)
         self._begin()

@@ -59,6 +59,8 @@ HELLO_TIMEOUT = 10.0
 """Seconds a new connection has to say hello before it is dropped."""
 
 Reply = tuple[dict[str, Any], list[bytes]]
+_KINDS: dict[object, set[type]] = {"f": {bytes}, "b": {bytes}, "i": {int}}
+"""The keys' types in each form of keys the wire carries that has one type only."""
 
 
 class _Peer:
@@ -473,8 +475,8 @@ class Pool(Owner):
         peer.pins.clear()
         peer.slots.clear()
 
-    def _free_slots(self, slots: list[int]) -> None:
-        if slots and not self._tier.closed:
+    def _free_slots(self, slots: list[int] | npt.NDArray[np.int64]) -> None:
+        if len(slots) and not self._tier.closed:
             self._tier.free_many(slots)
 
     # -- requests ---------------------------------------------------------------------------
@@ -577,7 +579,7 @@ class Pool(Owner):
             claim = 0
             if claimed.size:
                 mine = keys if claimed.size == len(keys) else [keys[i] for i in claimed.tolist()]
-                claim = index.claim(mine, lengths[claimed])
+                claim = index.claim(mine, lengths[claimed], _KINDS.get(message.fields.get("k")))
                 peer.claims.add(claim)
                 try:
                     ids = await tier.allocate_ids(claimed.size)

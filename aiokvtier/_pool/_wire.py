@@ -170,10 +170,11 @@ def encode_keys(keys: Sequence[Key], types: set[type] | None = None) -> tuple[st
     if types is None:
         types = set(map(type, keys))
     if types == {bytes}:
-        sizes = set(map(len, keys))  # type: ignore[arg-type]
-        if len(sizes) == 1 and 0 not in sizes:
-            return "f", [LENGTH.pack(sizes.pop()), b"".join(keys)]  # type: ignore[arg-type]
+        # One pass for the lengths (an array: its min and max say whether they are all one length).
         lengths = np.fromiter(map(len, keys), dtype=np.uint32, count=len(keys))  # type: ignore[arg-type]
+        size = int(lengths[0]) if len(keys) else 0
+        if size and int(lengths.min()) == int(lengths.max()):
+            return "f", [LENGTH.pack(size), b"".join(keys)]  # type: ignore[arg-type]
         return "b", [lengths.tobytes(), b"".join(keys)]  # type: ignore[arg-type]
     if all(type(k) is int and _I64_MIN <= k <= _I64_MAX for k in keys):
         return "i", [np.array(keys, dtype=np.int64).tobytes()]
