@@ -74,6 +74,28 @@ def test_errors_travel_by_name_with_their_fields() -> None:
     assert type(_wire.error_from(_wire.Message(_wire.ERROR, 1, fields, parts))) is PoolError
 
 
+@given(
+    st.lists(st.binary(min_size=1, max_size=24), min_size=64, max_size=300, unique=True),
+    st.sampled_from([b"", b"\x00", b"\x00\x00", b"x\x00y"]),
+)
+def test_many_keys_of_several_lengths_round_trip_whole(keys: list[bytes], tail: bytes) -> None:
+    """Cut out as numpy records where that is exact: zero bytes inside or at the end of a key kept."""
+    keys = [k + tail for k in keys]
+    if len(set(map(len, keys))) == 1:
+        keys.append(keys[0] + b"z")  # several lengths: the "b" form
+    kind, parts = _wire.encode_keys(keys)
+    assert kind == "b"
+    decoded = _wire.decode_keys(kind, parts)
+    assert decoded == keys and all(type(k) is bytes for k in decoded)
+
+
+@pytest.mark.parametrize("form", [b"%d-%d-", b"\x00%d\x00%d-", b"%d-%d\x00"])
+def test_a_batch_of_keys_a_few_lengths_apart_round_trips_whole(form: bytes) -> None:
+    keys = [form % (4242, i) for i in range(3000)]  # 7 to 11 bytes: cut out as records unless one ends in 0
+    kind, parts = _wire.encode_keys(keys)
+    assert kind == "b" and _wire.decode_keys(kind, parts) == keys
+
+
 def test_as_key() -> None:
     import numpy as np
 
