@@ -491,3 +491,34 @@ def test_large_batches_are_placed_as_key_by_key_inserts_through_rebuilds(hasher:
         reader.close()
         batched.close()
         single.close()
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [b"fixed-%05d" % i for i in range(300)],  # one length: the "f" form
+        [b"%d-%d-" % (4242, i) for i in range(300)],  # a few lengths: records
+        [b"%d-\x00" % i for i in range(300)],  # ending in a zero byte: no matrix, the keys themselves
+        [b"k" * (i % 40 + 1) for i in range(300)],  # far apart: no matrix
+    ],
+)
+def test_keys_inserted_from_their_wire_matrix_are_found_as_keys(keys: list[bytes]) -> None:
+    """The owner inserts a store's keys from the matrix their frame was decoded through: a process looking
+    up the same keys as bytes (hashed from its own padding) finds each at its slot."""
+    from aiokvtier._pool import _wire
+
+    kind, parts = _wire.encode_keys(keys)
+    decoded, matrix = _wire.decode_key_matrix(kind, parts)
+    assert decoded == keys
+    writer = IndexMirror.create(512)
+    reader = IndexMirror.attach(os.dup(writer.fd), 512)
+    try:
+        half = slice(0, None, 2)  # a subset of the rows, as a store with keys present claims
+        chosen = decoded[half]
+        rows = None if matrix is None else (matrix[0][half], matrix[1][half])
+        writer.insert(chosen, list(range(len(chosen))), [7] * len(chosen), {bytes}, rows)
+        model = {k: (i, 7) for i, k in enumerate(chosen)}
+        check(reader, model, keys)
+    finally:
+        reader.close()
+        writer.close()

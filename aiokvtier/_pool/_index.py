@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from .._errors import BlockNotFound
 from ._mirror import IndexMirror
-from ._wire import BUSY, CLAIMED, PRESENT, SKIPPED, Key
+from ._wire import BUSY, CLAIMED, PRESENT, SKIPPED, Key, KeyMatrix
 
 __all__ = ["BlockIndex"]
 
@@ -59,6 +59,20 @@ def _get_all(mapping: dict[Key, int], keys: Sequence[Key]) -> I64:
     return np.fromiter(operator.itemgetter(*keys)(mapping), dtype=np.int64, count=len(keys))
 
 
+class _Claim:
+    """A store in flight: its keys, their slots (once placed) and lengths, and what the mirror can use of
+    the keys' wire form (their types, their bytes as a matrix) rather than find again."""
+
+    __slots__ = ("keys", "lengths", "matrix", "slots", "types")
+
+    def __init__(self, keys: list[Key], lengths: I64, types: set[type] | None, matrix: KeyMatrix | None) -> None:
+        self.keys = keys
+        self.slots = _NONE
+        self.lengths = lengths
+        self.types = types
+        self.matrix = matrix
+
+
 class BlockIndex:
     """Keys to slots, claims and pins of a shared block store (the owner's loop only).
 
@@ -72,8 +86,7 @@ class BlockIndex:
         """Key -> slot of every visible block, least recently used first."""
         self.storing: dict[Key, int] = {}
         """Key -> the claim storing it."""
-        self._claims: dict[int, tuple[list[Key], I64, I64, set[type] | None]] = {}
-        """Claim -> its keys, slots (once placed), lengths and the keys' types where known."""
+        self._claims: dict[int, _Claim] = {}
         self._pins: dict[int, I64] = {}
         self._ids = itertools.count(1)
         self._length: I64 = np.zeros(slots, dtype=np.int64)
@@ -165,19 +178,20 @@ class BlockIndex:
         tail[tail != PRESENT] = SKIPPED
         return out
 
-    def claim(self, keys: list[Key], lengths: I64, types: set[type] | None = None) -> int:
-        """Mark ``keys`` as being stored (slots come later, ``place``); returns the claim id. ``types``: the
-        keys' types, where the caller knows them (the mirror then need not find them)."""
+    def claim(
+        self, keys: list[Key], lengths: I64, types: set[type] | None = None, matrix: KeyMatrix | None = None
+    ) -> int:
+        """Mark ``keys`` as being stored (slots come later, ``place``); returns the claim id. ``types`` and
+        ``matrix``: the keys' types and bytes, where the caller has them (the mirror then need not find them)."""
         claim = next(self._ids)
         self.storing.update(zip(keys, itertools.repeat(claim)))
-        self._claims[claim] = (keys, _NONE, np.asarray(lengths, dtype=np.int64), types)
+        self._claims[claim] = _Claim(keys, np.asarray(lengths, dtype=np.int64), types, matrix)
         return claim
 
     def place(self, claim: int, slots: I64) -> None:
-        keys, _, lengths, types = self._claims[claim]
-        slots = np.asarray(slots, dtype=np.int64)
-        self._fit(slots)
-        self._claims[claim] = (keys, slots, lengths, types)
+        entry = self._claims[claim]
+        entry.slots = np.asarray(slots, dtype=np.int64)
+        self._fit(entry.slots)
 
     def commit(self, claim: int) -> list[Key]:
         """The claim's blocks become visible (most recently used).
@@ -185,7 +199,7 @@ class BlockIndex:
         :raises KeyError: no such claim.
         """
         entry = self._claims.pop(claim)
-        keys, slots, lengths, types = entry
+        keys, slots, lengths = entry.keys, entry.slots, entry.lengths
         if len(slots) != len(keys):
             self._claims[claim] = entry
             raise KeyError(f"claim {claim} has no slots placed")
@@ -193,7 +207,7 @@ class BlockIndex:
         self.ready.update(zip(keys, slots.tolist(), strict=True))
         self._length[slots] = lengths
         if self.mirror is not None:
-            self.mirror.insert(keys, slots, lengths, types)
+            self.mirror.insert(keys, slots, lengths, entry.types, entry.matrix)
         self.counts["stores"] += len(keys)
         self.bytes_stored += int(lengths.sum())
         return keys
@@ -203,10 +217,8 @@ class BlockIndex:
         entry = self._claims.pop(claim, None)
         if entry is None:
             return []
-        keys, slots, _, _ = entry
-        storing = self.storing
-        deque(map(storing.pop, keys, itertools.repeat(None)), maxlen=0)
-        freed: list[int] = slots.tolist()
+        deque(map(self.storing.pop, entry.keys, itertools.repeat(None)), maxlen=0)
+        freed: list[int] = entry.slots.tolist()
         return freed
 
     def owns(self, claim: int) -> bool:
@@ -314,7 +326,8 @@ class BlockIndex:
         """
         ready = self._slots_of_ready()
         held: list[int] = ready.tolist()
-        for claim, (keys, slots, lengths, _) in self._claims.items():
+        for claim, entry in self._claims.items():
+            keys, slots, lengths = entry.keys, entry.slots, entry.lengths
             _require(len(lengths) == len(keys), f"claim {claim} has {len(keys)} keys and {len(lengths)} lengths")
             _require(not slots.size or len(slots) == len(keys), f"claim {claim}: {len(slots)} slots, {len(keys)} keys")
             for key in keys:
@@ -322,7 +335,7 @@ class BlockIndex:
                 _require(key not in self.ready, f"key {key!r} is visible and being stored at once")
             held.extend(slots.tolist())
         _require(
-            len(self.storing) == sum(len(entry[0]) for entry in self._claims.values()),
+            len(self.storing) == sum(len(entry.keys) for entry in self._claims.values()),
             "a key is marked as being stored by no claim",
         )
         pins = np.zeros_like(self._pinned)

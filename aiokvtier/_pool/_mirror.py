@@ -56,9 +56,9 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ._wire import decimal
+from ._wire import KeyMatrix, decimal
 
-__all__ = ["USABLE", "IndexMirror", "mirror_fits", "mirror_size"]
+__all__ = ["USABLE", "IndexMirror", "KeyMatrix", "mirror_fits", "mirror_size"]
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -214,13 +214,28 @@ def _groups(keys: Keys, types: set[type] | None = None) -> list[Group]:
     return out
 
 
-def key_rows(keys: Keys, hasher: Hasher = hash_words, types: set[type] | None = None) -> U64:
-    """Each key's entry as it would be stored, with slot and length 0: ``(n, 8)`` uint64."""
+def _from_matrix(matrix: KeyMatrix) -> Group:
+    """A key matrix of rows zero-padded to the longest, as one group: padded on to whole words."""
+    data, lengths = matrix
+    n, width = data.shape
+    padded = max(-(-width // 8) * 8, KEY_BYTES)
+    if padded != width or not data.flags.c_contiguous:
+        wide = np.zeros((n, padded), dtype=np.uint8)
+        wide[:, :width] = data
+        data = wide
+    return KIND_BYTES, None, data, lengths
+
+
+def key_rows(
+    keys: Keys, hasher: Hasher = hash_words, types: set[type] | None = None, matrix: KeyMatrix | None = None
+) -> U64:
+    """Each key's entry as it would be stored, with slot and length 0: ``(n, 8)`` uint64. ``matrix``: the
+    same keys (bytes) as a key matrix, where the caller has one."""
     n = len(keys)
     rows = np.empty((n, 8), dtype=np.uint64)  # every row is written below, by its kind's group
     if not n:
         return rows
-    for kind, where, data, lengths in _groups(keys, types):
+    for kind, where, data, lengths in [_from_matrix(matrix)] if matrix is not None else _groups(keys, types):
         h = hasher(data, kind, lengths)
         tag = h[0]
         tag[tag < 2] += np.uint64(2)  # 0 and 1 mark empty entries and tombstones
@@ -574,12 +589,13 @@ class IndexMirror:
         slots: Sequence[int] | I64,
         lengths: Sequence[int] | I64,
         types: set[type] | None = None,
+        matrix: KeyMatrix | None = None,
     ) -> None:
-        """Committed blocks (keys not in the mirror); their slots start unreferenced. ``types``: the keys'
-        types, where the caller knows them."""
+        """Committed blocks (keys not in the mirror); their slots start unreferenced. ``types`` and
+        ``matrix``: the keys' types and bytes (``KeyMatrix``), where the caller has them."""
         if not keys or self.closed:
             return
-        rows = key_rows(keys, self._hasher, types)
+        rows = key_rows(keys, self._hasher, types, matrix)
         slot_ids = np.asarray(slots, dtype=np.uint64)
         rows[:, 7] = slot_ids | np.asarray(lengths, dtype=np.uint64) << np.uint64(32)
         self._begin()

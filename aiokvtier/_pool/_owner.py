@@ -45,6 +45,7 @@ from ._wire import (
     SKIPPED,
     Message,
     decode,
+    decode_key_matrix,
     decode_keys,
     encode,
     encode_keys,
@@ -555,7 +556,8 @@ class Pool(Owner):
         return {"hits": self._index.lookup(decode_keys(kind, parts))}, []
 
     async def _begin(self, peer: _Peer, message: Message) -> Reply:
-        keys = self._keys(message)
+        kind = message.fields.get("k")
+        keys, matrix = decode_key_matrix(kind, message.parts[: 1 if kind == "i" else 2])
         lengths = message.uints(len(message.parts) - 1).astype(np.int64)
         if len(lengths) != len(keys):
             raise ValueError(f"{len(keys)} keys and {len(lengths)} lengths")
@@ -578,8 +580,12 @@ class Pool(Owner):
             slots = np.full(len(keys), -1, dtype=np.int64)
             claim = 0
             if claimed.size:
-                mine = keys if claimed.size == len(keys) else [keys[i] for i in claimed.tolist()]
-                claim = index.claim(mine, lengths[claimed], _KINDS.get(message.fields.get("k")))
+                if claimed.size == len(keys):
+                    mine, rows = keys, matrix
+                else:
+                    mine = [keys[i] for i in claimed.tolist()]
+                    rows = None if matrix is None else (matrix[0][claimed], matrix[1][claimed])
+                claim = index.claim(mine, lengths[claimed], _KINDS.get(kind), rows)
                 peer.claims.add(claim)
                 try:
                     ids = await tier.allocate_ids(claimed.size)
