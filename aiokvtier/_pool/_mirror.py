@@ -556,6 +556,7 @@ class IndexMirror:
             left[winners] = False
             pending = pending[left]
             pos[pending] = (pos[pending] + 1) & mask
+        last: list[int] = []
         for i in pending.tolist():
             p = int(pos[i])
             for _ in range(self.capacity):
@@ -567,7 +568,9 @@ class IndexMirror:
                 raise RuntimeError("the pool's index mirror has no room left (more live blocks than slots?)")
             table[p] = rows[i]
             fresh += tag == EMPTY
-            placed.append((np.array([i], dtype=np.intp), np.array([p], dtype=np.intp)))
+            last.append(p)
+        if last:
+            placed.append((pending, np.array(last, dtype=np.intp)))
         if self._entry_of.size and placed:  # the owner (a reader never places)
             which = np.concatenate([w for w, _ in placed])
             self._entry_of[(rows[which, 7] & _LO).astype(np.intp)] = np.concatenate([a for _, a in placed])
