@@ -46,6 +46,7 @@ from .._host._statistics import TierStatistics
 from .._host._views import ViewLedger
 from .._lifecycle import Lifecycle, Owner, finish
 from .._regions import I64, U64, InflightCopies
+from .._store._result import StoreResult
 from .._store._transfers import Pages, host_pages, memmove_all
 from . import _wire
 from ._events import EventFanout, PoolEvents
@@ -869,8 +870,6 @@ class AttachedPool(Owner):
         call cancelled while their commit was on its way may leave those
         blocks visible, whole.
         """
-        from .. import StoreResult
-
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
         given, types = self._given(keys)
