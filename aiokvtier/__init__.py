@@ -60,8 +60,8 @@ if _typing.TYPE_CHECKING:
     from ._store._events import BlockEvent as BlockEvent
     from ._store._events import EventSubscription as EventSubscription
     from ._store._policy import EvictionPolicy as EvictionPolicy
+    from ._store._result import StoreResult as StoreResult
     from ._store._store import BlockStore as BlockStore
-    from ._store._store import StoreResult as StoreResult
     from ._store._store import StoreStatistics as StoreStatistics
 
 __version__ = "0.1.0"
@@ -141,7 +141,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "._pool._statistics": ("PoolStatistics",),
     "._store._events": ("BlockEvent", "EventSubscription"),
     "._store._policy": ("EvictionPolicy",),
-    "._store._store": ("BlockStore", "StoreResult", "StoreStatistics"),
+    "._store._result": ("StoreResult",),
+    "._store._store": ("BlockStore", "StoreStatistics"),
 }  # fmt: skip
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -27,6 +27,7 @@ from aiokvtier._pool import _client
 held = threading.Event()
 holding = False
 real_memmove = _client.memmove_all
+real_into, real_from = _client.rows_into_slots, _client.rows_from_slots
 
 
 def out(obj: dict[str, Any]) -> None:
@@ -40,6 +41,18 @@ def held_memmove(copies: list[tuple[int, int, int]], done: threading.Event | Non
         out({"event": "copying", "n": len(copies)})
         held.wait()
     real_memmove(copies, done)
+
+
+def held_rows(real: Any) -> Any:
+    """The same hold for copies made as rows of a page array (``aiokvtier._pool._rows``)."""
+
+    def copy(*args: Any) -> None:
+        if holding:
+            out({"event": "copying", "n": len(args[3])})
+            held.wait()
+        real(*args)
+
+    return copy
 
 
 def pages(keys: list[str], size: int) -> np.ndarray:
@@ -105,6 +118,8 @@ async def main(path: str) -> None:
         os.setgid(65534)
         os.setuid(65534)
     _client.memmove_all = held_memmove  # type: ignore[assignment]
+    _client.rows_into_slots = held_rows(real_into)
+    _client.rows_from_slots = held_rows(real_from)
     try:
         pool = await AttachedPool.attach(path)
     except Exception as exc:

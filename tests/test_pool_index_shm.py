@@ -449,3 +449,84 @@ def test_removal_by_slot_matches_a_model_through_rebuilds() -> None:
     finally:
         reader.close()
         writer.close()
+
+
+def end_hash(data: npt.NDArray[np.uint8], kind: int, lengths: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+    """Homes in the table's last four entries, whatever its size: every chain wraps to its start."""
+    h = weak_hash(data, kind, lengths)
+    h[0] = np.uint64(2**64 - 1) - h[0] % np.uint64(4)
+    return h
+
+
+@pytest.mark.parametrize("hasher", ["real", "weak", "end"])
+def test_large_batches_are_placed_as_key_by_key_inserts_through_rebuilds(hasher: str) -> None:
+    """Batches of hundreds of keys (placed in rounds, then the last few one by one) and single keys give a
+    reader exactly the model's answers, and the same answers as a mirror fed the same keys one at a time,
+    through clusters of colliding homes (the weak hash), chains wrapping past the table's end, and
+    rebuilds (each placing the live keys in the order of their homes)."""
+    fn = {"real": hash_words, "weak": weak_hash, "end": end_hash}[hasher]
+    rng = np.random.default_rng(11)
+    slots = 1024
+    batched, single = IndexMirror.create(slots, hasher=fn), IndexMirror.create(slots, hasher=fn)
+    reader = IndexMirror.attach(os.dup(batched.fd), slots, hasher=fn)
+    try:
+        model: dict[bytes | int, tuple[int, int]] = {}
+        free = list(range(slots))
+        serial = 0
+        for _ in range(40):
+            n = min(len(free), int(rng.choice([1, 31, 33, 200, 700])))
+            taken = [free.pop(int(rng.integers(len(free)))) for _ in range(n)]
+            keys: list[bytes | int] = []
+            for _ in taken:
+                serial += 1
+                keys.append(serial if serial % 4 == 0 else b"batch-%d" % serial)
+            lengths = [int(x) for x in rng.integers(1, 1 << 20, n)]
+            batched.insert(keys, taken, lengths)
+            for k, s, length in zip(keys, taken, lengths, strict=True):
+                single.insert([k], [s], [length])
+            model.update(zip(keys, zip(taken, lengths, strict=True), strict=True))
+            assert reader.live == single.live == len(model)
+            probe = [*model, b"never", 10**9]
+            check(reader, model, probe)
+            assert np.array_equal(reader.blocks(probe), single.blocks(probe))  # type: ignore[arg-type]
+            victims = [k for k in model if rng.random() < 0.6]
+            gone = [model.pop(k)[0] for k in victims]
+            batched.remove_slots(gone)
+            single.remove_slots(gone)
+            free.extend(gone)
+            check(reader, model, [*model, *victims[:50]])
+    finally:
+        reader.close()
+        batched.close()
+        single.close()
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [b"fixed-%05d" % i for i in range(300)],  # one length: the "f" form
+        [b"%d-%d-" % (4242, i) for i in range(300)],  # a few lengths: records
+        [b"%d-\x00" % i for i in range(300)],  # ending in a zero byte: no matrix, the keys themselves
+        [b"k" * (i % 40 + 1) for i in range(300)],  # far apart: no matrix
+    ],
+)
+def test_keys_inserted_from_their_wire_matrix_are_found_as_keys(keys: list[bytes]) -> None:
+    """The owner inserts a store's keys from the matrix their frame was decoded through: a process looking
+    up the same keys as bytes (hashed from its own padding) finds each at its slot."""
+    from aiokvtier._pool import _wire
+
+    kind, parts = _wire.encode_keys(keys)
+    decoded, matrix = _wire.decode_key_matrix(kind, parts)
+    assert decoded == keys
+    writer = IndexMirror.create(512)
+    reader = IndexMirror.attach(os.dup(writer.fd), 512)
+    try:
+        half = slice(0, None, 2)  # a subset of the rows, as a store with keys present claims
+        chosen = decoded[half]
+        rows = None if matrix is None else (matrix[0][half], matrix[1][half])
+        writer.insert(chosen, list(range(len(chosen))), [7] * len(chosen), {bytes}, rows)
+        model = {k: (i, 7) for i, k in enumerate(chosen)}
+        check(reader, model, keys)
+    finally:
+        reader.close()
+        writer.close()

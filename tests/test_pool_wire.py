@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -73,6 +74,28 @@ def test_errors_travel_by_name_with_their_fields() -> None:
     assert type(_wire.error_from(_wire.Message(_wire.ERROR, 1, fields, parts))) is PoolError
 
 
+@given(
+    st.lists(st.binary(min_size=1, max_size=24), min_size=64, max_size=300, unique=True),
+    st.sampled_from([b"", b"\x00", b"\x00\x00", b"x\x00y"]),
+)
+def test_many_keys_of_several_lengths_round_trip_whole(keys: list[bytes], tail: bytes) -> None:
+    """Cut out as numpy records where that is exact: zero bytes inside or at the end of a key kept."""
+    keys = [k + tail for k in keys]
+    if len(set(map(len, keys))) == 1:
+        keys.append(keys[0] + b"z")  # several lengths: the "b" form
+    kind, parts = _wire.encode_keys(keys)
+    assert kind == "b"
+    decoded = _wire.decode_keys(kind, parts)
+    assert decoded == keys and all(type(k) is bytes for k in decoded)
+
+
+@pytest.mark.parametrize("form", [b"%d-%d-", b"\x00%d\x00%d-", b"%d-%d\x00"])
+def test_a_batch_of_keys_a_few_lengths_apart_round_trips_whole(form: bytes) -> None:
+    keys = [form % (4242, i) for i in range(3000)]  # 7 to 11 bytes: cut out as records unless one ends in 0
+    kind, parts = _wire.encode_keys(keys)
+    assert kind == "b" and _wire.decode_keys(kind, parts) == keys
+
+
 def test_as_key() -> None:
     import numpy as np
 
@@ -84,26 +107,28 @@ def test_as_key() -> None:
 
 def test_the_index_claims_commits_pins_evicts_and_discards() -> None:
     index = BlockIndex()
-    assert index.classify([b"a", b"b"]) == [_wire.CLAIMED, _wire.CLAIMED]
-    claim = index.claim([b"a", b"b"], [10, 20])
-    assert index.classify([b"a", b"c"]) == [_wire.BUSY, _wire.CLAIMED]
-    index.place(claim, [0, 1])
+    assert index.classify([b"a", b"b"]).tolist() == [_wire.CLAIMED, _wire.CLAIMED]
+    claim = index.claim([b"a", b"b"], np.array([10, 20]))
+    assert index.classify([b"a", b"c"]).tolist() == [_wire.BUSY, _wire.CLAIMED]
+    index.place(claim, np.array([0, 1]))
     assert index.commit(claim) == [b"a", b"b"]
     assert index.lookup([b"a", b"b", b"x"]) == 2
     pin, slots, lengths = index.pin([b"a"])
-    assert (slots, lengths) == ([0], [10])
+    assert (slots.tolist(), lengths.tolist()) == ([0], [10])
     assert index.evict(2, keep=set()) == ([b"b"], [1])  # a is pinned
-    assert index.discard([b"a", b"zz"]) == ([b"a"], [])  # freed at its unpin
+    dropped, freed = index.discard([b"a", b"zz"])
+    assert (dropped, freed.tolist()) == ([b"a"], [])  # freed at its unpin
     assert index.unpin(pin, loaded=True) == [0]
     assert index.counts["loads"] == 1 and index.bytes_loaded == 10
     with pytest.raises(BlockNotFound):
         index.pin([b"a"])
     with pytest.raises(ValueError, match="twice"):
         index.classify([b"q", b"q"])
-    claim = index.claim([b"c"], [5])
-    index.place(claim, [7])
+    claim = index.claim([b"c"], np.array([5]))
+    index.place(claim, np.array([7]))
     assert index.abort(claim) == [7] and index.abort(claim) == []
-    assert BlockIndex.cut([_wire.CLAIMED, _wire.PRESENT, _wire.CLAIMED, _wire.BUSY, _wire.PRESENT], 1) == [
+    outcomes = np.array([_wire.CLAIMED, _wire.PRESENT, _wire.CLAIMED, _wire.BUSY, _wire.PRESENT], dtype=np.uint8)
+    assert BlockIndex.cut(outcomes, 1).tolist() == [
         _wire.CLAIMED,
         _wire.PRESENT,
         _wire.SKIPPED,

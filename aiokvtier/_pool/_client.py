@@ -30,7 +30,7 @@ import itertools
 import logging
 import operator
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, cast, overload
 
@@ -46,14 +46,29 @@ from .._host._statistics import TierStatistics
 from .._host._views import ViewLedger
 from .._lifecycle import Lifecycle, Owner, finish
 from .._regions import I64, U64, InflightCopies
+from .._store._result import StoreResult
 from .._store._transfers import Pages, host_pages, memmove_all
 from . import _wire
 from ._events import EventFanout, PoolEvents
 from ._gpu import Registrations
 from ._mirror import USABLE, IndexMirror, Keys
+from ._rows import SMALL_ROW, rows_from_slots, rows_into_slots, runs
 from ._socket import connect, recv_frame_with_fds
 from ._statistics import PoolStatistics
-from ._wire import BUSY, CLAIMED, PRESENT, Key, Message, as_key, decode, decode_keys, encode, encode_keys, error_from
+from ._wire import (
+    BUSY,
+    CLAIMED,
+    PRESENT,
+    SKIPPED,
+    Key,
+    Message,
+    as_key,
+    decode,
+    decode_keys,
+    encode,
+    encode_keys,
+    error_from,
+)
 
 __all__ = ["AttachedPool"]
 
@@ -872,59 +887,66 @@ class AttachedPool(Owner):
         call cancelled while their commit was on its way may leave those
         blocks visible, whole.
         """
-        from .. import StoreResult
-
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
-        given, _, _ = self._keys(keys)
-        pages = host_pages(src, len(given), writable=False)
-        if len(given) and int(pages.lengths.max()) > self._slot_size:
+        given, types = self._given(keys)
+        n = len(given)
+        pages = host_pages(src, n, writable=False)
+        if n and int(pages.lengths.max()) > self._slot_size:
             raise ValueError(f"a page of {int(pages.lengths.max())} bytes does not fit a {self._slot_size}-byte slot")
-        if len(given) and int(pages.lengths.min()) == 0:
+        if n and int(pages.lengths.min()) == 0:
             raise ValueError("an empty page cannot be stored")
-        if len(set(given)) != len(given):
+        if len(set(given)) != n:
             raise ValueError("a key appears twice in one store; nothing changed")
-        outcome = [-1] * len(given)
-        todo = list(range(len(given)))
-        while todo:
-            kind, parts = encode_keys([given[i] for i in todo])
+        array = src if isinstance(src, np.ndarray) else None
+        outcome = np.full(n, SKIPPED, dtype=np.uint8)
+        todo = np.arange(n, dtype=np.int64)
+        asked = given
+        while todo.size:
+            kind, parts = encode_keys(asked, types)
             lengths = pages.lengths[todo]
             reply = await self._request(
                 _wire.BEGIN, {"k": kind, "wait": bool(wait)}, [*parts, lengths.tobytes()], undo="abort"
             )
             claim = int(reply.fields["claim"])
             got = np.frombuffer(reply.parts[0], dtype=np.uint8)
-            slots = reply.ints(1)
             if claim:
-                await self._fill_claim(claim, got, slots, [todo[i] for i in range(len(todo))], pages)
-            busy = []
-            for j, i in enumerate(todo):
-                o = int(got[j])
-                if o == BUSY:
-                    busy.append(i)
-                else:
-                    outcome[i] = o
-            if busy:
-                kind, parts = encode_keys([given[i] for i in busy])
+                await self._fill_claim(claim, got, reply.ints(1), todo, pages, array)
+            outcome[todo] = got
+            todo = todo[got == BUSY]
+            if todo.size:  # another process stores these: wait for it, then ask again
+                asked = [given[i] for i in todo.tolist()]
+                kind, parts = encode_keys(asked, types)
                 await self._request(_wire.AWAIT, {"k": kind}, parts)
-            todo = busy
-        stored = tuple(k for k, o in zip(given, outcome, strict=True) if o == CLAIMED)
-        present = tuple(k for k, o in zip(given, outcome, strict=True) if o == PRESENT)
-        skipped = tuple(k for k, o in zip(given, outcome, strict=True) if o not in (CLAIMED, PRESENT))
+        stored = tuple(itertools.compress(given, (outcome == CLAIMED).tolist()))
+        present = tuple(itertools.compress(given, (outcome == PRESENT).tolist()))
+        skipped = tuple(itertools.compress(given, ((outcome != CLAIMED) & (outcome != PRESENT)).tolist()))
         return StoreResult(stored=stored, present=present, skipped=skipped)
 
     async def _fill_claim(
-        self, claim: int, got: npt.NDArray[np.uint8], slots: npt.NDArray[np.int64], todo: list[int], pages: Pages
+        self,
+        claim: int,
+        got: npt.NDArray[np.uint8],
+        slots: npt.NDArray[np.int64],
+        todo: npt.NDArray[np.int64],
+        pages: Pages,
+        array: npt.NDArray[np.uint8] | None,
     ) -> None:
-        """Copy the claimed pages into their slots, then make them visible (or give the claim up)."""
+        """Copy the claimed pages into their slots, then make them visible (or give the claim up).
+
+        ``array``: the pages as a 2-D array, copied as rows (``_rows``); else a memmove per run of neighbours."""
         mine = np.flatnonzero(got == CLAIMED)
-        src = pages.addresses[np.asarray(todo, dtype=np.int64)[mine]]
-        dst = np.uint64(self._base) + slots[mine].astype(np.uint64) * np.uint64(self._slot_size)
-        lengths = pages.lengths[np.asarray(todo, dtype=np.int64)[mine]]
-        copies = list(zip(dst.tolist(), src.tolist(), lengths.tolist(), strict=True))
+        rows, into = todo[mine], slots[mine]
+        job: Callable[[], None]
+        if array is not None and (rows.size == len(array) or array.shape[1] <= SMALL_ROW):
+            every = None if rows.size == len(array) else rows  # every row, in order: copied where it lies
+            job = partial(rows_into_slots, self._base, self._size, self._slot_size, into, array, every)
+        else:
+            dst = np.uint64(self._base) + into.astype(np.uint64) * np.uint64(self._slot_size)
+            job = partial(memmove_all, runs(dst, pages.addresses[rows], pages.lengths[rows]))
         committed = False
         try:
-            await finish(self._life.submit(memmove_all, copies))  # the caller's pages are read until it lands
+            await finish(self._life.submit(job))  # the caller's pages are read until it lands
             await self._request(_wire.COMMIT, {"claim": claim})
             committed = True
         finally:
@@ -959,9 +981,14 @@ class AttachedPool(Owner):
                     f"destination page {i} has {int(pages.lengths[i])} bytes, block {given[i]!r} has "
                     f"{int(lengths[i])}; nothing was copied"
                 )
-            src = np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)
-            copies = list(zip(pages.addresses.tolist(), src.tolist(), lengths.tolist(), strict=True))
-            await finish(self._life.submit(memmove_all, copies))
+            job: Callable[[], None]
+            width = int(lengths[0])
+            if isinstance(dst, np.ndarray) and width <= SMALL_ROW and bool((lengths == width).all()):
+                job = partial(rows_from_slots, self._base, self._size, self._slot_size, slots, dst, width)
+            else:
+                src = np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)
+                job = partial(memmove_all, runs(pages.addresses, src, lengths))
+            await finish(self._life.submit(job))
             loaded = True
         finally:
             if self._lost is None:

@@ -11,8 +11,11 @@ them back to the tier. A block's life, as in ``BlockStore``::
 
 Claims and pins carry ids, so that the service can release everything a
 process held when its connection closes. Ready blocks sit in an
-``OrderedDict`` in recency order (least recently used first): a lookup of
-4,096 keys is 4,096 dict steps, well under a millisecond.
+``OrderedDict`` from key to slot in recency order (least recently used
+first); a block's length, pin count and "discarded while pinned" mark are
+arrays indexed by its slot. A call of 4,096 keys is a few dict passes in C
+and array operations, no Python object and no Python step per key (a
+``Block`` object per key cost a store's commit about a millisecond).
 
 With a mirror (``aiokvtier._pool._mirror``), every change of the ready
 blocks is written there too, in the same step, and attached processes look
@@ -25,39 +28,71 @@ most recent end, and the scan goes on).
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from .._errors import BlockNotFound
 from ._mirror import IndexMirror
-from ._wire import BUSY, CLAIMED, PRESENT, SKIPPED, Key
+from ._wire import BUSY, CLAIMED, PRESENT, SKIPPED, Key, KeyMatrix
 
-__all__ = ["Block", "BlockIndex"]
+__all__ = ["BlockIndex"]
+
+I64 = npt.NDArray[np.int64]
+U8 = npt.NDArray[np.uint8]
+_NONE = np.empty(0, dtype=np.int64)
+_ONE = np.int64(1)
 
 
-class Block:
-    __slots__ = ("doomed", "length", "pins", "slot")
+def _get_all(mapping: dict[Key, int], keys: Sequence[Key]) -> I64:
+    """``mapping[key]`` of every key, in C (an itemgetter of one key returns the value itself).
 
-    def __init__(self, slot: int, length: int) -> None:
-        self.slot = slot
-        self.length = length
-        self.pins = 0
-        self.doomed = False
+    :raises KeyError: a key is missing.
+    """
+    if len(keys) == 1:
+        return np.array([mapping[keys[0]]], dtype=np.int64)
+    if not keys:
+        return _NONE
+    return np.fromiter(operator.itemgetter(*keys)(mapping), dtype=np.int64, count=len(keys))
+
+
+class _Claim:
+    """A store in flight: its keys, their slots (once placed) and lengths, and what the mirror can use of
+    the keys' wire form (their types, their bytes as a matrix) rather than find again."""
+
+    __slots__ = ("keys", "lengths", "matrix", "slots", "types")
+
+    def __init__(self, keys: list[Key], lengths: I64, types: set[type] | None, matrix: KeyMatrix | None) -> None:
+        self.keys = keys
+        self.slots = _NONE
+        self.lengths = lengths
+        self.types = types
+        self.matrix = matrix
 
 
 class BlockIndex:
-    """Keys to slots, claims and pins of a shared block store (the owner's loop only)."""
+    """Keys to slots, claims and pins of a shared block store (the owner's loop only).
 
-    def __init__(self, mirror: IndexMirror | None = None) -> None:
+    :param mirror: the index mirror every change of the ready blocks is written to, or None.
+    :param slots: the slots to size the per-slot arrays for (they grow if a larger slot id comes).
+    """
+
+    def __init__(self, mirror: IndexMirror | None = None, slots: int = 0) -> None:
         self.mirror = mirror
-        self.ready: OrderedDict[Key, Block] = OrderedDict()
+        self.ready: OrderedDict[Key, int] = OrderedDict()
+        """Key -> slot of every visible block, least recently used first."""
         self.storing: dict[Key, int] = {}
         """Key -> the claim storing it."""
-        self._claims: dict[int, tuple[list[Key], list[int], list[int]]] = {}
-        self._pins: dict[int, list[Block]] = {}
+        self._claims: dict[int, _Claim] = {}
+        self._pins: dict[int, I64] = {}
         self._ids = itertools.count(1)
+        self._length: I64 = np.zeros(slots, dtype=np.int64)
+        self._pinned: I64 = np.zeros(slots, dtype=np.int64)
+        self._doomed: npt.NDArray[np.bool_] = np.zeros(slots, dtype=np.bool_)
+        """Discarded while pinned: the slot is freed at its last unpin."""
         self.counts = dict.fromkeys(
             ("queries", "hits", "misses", "stores", "present", "skipped", "loads", "evictions", "discards"), 0
         )
@@ -73,7 +108,23 @@ class BlockIndex:
 
     @property
     def pinned(self) -> int:
-        return sum(1 for block in self.ready.values() if block.pins)
+        slots = self._slots_of_ready()
+        return int(np.count_nonzero(self._pinned[slots]))
+
+    def _slots_of_ready(self) -> I64:
+        return np.fromiter(self.ready.values(), dtype=np.int64, count=len(self.ready))
+
+    def _fit(self, slots: I64) -> None:
+        """Grow the per-slot arrays to hold ``slots`` (a tier's ids are below its slot count: rarely needed)."""
+        if not slots.size:
+            return
+        need = int(slots.max()) + 1
+        have = len(self._length)
+        if need > have:
+            extra = max(need, 2 * have) - have
+            self._length = np.concatenate([self._length, np.zeros(extra, dtype=np.int64)])
+            self._pinned = np.concatenate([self._pinned, np.zeros(extra, dtype=np.int64)])
+            self._doomed = np.concatenate([self._doomed, np.zeros(extra, dtype=np.bool_)])
 
     # -- queries --------------------------------------------------------------------
 
@@ -95,70 +146,70 @@ class BlockIndex:
 
     # -- store: classify, claim, commit or abort ------------------------------------------
 
-    def classify(self, keys: Sequence[Key]) -> list[int]:
+    def classify(self, keys: Sequence[Key]) -> U8:
         """Each key's outcome before slots are taken: ``PRESENT`` (touched), ``BUSY`` (another claim
         stores it) or ``CLAIMED`` (to store).
 
         :raises ValueError: a key twice.
         """
-        if len(set(keys)) != len(keys):
+        n = len(keys)
+        if len(set(keys)) != n:
             raise ValueError("a key appears twice in one store; nothing changed")
         ready, storing = self.ready, self.storing
-        out = []
-        for key in keys:
-            if key in ready:
-                ready.move_to_end(key)
-                out.append(PRESENT)
-            elif key in storing:
-                out.append(BUSY)
-            else:
-                out.append(CLAIMED)
+        out = np.full(n, CLAIMED, dtype=np.uint8)
+        present = np.fromiter(map(ready.__contains__, keys), dtype=np.bool_, count=n) if ready else None
+        if present is not None and present.any():
+            out[present] = PRESENT
+            deque(map(ready.move_to_end, itertools.compress(keys, present.tolist())), maxlen=0)
+        if storing:  # a key is never ready and being stored at once
+            out[np.fromiter(map(storing.__contains__, keys), dtype=np.bool_, count=n)] = BUSY
         return out
 
     @staticmethod
-    def cut(outcomes: list[int], room: int) -> list[int]:
+    def cut(outcomes: U8, room: int) -> U8:
         """Keep the first ``room`` keys to claim; from the first one left out, every key not present is
         skipped (no key after a skipped one is stored)."""
-        out = list(outcomes)
-        seen = 0
-        skipping = False
-        for i, outcome in enumerate(out):
-            if outcome == PRESENT:
-                continue
-            if skipping:
-                out[i] = SKIPPED
-            elif outcome == CLAIMED:
-                seen += 1
-                if seen > room:
-                    out[i] = SKIPPED
-                    skipping = True
+        claimed = np.flatnonzero(outcomes == CLAIMED)
+        room = max(room, 0)
+        if claimed.size <= room:
+            return outcomes
+        out = outcomes.copy()
+        tail = out[int(claimed[room]) :]
+        tail[tail != PRESENT] = SKIPPED
         return out
 
-    def claim(self, keys: list[Key], lengths: list[int]) -> int:
-        """Mark ``keys`` as being stored (slots come later, ``place``); returns the claim id."""
+    def claim(
+        self, keys: list[Key], lengths: I64, types: set[type] | None = None, matrix: KeyMatrix | None = None
+    ) -> int:
+        """Mark ``keys`` as being stored (slots come later, ``place``); returns the claim id. ``types`` and
+        ``matrix``: the keys' types and bytes, where the caller has them (the mirror then need not find them)."""
         claim = next(self._ids)
-        for key in keys:
-            self.storing[key] = claim
-        self._claims[claim] = (keys, [], lengths)
+        self.storing.update(zip(keys, itertools.repeat(claim)))
+        self._claims[claim] = _Claim(keys, np.asarray(lengths, dtype=np.int64), types, matrix)
         return claim
 
-    def place(self, claim: int, slots: list[int]) -> None:
-        self._claims[claim][1][:] = slots
+    def place(self, claim: int, slots: I64) -> None:
+        entry = self._claims[claim]
+        entry.slots = np.asarray(slots, dtype=np.int64)
+        self._fit(entry.slots)
 
     def commit(self, claim: int) -> list[Key]:
         """The claim's blocks become visible (most recently used).
 
         :raises KeyError: no such claim.
         """
-        keys, slots, lengths = self._claims.pop(claim)
-        ready, storing = self.ready, self.storing
-        for key, slot, length in zip(keys, slots, lengths, strict=True):
-            del storing[key]
-            ready[key] = Block(slot, length)
+        entry = self._claims.pop(claim)
+        keys, slots, lengths = entry.keys, entry.slots, entry.lengths
+        if len(slots) != len(keys):
+            self._claims[claim] = entry
+            raise KeyError(f"claim {claim} has no slots placed")
+        deque(map(self.storing.__delitem__, keys), maxlen=0)
+        self.ready.update(zip(keys, slots.tolist(), strict=True))
+        self._length[slots] = lengths
         if self.mirror is not None:
-            self.mirror.insert(keys, slots, lengths)
+            self.mirror.insert(keys, slots, lengths, entry.types, entry.matrix)
         self.counts["stores"] += len(keys)
-        self.bytes_stored += sum(lengths)
+        self.bytes_stored += int(lengths.sum())
         return keys
 
     def abort(self, claim: int) -> list[int]:
@@ -166,10 +217,9 @@ class BlockIndex:
         entry = self._claims.pop(claim, None)
         if entry is None:
             return []
-        keys, slots, _ = entry
-        for key in keys:
-            self.storing.pop(key, None)
-        return slots
+        deque(map(self.storing.pop, entry.keys, itertools.repeat(None)), maxlen=0)
+        freed: list[int] = entry.slots.tolist()
+        return freed
 
     def owns(self, claim: int) -> bool:
         return claim in self._claims
@@ -184,19 +234,19 @@ class BlockIndex:
         slots: list[int] = []
         if n <= 0:
             return keys, slots
-        ready, mirror = self.ready, self.mirror
+        ready, mirror, pinned = self.ready, self.mirror, self._pinned
         for second in (False, True):  # the second pass takes what the first passed over
             spared: list[Key] = []
             start = len(keys)
-            for key, block in ready.items():
-                if block.pins or key in keep:
+            for key, slot in ready.items():
+                if pinned[slot] or key in keep:
                     continue
-                if not second and mirror is not None and mirror.referenced(block.slot):
-                    mirror.unreference(block.slot)
+                if not second and mirror is not None and mirror.referenced(slot):
+                    mirror.unreference(slot)
                     spared.append(key)
                     continue
                 keys.append(key)
-                slots.append(block.slot)
+                slots.append(slot)
                 if len(keys) == n:
                     break
             for key in keys[start:]:
@@ -211,7 +261,7 @@ class BlockIndex:
 
     # -- load: pin, unpin -------------------------------------------------------------------
 
-    def pin(self, keys: Sequence[Key]) -> tuple[int, list[int], list[int]]:
+    def pin(self, keys: Sequence[Key]) -> tuple[int, I64, I64]:
         """Pin every key's block for a load; touches them.
 
         :returns: ``(pin id, slots, lengths)``.
@@ -219,46 +269,48 @@ class BlockIndex:
         """
         ready = self.ready
         try:
-            blocks = [ready[key] for key in keys]
+            slots = _get_all(ready, keys)
         except KeyError:
             raise BlockNotFound(next(k for k in keys if k not in ready)) from None
-        for key, block in zip(keys, blocks, strict=True):
-            block.pins += 1
-            ready.move_to_end(key)
+        np.add.at(self._pinned, slots, _ONE)  # a key loaded twice in one call pins twice
+        deque(map(ready.move_to_end, keys), maxlen=0)
         pin = next(self._ids)
-        self._pins[pin] = blocks
-        return pin, [block.slot for block in blocks], [block.length for block in blocks]
+        self._pins[pin] = slots
+        return pin, slots, self._length[slots]
 
     def unpin(self, pin: int, loaded: bool = False) -> list[int]:
         """Release a load's pins (``loaded``: its copy landed, count it); returns the slots of blocks
         discarded meanwhile (to free now)."""
-        freed: list[int] = []
-        blocks = self._pins.pop(pin, [])
+        slots = self._pins.pop(pin, _NONE)
         if loaded:
-            self.counts["loads"] += len(blocks)
-            self.bytes_loaded += sum(block.length for block in blocks)
-        for block in blocks:
-            block.pins -= 1
-            if not block.pins and block.doomed:
-                freed.append(block.slot)
+            self.counts["loads"] += len(slots)
+            self.bytes_loaded += int(self._length[slots].sum())
+        if not slots.size:
+            return []
+        pinned, doomed = self._pinned, self._doomed
+        np.subtract.at(pinned, slots, _ONE)
+        released = slots[(pinned[slots] == 0) & doomed[slots]]  # their last unpin, after a discard
+        if not released.size:
+            return []
+        released = np.unique(released)
+        doomed[released] = False
+        freed: list[int] = released.tolist()
         return freed
 
-    def discard(self, keys: Sequence[Key]) -> tuple[list[Key], list[int]]:
+    def discard(self, keys: Sequence[Key]) -> tuple[list[Key], I64]:
         """Drop blocks (unknown keys ignored); returns the keys dropped, and the slots to free now (a pinned
         block's slot is freed at its last unpin)."""
-        dropped: list[Key] = []
-        freed: list[int] = []
-        gone: list[int] = []
-        for key in keys:
-            block = self.ready.pop(key, None)
-            if block is None:
-                continue
-            dropped.append(key)
-            gone.append(block.slot)
-            if block.pins:
-                block.doomed = True
-            else:
-                freed.append(block.slot)
+        n = len(keys)
+        gone = np.fromiter(map(self.ready.pop, keys, itertools.repeat(-1)), dtype=np.int64, count=n)
+        known = gone >= 0
+        if known.all():
+            dropped = list(keys)
+        else:
+            dropped = list(itertools.compress(keys, known.tolist()))
+            gone = gone[known]
+        pinned = self._pinned[gone] > 0
+        self._doomed[gone[pinned]] = True
+        freed = gone[~pinned]
         if self.mirror is not None:
             self.mirror.remove_slots(gone)
         self.counts["discards"] += len(dropped)
@@ -272,33 +324,34 @@ class BlockIndex:
 
         :raises AssertionError: an invariant does not hold (the message names it).
         """
-        held: list[int] = [block.slot for block in self.ready.values()]
-        for claim, (keys, slots, lengths) in self._claims.items():
+        ready = self._slots_of_ready()
+        held: list[int] = ready.tolist()
+        for claim, entry in self._claims.items():
+            keys, slots, lengths = entry.keys, entry.slots, entry.lengths
             _require(len(lengths) == len(keys), f"claim {claim} has {len(keys)} keys and {len(lengths)} lengths")
-            _require(not slots or len(slots) == len(keys), f"claim {claim}: {len(slots)} slots, {len(keys)} keys")
+            _require(not slots.size or len(slots) == len(keys), f"claim {claim}: {len(slots)} slots, {len(keys)} keys")
             for key in keys:
                 _require(self.storing.get(key) == claim, f"key {key!r} of claim {claim} is not marked as stored by it")
                 _require(key not in self.ready, f"key {key!r} is visible and being stored at once")
-            held.extend(slots)
+            held.extend(slots.tolist())
         _require(
-            len(self.storing) == sum(len(keys) for keys, _, _ in self._claims.values()),
+            len(self.storing) == sum(len(entry.keys) for entry in self._claims.values()),
             "a key is marked as being stored by no claim",
         )
-        pins: dict[int, int] = {}
-        blocks: dict[int, Block] = {}
-        for pinned in self._pins.values():
-            for block in pinned:
-                pins[id(block)] = pins.get(id(block), 0) + 1
-                blocks[id(block)] = block
-        for block in self.ready.values():
-            _require(not block.doomed, f"the block in slot {block.slot} is visible and discarded")
-            _require(block.pins == pins.get(id(block), 0), f"the block in slot {block.slot} has a wrong pin count")
-        ready = {id(block) for block in self.ready.values()}
-        for ident, block in blocks.items():
-            if ident not in ready:
-                _require(block.doomed, f"the block in slot {block.slot} is pinned, neither visible nor discarded")
-                _require(block.pins == pins[ident], f"the discarded block in slot {block.slot} has a wrong pin count")
-                held.append(block.slot)
+        pins = np.zeros_like(self._pinned)
+        for slots in self._pins.values():
+            np.add.at(pins, slots, _ONE)
+        _require(np.array_equal(pins, self._pinned), "a block has a wrong pin count")
+        _require(not self._doomed[ready].any(), "a visible block is marked discarded")
+        doomed = np.flatnonzero(self._doomed)
+        _require(bool((self._pinned[doomed] > 0).all()), "a discarded block is kept with nothing pinning it")
+        visible = np.zeros(len(self._pinned), dtype=np.bool_)
+        visible[ready] = True
+        _require(
+            not (pins.astype(np.bool_) & ~visible & ~self._doomed).any(),
+            "a block is pinned, neither visible nor discarded",
+        )
+        held.extend(doomed.tolist())
         _require(len(set(held)) == len(held), "a slot is held twice (two blocks, or a block and a claim)")
         mirror = self.mirror
         if mirror is not None and not mirror.closed:
@@ -307,10 +360,9 @@ class BlockIndex:
             seen = mirror.blocks(keys) if keys else None
             if seen is not None:
                 found, sizes = seen
-                want = np.array([b.slot for b in self.ready.values()], dtype=np.int64)
-                have = np.array([b.length for b in self.ready.values()], dtype=np.int64)
-                _require(np.array_equal(found, want), "the mirror names another slot for a visible key")
-                _require(np.array_equal(sizes, have), "the mirror names another length for a visible key")
+                _require(np.array_equal(found, ready), "the mirror names another slot for a visible key")
+                lengths = self._length[ready]
+                _require(np.array_equal(sizes, lengths), "the mirror names another length for a visible key")
         return held
 
     @property
@@ -325,13 +377,14 @@ class BlockIndex:
 
     def clear(self) -> list[int]:
         """Forget everything (the owner closes); returns every slot held."""
-        slots = [block.slot for block in self.ready.values()]
+        slots = self._slots_of_ready().tolist()
         for claim in list(self._claims):
             slots.extend(self.abort(claim))
-        for blocks in self._pins.values():
-            slots.extend(b.slot for b in blocks if b.doomed and b.pins)
+        slots.extend(np.flatnonzero(self._doomed & (self._pinned > 0)).tolist())
         self.ready.clear()
         self._pins.clear()
+        self._pinned[:] = 0
+        self._doomed[:] = False
         if self.mirror is not None:
             self.mirror.clear()
         return sorted(set(slots))

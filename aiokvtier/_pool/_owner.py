@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .._config import HostTierConfig
 from .._errors import ConfigError, FillError, OutOfSlots, PoolError, SlotError, TierClosedError, WouldBlock
@@ -44,6 +45,7 @@ from ._wire import (
     SKIPPED,
     Message,
     decode,
+    decode_key_matrix,
     decode_keys,
     encode,
     encode_keys,
@@ -58,6 +60,8 @@ HELLO_TIMEOUT = 10.0
 """Seconds a new connection has to say hello before it is dropped."""
 
 Reply = tuple[dict[str, Any], list[bytes]]
+_KINDS: dict[object, set[type]] = {"f": {bytes}, "b": {bytes}, "i": {int}}
+"""The keys' types in each form of keys the wire carries that has one type only."""
 
 
 class _Peer:
@@ -195,7 +199,7 @@ class Pool(Owner):
         if USABLE and mirror_fits(s.max_quota // s.slot_size, s.slot_size):  # else lookups ask the owner
             self._mirror = await life.run(IndexMirror.create, s.max_quota // s.slot_size)
             life.undo.callback(self._mirror.close)
-        self._index = BlockIndex(self._mirror)
+        self._index = BlockIndex(self._mirror, s.max_quota // s.slot_size)
         self._resized = asyncio.Event()
         self._accepting = asyncio.ensure_future(self._accept())
         self._publisher = asyncio.ensure_future(self._publish())
@@ -479,8 +483,8 @@ class Pool(Owner):
         peer.pins.clear()
         peer.slots.clear()
 
-    def _free_slots(self, slots: list[int]) -> None:
-        if slots and not self._tier.closed:
+    def _free_slots(self, slots: list[int] | npt.NDArray[np.int64]) -> None:
+        if len(slots) and not self._tier.closed:
             self._tier.free_many(slots)
 
     # -- requests ---------------------------------------------------------------------------
@@ -559,18 +563,19 @@ class Pool(Owner):
         return {"hits": self._index.lookup(decode_keys(kind, parts))}, []
 
     async def _begin(self, peer: _Peer, message: Message) -> Reply:
-        keys = self._keys(message)
-        lengths = message.uints(len(message.parts) - 1).tolist()
+        kind = message.fields.get("k")
+        keys, matrix = decode_key_matrix(kind, message.parts[: 1 if kind == "i" else 2])
+        lengths = message.uints(len(message.parts) - 1).astype(np.int64)
         if len(lengths) != len(keys):
             raise ValueError(f"{len(keys)} keys and {len(lengths)} lengths")
         slot_size = self._tier.slot_size
-        if any(not 0 < n <= slot_size for n in lengths):
+        if lengths.size and not (0 < int(lengths.min()) and int(lengths.max()) <= slot_size):
             raise ValueError(f"a block is 1 to {slot_size} bytes (the slot size); nothing changed")
         wait = bool(message.fields.get("wait", True))
         index, tier = self._index, self._tier
         for _ in range(8):  # another process may take the room while this one waits for the fill
             outcomes = index.classify(keys)
-            wanted = outcomes.count(CLAIMED)
+            wanted = int(np.count_nonzero(outcomes == CLAIMED))
             short = wanted - tier.slots_free
             if short > 0:
                 evicted, freed = index.evict(short, set(keys))
@@ -578,14 +583,19 @@ class Pool(Owner):
                 self._event("evicted", evicted)
             room = tier.slots_free if wait else min(tier.slots_free, tier.slots_ready)
             outcomes = index.cut(outcomes, room)
-            claimed = [i for i, o in enumerate(outcomes) if o == CLAIMED]
+            claimed = np.flatnonzero(outcomes == CLAIMED)
             slots = np.full(len(keys), -1, dtype=np.int64)
             claim = 0
-            if claimed:
-                claim = index.claim([keys[i] for i in claimed], [lengths[i] for i in claimed])
+            if claimed.size:
+                if claimed.size == len(keys):
+                    mine, rows = keys, matrix
+                else:
+                    mine = [keys[i] for i in claimed.tolist()]
+                    rows = None if matrix is None else (matrix[0][claimed], matrix[1][claimed])
+                claim = index.claim(mine, lengths[claimed], _KINDS.get(kind), rows)
                 peer.claims.add(claim)
                 try:
-                    ids = await tier.allocate_ids(len(claimed))
+                    ids = await tier.allocate_ids(claimed.size)
                 except OutOfSlots:
                     peer.claims.discard(claim)
                     index.abort(claim)
@@ -596,17 +606,18 @@ class Pool(Owner):
                     index.abort(claim)
                     self._claim_done(claim)
                     raise
-                index.place(claim, ids.tolist())
+                index.place(claim, ids)
                 slots[claimed] = ids
-            counts = index.counts
-            counts["present"] += outcomes.count(PRESENT)
-            counts["skipped"] += outcomes.count(SKIPPED)
-            return {"claim": claim}, [np.array(outcomes, dtype=np.uint8).tobytes(), slots.tobytes()]
-        counts = index.counts
+            self._count_outcomes(outcomes)
+            return {"claim": claim}, [outcomes.tobytes(), slots.tobytes()]
         outcomes = index.cut(index.classify(keys), 0)
-        counts["present"] += outcomes.count(PRESENT)
-        counts["skipped"] += outcomes.count(SKIPPED)
-        return {"claim": 0}, [np.array(outcomes, dtype=np.uint8).tobytes(), np.full(len(keys), -1).tobytes()]
+        self._count_outcomes(outcomes)
+        return {"claim": 0}, [outcomes.tobytes(), np.full(len(keys), -1, dtype=np.int64).tobytes()]
+
+    def _count_outcomes(self, outcomes: npt.NDArray[np.uint8]) -> None:
+        counts = self._index.counts
+        counts["present"] += int(np.count_nonzero(outcomes == PRESENT))
+        counts["skipped"] += int(np.count_nonzero(outcomes == SKIPPED))
 
     def _claim_of(self, peer: _Peer, message: Message) -> int:
         claim = message.fields.get("claim")
@@ -647,7 +658,7 @@ class Pool(Owner):
     def _load(self, peer: _Peer, message: Message) -> Reply:
         pin, slots, lengths = self._index.pin(self._keys(message))
         peer.pins.add(pin)
-        return {"pin": pin}, [np.array(slots, dtype=np.int64).tobytes(), np.array(lengths, dtype=np.uint64).tobytes()]
+        return {"pin": pin}, [slots.tobytes(), lengths.astype(np.uint64).tobytes()]
 
     def _unpin(self, peer: _Peer, message: Message) -> None:
         pin = message.fields.get("pin")

@@ -44,6 +44,7 @@ from ._events import EventHub, EventSubscription
 from ._index import I64, NO_IDS, READY, U64, BlockIndex, require
 from ._keys import Key, NotCanonical, canonical, key_list, key_of, key_seq, keys_of
 from ._policy import EvictionPolicy, has_repeats, make_policy
+from ._result import StoreResult
 from ._spill import Source, Spill
 from ._transfers import Pages, Started, Transfers
 
@@ -58,20 +59,6 @@ __all__ = ["BlockStore", "StoreResult", "StoreStatistics"]
 log = logging.getLogger("aiokvtier")
 
 _MISSING, _STORED, _PRESENT, _SKIPPED = 0, 1, 2, 3  # a key's outcome in one store call
-
-
-@dataclass(frozen=True, slots=True)
-class StoreResult:
-    """What [``BlockStore.store()``][aiokvtier.BlockStore.store] did with each key, in the caller's order."""
-
-    stored: tuple[Key, ...]
-    """Newly stored (copied)."""
-    present: tuple[Key, ...]
-    """Already stored, or stored meanwhile by a concurrent call that this one waited for: not copied again."""
-    skipped: tuple[Key, ...]
-    """Not stored: no room even after eviction, or, with ``wait=False``, no resident slot (or a key that another
-    store, waiting for the fill, is storing). No key after the first skipped one is in ``stored``: every key
-    before it was stored or present, and from it on the call stored nothing (keys found present may follow)."""
 
 
 @dataclass(frozen=True, slots=True)
