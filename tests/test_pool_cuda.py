@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokvtier import Pool
+from aiokvtier import AttachedPool, Pool
 from tests.test_pool import sock
 
 __all__ = ["sock"]  # the fixture, used by name
@@ -278,5 +279,57 @@ async def test_a_shrink_and_a_grow_back_to_back_reach_a_gpu_attached_process_as_
         base = pool.tier.statistics().base_address
         seen = (np.ctypeslib.ctypes.c_uint8 * 16).from_address(base + int(last["slot"]) * SLOT)  # type: ignore[call-overload]
         assert bytes(seen).hex() == last["digest"]
+        await child.go_on()
+        await child.exits()
+
+
+BY_KEY_CHILD = textwrap.dedent(
+    """
+    import asyncio, hashlib, json, sys, time
+    from aiokvtier import AttachedPool, CopyEngine
+    import torch
+
+    SLOT, N = 65536, 1024
+
+    async def main():
+        pool = await AttachedPool.attach(sys.argv[1], device=0)
+        async with CopyEngine(0) as engine:
+            keys = [b"gpu-%d" % i for i in range(N)]
+            data = torch.randint(0, 256, (N, SLOT), dtype=torch.uint8, device="cuda")
+            started = time.perf_counter()
+            result = await pool.store(keys, data, engine=engine)
+            stored_s = time.perf_counter() - started
+            back = torch.zeros_like(data)
+            loads = []
+            for _ in range(3):
+                started = time.perf_counter()
+                await pool.load(keys, back, engine=engine)
+                loads.append(time.perf_counter() - started)
+            torch.cuda.synchronize()
+            print(json.dumps({
+                "stored": len(result.stored), "same": bool(torch.equal(back, data)),
+                "digest": hashlib.sha256(data.cpu().numpy().tobytes()).hexdigest(),
+                "store_gb_s": N * SLOT / stored_s / 1e9, "load_gb_s": N * SLOT / sorted(loads)[1] / 1e9,
+            }), flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        await pool.aclose()
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_a_gpu_attached_process_stores_and_loads_by_key_from_and_into_gpu_memory(sock: str) -> None:
+    """``store``/``load`` with ``engine=``: GPU pages go into the shared slots by key and come back
+    bit-exact; another process (this one, attached without a device) reads the same bytes."""
+    config = {"quota": "256MiB", "max_quota": "256MiB", "slot_size": SLOT, "commit_unit": "32MiB"}
+    async with Pool(config, sock), _child(BY_KEY_CHILD, sock) as child:
+        report = await child.report()
+        assert report["stored"] == N and report["same"], report
+        print(f"store {report['store_gb_s']:.2f} GB/s, load {report['load_gb_s']:.2f} GB/s")  # in the -s output
+        async with AttachedPool(sock) as host:
+            pages = np.zeros((N, SLOT), dtype=np.uint8)
+            await host.load([b"gpu-%d" % i for i in range(N)], pages)
+        assert hashlib.sha256(pages.tobytes()).hexdigest() == report["digest"]
         await child.go_on()
         await child.exits()

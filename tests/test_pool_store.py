@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from aiokvtier import AttachedPool, BlockNotFound, Pool
+from aiokvtier import AttachedPool, BlockNotFound, CopyEngine, Pool
 from tests.test_pool import CONFIG, attached, key, page, sock, until
 
 __all__ = ["sock"]  # the fixture, used by name
@@ -137,6 +137,11 @@ async def test_bad_input_changes_nothing(sock: str) -> None:
         assert [bytes(d[:5]) for d in dst] == [b"int\0\0", b"bytes", b"big"]
         with pytest.raises(ValueError, match="read-only"):
             await b.load([1], [b"xxxxx"])
+        async with CopyEngine(None) as engine:  # engine= copies GPU pages: this process attached without a device
+            with pytest.raises(ValueError, match="attached with device=None"):
+                await b.store([b"gpu"], [b"x"], engine=engine)
+            with pytest.raises(ValueError, match="attached with device=None"):
+                await b.load([1], [bytearray(5)], engine=engine)
         s = await b.statistics()  # after this connection's unpins: one connection is one order
         assert s.blocks == 3 and s.blocks_pinned == 0 and s.claims == 0
         assert s.loads == 3 and s.bytes_loaded == 11  # the refused load copied nothing

@@ -32,7 +32,7 @@ import operator
 import os
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, cast, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +69,9 @@ from ._wire import (
     encode_keys,
     error_from,
 )
+
+if TYPE_CHECKING:
+    from .._copy._engine import CopyEngine
 
 __all__ = ["AttachedPool"]
 
@@ -866,7 +869,9 @@ class AttachedPool(Owner):
         reply = await self._request(_wire.DISCARD, fields, parts)
         return int(reply.fields["dropped"])
 
-    async def store(self, keys: Sequence[object], src: Any, *, wait: bool = True) -> Any:
+    async def store(
+        self, keys: Sequence[object], src: Any, *, wait: bool = True, engine: CopyEngine | None = None
+    ) -> Any:
         """Store one page per key in the shared store; keys already stored (by any process) are not copied.
 
         With a full tier the least recently used blocks that no process is
@@ -874,8 +879,12 @@ class AttachedPool(Owner):
         of the keys from the first skipped one). A key another process is
         storing is waited for, and reported present.
 
-        :param src: a 2-D uint8 array (a row per key) or a sequence of bytes-like pages.
+        :param src: a 2-D uint8 array (a row per key) or a sequence of bytes-like pages; with
+            ``engine``, what its ``to_host()`` takes (a CUDA tensor of a page per key, or one device
+            address per key, each a slot long).
         :param wait: False: skip keys whose slots are not resident yet rather than wait for the fill.
+        :param engine: a ``CopyEngine`` on the device this process attached with (``device=``): the
+            pages are copied from GPU memory into the shared slots by it.
         :returns: a ``StoreResult`` (stored, present, skipped: keys in the caller's order).
         :raises ValueError: a page larger than a slot, an empty page, a key twice, pages that do not
             match the keys (nothing changed).
@@ -891,14 +900,14 @@ class AttachedPool(Owner):
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
         given, types = self._given(keys)
         n = len(given)
-        pages = host_pages(src, n, writable=False)
+        pages = self._pages(src, n, engine, writable=False)
         if n and int(pages.lengths.max()) > self._slot_size:
             raise ValueError(f"a page of {int(pages.lengths.max())} bytes does not fit a {self._slot_size}-byte slot")
         if n and int(pages.lengths.min()) == 0:
             raise ValueError("an empty page cannot be stored")
         if len(set(given)) != n:
             raise ValueError("a key appears twice in one store; nothing changed")
-        array = src if isinstance(src, np.ndarray) else None
+        array = src if isinstance(src, np.ndarray) and engine is None else None
         outcome = np.full(n, SKIPPED, dtype=np.uint8)
         todo = np.arange(n, dtype=np.int64)
         asked = given
@@ -911,7 +920,7 @@ class AttachedPool(Owner):
             claim = int(reply.fields["claim"])
             got = np.frombuffer(reply.parts[0], dtype=np.uint8)
             if claim:
-                await self._fill_claim(claim, got, reply.ints(1), todo, pages, array)
+                await self._fill_claim(claim, got, reply.ints(1), todo, pages, array, engine)
             outcome[todo] = got
             todo = todo[got == BUSY]
             if todo.size:  # another process stores these: wait for it, then ask again
@@ -931,42 +940,78 @@ class AttachedPool(Owner):
         todo: npt.NDArray[np.int64],
         pages: Pages,
         array: npt.NDArray[np.uint8] | None,
+        engine: CopyEngine | None = None,
     ) -> None:
         """Copy the claimed pages into their slots, then make them visible (or give the claim up).
 
-        ``array``: the pages as a 2-D array, copied as rows (``_rows``); else a memmove per run of neighbours."""
+        ``array``: the pages as a 2-D array, copied as rows (``_rows``); ``engine``: device pages,
+        copied by it; else a memmove per run of neighbours."""
         mine = np.flatnonzero(got == CLAIMED)
         rows, into = todo[mine], slots[mine]
         job: Callable[[], None]
-        if array is not None and (rows.size == len(array) or array.shape[1] <= SMALL_ROW):
-            every = None if rows.size == len(array) else rows  # every row, in order: copied where it lies
-            job = partial(rows_into_slots, self._base, self._size, self._slot_size, into, array, every)
-        else:
-            dst = np.uint64(self._base) + into.astype(np.uint64) * np.uint64(self._slot_size)
-            job = partial(memmove_all, runs(dst, pages.addresses[rows], pages.lengths[rows]))
         committed = False
         try:
-            await finish(self._life.submit(job))  # the caller's pages are read until it lands
+            if engine is not None:
+                if into.size:
+                    await self._copy_on(engine, into, pages.addresses[rows], pages.lengths[rows], to_slots=True)
+            else:
+                if array is not None and (rows.size == len(array) or array.shape[1] <= SMALL_ROW):
+                    every = None if rows.size == len(array) else rows  # every row, in order: copied where it lies
+                    job = partial(rows_into_slots, self._base, self._size, self._slot_size, into, array, every)
+                else:
+                    dst = np.uint64(self._base) + into.astype(np.uint64) * np.uint64(self._slot_size)
+                    job = partial(memmove_all, runs(dst, pages.addresses[rows], pages.lengths[rows]))
+                await finish(self._life.submit(job))  # the caller's pages are read until it lands
             await self._request(_wire.COMMIT, {"claim": claim})
             committed = True
         finally:
             if not committed and self._lost is None:
                 self._post(_wire.ABORT, {"claim": claim})
 
-    async def load(self, keys: Sequence[object], dst: Any) -> list[int]:
+    def _pages(self, obj: Any, n: int, engine: CopyEngine | None, *, writable: bool) -> Pages:
+        """The caller's pages: host pages, or (``engine``) pages its engine checked, a slot each at most.
+
+        :raises ValueError: ``engine`` without a device, or on another device than this process attached with.
+        """
+        if engine is None:
+            return host_pages(obj, n, writable=writable)
+        if self._device is None or engine.device != self._device:
+            raise ValueError(
+                f"engine= copies GPU pages: this process attached with device={self._device}, the engine copies "
+                f"on device {engine.device}; attach with the engine's device (AttachedPool(path, device=N))"
+            )
+        checked = engine.pages(obj, n, page=self._slot_size, writable=writable)
+        return Pages(checked.addresses, np.full(n, checked.page, dtype=np.uint64), [obj, checked], checked.page)
+
+    async def _copy_on(self, engine: CopyEngine, slots: I64, pages: U64, lengths: U64, *, to_slots: bool) -> None:
+        """Copy between ``slots`` and device ``pages`` with ``engine``, once this process has registered
+        the slots' units (the owner hands out slots as its fill passes them; this process registers
+        them on its own worker, a little later)."""
+        end = (int(slots.max()) + 1) * self._slot_size
+        await self.wait_resident(min(end, self._quota))
+        at = (np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)).tolist()
+        dst, src = (at, pages.tolist()) if to_slots else (pages.tolist(), at)
+        # Returns once the GPU let go of the pages, also when the caller is cancelled.
+        await engine.copy(list(zip(dst, src, lengths.tolist(), strict=True)))
+
+    async def load(self, keys: Sequence[object], dst: Any, *, engine: CopyEngine | None = None) -> list[int]:
         """Copy each key's block from the shared store into ``dst`` (one page per key).
 
         The blocks are pinned while they are read: no process evicts them under this load.
         Returns the bytes copied per key (a block stored shorter than its page copies its length).
 
-        :param dst: a writable 2-D uint8 array (a row per key) or a sequence of writable buffers.
+        :param dst: a writable 2-D uint8 array (a row per key) or a sequence of writable buffers;
+            with ``engine``, what its ``to_device()`` takes (a CUDA tensor of a page per key, or one
+            device address per key, each a slot long).
+        :param engine: a ``CopyEngine`` on the device this process attached with: the blocks are
+            copied into GPU memory by it.
         :raises BlockNotFound: a key is not stored (the first missing one is named); nothing copied.
         :raises ValueError: a destination page shorter than its block, a read-only destination,
             pages that do not match the keys (nothing copied).
         :raises PoolLostError: the owner went away.
         """
         given, fields, parts = self._keys(keys)
-        pages = host_pages(dst, len(given), writable=True)
+        pages = self._pages(dst, len(given), engine, writable=True)
         if not given:
             return []
         reply = await self._request(_wire.LOAD, fields, parts, undo="unpin")
@@ -983,12 +1028,15 @@ class AttachedPool(Owner):
                 )
             job: Callable[[], None]
             width = int(lengths[0])
-            if isinstance(dst, np.ndarray) and width <= SMALL_ROW and bool((lengths == width).all()):
-                job = partial(rows_from_slots, self._base, self._size, self._slot_size, slots, dst, width)
+            if engine is not None:
+                await self._copy_on(engine, slots, pages.addresses, lengths, to_slots=False)
             else:
-                src = np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)
-                job = partial(memmove_all, runs(pages.addresses, src, lengths))
-            await finish(self._life.submit(job))
+                if isinstance(dst, np.ndarray) and width <= SMALL_ROW and bool((lengths == width).all()):
+                    job = partial(rows_from_slots, self._base, self._size, self._slot_size, slots, dst, width)
+                else:
+                    src = np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)
+                    job = partial(memmove_all, runs(pages.addresses, src, lengths))
+                await finish(self._life.submit(job))
             loaded = True
         finally:
             if self._lost is None:
