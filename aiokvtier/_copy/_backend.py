@@ -48,9 +48,7 @@ class CopyBackend(ABC):
     first thing on each of the engine's own threads, ``mark()`` on the
     caller's thread, ``issue()`` on the submit thread (one job at a time, in
     the order the jobs were queued), ``landed()`` and ``wait()`` on the
-    completion thread (handles in issue order), or ``wait()`` on the submit
-    thread for a job of up to ``inline_wait_bytes`` when nothing else is in
-    flight. Each counter has one writer
+    completion thread (handles in issue order). Each counter has one writer
     (the submit thread), so ``statistics()`` may be read from any thread.
     """
 
@@ -59,11 +57,6 @@ class CopyBackend(ABC):
     itself, and ``landed()`` and ``wait()`` are never called."""
     method: str = "dma"
     """What the engine reports it was asked for: ``"auto"``, ``"dma"`` or ``"sm"``."""
-    inline_wait_bytes: ClassVar[int] = 0
-    """Jobs of at most this many bytes may be waited for (``wait()``) on the submit thread itself
-    when the completion thread has nothing and nothing else is queued: an idle engine's small
-    request then lands without a second hand-over between threads. 0: never (a job a test holds
-    in flight must not stop the submit thread)."""
 
     def __init__(self) -> None:
         self._calls = 0

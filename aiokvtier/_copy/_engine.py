@@ -6,9 +6,8 @@ the engine's submit thread hands each planned job to its backend
 through ctypes with plain arrays or the SM kernel, on the engine's own
 non-default streams, an event recorded per job. One completion thread waits
 for the jobs in order (blocking sync: it sleeps, nobody polls) and resolves
-the awaiting futures on their loops, many per wake-up; an idle engine's small
-job (``CopyBackend.inline_wait_bytes``) is waited for by the submit thread
-itself, one hand-over fewer. No Python callback ever runs inside the driver.
+the awaiting futures on their loops, many per wake-up. No Python callback
+ever runs inside the driver.
 
 Without a device the same engine copies host to host with ``memmove`` on
 its submit thread, so the planner, the cap and the errors are exercised on
@@ -226,9 +225,6 @@ class CopyEngine(Owner):
         self._submit_q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._done_q: queue.SimpleQueue[tuple[_Job, Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        # Jobs handed to the completion thread, and those it settled: each written by one thread.
-        self._handed = 0
-        self._settled = 0
         self._counts = defaultdict(int)  # type: defaultdict[str, int]
         # Each figure has one writer: jobs on the loop, bytes on the submit thread, latency on the
         # completion thread, which publishes the histogram as one tuple so that a reader on any
@@ -571,18 +567,6 @@ class CopyEngine(Owner):
                 continue
             if job.on_submit is not None:
                 deliver(job.loop, [(job.on_submit, None, None)])
-            if (
-                job.error is None
-                and job.plan.nbytes <= backend.inline_wait_bytes
-                and self._handed == self._settled
-                and self._submit_q.empty()
-            ):
-                # Idle: nothing is with the completion thread (every job it had is settled, so the
-                # order holds) and nothing else waits to be issued. This thread waits for the copy
-                # itself (the driver's blocking sync, without the GIL): one hand-over fewer.
-                self._settle([self._wait(job, handle)])
-                continue
-            self._handed += 1
             self._done_q.put((job, handle))
 
     def _complete_loop(self) -> None:
@@ -610,7 +594,6 @@ class CopyEngine(Owner):
             while pending and (pending[0][0].error is not None or backend.landed(pending[0][1])):
                 finished.append(self._wait(*pending.popleft()))
             self._settle(finished)
-            self._settled += len(finished)
 
     def _settle(self, finished: list[_Job], *, submitted_too: bool = False) -> None:
         """Publish the latency figures, then settle the jobs' futures: one crossing per loop.

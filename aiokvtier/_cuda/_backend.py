@@ -44,10 +44,6 @@ class CudaBackend(CopyBackend):
     """Copies on ``device`` through the copy engines (``"dma"``), the SM kernel (``"sm"``), or per
     request whichever the crossover predicts is faster (``"auto"``); see ``CopyEngine``."""
 
-    inline_wait_bytes = 4 << 20
-    """An idle engine's request of up to 4 MiB (80 us of copy at 50 GB/s: the longest a request
-    queued meanwhile waits behind it) lands on the submit thread, one hand-over fewer."""
-
     def __init__(
         self,
         device: int,
