@@ -59,7 +59,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from .. import AttachedPool, BlockNotFound, PoolError, PoolLostError
-from .vllm import EXTRA_KEY, _LoopThread, _would_wait
+from .vllm import EXTRA_KEY, _cancel_all, _LoopThread, _would_wait
 
 __all__ = [
     "SEAL",
@@ -828,8 +828,5 @@ class PoolOffloadingWorker(OffloadingWorker):
             self._runner.stop()
 
     async def _shutdown(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(self._tasks)
         await self._link.aclose()

@@ -39,7 +39,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -455,10 +455,7 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             self._runner.stop()
 
     async def _shutdown(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(self._tasks)
         await self._close_opened()
 
     # -- jobs -------------------------------------------------------------------
@@ -637,6 +634,14 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
         if self._runner.here() and not all(f.done() for f in futures):
             raise _would_wait("wait")
         concurrent.futures.wait(futures)
+
+
+async def _cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel the jobs' tasks and wait until each has ended (each gives back what it held)."""
+    pending = list(tasks)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _would_wait(what: str) -> RuntimeError:
