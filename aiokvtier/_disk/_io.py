@@ -132,13 +132,13 @@ class DataFile:
             yield start, len(blocks), fd, lengths
 
     def write_blocks(
-        self, blocks: Sequence[Block], before: Callable[[int, int], None] | None = None
+        self, blocks: Sequence[Block], before: Callable[[], None] | None = None
     ) -> Iterator[Exception | None]:
         """Write each ``(slot, address, length)``; yields, per block in order, None or why it was not
         written, a run's blocks once the run is written (the caller works on them before the next).
 
-        ``before(start, stop)``: called as ``blocks[start:stop]`` are about to be written in one run
-        (or alone), so the caller can start work on their bytes beside the call."""
+        ``before()``: called as each run is about to be written, the previous run's outcomes all
+        yielded, so the caller can start work on those blocks beside the call."""
         return self._move(blocks, write=True, before=before)
 
     def read_blocks(self, blocks: Sequence[Block]) -> Iterator[Exception | None]:
@@ -147,12 +147,12 @@ class DataFile:
         return self._move(blocks, write=False)
 
     def _move(
-        self, blocks: Sequence[Block], write: bool, before: Callable[[int, int], None] | None = None
+        self, blocks: Sequence[Block], write: bool, before: Callable[[], None] | None = None
     ) -> Iterator[Exception | None]:
         call, one = (os.pwritev, self.write) if write else (os.preadv, self.read)
         for start, stop, fd, lengths in self.runs(blocks):
             if before is not None:
-                before(start, stop)
+                before()
             if stop - start == 1:  # no neighbour to move with: the block's own call, without a run's bookkeeping
                 try:
                     one(*blocks[start])

@@ -504,15 +504,14 @@ class DiskTier(Owner):
         try:
             # ``hand_over`` runs as the next run is about to be written: the previous run's outcomes are in.
             blocks = [(slot, address, length) for _, address, length, slot in jobs]
-            for i, error in enumerate(data.write_blocks(blocks, lambda start, stop: hand_over())):
+            for i, error in enumerate(data.write_blocks(blocks, hand_over)):
                 errors.append(error)
                 if error is None:
                     ready.append(i)
             hand_over()
         finally:  # the memory is this share's until every hash of it ended
             futures_wait({future for future, _ in hashes.values()})
-        outcomes = list(zip(jobs, errors, strict=True))
-        for i, ((key, address, length, slot), error) in enumerate(outcomes):
+        for i, ((key, address, length, slot), error) in enumerate(zip(jobs, errors, strict=True)):
             if error is None:
                 try:
                     pending = hashes.get(i)

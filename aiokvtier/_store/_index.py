@@ -132,6 +132,8 @@ class BlockIndex:
 
     def blocks_in(self, slots: I64) -> I64:
         """Those of ``slots`` (ascending tier slot ids) that hold (or are getting) a block."""
+        if not slots.size:  # the usual call's pages lie outside the tier: no array work
+            return slots
         slots = slots[slots < len(self.state)]
         used: I64 = slots[self.state[slots] != FREE]
         return used

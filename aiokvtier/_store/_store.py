@@ -588,8 +588,7 @@ class BlockStore(Owner):
 
     def _blocks_under(self, pages: Pages) -> I64:
         """The slots the pages lie in that hold (or are getting) a block of the store, ascending."""
-        slots = self._transfers.slots_under(pages)
-        return self._index.blocks_in(slots) if slots.size else NO_IDS
+        return self._index.blocks_in(self._transfers.slots_under(pages))
 
     async def _store(
         self,

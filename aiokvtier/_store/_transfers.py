@@ -146,8 +146,6 @@ class Transfers:
         if self.engine is not None and tier not in pages.regions:
             return NO_IDS
         base, size = tier.region_bounds()
-        if not len(pages.addresses):
-            return NO_IDS
         offsets = pages.addresses - np.uint64(base)  # below the base: wraps past the size
         inside = np.flatnonzero(offsets < np.uint64(size))
         if not inside.size:  # the usual call: pages of the caller's own
