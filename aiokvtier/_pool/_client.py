@@ -959,8 +959,7 @@ class AttachedPool(Owner):
                     every = None if rows.size == len(array) else rows  # every row, in order: copied where it lies
                     job = partial(rows_into_slots, self._base, self._size, self._slot_size, into, array, every)
                 else:
-                    dst = np.uint64(self._base) + into.astype(np.uint64) * np.uint64(self._slot_size)
-                    job = partial(memmove_all, runs(dst, pages.addresses[rows], pages.lengths[rows]))
+                    job = partial(memmove_all, runs(self._at(into), pages.addresses[rows], pages.lengths[rows]))
                 await finish(self._life.submit(job))  # the caller's pages are read until it lands
             await self._request(_wire.COMMIT, {"claim": claim})
             committed = True
@@ -983,13 +982,17 @@ class AttachedPool(Owner):
         checked = engine.pages(obj, n, page=self._slot_size, writable=writable)
         return Pages(checked.addresses, np.full(n, checked.page, dtype=np.uint64), [obj, checked], checked.page)
 
+    def _at(self, slots: I64) -> U64:
+        """The addresses of ``slots`` in this process's mapping."""
+        return np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)
+
     async def _copy_on(self, engine: CopyEngine, slots: I64, pages: U64, lengths: U64, *, to_slots: bool) -> None:
         """Copy between ``slots`` and device ``pages`` with ``engine``, once this process has registered
         the slots' units (the owner hands out slots as its fill passes them; this process registers
         them on its own worker, a little later)."""
         end = (int(slots.max()) + 1) * self._slot_size
         await self.wait_resident(min(end, self._quota))
-        at = (np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)).tolist()
+        at = self._at(slots).tolist()
         dst, src = (at, pages.tolist()) if to_slots else (pages.tolist(), at)
         # Returns once the GPU let go of the pages, also when the caller is cancelled.
         await engine.copy(list(zip(dst, src, lengths.tolist(), strict=True)))
@@ -1027,15 +1030,14 @@ class AttachedPool(Owner):
                     f"{int(lengths[i])}; nothing was copied"
                 )
             job: Callable[[], None]
-            width = int(lengths[0])
             if engine is not None:
                 await self._copy_on(engine, slots, pages.addresses, lengths, to_slots=False)
             else:
+                width = int(lengths[0])
                 if isinstance(dst, np.ndarray) and width <= SMALL_ROW and bool((lengths == width).all()):
                     job = partial(rows_from_slots, self._base, self._size, self._slot_size, slots, dst, width)
                 else:
-                    src = np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)
-                    job = partial(memmove_all, runs(pages.addresses, src, lengths))
+                    job = partial(memmove_all, runs(pages.addresses, self._at(slots), lengths))
                 await finish(self._life.submit(job))
             loaded = True
         finally:
