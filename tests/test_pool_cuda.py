@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from aiokvtier import AttachedPool, Pool
-from tests.test_pool import sock
+from tests.test_pool import sock, until
+from tests.test_pool_attack import attack, cases, settle
 
 __all__ = ["sock"]  # the fixture, used by name
 
@@ -333,3 +334,41 @@ async def test_a_gpu_attached_process_stores_and_loads_by_key_from_and_into_gpu_
         assert hashlib.sha256(pages.tobytes()).hexdigest() == report["digest"]
         await child.go_on()
         await child.exits()
+
+
+async def test_cancelled_gpu_stores_and_loads_by_key_hold_nothing_and_the_bytes_stay_whole(sock: str) -> None:
+    """``store``/``load`` with ``engine=`` cancelled at every await (turns of the loop, ``wait_for``,
+    ``task.cancel()``, a failing TaskGroup sibling): nothing stays claimed or pinned, a key that is
+    visible holds whole bytes, and the same keys store and load bit-exact afterwards."""
+    import torch
+
+    from aiokvtier import CopyEngine
+
+    n = 64
+    config = {"quota": "64MiB", "max_quota": "64MiB", "slot_size": SLOT}
+    async with Pool(config, sock) as pool:
+        attached = await AttachedPool.attach(sock, device=0)
+        try:
+            async with CopyEngine(0) as engine:
+                for case, (how, delay) in enumerate(cases()):
+                    keys = [b"gpu-cancel-%d-%d" % (case, i) for i in range(n)]
+                    data = torch.randint(0, 256, (n, SLOT), dtype=torch.uint8, device="cuda")
+                    await attack(lambda k=keys, d=data: attached.store(k, d, engine=engine), how, delay)  # type: ignore[misc]
+                    await settle(pool)
+                    back = torch.zeros_like(data)
+                    visible = await attached.lookup(keys)
+                    if visible:  # never half: a visible block is whole
+                        await attached.load(keys[:visible], back[:visible], engine=engine)
+                        assert torch.equal(back[:visible], data[:visible]), (how, delay)
+                    assert not (await attached.store(keys, data, engine=engine)).skipped
+                    back.zero_()
+                    await attack(lambda k=keys, b=back: attached.load(k, b, engine=engine), how, delay)  # type: ignore[misc]
+                    await settle(pool)
+                    await attached.load(keys, back, engine=engine)
+                    assert torch.equal(back, data), (how, delay)
+                    await attached.discard(keys)
+                    await settle(pool)
+        finally:
+            await attached.aclose()
+        await until(lambda: pool.clients == 0, "the owner did not see its process go")
+        await settle(pool)
