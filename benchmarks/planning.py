@@ -5,8 +5,10 @@ checks, addresses, the overlap check, the sort in host address order, the
 merge that never crosses a registration) on shuffled slots of a filled host
 tier, both directions, for a GPU engine's device side (integer addresses) and
 for a host-to-host engine's (addresses inside a second tier). Beside it, in
-the same run, the same planner with a stable sort, the sort it used before;
-``x_faster`` is that baseline's time over the planner's. The goal is
+the same run, the same planner with stable argsorts where it still argsorts
+(``SORT_KIND``: large requests now sort by radix passes, untouched by it; see
+``plan_cost.py`` for the planner before them); ``x_faster`` is that arm's
+time over the planner's. The goal is
 ``goal_us_per_page`` (planning and submission, at 32k pages).
 
 ``python benchmarks/planning.py [--pages 32768] [--rounds 15]`` prints JSON.

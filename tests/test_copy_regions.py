@@ -995,20 +995,18 @@ async def test_a_device_engine_waits_for_a_staging_buffer_named_by_address(backi
     ties=st.integers(0, 5),
     narrow=st.booleans(),
 )
-def test_sorted_order_packs_keys_or_falls_back_to_an_argsort(values: list[int], ties: int, narrow: bool) -> None:
-    """The planner's sort: a permutation that sorts, ties in position order where keys are packed,
-    the sorted values read back exactly, whether the span fits the packed keys or not (2**64 - 1)."""
+def test_sorted_order_is_a_stable_sort(values: list[int], ties: int, narrow: bool) -> None:
+    """The planner's sort: a permutation that sorts, ties in position order, the sorted values
+    read back exactly, whatever the span (up to 2**64 - 1)."""
     from aiokvtier._copy._plan import _sorted_order
 
     if narrow:
         values = [v % (1 << 40) for v in values]
     values += values[:ties]
     lead = np.array(values, dtype=np.uint64)
-    order, ordered = _sorted_order(lead)
-    assert sorted(order.tolist()) == list(range(len(values)))
+    order, ordered, _ = _sorted_order(lead)
     assert ordered.tolist() == sorted(values) == lead[order].tolist()
-    if narrow:
-        assert order.tolist() == np.argsort(lead, kind="stable").tolist()
+    assert order.tolist() == np.argsort(lead, kind="stable").tolist()
 
 
 # -- the planner's fast paths against the plain algorithm ------------------------------------------
@@ -1070,10 +1068,7 @@ def test_plan_agrees_with_the_plain_algorithm_on_hostile_addresses(
 ) -> None:
     """One page for all (an int, a numpy scalar, or an array) plans as per-copy sizes through an argsort
     do: runs merged across 2**63, never across 2**64 (or as the plain sums wrap, the same), ties in
-    request order where the addresses fit the packed keys or are few, whatever argsort gives elsewhere;
-    a repeat on the ordering side refused as before."""
-    from aiokvtier._copy import _plan
-
+    request order; a repeat on the ordering side refused as before."""
     dsts, srcs, page = copies
     n = len(dsts)
     if form is np.int64 and page >= TOP:
@@ -1081,11 +1076,7 @@ def test_plan_agrees_with_the_plain_algorithm_on_hostile_addresses(
     sizes: Any = np.full(n, page, dtype=np.uint64) if form == "array" else form(page)
     reg = (lambda a: (a >> np.uint64(20)).astype(np.int64)) if by_registration else None
     lead = np.array(srcs if order_by == "src" else dsts, dtype=np.uint64)
-    bits = max(1, (n - 1).bit_length())
-    fits = int(lead.max()) - int(lead.min()) < 1 << (64 - bits)  # packed keys: ties in request order
-    small = n <= _plan.PACKED_SORT_FROM  # a stable argsort: ties in request order too
-    kind: Literal["quicksort", "stable"] = "stable" if fits or small else _plan.SORT_KIND
-    expect = plain_plan(dsts, srcs, [page] * n, reg, order_by, kind)
+    expect = plain_plan(dsts, srcs, [page] * n, reg, order_by, "stable")  # the planner's sorts are all stable
     if distinct and len(set(lead.tolist())) < n:
         with pytest.raises(SlotError, match="twice"):
             plan(lead, lead, sizes, dst_reg=reg, src_reg=reg, order_by=order_by, distinct_order_side=True, n=n)

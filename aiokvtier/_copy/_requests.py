@@ -164,8 +164,8 @@ def check_disjoint(dsts: npt.ArrayLike, sizes: npt.ArrayLike) -> None:
     ends = d + z  # both below 2**63: no wrap
     if (d[1:] >= ends[:-1]).all():
         return
-    if z.ndim == 0:  # one size for all (the usual page): the sorted starts say it all, and a
-        d = np.sort(d, kind=_plan.SORT_KIND)  # value sort is cheaper than an argsort
+    if z.ndim == 0:  # one size for all (the usual page): the sorted starts say it all
+        d = _plan.sorted_values(d)
         ends = d + z
     else:  # ties need no stable order: equal starts clash whatever their order
         order = np.argsort(d, kind=_plan.SORT_KIND)
