@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from aiokvtier import DiskTierBusy
+
 from .test_disk import BLOCK, Pages, open_disk
 from .test_disk_journal import found_intact
 from .test_disk_journal_forgery import journal_of, old_journal, read, src, write
@@ -56,6 +58,9 @@ CHILD = textwrap.dedent(
     def replace(src, dst, *args, **kwargs):
         if str(dst).endswith("journal") and when == "before-rename":
             die()
+        if str(dst).endswith("journal") and when == "hold":
+            print("holding", flush=True)
+            signal.pause()
         real_replace(src, dst, *args, **kwargs)
         if str(dst).endswith("journal") and when == "after-rename":
             die()
@@ -89,3 +94,21 @@ async def test_a_format_1_rewrite_killed_midway_loses_no_block(tmp_path: Path, s
     async with await open_disk(tmp_path) as disk:  # format 2 by now: it takes records
         assert await disk.write([b"new"], src.addresses([1]), [BLOCK]) == (b"new",)
     assert await found_intact(tmp_path, src, {0: 0, 1: 1, 2: 2, 3: 3, b"new": 1}) == {0, 1, 2, 3, b"new"}
+
+
+async def test_a_second_opener_during_a_rewrite_is_busy_and_finds_every_block_after(tmp_path: Path, src: Pages) -> None:
+    await old_journal(tmp_path, src, b"".join)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CHILD, str(tmp_path), "hold", env={"PYTHONPATH": _ROOT}, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None
+        assert await asyncio.wait_for(child.stdout.readline(), 60) == b"holding\n"
+        disk = await open_disk(tmp_path)
+        with pytest.raises(DiskTierBusy, match="open elsewhere"):
+            await disk.__aenter__()
+        await disk.aclose()
+    finally:
+        child.kill()
+        await child.wait()
+    assert await found_intact(tmp_path, src, {k: k for k in range(4)}) == {0, 1, 2, 3}
