@@ -322,3 +322,55 @@ def test_lookups_racing_evictions_by_another_replica_never_load_wrong_bytes(owne
         b.close()
     assert failures == []
     nothing_held(path)
+
+
+def test_a_second_shutdown_returns_only_once_the_first_has_ended_every_job(owned: tuple[str, Any]) -> None:
+    """A shutdown called while another thread's shutdown was cancelling the jobs returned at once:
+    its caller went on (to free the KV caches, say) while jobs still copied and held the pool's slots."""
+    path, _ = owned
+    a = Replica(path, seed=19)
+    chunks = keys(list(range(64)))
+    a.store(chunks, list(range(64)))
+    submitted = set()
+    for job in range(2000):
+        assert a.worker.submit_load(job, PoolLoadStoreSpec([chunks[job % 64]]), gpu_spec([job % 64]))
+        submitted.add(job)
+    first = threading.Thread(target=a.worker.shutdown)
+    first.start()
+    probe = 10_000
+    while a.worker.submit_load(probe, PoolLoadStoreSpec([chunks[0]]), gpu_spec([0])):  # until it is closing
+        submitted.add(probe)
+        probe += 1
+    a.worker.shutdown()
+    ended = {r.job_id for r in a.worker.get_finished()}
+    first.join(30)
+    a.manager.shutdown()
+    assert ended == submitted
+    nothing_held(path)
+
+
+def test_the_private_tiers_worker_a_second_shutdown_waits_for_the_first() -> None:
+    """The same for the worker over a private tier: the second caller found the tier not yet released."""
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from . import test_integration_vllm as private
+
+    config = private.offloading_config(cpu_bytes=4096 * private.LAYERS * private.PAGE)
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    worker = OffloadingSpecFactory.create_spec(config).get_worker(private.kv_caches(seed=4))
+    request = ReqContext(req_id="c")
+    manager.on_new_request(request)
+    assert manager.prepare_store(private.keys(0, 4096), request) is not None
+    for job in range(8):
+        ids = list(range(job * 512, (job + 1) * 512))
+        assert worker.submit_store(job, private.gpu_spec([i % private.GPU_BLOCKS for i in ids]), CPULoadStoreSpec(ids))
+    first = threading.Thread(target=worker.shutdown)
+    first.start()
+    while worker.submit_store(99, private.gpu_spec([0]), CPULoadStoreSpec([0])):  # until it is closing
+        worker.wait({99})
+    worker.shutdown()
+    released = worker.tier.released
+    first.join(30)
+    assert released

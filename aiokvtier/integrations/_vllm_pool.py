@@ -564,6 +564,8 @@ class PoolOffloadingWorker(OffloadingWorker):
         self._pending: dict[int, concurrent.futures.Future[None]] = {}
         self._lock = threading.Lock()
         self._closing = False
+        self._shut = threading.Event()
+        """Set once the shutdown has ended (a second caller waits for it)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner = _LoopThread("aiokvtier-vllm")
         self._link = _Link(settings["pool"], prefault=True)
@@ -822,20 +824,26 @@ class PoolOffloadingWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         """Stops taking jobs, cancels those in flight (each returns once nothing copies for it, and the pool
-        takes back what it claimed or pinned), detaches. Cancelled jobs end as failures. Idempotent.
+        takes back what it claimed or pinned), detaches. Cancelled jobs end as failures. Idempotent: a call
+        while another thread's shutdown runs returns once that one has ended.
 
         :raises RuntimeError: called on the worker's loop thread.
         """
         with self._lock:
-            if self._closing:
-                return
+            first = not self._closing
             if self._runner.here():
-                raise _would_wait("shutdown")
+                if first:
+                    raise _would_wait("shutdown")
+                return  # the loop itself is being shut down: waiting here would wait forever
             self._closing = True
+        if not first:
+            self._shut.wait()
+            return
         try:
             self._runner.call(self._shutdown())
         finally:
             self._runner.stop()
+            self._shut.set()
 
     async def _shutdown(self) -> None:
         await _cancel_all(self._tasks)
