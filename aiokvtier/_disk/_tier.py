@@ -491,11 +491,16 @@ class DiskTier(Owner):
             if not ready:
                 return
             spans = [(jobs[i][1], jobs[i][2]) for i in ready]
+            # The share's own future: a submit that fails (no thread could start, a MemoryError) may
+            # have queued the job already, and a thread started later would hash memory this share
+            # gave back long before. Cancelled here, that job never runs; one a thread took is waited for.
+            future: Future[list[int | Exception]] = Future()
             try:
-                future = self._hashers.submit(_checksums, spans)
-            except RuntimeError:  # no thread could start, or the pool is shut down
-                ready.clear()
-                return
+                self._hashers.submit(_run, future, _checksums, spans)
+            except Exception:
+                if future.cancel():  # not taken: this thread hashes the run
+                    ready.clear()
+                    return
             for j, i in enumerate(ready):
                 hashes[i] = (future, j)
             ready.clear()
@@ -539,7 +544,7 @@ class DiskTier(Owner):
     def _sample_free(self) -> None:
         try:
             self._free_disk = shutil.disk_usage(self.directory).free
-        except OSError:
+        except Exception:  # a figure only: after a share's records, no failure may unsay what they stored
             self._free_disk = None
 
     # -- read ----------------------------------------------------------------------------
@@ -700,8 +705,14 @@ class DiskTier(Owner):
             await asyncio.wait(futures)
         finally:
             self._busy -= len(futures)
+        # A share that failed as a whole fails its own jobs (its error is each one's outcome); the
+        # others' outcomes stand: their blocks may be on file already.
+        results: list[Any] = []
+        for start, future in zip(range(0, len(ordered), share), futures, strict=True):
+            error = future.exception()
+            results.extend(future.result() if error is None else [error] * len(ordered[start : start + share]))
         outcomes: list[Any] = [None] * len(jobs)
-        for i, outcome in zip(order, (o for future in futures for o in future.result()), strict=True):
+        for i, outcome in zip(order, results, strict=True):
             outcomes[i] = outcome
         return outcomes
 
@@ -769,6 +780,18 @@ def _checksums(spans: list[tuple[int, int]]) -> list[int | Exception]:
         except Exception as exc:  # this block is skipped, the run's others are not
             out.append(exc)
     return out
+
+
+def _run(future: Future[Any], fn: Any, *args: Any) -> None:
+    """Run ``fn`` for ``future`` unless the future was cancelled before a thread took it."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args)
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 def _span(address: int, length: int) -> int:

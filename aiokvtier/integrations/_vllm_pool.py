@@ -31,6 +31,7 @@ import concurrent.futures
 import ctypes
 import hashlib
 import logging
+import operator
 import struct
 import threading
 import time
@@ -563,6 +564,8 @@ class PoolOffloadingWorker(OffloadingWorker):
         self._pending: dict[int, concurrent.futures.Future[None]] = {}
         self._lock = threading.Lock()
         self._closing = False
+        self._shut = threading.Event()
+        """Set once the shutdown has ended (a second caller waits for it)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner = _LoopThread("aiokvtier-vllm")
         self._link = _Link(settings["pool"], prefault=True)
@@ -604,8 +607,16 @@ class PoolOffloadingWorker(OffloadingWorker):
             raise TypeError(f"the pool side is a PoolLoadStoreSpec, not {type(host).__name__}")
         if len(gpu.group_sizes) != len(self._group_tensors):
             raise ValueError(f"{len(gpu.group_sizes)} group sizes for {len(self._group_tensors)} KV cache groups")
+        sizes = [operator.index(size) for size in gpu.group_sizes]
+        if any(size < 0 for size in sizes):
+            # vLLM checks only their sum: [-1, n + 1] passed it, and the -1 made a negative offset, which
+            # indexed the block ids from their end (a wrong GPU block copied).
+            raise ValueError(f"group sizes must not be negative, got {sizes}")
         bpc, rank, ns = self._bpc, self._rank, self._ns
-        ids = gpu.block_ids.astype(np.int64)
+        raw = np.asarray(gpu.block_ids)
+        if raw.dtype.kind not in "iu":  # a float id would be cut to another block's number, a bool to 0 or 1
+            raise TypeError(f"GPU block ids are integers, not {raw.dtype}")
+        ids = raw.astype(np.int64).ravel()  # a uint64 past int64's range turns negative: refused below
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self._num_blocks):
             # A copy outside the tensors would corrupt the process's memory, not raise.
             raise ValueError(f"GPU block ids must lie in [0, {self._num_blocks}), got {ids.min()}..{ids.max()}")
@@ -616,8 +627,7 @@ class PoolOffloadingWorker(OffloadingWorker):
         nbytes = 0
         seals: dict[int, bytes] = {}
         offset = chunk_offset = 0
-        for group, (size, first_block) in enumerate(zip(gpu.group_sizes, gpu.block_indices, strict=True)):
-            size = int(size)
+        for group, (size, first_block) in enumerate(zip(sizes, gpu.block_indices, strict=True)):
             if size == 0:
                 continue
             skip = int(first_block) % bpc
@@ -789,9 +799,11 @@ class PoolOffloadingWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         """The jobs that ended since the last call."""
         results: list[TransferResult] = []
-        while self._finished:
-            results.append(self._finished.popleft())
-        return results
+        while True:  # another thread may take the last one between a check and a pop
+            try:
+                results.append(self._finished.popleft())
+            except IndexError:
+                return results
 
     def take_load_errors(self) -> set[int]:
         """The GPU blocks that loads since the last call could not fill (vLLM's ``invalid_block_ids``)."""
@@ -812,20 +824,26 @@ class PoolOffloadingWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         """Stops taking jobs, cancels those in flight (each returns once nothing copies for it, and the pool
-        takes back what it claimed or pinned), detaches. Cancelled jobs end as failures. Idempotent.
+        takes back what it claimed or pinned), detaches. Cancelled jobs end as failures. Idempotent: a call
+        while another thread's shutdown runs returns once that one has ended.
 
         :raises RuntimeError: called on the worker's loop thread.
         """
         with self._lock:
-            if self._closing:
-                return
+            first = not self._closing
             if self._runner.here():
-                raise _would_wait("shutdown")
+                if first:
+                    raise _would_wait("shutdown")
+                return  # the loop itself is being shut down: waiting here would wait forever
             self._closing = True
+        if not first:
+            self._shut.wait()
+            return
         try:
             self._runner.call(self._shutdown())
         finally:
             self._runner.stop()
+            self._shut.set()
 
     async def _shutdown(self) -> None:
         await _cancel_all(self._tasks)

@@ -391,6 +391,8 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
         self._pending_lock = threading.Lock()
         self._closing = False
         self._closed = False
+        self._shut = threading.Event()
+        """Set once the shutdown has ended (a second caller waits for it)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner = _LoopThread("aiokvtier-vllm")
         try:
@@ -438,21 +440,27 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
     def shutdown(self) -> None:
         """Stops taking jobs, cancels those waiting for the fill, waits for copies in flight, closes the tier.
 
-        Jobs cancelled here end as failed results. Idempotent.
+        Jobs cancelled here end as failed results. Idempotent: a call while another thread's shutdown runs
+        returns once that one has ended.
 
         :raises RuntimeError: called on the worker's loop thread (from a logging handler, say), where it
             would wait for that loop forever: nothing is shut down.
         """
         with self._pending_lock:
-            if self._closed:
-                return
+            first = not self._closed
             if self._runner.here():
-                raise _would_wait("shutdown")
+                if first:
+                    raise _would_wait("shutdown")
+                return  # the loop itself is being shut down: waiting here would wait forever
             self._closing = self._closed = True
+        if not first:
+            self._shut.wait()
+            return
         try:
             self._runner.call(self._shutdown())
         finally:
             self._runner.stop()
+            self._shut.set()
 
     async def _shutdown(self) -> None:
         await _cancel_all(self._tasks)

@@ -1,0 +1,376 @@
+"""Attacks on vLLM's pool mode (skipped without vLLM): hostile job specs, racing callers of the worker,
+an owner killed under its jobs; after each, the owner's statistics show nothing claimed or pinned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not installed")
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingGroupConfig
+
+from aiokvtier.integrations._vllm_pool import PoolLoadStoreSpec, PoolOffloadingWorker
+
+from .invariants import assert_no_library_threads
+from .test_integration_vllm_pool import Replica, start_owner, statistics, stop_owner, wait_for
+from .vllm_pool_replica import GPU_BLOCKS, PAGE, digests, finish, gpu_spec, keys, kv_caches, pool_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def owned(tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    path = str(tmp_path / "pool.sock")
+    owner = start_owner(path, "64MiB")
+    try:
+        yield path, owner
+    finally:
+        if owner.poll() is None:
+            stop_owner(owner)
+
+
+def nothing_held(path: str, clients: int = 0) -> Any:
+    stats = statistics(path)
+    assert stats.claims == 0 and stats.blocks_pinned == 0, stats
+    assert stats.clients == clients + 1, stats  # the statistics call's own attachment
+    return stats
+
+
+def two_group_worker(path: str) -> PoolOffloadingWorker:
+    """A worker of two KV cache groups, one layer each."""
+    config = pool_config(path)
+    config = dataclasses.replace(
+        config,
+        groups=(
+            OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),
+            OffloadingGroupConfig(tokens_per_block=16, layer_names=("l1",), group_id=1),
+        ),
+    )
+    base = kv_caches(3)
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=e.tensor, page_size_bytes=PAGE) for e in base.tensors],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=PAGE)] for i in range(2)],
+    )
+    return PoolOffloadingWorker(caches, config=config, settings={"pool": path, "namespace": ""})
+
+
+# -- hostile specs -------------------------------------------------------------------------------
+
+
+def test_a_negative_group_size_is_refused_not_read_from_the_ids_end(owned: tuple[str, Any]) -> None:
+    """vLLM checks only that the group sizes add up: [-1, 4] with three ids passed, and the -1 made a
+    negative offset, so the plan took the second group's first block from the ids' end (ids[-1])."""
+    path, _ = owned
+    worker = two_group_worker(path)
+    try:
+        chunks = PoolLoadStoreSpec(keys([1, 2, 3]))
+        spec = GPULoadStoreSpec([5, 6, 7], group_sizes=[-1, 4], block_indices=[0, 0])
+        with pytest.raises(ValueError, match="group sizes must not be negative"):
+            worker.submit_store(1, spec, chunks)
+        with pytest.raises(ValueError, match="group sizes must not be negative"):
+            worker.submit_load(2, chunks, spec)
+        assert worker.get_finished() == []
+        stats = nothing_held(path, clients=1)
+        assert stats.stores == 0 and stats.loads == 0
+        # Sizes that match the groups still work.
+        good = GPULoadStoreSpec([5, 6], group_sizes=[1, 1], block_indices=[0, 0])
+        assert worker.submit_store(3, good, PoolLoadStoreSpec(keys([1, 2])))
+        (result,) = finish(worker, {3})
+        assert result.success
+    finally:
+        worker.shutdown()
+    nothing_held(path)
+
+
+@pytest.mark.parametrize(
+    ("ids", "error"),
+    [
+        (np.array([1.7, 2.2]), TypeError),  # cut to 1 and 2: another block's bytes
+        (np.array([True, False]), TypeError),
+        (np.array([-1, 0]), ValueError),
+        (np.array([0, GPU_BLOCKS]), ValueError),
+        (np.array([0, 2**63 + 5], dtype=np.uint64), ValueError),  # past int64: it wrapped negative
+        (np.array([0, 2**31 - 1], dtype=np.int32), ValueError),
+    ],
+)
+def test_block_ids_of_a_wrong_type_or_range_change_nothing(
+    owned: tuple[str, Any], ids: Any, error: type[Exception]
+) -> None:
+    path, _ = owned
+    a = Replica(path, seed=11)
+    try:
+        spec = gpu_spec([0, 1])
+        spec.block_ids = ids  # what a caller past vLLM's constructor can hand over
+        chunks = PoolLoadStoreSpec(keys([1, 2]))
+        with pytest.raises(error):
+            a.worker.submit_store(1, spec, chunks)
+        with pytest.raises(error):
+            a.worker.submit_load(2, chunks, spec)
+        assert a.worker.get_finished() == []
+        stats = nothing_held(path, clients=2)
+        assert stats.stores == 0 and stats.loads == 0
+    finally:
+        a.close()
+
+
+# -- racing callers --------------------------------------------------------------------------------
+
+
+def test_get_finished_from_several_threads_gives_each_result_once(owned: tuple[str, Any]) -> None:
+    """Four threads polling at once, the GIL traded between any two bytecodes: a check-then-pop could
+    find the queue emptied by another thread (IndexError); each result comes out once, to one of them."""
+    path, _ = owned
+    a = Replica(path, seed=12)
+    jobs = 400
+    seen: list[TransferResult] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def poll() -> None:
+        try:
+            while not stop.is_set():
+                got = a.worker.get_finished()
+                with lock:
+                    seen.extend(got)
+        except BaseException as exc:
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads trade the GIL between any two bytecodes
+    pollers = [threading.Thread(target=poll) for _ in range(4)]
+    try:
+        for t in pollers:
+            t.start()
+        chunks = keys(list(range(jobs)))
+        for job in range(jobs):
+            assert a.worker.submit_load(job, PoolLoadStoreSpec([chunks[job]]), gpu_spec([job % GPU_BLOCKS]))
+        wait_for(lambda: len(seen) >= jobs or bool(errors), timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        for t in pollers:
+            t.join()
+        a.close()
+    assert errors == []
+    assert sorted(r.job_id for r in seen) == list(range(jobs))
+    nothing_held(path)
+
+
+def test_a_job_id_reused_while_in_flight_is_refused_and_after_it_ended_is_taken(owned: tuple[str, Any]) -> None:
+    path, _ = owned
+    a = Replica(path, seed=13)
+    try:
+        chunks = keys([1, 2])
+        with a.manager.lock:
+            out = a.manager.prepare_store(chunks, a.request)
+        worker = a.worker
+        # A load job held in flight: its block is not there, and the store below names the same id.
+        assert worker.submit_store(7, gpu_spec([0, 1]), out.store_spec)
+        refused = 0
+        try:
+            worker.submit_store(7, gpu_spec([2, 3]), out.store_spec)
+        except ValueError as exc:
+            assert "already in flight" in str(exc)
+            refused = 1
+        (first, *rest) = finish(worker, {7})
+        assert first.success and rest == [] and refused in (0, 1)
+        if not refused:  # the first had ended already: the second ran under the same id
+            (second,) = finish(worker, {7})
+            assert second.success
+        with a.manager.lock:
+            a.manager.complete_store(out.keys_to_store, a.request)
+        assert worker.submit_load(7, PoolLoadStoreSpec(chunks), gpu_spec([10, 11]))  # reused after it ended
+        (loaded,) = finish(worker, {7})
+        assert loaded.success and digests(a.caches, [10, 11]) == digests(a.caches, [0, 1])
+    finally:
+        a.close()
+    nothing_held(path)
+
+
+def test_jobs_after_shutdown_are_refused_and_leave_nothing(owned: tuple[str, Any]) -> None:
+    path, _ = owned
+    a = Replica(path, seed=14)
+    chunks = keys([1, 2])
+    a.close()
+    a.close()  # idempotent
+    assert not a.worker.submit_store(1, gpu_spec([0, 1]), PoolLoadStoreSpec(chunks))
+    assert not a.worker.submit_load(2, PoolLoadStoreSpec(chunks), gpu_spec([0, 1]))
+    a.worker.wait({1, 2})  # nothing to wait for
+    assert a.worker.get_finished() == [] and a.worker.take_load_errors() == set()
+    stats = nothing_held(path)
+    assert stats.stores == 0 and stats.loads == 0
+    assert_no_library_threads()
+
+
+def test_wait_from_several_threads_while_jobs_end(owned: tuple[str, Any]) -> None:
+    path, _ = owned
+    a = Replica(path, seed=15)
+    try:
+        chunks = keys(list(range(32)))
+        with a.manager.lock:
+            out = a.manager.prepare_store(chunks, a.request)
+        for job in range(32):
+            assert a.worker.submit_store(job, gpu_spec([job]), PoolLoadStoreSpec([out.store_spec.keys[job]]))
+        waiters = [threading.Thread(target=a.worker.wait, args=(set(range(i, 32, 4)),)) for i in range(4)]
+        for t in waiters:
+            t.start()
+        for t in waiters:
+            t.join(30)
+            assert not t.is_alive()
+        assert sorted(r.job_id for r in finish(a.worker, set(range(32)))) == list(range(32))
+    finally:
+        a.close()
+    stats = nothing_held(path)
+    assert stats.blocks == 32 * 3  # two layers' blocks and a seal per chunk
+
+
+# -- the owner killed under the jobs ----------------------------------------------------------------
+
+
+def test_an_owner_killed_mid_job_ends_every_job_and_the_next_owner_serves(tmp_path: Path) -> None:
+    path = str(tmp_path / "pool.sock")
+    owner = start_owner(path, "64MiB")
+    a = Replica(path, seed=16)
+    try:
+        chunks = keys(list(range(48)))
+        a.store(chunks[:16], list(range(16)))
+        with a.manager.lock:
+            out = a.manager.prepare_store(chunks[16:], a.request)
+        a.worker.report_load_errors = True
+        for job in range(32):
+            a.worker.submit_store(100 + job, gpu_spec([16 + job]), PoolLoadStoreSpec([out.store_spec.keys[job]]))
+            a.worker.submit_load(200 + job, PoolLoadStoreSpec([chunks[job % 16]]), gpu_spec([48 + job % 16]))
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(30)
+        ids = {*range(100, 132), *range(200, 232)}
+        results = finish(a.worker, ids, timeout=60)
+        assert {r.job_id for r in results} == ids
+        loads = {r.job_id: r for r in results if r.job_id >= 200}
+        errors = a.worker.take_load_errors()
+        assert errors <= set(range(48, 64))
+        for blocks in range(48, 64):  # a block is loaded whole (its bytes) or named a load error
+            if blocks not in errors:
+                assert digests(a.caches, [blocks]) == digests(a.caches, [blocks - 48])
+        assert all(r.success for r in loads.values())  # failures reported as load errors, not failed jobs
+        with a.manager.lock:
+            a.manager.complete_store(out.keys_to_store, a.request)
+        owner = start_owner(path, "64MiB")  # a new owner starts empty; the replica attaches again
+        wait_for(lambda: [a.store(chunks[:2], [0, 1]), a.lookup(chunks[:2])][1] == [LookupResult.HIT] * 2, timeout=30)
+        nothing_held(path, clients=2)
+    finally:
+        a.close()
+        if owner.poll() is None:
+            stop_owner(owner)
+    assert_no_library_threads()
+
+
+def test_lookups_racing_evictions_by_another_replica_never_load_wrong_bytes(owned: tuple[str, Any]) -> None:
+    """Replica B fills the pool (evicting A's chunks) while A looks up and loads: every block A loads is
+    its own bytes or a load error."""
+    path, _ = owned
+    a, b = Replica(path, seed=17), Replica(path, seed=18, dp=1)
+    done = threading.Event()
+    failures: list[BaseException] = []
+
+    def churn() -> None:
+        try:
+            n = 1000
+            while not done.is_set():
+                b.store(keys(list(range(n, n + 32))), list(range(32)))
+                n += 32
+        except BaseException as exc:
+            failures.append(exc)
+
+    churner = threading.Thread(target=churn)
+    try:
+        a.worker.report_load_errors = True
+        mine = keys(list(range(16)))
+        churner.start()
+        for _ in range(20):
+            a.store(mine, list(range(16)))
+            hits = a.lookup(mine)
+            result = a.load(mine, list(range(32, 48)))
+            assert result.success
+            errors = a.worker.take_load_errors()
+            for i in range(16):
+                if 32 + i not in errors:
+                    assert digests(a.caches, [32 + i]) == digests(a.caches, [i]), (hits, errors)
+    finally:
+        done.set()
+        churner.join(60)
+        a.close()
+        b.close()
+    assert failures == []
+    nothing_held(path)
+
+
+def test_a_second_shutdown_returns_only_once_the_first_has_ended_every_job(owned: tuple[str, Any]) -> None:
+    """A shutdown called while another thread's shutdown was cancelling the jobs returned at once:
+    its caller went on (to free the KV caches, say) while jobs still copied and held the pool's slots."""
+    path, _ = owned
+    a = Replica(path, seed=19)
+    chunks = keys(list(range(64)))
+    a.store(chunks, list(range(64)))
+    submitted = set()
+    for job in range(2000):
+        assert a.worker.submit_load(job, PoolLoadStoreSpec([chunks[job % 64]]), gpu_spec([job % 64]))
+        submitted.add(job)
+    first = threading.Thread(target=a.worker.shutdown)
+    first.start()
+    probe = 10_000
+    while a.worker.submit_load(probe, PoolLoadStoreSpec([chunks[0]]), gpu_spec([0])):  # until it is closing
+        submitted.add(probe)
+        probe += 1
+    a.worker.shutdown()
+    ended = {r.job_id for r in a.worker.get_finished()}
+    first.join(30)
+    a.manager.shutdown()
+    assert ended == submitted
+    nothing_held(path)
+
+
+def test_the_private_tiers_worker_a_second_shutdown_waits_for_the_first() -> None:
+    """The same for the worker over a private tier: the second caller found the tier not yet released."""
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from . import test_integration_vllm as private
+
+    config = private.offloading_config(cpu_bytes=4096 * private.LAYERS * private.PAGE)
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    worker = OffloadingSpecFactory.create_spec(config).get_worker(private.kv_caches(seed=4))
+    request = ReqContext(req_id="c")
+    manager.on_new_request(request)
+    assert manager.prepare_store(private.keys(0, 4096), request) is not None
+    for job in range(8):
+        ids = list(range(job * 512, (job + 1) * 512))
+        assert worker.submit_store(job, private.gpu_spec([i % private.GPU_BLOCKS for i in ids]), CPULoadStoreSpec(ids))
+    first = threading.Thread(target=worker.shutdown)
+    first.start()
+    while worker.submit_store(99, private.gpu_spec([0]), CPULoadStoreSpec([0])):  # until it is closing
+        worker.wait({99})
+    worker.shutdown()
+    released = worker.tier.released
+    first.join(30)
+    assert released
