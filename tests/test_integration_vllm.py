@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed")
 
+import numpy as np
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
@@ -395,6 +396,43 @@ def test_a_job_that_does_not_match_the_caches_is_refused_on_the_callers_thread(
         assert worker.submit_load(2, CPULoadStoreSpec([3]), gpu_spec([0]))
         (result,) = finish(worker, {2})
         assert not result.success
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("ids", "sizes", "error", "match"),
+    [
+        (np.array([1.7, 2.2]), None, TypeError, "integers"),  # cut to 1 and 2: another block's bytes
+        (np.array([True, False]), None, TypeError, "integers"),
+        (np.array([-1, 0]), None, ValueError, "must lie in"),  # ids[-1]: the last block, silently
+        (np.array([0, 10**6]), None, ValueError, "must lie in"),
+        (np.array([0, 2**63 + 5], dtype=np.uint64), None, ValueError, "must lie in"),  # wrapped negative
+        (np.array([0, 1]), [-1], ValueError, "must not be negative"),  # vLLM checks only the sum
+    ],
+)
+def test_block_ids_or_group_sizes_that_name_no_block_change_nothing(
+    made: tuple[OffloadingSpec, OffloadingSpec, CanonicalKVCaches],
+    ids: Any,
+    sizes: list[int] | None,
+    error: type[Exception],
+    match: str,
+) -> None:
+    _, worker_side, caches = made
+    worker = worker_side.get_worker(caches)
+    try:
+        spec = gpu_spec([0, 1])
+        spec.block_ids = ids  # what a caller past vLLM's constructor can hand over
+        if sizes is not None:
+            spec.group_sizes = sizes
+        with pytest.raises(error, match=match):
+            worker.submit_store(1, spec, CPULoadStoreSpec([0, 1]))
+        with pytest.raises(error, match=match):
+            worker.submit_load(2, CPULoadStoreSpec([0, 1]), spec)
+        assert worker.get_finished() == []  # nothing was queued
+        assert worker.submit_store(3, gpu_spec([0, 1]), CPULoadStoreSpec([0, 1]))
+        (result,) = finish(worker, {3})
+        assert result.success
     finally:
         worker.shutdown()
 

@@ -374,3 +374,11 @@ def test_the_private_tiers_worker_a_second_shutdown_waits_for_the_first() -> Non
     released = worker.tier.released
     first.join(30)
     assert released
+
+
+def test_a_pool_spec_refuses_keys_that_are_not_bytes() -> None:
+    """``bytes(5)`` is five zero bytes: an int key would have named another chunk without a word."""
+    for bad in (5, "key", 1.5, None):
+        with pytest.raises(TypeError, match="offload key is bytes"):
+            PoolLoadStoreSpec([b"fine", bad])  # type: ignore[list-item]
+    assert PoolLoadStoreSpec([b"a", bytearray(b"b"), memoryview(b"c")]).keys == (b"a", b"b", b"c")

@@ -31,7 +31,6 @@ import concurrent.futures
 import ctypes
 import hashlib
 import logging
-import operator
 import struct
 import threading
 import time
@@ -60,7 +59,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from .. import AttachedPool, BlockNotFound, PoolError, PoolLostError
-from .vllm import EXTRA_KEY, _cancel_all, _LoopThread, _would_wait
+from .vllm import EXTRA_KEY, _cancel_all, _LoopThread, _would_wait, job_blocks
 
 __all__ = [
     "SEAL",
@@ -141,11 +140,18 @@ def namespace(config: OffloadingConfig, user: str) -> bytes:
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).digest()
 
 
+def _key_bytes(key: object) -> bytes:
+    # bytes(5) is five zero bytes: an int key would name another chunk without a word.
+    if not isinstance(key, bytes | bytearray | memoryview):
+        raise TypeError(f"an offload key is bytes, not {type(key).__name__}")
+    return bytes(key)
+
+
 class PoolLoadStoreSpec(LoadStoreSpec):
     """The pool side of a job: the chunks' offload keys, in the job's order (each worker adds its rank)."""
 
     def __init__(self, keys: Iterable[bytes]) -> None:
-        self.keys: tuple[bytes, ...] = tuple(bytes(k) for k in keys)
+        self.keys: tuple[bytes, ...] = tuple(_key_bytes(k) for k in keys)
 
     def __repr__(self) -> str:
         return f"PoolLoadStoreSpec({len(self.keys)} chunks)"
@@ -605,21 +611,8 @@ class PoolOffloadingWorker(OffloadingWorker):
             raise TypeError(f"the GPU side is a GPULoadStoreSpec, not {type(gpu).__name__}")
         if not isinstance(host, PoolLoadStoreSpec):
             raise TypeError(f"the pool side is a PoolLoadStoreSpec, not {type(host).__name__}")
-        if len(gpu.group_sizes) != len(self._group_tensors):
-            raise ValueError(f"{len(gpu.group_sizes)} group sizes for {len(self._group_tensors)} KV cache groups")
-        sizes = [operator.index(size) for size in gpu.group_sizes]
-        if any(size < 0 for size in sizes):
-            # vLLM checks only their sum: [-1, n + 1] passed it, and the -1 made a negative offset, which
-            # indexed the block ids from their end (a wrong GPU block copied).
-            raise ValueError(f"group sizes must not be negative, got {sizes}")
+        sizes, ids = job_blocks(gpu, len(self._group_tensors), self._num_blocks)
         bpc, rank, ns = self._bpc, self._rank, self._ns
-        raw = np.asarray(gpu.block_ids)
-        if raw.dtype.kind not in "iu":  # a float id would be cut to another block's number, a bool to 0 or 1
-            raise TypeError(f"GPU block ids are integers, not {raw.dtype}")
-        ids = raw.astype(np.int64).ravel()  # a uint64 past int64's range turns negative: refused below
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self._num_blocks):
-            # A copy outside the tensors would corrupt the process's memory, not raise.
-            raise ValueError(f"GPU block ids must lie in [0, {self._num_blocks}), got {ids.min()}..{ids.max()}")
         keys: list[bytes] = []
         addresses: list[int] = []
         lengths: list[int] = []

@@ -37,6 +37,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import operator
 import threading
 import time
 from collections.abc import Coroutine, Iterable, Mapping
@@ -93,6 +94,34 @@ if not str(getattr(vllm, "__version__", "")).startswith(SUPPORTED_VLLM + "."):
         getattr(vllm, "__version__", "unknown"),
     )
 I64 = npt.NDArray[np.int64]
+
+
+def job_blocks(gpu: GPULoadStoreSpec, groups: int, num_blocks: int) -> tuple[list[int], npt.NDArray[np.int64]]:
+    """A job's group sizes and GPU block ids, checked before anything is planned or claimed.
+
+    A copy outside the KV tensors corrupts the process's memory (or the GPU's) instead of raising, so
+    the ids are checked here: vLLM checks only that the sizes add up. A negative size made a negative
+    offset, which indexed the ids from their end; a negative id would do the same; a float id would be
+    cut to another block's number, a bool taken as 0 or 1.
+
+    :raises ValueError: not one size and one first index per KV cache group, a negative size, or an id
+        outside ``[0, num_blocks)``.
+    :raises TypeError: a size or an id that is not an integer.
+    """
+    if len(gpu.group_sizes) != groups:
+        raise ValueError(f"{len(gpu.group_sizes)} group sizes for {groups} KV cache groups")
+    if len(gpu.block_indices) != groups:
+        raise ValueError(f"{len(gpu.block_indices)} first block indices for {groups} KV cache groups")
+    sizes = [operator.index(size) for size in gpu.group_sizes]
+    if any(size < 0 for size in sizes):
+        raise ValueError(f"group sizes must not be negative, got {sizes}")
+    raw = np.asarray(gpu.block_ids)
+    if raw.dtype.kind not in "iu":
+        raise TypeError(f"GPU block ids are integers, not {raw.dtype}")
+    ids = raw.astype(np.int64).ravel()  # a uint64 past int64's range turns negative: refused below
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"GPU block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}")
+    return sizes, ids
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -506,14 +535,12 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
     def _plan(self, gpu: GPULoadStoreSpec, chunks: I64) -> tuple[tuple[_Part, ...], int]:
         """Pairs each GPU block with its chunk's slot position, per KV tensor (vLLM's chunk arithmetic)."""
         bpc = self._blocks_per_chunk
-        if len(gpu.group_sizes) != len(self._group_tensors):
-            raise ValueError(f"{len(gpu.group_sizes)} group sizes for {len(self._group_tensors)} KV cache groups")
-        ids = gpu.block_ids.astype(np.intp)
+        sizes, ids = job_blocks(gpu, len(self._group_tensors), min(blocks for _, blocks, _ in self._buffers))
         blocks: dict[int, list[npt.NDArray[np.intp]]] = {}
         positions: dict[int, list[I64]] = {}
         offset = chunk_offset = 0
         nbytes = 0
-        for group, (size, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices, strict=True)):
+        for group, (size, first) in enumerate(zip(sizes, gpu.block_indices, strict=True)):
             if size == 0:
                 continue
             skip = int(first) % bpc
