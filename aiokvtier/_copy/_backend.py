@@ -57,6 +57,11 @@ class CopyBackend(ABC):
     itself, and ``landed()`` and ``wait()`` are never called."""
     method: str = "dma"
     """What the engine reports it was asked for: ``"auto"``, ``"dma"`` or ``"sm"``."""
+    coalesce: bool = False
+    """Jobs queued behind one another (one direction, no ``after=``) may reach ``issue()`` as one
+    plan, their copies one after another, and land together: one driver call, event and wake-up
+    for many small requests. Where such an ``issue()`` raises, the engine issues each job alone
+    (what the failed call did issue is copied again: the same bytes to the same places)."""
 
     def __init__(self) -> None:
         self._calls = 0

@@ -30,6 +30,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
+import numpy as np
+
 from .._crossing import Outcome, deliver
 from .._cuda._batch import DEFAULT_MAX_BATCH
 from .._cuda._crossover import Crossover
@@ -98,6 +100,14 @@ class StartedCopy(NamedTuple):
     """Settles once the bytes landed, or with the copy's error."""
 
 
+GROUP_BYTES = 8 << 20
+"""A backend that coalesces (``CopyBackend.coalesce``) gets jobs queued together as one plan of
+up to this many bytes (and ``max_batch`` descriptors): the first job of a group lands with the
+last, so the bound keeps what it waits for beyond its own bytes to a fraction of a millisecond."""
+
+_NOTHING = object()
+"""No job carried over to the next turn of the submit thread."""
+
 DIRECTIONS = ("h2d", "d2h", "any")
 """``to_device``, ``to_host`` and the raw ``copy``."""
 
@@ -139,6 +149,9 @@ class CopyStatistics:
     """Copy calls per path: ``"dma"`` (the copy engines) and ``"sm"`` (the kernel)."""
     bytes_by_method: dict[str, int] = field(default_factory=lambda: {"dma": 0, "sm": 0}, hash=False)
     """Bytes each path moved."""
+    jobs_coalesced: int = 0
+    """Copy calls issued together with others as one plan (queued behind a busy submit thread,
+    on a backend that coalesces: a GPU's)."""
 
 
 class CopyEngine(Owner):
@@ -223,7 +236,7 @@ class CopyEngine(Owner):
         self._n_streams = streams
         self._life = Lifecycle("CopyEngine", "aiokvtier-copy")
         self._submit_q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._done_q: queue.SimpleQueue[tuple[_Job, Any] | None] = queue.SimpleQueue()
+        self._done_q: queue.SimpleQueue[tuple[tuple[_Job, ...], Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._counts = defaultdict(int)  # type: defaultdict[str, int]
         # Each figure has one writer: jobs on the loop, bytes on the submit thread, latency on the
@@ -475,6 +488,7 @@ class CopyEngine(Owner):
             sm_crossover_bytes=b.sm_crossover_bytes,
             jobs_by_method=b.jobs_by_method,
             bytes_by_method=b.bytes_by_method,
+            jobs_coalesced=c["coalesced"],
         )
 
     def __repr__(self) -> str:
@@ -545,34 +559,103 @@ class CopyEngine(Owner):
     def _submit_loop(self) -> None:
         backend = self._backend
         backend.attach()
+        carried: object = _NOTHING
         while True:
-            job = self._submit_q.get()
+            job = self._submit_q.get() if carried is _NOTHING else carried
+            carried = _NOTHING
             if job is None:
                 self._done_q.put(None)
                 return
-            handle = None
-            try:
-                handle = backend.issue(job.plan, job.direction, job.after)
-            except BaseException as exc:  # reported to the awaiting task
-                job.error = exc
+            assert isinstance(job, _Job)
+            group = [job]
+            if backend.coalesce and job.after is None:
+                carried = self._gather(group)
+            if len(group) == 1:
+                self._issue(job)
             else:
-                p = job.plan
-                self._counts["descriptors"] += p.count
-                self._counts["bytes"] += p.nbytes
-                self._bytes_by_direction[job.direction] += p.nbytes
-            if backend.synchronous:
-                # The copy has landed (memmove returned): this thread settles the job itself
-                # (no hop to the completion thread).
-                self._settle([self._finish(job)], submitted_too=True)
-                continue
+                self._issue_group(group)
+
+    def _gather(self, group: list[_Job]) -> object:
+        """Add the jobs queued right behind ``group[0]`` that may be issued with it (submit thread).
+
+        Returns the first one that may not (or the stop signal), which the caller issues next.
+        """
+        first = group[0]
+        count, nbytes = first.plan.count, first.plan.nbytes
+        while nbytes < GROUP_BYTES:
+            try:
+                more = self._submit_q.get_nowait()
+            except queue.Empty:
+                return _NOTHING
+            if (
+                more is None
+                or more.after is not None
+                or more.direction != first.direction
+                or count + more.plan.count > self.max_batch
+            ):
+                return more
+            group.append(more)
+            count += more.plan.count
+            nbytes += more.plan.nbytes
+        return _NOTHING
+
+    def _issue(self, job: _Job) -> None:
+        """Issue one job and hand it to the completion thread (or settle it, where it landed already)."""
+        handle = None
+        try:
+            handle = self._backend.issue(job.plan, job.direction, job.after)
+        except BaseException as exc:  # reported to the awaiting task
+            job.error = exc
+        else:
+            self._count_issued(job.plan, job.direction)
+        if self._backend.synchronous:
+            # The copy has landed (memmove returned): this thread settles the job itself
+            # (no hop to the completion thread).
+            self._settle([self._finish(job)], submitted_too=True)
+            return
+        if job.on_submit is not None:
+            deliver(job.loop, [(job.on_submit, None, None)])
+        self._done_q.put(((job,), handle))
+
+    def _issue_group(self, group: list[_Job]) -> None:
+        """Issue jobs queued together as one plan: one driver call, event and wake-up for all.
+
+        Where that fails, each job is issued alone, so that a job is refused only for its own
+        copies; what the failed call issued is copied again (the same bytes to the same places,
+        the buffers still the engine's).
+        """
+        plans = [job.plan for job in group]
+        merged = Plan(
+            np.concatenate([p.dsts for p in plans]),
+            np.concatenate([p.srcs for p in plans]),
+            np.concatenate([p.sizes for p in plans]),
+            sum(p.requested for p in plans),
+        )
+        try:
+            handle = self._backend.issue(merged, group[0].direction, None)
+        except BaseException:
+            for job in group:
+                self._issue(job)
+            return
+        self._count_issued(merged, group[0].direction)
+        self._counts["coalesced"] += len(group)
+        signals: dict[asyncio.AbstractEventLoop, list[Outcome]] = defaultdict(list)
+        for job in group:
             if job.on_submit is not None:
-                deliver(job.loop, [(job.on_submit, None, None)])
-            self._done_q.put((job, handle))
+                signals[job.loop].append((job.on_submit, None, None))
+        for loop, batch in signals.items():
+            deliver(loop, batch)
+        self._done_q.put((tuple(group), handle))
+
+    def _count_issued(self, planned: Plan, direction: str) -> None:
+        self._counts["descriptors"] += planned.count
+        self._counts["bytes"] += planned.nbytes
+        self._bytes_by_direction[direction] += planned.nbytes
 
     def _complete_loop(self) -> None:
         backend = self._backend
         backend.attach()
-        pending: deque[tuple[_Job, Any]] = deque()
+        pending: deque[tuple[tuple[_Job, ...], Any]] = deque()
         stopping = False
         while pending or not stopping:
             if not pending:
@@ -580,7 +663,7 @@ class CopyEngine(Owner):
                 if item is None:
                     return
                 pending.append(item)
-            finished = [self._wait(*pending.popleft())]
+            finished = self._wait(*pending.popleft())
             # Coalesce: whatever is queued and already complete rides the same wake-up.
             while not stopping:
                 try:
@@ -591,8 +674,8 @@ class CopyEngine(Owner):
                     stopping = True
                 else:
                     pending.append(more)
-            while pending and (pending[0][0].error is not None or backend.landed(pending[0][1])):
-                finished.append(self._wait(*pending.popleft()))
+            while pending and (pending[0][0][0].error is not None or backend.landed(pending[0][1])):
+                finished += self._wait(*pending.popleft())
             self._settle(finished)
 
     def _settle(self, finished: list[_Job], *, submitted_too: bool = False) -> None:
@@ -611,14 +694,15 @@ class CopyEngine(Owner):
         for loop, batch in by_loop.items():
             deliver(loop, batch)
 
-    def _wait(self, job: _Job, handle: Any) -> _Job:
-        """Wait for an issued job to land (completion thread); one that failed to issue is done."""
-        if job.error is None:
+    def _wait(self, jobs: tuple[_Job, ...], handle: Any) -> list[_Job]:
+        """Wait for jobs issued together to land (completion thread); one that failed to issue is done."""
+        if jobs[0].error is None:
             try:
                 self._backend.wait(handle)
-            except BaseException as exc:  # reported to the awaiting task
-                job.error = exc
-        return self._finish(job)
+            except BaseException as exc:  # reported to every awaiting task of the group
+                for job in jobs:
+                    job.error = exc
+        return [self._finish(job) for job in jobs]
 
     def _finish(self, job: _Job) -> _Job:
         """Count a landed (or failed) job and let the regions it read or wrote go."""

@@ -56,15 +56,18 @@ class RecordingBackend(CopyBackend):
         (settable at any time; it applies to jobs issued afterwards).
     :param memmove: copy the bytes when a job lands (host memory only: with a
         device engine, only where every address is mapped host memory).
+    :param coalesce: let the engine issue jobs queued together as one (``CopyBackend.coalesce``,
+        as a GPU backend does); each such group is one ``IssuedCopy``.
 
     Threads: ``issued``, ``held`` and ``statistics()`` may be read from any
     thread; ``release()`` and ``fail()`` never block; ``wait_issued()`` belongs
     to the caller's event loop.
     """
 
-    def __init__(self, *, hold: bool = False, memmove: bool = False) -> None:
+    def __init__(self, *, hold: bool = False, memmove: bool = False, coalesce: bool = False) -> None:
         super().__init__()
         self.hold = hold
+        self.coalesce = coalesce
         self.memmove = memmove
         self.issued: list[IssuedCopy] = []
         self.marks: list[tuple[int, str]] = []

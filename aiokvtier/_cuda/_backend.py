@@ -44,6 +44,8 @@ class CudaBackend(CopyBackend):
     """Copies on ``device`` through the copy engines (``"dma"``), the SM kernel (``"sm"``), or per
     request whichever the crossover predicts is faster (``"auto"``); see ``CopyEngine``."""
 
+    coalesce = True
+
     def __init__(
         self,
         device: int,
