@@ -58,7 +58,7 @@ import platform
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -174,6 +174,18 @@ Keys = Sequence[bytes | int] | npt.NDArray[np.uint8]
 Python object per key)."""
 
 
+def _short(keys: Sequence[bytes]) -> Group | None:
+    """Bytes keys of up to ``KEY_BYTES`` with no NUL byte at their end (block hashes, most names) as one
+    group, or None. Packed by numpy in C, their lengths read off the packed rows: the rows' lengths add up
+    to the keys' only when no key was cut short and none ended in NUL bytes (numpy's count stops at
+    those). A Python call per key (``len``) cost a lookup of 4,096 keys a third of its time."""
+    data = np.array(keys, dtype=f"S{KEY_BYTES}")
+    lengths = np.char.str_len(data).astype(np.int64)
+    if int(lengths.sum()) != len(b"".join(keys)):
+        return None
+    return KIND_BYTES, None, data.view(np.uint8).reshape(len(keys), KEY_BYTES), lengths
+
+
 def _matrix(keys: npt.NDArray[np.uint8]) -> Group:
     """A key matrix's rows as one group: zero-padded to whole words (a copy only where they are not)."""
     n, width = keys.shape
@@ -195,6 +207,9 @@ def _groups(keys: Keys, types: set[type] | None = None) -> list[Group]:
     if types is None:
         types = set(map(type, keys))
     if types == {bytes}:
+        short = _short(cast("Sequence[bytes]", keys))
+        if short is not None:
+            return [short]
         lengths = np.fromiter(map(len, keys), dtype=np.int64, count=n)  # type: ignore[arg-type]
         return [(KIND_BYTES, None, _padded(keys, lengths), lengths)]  # type: ignore[arg-type]
     if types == {int}:
