@@ -94,6 +94,18 @@ def test_random_churn_matches_a_model_and_the_table_never_fills(hasher: str) -> 
     fn = hash_words if hasher == "real" else same_hash
     writer = IndexMirror.create(slots, hasher=fn)
     reader = IndexMirror.attach(os.dup(writer.fd), slots, hasher=fn)
+    raw = mmap.mmap(writer.fd, HEADER)
+    header = np.frombuffer(raw, dtype=np.uint64, count=8)
+
+    def check_both(header: npt.NDArray[np.uint64], keys: list[bytes | int]) -> None:
+        """The table, then the spare (what readers see while a write is in progress): the same answers."""
+        check(reader, model, keys)
+        header[SEQ] += np.uint64(1)
+        try:
+            check(reader, model, keys)
+        finally:
+            header[SEQ] -= np.uint64(1)
+
     try:
         assert writer.capacity == capacity_for(slots) >= 2 * slots
         rng = random.Random(7)
@@ -117,15 +129,17 @@ def test_random_churn_matches_a_model_and_the_table_never_fills(hasher: str) -> 
             for k in drop:
                 free.append(model.pop(k)[0])
             assert writer.live == reader.live == len(model) <= slots
-            check(reader, model, rng.sample(universe, 30))
+            check_both(header, rng.sample(universe, 30))
         # Full: every slot holds a block, and the table still has room (and answers).
         absent = [k for k in universe if k not in model]
         add = absent[: len(free)]
         writer.insert(add, list(free), [1] * len(add))
         model.update({k: (s, 1) for k, s in zip(add, free, strict=True)})
         assert reader.live == slots
-        check(reader, model, universe)
+        check_both(header, universe)
     finally:
+        del header
+        raw.close()
         reader.close()
         writer.close()
 

@@ -553,14 +553,16 @@ class IndexMirror:
         """Readers go to the spare (odd ``seq``): the table is written now."""
         self._header[SEQ] += np.uint64(1)
 
-    def _end(self, changed: npt.NDArray[np.intp] | None) -> None:
+    def _end(self, changed: npt.NDArray[np.intp] | None, *, tags: bool = False) -> None:
         """Readers come back to the table (even ``seq``); the spare catches up with it: the entries at
-        ``changed``, or all of them (None)."""
+        ``changed`` (only their tags, with ``tags``), or all of them (None)."""
         self._header[SEQ] += np.uint64(1)
         if changed is None:
             self._spare[:] = self._table
+        elif tags:
+            self._spare[changed, 0] = self._table[changed, 0]
         elif changed.size:
-            self._spare[changed] = self._table[changed]
+            self._spare[changed] = np.take(self._table, changed, axis=0)
 
     def _place(self, rows: U64) -> npt.NDArray[np.intp]:
         """Put rows (keys not in the table) into empty entries or tombstones, linear probing: in rounds while
@@ -694,7 +696,7 @@ class IndexMirror:
             self._table[entries, 0] = TOMBSTONE
             self._header[LIVE] -= np.uint64(entries.size)
         finally:
-            self._end(entries)
+            self._end(entries, tags=True)
         self._entry_of[ids] = -1
 
     def clear(self) -> None:
