@@ -48,5 +48,5 @@ class PoolStatistics:
     in the lookups' way."""
     mirror_retries: int = 0
     """Reads of the index mirror done over by attached processes because a step of the owner's write fell
-    inside them (told with the lookups' counts). A few per hundred lookups is a busy store; a lookup gives
-    up after 8 and asks the owner."""
+    inside them (told with the lookups' counts): up to a few dozen per hundred lookups while processes store
+    thousands of keys a call; a lookup gives up after 8 in a row and asks the owner."""
