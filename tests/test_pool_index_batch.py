@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from aiokvtier import AttachedPool, Pool
-from aiokvtier._pool._mirror import CHUNK, USABLE, IndexMirror, capacity_for
+from aiokvtier._pool._mirror import CHUNK, USABLE, IndexMirror, capacity_for, key_rows
 from tests.test_pool import CONFIG, sock, until
 from tests.test_pool import key as hexkey
 
@@ -196,3 +196,25 @@ async def test_lookup_nowait_is_none_once_the_owner_closed(sock: str) -> None:
     finally:
         if reader is not None:
             await reader.aclose()
+
+
+@pytest.mark.parametrize(
+    "key", [b"", b"a", b"12345-678-", b"a\0b", b"a\0", b"\0", b"x" * 32, b"x" * 31 + b"\0", b"x" * 33, b"y" * 64]
+)
+def test_a_key_has_one_entry_whichever_batch_packs_it(key: bytes) -> None:
+    """Batches of short keys are packed in C, their lengths read off the packed rows; a key ending in NUL
+    bytes or longer than 32 sends its batch the slow way. Either way a key's entry (its hashes, length
+    and bytes) is the same: what the owner wrote is what a reader looks for."""
+    alone = key_rows([key], types={bytes})
+    for batch in ([key, b"b"], [b"b", key, b"c" * 40], [b"b", key, b"c\0"]):
+        rows = key_rows(batch, types={bytes})
+        assert (rows[batch.index(key)] == alone[0]).all()
+    writer = IndexMirror.create(16)
+    reader = IndexMirror.attach(os.dup(writer.fd), 16)
+    try:
+        writer.insert([b"c" * 40, key], [1, 2], [5, 6])  # the slow way
+        assert reader.lookup([key, b"c" * 40]) == 2
+        assert reader.lookup([key + b"\0"]) == 0 and reader.lookup([key[:-1] or b"z"]) == 0
+    finally:
+        reader.close()
+        writer.close()

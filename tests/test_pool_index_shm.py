@@ -11,6 +11,8 @@ import os
 import random
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -18,7 +20,18 @@ import numpy.typing as npt
 import pytest
 
 from aiokvtier import AttachedPool, Pool, PoolLostError
-from aiokvtier._pool._mirror import HEADER, SEQ, USABLE, IndexMirror, capacity_for, hash_words, mirror_size
+from aiokvtier._pool._mirror import (
+    CLOSED,
+    ENTRY,
+    HEADER,
+    SEQ,
+    STATE,
+    USABLE,
+    IndexMirror,
+    capacity_for,
+    hash_words,
+    mirror_size,
+)
 from tests.pool_mirror_writer import CHURN, STABLE, key, weak_hash
 from tests.test_pool import CONFIG, ENV, ROOT, WAIT, Child, attached, page, sock, until
 from tests.test_pool import key as hexkey
@@ -81,6 +94,18 @@ def test_random_churn_matches_a_model_and_the_table_never_fills(hasher: str) -> 
     fn = hash_words if hasher == "real" else same_hash
     writer = IndexMirror.create(slots, hasher=fn)
     reader = IndexMirror.attach(os.dup(writer.fd), slots, hasher=fn)
+    raw = mmap.mmap(writer.fd, HEADER)
+    header = np.frombuffer(raw, dtype=np.uint64, count=8)
+
+    def check_both(header: npt.NDArray[np.uint64], keys: list[bytes | int]) -> None:
+        """The table, then the spare (what readers see while a write is in progress): the same answers."""
+        check(reader, model, keys)
+        header[SEQ] += np.uint64(1)
+        try:
+            check(reader, model, keys)
+        finally:
+            header[SEQ] -= np.uint64(1)
+
     try:
         assert writer.capacity == capacity_for(slots) >= 2 * slots
         rng = random.Random(7)
@@ -104,39 +129,80 @@ def test_random_churn_matches_a_model_and_the_table_never_fills(hasher: str) -> 
             for k in drop:
                 free.append(model.pop(k)[0])
             assert writer.live == reader.live == len(model) <= slots
-            check(reader, model, rng.sample(universe, 30))
+            check_both(header, rng.sample(universe, 30))
         # Full: every slot holds a block, and the table still has room (and answers).
         absent = [k for k in universe if k not in model]
         add = absent[: len(free)]
         writer.insert(add, list(free), [1] * len(add))
         model.update({k: (s, 1) for k, s in zip(add, free, strict=True)})
         assert reader.live == slots
-        check(reader, model, universe)
+        check_both(header, universe)
     finally:
+        del header
+        raw.close()
         reader.close()
         writer.close()
 
 
-def test_a_write_in_progress_for_ever_makes_readers_give_up_not_spin() -> None:
-    """An owner that died mid-write leaves the sequence odd: a reader gives up after a few reads."""
+def test_a_write_in_progress_for_ever_leaves_readers_the_spare_copy() -> None:
+    """An owner that died mid-write (the sequence odd, its table half written): readers answer from the
+    spare copy, the table as it was before that write, and never wait for it."""
     writer = IndexMirror.create(16)
     reader = IndexMirror.attach(os.dup(writer.fd), 16)
-    raw = mmap.mmap(writer.fd, HEADER)
+    raw = mmap.mmap(writer.fd, mirror_size(16))
     try:
-        writer.insert([b"k"], [3], [10])
-        assert reader.lookup([b"k"]) == 1
-        seq = np.frombuffer(raw, dtype=np.uint64, count=1)
-        seq[SEQ] += np.uint64(1)  # as the writer leaves it between its first and last step
-        assert reader.lookup([b"k"]) is None and reader.blocks([b"k"]) is None
-        seq[SEQ] += np.uint64(1)
-        assert reader.lookup([b"k"]) == 1
+        writer.insert([b"k", b"j"], [3, 4], [10, 20])
+        assert reader.lookup([b"k", b"j"]) == 2
+        header = np.frombuffer(raw, dtype=np.uint64, count=8)
+        table = np.frombuffer(raw, dtype=np.uint8, count=capacity_for(16) * ENTRY, offset=HEADER)
+        header[SEQ] += np.uint64(1)  # as the writer leaves it between its first and last step
+        table[:] = 0xAB  # whatever a write cut short left there
+        assert reader.lookup([b"k", b"j"]) == 2
+        slots, lengths = reader.blocks([b"k", b"j", b"x"]) or pytest.fail("no answer")
+        assert slots.tolist() == [3, 4, -1] and lengths.tolist() == [10, 20, 0]
+        header[SEQ] += np.uint64(1)  # the table is the readers' copy again: what is in it now is answered
+        assert reader.lookup([b"k"]) == 0
         writer.mark_closed()  # the owner closed the pool: readers send lookups to it (and learn it closed)
-        assert reader.lookup([b"k"]) is None
-        del seq
+        assert reader.lookup([b"k"]) is None and reader.blocks([b"k"]) is None
+        del header, table
     finally:
         raw.close()
         reader.close()
         writer.close()
+
+
+def test_a_read_that_a_write_spoiled_is_done_over_and_counted() -> None:
+    """Lookups while a writer churns on another thread: every answer is right, and the reads done over
+    are counted (``counted`` gets ``(answers, hits, misses, retries)``)."""
+    writer = IndexMirror.create(1 << 16)
+    reader = IndexMirror.attach(os.dup(writer.fd), 1 << 16)
+    stable = [b"s%d" % i for i in range(20_000)]
+    writer.insert(stable, np.arange(20_000), np.ones(20_000, dtype=np.int64))
+    stop = threading.Event()
+
+    def churn() -> None:
+        churned = [b"c%d" % i for i in range(4096)]
+        while not stop.is_set():
+            writer.insert(churned, np.arange(20_000, 24_096), np.ones(4096, dtype=np.int64))
+            writer.remove_slots(np.arange(20_000, 24_096))
+
+    told: list[tuple[int, int, int, int]] = []
+    thread = threading.Thread(target=churn)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the threads take turns within a read
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not any(t[3] for t in told) and time.monotonic() < deadline:
+            assert reader.lookup(stable, {bytes}, told.append) in (20_000, None)
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(switch)
+        reader.close()
+        writer.close()
+    assert any(t[3] for t in told), "no read was spoiled by a write"
+    assert all(t == (1, 20_000, 0, t[3]) or t == (0, 0, 0, t[3]) for t in told)
 
 
 def test_attach_refuses_memory_that_is_not_a_mirror() -> None:
@@ -275,21 +341,24 @@ async def test_lookups_answered_in_the_process_are_counted_by_the_owner(sock: st
 
 
 async def test_keys_the_mirror_cannot_answer_go_to_the_owner(sock: str) -> None:
-    """A write in progress for ever (an owner that died mid-write, here its sequence made odd): lookups ask
-    the owner, and get its answer."""
+    """A mirror that cannot answer (here marked closed, as the owner marks it when it closes): lookups ask
+    the owner, get its answer, and the owner counts them apart."""
     async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as reader:
         await reader.store([b"a", b"b"], [b"x", b"y"])
         raw = await asyncio.to_thread(open_mirror, os.getpid())
         try:
-            seq = np.frombuffer(raw, dtype=np.uint64, count=1)
-            seq[SEQ] += np.uint64(1)
+            header = np.frombuffer(raw, dtype=np.uint64, count=8)
+            header[STATE] = CLOSED  # as the owner marks it when it closes: readers ask it
             assert await reader.lookup([b"a", b"b", b"c"]) == 2  # from the owner
-            seq[SEQ] += np.uint64(1)
-            del seq
+            header[STATE] = 0
+            del header
         finally:
             raw.close()
         assert await reader.lookup([b"a"]) == 1
-        assert pool.statistics().queries == 1  # the owner's own count; the mirror's comes with the next request
+        s = pool.statistics()  # the owner's own count; the mirror's comes with the next request
+        assert (s.queries, s.owner_lookups) == (1, 1)
+        s = await reader.statistics()
+        assert (s.queries, s.owner_lookups, s.mirror_retries) == (2, 1, 0)
 
 
 def open_mirror(pid: int) -> mmap.mmap:

@@ -51,7 +51,7 @@ from .._store._transfers import Pages, host_pages, memmove_all
 from . import _wire
 from ._events import EventFanout, PoolEvents
 from ._gpu import Registrations
-from ._mirror import USABLE, IndexMirror, Keys
+from ._mirror import USABLE, IndexMirror, Keys, Looked
 from ._rows import SMALL_ROW, rows_from_slots, rows_into_slots, runs
 from ._socket import connect, recv_frame_with_fds
 from ._statistics import PoolStatistics
@@ -168,9 +168,9 @@ class AttachedPool(Owner):
         self._events = EventFanout()
         self._subscribed = False
         self._mirror: IndexMirror | None = None
-        self._looked: collections.deque[tuple[int, int]] = collections.deque()
-        """Hits and misses of each lookup answered from the mirror and not yet told to the owner (appended
-        from any thread: a deque's appends and pops need no lock)."""
+        self._looked: collections.deque[Looked] = collections.deque()
+        """Each lookup read from the mirror and not yet told to the owner: ``(answers, hits, misses, reads
+        done over)`` (appended from any thread: a deque's appends and pops need no lock)."""
         self._telling = False
 
     @classmethod
@@ -816,8 +816,6 @@ class AttachedPool(Owner):
         if mirror is None:
             return None
         hits = mirror.lookup(keys, types, self._looked.append)  # counted before its read ends (``_teardown``)
-        if hits is None:
-            return None
         if not self._telling:
             self._telling = True
             if not threadsafe:
@@ -827,7 +825,7 @@ class AttachedPool(Owner):
                     self._loop.call_soon_threadsafe(self._loop.call_later, TELL_AFTER, self._tell_looked)
                 except RuntimeError:  # the loop closed under a lookup on another thread: nobody to tell
                     pass
-        return hits
+        return hits  # None: ask the owner (its retries are told all the same)
 
     def _tell_looked(self) -> None:
         """Send the counts of the lookups answered from the mirror (one message for all since the last)."""
@@ -835,12 +833,12 @@ class AttachedPool(Owner):
         writer = self.__dict__.get("_writer")
         if self._lost is not None or writer is None or writer.is_closing():
             return
-        looked, q, h, m = self._looked, 0, 0, 0
+        looked, q, h, m, r = self._looked, 0, 0, 0, 0
         while looked:  # other threads may append meanwhile: what they add after this is told next time
-            hits, misses = looked.popleft()
-            q, h, m = q + 1, h + hits, m + misses
-        if q:
-            self._post(_wire.LOOKED, {"q": q, "h": h, "m": m})
+            answers, hits, misses, retries = looked.popleft()
+            q, h, m, r = q + answers, h + hits, m + misses, r + retries
+        if q or r:
+            self._post(_wire.LOOKED, {"q": q, "h": h, "m": m, "r": r})
 
     async def events(self, *, limit: int = 1024) -> PoolEvents:
         """A new subscription: every ``stored``, ``evicted`` and ``discarded`` event of the shared store,

@@ -94,7 +94,20 @@ class BlockIndex:
         self._doomed: npt.NDArray[np.bool_] = np.zeros(slots, dtype=np.bool_)
         """Discarded while pinned: the slot is freed at its last unpin."""
         self.counts = dict.fromkeys(
-            ("queries", "hits", "misses", "stores", "present", "skipped", "loads", "evictions", "discards"), 0
+            (
+                "queries",
+                "hits",
+                "misses",
+                "stores",
+                "present",
+                "skipped",
+                "loads",
+                "evictions",
+                "discards",
+                "owner_lookups",
+                "mirror_retries",
+            ),
+            0,
         )
         self.bytes_stored = 0
         self.bytes_loaded = 0

@@ -13,6 +13,7 @@ Layout (one memfd)::
 
     header   4 KiB: seq, magic, capacity, slots, live, used, state
     table    capacity x 64-byte entries (open addressing, linear probing)
+    spare    the same again: the table as it was before the write in progress
     refs     one byte per slot: "referenced since the owner last looked" (CLOCK)
 
 An entry is eight little-endian uint64: ``tag`` (the key's first 64-bit
@@ -25,15 +26,21 @@ by their length, their first 32 bytes and 128 bits of hash. (A tier whose
 slots or slot size do not fit 32 bits has no mirror: its lookups ask the
 owner.)
 
-Consistency is a seqlock: the owner makes ``seq`` odd, writes, makes it even;
-a reader reads ``seq``, copies what it needs, reads ``seq`` again and keeps
-its copy only if both were the same even number. It retries a few times,
-then gives up (``None``: the caller asks the owner), so an owner that died
-mid-write (``seq`` odd for ever) or a table being rebuilt never makes it
-spin. That needs loads kept in order with loads and stores with stores,
-which x86-64 gives (``USABLE``); elsewhere the attached process asks the
-owner. A reader never trusts a torn copy: it only computes positions modulo
-the capacity and discards the copy unless ``seq`` held still.
+Consistency is a seqlock over two copies (a "latch"): the owner makes
+``seq`` odd, writes the table, makes ``seq`` even, then copies the entries it
+changed into the spare. A reader reads ``seq``, copies what it needs from
+the table (``seq`` even) or the spare (odd: the table is being written, the
+spare holds the state before), reads ``seq`` again and keeps its copy only
+if it held still. So a reader never waits for a write, nor for an owner
+that was descheduled (or died) mid-write: under 8 storing processes on 2
+CPUs a plain seqlock's readers found ``seq`` odd often enough that one
+lookup in five asked the owner, behind its queue of stores. A read that
+overlapped a step of a write is done over, a few times, then given up
+(``None``: the caller asks the owner); a retried read does not hash its
+keys again. That needs loads kept in order with loads and stores with
+stores, which x86-64 gives (``USABLE``); elsewhere the attached process asks
+the owner. A reader never trusts a torn copy: it only computes positions
+modulo the capacity and discards the copy unless ``seq`` held still.
 
 Sizing: every ready block holds a slot, so the table never holds more than
 ``slots`` (the tier's at ``max_quota``) live entries; the capacity is the
@@ -51,14 +58,15 @@ import platform
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
+from numpy import char as np_char  # numpy imports it on first use: a first lookup paid 0.9 ms for that
 
 from ._wire import KeyMatrix, decimal
 
-__all__ = ["USABLE", "IndexMirror", "KeyMatrix", "mirror_fits", "mirror_size"]
+__all__ = ["USABLE", "IndexMirror", "KeyMatrix", "Looked", "mirror_fits", "mirror_size"]
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -71,6 +79,7 @@ USABLE = platform.machine().lower() in ("x86_64", "amd64")
 """The seqlock's reads are sound here (loads are not reordered with loads): attached processes read the
 mirror; elsewhere they ask the owner."""
 
+POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
 MAGIC = 0x61696F6B76696478  # "aiokvidx"
 HEADER = 4096
 ENTRY = 64
@@ -80,7 +89,8 @@ CLOSED = 1
 EMPTY, TOMBSTONE = 0, 1
 KIND_BYTES, KIND_INT, KIND_BIGINT = 1, 2, 3
 RETRIES = 8
-"""Whole reads a lookup tries before it asks the owner (a write takes microseconds: two or three do)."""
+"""Whole reads a lookup tries before it asks the owner (a read is done over only when a step of a write
+fell inside it: a write's two steps come a fraction of a millisecond apart)."""
 WINDOW = 4
 """Entries a probe reads a round past its first (at most a few keys in a hundred go that far)."""
 ONE_BY_ONE = 32
@@ -108,7 +118,7 @@ def capacity_for(slots: int) -> int:
 def mirror_size(slots: int) -> int:
     """Bytes of the memfd for a tier of ``slots`` slots (at ``max_quota``)."""
     refs = -(-slots // 4096) * 4096
-    return HEADER + capacity_for(slots) * ENTRY + refs
+    return HEADER + 2 * capacity_for(slots) * ENTRY + refs
 
 
 def hash_words(data: npt.NDArray[np.uint8], kind: int, lengths: I64) -> U64:
@@ -158,10 +168,26 @@ def _padded(parts: Sequence[bytes], lengths: I64) -> npt.NDArray[np.uint8]:
     return data
 
 
+Looked = tuple[int, int, int, int]
+"""What a lookup tells its ``counted``: ``(answers, hits, misses, reads done over)``."""
 Group = tuple[int, npt.NDArray[np.intp] | None, npt.NDArray[np.uint8], I64]
 Keys = Sequence[bytes | int] | npt.NDArray[np.uint8]
 """Keys as a sequence of bytes and ints, or as the rows of a 2-D uint8 array (byte keys of one length, with no
 Python object per key)."""
+
+
+def _short(keys: Sequence[bytes]) -> Group | None:
+    """Bytes keys of up to ``KEY_BYTES`` with no NUL byte at their end (block hashes, most names) as one
+    group, or None. Packed by numpy in C, their lengths read off the packed rows: the rows' lengths add up
+    to the keys' only when no key was cut short and none ended in NUL bytes (numpy's count stops at
+    those). A Python call per key (``len``) was a fifth of a lookup of 4,096 keys (0.1 ms)."""
+    if not keys or len(keys[0]) > KEY_BYTES:  # long keys (a batch of them is of one kind): not tried in vain
+        return None
+    data = np.array(keys, dtype=f"S{KEY_BYTES}")
+    lengths = np_char.str_len(data).astype(np.int64)
+    if int(lengths.sum()) != len(b"".join(keys)):
+        return None
+    return KIND_BYTES, None, data.view(np.uint8).reshape(len(keys), KEY_BYTES), lengths
 
 
 def _matrix(keys: npt.NDArray[np.uint8]) -> Group:
@@ -185,6 +211,9 @@ def _groups(keys: Keys, types: set[type] | None = None) -> list[Group]:
     if types is None:
         types = set(map(type, keys))
     if types == {bytes}:
+        short = _short(cast("Sequence[bytes]", keys))
+        if short is not None:
+            return [short]
         lengths = np.fromiter(map(len, keys), dtype=np.int64, count=n)  # type: ignore[arg-type]
         return [(KIND_BYTES, None, _padded(keys, lengths), lengths)]  # type: ignore[arg-type]
     if types == {int}:
@@ -267,15 +296,21 @@ class IndexMirror:
         self.size = mirror_size(slots)
         self._hasher = hasher
         self._owner = owner
-        self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # Mapped in whole, now (on the caller's worker thread): a lookup's keys land on random pages of
+        # both copies, and faulting them in one by one cost a process's first lookup of 4,096 keys about
+        # 3.4 ms more CPU.
+        self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED | POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
         self._header: U64 = np.frombuffer(self._map, dtype=np.uint64, count=8)
+        table_bytes = self.capacity * ENTRY
         self._table: U64 = np.frombuffer(self._map, dtype=np.uint64, count=self.capacity * 8, offset=HEADER).reshape(
             self.capacity, 8
         )
-        self._refs: npt.NDArray[np.uint8] = np.frombuffer(
-            self._map, dtype=np.uint8, count=slots, offset=HEADER + self.capacity * ENTRY
-        )
-        self._flags = memoryview(self._map)[HEADER + self.capacity * ENTRY : HEADER + self.capacity * ENTRY + slots]
+        self._spare: U64 = np.frombuffer(
+            self._map, dtype=np.uint64, count=self.capacity * 8, offset=HEADER + table_bytes
+        ).reshape(self.capacity, 8)
+        refs = HEADER + 2 * table_bytes
+        self._refs: npt.NDArray[np.uint8] = np.frombuffer(self._map, dtype=np.uint8, count=slots, offset=refs)
+        self._flags = memoryview(self._map)[refs : refs + slots]
         self._mask = np.uint64(self.capacity - 1)
         self._entry_of: npt.NDArray[np.intp] = np.full(slots if owner else 0, -1, dtype=np.intp)
         self._claimant: npt.NDArray[np.intp] = np.full(self.capacity if owner else 0, -1, dtype=np.intp)
@@ -357,7 +392,7 @@ class IndexMirror:
 
     def _unmap(self) -> None:
         try:
-            del self._header, self._table, self._refs
+            del self._header, self._table, self._spare, self._refs
             self._flags.release()
             try:
                 self._map.close()
@@ -439,47 +474,47 @@ class IndexMirror:
         finally:
             self._leave()
 
-    def _consistent(self, attempt: Callable[[], T]) -> T | None:
-        """``attempt()`` within the seqlock: what it returned while no write happened, or None (no
-        consistent read within the retries, or the owner closed the pool)."""
+    def _consistent(self, attempt: Callable[[U64], T]) -> tuple[T | None, int]:
+        """``attempt(copy)`` within the seqlock, on the copy no write changes now: what it returned while
+        ``seq`` held still, or None (no consistent read within the retries, or the owner closed the pool);
+        and how many reads were done over."""
         header = self._header
-        for _ in range(RETRIES):
+        for retry in range(RETRIES):
             seq = int(header[SEQ])
-            if seq & 1:
-                continue
             if int(header[STATE]) == CLOSED:
-                return None
-            result = attempt()
+                return None, retry
+            result = attempt(self._spare if seq & 1 else self._table)
             if int(header[SEQ]) == seq:
-                return result
-        return None
+                return result, retry
+        return None, RETRIES
 
     def lookup(
-        self, keys: Keys, types: set[type] | None = None, counted: Callable[[tuple[int, int]], object] | None = None
+        self, keys: Keys, types: set[type] | None = None, counted: Callable[[Looked], object] | None = None
     ) -> int | None:
         """The stored prefix of ``keys`` (as ``BlockIndex.lookup``), its slots marked referenced; None when no
         consistent read came within the retries, or the owner closed the pool: ask the owner.
 
         Any thread (reads only; ``close`` waits for the unmap until no lookup reads). Keys are hashed and
         probed ``CHUNK`` at a time, and the first chunk with a miss is the last: a short prefix costs its
-        own keys, not the batch's. ``counted`` gets ``(hits, misses)`` of an answer before the read ends
-        (so that whoever waits for the readers after ``close`` sees every answer given)."""
+        own keys, not the batch's. ``counted`` gets ``(answers, hits, misses, reads done over)`` before the
+        read ends (so that whoever waits for the readers after ``close`` sees every answer given): ``(1, h,
+        m, r)`` for an answer, ``(0, 0, 0, r)`` for a lookup left to the owner."""
         with self._reading() as mapped:
             if not mapped:
                 return None
             n = len(keys)
-            hits = self._lookup(keys, n, types) if n else 0
-            if hits is not None and counted is not None:
-                counted((hits, n - hits))
+            hits, retries = self._lookup(keys, n, types) if n else (0, 0)
+            if counted is not None:
+                counted((0, 0, 0, retries) if hits is None else (1, hits, n - hits, retries))
             return hits
 
-    def _lookup(self, keys: Keys, n: int, types: set[type] | None) -> int | None:
-        rows: list[U64] = []  # hashed once, kept for a retry
+    def _lookup(self, keys: Keys, n: int, types: set[type] | None) -> tuple[int | None, int]:
+        # Hashed once, before the first read (out of the window a write can spoil), kept for a retry.
+        rows: list[U64] = [key_rows(keys if n <= CHUNK else keys[:CHUNK], self._hasher, types)]
 
-        def attempt() -> tuple[int, list[U64]]:
-            # No view of the mapping in a closure cell: a traceback keeps this function alive (its
-            # frame does), and clearing the frames does not empty the cells.
-            table = self._table
+        def attempt(table: U64) -> tuple[int, list[U64]]:
+            # The table comes as an argument: no view of the mapping in a closure cell (a traceback keeps
+            # this function alive, its frame does, and clearing the frames does not empty the cells).
             hits, hit_slots = 0, []
             for i, start in enumerate(range(0, n, CHUNK)):
                 if i == len(rows):
@@ -493,20 +528,20 @@ class IndexMirror:
                     break
             return hits, hit_slots
 
-        read = self._consistent(attempt)
+        read, retries = self._consistent(attempt)
         if read is None:
-            return None
+            return None, retries
         hits, hit_slots = read
         for slots in hit_slots:
             self._refs[slots[slots < self.slots].astype(np.intp)] = 1
-        return hits
+        return hits, retries
 
     def blocks(self, keys: Sequence[bytes | int]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
         """Each key's slot and length as one consistent read saw them (-1 and 0 where absent), or None
         (as ``lookup``); touches nothing."""
         rows = key_rows(keys, self._hasher)
         with self._reading() as mapped:
-            read = self._consistent(lambda: self._probe(rows, self._table)) if mapped else None
+            read = self._consistent(lambda table: self._probe(rows, table))[0] if mapped else None
         if read is None:
             return None
         found, stored = read
@@ -517,15 +552,24 @@ class IndexMirror:
     # -- writing (the owner only, on its loop) ------------------------------------------------
 
     def _begin(self) -> None:
+        """Readers go to the spare (odd ``seq``): the table is written now."""
         self._header[SEQ] += np.uint64(1)
 
-    def _end(self) -> None:
+    def _end(self, changed: npt.NDArray[np.intp] | None, *, tags: bool = False) -> None:
+        """Readers come back to the table (even ``seq``); the spare catches up with it: the entries at
+        ``changed`` (only their tags, with ``tags``), or all of them (None)."""
         self._header[SEQ] += np.uint64(1)
+        if changed is None:
+            self._spare[:] = self._table
+        elif tags:
+            self._spare[changed, 0] = self._table[changed, 0]
+        elif changed.size:
+            self._spare[changed] = np.take(self._table, changed, axis=0)
 
-    def _place(self, rows: U64) -> None:
+    def _place(self, rows: U64) -> npt.NDArray[np.intp]:
         """Put rows (keys not in the table) into empty entries or tombstones, linear probing: in rounds while
         many keys are left, then one key at a time (a round costs numpy's fixed cost over again; 4,096 keys
-        took 8 rounds, the last few for a handful of keys)."""
+        took 8 rounds, the last few for a handful of keys). Returns the entries written."""
         table, header = self._table, self._header
         tags = table[:, 0]
         mask = self.capacity - 1
@@ -571,11 +615,13 @@ class IndexMirror:
             last.append(p)
         if last:
             placed.append((pending, np.array(last, dtype=np.intp)))
+        entries = np.concatenate([a for _, a in placed]) if placed else np.empty(0, dtype=np.intp)
         if self._entry_of.size and placed:  # the owner (a reader never places)
             which = np.concatenate([w for w, _ in placed])
-            self._entry_of[(rows[which, 7] & _LO).astype(np.intp)] = np.concatenate([a for _, a in placed])
+            self._entry_of[(rows[which, 7] & _LO).astype(np.intp)] = entries
         header[USED] += np.uint64(fresh)
         header[LIVE] += np.uint64(rows.shape[0])
+        return entries
 
     def _rebuild(self) -> None:
         """Drop the tombstones: every live entry placed again into an empty table."""
@@ -623,14 +669,17 @@ class IndexMirror:
         rows = key_rows(keys, self._hasher, types, matrix)
         slot_ids = np.asarray(slots, dtype=np.uint64)
         rows[:, 7] = slot_ids | np.asarray(lengths, dtype=np.uint64) << np.uint64(32)
+        changed: npt.NDArray[np.intp] | None = None  # all of them, unless the placing finishes
         self._begin()
         try:
-            if int(self._header[USED]) + len(keys) > self.capacity * 3 // 4:
+            rebuilt = int(self._header[USED]) + len(keys) > self.capacity * 3 // 4
+            if rebuilt:
                 self._rebuild()
-            self._place(rows)
+            placed = self._place(rows)
+            changed = None if rebuilt else placed
             self._refs[slot_ids.astype(np.intp)] = 0
         finally:
-            self._end()
+            self._end(changed)
 
     def remove_slots(self, slots: Sequence[int] | I64) -> None:
         """The blocks in ``slots`` evicted or discarded (owner): their entries are found by slot, with no
@@ -649,7 +698,7 @@ class IndexMirror:
             self._table[entries, 0] = TOMBSTONE
             self._header[LIVE] -= np.uint64(entries.size)
         finally:
-            self._end()
+            self._end(entries, tags=True)
         self._entry_of[ids] = -1
 
     def clear(self) -> None:
@@ -661,7 +710,7 @@ class IndexMirror:
             self._header[LIVE] = 0
             self._header[USED] = 0
         finally:
-            self._end()
+            self._end(None)
         self._entry_of[:] = -1
 
     def mark_closed(self) -> None:
@@ -670,7 +719,7 @@ class IndexMirror:
             return
         self._begin()
         self._header[STATE] = CLOSED
-        self._end()
+        self._end(np.empty(0, dtype=np.intp))
 
     def referenced(self, slot: int) -> bool:
         """Whether an attached process's lookup hit the block in ``slot`` since ``unreference``."""

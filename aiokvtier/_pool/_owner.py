@@ -560,7 +560,9 @@ class Pool(Owner):
     def _lookup(self, peer: _Peer, message: Message) -> Reply:
         kind = message.fields.get("k")
         parts = message.parts[: 1 if kind == "i" else 2]
-        return {"hits": self._index.lookup(decode_keys(kind, parts))}, []
+        hits = self._index.lookup(decode_keys(kind, parts))
+        self._index.counts["owner_lookups"] += 1  # after the keys decoded: a refused request is not one
+        return {"hits": hits}, []
 
     async def _begin(self, peer: _Peer, message: Message) -> Reply:
         kind = message.fields.get("k")
@@ -673,13 +675,13 @@ class Pool(Owner):
         return {"dropped": len(dropped)}, []
 
     def _looked(self, peer: _Peer, message: Message) -> None:
-        """Lookups a process answered from the index mirror: their counts (no reply)."""
-        figures = [message.fields.get(name) for name in ("q", "h", "m")]
+        """Lookups a process answered from the index mirror: their counts, and the reads it did over
+        (no reply)."""
+        figures = [message.fields.get(name, 0) for name in ("q", "h", "m", "r")]
         if all(type(x) is int and 0 <= x < 1 << 62 for x in figures):
             c = self._index.counts
-            c["queries"] += figures[0]  # type: ignore[operator]
-            c["hits"] += figures[1]  # type: ignore[operator]
-            c["misses"] += figures[2]  # type: ignore[operator]
+            for name, x in zip(("queries", "hits", "misses", "mirror_retries"), figures, strict=True):
+                c[name] += x
 
     def _subscribe(self, peer: _Peer, message: Message) -> Reply:
         peer.subscribed = True

@@ -41,3 +41,12 @@ class PoolStatistics:
     discards: int
     bytes_stored: int
     bytes_loaded: int
+    owner_lookups: int = 0
+    """Lookups the owner answered itself (also in ``queries``): an attached process asks it when the index
+    mirror gave no consistent read within a few tries, when it has no mirror (not x86-64, or a tier too
+    large for one), or once the pool closes. Rising beside ``queries`` under load: the owner's queue is
+    in the lookups' way."""
+    mirror_retries: int = 0
+    """Reads of the index mirror done over by attached processes because a step of the owner's write fell
+    inside them (told with the lookups' counts): up to a few dozen per hundred lookups while processes store
+    thousands of keys a call; a lookup gives up after 8 in a row and asks the owner."""

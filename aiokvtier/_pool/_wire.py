@@ -20,7 +20,7 @@ byte arrays, checked as they are read.
     ALLOC {n, wait}           ───────────>  REPLY [slot ids]    (waits only for the fill)
     FREE [slot ids]           ───────────>  REPLY
     LOOKUP keys               ───────────>  REPLY {hits}     (when the index mirror cannot answer)
-    LOOKED {q, h, m}          ───────────>  (no reply: lookups answered from the mirror, for the counts)
+    LOOKED {q, h, m, r}       ───────────>  (no reply: lookups answered from the mirror, for the counts)
     BEGIN keys [lengths]      ───────────>  REPLY {claim} [outcomes] [slots]
     COMMIT {claim}            ───────────>  REPLY            (the blocks are visible to all)
     ABORT {claim}             ───────────>  (no reply)
@@ -59,7 +59,8 @@ __all__ = [
     "error_to",
 ]
 
-VERSION = 2
+VERSION = 3
+"""3: the index mirror holds a spare copy of its table (a reader never waits for a write)."""
 
 HELLO, WELCOME, STATE, ALLOC, FREE, LOOKUP, BEGIN, COMMIT, ABORT, AWAIT, LOAD, UNPIN, DISCARD, STATS = range(1, 15)
 SUBSCRIBE, LOOKED = 15, 16

@@ -13,7 +13,8 @@ Three figures, each from real processes attached to a pool this process owns:
   own in one call (1-byte pages), looking them up and dropping them, 20
   rounds: p50 and p99 of the store and lookup calls, and of the CPU time the
   lookups took in their thread (the rest of a lookup's time is waiting for
-  a CPU, or for the owner when it asked the owner).
+  a CPU, or for the owner when it asked the owner); how many lookups asked
+  the owner, and how many reads of the index mirror were done over.
 - ``eight_processes``: 8 processes attach at once and each reads every page
   of the (resident) pool: how much their private memory grew (from
   ``/proc/self/smaps_rollup``) beside the pool's size, and how much shared
@@ -194,6 +195,7 @@ async def _run(quota: int, blocks: int, repeats: int) -> dict[str, Any]:
             await pool.tier.wait_resident()
             a = await _answer(_spawn("store", path, blocks, repeats))
             b = await _answer(_spawn("load", path, blocks, repeats))
+            asked = pool.statistics()
             rivals = [_spawn("concurrent", path, blocks, 20) for _ in range(8)]
             for rival in rivals:
                 assert rival.stdout is not None and rival.stdin is not None
@@ -203,6 +205,8 @@ async def _run(quota: int, blocks: int, repeats: int) -> dict[str, Any]:
                 rival.stdin.write("go\n")
                 rival.stdin.flush()
             contended = [await _answer(rival) for rival in rivals]
+            # Complete: each process's counts came before its last discard's reply (one connection, one order).
+            told = pool.statistics()
             touchers = [_spawn("touch", path, 0, 0) for _ in range(8)]
             touched = [await _answer(p) for p in touchers]
         cross = {
@@ -234,6 +238,8 @@ async def _run(quota: int, blocks: int, repeats: int) -> dict[str, Any]:
             "store_ms": summary_ms(stores),
             "lookup_ms": summary_ms(lookups),
             "lookup_cpu_ms": summary_ms([x for c in contended for x in c["lookup_cpu_s"]]),
+            "lookups_asking_owner": told.owner_lookups - asked.owner_lookups,
+            "mirror_reads_done_over": told.mirror_retries - asked.mirror_retries,
         }
         result = {"attach_during_fill": during, "cross_process": cross, "concurrent": concurrent}
         return result | {"eight_processes": eight}
