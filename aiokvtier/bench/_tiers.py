@@ -13,7 +13,9 @@ the event loop).
 
 The prefix load goes to host memory and, where a CUDA device can be used,
 to GPU memory through a CopyEngine (``prefix_load_gpu``; otherwise it says
-why it was skipped).
+why it was skipped). Its ``breakdown_ms`` times one more such load per round,
+watched through the store's events: when the first and the last piece read
+back from disk were stored, and when the load returned.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .._config import DiskTierConfig, HostTierConfig
 from .._disk._io import memory_at
 from .._disk._tier import DiskTier
 from .._host._tier import HostTier
+from .._store._spill import PIECE_BYTES
 from .._store._store import BlockStore
 from . import _mooncake
 from ._common import median
@@ -249,6 +252,7 @@ async def _prefix_load(directory: str, blocks: int, rounds: int, destination: st
     out: dict[str, Any] = {
         "prefix_bytes": blocks * block,
         "on_disk_bytes": (blocks - half) * block,
+        "piece_bytes": PIECE_BYTES,
         "destination": "GPU memory (device 0, CopyEngine)" if gpu else "host memory (memmove)",
         "ms": ms,
         "ratio_vs_sum_of_parts": round(ms["combined"] / (ms["disk_read_alone"] + ms["host_load_alone"]), 3),
