@@ -3,12 +3,13 @@
 The store brings the disk tier's blocks back into host slots in pieces
 (``aiokvtier._store._spill.PIECE_BYTES``), each copied out as soon as it
 landed. This program sets that size per arm (0: the whole half in one go,
-as the store did before the pieces) and runs the arms in one process,
-alternating their order by round, beside the load's two parts alone in the
-same rounds: the half read from disk (``DiskTier.read``) and the whole
-prefix loaded from the host tier. Each load is timed from its start to its
-return, with the first and the last piece seen stored (the store's
-``"stored"`` events). Prints one JSON object::
+as the store did before the pieces). Arms, per piece size: ``whole`` (the
+prefix, its first half in the host tier) and ``tail`` (only the disk half,
+through the store: no host-tier copy beside it); and the load's two parts
+alone: the half read from disk (``DiskTier.read``) and the whole prefix
+loaded from the host tier. One process, the arms' order rotating by round.
+Each load is timed from its start to its return, with the first and the last
+piece seen stored (the store's ``"stored"`` events). Prints one JSON object::
 
     python benchmarks/prefix_pieces.py --rounds 15 --pieces 0 4 16 [--gpu] [--dir DIR]
 """
@@ -71,7 +72,6 @@ async def _run(directory: str, blocks: int, block: int, rounds: int, pieces: lis
     half = blocks // 2
     data = np.random.default_rng(0).integers(0, 256, (blocks, block), dtype=np.uint8)
     samples: dict[str, list[float]] = {}
-    default = spill.PIECE_BYTES
     async with contextlib.AsyncExitStack() as stack:
         engine = None
         if gpu:
@@ -92,9 +92,13 @@ async def _run(directory: str, blocks: int, block: int, rounds: int, pieces: lis
         scratch = await tier.allocate(half)
         addresses = tier.slot_addresses(scratch).tolist()
         for r in range(rounds + 1):
-            arms: list[int | str] = [*pieces, "parts", "tail"]
+            arms: list[tuple[str, int]] = [
+                ("parts", 0),
+                *(("whole", p) for p in pieces),
+                *(("tail", p) for p in pieces),
+            ]
             shift = r % len(arms)
-            for arm in arms[shift:] + arms[:shift]:
+            for arm, piece in arms[shift:] + arms[:shift]:
                 if arm == "parts":
                     started = time.perf_counter()
                     assert all(await disk.read(keys[half:], addresses))
@@ -104,21 +108,16 @@ async def _run(directory: str, blocks: int, block: int, rounds: int, pieces: lis
                         started = time.perf_counter()
                         await store.load(keys, pages.out)
                         got["host_load_alone"] = time.perf_counter() - started
-                elif arm == "tail":  # the disk half alone, through the store, in the store's own pieces
-                    spill.PIECE_BYTES = default
-                    async with BlockStore(tier, engine, disk=disk) as store:
-                        pages.clear()
-                        got = {
-                            f"tail_only_{k}": v for k, v in (await _load(store, keys[half:], pages.out[half:])).items()
-                        }
                 else:
-                    assert isinstance(arm, int)
-                    spill.PIECE_BYTES = arm * MiB  # read when the store opens
+                    spill.PIECE_BYTES = piece * MiB  # read when the store opens
                     async with BlockStore(tier, engine, disk=disk) as store:
-                        await store.store(keys[:half], pages.src_of(half))
+                        if arm == "whole":  # the first half in the host tier
+                            await store.store(keys[:half], pages.src_of(half))
                         pages.clear()
-                        got = {f"piece_{arm}_mib_{k}": v for k, v in (await _load(store, keys, pages.out)).items()}
-                    assert pages.arrived(), "a block came back wrong"
+                        wanted = keys if arm == "whole" else keys[half:]
+                        out = pages.out if arm == "whole" else pages.out[half:]
+                        got = {f"{arm}_{piece}_mib_{k}": v for k, v in (await _load(store, wanted, out)).items()}
+                    assert arm == "tail" or pages.arrived(), "a block came back wrong"
                 if r:
                     for name, seconds in got.items():
                         samples.setdefault(name, []).append(seconds)
@@ -132,7 +131,7 @@ async def _run(directory: str, blocks: int, block: int, rounds: int, pieces: lis
         "on_disk_bytes": (blocks - half) * block,
         "rounds": rounds,
         "ms": ms,
-        "ratio_vs_sum_of_parts": {f"piece_{p}_mib": round(ms[f"piece_{p}_mib_load"] / parts, 3) for p in pieces},
+        "ratio_vs_sum_of_parts": {f"whole_{p}_mib": round(ms[f"whole_{p}_mib_load"] / parts, 3) for p in pieces},
     }
 
 
