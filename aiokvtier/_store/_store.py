@@ -1057,11 +1057,14 @@ class BlockStore(Owner):
         rank = {key: i // per for i, key in enumerate(distinct)}
         piece = np.fromiter(map(rank.__getitem__, keys), dtype=np.int64, count=len(keys))
         order = np.argsort(piece, kind="stable")
-        tasks = [
-            asyncio.ensure_future(self._bring(source, [keys[i] for i in ids.tolist()], pages.take(ids), after))
-            for ids in np.split(order, np.cumsum(np.bincount(piece))[:-1])
-        ]
+        tasks: list[asyncio.Future[None]] = []
         try:
+            for ids in np.split(order, np.cumsum(np.bincount(piece))[:-1]):
+                tasks.append(
+                    asyncio.ensure_future(self._bring(source, [keys[i] for i in ids.tolist()], pages.take(ids), after))
+                )
+                # A turn of the loop per piece: its read is under way before the next piece is booked.
+                await asyncio.sleep(0)
             await asyncio.wait(tasks)
         except BaseException:
             for task in tasks:
