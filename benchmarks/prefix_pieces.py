@@ -9,7 +9,9 @@ through the store: no host-tier copy beside it); and the load's two parts
 alone: the half read from disk (``DiskTier.read``) and the whole prefix
 loaded from the host tier. One process, the arms' order rotating by round.
 Each load is timed from its start to its return, with the first and the last
-piece seen stored (the store's ``"stored"`` events). Prints one JSON object::
+piece seen stored (the store's ``"stored"`` events), and the process's CPU
+time over it (``cpu``: the event loop's and every thread's; ``loop_cpu``: the
+event loop's thread alone). Prints one JSON object::
 
     python benchmarks/prefix_pieces.py --rounds 15 --pieces 0 4 16 [--gpu] [--dir DIR]
 """
@@ -47,9 +49,11 @@ async def _load(store: BlockStore, keys: list[bytes], out: Any) -> dict[str, flo
 
         watcher = asyncio.create_task(watch())
         await asyncio.sleep(0)
+        cpu, loop_cpu = time.process_time(), time.thread_time()
         started = time.perf_counter()
         await store.load(keys, out)
         done = time.perf_counter()
+        cpu, loop_cpu = time.process_time() - cpu, time.thread_time() - loop_cpu
         await asyncio.sleep(0)
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -59,6 +63,8 @@ async def _load(store: BlockStore, keys: list[bytes], out: Any) -> dict[str, flo
         "first_piece_landed": landed[0] - started,
         "last_piece_landed": landed[-1] - started,
         "copy_after_last_read": done - landed[-1],
+        "cpu": cpu,
+        "loop_cpu": loop_cpu,
     }
 
 
@@ -100,14 +106,16 @@ async def _run(directory: str, blocks: int, block: int, rounds: int, pieces: lis
             shift = r % len(arms)
             for arm, piece in arms[shift:] + arms[:shift]:
                 if arm == "parts":
-                    started = time.perf_counter()
+                    cpu, started = time.process_time(), time.perf_counter()
                     assert all(await disk.read(keys[half:], addresses))
                     got = {"disk_read_alone": time.perf_counter() - started}
+                    got["disk_read_alone_cpu"] = time.process_time() - cpu
                     async with BlockStore(tier, engine, disk=disk) as store:
                         await store.store(keys, pages.src)
-                        started = time.perf_counter()
+                        cpu, started = time.process_time(), time.perf_counter()
                         await store.load(keys, pages.out)
                         got["host_load_alone"] = time.perf_counter() - started
+                        got["host_load_alone_cpu"] = time.process_time() - cpu
                 else:
                     spill.PIECE_BYTES = piece * MiB  # read when the store opens
                     async with BlockStore(tier, engine, disk=disk) as store:

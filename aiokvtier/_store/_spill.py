@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PIECE_BYTES", "Source", "Spill"]
 
-PIECE_BYTES = 4 << 20
+PIECE_BYTES = 8 << 20
 """What a load brings back from the disk tier in one go (at least a block)."""
 
 log = logging.getLogger("aiokvtier")
@@ -111,9 +111,11 @@ class _DiskSource(Source):
     def __init__(self, tier: HostTier, disk: DiskTier) -> None:
         super().__init__(tier, "disk")
         self.disk = disk
-        # Pieces of 4 MiB: a load ends one piece's copy after its last read, not a whole copy after it.
-        # Every piece is queued on the disk's threads at once, so the disk stays as busy as with one
-        # read; with 4 threads, a piece still moves in runs of 1 MiB (or a block) per call.
+        # Pieces of 8 MiB: a load ends one piece's copy after its last read, not a whole copy after it.
+        # The pieces are queued on the disk's threads together, so the disk stays as busy as with one
+        # read; with the default 4 threads, a thread's share of a piece is one run of 2 MiB (the most one
+        # call moves). Each piece costs the event loop a promotion, a read and a copy: 4 MiB pieces add
+        # about twice the CPU that 8 MiB pieces add, for no faster load on the development VM (docs/benchmarks.md).
         self.piece = PIECE_BYTES
 
     def lengths(self, keys: Sequence[Key]) -> list[int]:
