@@ -177,7 +177,18 @@ def test_store_benchmark_quick_prints_json_side_by_side() -> None:
         assert all(cpu["user"] >= 0 and cpu["sys"] >= 0 for cpu in row["cpu_us_per_block"].values())
     assert tiers["reopen"]["blocks"] == 10_000 and tiers["reopen"]["reopen_s"] > 0
     assert set(tiers["prefix_load"]["ms"]) == {"combined", "disk_read_alone", "host_load_alone"}
+    assert tiers["prefix_load"]["breakdown_ms"]["load_done"] > 0
     assert tiers["prefix_load"]["ratio_vs_sum_of_parts"] > 0
+
+
+def test_store_benchmark_prefix_section_times_the_pieces_of_the_load() -> None:
+    report = json.loads(_run("-m", "aiokvtier.bench", "store", "--quick", "--sections", "prefix"))
+    assert list(report) == ["mode", "machine", "prefix"]
+    host = report["prefix"]["prefix_load"]
+    assert set(host["ms"]) == {"combined", "disk_read_alone", "host_load_alone"} and host["ratio_vs_sum_of_parts"] > 0
+    times = host["breakdown_ms"]
+    assert set(times) == {"first_piece_landed", "last_piece_landed", "load_done", "copy_after_last_read"}
+    assert 0 < times["first_piece_landed"] <= times["last_piece_landed"] <= times["load_done"]
 
 
 def test_engine_mock_example_hits_evicts_and_verifies() -> None:

@@ -36,7 +36,10 @@ if TYPE_CHECKING:
     from .._host._tier import HostTier
     from .._mooncake._tier import MooncakeTier
 
-__all__ = ["Source", "Spill"]
+__all__ = ["PIECE_BYTES", "Source", "Spill"]
+
+PIECE_BYTES = 8 << 20
+"""What a load brings back from the disk tier in one go (at least a block)."""
 
 log = logging.getLogger("aiokvtier")
 
@@ -85,6 +88,9 @@ class Source:
         self.name = name
         self.brought = 0
         """Blocks brought back into host slots (counted by the store)."""
+        self.piece = 0
+        """Bytes a load brings back in one go, each piece copied out as soon as it landed while the next
+        ones are read; 0: all of a load's blocks in one go."""
 
     def lengths(self, keys: Sequence[Key]) -> list[int]:
         """The bytes to book a slot with, per key.
@@ -105,6 +111,12 @@ class _DiskSource(Source):
     def __init__(self, tier: HostTier, disk: DiskTier) -> None:
         super().__init__(tier, "disk")
         self.disk = disk
+        # Pieces of 8 MiB: a load ends one piece's copy after its last read, not a whole copy after it.
+        # The pieces are queued on the disk's threads together, so the disk stays as busy as with one
+        # read; with the default 4 threads, a thread's share of a piece is one run of 2 MiB (the most one
+        # call moves). Each piece costs the event loop a promotion, a read and a copy: 4 MiB pieces add
+        # about twice the CPU that 8 MiB pieces add, for no faster load on the development VM (docs/benchmarks.md).
+        self.piece = PIECE_BYTES
 
     def lengths(self, keys: Sequence[Key]) -> list[int]:
         disk = self.disk
@@ -138,6 +150,7 @@ class _RemoteSource(Source):
         super().__init__(tier, "Mooncake")
         self._spill = spill
         self.remote = remote
+        # In one go (piece 0): a piece would be a batch get of its own, a network round trip each.
 
     def lengths(self, keys: Sequence[Key]) -> list[int]:
         return [self._tier.slot_size] * len(keys)  # the room: a block's size is known once it arrived

@@ -984,7 +984,8 @@ class BlockStore(Owner):
             named); nothing is copied. With a disk or Mooncake tier, blocks in
             the host tier are copied while the others come back from below (a
             key the disk tier does not hold is asked of the Mooncake tier, unless
-            it is unavailable): a block that does not come back intact (or, from
+            it is unavailable; the disk tier's come back in pieces of a few MiB,
+            each copied out as soon as it landed): a block that does not come back intact (or, from
             the Mooncake tier, at all) raises this once the others landed; the
             blocks that did come back stay in the host tier.
         :raises ValueError: a destination page shorter than its block (for a
@@ -1040,6 +1041,43 @@ class BlockStore(Owner):
             self._exit()
 
     async def _load_from(self, source: Source, keys: list[Key], pages: Pages, after: Any) -> None:
+        """Bring ``keys`` back from a lower tier into host slots and copy them into ``pages``: in pieces
+        of ``source.piece`` bytes, all asked for at once, each copied out as soon as it landed.
+
+        Every piece runs to its end (a miss in one does not stop the others); the first failure in the
+        keys' order is raised then. Cancelled: the pieces not begun are not begun, and the cancellation
+        comes once the others let go of their slots and of ``pages``.
+        """
+        distinct = list(dict.fromkeys(keys))
+        per = max(1, source.piece // self._tier.slot_size) if source.piece else len(distinct)
+        if len(distinct) <= per:
+            await self._bring(source, keys, pages, after)
+            return
+        # A key given twice goes with its first place's piece: two pieces never promote the same key.
+        rank = {key: i // per for i, key in enumerate(distinct)}
+        piece = np.fromiter(map(rank.__getitem__, keys), dtype=np.int64, count=len(keys))
+        order = np.argsort(piece, kind="stable")
+        tasks: list[asyncio.Future[None]] = []
+        try:
+            for ids in np.split(order, np.cumsum(np.bincount(piece))[:-1]):
+                tasks.append(
+                    asyncio.ensure_future(self._bring(source, [keys[i] for i in ids.tolist()], pages.take(ids), after))
+                )
+                # A turn of the loop per piece: its read is under way before the next piece is booked.
+                await asyncio.sleep(0)
+            await asyncio.wait(tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await finish(asyncio.wait(tasks))
+            raise
+        finally:
+            errors = [task.exception() for task in tasks if task.done() and not task.cancelled()]
+        for error in errors:
+            if error is not None:
+                raise error
+
+    async def _bring(self, source: Source, keys: list[Key], pages: Pages, after: Any) -> None:
         """Bring ``keys`` back from a lower tier into host slots, then copy them into ``pages``."""
         index = self._index
         for _ in range(3):  # promoted blocks may be evicted by concurrent stores before the copy starts

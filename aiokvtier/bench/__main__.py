@@ -178,7 +178,9 @@ def build_parser(prog: str) -> Parser:
         "the JSON to stdout.",
     )
     _quick(store, "to check the program runs here")
-    store.add_argument("--sections", nargs="+", help=_SECTIONS_HELP.format("all but shared"))
+    store.add_argument(
+        "--sections", nargs="+", help=_SECTIONS_HELP.format("all but shared and prefix (a part of tiers)")
+    )
     store.add_argument("--repeats", type=_count, help=f"rounds per copy arm {_default(_STORE_DEFAULTS, 'repeats')}")
     store.add_argument(
         "--disk-path",

@@ -464,8 +464,9 @@ def run(args: Any) -> dict[str, Any]:
         "gpu_copies": lambda: gpu_copies(512 if quick else 4096, 64 * KiB, max(repeats, 15)),
         "churn": lambda: churn(512 if quick else 4096, 10_000 if quick else 100_000, 1.1),
         "tiers": lambda: _tiers.section(quick, args.disk_path),
+        "prefix": lambda: _tiers.prefix_section(quick, args.disk_path),
         "shared": lambda: shared(quick, repeats),
     }
-    # shared starts processes of its own: asked for by name only.
-    chosen = args.sections or [name for name in sections if name != "shared"]
+    # shared starts processes of its own, and prefix is a part of tiers: asked for by name only.
+    chosen = args.sections or [name for name in sections if name not in ("shared", "prefix")]
     return run_sections(sections, chosen, title="bench store")

@@ -13,7 +13,9 @@ the event loop).
 
 The prefix load goes to host memory and, where a CUDA device can be used,
 to GPU memory through a CopyEngine (``prefix_load_gpu``; otherwise it says
-why it was skipped).
+why it was skipped). Its ``breakdown_ms`` times one more such load per round,
+watched through the store's events: when the first and the last piece read
+back from disk were stored, and when the load returned.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .._config import DiskTierConfig, HostTierConfig
 from .._disk._io import memory_at
 from .._disk._tier import DiskTier
 from .._host._tier import HostTier
+from .._store._spill import PIECE_BYTES
 from .._store._store import BlockStore
 from . import _mooncake
 from ._common import median
@@ -245,13 +248,19 @@ async def _prefix_load(directory: str, blocks: int, rounds: int, destination: st
         tier = await stack.enter_async_context(HostTier(memory))
         disk = await stack.enter_async_context(DiskTier(config, block_size=block, fingerprint=f"prefix-{destination}"))
         samples = await _prefix_rounds(tier, engine, disk, keys, pages, rounds)
-    ms = {k: round(median(v) * 1e3, 3) for k, v in samples.items()}
+    ms = {k: round(median(v) * 1e3, 3) for k, v in samples.items() if not k.startswith("watched_")}
     out: dict[str, Any] = {
         "prefix_bytes": blocks * block,
         "on_disk_bytes": (blocks - half) * block,
+        "piece_bytes": PIECE_BYTES,
         "destination": "GPU memory (device 0, CopyEngine)" if gpu else "host memory (memmove)",
         "ms": ms,
         "ratio_vs_sum_of_parts": round(ms["combined"] / (ms["disk_read_alone"] + ms["host_load_alone"]), 3),
+        "breakdown_ms": {
+            k.removeprefix("watched_"): round(median(v) * 1e3, 3)
+            for k, v in samples.items()
+            if k != k.removeprefix("watched_")
+        },
     }
     if engine is not None:
         out["engine_method"] = engine.method
@@ -263,7 +272,12 @@ async def _prefix_rounds(
     tier: HostTier, engine: Any, disk: DiskTier, keys: list[bytes], pages: _Pages, rounds: int
 ) -> dict[str, list[float]]:
     """The arms, one after another in each round (the first round warms up): the load with half
-    the prefix on disk, the same load with all of it in the host tier, and the disk half read alone."""
+    the prefix on disk, the same load with all of it in the host tier, and the disk half read alone.
+
+    Then the first load again, watched (the ``watched_`` samples, kept apart from the arms): from its
+    start, when the store said the first and the last piece read back from disk were stored (its
+    ``"stored"`` events, seen by a task of the bench's own), and when the load returned.
+    """
     blocks, half = len(keys), len(keys) // 2
     await tier.wait_resident()
     async with BlockStore(tier, engine, disk=disk, admit_after=1) as store:
@@ -273,6 +287,8 @@ async def _prefix_rounds(
     scratch = await tier.allocate(half)
     scratch_addresses = tier.slot_addresses(scratch).tolist()
     samples: dict[str, list[float]] = {"combined": [], "disk_read_alone": [], "host_load_alone": []}
+    for name in ("first_piece_landed", "last_piece_landed", "load_done", "copy_after_last_read"):
+        samples[f"watched_{name}"] = []
     for r in range(rounds + 1):
         async with BlockStore(tier, engine, disk=disk) as store:
             await store.store(keys[:half], pages.src_of(half))
@@ -287,12 +303,51 @@ async def _prefix_rounds(
         started = time.perf_counter()
         assert all(await disk.read(keys[half:], scratch_addresses))
         disk_alone = time.perf_counter() - started
+        watched = await _watched_load(tier, engine, disk, keys, pages)
         if r:
             samples["combined"].append(combined)
             samples["disk_read_alone"].append(disk_alone)
             samples["host_load_alone"].append(host_alone)
+            for name, seconds in watched.items():
+                samples[f"watched_{name}"].append(seconds)
     tier.free_many(scratch)
     return samples
+
+
+async def _watched_load(
+    tier: HostTier, engine: Any, disk: DiskTier, keys: list[bytes], pages: _Pages
+) -> dict[str, float]:
+    """The load with half the prefix on disk, with the store's ``"stored"`` events timed as they come
+    (each one a piece the load read back from disk and booked in the host tier)."""
+    half = len(keys) // 2
+    landed: list[float] = []
+    async with BlockStore(tier, engine, disk=disk) as store:
+        await store.store(keys[:half], pages.src_of(half))
+        pages.clear()
+        async with store.events() as events:
+
+            async def watch() -> None:
+                async for event in events:
+                    if event.kind == "stored":
+                        landed.append(time.perf_counter())
+
+            watcher = asyncio.create_task(watch())
+            await asyncio.sleep(0)  # waiting for the first event before the load starts
+            started = time.perf_counter()
+            await store.load(keys, pages.out)
+            done = time.perf_counter()
+            await asyncio.sleep(0)  # the watcher sees the last event
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        assert pages.arrived(), "a block came back wrong"
+    assert landed, "the load stored nothing it read back"
+    return {
+        "first_piece_landed": landed[0] - started,
+        "last_piece_landed": landed[-1] - started,
+        "load_done": done - started,
+        "copy_after_last_read": done - landed[-1],
+    }
 
 
 class _Pages:
@@ -389,16 +444,7 @@ def section(quick: bool, path: str | None) -> dict[str, Any]:
         sizes = [64 * KiB, 2 * MiB] if quick else [64 * KiB, 256 * KiB, 2 * MiB]
         results = [asyncio.run(_one_size(directory, block, total, rounds)) for block in sizes]
         reopen = asyncio.run(_reopen(directory, 10_000 if quick else 100_000, 3))
-        prefix_blocks = 128 if quick else 1024
-        prefix = asyncio.run(_prefix_load(directory, prefix_blocks, rounds))
-        missing = gpu_missing()
-        if missing is None:
-            try:
-                prefix_gpu = asyncio.run(_prefix_load(directory, prefix_blocks, rounds, "gpu"))
-            except Exception as exc:  # not yet run on a GPU: report, and keep the section's other figures
-                prefix_gpu = {"error": repr(exc)}
-        else:
-            prefix_gpu = {"skipped": f"needs CUDA: {missing}"}
+        prefix, prefix_gpu = _prefix_arms(directory, quick)
         usage = shutil.disk_usage(directory)
         return {
             "directory": os.path.abspath(directory),
@@ -412,5 +458,28 @@ def section(quick: bool, path: str | None) -> dict[str, Any]:
             "prefix_load_gpu": prefix_gpu,
             "mooncake": _mooncake.row(quick),
         }
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _prefix_arms(directory: str, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The prefix load to host memory, and to GPU memory where a CUDA device can be used."""
+    blocks, rounds = (128, 2) if quick else (1024, 5)
+    prefix = asyncio.run(_prefix_load(directory, blocks, rounds))
+    missing = gpu_missing()
+    if missing is not None:
+        return prefix, {"skipped": f"needs CUDA: {missing}"}
+    try:
+        return prefix, asyncio.run(_prefix_load(directory, blocks, rounds, "gpu"))
+    except Exception as exc:  # not yet run on a GPU: report, and keep the section's other figures
+        return prefix, {"error": repr(exc)}
+
+
+def prefix_section(quick: bool, path: str | None) -> dict[str, Any]:
+    """Only the prefix load of ``section`` (both destinations): ``bench store --sections prefix``."""
+    directory = tempfile.mkdtemp(prefix="aiokvtier-bench-", dir=path or ".")
+    try:
+        prefix, prefix_gpu = _prefix_arms(directory, quick)
+        return {"directory": os.path.abspath(directory), "prefix_load": prefix, "prefix_load_gpu": prefix_gpu}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
