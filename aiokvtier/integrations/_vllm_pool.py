@@ -7,10 +7,11 @@ shares what any of them stored.
 Keys. vLLM names a chunk (``blocks_per_chunk`` GPU blocks of one KV cache group) by its offload key
 (block-hash bytes and the group). A worker rank's share of a chunk is ``n`` pool blocks: for each KV
 tensor of the group and each block of the chunk, the page cut into slot-sized pieces. Block ``i`` of rank
-``r`` is ``namespace + offload key + r (2 bytes) + i (4 bytes)``; with it, in the same store (so visible
-at the same commit), the rank stores a seal (``i = 0xFFFFFFFF``) whose 8 bytes say ``n``. The namespace
-is a digest of what makes two engines' pages the same bytes (model, dtype, layout, block geometry, the
-parallel sizes), and leaves out the DP index: replicas share.
+``r`` is ``namespace + offload key + r (2 bytes) + i (4 bytes)``; after them, once the pool holds every
+one, the rank stores a seal (``i = 0xFFFFFFFF``) whose 8 bytes say ``n`` (``_pool_jobs`` plans and runs
+the worker's copies, without vLLM). The namespace is a digest of what makes two engines' pages the same
+bytes (model, dtype, layout, block geometry, the parallel sizes), and leaves out the DP index: replicas
+share.
 
 Lookups. A chunk is a hit when the pool holds every rank's seal and blocks. The scheduler never sees a
 KV tensor, so it learns ``n`` from the seals of the first chunk it finds by its seals (once per group).
