@@ -220,7 +220,7 @@ async def test_an_engine_that_does_not_match_the_tensors_is_refused_before_anyth
     )
     async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a, CopyEngine(None) as engine:
         job = plan(host, 1, SRC_IDS, store=True)
-        with pytest.raises(ValueError, match="lie in host memory: no engine"):
+        with pytest.raises(ValueError, match="lie in host memory: copy without an engine"):
             await host.store(a, job, engine=engine)
         with pytest.raises(ValueError, match=re.escape("lie in CUDA device 0: give a CopyEngine on device 0")):
             await on_gpu.store(

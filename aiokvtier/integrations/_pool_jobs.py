@@ -269,26 +269,22 @@ class PoolJobs:
             where = "host memory" if self.device is None else f"CUDA device {self.device}"
             raise ValueError(
                 f"the KV tensors lie in {where}: "
-                + ("no engine" if self.device is None else f"give a CopyEngine on device {self.device}")
+                + ("copy without an engine" if self.device is None else f"give a CopyEngine on device {self.device}")
             )
 
-    def _pages(self, job: PoolJob, count: int, engine: CopyEngine | None) -> dict[str, Any]:
-        """What ``AttachedPool.store``/``load`` take for the first ``count`` pages of the job."""
+    def _pages(self, job: PoolJob, count: int, engine: CopyEngine | None) -> tuple[Any, dict[str, Any]]:
+        """The first ``count`` pages of the job as ``AttachedPool.store``/``load`` take them, with the
+        keywords that go with them: device addresses and their lengths, or views of host memory."""
         if engine is not None:
-            return {"engine": engine, "page": job.lengths[:count].astype(np.int64)}
-        return {}
-
-    def _src(self, job: PoolJob, count: int, engine: CopyEngine | None) -> Any:
-        if engine is not None:
-            return job.addresses[:count].astype(np.int64)
+            return job.addresses[:count].astype(np.int64), {"engine": engine, "page": job.lengths[:count]}
         kinds: dict[int, Any] = {}
-        out = []
+        views = []
         for address, n in zip(job.addresses[:count].tolist(), job.lengths[:count].tolist(), strict=True):
             kind = kinds.get(n)
             if kind is None:
                 kind = kinds[n] = ctypes.c_ubyte * n
-            out.append(kind.from_address(address))
-        return out
+            views.append(kind.from_address(address))
+        return views, {}
 
     async def store(
         self, pool: AttachedPool, job: PoolJob, *, engine: CopyEngine | None = None, after: Any = None
@@ -308,9 +304,8 @@ class PoolJobs:
         self._check(engine)
         if not job.keys:
             return 0
-        result = await pool.store(
-            job.keys, self._src(job, len(job.keys), engine), after=after, **self._pages(job, len(job.keys), engine)
-        )
+        pages, how = self._pages(job, len(job.keys), engine)
+        result = await pool.store(job.keys, pages, after=after, **how)
         held = set(result.stored) | set(result.present)
         whole = [(k, s) for k, s, lo, hi in job.seals if all(key in held for key in job.keys[lo:hi])]
         if whole:
@@ -337,9 +332,8 @@ class PoolJobs:
             if count == 0:
                 return 0
             try:
-                await pool.load(
-                    job.keys[:count], self._src(job, count, engine), after=after, **self._pages(job, count, engine)
-                )
+                pages, how = self._pages(job, count, engine)
+                await pool.load(job.keys[:count], pages, after=after, **how)
                 return count
             except BlockNotFound as exc:
                 try:
