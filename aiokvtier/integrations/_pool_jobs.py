@@ -4,20 +4,21 @@ A worker rank's KV caches are tensors of one block per row (``KVTensor``) on one
 or a GPU. A chunk (``blocks_per_chunk`` blocks of one KV cache group) is, for this rank, ``n`` pool
 blocks: for each tensor of the group and each block of the chunk, the page cut into slot-sized pieces
 (the last one shorter). Block ``i`` of rank ``r`` is ``namespace + chunk key + r (2 bytes) + i (4 bytes)``;
-the rank's seal of the chunk (``i = SEAL``) is 8 host bytes saying ``n``.
+the rank's seal of the chunk (``i = SEAL``) is 8 bytes saying ``n``.
 
 ``PoolJobs.plan`` turns a job (chunk keys, GPU block ids) into pool keys and page addresses;
 ``store`` and ``load`` run it against an ``AttachedPool``. GPU pages go through the process's
-``CopyEngine`` (``engine=``), seals through the host path, always.
+``CopyEngine`` (``engine=``), host pages through the pool's own thread.
 
-A store is two calls: the pages, then the seals of the chunks whose every page the pool holds (stored
-now or before). A seal is thus never visible before its chunk's pages, and a store cut between the two
-(a full pool, a shutdown) leaves pages without a seal, which no lookup finds (the seals are read first)
-and the owner evicts in time. A load copies the leading pages the pool still holds; the GPU blocks of
-the rest are the caller's load errors (``PoolJob.unfilled``).
+A store is one call: each chunk's pages, then its seal, claimed and committed together (the seals are
+copied from a few bytes this object keeps beside the tensors: in host memory, or on their GPU, so one
+call copies them all). A store cut short (a shutdown) leaves each chunk whole or absent; a full pool
+skips the keys from the first that does not fit, so a chunk is sealed only when its pages went in
+before it. A load copies the leading pages the pool still holds; the GPU blocks of the rest are the
+caller's load errors (``PoolJob.unfilled``).
 
-No vLLM and no torch here: tensors are read through their methods (``data_ptr``, ``stride``), events
-are recorded by the caller.
+No vLLM here, and torch only for GPU tensors (their seals' copy on the device): tensors are read
+through their methods (``data_ptr``, ``stride``), events are recorded by the caller.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def tensors_device(tensors: Sequence[Any]) -> int | None:
 
 @dataclass(frozen=True)
 class PoolJob:
-    """One planned job: its page keys in order (a load's leading keys are a prefix), and the seals."""
+    """One planned job: its keys in order (a load's leading keys are a prefix; a store's seal of a chunk
+    follows the chunk's pages), their pages and the GPU blocks they belong to."""
 
     job_id: int
     store: bool
@@ -117,14 +119,16 @@ class PoolJob:
     addresses: npt.NDArray[np.uint64]
     lengths: npt.NDArray[np.uint64]
     gpu_blocks: npt.NDArray[np.int64]
-    """For each key, the GPU block its page belongs to."""
+    """For each key, the GPU block its page belongs to (-1: a seal)."""
     nbytes: int
+    """The bytes of the KV pages (seals left out)."""
     seals: list[tuple[bytes, bytes, int, int]] = field(default_factory=list)
-    """A store's seals: key, bytes, and the range ``[lo, hi)`` of the chunk's page keys."""
+    """A store's seals: key, bytes, and the range ``[lo, hi)`` of the chunk's page keys (the seal's key
+    is at ``hi``)."""
 
     def unfilled(self, count: int) -> set[int]:
         """The GPU blocks a load that copied its ``count`` leading keys left unfilled."""
-        return {int(b) for b in np.unique(self.gpu_blocks[count:])}
+        return {int(b) for b in np.unique(self.gpu_blocks[count:]) if b >= 0}
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,8 @@ class PoolJobs:
     :param rank: this worker's rank.
     :param blocks_per_chunk: GPU blocks per chunk.
     :param slot_size: the pool's slot size: a page is cut into pieces of at most this.
-    :param device: the CUDA ordinal of the tensors, or None for host memory.
+    :param device: the CUDA ordinal of the tensors, or None for host memory (a CUDA ordinal needs
+        torch, which copies the seals there).
     :raises ValueError: no tensors, a group naming no tensor or one that is not there, bad sizes.
     """
 
@@ -186,6 +191,18 @@ class PoolJobs:
                 at += blocks_per_chunk * self._tensors[t].pieces
             self._first.append(first)
             self.blocks_per_chunk.append(at)
+        # Each group's seal, where the job's copies take it from: beside the tensors, so that one store
+        # (one claim, one commit) holds a chunk's pages and its seal.
+        seals = b"".join(SEAL_BYTES.pack(MAGIC, n) for n in self.blocks_per_chunk)
+        self._seal_bytes = np.frombuffer(seals, dtype=np.uint8).copy()
+        self._seal_memory: Any = self._seal_bytes
+        base = self._seal_bytes.ctypes.data
+        if device is not None:
+            import torch  # GPU KV tensors are torch's: it is there
+
+            self._seal_memory = torch.from_numpy(self._seal_bytes).to(torch.device("cuda", device))
+            base = int(self._seal_memory.data_ptr())
+        self._seal_at = [base + g * SEAL_BYTES.size for g in range(len(self._groups))]
 
     @property
     def groups(self) -> int:
@@ -249,6 +266,10 @@ class PoolJobs:
                 if store:
                     seal = SEAL_BYTES.pack(MAGIC, self.blocks_per_chunk[group])
                     seals.append((prefix + SUFFIX.pack(rank, SEAL), seal, start_key, len(keys)))
+                    keys.append(prefix + SUFFIX.pack(rank, SEAL))
+                    addresses.append(self._seal_at[group])
+                    lengths.append(SEAL_BYTES.size)
+                    blocks.append(-1)
             offset += size
             chunk_offset += used
         if offset != len(ids) or chunk_offset != len(chunks):
@@ -289,15 +310,14 @@ class PoolJobs:
     async def store(
         self, pool: AttachedPool, job: PoolJob, *, engine: CopyEngine | None = None, after: Any = None
     ) -> int:
-        """Store the job's pages, then the seals of the chunks the pool holds whole; the page bytes it took.
+        """Store the job's pages and seals (one call); the bytes of the KV pages the pool took.
 
         :param engine: the CopyEngine on the tensors' device (GPU tensors), None for host memory.
-        :param after: with ``engine``: an event (or stream) the page copies wait for on the GPU.
+        :param after: with ``engine``: an event (or stream) the copies wait for on the GPU.
         :raises ValueError: an engine that does not match the tensors' device.
         :raises PoolLostError: the pool's owner went away.
 
-        Cancellation: as ``AttachedPool.store`` (nothing claimed remains); cancelled after the pages,
-        the chunks stay unsealed (no lookup finds them).
+        Cancellation: as ``AttachedPool.store``: nothing claimed remains, and each chunk is whole or absent.
         """
         if not job.store:
             raise ValueError(f"job {job.job_id} is a load")
@@ -306,12 +326,12 @@ class PoolJobs:
             return 0
         pages, how = self._pages(job, len(job.keys), engine)
         result = await pool.store(job.keys, pages, after=after, **how)
-        held = set(result.stored) | set(result.present)
-        whole = [(k, s) for k, s, lo, hi in job.seals if all(key in held for key in job.keys[lo:hi])]
-        if whole:
-            await pool.store([k for k, _ in whole], [s for _, s in whole])
         stored = set(result.stored)
-        return int(sum(int(n) for k, n in zip(job.keys, job.lengths.tolist(), strict=True) if k in stored))
+        return sum(
+            n
+            for k, n, b in zip(job.keys, job.lengths.tolist(), job.gpu_blocks.tolist(), strict=True)
+            if b >= 0 and k in stored
+        )
 
     async def load(
         self, pool: AttachedPool, job: PoolJob, *, engine: CopyEngine | None = None, after: Any = None

@@ -7,11 +7,11 @@ shares what any of them stored.
 Keys. vLLM names a chunk (``blocks_per_chunk`` GPU blocks of one KV cache group) by its offload key
 (block-hash bytes and the group). A worker rank's share of a chunk is ``n`` pool blocks: for each KV
 tensor of the group and each block of the chunk, the page cut into slot-sized pieces. Block ``i`` of rank
-``r`` is ``namespace + offload key + r (2 bytes) + i (4 bytes)``; after them, once the pool holds every
-one, the rank stores a seal (``i = 0xFFFFFFFF``) whose 8 bytes say ``n`` (``_pool_jobs`` plans and runs
-the worker's copies, without vLLM). The namespace is a digest of what makes two engines' pages the same
-bytes (model, dtype, layout, block geometry, the parallel sizes), and leaves out the DP index: replicas
-share.
+``r`` is ``namespace + offload key + r (2 bytes) + i (4 bytes)``; with it, in the same store (so visible
+at the same commit), the rank stores a seal (``i = 0xFFFFFFFF``) whose 8 bytes say ``n``. The namespace
+is a digest of what makes two engines' pages the same bytes (model, dtype, layout, block geometry, the
+parallel sizes), and leaves out the DP index: replicas share. ``_pool_jobs`` plans and runs the
+worker's copies, without vLLM.
 
 Lookups. A chunk is a hit when the pool holds every rank's seal and blocks. The scheduler never sees a
 KV tensor, so it learns ``n`` from the seals of the first chunk it finds by its seals (once per group).
@@ -494,15 +494,15 @@ class PoolOffloadingWorker(OffloadingWorker):
     the attached pool's own thread, straight between the tensors and the slots. KV tensors on a CUDA
     device: the worker attaches with ``device=`` (the pool's memory registered with this process's
     context) and copies the pages with a ``CopyEngine`` of its own on that device, after the work queued
-    on the caller's current stream at the ``submit_*`` call (an event recorded there); the seals, host
-    bytes, go through the host path. All KV tensors lie on one device.
+    on the caller's current stream at the ``submit_*`` call (an event recorded there); the seals go with
+    them, from a copy of their few bytes on the same device. All KV tensors lie on one device.
 
-    A store is the pages, then the seals of the chunks whose every page the pool holds: a seal is never
-    visible without its pages. It reports success when it ended, whatever the pool kept: a pool that was
-    full skipped what did not fit (and those chunks go unsealed), and the scheduler, which asks the pool,
-    sees them missing. A store cancelled by ``shutdown`` reports a failure; pages it stored without their
-    seal are found by no lookup. A load whose blocks the pool no longer holds loads the leading ones that
-    are there; the GPU blocks of the rest are load errors (``take_load_errors``). With
+    A store is one call of the pool's: each chunk's pages and its seal, claimed and committed together,
+    so a chunk is whole or absent. It reports success when it ended, whatever the pool kept: a pool that
+    was full skipped what did not fit, and the scheduler, which asks the pool, sees those chunks missing.
+    A store cancelled by ``shutdown`` reports a failure. A load whose blocks the pool no longer holds
+    loads the leading ones that are there; the GPU blocks of the rest are load errors
+    (``take_load_errors``). With
     ``report_load_errors`` set (``AiokvtierOffloadingConnector`` sets it) such a load ends as a success
     and vLLM recomputes the blocks named; without it, as a failure (vLLM's stock ``OffloadingConnector``
     then stops: it takes no failed job).
@@ -648,7 +648,7 @@ class PoolOffloadingWorker(OffloadingWorker):
                 self._pending.pop(job.job_id, None)
 
     async def _store(self, job: PoolJob, after: Any) -> int:
-        """Stores the job's pages and seals; the page bytes the pool took (0 while it is away)."""
+        """Stores the job's pages and seals (one call); the page bytes the pool took (0 while it is away)."""
         if not job.keys:
             return 0
         pool = await self._link.get()
