@@ -257,12 +257,17 @@ def test_bad_pool_settings_are_refused_by_name(tmp_path: Path) -> None:
     assert not [t for t in threading.enumerate() if t.name.startswith("aiokvtier-vllm")]
 
 
-def test_kv_caches_outside_host_memory_are_refused(pool_path: str) -> None:
+def test_kv_caches_neither_in_host_memory_nor_on_a_cuda_device_are_refused(pool_path: str) -> None:
     caches = kv_caches(0)
     caches.tensors[0].tensor = torch.empty((GPU_BLOCKS, PAGE), dtype=torch.int8, device="meta")
-    with pytest.raises(NotImplementedError, match="host memory only"):
+    with pytest.raises(ValueError, match="lie on several devices: cpu, meta"):
+        OffloadingSpecFactory.create_spec(pool_config(pool_path)).get_worker(caches)
+    for entry in caches.tensors:
+        entry.tensor = torch.empty((GPU_BLOCKS, PAGE), dtype=torch.int8, device="meta")
+    with pytest.raises(ValueError, match="the pool copies host memory or CUDA memory"):
         OffloadingSpecFactory.create_spec(pool_config(pool_path)).get_worker(caches)
     assert statistics(pool_path).clients == 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("aiokvtier-vllm")]
 
 
 def test_lookups_read_the_pool_once_for_a_requests_first_chunk_and_once_for_the_rest(

@@ -142,6 +142,20 @@ async def test_bad_input_changes_nothing(sock: str) -> None:
                 await b.store([b"gpu"], [b"x"], engine=engine)
             with pytest.raises(ValueError, match="attached with device=None"):
                 await b.load([1], [bytearray(5)], engine=engine)
+        # page= and after= go with engine=, checked before the owner is asked for anything.
+        with pytest.raises(TypeError, match="after= takes a CUDA stream or event"):
+            await b.store([b"after"], [b"x"], after="stream")
+        with pytest.raises(TypeError, match="after= takes a CUDA stream or event"):
+            await b.load([1], [bytearray(5)], after=1.5)
+        with pytest.raises(ValueError, match="go with engine="):
+            await b.store([b"after"], [b"x"], after=0)
+        with pytest.raises(ValueError, match="go with engine="):
+            await b.store([b"page"], [b"x"], page=1)
+        with pytest.raises(ValueError, match="go with engine="):
+            await b.load([1], [bytearray(5)], after=0)
+        with pytest.raises(ValueError, match="go with engine="):
+            await b.load([1], [bytearray(5)], page=[5])
+        assert await b.lookup([b"after"]) == 0 and await b.lookup([b"page"]) == 0
         s = await b.statistics()  # after this connection's unpins: one connection is one order
         assert s.blocks == 3 and s.blocks_pinned == 0 and s.claims == 0
         assert s.loads == 3 and s.bytes_loaded == 11  # the refused load copied nothing

@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _regions
+from .._copy._requests import integers, stream_handle
 from .._errors import CopyPlanError, FillError, PoolError, PoolLostError, SlotError
 from .._host import _linux
 from .._host._shared import map_shared, unmap_shared
@@ -868,7 +869,14 @@ class AttachedPool(Owner):
         return int(reply.fields["dropped"])
 
     async def store(
-        self, keys: Sequence[object], src: Any, *, wait: bool = True, engine: CopyEngine | None = None
+        self,
+        keys: Sequence[object],
+        src: Any,
+        *,
+        wait: bool = True,
+        engine: CopyEngine | None = None,
+        page: Any = None,
+        after: Any = None,
     ) -> Any:
         """Store one page per key in the shared store; keys already stored (by any process) are not copied.
 
@@ -883,10 +891,16 @@ class AttachedPool(Owner):
         :param wait: False: skip keys whose slots are not resident yet rather than wait for the fill.
         :param engine: a ``CopyEngine`` on the device this process attached with (``device=``): the
             pages are copied from GPU memory into the shared slots by it.
+        :param page: with ``engine`` and ``src`` as addresses: the bytes of each page, one int for all
+            or one per key (default: a slot each).
+        :param after: with ``engine``: a CUDA stream or event the copies wait for on the GPU (a stream
+            is marked when the copy is queued, after the claim: pass an event recorded at the call to
+            follow exactly the work queued before it).
         :returns: a ``StoreResult`` (stored, present, skipped: keys in the caller's order).
         :raises ValueError: a page larger than a slot, an empty page, a key twice, pages that do not
             match the keys (nothing changed).
-        :raises TypeError: a key that is not bytes-like or an int, or a ``wait`` that is not a bool.
+        :raises TypeError: a key that is not bytes-like or an int, a ``wait`` that is not a bool, or an
+            ``after`` that is neither a stream nor an event.
         :raises PoolLostError: the owner went away (nothing of this call is visible then).
 
         Cancellation: the call returns once nothing reads the caller's pages;
@@ -898,7 +912,7 @@ class AttachedPool(Owner):
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
         given, types = self._given(keys)
         n = len(given)
-        pages = self._pages(src, n, engine, writable=False)
+        pages = self._pages(src, n, engine, page, after, writable=False)
         if n and int(pages.lengths.max()) > self._slot_size:
             raise ValueError(f"a page of {int(pages.lengths.max())} bytes does not fit a {self._slot_size}-byte slot")
         if n and int(pages.lengths.min()) == 0:
@@ -918,7 +932,7 @@ class AttachedPool(Owner):
             claim = int(reply.fields["claim"])
             got = np.frombuffer(reply.parts[0], dtype=np.uint8)
             if claim:
-                await self._fill_claim(claim, got, reply.ints(1), todo, pages, array, engine)
+                await self._fill_claim(claim, got, reply.ints(1), todo, pages, array, engine, after)
             outcome[todo] = got
             todo = todo[got == BUSY]
             if todo.size:  # another process stores these: wait for it, then ask again
@@ -939,6 +953,7 @@ class AttachedPool(Owner):
         pages: Pages,
         array: npt.NDArray[np.uint8] | None,
         engine: CopyEngine | None = None,
+        after: Any = None,
     ) -> None:
         """Copy the claimed pages into their slots, then make them visible (or give the claim up).
 
@@ -951,7 +966,9 @@ class AttachedPool(Owner):
         try:
             if engine is not None:
                 if into.size:
-                    await self._copy_on(engine, into, pages.addresses[rows], pages.lengths[rows], to_slots=True)
+                    await self._copy_on(
+                        engine, into, pages.addresses[rows], pages.lengths[rows], to_slots=True, after=after
+                    )
             else:
                 if array is not None and (rows.size == len(array) or array.shape[1] <= SMALL_ROW):
                     every = None if rows.size == len(array) else rows  # every row, in order: copied where it lies
@@ -965,26 +982,50 @@ class AttachedPool(Owner):
             if not committed and self._lost is None:
                 self._post(_wire.ABORT, {"claim": claim})
 
-    def _pages(self, obj: Any, n: int, engine: CopyEngine | None, *, writable: bool) -> Pages:
-        """The caller's pages: host pages, or (``engine``) pages its engine checked, a slot each at most.
+    def _pages(self, obj: Any, n: int, engine: CopyEngine | None, page: Any, after: Any, *, writable: bool) -> Pages:
+        """The caller's pages: host pages, or (``engine``) pages its engine checked, a slot each at most
+        (``page``: their lengths where ``obj`` is addresses). ``after`` is checked here, before any claim.
 
-        :raises ValueError: ``engine`` without a device, or on another device than this process attached with.
+        :raises ValueError: ``engine`` without a device, or on another device than this process attached
+            with; ``page`` or ``after`` without ``engine``; ``page`` with pages as an array, or not one
+            positive length per key.
+        :raises TypeError: ``after`` is neither a CUDA stream nor an event.
         """
+        if after is not None:
+            stream_handle(after)  # its type, before anything is asked of the owner
         if engine is None:
+            if page is not None or after is not None:
+                raise ValueError("page= and after= go with engine= (GPU pages); host pages carry their lengths")
             return host_pages(obj, n, writable=writable)
         if self._device is None or engine.device != self._device:
             raise ValueError(
                 f"engine= copies GPU pages: this process attached with device={self._device}, the engine copies "
                 f"on device {engine.device}; attach with the engine's device (AttachedPool(path, device=N))"
             )
-        checked = engine.pages(obj, n, page=self._slot_size, writable=writable)
-        return Pages(checked.addresses, np.full(n, checked.page, dtype=np.uint64), [obj, checked], checked.page)
+        if page is None:
+            checked = engine.pages(obj, n, page=self._slot_size, writable=writable)
+            return Pages(checked.addresses, np.full(n, checked.page, dtype=np.uint64), [obj, checked], checked.page)
+        if hasattr(obj, "__cuda_array_interface__") or (isinstance(obj, np.ndarray) and obj.ndim != 1):
+            raise ValueError("page= goes with pages given as addresses; an array's page is its row")
+        lengths = integers([page] * n if isinstance(page, int) else page, "page")
+        if lengths.shape != (n,) or (n and int(lengths.min()) < 1):
+            raise ValueError(f"page= is one positive length, or one per key ({n}); got {page!r}")
+        addresses = integers(obj, "address")
+        if addresses.shape != (n,):
+            raise ValueError(f"expected {n} integer addresses, got {addresses.size}")
+        owners: list[Any] = [obj]
+        for size in np.unique(lengths).tolist():  # each length's pages checked as a CopyEngine checks one size
+            same = addresses[lengths == size]
+            owners.append(engine.pages(same, len(same), page=size, writable=writable))
+        return Pages(addresses.view(np.uint64), lengths.view(np.uint64), owners, 0)
 
     def _at(self, slots: I64) -> U64:
         """The addresses of ``slots`` in this process's mapping."""
         return np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)
 
-    async def _copy_on(self, engine: CopyEngine, slots: I64, pages: U64, lengths: U64, *, to_slots: bool) -> None:
+    async def _copy_on(
+        self, engine: CopyEngine, slots: I64, pages: U64, lengths: U64, *, to_slots: bool, after: Any = None
+    ) -> None:
         """Copy between ``slots`` and device ``pages`` with ``engine``, once this process has registered
         the slots' units (the owner hands out slots as its fill passes them; this process registers
         them on its own worker, a little later)."""
@@ -993,9 +1034,11 @@ class AttachedPool(Owner):
         at = self._at(slots).tolist()
         dst, src = (at, pages.tolist()) if to_slots else (pages.tolist(), at)
         # Returns once the GPU let go of the pages, also when the caller is cancelled.
-        await engine.copy(list(zip(dst, src, lengths.tolist(), strict=True)))
+        await engine.copy(list(zip(dst, src, lengths.tolist(), strict=True)), after=after)
 
-    async def load(self, keys: Sequence[object], dst: Any, *, engine: CopyEngine | None = None) -> list[int]:
+    async def load(
+        self, keys: Sequence[object], dst: Any, *, engine: CopyEngine | None = None, page: Any = None, after: Any = None
+    ) -> list[int]:
         """Copy each key's block from the shared store into ``dst`` (one page per key).
 
         The blocks are pinned while they are read: no process evicts them under this load.
@@ -1006,13 +1049,17 @@ class AttachedPool(Owner):
             device address per key, each a slot long).
         :param engine: a ``CopyEngine`` on the device this process attached with: the blocks are
             copied into GPU memory by it.
+        :param page: with ``engine`` and ``dst`` as addresses: the bytes of each destination page, one
+            int for all or one per key (default: a slot each).
+        :param after: with ``engine``: a CUDA stream or event the copies wait for on the GPU.
         :raises BlockNotFound: a key is not stored (the first missing one is named); nothing copied.
         :raises ValueError: a destination page shorter than its block, a read-only destination,
-            pages that do not match the keys (nothing copied).
+            pages that do not match the keys, ``page`` or ``after`` without ``engine`` (nothing copied).
+        :raises TypeError: an ``after`` that is neither a stream nor an event.
         :raises PoolLostError: the owner went away.
         """
         given, fields, parts = self._keys(keys)
-        pages = self._pages(dst, len(given), engine, writable=True)
+        pages = self._pages(dst, len(given), engine, page, after, writable=True)
         if not given:
             return []
         reply = await self._request(_wire.LOAD, fields, parts, undo="unpin")
@@ -1029,7 +1076,7 @@ class AttachedPool(Owner):
                 )
             job: Callable[[], None]
             if engine is not None:
-                await self._copy_on(engine, slots, pages.addresses, lengths, to_slots=False)
+                await self._copy_on(engine, slots, pages.addresses, lengths, to_slots=False, after=after)
             else:
                 width = int(lengths[0])
                 if isinstance(dst, np.ndarray) and width <= SMALL_ROW and bool((lengths == width).all()):

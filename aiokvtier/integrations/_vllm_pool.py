@@ -10,7 +10,8 @@ tensor of the group and each block of the chunk, the page cut into slot-sized pi
 ``r`` is ``namespace + offload key + r (2 bytes) + i (4 bytes)``; with it, in the same store (so visible
 at the same commit), the rank stores a seal (``i = 0xFFFFFFFF``) whose 8 bytes say ``n``. The namespace
 is a digest of what makes two engines' pages the same bytes (model, dtype, layout, block geometry, the
-parallel sizes), and leaves out the DP index: replicas share.
+parallel sizes), and leaves out the DP index: replicas share. ``_pool_jobs`` plans and runs the
+worker's copies, without vLLM.
 
 Lookups. A chunk is a hit when the pool holds every rank's seal and blocks. The scheduler never sees a
 KV tensor, so it learns ``n`` from the seals of the first chunk it finds by its seals (once per group).
@@ -28,14 +29,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import ctypes
 import hashlib
 import logging
-import struct
 import threading
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,7 +56,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from .. import AttachedPool, BlockNotFound, PoolError, PoolLostError
+from .. import AttachedPool, BlockNotFound, CopyEngine, PoolError, PoolLostError
+from ._pool_jobs import SEAL, SEAL_BYTES, SUFFIX, KVTensor, PoolJob, PoolJobs, block_key, seal_count, tensors_device
 from .vllm import EXTRA_KEY, _cancel_all, _LoopThread, _would_wait, job_blocks
 
 __all__ = [
@@ -73,11 +72,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SEAL = 0xFFFFFFFF
-"""The block index of a rank's seal of a chunk."""
-_SUFFIX = struct.Struct(">HI")
-_SEAL_BYTES = struct.Struct("<4sI")
-_MAGIC = b"akv1"
 REATTACH_AFTER = 1.0
 """Seconds between attempts to attach again to a pool whose owner went away (meanwhile lookups miss,
 stores are dropped and loads fail: vLLM recomputes)."""
@@ -163,9 +157,10 @@ class _Link:
     Lives on the runner's loop; ``current`` may be read from any thread.
     """
 
-    def __init__(self, path: str, *, prefault: bool) -> None:
+    def __init__(self, path: str, *, prefault: bool, device: int | None = None) -> None:
         self.path = path
         self._prefault = prefault
+        self._device = device
         self.current: AttachedPool | None = None
         self._lost_at: float | None = None
         self._next = 0.0
@@ -173,7 +168,7 @@ class _Link:
 
     async def attach(self) -> None:
         # Returns once attached: the first state push, not the pool's fill.
-        self.current = await AttachedPool.attach(self.path, prefault=self._prefault)
+        self.current = await AttachedPool.attach(self.path, device=self._device, prefault=self._prefault)
 
     async def get(self) -> AttachedPool | None:
         """The pool, or None while its owner is away (and once closed)."""
@@ -184,7 +179,7 @@ class _Link:
             return None
         self._next = now + REATTACH_AFTER
         try:
-            pool = await AttachedPool.attach(self.path, prefault=self._prefault)
+            pool = await AttachedPool.attach(self.path, device=self._device, prefault=self._prefault)
         except (PoolError, OSError) as exc:
             log.debug("aiokvtier: the pool at %s is not back yet: %s", self.path, exc)
             return None
@@ -213,23 +208,18 @@ def _group(offload_key: bytes) -> int:
     return int.from_bytes(offload_key[-4:], "big")
 
 
-def block_key(ns: bytes, chunk: bytes, rank: int, index: int) -> bytes:
-    """The pool key of block ``index`` (``SEAL``: the seal) of ``rank``'s share of the chunk ``chunk``."""
-    return ns + chunk + _SUFFIX.pack(rank, index)
-
-
 def _key_rows(ns: bytes, offload_key: bytes, suffixes: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
     """The pool keys ``ns + offload_key + suffix`` as the rows of one array (no Python object per key)."""
     head = len(ns) + len(offload_key)
-    rows = np.empty((len(suffixes), head + _SUFFIX.size), dtype=np.uint8)
+    rows = np.empty((len(suffixes), head + SUFFIX.size), dtype=np.uint8)
     rows[:, :head] = np.frombuffer(ns + offload_key, dtype=np.uint8)
     rows[:, head:] = suffixes
     return rows
 
 
 def _suffixes(pairs: Iterable[tuple[int, int]]) -> npt.NDArray[np.uint8]:
-    raw = b"".join(_SUFFIX.pack(rank, i) for rank, i in pairs)
-    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, _SUFFIX.size)
+    raw = b"".join(SUFFIX.pack(rank, i) for rank, i in pairs)
+    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, SUFFIX.size)
 
 
 class PoolOffloadingManager(OffloadingManager):
@@ -347,7 +337,7 @@ class PoolOffloadingManager(OffloadingManager):
         pool = await self._link.get()
         if pool is None:
             return None
-        out = np.zeros((len(rows), _SEAL_BYTES.size), dtype=np.uint8)
+        out = np.zeros((len(rows), SEAL_BYTES.size), dtype=np.uint8)
         try:
             await pool.load([row.tobytes() for row in rows], out)
         except PoolLostError as exc:
@@ -357,8 +347,8 @@ class PoolOffloadingManager(OffloadingManager):
             return None
         counts = []
         for row in out:
-            magic, n = _SEAL_BYTES.unpack(row.tobytes())
-            if magic != _MAGIC:
+            n = seal_count(row.tobytes())
+            if n is None:
                 log.warning("aiokvtier: a chunk's seal in the pool is not one this version writes: ignored")
                 return None
             counts.append(n)
@@ -453,7 +443,7 @@ class PoolOffloadingManager(OffloadingManager):
         """Turns the pool's events into vLLM's (for the life of the manager, across reattaches)."""
         assert self._events is not None
         events = self._events
-        head, tail = len(self._ns), _SUFFIX.pack(0, SEAL)
+        head, tail = len(self._ns), SUFFIX.pack(0, SEAL)
         while not self._closed:
             pool = await self._link.get()
             if pool is None:
@@ -496,73 +486,44 @@ class PoolOffloadingManager(OffloadingManager):
 # -- the worker --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Tensor:
-    """One KV tensor of this worker: where its blocks lie and how its page is cut into pool blocks."""
-
-    base: int
-    row: int
-    page: int
-    pieces: int
-
-
-@dataclass(frozen=True)
-class _PoolJob:
-    job_id: int
-    store: bool
-    keys: list[bytes]
-    """Pool keys, in the job's order (a load's leading keys are its prefix)."""
-    addresses: npt.NDArray[np.uint64]
-    lengths: npt.NDArray[np.uint64]
-    gpu_blocks: npt.NDArray[np.int64]
-    """For each key, the GPU block it copies from or to (-1: a seal)."""
-    nbytes: int
-    seals: dict[int, bytes]
-    """The seal's bytes of each key that is a seal, by its position."""
-
-
 class PoolOffloadingWorker(OffloadingWorker):
-    """Copies KV blocks between vLLM's KV cache tensors and the pool, by key, with the pool's copies.
+    """Copies KV blocks between vLLM's KV cache tensors and the pool, by key (``PoolJobs`` plans and runs
+    the copies; this class turns vLLM's specs into its jobs and reports their ends).
 
-    KV tensors in host memory only (CPU tensors: tests, development machines); the pool's store and load
-    copy with ``memmove`` on the attached pool's own thread, straight between the tensors and the slots.
+    KV tensors in host memory (CPU tensors: tests, development machines) are copied with ``memmove`` on
+    the attached pool's own thread, straight between the tensors and the slots. KV tensors on a CUDA
+    device: the worker attaches with ``device=`` (the pool's memory registered with this process's
+    context) and copies the pages with a ``CopyEngine`` of its own on that device, after the work queued
+    on the caller's current stream at the ``submit_*`` call (an event recorded there); the seals go with
+    them, from a copy of their few bytes on the same device. All KV tensors lie on one device.
 
-    A store reports success when it ended, whatever the pool kept: a pool that was full skipped what did
-    not fit, and the scheduler, which asks the pool, sees those chunks missing. A load whose blocks the
-    pool no longer holds loads the leading ones that are there; the GPU blocks of the rest are load
-    errors (``take_load_errors``). With ``report_load_errors`` set (``AiokvtierOffloadingConnector`` sets
-    it) such a load ends as a success and vLLM recomputes the blocks named; without it, as a failure
-    (vLLM's stock ``OffloadingConnector`` then stops: it takes no failed job).
+    A store is one call of the pool's: each chunk's pages and its seal, claimed and committed together,
+    so a chunk is whole or absent. It reports success when it ended, whatever the pool kept: a pool that
+    was full skipped what did not fit, and the scheduler, which asks the pool, sees those chunks missing.
+    A store cancelled by ``shutdown`` reports a failure. A load whose blocks the pool no longer holds
+    loads the leading ones that are there; the GPU blocks of the rest are load errors
+    (``take_load_errors``). With
+    ``report_load_errors`` set (``AiokvtierOffloadingConnector`` sets it) such a load ends as a success
+    and vLLM recomputes the blocks named; without it, as a failure (vLLM's stock ``OffloadingConnector``
+    then stops: it takes no failed job).
 
     Threads: the ``submit_*`` calls, ``get_finished``, ``take_load_errors`` and ``wait`` may come from any
     thread; the copies run on the ``aiokvtier-vllm`` loop thread.
+
+    :raises ValueError: KV tensors on several devices or on one neither host nor CUDA, or not one block
+        a row.
+    :raises PoolError: no pool answers at the path.
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, *, config: OffloadingConfig, settings: Mapping[str, str]) -> None:
         tensors = [entry.tensor for entry in kv_caches.tensors]
-        if not tensors:
-            raise ValueError("no KV cache tensors to offload")
-        where = {t.device.type for t in tensors}
-        if where != {"cpu"}:
-            raise NotImplementedError(
-                f"KV cache tensors on {sorted(where)}: the pool mode copies host memory only for now "
-                "(use the private tier, without 'pool', for CUDA KV caches)"
-            )
-        self._rank = int(config.parallel.rank)
-        self._bpc = int(config.cache.blocks_per_chunk)
-        self._ns = namespace(config, settings["namespace"])
-        self._group_tensors: list[tuple[int, ...]] = [
-            tuple(dict.fromkeys(ref.tensor_idx for ref in refs)) for refs in kv_caches.group_data_refs
-        ]
-        if not any(self._group_tensors):
+        device = tensors_device(tensors)
+        layout = [KVTensor.of(t, int(e.page_size_bytes)) for t, e in zip(tensors, kv_caches.tensors, strict=True)]
+        groups = [tuple(dict.fromkeys(ref.tensor_idx for ref in refs)) for refs in kv_caches.group_data_refs]
+        if not any(groups):
             raise ValueError("no KV cache group references a tensor")
-        self._pages = [int(entry.page_size_bytes) for entry in kv_caches.tensors]
-        for tensor, page in zip(tensors, self._pages, strict=True):
-            row = tensor.stride(0) * tensor.element_size()
-            if not tensor.is_contiguous() or row < page:
-                raise ValueError("CPU KV tensors must hold their pages contiguously, one block a row")
         self._tensors_held = tensors  # their memory must outlive every copy
-        self._num_blocks = min(int(t.shape[0]) for t in tensors)
+        self._device = device
         self._finished: collections.deque[TransferResult] = collections.deque()
         self._errors: set[int] = set()
         self._errors_lock = threading.Lock()
@@ -573,117 +534,58 @@ class PoolOffloadingWorker(OffloadingWorker):
         self._shut = threading.Event()
         """Set once the shutdown has ended (a second caller waits for it)."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self._engine: CopyEngine | None = None
         self._runner = _LoopThread("aiokvtier-vllm")
-        self._link = _Link(settings["pool"], prefault=True)
+        self._link = _Link(settings["pool"], prefault=device is None, device=device)
         try:
             self._runner.call(self._link.attach())
             assert self._link.current is not None
-            slot = self._link.current.slot_size
+            self._jobs = PoolJobs(
+                layout,
+                groups,
+                namespace=namespace(config, settings["namespace"]),
+                rank=int(config.parallel.rank),
+                blocks_per_chunk=int(config.cache.blocks_per_chunk),
+                slot_size=self._link.current.slot_size,
+                device=device,
+            )
+            if device is not None:
+                self._engine = self._runner.call(CopyEngine.open(device))
         except BaseException:
             self._runner.call(self._link.aclose())
             self._runner.stop()
             raise
-        self.slot_size = slot
-        self._tensors = [
-            _Tensor(t.data_ptr(), t.stride(0) * t.element_size(), page, -(-page // slot))
-            for t, page in zip(tensors, self._pages, strict=True)
-        ]
-        # Each group's block numbering within a chunk: tensor by tensor, block by block, piece by piece.
-        self._first: list[dict[int, int]] = []
-        self.blocks_per_chunk: list[int] = []
-        for group in self._group_tensors:
-            first, at = {}, 0
-            for t in group:
-                first[t] = at
-                at += self._bpc * self._tensors[t].pieces
-            self._first.append(first)
-            self.blocks_per_chunk.append(at)
+        self.slot_size = self._jobs.slot_size
+        self.blocks_per_chunk: list[int] = self._jobs.blocks_per_chunk
+        """Per KV cache group, this rank's pool blocks of a chunk."""
 
     @property
     def namespace(self) -> bytes:
         """The first bytes of every pool key of this engine (``namespace()`` of its config)."""
-        return self._ns
+        return self._jobs.namespace
 
     # -- planning (on the caller's thread) ----------------------------------------------------
 
-    def _plan(self, job_id: int, gpu: LoadStoreSpec, host: LoadStoreSpec, *, store: bool) -> _PoolJob:
+    def _plan(self, job_id: int, gpu: LoadStoreSpec, host: LoadStoreSpec, *, store: bool) -> PoolJob:
         if not isinstance(gpu, GPULoadStoreSpec):
             raise TypeError(f"the GPU side is a GPULoadStoreSpec, not {type(gpu).__name__}")
         if not isinstance(host, PoolLoadStoreSpec):
             raise TypeError(f"the pool side is a PoolLoadStoreSpec, not {type(host).__name__}")
-        sizes, ids = job_blocks(gpu, len(self._group_tensors), self._num_blocks)
-        bpc, rank, ns = self._bpc, self._rank, self._ns
-        keys: list[bytes] = []
-        addresses: list[int] = []
-        lengths: list[int] = []
-        blocks: list[int] = []
-        nbytes = 0
-        seals: dict[int, bytes] = {}
-        offset = chunk_offset = 0
-        for group, (size, first_block) in enumerate(zip(sizes, gpu.block_indices, strict=True)):
-            if size == 0:
-                continue
-            skip = int(first_block) % bpc
-            used = -(-(skip + size) // bpc)
-            if chunk_offset + used > len(host.keys) or offset + size > len(ids):
-                raise ValueError("the GPU blocks and the chunks of a job do not match")
-            chunks = host.keys[chunk_offset : chunk_offset + used]
-            for c, chunk in enumerate(chunks):
-                lo, hi = max(skip, c * bpc), min(skip + size, (c + 1) * bpc)
-                whole = lo == c * bpc and hi == (c + 1) * bpc
-                if store and not whole:
-                    continue  # a chunk a store covers in part is not stored: its seal would claim all of it
-                prefix = ns + chunk
-                for logical in range(lo, hi):
-                    j = logical % bpc
-                    gpu_block = int(ids[offset + logical - skip])
-                    for t in self._group_tensors[group]:
-                        tensor = self._tensors[t]
-                        at = self._first[group][t] + j * tensor.pieces
-                        start = tensor.base + gpu_block * tensor.row
-                        for p in range(tensor.pieces):
-                            keys.append(prefix + _SUFFIX.pack(rank, at + p))
-                            addresses.append(start + p * self.slot_size)
-                            lengths.append(min(self.slot_size, tensor.page - p * self.slot_size))
-                            blocks.append(gpu_block)
-                        nbytes += tensor.page
-                if store:
-                    seals[len(keys)] = _SEAL_BYTES.pack(_MAGIC, self.blocks_per_chunk[group])
-                    keys.append(prefix + _SUFFIX.pack(rank, SEAL))
-                    addresses.append(0)
-                    lengths.append(_SEAL_BYTES.size)
-                    blocks.append(-1)
-            offset += size
-            chunk_offset += used
-        if offset != len(ids) or chunk_offset != len(host.keys):
-            raise ValueError("the GPU blocks and the chunks of a job do not match")
-        return _PoolJob(
-            job_id,
-            store,
-            keys,
-            np.array(addresses, dtype=np.uint64),
-            np.array(lengths, dtype=np.uint64),
-            np.array(blocks, dtype=np.int64),
-            nbytes,
-            seals,
-        )
+        jobs = self._jobs
+        sizes, ids = job_blocks(gpu, jobs.groups, jobs.num_blocks)
+        firsts = [int(b) for b in gpu.block_indices]
+        return jobs.plan(job_id, store=store, chunks=host.keys, sizes=sizes, first_blocks=firsts, ids=ids)
 
-    def _views(self, job: _PoolJob, count: int) -> list[Any]:
-        """The first ``count`` pages of the job: views of the KV tensors' memory (a seal's own bytes)."""
-        out: list[Any] = []
-        kinds: dict[int, Any] = {}
-        seals = job.seals
-        for i, (address, n) in enumerate(
-            zip(job.addresses[:count].tolist(), job.lengths[:count].tolist(), strict=True)
-        ):
-            if i in seals:
-                out.append(seals[i])
-                continue
-            kind = kinds.get(n)
-            if kind is None:
-                kind = kinds[n] = ctypes.c_ubyte * n
-            out.append(kind.from_address(address))
-        return out
+    def _after(self) -> Any:
+        """An event after the work queued so far on the caller's current stream (None for host tensors):
+        a store reads what the model wrote, a load overwrites blocks the stream may still use."""
+        if self._device is None:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        return event
 
     # -- jobs -------------------------------------------------------------------------------------
 
@@ -697,32 +599,32 @@ class PoolOffloadingWorker(OffloadingWorker):
         """Queue pool -> GPU blocks. ``expedited`` changes nothing: no load queues behind another here."""
         return self._submit(self._plan(job_id, dst_spec, src_spec, store=False))
 
-    def _submit(self, job: _PoolJob) -> bool:
+    def _submit(self, job: PoolJob) -> bool:
         with self._lock:
             if self._closing:
                 return False
             if job.job_id in self._pending:
                 raise ValueError(f"job {job.job_id} is already in flight")
-            self._pending[job.job_id] = self._runner.submit(self._run(job))
+            self._pending[job.job_id] = self._runner.submit(self._run(job, self._after()))
         return True
 
-    async def _run(self, job: _PoolJob) -> None:
+    async def _run(self, job: PoolJob, after: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         began = time.perf_counter()
         success, moved = False, 0
-        failed = job.gpu_blocks
+        failed = job.unfilled(0)
         try:
             if self._closing:
                 raise asyncio.CancelledError
             if job.store:
                 # Success once it ended, whatever the pool kept: the scheduler asks the pool what is there.
-                moved = await self._store(job)
+                moved = await self._store(job, after)
                 success = True
             else:
-                failed = job.gpu_blocks[await self._load(job) :]
-                success = not failed.size
+                failed = job.unfilled(await self._load(job, after))
+                success = not failed
                 moved = job.nbytes if success else 0
         except asyncio.CancelledError:
             pass  # shutdown: the job ends as a failure, with nothing of it in flight
@@ -732,7 +634,7 @@ class PoolOffloadingWorker(OffloadingWorker):
             self._tasks.discard(task)
             if not job.store and not success:
                 with self._errors_lock:
-                    self._errors.update(int(b) for b in np.unique(failed) if b >= 0)
+                    self._errors.update(failed)
                 success = self.report_load_errors  # vLLM recomputes the blocks named
             self._finished.append(
                 TransferResult(
@@ -745,49 +647,31 @@ class PoolOffloadingWorker(OffloadingWorker):
             with self._lock:
                 self._pending.pop(job.job_id, None)
 
-    async def _store(self, job: _PoolJob) -> int:
-        """Stores the job's blocks; the bytes the pool took (0 while it is away)."""
+    async def _store(self, job: PoolJob, after: Any) -> int:
+        """Stores the job's pages and seals (one call); the page bytes the pool took (0 while it is away)."""
         if not job.keys:
             return 0
         pool = await self._link.get()
         if pool is None:
             return 0
         try:
-            result = await pool.store(job.keys, self._views(job, len(job.keys)))
+            return await self._jobs.store(pool, job, engine=self._engine, after=after)
         except PoolLostError as exc:
             self._link.lost(pool, exc)
             return 0
-        if result.skipped:
-            log.debug("aiokvtier: the pool skipped %d of %d blocks of job %d", len(result.skipped), len(job.keys),
-                      job.job_id)  # fmt: skip
-        stored = set(result.stored)
-        return int(sum(int(n) for k, n, b in zip(job.keys, job.lengths, job.gpu_blocks, strict=True)
-                       if b >= 0 and k in stored))  # fmt: skip
 
-    async def _load(self, job: _PoolJob) -> int:
+    async def _load(self, job: PoolJob, after: Any) -> int:
         """Loads the job's leading blocks that the pool holds; how many keys (whole GPU blocks) were loaded."""
-        count = len(job.keys)
+        if not job.keys:
+            return 0
         pool = await self._link.get()
-        for _ in range(64):  # each round follows a block evicted under this load: a bound, not a wait
-            if count == 0 or pool is None:
-                return 0
-            try:
-                await pool.load(job.keys[:count], self._views(job, count))
-                return count
-            except PoolLostError as exc:
-                self._link.lost(pool, exc)
-                return 0
-            except BlockNotFound as exc:
-                try:
-                    missing = job.keys.index(exc.key)  # type: ignore[arg-type]
-                except ValueError:
-                    return 0
-                # Back to the start of the missing key's GPU block: a block is loaded whole or not at all.
-                block = job.gpu_blocks[missing]
-                while missing > 0 and job.gpu_blocks[missing - 1] == block:
-                    missing -= 1
-                count = missing
-        return 0
+        if pool is None:
+            return 0
+        try:
+            return await self._jobs.load(pool, job, engine=self._engine, after=after)
+        except PoolLostError as exc:
+            self._link.lost(pool, exc)
+            return 0
 
     def get_finished(self) -> list[TransferResult]:
         """The jobs that ended since the last call."""
@@ -841,3 +725,5 @@ class PoolOffloadingWorker(OffloadingWorker):
     async def _shutdown(self) -> None:
         await _cancel_all(self._tasks)
         await self._link.aclose()
+        if self._engine is not None:
+            await self._engine.aclose()

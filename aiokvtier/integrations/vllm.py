@@ -289,7 +289,6 @@ class AiokvtierOffloadingSpec(OffloadingSpec):
 
         :raises ValueError: a KV cache layout the worker cannot copy, or tier settings refused for the real slot size.
         :raises PoolError: a pool is named and none answers at its path.
-        :raises NotImplementedError: a pool is named and the KV caches are not in host memory.
         """
         if self._worker is None and self.pool_settings is not None:
             from ._vllm_pool import PoolOffloadingWorker
