@@ -984,8 +984,8 @@ class BlockStore(Owner):
             named); nothing is copied. With a disk or Mooncake tier, blocks in
             the host tier are copied while the others come back from below (a
             key the disk tier does not hold is asked of the Mooncake tier, unless
-            it is unavailable; the disk tier's come back in pieces of a few MiB,
-            each copied out as soon as it landed): a block that does not come back intact (or, from
+            it is unavailable; the disk tier's come back, into host memory, in
+            pieces of a few MiB, each copied out as soon as it landed): a block that does not come back intact (or, from
             the Mooncake tier, at all) raises this once the others landed; the
             blocks that did come back stay in the host tier.
         :raises ValueError: a destination page shorter than its block (for a
@@ -1041,15 +1041,20 @@ class BlockStore(Owner):
             self._exit()
 
     async def _load_from(self, source: Source, keys: list[Key], pages: Pages, after: Any) -> None:
-        """Bring ``keys`` back from a lower tier into host slots and copy them into ``pages``: in pieces
-        of ``source.piece`` bytes, all asked for at once, each copied out as soon as it landed.
+        """Bring ``keys`` back from a lower tier into host slots and copy them into ``pages``: into host
+        memory in pieces of ``source.piece`` bytes, all asked for at once, each copied out as soon as it
+        landed; into GPU memory in one go.
 
         Every piece runs to its end (a miss in one does not stop the others); the first failure in the
         keys' order is raised then. Cancelled: the pieces not begun are not begun, and the cancellation
         comes once the others let go of their slots and of ``pages``.
         """
         distinct = list(dict.fromkeys(keys))
-        per = max(1, source.piece // self._tier.slot_size) if source.piece else len(distinct)
+        engine = self._transfers.engine
+        # Into GPU memory the copy after the last read is the DMA's ~1 ms, and each piece's loop work
+        # slowed the reads beside it more than that: one go measured faster on the H200 (docs/benchmarks.md).
+        size = source.piece if engine is None or engine.device is None else 0
+        per = max(1, size // self._tier.slot_size) if size else len(distinct)
         if len(distinct) <= per:
             await self._bring(source, keys, pages, after)
             return
