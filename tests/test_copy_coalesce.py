@@ -17,36 +17,50 @@ from typing import Any
 
 import numpy as np
 import pytest
+import uvloop
 
 from aiokvtier import CopyEngine, HostTier, StaticHostMem
+from aiokvtier._copy._backend import HostBackend
 from aiokvtier._copy._engine import GROUP_BYTES
 from aiokvtier._copy._plan import Plan
 from aiokvtier.testing import RecordingBackend
 
 from .helpers import KiB, MiB, small_config
+from .invariants import wait_no_library_threads
 
 SLOT = 64 * KiB
 HANG = 10.0
 DEVICE = 0x7F00_0000_0000
 
 
-class Gated(RecordingBackend):
-    """A coalescing recorder whose first ``issue()`` waits for ``gate``: whatever is queued
-    meanwhile reaches the submit thread at once, as behind a GPU's slow first call."""
+class FirstWaits:
+    """The first ``issue()`` waits for ``gate``: whatever is queued meanwhile reaches the submit
+    thread at once, as behind a GPU's slow first call."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(coalesce=True, **kwargs)
+    def __init__(self) -> None:
         self.gate = threading.Event()
         self.entered = threading.Event()
-        self.fail_group: BaseException | None = None
-        """Raised by the next ``issue()`` of more than one request (then cleared)."""
         self._first = True
 
-    def issue(self, plan: Plan, direction: str, after: tuple[str, Any] | None) -> Any:
+    def hold_first(self) -> None:
         if self._first:
             self._first = False
             self.entered.set()
             self.gate.wait(HANG)
+
+
+class Gated(RecordingBackend):
+    """A coalescing recorder whose first ``issue()`` waits for ``gate`` (``FirstWaits``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(coalesce=True, **kwargs)
+        self.first = FirstWaits()
+        self.gate, self.entered = self.first.gate, self.first.entered
+        self.fail_group: BaseException | None = None
+        """Raised by the next ``issue()`` of more than one request (then cleared)."""
+
+    def issue(self, plan: Plan, direction: str, after: tuple[str, Any] | None) -> Any:
+        self.first.hold_first()
         if plan.requested > 1 and self.fail_group is not None:
             error, self.fail_group = self.fail_group, None
             raise error
@@ -101,6 +115,9 @@ async def test_jobs_queued_together_are_issued_as_one_plan_and_each_lands_bit_ex
                 assert (view[r] == v).all()
         stats = engine.statistics()
         assert stats.jobs_coalesced == 5 and stats.jobs_completed == 6 and stats.descriptors_submitted == 16
+        assert stats.jobs_by_method == {"dma": 6, "sm": 0}, "a group counts each of its jobs once"
+        assert stats.bytes_by_method["dma"] == stats.bytes_copied == stats.bytes_by_direction["h2d"] == 16 * SLOT
+        assert stats.latency_count == 6
         assert len(tier.copies) == 0 and len(stage.copies) == 0
 
 
@@ -209,3 +226,250 @@ async def test_a_backend_that_does_not_coalesce_gets_every_job_alone() -> None:
         await bounded(asyncio.gather(*(s.done for s in started)))
         assert [c.requested for c in recording.issued] == [1] * 8
         assert engine.statistics().jobs_coalesced == 0
+
+
+async def test_a_small_job_is_not_grouped_with_one_that_would_take_the_group_past_group_bytes() -> None:
+    whole = GROUP_BYTES // SLOT  # the second job alone fills the bound: the first must not wait for it
+    async with rig() as (tier, stage, engine, gated):
+        first = await busy(engine, tier, stage, gated)
+        small = engine.begin(tier, await tier.allocate(1), [stage.address], "h2d")
+        slots = await tier.allocate(whole)
+        big = engine.begin(tier, slots, [stage.address + k * SLOT for k in range(whole)], "h2d")
+        gated.gate.set()
+        await bounded(asyncio.gather(first, small.done, big.done))
+        assert [c.requested for c in gated.issued] == [1, 1, whole]
+        assert all(sum(c.sizes) <= GROUP_BYTES for c in gated.issued)
+
+
+class GatedHost(HostBackend):
+    """A coalescing memmove backend whose first ``issue()`` waits for ``gate``."""
+
+    coalesce = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = FirstWaits()
+        self.gate, self.entered = self.first.gate, self.first.entered
+        self.plans: list[int] = []
+
+    def issue(self, plan: Plan, direction: str, after: tuple[str, Any] | None) -> Any:
+        self.first.hold_first()
+        self.plans.append(plan.requested)
+        return super().issue(plan, direction, after)
+
+    def wait(self, handle: Any) -> None:
+        raise AssertionError("a synchronous backend is never waited for")
+
+
+async def test_a_synchronous_backend_that_coalesces_has_its_groups_settled_by_the_submit_thread() -> None:
+    backend = GatedHost()
+    async with (
+        HostTier(small_config(quota=16 * MiB)) as tier,
+        StaticHostMem(16 * SLOT) as stage,
+        CopyEngine(None, backend=backend) as engine,
+    ):
+        await tier.wait_resident()
+        view = np.frombuffer(stage.view(), dtype=np.uint8).reshape(-1, SLOT)
+        first = engine.begin(tier, await tier.allocate(1), [stage.address], "h2d")
+        await bounded(asyncio.to_thread(backend.entered.wait, HANG))
+        slots = await tier.allocate(4)
+        for i, slot in enumerate(slots):
+            tier.view(slot)[:] = bytes([i + 7]) * SLOT
+        started = [engine.begin(tier, [slot], [stage.address + (i + 1) * SLOT], "h2d") for i, slot in enumerate(slots)]
+        backend.gate.set()
+        await bounded(asyncio.gather(first.done, *(s.done for s in started), *(s.submitted for s in started)))
+        assert backend.plans == [1, 4]
+        for i in range(4):
+            assert (view[i + 1] == i + 7).all()
+        stats = engine.statistics()
+        assert stats.jobs_coalesced == 4 and stats.jobs_completed == stats.jobs_submitted == 5
+        assert len(tier.copies) == 0 and len(stage.copies) == 0
+
+
+@pytest.mark.parametrize("stop_at", ["a carried job", "the group's end"])
+async def test_close_while_a_group_is_queued_and_held_issues_every_job_then_stops(stop_at: str) -> None:
+    async with rig(hold=True) as (tier, stage, engine, gated):
+        first = await busy(engine, tier, stage, gated)
+        kinds = ["h2d", "h2d", "d2h"] if stop_at == "a carried job" else ["h2d", "h2d"]
+        slots = await tier.allocate(len(kinds))
+        started = [
+            engine.begin(tier, [slot], [stage.address + (i + 1) * SLOT], kind)
+            for i, (slot, kind) in enumerate(zip(slots, kinds, strict=True))
+        ]
+        closing = asyncio.ensure_future(engine.aclose())
+        await asyncio.sleep(0.05)  # the stop signal queues behind the jobs
+        gated.gate.set()
+        await bounded(gated.wait_issued(len(set(kinds)) + 1))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not closing.done() and not any(s.done.done() for s in started)
+        assert gated.release() == len(set(kinds)) + 1
+        await bounded(closing)
+        await bounded(asyncio.gather(first, *(s.done for s in started)))
+        assert [c.requested for c in gated.issued] == [1, 2] + ([1] if stop_at == "a carried job" else [])
+        stats = engine.statistics()
+        assert stats.jobs_completed == stats.jobs_submitted == len(kinds) + 1 == stats.latency_count
+        assert len(tier.copies) == 0 and len(stage.copies) == 0
+    await wait_no_library_threads()
+
+
+DELAYS = (0, 0.0001, 0.0005, 0.002, 0.01)
+
+
+async def test_callers_of_a_group_cancelled_or_timed_out_resume_only_once_their_copy_landed() -> None:
+    class Sibling(Exception):
+        pass
+
+    async with rig(memmove=True) as (tier, stage, engine, gated):
+        first = await busy(engine, tier, stage, gated)
+        view = np.frombuffer(stage.view(), dtype=np.uint8).reshape(-1, SLOT)
+        slots = await tier.allocate(3 * len(DELAYS))
+        for i, slot in enumerate(slots):
+            tier.view(slot)[:] = bytes([i + 1]) * SLOT
+
+        def landed(i: int) -> bool:
+            return bool((view[i + 1] == i + 1).all())
+
+        async def timed(i: int, delay: float) -> None:
+            try:
+                async with asyncio.timeout(delay):
+                    await engine.to_device(tier, [slots[i]], [stage.address + (i + 1) * SLOT])
+            except TimeoutError:
+                pass
+            assert landed(i), f"a caller timed out after {delay} s came back before its copy landed"
+
+        async def cancelled(i: int) -> None:
+            try:
+                await engine.to_device(tier, [slots[i]], [stage.address + (i + 1) * SLOT])
+            except asyncio.CancelledError:
+                assert landed(i), "a cancelled caller came back before its copy landed"
+                raise
+
+        async def in_group(i: int, delay: float) -> None:
+            async def sibling() -> None:
+                await asyncio.sleep(delay)
+                raise Sibling
+
+            with pytest.raises(ExceptionGroup):
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(sibling())
+                    await engine.to_device(tier, [slots[i]], [stage.address + (i + 1) * SLOT])
+                    await asyncio.sleep(HANG)
+            assert landed(i), f"a TaskGroup failed after {delay} s came back before its copy landed"
+
+        n = len(DELAYS)
+        tasks = [asyncio.ensure_future(timed(k, d)) for k, d in enumerate(DELAYS)]
+        tasks += [asyncio.ensure_future(in_group(n + k, d)) for k, d in enumerate(DELAYS)]
+        victims = [asyncio.ensure_future(cancelled(2 * n + k)) for k in range(n)]
+        for _ in range(5):
+            await asyncio.sleep(0)  # every call plans and queues behind the held first job
+        for k, victim in enumerate(victims):
+            victim.cancel()
+            await asyncio.sleep(DELAYS[k])
+        await asyncio.sleep(0.02)
+        gated.gate.set()
+        await bounded(asyncio.gather(first, *tasks))
+        for victim in victims:
+            with pytest.raises(asyncio.CancelledError):
+                await bounded(victim)
+        assert [c.requested for c in gated.issued] == [1, 3 * n]
+        stats = engine.statistics()
+        assert stats.jobs_completed == stats.jobs_submitted == stats.latency_count == 3 * n + 1
+        assert len(tier.copies) == 0 and len(stage.copies) == 0
+
+
+async def test_a_group_whose_merged_issue_fails_gives_each_job_its_own_outcome() -> None:
+    class Picky(Gated):
+        """Refuses the group, then the job writing to ``bad``."""
+
+        bad = 0
+
+        def issue(self, plan: Plan, direction: str, after: tuple[str, Any] | None) -> Any:
+            if plan.requested == 1 and int(plan.dsts[0]) == self.bad:
+                raise OSError("this job was refused")
+            return super().issue(plan, direction, after)
+
+    picky = Picky(hold=True)
+    async with (
+        HostTier(small_config(quota=16 * MiB)) as tier,
+        StaticHostMem(16 * SLOT) as stage,
+        CopyEngine(None, backend=picky) as engine,
+    ):
+        await tier.wait_resident()
+        first = await busy(engine, tier, stage, picky)
+        slots = await tier.allocate(4)
+        picky.bad = stage.address + 2 * SLOT
+        started = [engine.begin(tier, [slot], [stage.address + (i + 1) * SLOT], "h2d") for i, slot in enumerate(slots)]
+        picky.fail_group = OSError("the batch was refused")
+        picky.gate.set()
+        await bounded(picky.wait_issued(4))  # the busy job, then three of the four alone
+        await bounded(asyncio.gather(*(s.submitted for s in started)))
+        assert picky.release(2) == 2  # the busy job and the first one
+        await bounded(asyncio.gather(first, started[0].done))
+        with pytest.raises(OSError, match="this job was refused"):  # settled in queue order
+            await bounded(started[1].done)
+        assert picky.fail(RuntimeError("the copy failed"), 1) == 1  # the third fails landing, alone
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            await bounded(started[2].done)
+        assert not started[3].done.done()
+        assert picky.release() == 1
+        await bounded(started[3].done)
+        assert [c.requested for c in picky.issued] == [1, 1, 1, 1]
+        stats = engine.statistics()
+        assert stats.jobs_coalesced == 0 and stats.jobs_completed == stats.jobs_submitted == 5
+        assert stats.descriptors_submitted == 4 and stats.jobs_by_method["dma"] == 4
+        assert len(tier.copies) == 0 and len(stage.copies) == 0
+
+
+@pytest.mark.parametrize("report_issue", [False, True])
+def test_jobs_from_two_event_loops_in_one_group_settle_each_on_its_own_loop(report_issue: bool) -> None:
+    async def main() -> None:
+        async with rig(hold=True) as (tier, stage, engine, gated):
+            first = await busy(engine, tier, stage, gated)
+            slots = await tier.allocate(8)
+            pages = engine.pages([stage.address + (r + 1) * SLOT for r in range(8)], 8, page=SLOT, writable=True)
+            queued = threading.Barrier(3)
+            settled: dict[str, int] = {}
+            errors: list[BaseException] = []
+
+            def other(name: str, rows: range) -> None:
+                async def calls() -> None:
+                    loop = asyncio.get_running_loop()
+                    started = [
+                        engine.start(tier, [slots[r]], pages.take([r]), "h2d", report_issue=report_issue) for r in rows
+                    ]
+                    await asyncio.to_thread(queued.wait, HANG)
+                    await asyncio.gather(*(s.submitted for s in started))
+                    await asyncio.gather(*(s.done for s in started))
+                    assert all(f.get_loop() is loop for s in started for f in s)
+                    settled[name] = len(started)
+
+                try:
+                    with asyncio.Runner(loop_factory=uvloop.new_event_loop if name == "uvloop" else None) as runner:
+                        runner.run(calls())
+                except BaseException as exc:
+                    errors.append(exc)
+                    queued.abort()
+
+            threads = [
+                threading.Thread(target=other, args=(name, rows))
+                for name, rows in (("asyncio", range(4)), ("uvloop", range(4, 8)))
+            ]
+            for thread in threads:
+                thread.start()
+            await bounded(asyncio.to_thread(queued.wait, HANG))
+            gated.gate.set()
+            await bounded(gated.wait_issued(2))
+            assert [c.requested for c in gated.issued] == [1, 8]
+            gated.release()
+            await bounded(first)
+            for thread in threads:
+                await bounded(asyncio.to_thread(thread.join, HANG))
+            assert not errors, errors
+            assert settled == {"asyncio": 4, "uvloop": 4}, "a loop's callers were not all settled"
+            stats = engine.statistics()
+            assert stats.jobs_coalesced == 8 and stats.jobs_completed == stats.jobs_submitted == 9
+            assert len(tier.copies) == 0 and len(stage.copies) == 0
+        await wait_no_library_threads()
+
+    asyncio.run(main())

@@ -116,10 +116,10 @@ class CopyBackend(ABC):
     def statistics(self) -> BackendStatistics:
         return BackendStatistics(self._calls, dict(self._jobs_by_method), dict(self._bytes_by_method))
 
-    def _count(self, method: str, nbytes: int) -> None:
-        """One job issued through ``method`` (submit thread)."""
-        self._jobs_by_method[method] += 1
-        self._bytes_by_method[method] += nbytes
+    def _count(self, method: str, issued: Plan) -> None:
+        """A plan issued through ``method`` (submit thread): its jobs and bytes."""
+        self._jobs_by_method[method] += issued.jobs
+        self._bytes_by_method[method] += issued.nbytes
 
 
 class HostBackend(CopyBackend):
@@ -138,7 +138,7 @@ class HostBackend(CopyBackend):
             ):
                 ctypes.memmove(dst, src, n)
             self._calls += 1
-        self._count("dma", plan.nbytes)
+        self._count("dma", plan)
         return None
 
     def __repr__(self) -> str:

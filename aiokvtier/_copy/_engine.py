@@ -570,10 +570,7 @@ class CopyEngine(Owner):
             group = [job]
             if backend.coalesce and job.after is None:
                 carried = self._gather(group)
-            if len(group) == 1:
-                self._issue(job)
-            else:
-                self._issue_group(group)
+            self._issue(group)
 
     def _gather(self, group: list[_Job]) -> object:
         """Add the jobs queued right behind ``group[0]`` that may be issued with it (submit thread).
@@ -592,6 +589,7 @@ class CopyEngine(Owner):
                 or more.after is not None
                 or more.direction != first.direction
                 or count + more.plan.count > self.max_batch
+                or nbytes + more.plan.nbytes > GROUP_BYTES
             ):
                 return more
             group.append(more)
@@ -599,46 +597,36 @@ class CopyEngine(Owner):
             nbytes += more.plan.nbytes
         return _NOTHING
 
-    def _issue(self, job: _Job) -> None:
-        """Issue one job and hand it to the completion thread (or settle it, where it landed already)."""
+    def _issue(self, group: list[_Job]) -> None:
+        """Issue one job, or jobs queued together as one plan (one driver call, event and wake-up
+        for all), then hand them to the completion thread, or settle them where they landed already.
+
+        Where a group's one issue fails, each job is issued alone, so that a job is refused only
+        for its own copies; what the failed call issued is copied again (the same bytes to the
+        same places, the buffers still the engine's).
+        """
+        first = group[0]
         handle = None
         try:
-            handle = self._backend.issue(job.plan, job.direction, job.after)
+            planned = first.plan if len(group) == 1 else _merged([job.plan for job in group])
+            handle = self._backend.issue(planned, first.direction, first.after)
         except BaseException as exc:  # reported to the awaiting task
-            job.error = exc
+            if len(group) > 1:
+                for job in group:
+                    self._issue([job])
+                return
+            first.error = exc
         else:
-            self._count_issued(job.plan, job.direction)
+            self._counts["descriptors"] += planned.count
+            self._counts["bytes"] += planned.nbytes
+            self._bytes_by_direction[first.direction] += planned.nbytes
+            if len(group) > 1:
+                self._counts["coalesced"] += len(group)
         if self._backend.synchronous:
-            # The copy has landed (memmove returned): this thread settles the job itself
+            # The copies have landed (memmove returned): this thread settles the jobs itself
             # (no hop to the completion thread).
-            self._settle([self._finish(job)], submitted_too=True)
+            self._settle([self._finish(job) for job in group], submitted_too=True)
             return
-        if job.on_submit is not None:
-            deliver(job.loop, [(job.on_submit, None, None)])
-        self._done_q.put(((job,), handle))
-
-    def _issue_group(self, group: list[_Job]) -> None:
-        """Issue jobs queued together as one plan: one driver call, event and wake-up for all.
-
-        Where that fails, each job is issued alone, so that a job is refused only for its own
-        copies; what the failed call issued is copied again (the same bytes to the same places,
-        the buffers still the engine's).
-        """
-        plans = [job.plan for job in group]
-        merged = Plan(
-            np.concatenate([p.dsts for p in plans]),
-            np.concatenate([p.srcs for p in plans]),
-            np.concatenate([p.sizes for p in plans]),
-            sum(p.requested for p in plans),
-        )
-        try:
-            handle = self._backend.issue(merged, group[0].direction, None)
-        except BaseException:
-            for job in group:
-                self._issue(job)
-            return
-        self._count_issued(merged, group[0].direction)
-        self._counts["coalesced"] += len(group)
         signals: dict[asyncio.AbstractEventLoop, list[Outcome]] = defaultdict(list)
         for job in group:
             if job.on_submit is not None:
@@ -646,11 +634,6 @@ class CopyEngine(Owner):
         for loop, batch in signals.items():
             deliver(loop, batch)
         self._done_q.put((tuple(group), handle))
-
-    def _count_issued(self, planned: Plan, direction: str) -> None:
-        self._counts["descriptors"] += planned.count
-        self._counts["bytes"] += planned.nbytes
-        self._bytes_by_direction[direction] += planned.nbytes
 
     def _complete_loop(self) -> None:
         backend = self._backend
@@ -712,6 +695,17 @@ class CopyEngine(Owner):
         job.done.set()
         self._counts["completed"] += 1
         return job
+
+
+def _merged(plans: list[Plan]) -> Plan:
+    """One plan of several jobs' copies, one after another (each job's own order kept)."""
+    return Plan(
+        np.concatenate([p.dsts for p in plans]),
+        np.concatenate([p.srcs for p in plans]),
+        np.concatenate([p.sizes for p in plans]),
+        sum(p.requested for p in plans),
+        sum(p.jobs for p in plans),
+    )
 
 
 def _default_backend(

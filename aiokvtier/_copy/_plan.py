@@ -51,6 +51,9 @@ class Plan:
     sizes: U64
     requested: int
     """Copies asked for, before merging."""
+    jobs: int = 1
+    """Copy calls whose copies this plan holds: more than one where the engine issues jobs
+    queued together as one plan (``CopyBackend.coalesce``)."""
 
     @property
     def count(self) -> int:

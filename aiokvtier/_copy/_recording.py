@@ -141,7 +141,7 @@ class RecordingBackend(CopyBackend):
             plan,
         )
         self._calls += len(calls)
-        self._count("dma", plan.nbytes)
+        self._count("dma", plan)
         with self._lock:
             self.issued.append(job.copy)
             if self.hold:

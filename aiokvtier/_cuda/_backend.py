@@ -208,7 +208,7 @@ class CudaBackend(CopyBackend):
             for chunk in plan.chunks(self._max_batch):
                 call(plan.dsts[chunk], plan.srcs[chunk], plan.sizes[chunk], stream)
                 self._calls += 1
-        self._count(method, plan.nbytes)
+        self._count(method, plan)
         try:
             event = self._events.pop()
         except IndexError:
