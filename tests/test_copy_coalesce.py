@@ -473,3 +473,30 @@ def test_jobs_from_two_event_loops_in_one_group_settle_each_on_its_own_loop(repo
         await wait_no_library_threads()
 
     asyncio.run(main())
+
+
+async def test_raw_copies_queued_together_are_one_group_between_slot_copies() -> None:
+    async with rig(memmove=True) as (tier, stage, engine, gated):
+        first = await busy(engine, tier, stage, gated)
+        view = np.frombuffer(stage.view(), dtype=np.uint8).reshape(-1, SLOT)
+        slots = await tier.allocate(4)
+        for i, slot in enumerate(slots):
+            tier.view(slot)[:] = bytes([i + 1]) * SLOT
+        addresses = tier.slot_addresses(slots)
+        h2d = engine.begin(tier, [slots[0]], [stage.address + SLOT], "h2d")
+        raw = [
+            asyncio.ensure_future(engine.copy([(stage.address + (i + 2) * SLOT, int(addresses[i + 1]), SLOT)]))
+            for i in range(3)
+        ]
+        for _ in range(5):
+            await asyncio.sleep(0)  # the raw copies plan and queue
+        gated.gate.set()
+        await bounded(asyncio.gather(first, h2d.done, *raw))
+        assert [(c.direction, c.requested) for c in gated.issued] == [("h2d", 1), ("h2d", 1), ("any", 3)]
+        for row in range(1, 5):
+            assert (view[row] == row).all()
+        stats = engine.statistics()
+        assert stats.jobs_by_direction == {"h2d": 2, "d2h": 0, "any": 3}
+        assert stats.bytes_by_direction == {"h2d": 2 * SLOT, "d2h": 0, "any": 3 * SLOT}
+        assert stats.jobs_coalesced == 3 and stats.jobs_completed == stats.jobs_submitted == 5
+        assert len(tier.copies) == 0 and len(stage.copies) == 0
