@@ -338,16 +338,24 @@ class ModelDriver:
     def cuEventSynchronize(self, event: int) -> tuple[_Err]:
         return (_Err(1 if event in self.fail_sync else 0),)
 
+    def cuStreamSynchronize(self, stream: int) -> tuple[_Err]:
+        self.log.append(("sync", int(stream)))
+        return (_Err(0),)
+
 
 class ModelBatch:
     """Stands in for ``BatchCall``: records each call's descriptors and stream."""
 
     calls: ClassVar[list[tuple[str, int, int]]] = []
+    refuse_at: ClassVar[int | None] = None
+    """The number of the call (from 1) that the driver refuses, if any."""
 
     def __init__(self, function: Any, abi: Any, direction: str, device: int) -> None:
         self.direction = direction
 
     def __call__(self, dsts: Any, srcs: Any, sizes: Any, stream: Any) -> None:
+        if ModelBatch.refuse_at == len(ModelBatch.calls) + 1:
+            raise CudaError("cuMemcpyBatchAsync", "CUDA_ERROR_INVALID_VALUE", 1)
         ModelBatch.calls.append((self.direction, len(dsts), int(stream)))
 
 
@@ -360,6 +368,7 @@ def model_driver(monkeypatch: pytest.MonkeyPatch) -> ModelDriver:
     monkeypatch.setattr(_backend, "resolve_batch_function", lambda drv: (None, 13000))
     monkeypatch.setattr(_backend, "BatchCall", ModelBatch)
     monkeypatch.setattr(ModelBatch, "calls", [])
+    monkeypatch.setattr(ModelBatch, "refuse_at", None)
     return model
 
 
@@ -390,6 +399,34 @@ async def test_the_cuda_backend_issues_on_its_streams_and_reuses_its_events(mode
             stats = engine.statistics()
             assert stats.driver_calls == 5 and stats.batch_abi == 13000 and stats.jobs_completed == 3
     assert not model.streams and not model.events and model.contexts == 0
+
+
+async def test_a_plan_refused_after_some_calls_waits_for_them_before_its_caller_sees_the_error(
+    model_driver: ModelDriver,
+) -> None:
+    """The calls issued before the refused one still copy: the caller regains its buffers (and the
+    error) only once the stream has run them; a plan refused at its first call waits for nothing."""
+    model = model_driver
+    async with HostTier(small_config()) as tier:
+        await tier.wait_resident()
+        slots = await tier.allocate(6)
+        every_other = [DEVICE + 2 * i * SLOT for i in range(6)]
+        async with CopyEngine(0, method="dma", max_batch=2) as engine:
+            ModelBatch.refuse_at = 2
+            with pytest.raises(CudaError, match="cuMemcpyBatchAsync"):
+                await bounded(engine.to_device(tier, slots, every_other))
+            assert [(d, n) for d, n, _ in ModelBatch.calls] == [("h2d", 2)]
+            assert model.log[-1] == ("sync", ModelBatch.calls[0][2])
+            ModelBatch.refuse_at = len(ModelBatch.calls) + 1
+            syncs = sum(1 for entry in model.log if entry[0] == "sync")
+            with pytest.raises(CudaError):
+                await bounded(engine.to_device(tier, slots, every_other))
+            assert sum(1 for entry in model.log if entry[0] == "sync") == syncs
+            ModelBatch.refuse_at = None
+            await bounded(engine.to_device(tier, slots, every_other))  # the engine goes on
+            assert len(tier.copies) == 0
+            stats = engine.statistics()
+            assert stats.jobs_submitted == stats.jobs_completed == 3
 
 
 async def test_a_failed_wait_reaches_the_caller_and_its_event_is_not_reused(model_driver: ModelDriver) -> None:

@@ -187,6 +187,11 @@ class CopyEngine(Owner):
     and ``engine.start(tier, slots, pages.take(ids), "h2d")`` queues a copy
     of those pages without checking them again (``StartedCopy``).
 
+    Order: copies of requests in flight at once are not ordered with one
+    another (they run on the engine's streams in turn, and requests queued
+    together may go as one batch): a request that must follow another awaits
+    it, or passes ``after=``.
+
     Cancellation: cancelling a task that awaits a copy does not cancel the
     copy. The engine keeps the buffers it was given (tensors, the tier)
     referenced until the GPU has finished with them, and closing a tier or

@@ -205,9 +205,16 @@ class CudaBackend(CopyBackend):
                 method = "dma"
         if method == "dma":
             call = BatchCall(self._batch, self._abi, direction, self.device)
-            for chunk in plan.chunks(self._max_batch):
-                call(plan.dsts[chunk], plan.srcs[chunk], plan.sizes[chunk], stream)
-                self._calls += 1
+            issued = 0
+            try:
+                for chunk in plan.chunks(self._max_batch):
+                    call(plan.dsts[chunk], plan.srcs[chunk], plan.sizes[chunk], stream)
+                    self._calls += 1
+                    issued += 1
+            except BaseException:
+                if issued:  # what was issued still copies: the caller regains its buffers once it landed
+                    drv.cuStreamSynchronize(stream)
+                raise
         self._count(method, plan)
         try:
             event = self._events.pop()
@@ -227,11 +234,12 @@ class CudaBackend(CopyBackend):
         return _Issued(event, slab)
 
     def _give_back_after(self, slab: Any, stream: Any) -> None:
-        """A launched job whose event could not be recorded: its slab is reusable once the stream has run it."""
-        if slab is not None and self._sm is not None:
-            from ._driver import driver
+        """An issued job whose event could not be recorded: the error reaches its caller, who regains the
+        buffers, once the stream has run its copies; then its slab (if any) is reusable."""
+        from ._driver import driver
 
-            driver().cuStreamSynchronize(stream)
+        driver().cuStreamSynchronize(stream)
+        if slab is not None and self._sm is not None:
             self._sm.give_back(slab)
 
     def _wants_sm(self, plan: Plan, direction: str) -> bool:
