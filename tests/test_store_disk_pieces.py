@@ -135,3 +135,30 @@ async def test_a_close_that_begins_during_the_load_waits_for_it(tmp_path: Path, 
         assert tier.statistics().slots_allocated == 0
         d = disk.statistics()
         assert d.queue_depth == 0 and d.blocks + d.free == d.capacity
+
+
+async def test_a_piece_cancelled_from_within_ends_the_load_as_cancelled_not_as_a_success(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A piece whose read is cancelled inside it (not by this load's caller) wrote none of its pages: the
+    load must not return as if it had. It ends as the piece did, and nothing stays claimed."""
+    async with prefix(tmp_path) as (tier, store, disk):
+        real_read = disk.read
+        calls = 0
+
+        async def read(keys: list[bytes], addresses: list[int]) -> tuple[bool, ...]:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise asyncio.CancelledError("a read cut short inside the disk tier")
+            return await real_read(keys, addresses)
+
+        monkeypatch.setattr(disk, "read", read)
+        with pytest.raises(asyncio.CancelledError):
+            await store.load(KEYS, np.zeros_like(DATA))
+        monkeypatch.setattr(disk, "read", real_read)
+        settled(tier, store, disk)
+        out = np.zeros_like(DATA)
+        await store.load(KEYS, out)
+        assert np.array_equal(out, DATA)
+        settled(tier, store, disk)

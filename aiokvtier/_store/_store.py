@@ -1074,11 +1074,15 @@ class BlockStore(Owner):
         except BaseException:
             for task in tasks:
                 task.cancel()
-            await finish(asyncio.wait(tasks))
+            if tasks:  # none when the first piece could not be made: its error is the one to see
+                await finish(asyncio.wait(tasks))
             raise
-        finally:
-            errors = [task.exception() for task in tasks if task.done() and not task.cancelled()]
-        for error in errors:
+        for task in tasks:  # the first failure in the keys' order
+            if task.cancelled():
+                # Cancelled from within (this load was not): its pages were not written, so the load
+                # ends as the piece did, as a load in one go would.
+                raise asyncio.CancelledError("a piece of the load was cancelled")
+            error = task.exception()
             if error is not None:
                 raise error
 
