@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -597,5 +598,41 @@ def test_keys_inserted_from_their_wire_matrix_are_found_as_keys(keys: list[bytes
         model = {k: (i, 7) for i, k in enumerate(chosen)}
         check(reader, model, keys)
     finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_spare_catch_up_that_fails_leaves_the_spare_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spare's catch-up after a write gathers the changed entries (memory for a temporary): where that
+    fails, the spare is copied whole in place, so readers during later writes never see old entries."""
+    from aiokvtier._pool import _mirror
+
+    writer = IndexMirror.create(16)
+    reader = IndexMirror.attach(os.dup(writer.fd), 16)
+    raw = mmap.mmap(writer.fd, HEADER)
+    real_take = np.take
+
+    def failing_take(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("no room for the gather")
+
+    try:
+        writer.insert([b"a"], [1], [10])
+        monkeypatch.setattr(_mirror.np, "take", failing_take)
+        with pytest.raises(MemoryError):
+            writer.insert([b"b", b"c"], [2, 3], [20, 30])
+        monkeypatch.setattr(_mirror.np, "take", real_take)
+        header = np.frombuffer(raw, dtype=np.uint64, count=8)
+        assert header[SEQ] % 2 == 0  # the write ended: readers read the table
+        assert reader.lookup([b"a", b"b", b"c"]) == 3
+        header[SEQ] += np.uint64(1)  # as during a later write: readers read the spare
+        try:
+            assert reader.lookup([b"a", b"b", b"c"]) == 3
+            slots, lengths = reader.blocks([b"a", b"b", b"c"]) or pytest.fail("no answer")
+            assert slots.tolist() == [1, 2, 3] and lengths.tolist() == [10, 20, 30]
+        finally:
+            header[SEQ] -= np.uint64(1)
+        del header
+    finally:
+        raw.close()
         reader.close()
         writer.close()

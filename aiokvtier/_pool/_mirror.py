@@ -559,12 +559,18 @@ class IndexMirror:
         """Readers come back to the table (even ``seq``); the spare catches up with it: the entries at
         ``changed`` (only their tags, with ``tags``), or all of them (None)."""
         self._header[SEQ] += np.uint64(1)
-        if changed is None:
+        try:
+            if changed is None:
+                self._spare[:] = self._table
+            elif tags:
+                self._spare[changed, 0] = self._table[changed, 0]
+            elif changed.size:
+                self._spare[changed] = np.take(self._table, changed, axis=0)
+        except BaseException:
+            # A partial catch-up (a MemoryError for the gathers) would leave readers of the spare on old
+            # entries for good: copied whole, in place (nothing to allocate).
             self._spare[:] = self._table
-        elif tags:
-            self._spare[changed, 0] = self._table[changed, 0]
-        elif changed.size:
-            self._spare[changed] = np.take(self._table, changed, axis=0)
+            raise
 
     def _place(self, rows: U64) -> npt.NDArray[np.intp]:
         """Put rows (keys not in the table) into empty entries or tombstones, linear probing: in rounds while
