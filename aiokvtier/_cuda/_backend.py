@@ -205,15 +205,14 @@ class CudaBackend(CopyBackend):
                 method = "dma"
         if method == "dma":
             call = BatchCall(self._batch, self._abi, direction, self.device)
-            issued = 0
             try:
                 for chunk in plan.chunks(self._max_batch):
                     call(plan.dsts[chunk], plan.srcs[chunk], plan.sizes[chunk], stream)
                     self._calls += 1
-                    issued += 1
             except BaseException:
-                if issued:  # what was issued still copies: the caller regains its buffers once it landed
-                    drv.cuStreamSynchronize(stream)
+                # What was issued (earlier calls, or part of the refused one) still copies: the caller
+                # regains its buffers once the stream has run it.
+                drv.cuStreamSynchronize(stream)
                 raise
         self._count(method, plan)
         try:
