@@ -215,11 +215,14 @@ class MooncakeTier(Owner):
         """On the tier's worker: the I/O threads and the one that sets the client up."""
         undo = self._life.undo
         undo.callback(self._stop_workers)
-        self._workers.extend(self._new_workers(self._io_threads))
+        self._new_workers(self._io_threads)
         return Worker("aiokvtier-mooncake-setup")
 
-    def _new_workers(self, n: int) -> list[Worker]:
-        return [Worker(f"aiokvtier-mooncake-io-{next(self._names)}") for _ in range(n)]
+    def _new_workers(self, n: int) -> None:
+        """Start ``n`` I/O threads, each listed as it starts: a close stops every one that started, also
+        where the caller that asked for them was cancelled meanwhile (its result would be lost)."""
+        for _ in range(n):
+            self._workers.append(Worker(f"aiokvtier-mooncake-io-{next(self._names)}"))
 
     def _stop_workers(self) -> None:
         for worker in self._workers:
@@ -699,7 +702,7 @@ class MooncakeTier(Owner):
                 delay = min(2 * delay, _BACKOFF_MAX)
                 missing = self._io_threads - len(self._workers)
                 if missing > 0 and self._stuck < _MAX_HUNG_THREADS:
-                    self._workers.extend(await finish(self._life.run(self._new_workers, missing)))
+                    await finish(self._life.run(self._new_workers, missing))
                 if not self._workers:
                     continue
                 [outcome] = await finish(self._run([("health_check", (), ())]))
