@@ -353,6 +353,40 @@ async def hung_call_round(master: Master, src: Pages, dst: Pages, gate: threadin
         assert np.array_equal(dst.array[:2], src.array[:2])
 
 
+async def test_a_close_while_the_monitor_starts_new_threads_stops_them_too(
+    master: Master, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung call retires its thread; the health monitor starts replacements. A close that cancels the
+    monitor while it starts them must stop them too (they were lost with the cancelled call's result)."""
+    from aiokvtier._mooncake import _tier
+
+    starting = threading.Event()
+    plain = _tier.Worker
+
+    class SlowWorker(plain):  # type: ignore[misc, valid-type]
+        def __init__(self, name: str) -> None:
+            if "-io-" in name and hanging.active:
+                starting.set()
+                time.sleep(0.3)  # the close comes while the monitor is in here
+            super().__init__(name)
+
+    monkeypatch.setattr(_tier, "Worker", SlowWorker)
+    src, dst = Pages(4), Pages(4)
+    src.fill(7)
+    gate = threading.Event()
+    hanging = Hanging(gate)
+    try:
+        async with open_tier(master.config(timeout=0.3), unique("monitor"), src, dst, wrap_client=hanging) as tier:
+            assert len(await tier.write([0, 1], src.addresses([0, 1]), [BLOCK] * 2)) == 2
+            hanging.active = True
+            assert await tier.read([0, 1], dst.addresses([0, 1])) == (False, False)
+            await until(starting.is_set, 10, "the monitor starts new threads")
+            await tier.aclose()
+    finally:
+        gate.set()  # the held calls return, and their retired threads exit
+        await wait_no_library_threads(15)
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.0005, 0.002, 0.01])
 async def test_cancelled_writes_and_reads_leave_nothing_held(master: Master, delay: float) -> None:
     src, dst = Pages(32), Pages(32)
