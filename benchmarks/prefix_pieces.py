@@ -38,36 +38,6 @@ from aiokvtier.bench._common import machine
 KiB, MiB = 1 << 10, 1 << 20
 
 
-async def _load(store: BlockStore, keys: list[bytes], out: Any) -> dict[str, float]:
-    landed: list[float] = []
-    async with store.events() as events:
-
-        async def watch() -> None:
-            async for event in events:
-                if event.kind == "stored":
-                    landed.append(time.perf_counter())
-
-        watcher = asyncio.create_task(watch())
-        await asyncio.sleep(0)
-        cpu, loop_cpu = time.process_time(), time.thread_time()
-        started = time.perf_counter()
-        await store.load(keys, out)
-        done = time.perf_counter()
-        cpu, loop_cpu = time.process_time() - cpu, time.thread_time() - loop_cpu
-        await asyncio.sleep(0)
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-    return {
-        "load": done - started,
-        "first_piece_landed": landed[0] - started,
-        "last_piece_landed": landed[-1] - started,
-        "copy_after_last_read": done - landed[-1],
-        "cpu": cpu,
-        "loop_cpu": loop_cpu,
-    }
-
-
 async def _run(directory: str, blocks: int, block: int, rounds: int, pieces: list[int], gpu: bool) -> dict[str, Any]:
     config = await asyncio.to_thread(DiskTierConfig.model_validate, {"quota": blocks * block, "path": directory})
     size = 4 * blocks * block
@@ -124,7 +94,8 @@ async def _run(directory: str, blocks: int, block: int, rounds: int, pieces: lis
                         pages.clear()
                         wanted = keys if arm == "whole" else keys[half:]
                         out = pages.out if arm == "whole" else pages.out[half:]
-                        got = {f"{arm}_{piece}_mib_{k}": v for k, v in (await _load(store, wanted, out)).items()}
+                        timed = await _tiers.timed_load(store, wanted, out)
+                        got = {f"{arm}_{piece}_mib_{k}": v for k, v in timed.items()}
                     assert arm == "tail" or pages.arrived(), "a block came back wrong"
                 if r:
                     for name, seconds in got.items():

@@ -320,33 +320,50 @@ async def _watched_load(
     """The load with half the prefix on disk, with the store's ``"stored"`` events timed as they come
     (each one a piece the load read back from disk and booked in the host tier)."""
     half = len(keys) // 2
-    landed: list[float] = []
     async with BlockStore(tier, engine, disk=disk) as store:
         await store.store(keys[:half], pages.src_of(half))
         pages.clear()
-        async with store.events() as events:
-
-            async def watch() -> None:
-                async for event in events:
-                    if event.kind == "stored":
-                        landed.append(time.perf_counter())
-
-            watcher = asyncio.create_task(watch())
-            await asyncio.sleep(0)  # waiting for the first event before the load starts
-            started = time.perf_counter()
-            await store.load(keys, pages.out)
-            done = time.perf_counter()
-            await asyncio.sleep(0)  # the watcher sees the last event
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+        timed = await timed_load(store, keys, pages.out)
         assert pages.arrived(), "a block came back wrong"
+    return {
+        "first_piece_landed": timed["first_piece_landed"],
+        "last_piece_landed": timed["last_piece_landed"],
+        "load_done": timed["load"],
+        "copy_after_last_read": timed["copy_after_last_read"],
+    }
+
+
+async def timed_load(store: BlockStore, keys: list[bytes], out: Any) -> dict[str, float]:
+    """``store.load(keys, out)`` with its ``"stored"`` events timed as they come (seconds from the load's
+    start: the first and the last piece read back from a lower tier and booked), its wall time, the
+    process's CPU time and the event loop thread's over it."""
+    landed: list[float] = []
+    async with store.events() as events:
+
+        async def watch() -> None:
+            async for event in events:
+                if event.kind == "stored":
+                    landed.append(time.perf_counter())
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0)  # waiting for the first event before the load starts
+        cpu, loop_cpu = time.process_time(), time.thread_time()
+        started = time.perf_counter()
+        await store.load(keys, out)
+        done = time.perf_counter()
+        cpu, loop_cpu = time.process_time() - cpu, time.thread_time() - loop_cpu
+        await asyncio.sleep(0)  # the watcher sees the last event
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
     assert landed, "the load stored nothing it read back"
     return {
+        "load": done - started,
         "first_piece_landed": landed[0] - started,
         "last_piece_landed": landed[-1] - started,
-        "load_done": done - started,
         "copy_after_last_read": done - landed[-1],
+        "cpu": cpu,
+        "loop_cpu": loop_cpu,
     }
 
 
