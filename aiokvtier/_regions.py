@@ -8,6 +8,12 @@ them. The engine never touches an owner's private state.
 A raw copy whose host side falls inside a known region must stay inside one
 of its registrations and inside what is committed; addresses outside every
 region (device memory, the caller's own buffers) pass through to the driver.
+
+A copy may be planned on another thread than the one closing or shrinking
+a region (an engine used from two event loops): a check that passed can be
+stale by the time the copy is tracked. So every snapshot bumps ``epoch()``,
+and whoever tracks a copy reads it before its checks and checks again after
+tracking where it moved (``InflightCopies`` says why that suffices).
 """
 
 from __future__ import annotations
@@ -24,7 +30,17 @@ from ._errors import CopyPlanError
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
-__all__ = ["InflightCopies", "Landing", "Region", "known", "locate", "locate_span", "register", "unregister"]
+__all__ = [
+    "InflightCopies",
+    "Landing",
+    "Region",
+    "epoch",
+    "known",
+    "locate",
+    "locate_span",
+    "register",
+    "unregister",
+]
 
 
 class Landing:
@@ -63,13 +79,21 @@ class InflightCopies:
     shrink wait for every copy over its memory, whoever issues it (the CopyEngine, the
     BlockStore's host copies).
 
-    Only the event loop thread adds and snapshots; the threads that copy only
-    set their ``Landing``. The owner waits for a snapshot on its worker thread.
+    Loop threads add (more than one where an engine serves several loops) and the
+    owner's loop snapshots, under one lock; the threads that copy only set their
+    ``Landing``. The owner waits for a snapshot on its worker thread.
+
+    The owner marks itself closing (or cuts its committed range) before it
+    snapshots, and a snapshot bumps ``epoch()``. A copy tracked after a snapshot
+    is not in it, but its tracker, reading ``epoch()`` after tracking, sees the
+    bump and checks the region again, and then sees the close or the cut: a copy
+    is either waited for or refused, never run over memory going away.
     """
 
     def __init__(self) -> None:
         self._events: list[Landing] = []
         self._compact_at = 64
+        self._lock = threading.Lock()
 
     def begin(self) -> Landing:
         """Track a copy about to start (on the loop, in the same step that checked the region open);
@@ -79,22 +103,29 @@ class InflightCopies:
         return done
 
     def track(self, done: Landing) -> None:
-        events = self._events
-        if len(events) >= self._compact_at:
-            # Landed copies are dropped now and then; the bound doubles past what stays in flight,
-            # so many copies in flight cost a scan per doubling, not one per copy.
-            events[:] = [e for e in events if not e.is_set()]
-            self._compact_at = max(64, 2 * len(events))
-        events.append(done)
+        with self._lock:
+            events = self._events
+            if len(events) >= self._compact_at:
+                # Landed copies are dropped now and then; the bound doubles past what stays in flight,
+                # so many copies in flight cost a scan per doubling, not one per copy.
+                events[:] = [e for e in events if not e.is_set()]
+                self._compact_at = max(64, 2 * len(events))
+            events.append(done)
 
     def __len__(self) -> int:
-        return sum(not e.is_set() for e in self._events)
+        with self._lock:
+            return sum(not e.is_set() for e in self._events)
 
     def snapshot(self) -> list[Landing]:
-        """The copies in flight now (on the loop); later ones are the planner's to refuse."""
-        pending = [e for e in self._events if not e.is_set()]
-        self._events = pending
-        return list(pending)
+        """The copies in flight now (on the owner's loop, after it marked itself closing or cut its
+        range); copies tracked later see ``epoch()`` moved and check the region again."""
+        global _epoch
+        with self._lock:
+            pending = [e for e in self._events if not e.is_set()]
+            self._events = pending
+            with _lock:
+                _epoch += 1
+            return list(pending)
 
     @staticmethod
     def wait(events: list[Landing]) -> None:
@@ -133,6 +164,16 @@ _live: tuple[weakref.ref[Region], ...] = ()
 (every planner call does, so a dictionary's iteration guard is too dear). A region dropped without
 ``unregister()`` stays in it as a dead reference, skipped, until the next change: nothing here runs
 from a garbage collector's callback, which could come while this thread holds the lock."""
+
+
+_epoch = 0
+"""Snapshots taken so far, of any region (``epoch()``)."""
+
+
+def epoch() -> int:
+    """A count that moves whenever a region snapshots its copies in flight (a close, a shrink): a
+    tracker that read it before its checks and finds it moved after tracking checks again."""
+    return _epoch
 
 
 def _republish() -> None:

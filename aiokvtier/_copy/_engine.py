@@ -41,12 +41,13 @@ from .._errors import CopyPlanError
 from .._handoff import handoff
 from .._host._slots import positive_count
 from .._lifecycle import Lifecycle, Owner
-from .._regions import Landing
+from .._regions import Landing, epoch
 from ._backend import CopyBackend, HostBackend
 from ._plan import Plan, plan
 from ._requests import (
     Pages,
     buffer_addresses,
+    check_again,
     check_disjoint,
     copy_table,
     plan_side,
@@ -244,8 +245,9 @@ class CopyEngine(Owner):
         self._done_q: queue.SimpleQueue[tuple[tuple[_Job, ...], Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._counts = defaultdict(int)  # type: defaultdict[str, int]
-        # Each figure has one writer: jobs on the loop, bytes on the submit thread, latency on the
-        # completion thread, which publishes the histogram as one tuple so that a reader on any
+        self._loop_side = threading.Lock()
+        # Each figure has one writer: jobs on the loops (under ``_loop_side``), bytes on the submit
+        # thread, latency on the completion thread, which publishes the histogram as one tuple so that a reader on any
         # thread sees the buckets, the sum and the count of the same moment.
         self._jobs_by_direction = dict.fromkeys(DIRECTIONS, 0)
         self._bytes_by_direction = dict.fromkeys(DIRECTIONS, 0)
@@ -330,8 +332,9 @@ class CopyEngine(Owner):
         :raises ValueError: no slots, a ``page`` below one, a read-only, non-contiguous or misshapen ``dst``.
         :raises CudaError: the driver refused the batch.
         """
+        since = epoch()
         planned, owners = self._plan_slots(tier, slots, dst, "h2d", page)
-        await self._enqueue(planned, "h2d", after, (tier, dst), owners).future
+        await self._enqueue(planned, "h2d", after, (tier, dst), owners, since).future
 
     async def to_host(
         self, tier: HostTier, slots: Sequence[int] | Any, src: Any, *, after: Any = None, page: int | None = None
@@ -343,8 +346,9 @@ class CopyEngine(Owner):
 
         Raises as ``to_device()``; a slot given twice is a [``SlotError``][aiokvtier.SlotError].
         """
+        since = epoch()
         planned, owners = self._plan_slots(tier, slots, src, "d2h", page)
-        await self._enqueue(planned, "d2h", after, (tier, src), owners).future
+        await self._enqueue(planned, "d2h", after, (tier, src), owners, since).future
 
     def begin(
         self,
@@ -367,8 +371,9 @@ class CopyEngine(Owner):
         """
         if direction not in ("h2d", "d2h"):
             raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
+        since = epoch()
         planned, owners = self._plan_slots(tier, slots, buffer, direction, page)
-        job = self._enqueue(planned, direction, after, (tier, buffer), owners, signal_submit=True)
+        job = self._enqueue(planned, direction, after, (tier, buffer), owners, since, signal_submit=True)
         assert job.on_submit is not None
         return StartedCopy(job.on_submit, job.future)
 
@@ -439,8 +444,9 @@ class CopyEngine(Owner):
         if direction == "h2d" and not pages.writable:
             raise ValueError("the pages were checked as a source (writable=False); nothing was copied")
         self._check_device(tier)
+        since = epoch()
         planned, owners = plan_side(tier, tier.slot_addresses(slots), relocate(pages), direction)
-        job = self._enqueue(planned, direction, after, (tier, pages.owner), owners, signal_submit=report_issue)
+        job = self._enqueue(planned, direction, after, (tier, pages.owner), owners, since, signal_submit=report_issue)
         return StartedCopy(job.future if job.on_submit is None else job.on_submit, job.future)
 
     async def copy(self, copies: Iterable[tuple[int, int, int]], *, after: Any = None) -> None:
@@ -458,12 +464,13 @@ class CopyEngine(Owner):
         :raises CudaError: the driver refused the batch.
         """
         self._check_open()
+        since = epoch()
         table = copy_table(copies)
         check_disjoint(table[:, 0], table[:, 2])
         sides = (table[:, 0], table[:, 1])
         (dst_reg, src_reg), owners = registrations(sides, table[:, 2], known_only=self.device is None)
         planned = plan(table[:, 0], table[:, 1], table[:, 2], dst_reg=dst_reg, src_reg=src_reg)
-        await self._enqueue(planned, "any", after, tuple(owners), owners).future
+        await self._enqueue(planned, "any", after, tuple(owners), owners, since).future
 
     def statistics(self) -> CopyStatistics:
         """A snapshot of the engine's figures (any thread; also after close)."""
@@ -529,29 +536,43 @@ class CopyEngine(Owner):
         after: Any,
         keepalive: tuple[Any, ...],
         owners: Sequence[Any],
+        since: int,
         *,
         signal_submit: bool = False,
     ) -> _Job:
         """Hand a planned copy to the submit thread; its ``future`` settles once the bytes landed.
 
-        The buffers are the GPU's until then: ``future`` is never cancelled,
-        so a cancelled caller regains them only once it is settled.
+        ``since``: ``epoch()`` read before the copy was checked. The buffers are the GPU's until
+        ``future`` settles: it is never cancelled, so a cancelled caller regains them only then.
+
+        :raises CopyPlanError: a region the copy meets closed or shrank under it while it was
+            checked on this thread (from another loop's thread); nothing was copied.
         """
         self._check_open()
         after_handle = None if after is None else _stream_handle(after)
         if after_handle is not None and self.device is None:
             raise ValueError("after= needs a CUDA device; this engine copies host to host")
-        if after_handle is not None and after_handle[0] == "stream":
-            after_handle = ("marker", self._backend.mark(after_handle[1]))
         loop = asyncio.get_running_loop()
-        job = _Job(planned, direction, after_handle, loop, _Landed(loop=loop), keepalive)
-        if signal_submit:
-            job.on_submit = loop.create_future()
-        for owner in owners:
-            owner.copies.track(job.done)
-        self._counts["jobs"] += 1
-        self._counts["requested"] += planned.requested
-        self._jobs_by_direction[direction] += 1
+        done = Landing()
+        try:
+            for owner in owners:
+                owner.copies.track(done)
+            if epoch() != since:
+                # A region snapshotted its copies while this one was checked, perhaps without it:
+                # checked again now that it is tracked (``aiokvtier._regions.InflightCopies``).
+                check_again(planned.dsts, planned.srcs, planned.sizes, owners)
+            if after_handle is not None and after_handle[0] == "stream":
+                after_handle = ("marker", self._backend.mark(after_handle[1]))
+            job = _Job(planned, direction, after_handle, loop, _Landed(loop=loop), keepalive, done)
+            if signal_submit:
+                job.on_submit = loop.create_future()
+        except BaseException:
+            done.set()  # never queued: no close waits for it
+            raise
+        with self._loop_side:  # callers on several loops' threads
+            self._counts["jobs"] += 1
+            self._counts["requested"] += planned.requested
+            self._jobs_by_direction[direction] += 1
         job.submitted = time.perf_counter()
         # The submit and completion threads need the GIL: next to a saturated loop they get it
         # only through the loop's hand-off (aiokvtier._handoff), held until the copy lands.

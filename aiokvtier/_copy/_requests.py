@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Pages",
     "buffer_addresses",
+    "check_again",
     "check_disjoint",
     "copy_table",
     "integers",
@@ -439,6 +440,18 @@ def owners_of(
                 return ()
     _, regions = registrations([addresses], sizes, known_only=known_only)
     return tuple(regions)
+
+
+def check_again(dsts: U64, srcs: U64, sizes: npt.ArrayLike, owners: Sequence[Any]) -> None:
+    """Check a tracked copy again: for one planned on another thread than a region's close or shrink,
+    whose snapshot may have come between its checks and its tracking (``aiokvtier._regions``).
+
+    :raises CopyPlanError: a region is closing or closed, or a span now leaves its committed range.
+    """
+    for owner in owners:
+        if owner.closed:
+            raise CopyPlanError(f"{owner.region_name} closed while the copy was checked; nothing was copied")
+    registrations([dsts, srcs], sizes, known_only=False)
 
 
 def _check_page(tier: HostTier, page: int) -> None:

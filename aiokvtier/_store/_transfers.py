@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import numpy as np
 
 from .._copy._requests import Pages as CopyPages
-from .._copy._requests import buffer_addresses, owners_of
+from .._copy._requests import buffer_addresses, check_again, owners_of
 from .._lifecycle import Lifecycle, finish
-from .._regions import Landing
+from .._regions import Landing, epoch
 from ._index import I64, NO_IDS, U64
 
 if TYPE_CHECKING:
@@ -161,10 +161,11 @@ class Transfers:
         tier, engine = self._tier, self.engine
         if engine is not None:
             return engine.start(tier, slots, pages.side(pages.page), "d2h", after=after)
+        since = epoch()
         copies = list(
             zip(tier.slot_addresses(slots).tolist(), pages.addresses.tolist(), pages.lengths.tolist(), strict=True)
         )
-        return (None, self._copy_host(copies, pages.addresses, pages.lengths))
+        return (None, self._copy_host(copies, pages.addresses, pages.lengths, since))
 
     def start_out(self, slots: I64, pages: Pages, lengths: U64, after: Any) -> Started:
         """Queue the copy of ``slots`` into the caller's pages."""
@@ -172,11 +173,12 @@ class Transfers:
         page = pages.page or int(pages.lengths[0])
         if engine is not None and bool((lengths == page).all()):
             return engine.start(tier, slots, pages.side(page), "h2d", after=after)
+        since = epoch()
         # Host pages, or blocks shorter than the destination pages: each copies its own length.
         copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
         if engine is not None:
             return (None, asyncio.ensure_future(engine.copy(copies, after=after)))
-        return (None, self._copy_host(copies, pages.addresses, lengths))
+        return (None, self._copy_host(copies, pages.addresses, lengths, since))
 
     @staticmethod
     async def overlap(started: Started, work: Callable[[], None]) -> None:
@@ -197,21 +199,27 @@ class Transfers:
         finally:
             await finish(done)
 
-    def _copy_host(self, copies: list[tuple[int, int, int]], pages: U64, lengths: U64) -> asyncio.Future[None]:
+    def _copy_host(
+        self, copies: list[tuple[int, int, int]], pages: U64, lengths: U64, since: int
+    ) -> asyncio.Future[None]:
         """``memmove`` the copies on the store's thread, tracked as every copy over a region's memory
         is: by the tier, and by any StaticHostMem or other tier that the caller's ``pages`` (of
         ``lengths`` bytes) lie in, for an array made over its memory keeps none of it mapped. Their
-        close and shrink wait until the thread let go.
+        close and shrink wait until the thread let go. ``since``: ``epoch()`` before the slots were
+        located.
 
         :raises CopyPlanError: a page lies in a region that is closing, or leaves it.
         """
-        # Located now, in the step that located the slots: every region met is open.
+        # Located now, in the step that located the slots: every region met was open.
         regions = owners_of(pages, lengths, known_only=False)
         done = self._tier.copies.begin()
-        for region in regions:
-            if region is not self._tier:
-                region.copies.track(done)
         try:
+            for region in regions:
+                if region is not self._tier:
+                    region.copies.track(done)
+            if epoch() != since:  # a region snapshotted meanwhile (from another loop's thread): again
+                table = np.array(copies, dtype=np.uint64).reshape(-1, 3)
+                check_again(table[:, 0], table[:, 1], table[:, 2], (self._tier, *regions))
             return self._life.submit(memmove_all, copies, done)
         except BaseException:
             done.set()
