@@ -1074,15 +1074,17 @@ class BlockStore(Owner):
         except BaseException:
             for task in tasks:
                 task.cancel()
-            if tasks:  # none when the first piece could not be made: its error is the one to see
-                await finish(asyncio.wait(tasks))
+            try:
+                if tasks:  # none when the first piece could not be made: its error is the one to see
+                    await finish(asyncio.wait(tasks))
+            finally:
+                _outcomes(tasks)  # taken, though the load ends otherwise: the loop would log them as lost
             raise
-        for task in tasks:  # the first failure in the keys' order
+        for task, error in zip(tasks, _outcomes(tasks), strict=True):  # the first failure in the keys' order
             if task.cancelled():
                 # Cancelled from within (this load was not): its pages were not written, so the load
                 # ends as the piece did, as a load in one go would.
                 raise asyncio.CancelledError("a piece of the load was cancelled")
-            error = task.exception()
             if error is not None:
                 raise error
 
@@ -1273,6 +1275,12 @@ class BlockStore(Owner):
         if self._spill is not None:
             self._spill.forget(keys)
         self._events.publish("evicted", tuple(keys))
+
+
+def _outcomes(tasks: list[asyncio.Future[None]]) -> list[BaseException | None]:
+    """Each finished piece's error (None: it landed, or was cancelled), every one taken: a failed task
+    whose error nobody took is logged by the loop as an error when it is collected."""
+    return [None if not task.done() or task.cancelled() else task.exception() for task in tasks]
 
 
 def slots_of(index: BlockIndex, keys: Sequence[Key], ids: I64) -> I64:
