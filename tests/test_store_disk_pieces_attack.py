@@ -278,6 +278,58 @@ async def test_a_cancelled_load_with_a_failed_piece_logs_nothing_unretrieved(
 # -- the key discarded or evicted while its piece is read ----------------------------------------
 
 
+async def test_a_key_discarded_while_its_piece_is_read_is_not_in_the_store_afterwards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A discard says the block is wrong or unwanted everywhere: a promotion in flight must not bring it
+    back into the host tier after the discard returned."""
+    async with prefix(tmp_path) as (tier, store, disk):
+        victim = HEAD + 2 * PER + 4
+        out = np.zeros_like(DATA)
+        with gate(monkeypatch, "read_blocks") as g:
+            load = asyncio.ensure_future(store.load(KEYS, out))
+            await g.reached()
+            store.discard([KEYS[victim]])
+            assert KEYS[victim] not in disk and KEYS[victim] not in store
+            await g.release()
+            try:
+                await load
+            except BlockNotFound as exc:
+                assert exc.key == KEYS[victim]
+        intact_or_untouched(out)
+        assert KEYS[victim] not in store and KEYS[victim] not in disk
+        assert store.lookup(KEYS) == victim
+        settled(tier, store, disk)
+
+
+async def test_a_key_discarded_once_its_read_ended_but_before_it_was_ready_does_not_land(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The discard comes in the turn between the read's end and the block's landing (the store passes
+    over a block that is not ready yet): the promotion drops it again, and the load names it."""
+    async with prefix(tmp_path) as (tier, store, disk):
+        victim = HEAD + PER + 6
+        real_read = disk.read
+
+        async def read(keys: list[bytes], addresses: list[int]) -> tuple[bool, ...]:
+            arrived = await real_read(keys, addresses)
+            if KEYS[victim] in keys:
+                asyncio.get_running_loop().call_soon(store.discard, [KEYS[victim]])
+            return arrived
+
+        monkeypatch.setattr(disk, "read", read)
+        out = np.zeros_like(DATA)
+        with pytest.raises(BlockNotFound, match=repr(KEYS[victim])):
+            await store.load(KEYS, out)
+        monkeypatch.undo()
+        assert KEYS[victim] not in store and KEYS[victim] not in disk
+        piece = range(HEAD + PER, HEAD + 2 * PER)
+        others = [i for i in range(len(KEYS)) if i not in piece]
+        assert np.array_equal(out[others], DATA[others])
+        await quiet(tier, store, disk)
+        assert store.lookup(KEYS) == victim
+
+
 async def test_blocks_evicted_from_the_disk_tier_while_their_piece_is_read_still_arrive(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

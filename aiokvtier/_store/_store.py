@@ -135,6 +135,16 @@ class _LowerMiss(Exception):
         self.key = key
 
 
+class _Promotion:
+    """Keys a load is bringing back from a lower tier; those a ``discard`` named meanwhile must not land."""
+
+    __slots__ = ("keys", "unwanted")
+
+    def __init__(self, keys: Sequence[Key]) -> None:
+        self.keys = frozenset(keys)
+        self.unwanted: set[Key] = set()
+
+
 class _Call:
     """One store call across its retries (each retry is a nested pass over some of its keys).
 
@@ -217,6 +227,8 @@ class BlockStore(Owner):
         self._events = EventHub(event_limit)
         self._index = BlockIndex(tier, self._evicted)
         self._claims = Claims()
+        self._promotions: list[_Promotion] = []
+        """Promotions in flight (a ``discard`` tells each of the keys it named)."""
         self._transfers = Transfers(tier, engine, self._life)
         self._fill_failure_logged: str | None = None  # the fill failure last warned of
         self._in_flight = 0
@@ -1170,11 +1182,16 @@ class BlockStore(Owner):
         lengths = source.lengths(keys)
         from_below = Pages(np.zeros(len(keys), dtype=np.uint64), np.asarray(lengths, dtype=np.uint64), [])
         surplus = 0  # bytes booked past what arrived, counted as stored when the blocks were booked
+        # A discard while the blocks are read drops them below, but the read goes on and would land
+        # them in the host tier after the discard returned (and the load's hit would write them back).
+        promotion = _Promotion(keys)
 
         def start(slots: I64, pages: Pages, chosen: Sequence[Key]) -> Started:
             async def read() -> None:
                 nonlocal surplus
                 sizes = await source.fill(chosen, slots, pages.lengths.tolist())
+                if promotion.unwanted:  # discarded while read: a miss
+                    sizes = [0 if key in promotion.unwanted else n for key, n in zip(chosen, sizes, strict=True)]
                 index.length[slots] = sizes  # booked before (a Mooncake block's size is known only now)
                 if not all(sizes):
                     raise _LowerMiss(chosen[sizes.index(0)])
@@ -1182,12 +1199,20 @@ class BlockStore(Owner):
 
             return (None, asyncio.ensure_future(read()))
 
+        self._promotions.append(promotion)
         try:  # the caller (a load) is in flight meanwhile
             result = await self._store(keys, from_below, None, True, True, start=start)
         except _LowerMiss as miss:
             raise BlockNotFound(miss.key) from None
+        finally:
+            self._promotions.remove(promotion)
         self._counts["bytes_stored"] -= surplus
         source.brought += len(result.stored)
+        # Discarded after their read ended, before they were ready (the discard passed them over).
+        late = [key for key in result.stored if key in promotion.unwanted]
+        if late:
+            self._drop(late)
+            raise BlockNotFound(late[0])
         if result.skipped:
             raise BlockNotFound(result.skipped[0])
 
@@ -1197,7 +1222,9 @@ class BlockStore(Owner):
         """Drop blocks; unknown keys (and keys still being stored) are ignored. Returns how many were dropped.
 
         A block a load is reading disappears at once and its slot is given
-        back when the load is done. The keys are dropped from the disk tier
+        back when the load is done. A block a load is bringing back from a
+        lower tier does not land: that load raises ``BlockNotFound`` for it
+        once its other blocks landed. The keys are dropped from the disk tier
         too, and from the Mooncake tier in the background (the store's close
         waits for that; Mooncake keeps a block under its lease, about 10 s
         after any client's put, get or lookup of it, and offline it drops nothing).
@@ -1206,6 +1233,12 @@ class BlockStore(Owner):
         """
         self._check_open()
         keys = key_seq(keys)
+        for promotion in self._promotions:  # being brought back from below: they must not land now
+            promotion.unwanted.update(key for key in keys if key in promotion.keys)
+        return self._drop(keys)
+
+    def _drop(self, keys: Sequence[Key]) -> int:
+        """``discard()`` of checked keys (also while the store closes: a load in flight drops its own)."""
         slots = self._index.slots(keys)
         hit = np.flatnonzero(self._index.ready(slots))
         if len(hit) < len(keys) or has_repeats(slots[hit]):  # a key given twice is dropped once
