@@ -466,6 +466,24 @@ async def test_a_destination_that_cannot_take_the_pages_changes_nothing(tmp_path
         untouched(tier, store, disk, reads)
 
 
+async def test_a_destination_in_the_stores_own_blocks_is_refused_before_any_piece_is_read(tmp_path: Path) -> None:
+    """A page over one of the store's blocks would overwrite it (its key then names other bytes): refused
+    up front, nothing copied and nothing brought back, whichever key's page it is."""
+    async with prefix(tmp_path) as (tier, store, disk):
+        reads = disk.statistics().hits
+        views = [memoryview(bytearray(SLOT)) for _ in KEYS]
+        block = tier.view(store.slot(KEYS[0]))
+        try:
+            views[-1] = block  # the last key's page (a tail block's) lies in KEYS[0]'s slot
+            with pytest.raises(ValueError, match="a block of this store"):
+                await store.load(KEYS, views)
+            assert bytes(block) == DATA[0].tobytes()
+            assert not any(any(v) for v in views[:-1])
+        finally:
+            block.release()
+        untouched(tier, store, disk, reads)
+
+
 async def test_keys_repeated_within_and_across_pieces_and_the_head(tmp_path: Path) -> None:
     async with prefix(tmp_path) as (tier, store, disk):
         order = [*range(HEAD + TAIL)] * 2 + [HEAD + PER] * 3 + [0, 1]

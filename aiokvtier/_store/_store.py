@@ -1029,6 +1029,8 @@ class BlockStore(Owner):
         for i in absent.tolist():
             below.setdefault(spill.source_of(keys[i]), []).append(i)
         pages = transfers.pages(dst, len(keys), writable=True)
+        # Every page, before the blocks in the host tier are copied and the rest brought back.
+        self._refuse_own(pages)
         present = np.flatnonzero(ready)
         batches = [(source, np.asarray(ids, dtype=np.int64)) for source, ids in below.items()]
         for source, ids in batches:
@@ -1137,11 +1139,7 @@ class BlockStore(Owner):
         if after is not None and transfers.engine is None:
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
         if slots.size:
-            under = self._blocks_under(pages)
-            if under.size:
-                raise ValueError(
-                    f"a destination page lies in slot {int(under[0])}, a block of this store; nothing was copied"
-                )
+            self._refuse_own(pages)
         self._enter_quietly() if inside else self._enter()
         index.pin(slots)
         try:
@@ -1151,6 +1149,14 @@ class BlockStore(Owner):
             self._exit()
             raise
         return self._end_load(keys, slots, lengths, started)
+
+    def _refuse_own(self, pages: Pages) -> None:
+        """:raises ValueError: a page lies in a block of this store (the load would overwrite it)."""
+        under = self._blocks_under(pages)
+        if under.size:
+            raise ValueError(
+                f"a destination page lies in slot {int(under[0])}, a block of this store; nothing was copied"
+            )
 
     async def _end_load(self, keys: Sequence[Key], slots: I64, lengths: U64, started: Started | None) -> None:
         index = self._index
