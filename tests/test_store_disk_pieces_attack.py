@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokvtier import BlockNotFound, BlockStore, DiskTier, HostTier
+from aiokvtier import BlockNotFound, BlockStore, DiskTier, HostTier, QuotaError
 from aiokvtier._disk._io import DataFile
 
 from .helpers import eventually
@@ -503,3 +503,50 @@ async def test_a_load_and_the_same_load_at_once_share_the_promotions(tmp_path: P
         assert store.statistics().promoted == TAIL
         settled(tier, store, disk)
         await eventually(lambda: disk.statistics().queue_depth == 0)
+
+
+@pytest.mark.parametrize("ticks", TICKS[::2])
+async def test_a_load_cancelled_while_another_load_waits_on_its_promotions(tmp_path: Path, ticks: int) -> None:
+    """The second load waits for the first's claims; the first cancelled, the second brings the blocks
+    back itself and lands bit-exact."""
+    async with prefix(tmp_path) as (tier, store, disk):
+        first, second = np.zeros_like(DATA), np.zeros_like(DATA)
+        other = asyncio.ensure_future(store.load(KEYS, second))
+        await cancel_after(lambda: store.load(KEYS, first), ticks)
+        await other
+        assert np.array_equal(second, DATA)
+        intact_or_untouched(first)
+        settled(tier, store, disk)
+
+
+@pytest.mark.parametrize("ticks", [0, 2, 6, 12, 24])
+async def test_a_shrink_racing_the_load_is_refused_or_evicts_and_nothing_is_held(tmp_path: Path, ticks: int) -> None:
+    async with prefix(tmp_path) as (tier, store, disk):
+        out = np.zeros_like(DATA)
+        load = asyncio.ensure_future(store.load(KEYS, out))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        try:
+            await store.resize((HEAD + PER) * SLOT)
+        except QuotaError:
+            pass  # a block past the new end is being stored or loaded
+        try:
+            await load
+        except BlockNotFound:
+            pass  # a piece found no room
+        intact_or_untouched(out)
+        await quiet(tier, store, disk)
+        assert tier.statistics().slots_allocated == len(store) <= tier.slots_total
+
+
+async def test_a_tail_the_host_tier_cannot_hold_at_once_is_a_miss_that_holds_nothing(tmp_path: Path) -> None:
+    async with prefix(tmp_path) as (tier, store, disk):
+        await store.resize((2 * PER + 2) * SLOT)  # the head and two pieces' room; the tail is five
+        out = np.zeros_like(DATA)
+        try:
+            await store.load(KEYS, out)
+        except BlockNotFound as exc:
+            assert exc.key in KEYS
+        intact_or_untouched(out)
+        await quiet(tier, store, disk)
+        assert all(k in disk for k in KEYS)  # nothing the load failed to bring back was dropped below
