@@ -132,6 +132,53 @@ def test_block_ids_of_a_wrong_type_or_range_change_nothing(
         a.close()
 
 
+@pytest.mark.parametrize(
+    ("sizes", "firsts", "error", "match"),
+    [
+        ([True], [0], TypeError, "a group size is an integer, not a bool"),  # was taken for 1
+        ([2], [0.5], TypeError, "a first block index is an integer, not float"),  # was cut to 0
+        ([2], [True], TypeError, "a first block index is an integer, not a bool"),
+        ([2], [-1], ValueError, "first block indices must not be negative"),  # was a chunk's last block
+    ],
+)
+def test_group_sizes_and_first_indices_of_a_wrong_type_or_range_change_nothing(
+    owned: tuple[str, Any], sizes: list[Any], firsts: list[Any], error: type[Exception], match: str
+) -> None:
+    path, _ = owned
+    a = Replica(path, seed=12)
+    try:
+        spec = GPULoadStoreSpec([0, 1], group_sizes=[2], block_indices=[0])
+        spec.group_sizes, spec.block_indices = sizes, firsts  # what a caller past vLLM's constructor can hand over
+        chunks = PoolLoadStoreSpec(keys([1, 2]))
+        with pytest.raises(error, match=match):
+            a.worker.submit_store(1, spec, chunks)
+        with pytest.raises(error, match=match):
+            a.worker.submit_load(2, chunks, spec)
+        assert a.worker.get_finished() == []
+        stats = nothing_held(path, clients=2)
+        assert stats.stores == 0 and stats.loads == 0
+    finally:
+        a.close()
+
+
+def test_a_load_that_names_a_gpu_block_twice_is_refused_on_the_callers_thread(owned: tuple[str, Any]) -> None:
+    """Two chunks' pages into one GPU block: the block would end with whichever landed last."""
+    path, _ = owned
+    a = Replica(path, seed=13)
+    try:
+        chunks = PoolLoadStoreSpec(keys([1, 2]))
+        assert a.worker.submit_store(1, gpu_spec([3, 3]), chunks)  # a store may read one block twice
+        (stored,) = finish(a.worker, {1})
+        assert stored.success
+        with pytest.raises(ValueError, match="job 2 loads two pages into GPU block 3"):
+            a.worker.submit_load(2, chunks, gpu_spec([3, 3]))
+        assert a.worker.get_finished() == []
+        stats = nothing_held(path, clients=2)
+        assert stats.loads == 0
+    finally:
+        a.close()
+
+
 # -- racing callers --------------------------------------------------------------------------------
 
 

@@ -573,7 +573,7 @@ class PoolOffloadingWorker(OffloadingWorker):
             raise TypeError(f"the pool side is a PoolLoadStoreSpec, not {type(host).__name__}")
         jobs = self._jobs
         sizes, ids = job_blocks(gpu, jobs.groups, jobs.num_blocks)
-        firsts = [int(b) for b in gpu.block_indices]
+        firsts = list(gpu.block_indices)  # checked by the plan, not cut to ints here
         return jobs.plan(job_id, store=store, chunks=host.keys, sizes=sizes, first_blocks=firsts, ids=ids)
 
     def _after(self) -> Any:
