@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
 
-from aiokvtier.integrations._vllm_pool import PoolLoadStoreSpec, PoolOffloadingWorker
+from aiokvtier.integrations._vllm_pool import REATTACH_AFTER, PoolLoadStoreSpec, PoolOffloadingWorker
 
 from .invariants import assert_no_library_threads
 from .test_integration_vllm_pool import Replica, start_owner, statistics, stop_owner, wait_for
@@ -328,6 +329,47 @@ def test_an_owner_killed_mid_job_ends_every_job_and_the_next_owner_serves(tmp_pa
         a.close()
         if owner.poll() is None:
             stop_owner(owner)
+    assert_no_library_threads()
+
+
+def test_a_pool_back_with_another_slot_size_is_not_used_by_an_engine_that_cut_its_pages_for_the_old(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker cuts each page into pieces of the slot size it first attached with, and the keys name the
+    pieces. An owner restarted with larger slots was taken back as it came: the old engine stored its
+    pages cut in 64 KiB pieces under the same keys a new engine cuts in 128 KiB ones (the namespace is the
+    same), and the new engine's lookups hit them and its load succeeded, with no load error, copying the
+    pieces into the wrong places of its KV blocks."""
+    path = str(tmp_path / "pool.sock")
+    page = 96 << 10  # two pieces of 64 KiB slots, one of 128 KiB ones
+    owner = start_owner(path, "16MiB")
+    old = Replica(path, seed=71, page=page)
+    new = None
+    try:
+        chunks = keys([1, 2])
+        stop_owner(owner)
+        owner = start_owner(path, "16MiB", "128KiB")
+        deadline = time.monotonic() + 3 * REATTACH_AFTER
+        while time.monotonic() < deadline:  # past a reattach or two: the old engine's stores go nowhere
+            old.store(chunks, [0, 1])
+            time.sleep(0.05)
+        assert statistics(path).blocks == 0
+        said = [r for r in caplog.records if "is back with 131072-byte slots, not 65536: not used" in r.getMessage()]
+        assert 1 <= len(said) <= 2  # once by each half of the old engine, not at every attempt
+        new = Replica(path, seed=72, page=page)
+        assert new.store(chunks, [0, 1]) == chunks
+        old.worker.report_load_errors = True
+        before = digests(old.caches, [5, 6])
+        result = old.load(chunks, [5, 6])
+        assert result.success and old.worker.take_load_errors() == {5, 6}  # recomputed, never cut wrong
+        assert digests(old.caches, [5, 6]) == before
+        assert new.load(chunks, [5, 6]).success and digests(new.caches, [5, 6]) == digests(new.caches, [0, 1])
+        nothing_held(path, clients=2)  # the new engine's halves: the old engine's scheduler does not use it either
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
+        stop_owner(owner)
     assert_no_library_threads()
 
 
