@@ -550,3 +550,15 @@ async def test_a_tail_the_host_tier_cannot_hold_at_once_is_a_miss_that_holds_not
         intact_or_untouched(out)
         await quiet(tier, store, disk)
         assert all(k in disk for k in KEYS)  # nothing the load failed to bring back was dropped below
+
+
+@pytest.mark.parametrize("head", [True, False])
+async def test_after_without_an_engine_is_refused_before_any_piece_is_read(tmp_path: Path, head: bool) -> None:
+    async with prefix(tmp_path) as (tier, store, disk):
+        reads = disk.statistics().hits
+        wanted = KEYS if head else KEYS[HEAD:]
+        out = np.zeros((len(wanted), SLOT), dtype=np.uint8)
+        with pytest.raises(ValueError, match="after= needs a CopyEngine"):
+            await store.load(wanted, out, after=object())
+        assert not out.any()
+        untouched(tier, store, disk, reads)

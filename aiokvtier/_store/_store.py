@@ -1029,7 +1029,10 @@ class BlockStore(Owner):
         for i in absent.tolist():
             below.setdefault(spill.source_of(keys[i]), []).append(i)
         pages = transfers.pages(dst, len(keys), writable=True)
-        # Every page, before the blocks in the host tier are copied and the rest brought back.
+        # Checked before the blocks in the host tier are copied and the rest brought back (each copy
+        # checks again, after its blocks were read from below).
+        if after is not None and transfers.engine is None:
+            raise ValueError("after= needs a CopyEngine; this store copies host memory")
         self._refuse_own(pages)
         present = np.flatnonzero(ready)
         batches = [(source, np.asarray(ids, dtype=np.int64)) for source, ids in below.items()]
