@@ -119,6 +119,9 @@ async def test_a_load_cancelled_after_any_number_of_turns_holds_nothing_and_writ
         written = intact_or_untouched(out)
         if not cancelled:
             assert written == len(KEYS)
+        then = out.copy()
+        await asyncio.sleep(0.02)  # nothing of the load writes into the destination once it ended
+        assert np.array_equal(out, then)
         await reload_exact(tier, store, disk)
 
 
@@ -136,6 +139,27 @@ async def test_a_load_whose_taskgroup_sibling_fails_holds_nothing(tmp_path: Path
                 tg.create_task(store.load(KEYS, out))
                 tg.create_task(sibling())
         assert group.group_contains(LookupError)
+        settled(tier, store, disk)
+        intact_or_untouched(out)
+        await reload_exact(tier, store, disk)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.0005, 0.002, 0.008, 0.03])
+async def test_a_load_under_asyncio_timeout_ends_as_a_timeout_and_leaves_the_task_uncancelled(
+    tmp_path: Path, delay: float
+) -> None:
+    """``asyncio.timeout`` turns its own cancellation into TimeoutError only if the load lets that very
+    cancellation out (one swallowed, or another raised in its place, would leave the task cancelled)."""
+    async with prefix(tmp_path) as (tier, store, disk):
+        out = np.zeros_like(DATA)
+        task = asyncio.current_task()
+        assert task is not None
+        try:
+            async with asyncio.timeout(delay):
+                await store.load(KEYS, out)
+        except TimeoutError:
+            pass
+        assert task.cancelling() == 0
         settled(tier, store, disk)
         intact_or_untouched(out)
         await reload_exact(tier, store, disk)
