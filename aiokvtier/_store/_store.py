@@ -1049,8 +1049,18 @@ class BlockStore(Owner):
                 here = [keys[i] for i in present.tolist()]
                 held = self._begin_load(here, slots_of(index, keys, present), pages.take(present), after, inside=True)
             try:
+                # Every tier's batch runs, a miss in one or not: the first key missing is named, and the
+                # blocks of the other tiers land (a failed batch ended the load before the next one ran).
+                misses: list[tuple[int, BlockNotFound]] = []
                 for source, ids in batches:
-                    await self._load_from(source, [keys[i] for i in ids.tolist()], pages.take(ids), after)
+                    batch = [keys[i] for i in ids.tolist()]
+                    try:
+                        await self._load_from(source, batch, pages.take(ids), after)
+                    except BlockNotFound as miss:
+                        at = batch.index(miss.key) if miss.key in batch else len(batch) - 1
+                        misses.append((int(ids[at]), miss))
+                if misses:
+                    raise min(misses, key=lambda m: m[0])[1]
             finally:
                 if held is not None:
                     await finish(held)
