@@ -1253,7 +1253,7 @@ class BlockStore(Owner):
         self._check_open()
         keys = key_seq(keys)
         for promotion in self._promotions:  # being brought back from below: they must not land now
-            promotion.unwanted.update(key for key in keys if key in promotion.keys)
+            promotion.unwanted.update(promotion.keys.intersection(keys))
         return self._drop(keys)
 
     def _drop(self, keys: Sequence[Key]) -> int:
