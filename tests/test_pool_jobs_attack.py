@@ -12,10 +12,24 @@ import numpy as np
 import pytest
 
 from aiokvtier import AttachedPool, Pool, PoolLostError, TierClosedError
+from aiokvtier.integrations._pool_jobs import KVTensor, PoolJobs
 
 from .test_pool import sock
 from .test_pool_attack import CONFIG, assert_nothing_left, settle
-from .test_pool_jobs import BLOCKS, CHUNKS, DST_IDS, SRC_IDS, arrays, jobs_of, pairs, plan, same_blocks
+from .test_pool_jobs import (
+    BLOCKS,
+    CHUNKS,
+    DST_IDS,
+    GROUPS,
+    PAGES,
+    ROWS,
+    SRC_IDS,
+    arrays,
+    jobs_of,
+    pairs,
+    plan,
+    same_blocks,
+)
 
 __all__ = ["sock"]  # the fixture, used by name
 
@@ -83,6 +97,18 @@ def test_numpy_integers_are_integers() -> None:
         ids=SRC_IDS.astype(np.int32),
     )
     assert job.keys == plan(jobs, 1, SRC_IDS, store=True).keys
+
+
+def test_a_load_of_distinct_blocks_plans_whatever_its_tensors_addresses() -> None:
+    """The repeat a load refuses is a tensor's GPU block, not an address: a layout without memory (bases
+    0, as planning keys only uses) has tensors whose rows meet, and plans all the same."""
+    layout = [KVTensor(0, row, page, BLOCKS) for row, page in zip(ROWS, PAGES, strict=True)]
+    jobs = PoolJobs(layout, GROUPS, namespace=b"ns", rank=0, blocks_per_chunk=2, slot_size=64 << 10, device=None)
+    ids = np.random.default_rng(3).permutation(BLOCKS).astype(np.int64)
+    chunks = [b"c%02d" % c + bytes(4) for c in range(6)] + [b"d%02d" % c + bytes([0, 0, 0, 1]) for c in range(2)]
+    job = jobs.plan(1, store=False, chunks=chunks, sizes=[12, 4], first_blocks=[0, 0], ids=ids)
+    assert len(set(job.addresses.tolist())) < len(job.keys)  # addresses meet, blocks do not
+    assert job.unfilled(0) == set(ids.tolist())
 
 
 # -- hostile jobs against a pool ------------------------------------------------------------------

@@ -257,6 +257,8 @@ class PoolJobs:
         addresses: list[int] = []
         lengths: list[int] = []
         blocks: list[int] = []
+        places: list[int] = []
+        """Each (tensor, GPU block) a page goes to or comes from, as ``tensor * num_blocks + block``."""
         seals: list[tuple[bytes, bytes, int, int]] = []
         nbytes = offset = chunk_offset = 0
         for group, (size, first_block) in enumerate(zip(sizes, first_blocks, strict=True)):
@@ -275,6 +277,7 @@ class PoolJobs:
                     j = logical % bpc
                     gpu_block = int(ids[offset + logical - skip])
                     for t in self._groups[group]:
+                        places.append(t * self.num_blocks + gpu_block)
                         tensor = self._tensors[t]
                         at = self._first[group][t] + j * tensor.pieces
                         start = tensor.base + gpu_block * tensor.row
@@ -295,16 +298,24 @@ class PoolJobs:
             chunk_offset += used
         if offset != len(ids) or chunk_offset != len(chunks):
             raise ValueError("the GPU blocks and the chunks of a job do not match")
-        pages = np.array(addresses, dtype=np.uint64)
-        gpu_blocks = np.array(blocks, dtype=np.int64)
         if not store:
-            # Two pages into one place (a GPU block named twice): it would end with whichever landed last.
-            order = np.argsort(pages, kind="stable")
-            twice = np.flatnonzero(pages[order][1:] == pages[order][:-1])
+            # A GPU block of a tensor loaded twice (named twice, or by two groups that share the tensor):
+            # it would end with whichever of its pages landed last.
+            where = np.sort(np.asarray(places, dtype=np.int64))
+            twice = np.flatnonzero(where[1:] == where[:-1])
             if twice.size:
-                block = int(gpu_blocks[order[twice[0] + 1]])
+                block = int(where[twice[0]]) % self.num_blocks
                 raise ValueError(f"job {job_id} loads two pages into GPU block {block}")
-        return PoolJob(job_id, store, keys, pages, np.array(lengths, dtype=np.uint64), gpu_blocks, nbytes, seals)
+        return PoolJob(
+            job_id,
+            store,
+            keys,
+            np.array(addresses, dtype=np.uint64),
+            np.array(lengths, dtype=np.uint64),
+            np.array(blocks, dtype=np.int64),
+            nbytes,
+            seals,
+        )
 
     def _ids(self, ids: Any) -> npt.NDArray[np.int64]:
         """The GPU block ids as int64, each in ``[0, num_blocks)``."""
