@@ -111,6 +111,16 @@ def test_a_load_of_distinct_blocks_plans_whatever_its_tensors_addresses() -> Non
     assert job.unfilled(0) == set(ids.tolist())
 
 
+def test_a_chunk_whose_page_indices_would_reach_the_seals_is_refused() -> None:
+    """Index ``0xFFFFFFFF`` is the seal's: a chunk of that many pool blocks would load a seal into a page."""
+    layout = [KVTensor(4096, 2 * 64 << 10, 96 << 10, 4)]  # two pieces a page
+    with pytest.raises(ValueError, match="bad geometry: a chunk of 4294967296 pool blocks"):
+        PoolJobs(layout, [(0,)], namespace=b"ns", rank=0, blocks_per_chunk=1 << 31, slot_size=64 << 10, device=None)
+    jobs = PoolJobs(layout, [(0,)], namespace=b"ns", rank=0, blocks_per_chunk=(1 << 31) - 1, slot_size=64 << 10,
+                    device=None)  # fmt: skip
+    assert jobs.blocks_per_chunk == [(1 << 32) - 2]
+
+
 # -- hostile jobs against a pool ------------------------------------------------------------------
 
 

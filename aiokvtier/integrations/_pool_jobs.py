@@ -203,6 +203,8 @@ class PoolJobs:
             for t in group:
                 first[t] = at
                 at += blocks_per_chunk * self._tensors[t].pieces
+            if at > SEAL:  # a page's index would reach the seal's (or past 32 bits)
+                raise ValueError(f"bad geometry: a chunk of {at} pool blocks per rank; at most {SEAL}")
             self._first.append(first)
             self.blocks_per_chunk.append(at)
         # Each group's seal, where the job's copies take it from: beside the tensors, so that one store
