@@ -1,4 +1,4 @@
-"""An owner process for the pool tests: ``python tests/pool_owner.py LOOP PATH QUOTA`` opens a pool
+"""An owner process for the pool tests: ``python tests/pool_owner.py LOOP PATH QUOTA [SLOT]`` opens a pool
 at PATH, prints ``{"event": "serving", "pid": ...}`` and serves until stdin closes (or it is killed)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 from aiokvtier import Pool
 
 
-async def main(path: str, quota: str) -> None:
-    config = {"quota": quota, "max_quota": quota, "slot_size": "64KiB"}
+async def main(path: str, quota: str, slot_size: str = "64KiB") -> None:
+    config = {"quota": quota, "max_quota": quota, "slot_size": slot_size}
     async with Pool(config, path):
         sys.stdout.write(json.dumps({"event": "serving", "pid": os.getpid()}) + "\n")
         sys.stdout.flush()
@@ -26,6 +26,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "uvloop":
         import uvloop
 
-        uvloop.run(main(sys.argv[2], sys.argv[3]))
+        uvloop.run(main(*sys.argv[2:]))
     else:
-        asyncio.run(main(sys.argv[2], sys.argv[3]))
+        asyncio.run(main(*sys.argv[2:]))

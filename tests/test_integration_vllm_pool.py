@@ -52,9 +52,9 @@ from .vllm_pool_replica import GPU_BLOCKS, LAYERS, PAGE, digests, finish, gpu_sp
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_owner(path: str, quota: str) -> subprocess.Popen[str]:
+def start_owner(path: str, quota: str, slot_size: str = "64KiB") -> subprocess.Popen[str]:
     owner = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "pool_owner.py"), "asyncio", path, quota],
+        [sys.executable, str(ROOT / "tests" / "pool_owner.py"), "asyncio", path, quota, slot_size],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

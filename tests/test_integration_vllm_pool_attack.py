@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
 
-from aiokvtier.integrations._vllm_pool import PoolLoadStoreSpec, PoolOffloadingWorker
+from aiokvtier.integrations._vllm_pool import REATTACH_AFTER, PoolLoadStoreSpec, PoolOffloadingWorker
 
 from .invariants import assert_no_library_threads
 from .test_integration_vllm_pool import Replica, start_owner, statistics, stop_owner, wait_for
@@ -128,6 +129,53 @@ def test_block_ids_of_a_wrong_type_or_range_change_nothing(
         assert a.worker.get_finished() == []
         stats = nothing_held(path, clients=2)
         assert stats.stores == 0 and stats.loads == 0
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "firsts", "error", "match"),
+    [
+        ([True], [0], TypeError, "a group size is an integer, not a bool"),  # was taken for 1
+        ([2], [0.5], TypeError, "a first block index is an integer, not float"),  # was cut to 0
+        ([2], [True], TypeError, "a first block index is an integer, not a bool"),
+        ([2], [-1], ValueError, "first block indices must not be negative"),  # was a chunk's last block
+    ],
+)
+def test_group_sizes_and_first_indices_of_a_wrong_type_or_range_change_nothing(
+    owned: tuple[str, Any], sizes: list[Any], firsts: list[Any], error: type[Exception], match: str
+) -> None:
+    path, _ = owned
+    a = Replica(path, seed=12)
+    try:
+        spec = GPULoadStoreSpec([0, 1], group_sizes=[2], block_indices=[0])
+        spec.group_sizes, spec.block_indices = sizes, firsts  # what a caller past vLLM's constructor can hand over
+        chunks = PoolLoadStoreSpec(keys([1, 2]))
+        with pytest.raises(error, match=match):
+            a.worker.submit_store(1, spec, chunks)
+        with pytest.raises(error, match=match):
+            a.worker.submit_load(2, chunks, spec)
+        assert a.worker.get_finished() == []
+        stats = nothing_held(path, clients=2)
+        assert stats.stores == 0 and stats.loads == 0
+    finally:
+        a.close()
+
+
+def test_a_load_that_names_a_gpu_block_twice_is_refused_on_the_callers_thread(owned: tuple[str, Any]) -> None:
+    """Two chunks' pages into one GPU block: the block would end with whichever landed last."""
+    path, _ = owned
+    a = Replica(path, seed=13)
+    try:
+        chunks = PoolLoadStoreSpec(keys([1, 2]))
+        assert a.worker.submit_store(1, gpu_spec([3, 3]), chunks)  # a store may read one block twice
+        (stored,) = finish(a.worker, {1})
+        assert stored.success
+        with pytest.raises(ValueError, match="job 2 loads two pages into GPU block 3"):
+            a.worker.submit_load(2, chunks, gpu_spec([3, 3]))
+        assert a.worker.get_finished() == []
+        stats = nothing_held(path, clients=2)
+        assert stats.loads == 0
     finally:
         a.close()
 
@@ -281,6 +329,47 @@ def test_an_owner_killed_mid_job_ends_every_job_and_the_next_owner_serves(tmp_pa
         a.close()
         if owner.poll() is None:
             stop_owner(owner)
+    assert_no_library_threads()
+
+
+def test_a_pool_back_with_another_slot_size_is_not_used_by_an_engine_that_cut_its_pages_for_the_old(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker cuts each page into pieces of the slot size it first attached with, and the keys name the
+    pieces. An owner restarted with larger slots was taken back as it came: the old engine stored its
+    pages cut in 64 KiB pieces under the same keys a new engine cuts in 128 KiB ones (the namespace is the
+    same), and the new engine's lookups hit them and its load succeeded, with no load error, copying the
+    pieces into the wrong places of its KV blocks."""
+    path = str(tmp_path / "pool.sock")
+    page = 96 << 10  # two pieces of 64 KiB slots, one of 128 KiB ones
+    owner = start_owner(path, "16MiB")
+    old = Replica(path, seed=71, page=page)
+    new = None
+    try:
+        chunks = keys([1, 2])
+        stop_owner(owner)
+        owner = start_owner(path, "16MiB", "128KiB")
+        deadline = time.monotonic() + 3 * REATTACH_AFTER
+        while time.monotonic() < deadline:  # past a reattach or two: the old engine's stores go nowhere
+            old.store(chunks, [0, 1])
+            time.sleep(0.05)
+        assert statistics(path).blocks == 0
+        said = [r for r in caplog.records if "is back with 131072-byte slots, not 65536: not used" in r.getMessage()]
+        assert 1 <= len(said) <= 2  # once by each half of the old engine, not at every attempt
+        new = Replica(path, seed=72, page=page)
+        assert new.store(chunks, [0, 1]) == chunks
+        old.worker.report_load_errors = True
+        before = digests(old.caches, [5, 6])
+        result = old.load(chunks, [5, 6])
+        assert result.success and old.worker.take_load_errors() == {5, 6}  # recomputed, never cut wrong
+        assert digests(old.caches, [5, 6]) == before
+        assert new.load(chunks, [5, 6]).success and digests(new.caches, [5, 6]) == digests(new.caches, [0, 1])
+        nothing_held(path, clients=2)  # the new engine's halves: the old engine's scheduler does not use it either
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
+        stop_owner(owner)
     assert_no_library_threads()
 
 

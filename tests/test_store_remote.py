@@ -165,6 +165,43 @@ async def test_lookup_remote_goes_on_through_host_disk_and_mooncake(master: Mast
         assert s.disk is not None and s.remote is not None and s.remote.hits == 2
 
 
+async def test_a_miss_on_disk_does_not_keep_mooncakes_blocks_from_landing_and_the_first_miss_is_named(
+    master: Master, tmp_path: Path
+) -> None:
+    """The tiers' batches ran one after the other and the first to fail ended the load: a block missing on
+    disk left the Mooncake tier's blocks unread (the error said the others landed), and a load whose
+    Mooncake block came earlier in its keys named the disk's miss, not the first missing key."""
+    keys = [b"f%d" % i for i in range(6)]
+    fingerprint = unique("firstmiss")
+    disk_config = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=tmp_path)
+    async with (
+        DiskTier(disk_config, block_size=SLOT, fingerprint=fingerprint) as disk,
+        remote_store(master.config(), fingerprint, disk=disk, admit_after=1) as (store, _),
+    ):
+        await store.store(keys, [page(i) for i in range(6)])
+        await load_pages(store, keys)
+        await eventually(lambda: (store.statistics().written_back, store.statistics().remote_written) == (6, 6), 30)
+        disk.discard(keys[2:4])  # only in Mooncake now
+        await push_out(store)
+        mixed = [keys[0], keys[2], keys[3], keys[5]]  # disk, Mooncake, Mooncake, disk
+        out = np.zeros((4, SLOT), dtype=np.uint8)
+        load = asyncio.ensure_future(store.load(mixed, out))
+        await asyncio.sleep(0)  # the load chose its tiers
+        disk.discard([keys[0]])  # gone before its read
+        with pytest.raises(BlockNotFound, match=repr(keys[0])):
+            await load
+        assert keys[2] in store and keys[3] in store  # Mooncake's blocks landed all the same
+        assert [out[i].tobytes() for i in (1, 2)] == [page(2), page(3)]
+        await push_out(store, seed=300)
+        # The disk's batch first (its first key comes first), but the first key missing is the Mooncake tier's.
+        wanted = [keys[1], b"nowhere", keys[5]]
+        load = asyncio.ensure_future(store.load(wanted, np.zeros((3, SLOT), dtype=np.uint8)))
+        await asyncio.sleep(0)
+        disk.discard([keys[5]])
+        with pytest.raises(BlockNotFound, match=repr(b"nowhere")):
+            await load
+
+
 async def test_a_second_store_loads_what_the_first_wrote(master: Master) -> None:
     keys = [b"shared%d" % i for i in range(8)]
     fingerprint = unique("shared")

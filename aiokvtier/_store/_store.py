@@ -135,6 +135,16 @@ class _LowerMiss(Exception):
         self.key = key
 
 
+class _Promotion:
+    """Keys a load is bringing back from a lower tier; those a ``discard`` named meanwhile must not land."""
+
+    __slots__ = ("keys", "unwanted")
+
+    def __init__(self, keys: Sequence[Key]) -> None:
+        self.keys = frozenset(keys)
+        self.unwanted: set[Key] = set()
+
+
 class _Call:
     """One store call across its retries (each retry is a nested pass over some of its keys).
 
@@ -217,6 +227,8 @@ class BlockStore(Owner):
         self._events = EventHub(event_limit)
         self._index = BlockIndex(tier, self._evicted)
         self._claims = Claims()
+        self._promotions: list[_Promotion] = []
+        """Promotions in flight (a ``discard`` tells each of the keys it named)."""
         self._transfers = Transfers(tier, engine, self._life)
         self._fill_failure_logged: str | None = None  # the fill failure last warned of
         self._in_flight = 0
@@ -1017,6 +1029,11 @@ class BlockStore(Owner):
         for i in absent.tolist():
             below.setdefault(spill.source_of(keys[i]), []).append(i)
         pages = transfers.pages(dst, len(keys), writable=True)
+        # Checked before the blocks in the host tier are copied and the rest brought back (each copy
+        # checks again, after its blocks were read from below).
+        if after is not None and transfers.engine is None:
+            raise ValueError("after= needs a CopyEngine; this store copies host memory")
+        self._refuse_own(pages)
         present = np.flatnonzero(ready)
         batches = [(source, np.asarray(ids, dtype=np.int64)) for source, ids in below.items()]
         for source, ids in batches:
@@ -1032,8 +1049,18 @@ class BlockStore(Owner):
                 here = [keys[i] for i in present.tolist()]
                 held = self._begin_load(here, slots_of(index, keys, present), pages.take(present), after, inside=True)
             try:
+                # Every tier's batch runs, a miss in one or not: the first key missing is named, and the
+                # blocks of the other tiers land (a failed batch ended the load before the next one ran).
+                misses: list[tuple[int, BlockNotFound]] = []
                 for source, ids in batches:
-                    await self._load_from(source, [keys[i] for i in ids.tolist()], pages.take(ids), after)
+                    batch = [keys[i] for i in ids.tolist()]
+                    try:
+                        await self._load_from(source, batch, pages.take(ids), after)
+                    except BlockNotFound as miss:
+                        at = batch.index(miss.key) if miss.key in batch else len(batch) - 1
+                        misses.append((int(ids[at]), miss))
+                if misses:
+                    raise min(misses, key=lambda m: m[0])[1]
             finally:
                 if held is not None:
                     await finish(held)
@@ -1074,15 +1101,17 @@ class BlockStore(Owner):
         except BaseException:
             for task in tasks:
                 task.cancel()
-            if tasks:  # none when the first piece could not be made: its error is the one to see
-                await finish(asyncio.wait(tasks))
+            try:
+                if tasks:  # none when the first piece could not be made: its error is the one to see
+                    await finish(asyncio.wait(tasks))
+            finally:
+                _outcomes(tasks)  # taken, though the load ends otherwise: the loop would log them as lost
             raise
-        for task in tasks:  # the first failure in the keys' order
+        for task, error in zip(tasks, _outcomes(tasks), strict=True):  # the first failure in the keys' order
             if task.cancelled():
                 # Cancelled from within (this load was not): its pages were not written, so the load
                 # ends as the piece did, as a load in one go would.
                 raise asyncio.CancelledError("a piece of the load was cancelled")
-            error = task.exception()
             if error is not None:
                 raise error
 
@@ -1123,11 +1152,7 @@ class BlockStore(Owner):
         if after is not None and transfers.engine is None:
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
         if slots.size:
-            under = self._blocks_under(pages)
-            if under.size:
-                raise ValueError(
-                    f"a destination page lies in slot {int(under[0])}, a block of this store; nothing was copied"
-                )
+            self._refuse_own(pages)
         self._enter_quietly() if inside else self._enter()
         index.pin(slots)
         try:
@@ -1137,6 +1162,14 @@ class BlockStore(Owner):
             self._exit()
             raise
         return self._end_load(keys, slots, lengths, started)
+
+    def _refuse_own(self, pages: Pages) -> None:
+        """:raises ValueError: a page lies in a block of this store (the load would overwrite it)."""
+        under = self._blocks_under(pages)
+        if under.size:
+            raise ValueError(
+                f"a destination page lies in slot {int(under[0])}, a block of this store; nothing was copied"
+            )
 
     async def _end_load(self, keys: Sequence[Key], slots: I64, lengths: U64, started: Started | None) -> None:
         index = self._index
@@ -1168,11 +1201,16 @@ class BlockStore(Owner):
         lengths = source.lengths(keys)
         from_below = Pages(np.zeros(len(keys), dtype=np.uint64), np.asarray(lengths, dtype=np.uint64), [])
         surplus = 0  # bytes booked past what arrived, counted as stored when the blocks were booked
+        # A discard while the blocks are read drops them below, but the read goes on and would land
+        # them in the host tier after the discard returned (and the load's hit would write them back).
+        promotion = _Promotion(keys)
 
         def start(slots: I64, pages: Pages, chosen: Sequence[Key]) -> Started:
             async def read() -> None:
                 nonlocal surplus
                 sizes = await source.fill(chosen, slots, pages.lengths.tolist())
+                if promotion.unwanted:  # discarded while read: a miss
+                    sizes = [0 if key in promotion.unwanted else n for key, n in zip(chosen, sizes, strict=True)]
                 index.length[slots] = sizes  # booked before (a Mooncake block's size is known only now)
                 if not all(sizes):
                     raise _LowerMiss(chosen[sizes.index(0)])
@@ -1180,12 +1218,20 @@ class BlockStore(Owner):
 
             return (None, asyncio.ensure_future(read()))
 
+        self._promotions.append(promotion)
         try:  # the caller (a load) is in flight meanwhile
             result = await self._store(keys, from_below, None, True, True, start=start)
         except _LowerMiss as miss:
             raise BlockNotFound(miss.key) from None
+        finally:
+            self._promotions.remove(promotion)
         self._counts["bytes_stored"] -= surplus
         source.brought += len(result.stored)
+        # Discarded after their read ended, before they were ready (the discard passed them over).
+        late = [key for key in result.stored if key in promotion.unwanted]
+        if late:
+            self._drop(late)
+            raise BlockNotFound(late[0])
         if result.skipped:
             raise BlockNotFound(result.skipped[0])
 
@@ -1195,7 +1241,9 @@ class BlockStore(Owner):
         """Drop blocks; unknown keys (and keys still being stored) are ignored. Returns how many were dropped.
 
         A block a load is reading disappears at once and its slot is given
-        back when the load is done. The keys are dropped from the disk tier
+        back when the load is done. A block a load is bringing back from a
+        lower tier does not land: that load raises ``BlockNotFound`` for it
+        once its other blocks landed. The keys are dropped from the disk tier
         too, and from the Mooncake tier in the background (the store's close
         waits for that; Mooncake keeps a block under its lease, about 10 s
         after any client's put, get or lookup of it, and offline it drops nothing).
@@ -1204,6 +1252,12 @@ class BlockStore(Owner):
         """
         self._check_open()
         keys = key_seq(keys)
+        for promotion in self._promotions:  # being brought back from below: they must not land now
+            promotion.unwanted.update(promotion.keys.intersection(keys))
+        return self._drop(keys)
+
+    def _drop(self, keys: Sequence[Key]) -> int:
+        """``discard()`` of checked keys (also while the store closes: a load in flight drops its own)."""
         slots = self._index.slots(keys)
         hit = np.flatnonzero(self._index.ready(slots))
         if len(hit) < len(keys) or has_repeats(slots[hit]):  # a key given twice is dropped once
@@ -1273,6 +1327,12 @@ class BlockStore(Owner):
         if self._spill is not None:
             self._spill.forget(keys)
         self._events.publish("evicted", tuple(keys))
+
+
+def _outcomes(tasks: list[asyncio.Future[None]]) -> list[BaseException | None]:
+    """Each finished piece's error (None: it landed, or was cancelled), every one taken: a failed task
+    whose error nobody took is logged by the loop as an error when it is collected."""
+    return [None if not task.done() or task.cancelled() else task.exception() for task in tasks]
 
 
 def slots_of(index: BlockIndex, keys: Sequence[Key], ids: I64) -> I64:

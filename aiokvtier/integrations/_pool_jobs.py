@@ -24,6 +24,7 @@ through their methods (``data_ptr``, ``stride``), events are recorded by the cal
 from __future__ import annotations
 
 import ctypes
+import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -131,6 +132,19 @@ class PoolJob:
         return {int(b) for b in np.unique(self.gpu_blocks[count:]) if b >= 0}
 
 
+def _count(value: object, what: str) -> int:
+    """A non-negative integer (numpy's too); a bool or a float is refused, not cut or taken for 0 or 1."""
+    if isinstance(value, bool | np.bool_):
+        raise TypeError(f"{what} is an integer, not a bool")
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} is an integer, not {type(value).__name__}") from None
+    if n < 0:
+        raise ValueError(f"{what} must not be negative, got {n}")
+    return n
+
+
 @dataclass(frozen=True)
 class _Tensor:
     base: int
@@ -189,6 +203,8 @@ class PoolJobs:
             for t in group:
                 first[t] = at
                 at += blocks_per_chunk * self._tensors[t].pieces
+            if at > SEAL:  # a page's index would reach the seal's (or past 32 bits)
+                raise ValueError(f"bad geometry: a chunk of {at} pool blocks per rank; at most {SEAL}")
             self._first.append(first)
             self.blocks_per_chunk.append(at)
         # Each group's seal, where the job's copies take it from: beside the tensors, so that one store
@@ -224,18 +240,27 @@ class PoolJobs:
         :param sizes: per group, how many GPU blocks the job moves (``ids`` holds them, group after group).
         :param first_blocks: per group, the logical index of its first block (where in its first chunk
             the job starts: ``first_blocks[g] % blocks_per_chunk``).
-        :param ids: the GPU block ids, checked by the caller (each in ``[0, num_blocks)``).
-        :raises ValueError: the blocks and the chunks do not match, or the sizes not the groups.
+        :param ids: the GPU block ids, each in ``[0, num_blocks)``.
+        :raises ValueError: the blocks and the chunks do not match, the sizes not the groups, a negative
+            size or first block, an id outside the tensors, or a load that names a GPU block twice.
+        :raises TypeError: a size, a first block or the ids not integers (a bool, a float).
 
         A store leaves out a chunk it covers in part: its seal would claim all of it.
         """
         if len(sizes) != len(self._groups) or len(first_blocks) != len(self._groups):
             raise ValueError(f"a job gives {len(sizes)} group sizes for {len(self._groups)} KV cache groups")
+        # Checked here, whoever the caller: an id outside the tensors is an address in other memory (a
+        # store would publish it, a load overwrite it), a negative size indexed the ids from their end.
+        sizes = [_count(size, "a group size") for size in sizes]
+        first_blocks = [_count(first, "a first block index") for first in first_blocks]
+        ids = self._ids(ids)
         bpc, rank, ns, slot = self._bpc, self.rank, self.namespace, self.slot_size
         keys: list[bytes] = []
         addresses: list[int] = []
         lengths: list[int] = []
         blocks: list[int] = []
+        places: list[int] = []
+        """Each (tensor, GPU block) a page goes to or comes from, as ``tensor * num_blocks + block``."""
         seals: list[tuple[bytes, bytes, int, int]] = []
         nbytes = offset = chunk_offset = 0
         for group, (size, first_block) in enumerate(zip(sizes, first_blocks, strict=True)):
@@ -254,6 +279,7 @@ class PoolJobs:
                     j = logical % bpc
                     gpu_block = int(ids[offset + logical - skip])
                     for t in self._groups[group]:
+                        places.append(t * self.num_blocks + gpu_block)
                         tensor = self._tensors[t]
                         at = self._first[group][t] + j * tensor.pieces
                         start = tensor.base + gpu_block * tensor.row
@@ -274,6 +300,14 @@ class PoolJobs:
             chunk_offset += used
         if offset != len(ids) or chunk_offset != len(chunks):
             raise ValueError("the GPU blocks and the chunks of a job do not match")
+        if not store:
+            # A GPU block of a tensor loaded twice (named twice, or by two groups that share the tensor):
+            # it would end with whichever of its pages landed last.
+            where = np.sort(np.asarray(places, dtype=np.int64))
+            twice = np.flatnonzero(where[1:] == where[:-1])
+            if twice.size:
+                block = int(where[twice[0]]) % self.num_blocks
+                raise ValueError(f"job {job_id} loads two pages into GPU block {block}")
         return PoolJob(
             job_id,
             store,
@@ -284,6 +318,20 @@ class PoolJobs:
             nbytes,
             seals,
         )
+
+    def _ids(self, ids: Any) -> npt.NDArray[np.int64]:
+        """The GPU block ids as int64, each in ``[0, num_blocks)``."""
+        raw = np.asarray(ids)
+        if raw.ndim != 1:
+            raise ValueError(f"GPU block ids are one id per block, not an array of shape {raw.shape}")
+        if raw.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if raw.dtype.kind not in "iu":
+            raise TypeError(f"GPU block ids are integers, not {raw.dtype}")
+        low, high = int(raw.min()), int(raw.max())  # before a cast: a uint64 past int64 would wrap negative
+        if low < 0 or high >= self.num_blocks:
+            raise ValueError(f"GPU block ids must lie in [0, {self.num_blocks}), got {low}..{high}")
+        return raw.astype(np.int64, copy=False)
 
     def _check(self, engine: CopyEngine | None) -> None:
         if (engine is None) != (self.device is None) or (engine is not None and engine.device != self.device):

@@ -162,6 +162,12 @@ class _Link:
         self._prefault = prefault
         self._device = device
         self.current: AttachedPool | None = None
+        self.slot_size: int | None = None
+        """The slot size of the first pool attached: the worker's pages are cut into pieces of it, and a pool
+        of another size (an owner restarted with other settings) is not used (its keys would name pieces cut
+        otherwise: another engine's loads would copy them into the wrong places)."""
+        self._refused: int | None = None
+        """The slot size of the last pool not used (said once)."""
         self._lost_at: float | None = None
         self._next = 0.0
         self._closed = False
@@ -169,6 +175,7 @@ class _Link:
     async def attach(self) -> None:
         # Returns once attached: the first state push, not the pool's fill.
         self.current = await AttachedPool.attach(self.path, device=self._device, prefault=self._prefault)
+        self.slot_size = self.current.slot_size
 
     async def get(self) -> AttachedPool | None:
         """The pool, or None while its owner is away (and once closed)."""
@@ -182,6 +189,19 @@ class _Link:
             pool = await AttachedPool.attach(self.path, device=self._device, prefault=self._prefault)
         except (PoolError, OSError) as exc:
             log.debug("aiokvtier: the pool at %s is not back yet: %s", self.path, exc)
+            return None
+        if pool.slot_size != self.slot_size:
+            await pool.aclose()
+            if self._refused == pool.slot_size:  # said once, not at every attempt
+                return None
+            self._refused = pool.slot_size
+            log.error(
+                "aiokvtier: the pool at %s is back with %d-byte slots, not %d: not used (this engine's keys name "
+                "pieces of the old size); restart the engine to use it",
+                self.path,
+                pool.slot_size,
+                self.slot_size,
+            )
             return None
         old, self.current, self._lost_at = self.current, pool, None
         if old is not None:
@@ -573,7 +593,7 @@ class PoolOffloadingWorker(OffloadingWorker):
             raise TypeError(f"the pool side is a PoolLoadStoreSpec, not {type(host).__name__}")
         jobs = self._jobs
         sizes, ids = job_blocks(gpu, jobs.groups, jobs.num_blocks)
-        firsts = [int(b) for b in gpu.block_indices]
+        firsts = list(gpu.block_indices)  # checked by the plan, not cut to ints here
         return jobs.plan(job_id, store=store, chunks=host.keys, sizes=sizes, first_blocks=firsts, ids=ids)
 
     def _after(self) -> Any:

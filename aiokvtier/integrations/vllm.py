@@ -104,17 +104,21 @@ def job_blocks(gpu: GPULoadStoreSpec, groups: int, num_blocks: int) -> tuple[lis
     offset, which indexed the ids from their end; a negative id would do the same; a float id would be
     cut to another block's number, a bool taken as 0 or 1.
 
-    :raises ValueError: not one size and one first index per KV cache group, a negative size, or an id
-        outside ``[0, num_blocks)``.
-    :raises TypeError: a size or an id that is not an integer.
+    :raises ValueError: not one size and one first index per KV cache group, a negative size or first
+        index, or an id outside ``[0, num_blocks)``.
+    :raises TypeError: a size, a first index or an id that is not an integer (a bool is not one: it
+        was taken for 0 or 1, and a float first index was cut to another place in its chunk).
     """
     if len(gpu.group_sizes) != groups:
         raise ValueError(f"{len(gpu.group_sizes)} group sizes for {groups} KV cache groups")
     if len(gpu.block_indices) != groups:
         raise ValueError(f"{len(gpu.block_indices)} first block indices for {groups} KV cache groups")
-    sizes = [operator.index(size) for size in gpu.group_sizes]
+    sizes = [_integer(size, "a group size") for size in gpu.group_sizes]
     if any(size < 0 for size in sizes):
         raise ValueError(f"group sizes must not be negative, got {sizes}")
+    firsts = [_integer(first, "a first block index") for first in gpu.block_indices]
+    if any(first < 0 for first in firsts):
+        raise ValueError(f"first block indices must not be negative, got {firsts}")
     raw = np.asarray(gpu.block_ids)
     if raw.dtype.kind not in "iu":
         raise TypeError(f"GPU block ids are integers, not {raw.dtype}")
@@ -122,6 +126,15 @@ def job_blocks(gpu: GPULoadStoreSpec, groups: int, num_blocks: int) -> tuple[lis
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"GPU block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}")
     return sizes, ids
+
+
+def _integer(value: object, what: str) -> int:
+    if isinstance(value, bool | np.bool_):
+        raise TypeError(f"{what} is an integer, not a bool")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} is an integer, not {type(value).__name__}") from None
 
 
 def _cdiv(a: int, b: int) -> int:
