@@ -437,6 +437,21 @@ async def test_bad_pages_change_nothing(src: Any) -> None:
         await exact(store)
 
 
+async def test_a_load_into_overlapping_destination_pages_is_refused_and_copies_nothing() -> None:
+    """Two keys into one buffer (or views that overlap): the page would hold whichever copy landed last."""
+    async with open_store(2) as (tier, store):
+        await bounded(store.store([1, 2], pages([1, 2])))
+        one = bytearray(SLOT)
+        both = memoryview(bytearray(2 * SLOT))
+        for dst in ([one, one], [both[:SLOT], both[SLOT // 2 : SLOT // 2 + SLOT]]):
+            with pytest.raises(ValueError, match="two destination pages overlap"):
+                await bounded(store.load([1, 2], dst))
+        assert not any(one) and not any(both)
+        await bounded(store.load([1, 2], [both[:SLOT], both[SLOT:]]))  # neighbours, not overlapping
+        assert bytes(both) == pages([1, 2]).tobytes()
+        whole(tier, store, [1, 2])
+
+
 # -- a policy that fails ---------------------------------------------------------------------------
 
 

@@ -1002,8 +1002,9 @@ class BlockStore(Owner):
             blocks that did come back stay in the host tier.
         :raises ValueError: a destination page shorter than its block (for a
             block from the Mooncake tier, known once it arrived), a
-            read-only destination, pages that do not match the keys, a
-            destination page in a block of this store (its own tier's slots).
+            read-only destination, pages that do not match the keys, two
+            destination pages that overlap, a destination page in a block of
+            this store (its own tier's slots).
         :raises TypeError: a key that is not bytes-like or an int.
         :raises TierClosedError: the store is closed.
         :raises CopyPlanError: pages in a StaticHostMem or another tier (named

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import numpy as np
 
 from .._copy._requests import Pages as CopyPages
-from .._copy._requests import buffer_addresses, check_again, owners_of
+from .._copy._requests import buffer_addresses, check_again, check_disjoint, owners_of
+from .._errors import CopyPlanError
 from .._lifecycle import Lifecycle, finish
 from .._regions import Landing, epoch
 from ._index import I64, NO_IDS, U64
@@ -93,6 +94,13 @@ def host_pages(obj: Any, n: int, *, writable: bool) -> Pages:
     arrays = [np.frombuffer(v, dtype=np.uint8) for v in views]
     addresses = np.fromiter((a.ctypes.data if a.size else 0 for a in arrays), dtype=np.uint64, count=n)
     lengths = np.fromiter((a.size for a in arrays), dtype=np.uint64, count=n)
+    if writable and n > 1 and lengths.all():
+        # Two keys into one buffer (or views that overlap): the copies land in no promised order and the
+        # page would hold whichever landed last. An array's rows never overlap.
+        try:
+            check_disjoint(addresses, lengths)
+        except CopyPlanError as exc:
+            raise ValueError(f"two destination pages overlap ({exc}); pass one buffer per key") from None
     return Pages(addresses, lengths, [*views, *arrays])
 
 
