@@ -73,6 +73,31 @@ def check(reader: IndexMirror, model: dict[bytes | int, tuple[int, int]], keys: 
         assert (slot, length) == model.get(k, (-1, 0)), k
 
 
+def test_removals_empty_the_tombstones_that_end_a_chain(pair: tuple[IndexMirror, IndexMirror]) -> None:
+    """A removal empties the entries no probe passes any more (the entry after is empty), and the
+    tombstones before them in turn; one inside a chain stays, and the keys past it are still found. A table
+    whose keys come and go so stays nearly empty: no rebuild (a copy of both tables) every few stores."""
+    writer, reader = pair  # every key collides: one chain, in the order of the inserts
+    keys: list[bytes | int] = [b"a", b"b", b"c", b"d"]
+    writer.insert(keys, [0, 1, 2, 3], [10, 11, 12, 13])
+    assert (writer.live, writer.used) == (4, 4)
+    writer.remove_slots([1, 2])  # inside the chain: tombstones, d still found past them
+    assert (writer.live, writer.used) == (2, 4)
+    check(reader, {b"a": (0, 10), b"d": (3, 13)}, keys)
+    writer.remove_slots([3])  # the chain's end: emptied, and the two tombstones before it
+    assert (writer.live, writer.used) == (1, 1)
+    check(reader, {b"a": (0, 10)}, keys)
+    for round_ in range(40):  # churn: the table never fills with tombstones
+        batch: list[bytes | int] = [b"%d-%d" % (round_, i) for i in range(10)]
+        writer.insert(batch, list(range(1, 11)), [1] * 10)
+        check(reader, {b"a": (0, 10), **{k: (i + 1, 1) for i, k in enumerate(batch)}}, [b"a", *batch])
+        writer.remove_slots(list(range(1, 11)))
+        assert (writer.live, writer.used) == (1, 1)
+    writer.remove_slots([0])
+    assert (writer.live, writer.used) == (0, 0)
+    check(reader, {}, keys)
+
+
 def test_colliding_keys_are_told_apart_by_their_bytes(pair: tuple[IndexMirror, IndexMirror]) -> None:
     writer, reader = pair
     keys: list[bytes | int] = [b"a", b"b", b"ab", b"", 7, -7, 2**70, b"\x07" + bytes(7)]
