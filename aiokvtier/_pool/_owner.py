@@ -60,7 +60,7 @@ HELLO_TIMEOUT = 10.0
 """Seconds a new connection has to say hello before it is dropped."""
 
 Reply = tuple[dict[str, Any], list[bytes]]
-_KINDS: dict[object, set[type]] = {"f": {bytes}, "b": {bytes}, "i": {int}}
+_KINDS: dict[object, set[type]] = {"f": {bytes}, "p": {bytes}, "b": {bytes}, "i": {int}}
 """The keys' types in each form of keys the wire carries that has one type only."""
 
 
@@ -580,7 +580,7 @@ class Pool(Owner):
             wanted = int(np.count_nonzero(outcomes == CLAIMED))
             short = wanted - tier.slots_free
             if short > 0:
-                evicted, freed = index.evict(short, set(keys))
+                evicted, freed = index.evict(short, keys)
                 self._free_slots(freed)
                 self._event("evicted", evicted)
             room = tier.slots_free if wait else min(tier.slots_free, tier.slots_ready)
