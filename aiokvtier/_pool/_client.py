@@ -753,8 +753,8 @@ class AttachedPool(Owner):
         return [as_key(k) for k in keys], None
 
     def _keys(self, keys: Sequence[object]) -> tuple[list[Key], dict[str, Any], list[bytes]]:
-        given, _ = self._given(keys)
-        kind, parts = encode_keys(given)
+        given, types = self._given(keys)
+        kind, parts = encode_keys(given, types)
         return given, {"k": kind}, parts
 
     async def lookup(self, keys: Sequence[object] | npt.NDArray[np.uint8]) -> int:
@@ -939,6 +939,11 @@ class AttachedPool(Owner):
                 asked = [given[i] for i in todo.tolist()]
                 kind, parts = encode_keys(asked, types)
                 await self._request(_wire.AWAIT, {"k": kind}, parts)
+        # Every key stored, or every one there already (the usual cases): no pass over the keys per outcome.
+        if n and int(np.count_nonzero(outcome == CLAIMED)) == n:
+            return StoreResult(stored=tuple(given), present=(), skipped=())
+        if n and int(np.count_nonzero(outcome == PRESENT)) == n:
+            return StoreResult(stored=(), present=tuple(given), skipped=())
         stored = tuple(itertools.compress(given, (outcome == CLAIMED).tolist()))
         present = tuple(itertools.compress(given, (outcome == PRESENT).tolist()))
         skipped = tuple(itertools.compress(given, ((outcome != CLAIMED) & (outcome != PRESENT)).tolist()))
