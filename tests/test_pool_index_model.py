@@ -10,9 +10,11 @@ import os
 from collections import OrderedDict
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aiokvtier import BlockNotFound
 from aiokvtier._pool._index import BlockIndex
 from aiokvtier._pool._mirror import USABLE, IndexMirror
 from aiokvtier._pool._wire import BUSY, CLAIMED, PRESENT, Key
@@ -102,12 +104,14 @@ def test_the_index_matches_its_model(data: st.DataObject, with_mirror: bool) -> 
 def _run(data: st.DataObject, index: BlockIndex, reader: IndexMirror | None) -> None:
     model = Model()
     free = list(range(SLOTS))
+    flying: dict[int, tuple[list[Key], list[int], list[int]]] = {}  # claims in flight: keys, slots, lengths
 
     def give_back(slots: list[int] | np.ndarray) -> None:
         free.extend(int(s) for s in slots)
 
     for _ in range(data.draw(st.integers(1, 40))):
-        op = data.draw(st.sampled_from(["store", "lookup", "look", "load", "unpin", "discard", "evict"]))
+        ops = ["store", "finish", "lookup", "look", "load", "unpin", "discard", "evict"]
+        op = data.draw(st.sampled_from(ops))
         if op == "store":
             keys = data.draw(st.lists(st.sampled_from(UNIVERSE), max_size=6, unique=True))
             outcomes = index.classify(keys)
@@ -120,6 +124,10 @@ def _run(data: st.DataObject, index: BlockIndex, reader: IndexMirror | None) -> 
             model.storing.update(dict.fromkeys(claimed, claim))
             slots = [free.pop(data.draw(st.integers(0, len(free) - 1))) for _ in claimed]
             index.place(claim, np.array(slots, dtype=np.int64))
+            flying[claim] = (claimed, slots, lengths)
+        elif op == "finish" and flying:  # a store in flight commits, or gives up (its process went away)
+            claim = data.draw(st.sampled_from(sorted(flying)))
+            claimed, slots, lengths = flying.pop(claim)
             if data.draw(st.booleans()):
                 assert index.commit(claim) == claimed
                 for key, slot, length in zip(claimed, slots, lengths, strict=True):
@@ -127,7 +135,8 @@ def _run(data: st.DataObject, index: BlockIndex, reader: IndexMirror | None) -> 
                     model.length[slot] = length
                     model.referenced.discard(slot)
             else:
-                give_back(index.abort(claim))
+                assert sorted(index.abort(claim)) == sorted(slots)
+                give_back(slots)
             for key in claimed:
                 del model.storing[key]
         elif op == "lookup":
@@ -144,7 +153,13 @@ def _run(data: st.DataObject, index: BlockIndex, reader: IndexMirror | None) -> 
             model.referenced.update(model.ready[k] for k in keys[:hits])
         elif op == "load":
             keys = data.draw(keys_st)
-            if not keys or not all(k in model.ready for k in keys):
+            if not keys:
+                continue
+            missing = [k for k in keys if k not in model.ready]
+            if missing:  # absent, or being stored: nothing pinned
+                with pytest.raises(BlockNotFound) as caught:
+                    index.pin(keys)
+                assert caught.value.key == missing[0]
                 continue
             pin, slots, lengths = index.pin(keys)
             want = [model.ready[k] for k in keys]
@@ -183,7 +198,14 @@ def _run(data: st.DataObject, index: BlockIndex, reader: IndexMirror | None) -> 
             assert evicted == model.evict(n, keep)
             give_back(evicted[1])
         index.check()
-        assert index.ready == dict(model.ready)
+        assert index.blocks() == dict(model.ready) and len(index) == len(model.ready)
+        for key in UNIVERSE:
+            assert index.claims_storing([key]) == ({model.storing[key]} if key in model.storing else set())
+    for claim in sorted(flying):
+        claimed, slots, _ = flying.pop(claim)
+        assert sorted(index.abort(claim)) == sorted(slots)
+        for key in claimed:
+            del model.storing[key]
     # Everything that may go, in the order it goes: the whole recency order, referenced blocks last.
     assert index.evict(SLOTS, []) == model.evict(SLOTS, [])
     index.check()

@@ -10,9 +10,12 @@ them back to the tier. A block's life, as in ``BlockStore``::
                            └─ abort ─> (slot) │ discarded while pinned: freed at the last unpin
 
 Claims and pins carry ids, so that the service can release everything a
-process held when its connection closes. Ready blocks sit in a plain dict
-from key to slot; a block's key, length, pin count, "discarded while
-pinned" mark and recency are arrays indexed by its slot. Recency is a tick:
+process held when its connection closes. One plain dict maps each key to
+its block's slot (ready) or to its claim (storing: ``~claim``, negative),
+so that a store's keys are classified in one pass and its commit rewrites
+their values rather than moving them between two dicts; a block's key,
+length, pin count, "discarded while pinned" mark and recency are arrays
+indexed by its slot. Recency is a tick:
 a touch of ``n`` blocks gives them the next ``n`` ticks in order, so the
 least recently used block is the one of lowest tick, as an ``OrderedDict``'s
 ``move_to_end`` would have it (which cost a store's commit and a discard
@@ -31,7 +34,6 @@ most recent end, and the scan goes on).
 from __future__ import annotations
 
 import itertools
-import operator
 from collections import deque
 from collections.abc import Collection, Sequence
 
@@ -50,16 +52,8 @@ _NONE = np.empty(0, dtype=np.int64)
 _ONE = np.int64(1)
 
 
-def _get_all(mapping: dict[Key, int], keys: Sequence[Key]) -> I64:
-    """``mapping[key]`` of every key, in C (an itemgetter of one key returns the value itself).
-
-    :raises KeyError: a key is missing.
-    """
-    if len(keys) == 1:
-        return np.array([mapping[keys[0]]], dtype=np.int64)
-    if not keys:
-        return _NONE
-    return np.fromiter(operator.itemgetter(*keys)(mapping), dtype=np.int64, count=len(keys))
+ABSENT = -1
+"""What ``_where`` gives for a key it does not hold (a claim's value, ``~claim``, is -2 or less)."""
 
 
 class _Claim:
@@ -85,10 +79,10 @@ class BlockIndex:
 
     def __init__(self, mirror: IndexMirror | None = None, slots: int = 0) -> None:
         self.mirror = mirror
-        self.ready: dict[Key, int] = {}
-        """Key -> slot of every visible block (their recency: ``_tick``)."""
-        self.storing: dict[Key, int] = {}
-        """Key -> the claim storing it."""
+        self._where: dict[Key, int] = {}
+        """Key -> the slot of its visible block (their recency: ``_tick``), or ``~claim`` while a store
+        claims it (a key is never both)."""
+        self._visible = 0
         self._claims: dict[int, _Claim] = {}
         self._pins: dict[int, I64] = {}
         self._ids = itertools.count(1)
@@ -123,7 +117,20 @@ class BlockIndex:
         self.bytes_loaded = 0
 
     def __len__(self) -> int:
-        return len(self.ready)
+        return self._visible
+
+    def _find(self, keys: Sequence[Key]) -> I64:
+        """Each key's value in ``_where`` (``ABSENT``: none), one loop in C."""
+        where = self._where
+        return np.fromiter(map(where.get, keys, itertools.repeat(ABSENT)), dtype=np.int64, count=len(keys))
+
+    def blocks(self) -> dict[Key, int]:
+        """Key -> slot of every visible block (a pass over the index: for checks)."""
+        return {k: v for k, v in self._where.items() if v >= 0}
+
+    def claims_storing(self, keys: Sequence[Key]) -> set[int]:
+        """The claims storing any of ``keys``."""
+        return {~v for v in self._find(keys).tolist() if v < ABSENT}
 
     @property
     def claims(self) -> int:
@@ -135,7 +142,7 @@ class BlockIndex:
         return int(np.count_nonzero(self._pinned[slots]))
 
     def _slots_of_ready(self) -> I64:
-        return np.fromiter(self.ready.values(), dtype=np.int64, count=len(self.ready))
+        return np.flatnonzero(self._live).astype(np.int64)
 
     def _fit(self, slots: I64) -> None:
         """Grow the per-slot arrays to hold ``slots`` (a tier's ids are below its slot count: rarely needed)."""
@@ -166,7 +173,7 @@ class BlockIndex:
         """The stored prefix of ``keys``; touches it (most recent last)."""
         n = len(keys)
         # One loop in C: each key's slot (-1: absent), then the touches of the prefix as one array write.
-        slots = np.fromiter(map(self.ready.get, keys, itertools.repeat(-1)), dtype=np.int64, count=n)
+        slots = self._find(keys)
         missing = np.flatnonzero(slots < 0)
         hits = int(missing[0]) if missing.size else n
         self._touch(slots[:hits])
@@ -187,16 +194,14 @@ class BlockIndex:
         n = len(keys)
         if len(set(keys)) != n:
             raise ValueError("a key appears twice in one store; nothing changed")
-        ready, storing = self.ready, self.storing
         out = np.full(n, CLAIMED, dtype=np.uint8)
-        if ready:
-            slots = np.fromiter(map(ready.get, keys, itertools.repeat(-1)), dtype=np.int64, count=n)
+        if self._where:
+            slots = self._find(keys)
             present = slots >= 0
             if present.any():
                 out[present] = PRESENT
                 self._touch(slots[present])
-        if storing:  # a key is never ready and being stored at once
-            out[np.fromiter(map(storing.__contains__, keys), dtype=np.bool_, count=n)] = BUSY
+            out[slots < ABSENT] = BUSY
         return out
 
     @staticmethod
@@ -218,7 +223,7 @@ class BlockIndex:
         """Mark ``keys`` as being stored (slots come later, ``place``); returns the claim id. ``types`` and
         ``matrix``: the keys' types and bytes, where the caller has them (the mirror then need not find them)."""
         claim = next(self._ids)
-        self.storing.update(zip(keys, itertools.repeat(claim)))
+        self._where.update(zip(keys, itertools.repeat(~claim)))
         self._claims[claim] = _Claim(keys, np.asarray(lengths, dtype=np.int64), types, matrix)
         return claim
 
@@ -237,8 +242,8 @@ class BlockIndex:
         if len(slots) != len(keys):
             self._claims[claim] = entry
             raise KeyError(f"claim {claim} has no slots placed")
-        deque(map(self.storing.__delitem__, keys), maxlen=0)
-        self.ready.update(zip(keys, slots.tolist(), strict=True))
+        self._where.update(zip(keys, slots.tolist(), strict=True))  # each key's claim replaced by its slot
+        self._visible += len(keys)
         self._length[slots] = lengths
         self._live[slots] = True
         self._key[slots] = keys
@@ -254,7 +259,7 @@ class BlockIndex:
         entry = self._claims.pop(claim, None)
         if entry is None:
             return []
-        deque(map(self.storing.pop, entry.keys, itertools.repeat(None)), maxlen=0)
+        deque(map(self._where.pop, entry.keys, itertools.repeat(None)), maxlen=0)
         freed: list[int] = entry.slots.tolist()
         return freed
 
@@ -270,10 +275,10 @@ class BlockIndex:
 
         In arrays: the blocks that may go, oldest first, then the scan's outcome read off where their
         referenced ones lie (a scan in Python cost ~0.3 us a block passed)."""
-        if n <= 0 or not self.ready:
+        if n <= 0 or not self._visible:
             return [], []
-        mirror, ready = self.mirror, self.ready
-        kept = np.fromiter(map(ready.get, keep, itertools.repeat(-1)), dtype=np.int64, count=len(keep))
+        mirror = self.mirror
+        kept = self._find(list(keep))
         spare = self._live.copy()
         spare[self._pinned > 0] = False
         spare[kept[kept >= 0]] = False
@@ -295,7 +300,7 @@ class BlockIndex:
         self._touch(spared)
         slots = np.concatenate([taken, second])
         keys: list[Key] = self._key[slots].tolist()
-        deque(map(ready.__delitem__, keys), maxlen=0)
+        deque(map(self._where.__delitem__, keys), maxlen=0)
         self._forget(slots)
         if mirror is not None:
             mirror.remove_slots(slots)
@@ -304,7 +309,8 @@ class BlockIndex:
         return keys, freed
 
     def _forget(self, slots: I64) -> None:
-        """The blocks in ``slots`` are no longer visible (their keys already out of ``ready``)."""
+        """The blocks in ``slots`` are no longer visible (their keys already out of ``_where``)."""
+        self._visible -= len(slots)
         self._live[slots] = False
         self._key[slots] = None
 
@@ -316,11 +322,10 @@ class BlockIndex:
         :returns: ``(pin id, slots, lengths)``.
         :raises BlockNotFound: a key is not stored (the first missing one; nothing pinned).
         """
-        ready = self.ready
-        try:
-            slots = _get_all(ready, keys)
-        except KeyError:
-            raise BlockNotFound(next(k for k in keys if k not in ready)) from None
+        slots = self._find(keys)
+        missing = np.flatnonzero(slots < 0)
+        if missing.size:
+            raise BlockNotFound(keys[int(missing[0])])
         np.add.at(self._pinned, slots, _ONE)  # a key loaded twice in one call pins twice
         self._touch(slots)
         pin = next(self._ids)
@@ -350,7 +355,11 @@ class BlockIndex:
         """Drop blocks (unknown keys ignored); returns the keys dropped, and the slots to free now (a pinned
         block's slot is freed at its last unpin)."""
         n = len(keys)
-        gone = np.fromiter(map(self.ready.pop, keys, itertools.repeat(-1)), dtype=np.int64, count=n)
+        where = self._where
+        gone = np.fromiter(map(where.pop, keys, itertools.repeat(ABSENT)), dtype=np.int64, count=n)
+        storing = np.flatnonzero(gone < ABSENT)
+        for i in storing.tolist():  # a key being stored is not a block yet: its claim's mark goes back
+            where[keys[i]] = int(gone[i])
         known = gone >= 0
         if known.all():
             dropped = list(keys)
@@ -374,12 +383,14 @@ class BlockIndex:
 
         :raises AssertionError: an invariant does not hold (the message names it).
         """
-        ready = self._slots_of_ready()
+        blocks = self.blocks()
+        _require(len(blocks) == self._visible, f"{self._visible} blocks counted, {len(blocks)} visible")
+        ready = np.fromiter(blocks.values(), dtype=np.int64, count=len(blocks))
         held: list[int] = ready.tolist()
         live = np.zeros(len(self._live), dtype=np.bool_)
         live[ready] = True
         _require(np.array_equal(live, self._live), "the per-slot record of visible blocks is wrong")
-        _require(self._key[ready].tolist() == list(self.ready), "a visible block's slot names another key")
+        _require(self._key[ready].tolist() == list(blocks), "a visible block's slot names another key")
         _require(all(k is None for k in self._key[~live].tolist()), "a slot with no visible block keeps a key")
         ticks = self._tick[ready]
         _require(
@@ -391,11 +402,10 @@ class BlockIndex:
             _require(len(lengths) == len(keys), f"claim {claim} has {len(keys)} keys and {len(lengths)} lengths")
             _require(not slots.size or len(slots) == len(keys), f"claim {claim}: {len(slots)} slots, {len(keys)} keys")
             for key in keys:
-                _require(self.storing.get(key) == claim, f"key {key!r} of claim {claim} is not marked as stored by it")
-                _require(key not in self.ready, f"key {key!r} is visible and being stored at once")
+                _require(self._where.get(key) == ~claim, f"key {key!r} of claim {claim} is not marked as stored by it")
             held.extend(slots.tolist())
         _require(
-            len(self.storing) == sum(len(entry.keys) for entry in self._claims.values()),
+            len(self._where) - len(blocks) == sum(len(entry.keys) for entry in self._claims.values()),
             "a key is marked as being stored by no claim",
         )
         pins = np.zeros_like(self._pinned)
@@ -415,8 +425,8 @@ class BlockIndex:
         _require(len(set(held)) == len(held), "a slot is held twice (two blocks, or a block and a claim)")
         mirror = self.mirror
         if mirror is not None and not mirror.closed:
-            _require(mirror.live == len(self.ready), f"mirror: {mirror.live} keys, index: {len(self.ready)}")
-            keys = list(self.ready)
+            _require(mirror.live == len(blocks), f"mirror: {mirror.live} keys, index: {len(blocks)}")
+            keys = list(blocks)
             seen = mirror.blocks(keys) if keys else None
             if seen is not None:
                 found, sizes = seen
@@ -441,7 +451,8 @@ class BlockIndex:
         for claim in list(self._claims):
             slots.extend(self.abort(claim))
         slots.extend(np.flatnonzero(self._doomed & (self._pinned > 0)).tolist())
-        self.ready.clear()
+        self._where.clear()
+        self._visible = 0
         self._live[:] = False
         self._key[:] = None
         self._pins.clear()

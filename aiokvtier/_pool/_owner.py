@@ -648,9 +648,8 @@ class Pool(Owner):
 
     async def _await(self, peer: _Peer, message: Message) -> Reply:
         keys = self._keys(message)
-        storing = self._index.storing
         while True:
-            claims = {storing[k] for k in keys if k in storing}
+            claims = self._index.claims_storing(keys)
             if not claims:
                 return {}, []
             future: asyncio.Future[None] = self._loop.create_future()
