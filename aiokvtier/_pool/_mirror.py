@@ -727,13 +727,14 @@ class IndexMirror:
         tags = self._table[:, 0]
         mask = self.capacity - 1
         emptied: list[npt.NDArray[np.intp]] = []
+        ending = entries[tags[(entries + 1) & mask] == EMPTY]  # each entry removed is a tombstone (distinct)
         for _ in range(RECLAIM_ROUNDS):  # a run of tombstones empties from its end, an entry a round
-            entries = entries[(tags[entries] == TOMBSTONE) & (tags[(entries + 1) & mask] == EMPTY)]
-            if not entries.size:
+            if not ending.size:
                 break
-            tags[entries] = EMPTY
-            emptied.append(entries)
-            entries = (entries - 1) & mask
+            tags[ending] = EMPTY
+            emptied.append(ending)
+            ending = (ending - 1) & mask
+            ending = ending[tags[ending] == TOMBSTONE]  # the entry after each was just emptied
         out = np.concatenate(emptied) if emptied else np.empty(0, dtype=np.intp)
         self._header[USED] -= np.uint64(out.size)
         return out
