@@ -354,6 +354,37 @@ async def test_blocks_attached_processes_look_up_are_evicted_last(sock: str) -> 
         assert await reader.lookup(b(young)) == 0 and await reader.lookup(b(young[16:])) == 496
 
 
+async def test_lookup_counts_carried_by_a_request_are_counted_and_malformed_ones_ignored(sock: str) -> None:
+    """An attached process tells its mirror lookups' counts with its next request (a frame less than a
+    ``LOOKED`` of their own): the owner counts them before serving it; figures that are not counts are
+    ignored, and the request is served all the same."""
+    from aiokvtier._pool import _wire
+
+    async with Pool(CONFIG, sock) as pool:
+        reader, writer = await asyncio.open_unix_connection(sock)
+        writer.write(_wire.encode(_wire.HELLO, 0, {"v": _wire.VERSION}))
+
+        async def answer(rid: int) -> _wire.Message:
+            async with asyncio.timeout(WAIT):
+                while True:
+                    head = await reader.readexactly(4)
+                    message = _wire.decode(await reader.readexactly(_wire.LENGTH.unpack(head)[0]))
+                    if message.op == _wire.REPLY and message.rid == rid:
+                        return message
+
+        try:
+            for rid, looked in enumerate(({"q": -1, "h": 1}, "x", [1, 2], {"q": 2**70}), start=1):
+                writer.write(_wire.encode(_wire.STATS, rid, {"looked": looked}))
+                assert "stats" in (await answer(rid)).fields
+            s = pool.statistics()
+            assert (s.queries, s.hits, s.misses, s.mirror_retries) == (0, 0, 0, 0)
+            writer.write(_wire.encode(_wire.STATS, 9, {"looked": {"q": 2, "h": 5, "m": 1, "r": 3}}))
+            told = (await answer(9)).fields["stats"]  # counted before the request was served
+            assert (told["queries"], told["hits"], told["misses"], told["mirror_retries"]) == (2, 5, 1, 3)
+        finally:
+            writer.close()
+
+
 async def test_lookups_answered_in_the_process_are_counted_by_the_owner(sock: str) -> None:
     async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as reader:
         await reader.store([b"a", b"b"], [b"x", b"y"])

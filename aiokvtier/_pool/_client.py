@@ -474,8 +474,10 @@ class AttachedPool(Owner):
         """
         self._check_open()
         self._raise_if_lost()
-        if self._looked:
-            self._tell_looked()  # before this request: one connection is one order
+        if self._looked:  # told with this request (a frame less), so before its work: one connection is one order
+            looked = self._counts_looked()
+            if looked is not None:
+                fields = {**(fields or {}), "looked": looked}
         rid = next(self._rids)
         future: asyncio.Future[Message] = self._loop.create_future()
         self._pending[rid] = (future, undo)
@@ -834,12 +836,17 @@ class AttachedPool(Owner):
         writer = self.__dict__.get("_writer")
         if self._lost is not None or writer is None or writer.is_closing():
             return
+        looked = self._counts_looked()
+        if looked is not None:
+            self._post(_wire.LOOKED, looked)
+
+    def _counts_looked(self) -> dict[str, int] | None:
+        """The counts of the lookups answered from the mirror since the last told, taken (None: none)."""
         looked, q, h, m, r = self._looked, 0, 0, 0, 0
         while looked:  # other threads may append meanwhile: what they add after this is told next time
             answers, hits, misses, retries = looked.popleft()
             q, h, m, r = q + answers, h + hits, m + misses, r + retries
-        if q or r:
-            self._post(_wire.LOOKED, {"q": q, "h": h, "m": m, "r": r})
+        return {"q": q, "h": h, "m": m, "r": r} if q or r else None
 
     async def events(self, *, limit: int = 1024) -> PoolEvents:
         """A new subscription: every ``stored``, ``evicted`` and ``discarded`` event of the shared store,

@@ -490,6 +490,9 @@ class Pool(Owner):
     # -- requests ---------------------------------------------------------------------------
 
     def _dispatch(self, peer: _Peer, message: Message) -> None:
+        looked = message.fields.pop("looked", None)
+        if looked is not None:
+            self._count_looked(looked)
         inline = self._inline.get(message.op)
         if inline is not None:
             try:
@@ -676,7 +679,14 @@ class Pool(Owner):
     def _looked(self, peer: _Peer, message: Message) -> None:
         """Lookups a process answered from the index mirror: their counts, and the reads it did over
         (no reply)."""
-        figures = [message.fields.get(name, 0) for name in ("q", "h", "m", "r")]
+        self._count_looked(message.fields)
+
+    def _count_looked(self, fields: object) -> None:
+        """Count a process's lookups answered from the mirror (``LOOKED``'s fields, or any request's
+        ``"looked"``); malformed figures are ignored."""
+        if not isinstance(fields, dict):
+            return
+        figures = [fields.get(name, 0) for name in ("q", "h", "m", "r")]
         if all(type(x) is int and 0 <= x < 1 << 62 for x in figures):
             c = self._index.counts
             for name, x in zip(("queries", "hits", "misses", "mirror_retries"), figures, strict=True):

@@ -20,7 +20,8 @@ byte arrays, checked as they are read.
     ALLOC {n, wait}           ───────────>  REPLY [slot ids]    (waits only for the fill)
     FREE [slot ids]           ───────────>  REPLY
     LOOKUP keys               ───────────>  REPLY {hits}     (when the index mirror cannot answer)
-    LOOKED {q, h, m, r}       ───────────>  (no reply: lookups answered from the mirror, for the counts)
+    LOOKED {q, h, m, r}       ───────────>  (no reply: lookups answered from the mirror, for the counts;
+                                            any request may carry them instead, as "looked": {q, h, m, r})
     BEGIN keys [lengths]      ───────────>  REPLY {claim} [outcomes] [slots]
     COMMIT {claim}            ───────────>  REPLY            (the blocks are visible to all)
     ABORT {claim}             ───────────>  (no reply)
@@ -62,7 +63,7 @@ __all__ = [
 
 VERSION = 4
 """3: the index mirror holds a spare copy of its table (a reader never waits for a write). 4: byte keys of
-several lengths may come zero-padded (the ``"p"`` form)."""
+several lengths may come zero-padded (the ``"p"`` form); any request may carry the mirror's lookup counts."""
 
 HELLO, WELCOME, STATE, ALLOC, FREE, LOOKUP, BEGIN, COMMIT, ABORT, AWAIT, LOAD, UNPIN, DISCARD, STATS = range(1, 15)
 SUBSCRIBE, LOOKED = 15, 16
