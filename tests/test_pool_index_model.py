@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiokvtier import BlockNotFound
+from aiokvtier._pool import _index
 from aiokvtier._pool._index import BlockIndex
 from aiokvtier._pool._mirror import USABLE, IndexMirror
 from aiokvtier._pool._wire import BUSY, CLAIMED, PRESENT, Key
@@ -89,12 +90,16 @@ keys_st = st.lists(st.sampled_from(UNIVERSE), max_size=6)
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=st.data(), with_mirror=st.booleans())
-def test_the_index_matches_its_model(data: st.DataObject, with_mirror: bool) -> None:
+@given(data=st.data(), with_mirror=st.booleans(), log=st.sampled_from([1, 3, _index.LOG_MIN]))
+def test_the_index_matches_its_model(data: st.DataObject, with_mirror: bool, log: int) -> None:
+    """``log``: the recency log's smallest buffer and chunk (small: it is compacted and grown, and evictions
+    read it in several chunks, within a few steps)."""
     writer = IndexMirror.create(SLOTS) if with_mirror and USABLE else None
     reader = IndexMirror.attach(os.dup(writer.fd), SLOTS) if writer is not None else None
     try:
-        _run(data, BlockIndex(writer, SLOTS), reader)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_index, "LOG_MIN", log)
+            _run(data, BlockIndex(writer, SLOTS), reader)
     finally:
         for mirror in (reader, writer):
             if mirror is not None:

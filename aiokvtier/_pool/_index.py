@@ -15,13 +15,18 @@ its block's slot (ready) or to its claim (storing: ``~claim``, negative),
 so that a store's keys are classified in one pass and its commit rewrites
 their values rather than moving them between two dicts; a block's key,
 length, pin count, "discarded while pinned" mark and recency are arrays
-indexed by its slot. Recency is a tick:
-a touch of ``n`` blocks gives them the next ``n`` ticks in order, so the
-least recently used block is the one of lowest tick, as an ``OrderedDict``'s
-``move_to_end`` would have it (which cost a store's commit and a discard
-~0.45 ms of 4,096 keys more than a dict). A call of 4,096 keys is a few dict
-passes in C and array operations, no Python object and no Python step per
-key (a ``Block`` object per key cost a store's commit about a millisecond).
+indexed by its slot. A call of 4,096 keys is a few dict passes in C and
+array operations, no Python object and no Python step per key (a ``Block``
+object per key cost a store's commit about a millisecond).
+
+Recency is a tick per slot: a touch of ``n`` blocks gives them the next
+``n`` ticks, in order, and appends ``(slot, tick)`` to a log, so the log's
+entries whose tick is still their block's are the blocks from least to most
+recently used, as an ``OrderedDict``'s ``move_to_end`` would have them (which
+cost a store's commit and a discard of 4,096 keys ~0.45 ms more than a plain
+dict). An eviction reads the log from its head in chunks, as far as it needs;
+stale entries are dropped when the log's buffer is full (each costs one
+append, so that is amortized).
 
 With a mirror (``aiokvtier._pool._mirror``), every change of the ready
 blocks is written there too, in the same step, and attached processes look
@@ -49,6 +54,8 @@ __all__ = ["BlockIndex"]
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
 _NONE = np.empty(0, dtype=np.int64)
+LOG_MIN = 256
+"""The recency log's smallest buffer, and the fewest entries an eviction reads at a time."""
 _ONE = np.int64(1)
 
 
@@ -97,6 +104,13 @@ class BlockIndex:
         self._tick: I64 = np.zeros(slots, dtype=np.int64)
         """When each visible block was last touched (a larger tick is more recent; ticks are never reused)."""
         self._clock = 0
+        self._log: I64 = np.zeros(max(2 * slots, LOG_MIN), dtype=np.int64)
+        """Touched slots, in the order of their ticks (``_log_tick``); between ``_head`` and ``_end``."""
+        self._log_tick: I64 = np.zeros(len(self._log), dtype=np.int64)
+        self._head = 0
+        self._end = 0
+        self._kept: npt.NDArray[np.bool_] = np.zeros(slots, dtype=np.bool_)
+        """An eviction's scratch: the slots of the keys it keeps (all False between evictions)."""
         self.counts = dict.fromkeys(
             (
                 "queries",
@@ -158,14 +172,42 @@ class BlockIndex:
             self._live = np.concatenate([self._live, np.zeros(extra, dtype=np.bool_)])
             self._key = np.concatenate([self._key, np.full(extra, None, dtype=np.object_)])
             self._tick = np.concatenate([self._tick, np.zeros(extra, dtype=np.int64)])
+            self._kept = np.concatenate([self._kept, np.zeros(extra, dtype=np.bool_)])
 
     def _touch(self, slots: I64) -> None:
         """The blocks in ``slots`` become the most recently used, the last of them most (a slot twice: its
         last place counts, as ``move_to_end`` would have it)."""
         n = len(slots)
-        if n:
-            self._tick[slots] = np.arange(self._clock, self._clock + n, dtype=np.int64)
-            self._clock += n
+        if not n:
+            return
+        ticks = np.arange(self._clock, self._clock + n, dtype=np.int64)
+        self._tick[slots] = ticks
+        self._clock += n
+        if self._end + n > len(self._log):
+            self._compact(n)
+        self._log[self._end : self._end + n] = slots
+        self._log_tick[self._end : self._end + n] = ticks
+        self._end += n
+
+    def _current(self, slots: I64, ticks: I64) -> npt.NDArray[np.bool_]:
+        """Which log entries still stand for their block's last touch (a visible block, its tick)."""
+        current: npt.NDArray[np.bool_] = self._live[slots] & (self._tick[slots] == ticks)
+        return current
+
+    def _compact(self, room: int) -> None:
+        """Drop the log's stale entries, and grow its buffer if ``room`` more still do not fit."""
+        span = slice(self._head, self._end)
+        slots, ticks = self._log[span], self._log_tick[span]
+        keep = self._current(slots, ticks)
+        slots, ticks = slots[keep], ticks[keep]
+        size = len(self._log)
+        if len(slots) + room > size // 2:  # at most half full after: the next compaction is as far off
+            size = max(2 * size, 2 * (len(slots) + room))
+            self._log = np.zeros(size, dtype=np.int64)
+            self._log_tick = np.zeros(size, dtype=np.int64)
+        self._log[: len(slots)] = slots
+        self._log_tick[: len(slots)] = ticks
+        self._head, self._end = 0, len(slots)
 
     # -- queries --------------------------------------------------------------------
 
@@ -273,40 +315,71 @@ class BlockIndex:
         returns their keys and slots (to free). A block an attached process's lookup hit since the last
         scan is passed over once (moved to the most recent end).
 
-        In arrays: the blocks that may go, oldest first, then the scan's outcome read off where their
-        referenced ones lie (a scan in Python cost ~0.3 us a block passed)."""
+        The scan reads the recency log in chunks (a scan in Python cost ~0.3 us a block passed), as far as
+        it needs: an eviction of a few blocks reads a few entries, not the whole order."""
         if n <= 0 or not self._visible:
             return [], []
         mirror = self.mirror
         kept = self._find(list(keep))
-        spare = self._live.copy()
-        spare[self._pinned > 0] = False
-        spare[kept[kept >= 0]] = False
-        order = np.flatnonzero(spare)
-        order = order[np.argsort(self._tick[order], kind="stable")]
-        referenced = mirror.referenced_many(order) if mirror is not None else np.zeros(order.size, dtype=np.bool_)
-        plain = np.flatnonzero(~referenced)
-        if plain.size >= n:  # the first pass finds them all: it passed over the referenced ones before the n-th
-            end = int(plain[n - 1]) + 1
-            taken = order[plain[:n]]
-            spared = order[:end][referenced[:end]]
-            second = taken[:0]
-        else:  # the second pass takes the oldest of what the first passed over (now at the most recent end)
-            taken = order[plain]
-            spared = order[referenced]
-            second = spared[: n - taken.size]
-        if mirror is not None and spared.size:
-            mirror.unreference_many(spared)
-        self._touch(spared)
-        slots = np.concatenate([taken, second])
+        kept = kept[kept >= 0]
+        self._kept[kept] = True
+        try:
+            taken, spared, scanned = self._oldest(n)
+        finally:
+            self._kept[kept] = False
+        found = sum(map(len, taken))
+        spared_all = np.concatenate(spared) if spared else _NONE
+        # The first pass found fewer than n: the second takes the oldest of what it passed over (moved to the
+        # most recent end meanwhile, in their order, behind every block it did not pass over).
+        second = spared_all[: n - found] if found < n else _NONE
+        slots = np.concatenate([*taken, second])
         keys: list[Key] = self._key[slots].tolist()
         deque(map(self._where.__delitem__, keys), maxlen=0)
         self._forget(slots)
+        self._advance(scanned)  # before the touch below, which may compact the log
+        if mirror is not None and spared_all.size:
+            mirror.unreference_many(spared_all)
+        self._touch(spared_all[len(second) :])
         if mirror is not None:
             mirror.remove_slots(slots)
         self.counts["evictions"] += len(keys)
         freed: list[int] = slots.tolist()
         return keys, freed
+
+    def _oldest(self, n: int) -> tuple[list[I64], list[I64], int]:
+        """CLOCK's first pass over the log: the oldest ``n`` blocks that no load reads, not kept and not
+        referenced, and the referenced ones passed over before the ``n``-th (fewer than ``n`` where the log
+        ends first); and where the scan stopped. In chunks of the log, each a few array operations."""
+        mirror = self.mirror
+        taken: list[I64] = []
+        spared: list[I64] = []
+        found, at = 0, self._head
+        while found < n and at < self._end:
+            stop = min(self._end, at + max(2 * (n - found), LOG_MIN))
+            slots, ticks = self._log[at:stop], self._log_tick[at:stop]
+            at = stop
+            slots = slots[self._current(slots, ticks) & (self._pinned[slots] == 0) & ~self._kept[slots]]
+            if mirror is None:
+                referenced = np.zeros(len(slots), dtype=np.bool_)
+            else:
+                referenced = mirror.referenced_many(slots)
+            plain = np.flatnonzero(~referenced)
+            if plain.size >= n - found:  # the n-th is in this chunk: the scan ends there
+                last = int(plain[n - found - 1]) + 1
+                taken.append(slots[plain[: n - found]])
+                spared.append(slots[:last][referenced[:last]])
+                found = n
+            else:
+                taken.append(slots[plain])
+                spared.append(slots[referenced])
+                found += plain.size
+        return taken, spared, at
+
+    def _advance(self, scanned: int) -> None:
+        """Move the log's head past the stale entries it starts with, up to ``scanned``."""
+        span = slice(self._head, scanned)
+        current = np.flatnonzero(self._current(self._log[span], self._log_tick[span]))
+        self._head = self._head + int(current[0]) if current.size else max(self._head, scanned)
 
     def _forget(self, slots: I64) -> None:
         """The blocks in ``slots`` are no longer visible (their keys already out of ``_where``)."""
@@ -392,6 +465,12 @@ class BlockIndex:
         _require(np.array_equal(live, self._live), "the per-slot record of visible blocks is wrong")
         _require(self._key[ready].tolist() == list(blocks), "a visible block's slot names another key")
         _require(all(k is None for k in self._key[~live].tolist()), "a slot with no visible block keeps a key")
+        span = slice(self._head, self._end)
+        logged = self._log[span][self._current(self._log[span], self._log_tick[span])]
+        _require(
+            len(logged) == len(ready) and np.array_equal(np.sort(logged), np.sort(ready)),
+            "the recency log does not hold each visible block once",
+        )
         ticks = self._tick[ready]
         _require(
             len(np.unique(ticks)) == len(ticks) and (not ticks.size or int(ticks.max()) < self._clock),
@@ -453,6 +532,7 @@ class BlockIndex:
         slots.extend(np.flatnonzero(self._doomed & (self._pinned > 0)).tolist())
         self._where.clear()
         self._visible = 0
+        self._head = self._end = 0
         self._live[:] = False
         self._key[:] = None
         self._pins.clear()
