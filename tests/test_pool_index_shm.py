@@ -73,6 +73,31 @@ def check(reader: IndexMirror, model: dict[bytes | int, tuple[int, int]], keys: 
         assert (slot, length) == model.get(k, (-1, 0)), k
 
 
+def test_removals_empty_the_tombstones_that_end_a_chain(pair: tuple[IndexMirror, IndexMirror]) -> None:
+    """A removal empties the entries no probe passes any more (the entry after is empty), and the
+    tombstones before them in turn; one inside a chain stays, and the keys past it are still found. A table
+    whose keys come and go so stays nearly empty: no rebuild (a copy of both tables) every few stores."""
+    writer, reader = pair  # every key collides: one chain, in the order of the inserts
+    keys: list[bytes | int] = [b"a", b"b", b"c", b"d"]
+    writer.insert(keys, [0, 1, 2, 3], [10, 11, 12, 13])
+    assert (writer.live, writer.used) == (4, 4)
+    writer.remove_slots([1, 2])  # inside the chain: tombstones, d still found past them
+    assert (writer.live, writer.used) == (2, 4)
+    check(reader, {b"a": (0, 10), b"d": (3, 13)}, keys)
+    writer.remove_slots([3])  # the chain's end: emptied, and the two tombstones before it
+    assert (writer.live, writer.used) == (1, 1)
+    check(reader, {b"a": (0, 10)}, keys)
+    for round_ in range(40):  # churn: the table never fills with tombstones
+        batch: list[bytes | int] = [b"%d-%d" % (round_, i) for i in range(10)]
+        writer.insert(batch, list(range(1, 11)), [1] * 10)
+        check(reader, {b"a": (0, 10), **{k: (i + 1, 1) for i, k in enumerate(batch)}}, [b"a", *batch])
+        writer.remove_slots(list(range(1, 11)))
+        assert (writer.live, writer.used) == (1, 1)
+    writer.remove_slots([0])
+    assert (writer.live, writer.used) == (0, 0)
+    check(reader, {}, keys)
+
+
 def test_colliding_keys_are_told_apart_by_their_bytes(pair: tuple[IndexMirror, IndexMirror]) -> None:
     writer, reader = pair
     keys: list[bytes | int] = [b"a", b"b", b"ab", b"", 7, -7, 2**70, b"\x07" + bytes(7)]
@@ -327,6 +352,37 @@ async def test_blocks_attached_processes_look_up_are_evicted_last(sock: str) -> 
         assert (await a.call("store", keys=new, size=4096))["skipped"] == 0
         assert await reader.lookup(b(old)) == 512
         assert await reader.lookup(b(young)) == 0 and await reader.lookup(b(young[16:])) == 496
+
+
+async def test_lookup_counts_carried_by_a_request_are_counted_and_malformed_ones_ignored(sock: str) -> None:
+    """An attached process tells its mirror lookups' counts with its next request (a frame less than a
+    ``LOOKED`` of their own): the owner counts them before serving it; figures that are not counts are
+    ignored, and the request is served all the same."""
+    from aiokvtier._pool import _wire
+
+    async with Pool(CONFIG, sock) as pool:
+        reader, writer = await asyncio.open_unix_connection(sock)
+        writer.write(_wire.encode(_wire.HELLO, 0, {"v": _wire.VERSION}))
+
+        async def answer(rid: int) -> _wire.Message:
+            async with asyncio.timeout(WAIT):
+                while True:
+                    head = await reader.readexactly(4)
+                    message = _wire.decode(await reader.readexactly(_wire.LENGTH.unpack(head)[0]))
+                    if message.op == _wire.REPLY and message.rid == rid:
+                        return message
+
+        try:
+            for rid, looked in enumerate(({"q": -1, "h": 1}, "x", [1, 2], {"q": 2**70}), start=1):
+                writer.write(_wire.encode(_wire.STATS, rid, {"looked": looked}))
+                assert "stats" in (await answer(rid)).fields
+            s = pool.statistics()
+            assert (s.queries, s.hits, s.misses, s.mirror_retries) == (0, 0, 0, 0)
+            writer.write(_wire.encode(_wire.STATS, 9, {"looked": {"q": 2, "h": 5, "m": 1, "r": 3}}))
+            told = (await answer(9)).fields["stats"]  # counted before the request was served
+            assert (told["queries"], told["hits"], told["misses"], told["mirror_retries"]) == (2, 5, 1, 3)
+        finally:
+            writer.close()
 
 
 async def test_lookups_answered_in_the_process_are_counted_by_the_owner(sock: str) -> None:

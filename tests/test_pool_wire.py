@@ -31,6 +31,29 @@ def test_the_forms_chosen() -> None:
     assert _wire.encode_keys([1, -5])[0] == "i"
     assert _wire.encode_keys([1, b"\x01"])[0] == "m"
     assert _wire.encode_keys([2**64])[0] == "m"
+    several = [b"%d-" % i for i in range(100)]  # 2 to 3 bytes, none ending in a zero byte: padded
+    assert _wire.encode_keys(several)[0] == "p"
+    assert _wire.encode_keys([b"%02d" % i for i in range(100)])[0] == "f"  # one length
+    assert _wire.encode_keys([*several, b"x\x00"])[0] == "b"  # one ends in a zero byte
+    assert _wire.encode_keys([*several, b"x" * 33])[0] == "b"  # one longer than the padding
+    assert _wire.encode_keys([*several, b""])[0] == "b"  # an empty key
+    assert _wire.encode_keys(several[5:15])[0] == "b"  # a small batch: not tried
+
+
+@given(st.lists(st.binary(min_size=1, max_size=40), min_size=64, max_size=200, unique=True))
+def test_padded_keys_decode_to_the_keys_and_their_matrix(keys: list[bytes]) -> None:
+    """Whatever form a batch takes, its matrix (where the decoding made one) holds each key zero-padded
+    and its length: what the owner hands the index mirror."""
+    kind, parts = _wire.encode_keys(keys)
+    decoded, matrix = _wire.decode_key_matrix(kind, parts)
+    assert decoded == keys and all(type(k) is bytes for k in decoded)
+    if kind == "p":
+        assert not any(k.endswith(b"\x00") for k in keys) and max(map(len, keys)) <= _wire.PADDED_WIDTH
+    if matrix is not None:
+        rows, lengths = matrix
+        assert lengths.tolist() == [len(k) for k in keys]
+        assert [bytes(row[:n]) for row, n in zip(rows, lengths.tolist(), strict=True)] == keys
+        assert not any(row[n:].any() for row, n in zip(rows, lengths.tolist(), strict=True))
 
 
 @pytest.mark.parametrize(
@@ -53,6 +76,9 @@ def test_malformed_keys_are_value_errors() -> None:
     for kind, parts in (
         ("f", [b"\x03\x00\x00\x00", b"abcd"]),
         ("f", [b"\x00\x00\x00\x00", b""]),
+        ("p", [b"\x03\x00\x00\x00", b"abcd"]),
+        ("p", [b"\x00\x00\x00\x00", b""]),
+        ("p", [b"\x03\x00\x00\x00"]),
         ("b", [b"\x05\x00\x00\x00", b"abc"]),
         ("i", [b"1234567"]),
         ("m", [b"\x02\x00\x00\x00", b"zz"]),
@@ -84,16 +110,19 @@ def test_many_keys_of_several_lengths_round_trip_whole(keys: list[bytes], tail: 
     if len(set(map(len, keys))) == 1:
         keys.append(keys[0] + b"z")  # several lengths: the "b" form
     kind, parts = _wire.encode_keys(keys)
-    assert kind == "b"
+    padded = not any(k.endswith(b"\x00") for k in keys) and max(map(len, keys)) <= _wire.PADDED_WIDTH
+    assert kind == ("p" if padded else "b")
     decoded = _wire.decode_keys(kind, parts)
     assert decoded == keys and all(type(k) is bytes for k in decoded)
 
 
 @pytest.mark.parametrize("form", [b"%d-%d-", b"\x00%d\x00%d-", b"%d-%d\x00"])
 def test_a_batch_of_keys_a_few_lengths_apart_round_trips_whole(form: bytes) -> None:
-    keys = [form % (4242, i) for i in range(3000)]  # 7 to 11 bytes: cut out as records unless one ends in 0
+    keys = [form % (4242, i) for i in range(3000)]  # 7 to 11 bytes: padded, or cut out as records, unless one ends in 0
     kind, parts = _wire.encode_keys(keys)
-    assert kind == "b" and _wire.decode_keys(kind, parts) == keys
+    assert kind == ("b" if form.endswith(b"\x00") else "p") and _wire.decode_keys(kind, parts) == keys
+    if kind == "b":  # a key ending in a zero byte: cut out one by one, no matrix
+        assert _wire.decode_key_matrix(kind, parts)[1] is None
 
 
 def test_as_key() -> None:

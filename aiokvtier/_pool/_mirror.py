@@ -46,7 +46,9 @@ Sizing: every ready block holds a slot, so the table never holds more than
 ``slots`` (the tier's at ``max_quota``) live entries; the capacity is the
 power of two at or above twice that, and a write that would take live
 entries and tombstones past three quarters rebuilds the table first, so a
-probe always ends at an empty entry and an insert always finds room.
+probe always ends at an empty entry and an insert always finds room. A
+removal empties the tombstones it leaves at the end of a chain (nothing
+probes past them), so a table whose keys come and go is seldom rebuilt.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ WINDOW = 4
 ONE_BY_ONE = 32
 """Keys left to place that go one at a time rather than in another round (a round costs ~50 us of numpy calls,
 a key a few microseconds)."""
+RECLAIM_ROUNDS = 16
+"""Entries back from its end a run of tombstones is emptied by one removal at most (what is left stays a
+tombstone, which is sound: the next rebuild drops it)."""
 CHUNK = 8192
 """Keys a lookup hashes and probes at a time, stopping after the first chunk with a miss (a batch of SGLang's
 largest is one chunk: numpy's fixed cost per call is most of a small chunk's)."""
@@ -417,6 +422,11 @@ class IndexMirror:
     def live(self) -> int:
         return int(self._header[LIVE])
 
+    @property
+    def used(self) -> int:
+        """Entries not empty: live ones and tombstones (a rebuild comes when they pass 3/4 of the table)."""
+        return int(self._header[USED])
+
     # -- reading (any process) ----------------------------------------------------------------
 
     def _probe(self, rows: U64, table: U64) -> tuple[npt.NDArray[np.intp], U64]:
@@ -592,7 +602,7 @@ class IndexMirror:
             if pending.size <= ONE_BY_ONE:
                 break
             at = pos[pending]
-            seen = np.take(tags, at)
+            seen = tags[at]  # not np.take: it copies a strided column (the whole table) first
             free = np.flatnonzero(seen < 2)
             # One key per free entry this round (the last written wins, as a sort would pick one); the rest
             # probe on, the entry taken by then.
@@ -699,13 +709,35 @@ class IndexMirror:
         # The record is the owner's alone; the table's own slot field is checked all the same.
         if not np.array_equal((self._table[entries, 7] & _LO).astype(np.intp), ids):
             raise AssertionError("pool invariant broken: the mirror's record of its entries is stale")
+        changed = entries
         self._begin()
         try:
             self._table[entries, 0] = TOMBSTONE
             self._header[LIVE] -= np.uint64(entries.size)
+            changed = np.concatenate([entries, self._reclaim(entries)])
         finally:
-            self._end(entries, tags=True)
+            self._end(changed, tags=True)
         self._entry_of[ids] = -1
+
+    def _reclaim(self, entries: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
+        """Empty the tombstones just written that end a chain (the entry after is empty: no probe passes
+        them to reach a key), and those before them in turn; returns the entries emptied. Without it a
+        table whose keys come and go filled up with tombstones and was rebuilt (a copy of both tables)
+        every few stores."""
+        tags = self._table[:, 0]
+        mask = self.capacity - 1
+        emptied: list[npt.NDArray[np.intp]] = []
+        ending = entries[tags[(entries + 1) & mask] == EMPTY]  # each entry removed is a tombstone (distinct)
+        for _ in range(RECLAIM_ROUNDS):  # a run of tombstones empties from its end, an entry a round
+            if not ending.size:
+                break
+            tags[ending] = EMPTY
+            emptied.append(ending)
+            ending = (ending - 1) & mask
+            ending = ending[tags[ending] == TOMBSTONE]  # the entry after each was just emptied
+        out = np.concatenate(emptied) if emptied else np.empty(0, dtype=np.intp)
+        self._header[USED] -= np.uint64(out.size)
+        return out
 
     def clear(self) -> None:
         if self.closed:
@@ -733,3 +765,11 @@ class IndexMirror:
 
     def unreference(self, slot: int) -> None:
         self._flags[slot] = 0
+
+    def referenced_many(self, slots: I64) -> npt.NDArray[np.bool_]:
+        """``referenced`` of each slot in ``slots`` (owner)."""
+        flags: npt.NDArray[np.bool_] = self._refs[slots] != 0
+        return flags
+
+    def unreference_many(self, slots: I64) -> None:
+        self._refs[slots] = 0

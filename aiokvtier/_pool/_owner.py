@@ -60,7 +60,7 @@ HELLO_TIMEOUT = 10.0
 """Seconds a new connection has to say hello before it is dropped."""
 
 Reply = tuple[dict[str, Any], list[bytes]]
-_KINDS: dict[object, set[type]] = {"f": {bytes}, "b": {bytes}, "i": {int}}
+_KINDS: dict[object, set[type]] = {"f": {bytes}, "p": {bytes}, "b": {bytes}, "i": {int}}
 """The keys' types in each form of keys the wire carries that has one type only."""
 
 
@@ -490,6 +490,9 @@ class Pool(Owner):
     # -- requests ---------------------------------------------------------------------------
 
     def _dispatch(self, peer: _Peer, message: Message) -> None:
+        looked = message.fields.pop("looked", None)
+        if looked is not None:
+            self._count_looked(looked)
         inline = self._inline.get(message.op)
         if inline is not None:
             try:
@@ -580,7 +583,7 @@ class Pool(Owner):
             wanted = int(np.count_nonzero(outcomes == CLAIMED))
             short = wanted - tier.slots_free
             if short > 0:
-                evicted, freed = index.evict(short, set(keys))
+                evicted, freed = index.evict(short, keys)
                 self._free_slots(freed)
                 self._event("evicted", evicted)
             room = tier.slots_free if wait else min(tier.slots_free, tier.slots_ready)
@@ -648,9 +651,8 @@ class Pool(Owner):
 
     async def _await(self, peer: _Peer, message: Message) -> Reply:
         keys = self._keys(message)
-        storing = self._index.storing
         while True:
-            claims = {storing[k] for k in keys if k in storing}
+            claims = self._index.claims_storing(keys)
             if not claims:
                 return {}, []
             future: asyncio.Future[None] = self._loop.create_future()
@@ -677,7 +679,14 @@ class Pool(Owner):
     def _looked(self, peer: _Peer, message: Message) -> None:
         """Lookups a process answered from the index mirror: their counts, and the reads it did over
         (no reply)."""
-        figures = [message.fields.get(name, 0) for name in ("q", "h", "m", "r")]
+        self._count_looked(message.fields)
+
+    def _count_looked(self, fields: object) -> None:
+        """Count a process's lookups answered from the mirror (``LOOKED``'s fields, or any request's
+        ``"looked"``); malformed figures are ignored."""
+        if not isinstance(fields, dict):
+            return
+        figures = [fields.get(name, 0) for name in ("q", "h", "m", "r")]
         if all(type(x) is int and 0 <= x < 1 << 62 for x in figures):
             c = self._index.counts
             for name, x in zip(("queries", "hits", "misses", "mirror_retries"), figures, strict=True):

@@ -20,7 +20,8 @@ byte arrays, checked as they are read.
     ALLOC {n, wait}           ───────────>  REPLY [slot ids]    (waits only for the fill)
     FREE [slot ids]           ───────────>  REPLY
     LOOKUP keys               ───────────>  REPLY {hits}     (when the index mirror cannot answer)
-    LOOKED {q, h, m, r}       ───────────>  (no reply: lookups answered from the mirror, for the counts)
+    LOOKED {q, h, m, r}       ───────────>  (no reply: lookups answered from the mirror, for the counts;
+                                            any request may carry them instead, as "looked": {q, h, m, r})
     BEGIN keys [lengths]      ───────────>  REPLY {claim} [outcomes] [slots]
     COMMIT {claim}            ───────────>  REPLY            (the blocks are visible to all)
     ABORT {claim}             ───────────>  (no reply)
@@ -44,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from numpy import char as np_char
 
 from .. import _errors
 
@@ -59,8 +61,9 @@ __all__ = [
     "error_to",
 ]
 
-VERSION = 3
-"""3: the index mirror holds a spare copy of its table (a reader never waits for a write)."""
+VERSION = 4
+"""3: the index mirror holds a spare copy of its table (a reader never waits for a write). 4: byte keys of
+several lengths may come zero-padded (the ``"p"`` form); any request may carry the mirror's lookup counts."""
 
 HELLO, WELCOME, STATE, ALLOC, FREE, LOOKUP, BEGIN, COMMIT, ABORT, AWAIT, LOAD, UNPIN, DISCARD, STATS = range(1, 15)
 SUBSCRIBE, LOOKED = 15, 16
@@ -169,10 +172,15 @@ def decimal(key: int) -> bytes:
 
 def encode_keys(keys: Sequence[Key], types: set[type] | None = None) -> tuple[str, list[bytes]]:
     """``(kind, parts)``: ``"f"`` bytes of one length (that length, then the bytes joined: block hashes,
-    the usual keys), ``"b"`` bytes (their lengths, then the bytes joined), ``"i"`` all int64 ints,
-    ``"m"`` anything else (each key tagged, as bytes)."""
+    the usual keys), ``"p"`` bytes of several lengths, none ending in a zero byte (the longest's length,
+    then each zero-padded to it), ``"b"`` other bytes (their lengths, then the bytes joined), ``"i"`` all
+    int64 ints, ``"m"`` anything else (each key tagged, as bytes)."""
     if types is None:
         types = set(map(type, keys))
+    if types == {bytes} and len(keys) >= PADDED_FROM and len(keys[0]) <= PADDED_WIDTH:  # type: ignore[arg-type]
+        padded = _padded(keys)  # type: ignore[arg-type]
+        if padded is not None:
+            return padded
     if types == {bytes}:
         # One pass for the lengths (an array: its min and max say whether they are all one length).
         lengths = np.fromiter(map(len, keys), dtype=np.uint32, count=len(keys))  # type: ignore[arg-type]
@@ -185,6 +193,33 @@ def encode_keys(keys: Sequence[Key], types: set[type] | None = None) -> tuple[st
     tagged = [b"b" + k if isinstance(k, bytes) else b"i" + decimal(k) for k in keys]
     lengths = np.fromiter(map(len, tagged), dtype=np.uint32, count=len(tagged))
     return "m", [lengths.tobytes(), b"".join(tagged)]
+
+
+PADDED_FROM = 64
+"""Byte keys are tried in the ``"p"`` (or ``"f"``) form from this many on (below, numpy's fixed costs exceed
+the lengths' pass)."""
+PADDED_WIDTH = 32
+"""The longest key the ``"p"`` form is tried for (a batch's first key longer: not tried in vain)."""
+
+
+def _padded(keys: Sequence[bytes]) -> tuple[str, list[bytes]] | None:
+    """Keys of up to ``PADDED_WIDTH`` bytes none of which ends in a zero byte as ``"p"`` (``"f"`` if of one
+    length), packed by numpy in C; None otherwise. Their lengths are read off the packed rows, which add up
+    to the keys' only when no key was cut short and none ended in a zero byte (numpy's count stops at
+    those). The owner cuts them out of the frame as records rather than by each one's length: 4,096 keys
+    cost it ~0.25 ms less, a store's begin and a discard each."""
+    data = np.array(keys, dtype=f"S{PADDED_WIDTH}")
+    lengths = np_char.str_len(data)
+    joined = b"".join(keys)
+    if int(lengths.sum()) != len(joined):
+        return None
+    width, least = int(lengths.max()), int(lengths.min())
+    if not least:
+        return None
+    if least == width:
+        return "f", [LENGTH.pack(width), joined]
+    rows = data.view(np.uint8).reshape(len(keys), PADDED_WIDTH)[:, :width]
+    return "p", [LENGTH.pack(width), rows.tobytes()]
 
 
 def decode_keys(kind: object, parts: list[bytes]) -> list[Key]:
@@ -217,6 +252,18 @@ def decode_key_matrix(kind: object, parts: list[bytes]) -> tuple[list[Key], KeyM
         fixed: list[Key] = np.frombuffer(blob, dtype=f"V{size}").tolist()
         n = len(fixed)
         return fixed, (np.frombuffer(blob, dtype=np.uint8).reshape(n, size), np.full(n, size, dtype=np.int64))
+    if kind == "p":
+        if len(parts) != 2 or len(parts[0]) != LENGTH.size:
+            raise ValueError("malformed padded keys")
+        (width,) = LENGTH.unpack(parts[0])
+        blob = parts[1]
+        if width == 0 or len(blob) % width:
+            raise ValueError("malformed padded keys: the bytes are not a whole number of keys")
+        # Each record comes out as bytes without its zero padding: the key (none ends in a zero byte).
+        strings = np.frombuffer(blob, dtype=f"S{width}")
+        padded: list[Key] = strings.tolist()
+        matrix = np.frombuffer(blob, dtype=np.uint8).reshape(len(padded), width)
+        return padded, (matrix, np_char.str_len(strings).astype(np.int64))
     if kind not in ("b", "m") or len(parts) != 2 or len(parts[0]) % 4:
         raise ValueError("malformed keys")
     lengths = np.frombuffer(parts[0], dtype=np.uint32).astype(np.int64)
