@@ -32,6 +32,7 @@ import numpy.typing as npt
 from .._config import HostTierConfig
 from .._errors import ConfigError, FillError, OutOfSlots, PoolError, SlotError, TierClosedError, WouldBlock
 from .._host._shared import SharedBackings
+from .._host._statistics import TierStatistics
 from .._host._tier import HostTier
 from .._lifecycle import Lifecycle, Owner
 from . import _wire
@@ -349,8 +350,9 @@ class Pool(Owner):
 
     # -- the watermark, pushed -------------------------------------------------------------
 
-    def _state(self) -> bytes:
-        s = self._tier.statistics()
+    def _state(self, s: TierStatistics | None = None) -> bytes:
+        """The state frame of the tier's statistics ``s`` (None: read now)."""
+        s = self._tier.statistics() if s is None else s
         fields = {
             "resident": s.resident_bytes,
             "quota": s.quota,
@@ -370,10 +372,13 @@ class Pool(Owner):
         tier = self._tier
         while True:
             self._resized.clear()  # a resize from here on is pushed by the next turn
-            frame = self._state()
+            # One reading for the frame and for the byte waited for: the fill moves on other threads,
+            # and a watermark read again after the frame could be the last one, never pushed (every
+            # attached process waiting for the whole fill then waited for good).
+            s = tier.statistics()
+            frame = self._state(s)
             for peer in self._peers:
                 peer.send(frame)
-            s = tier.statistics()
             waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._resized.wait())}
             if s.resident_bytes < s.quota and s.fill_error is None:
                 waits.add(asyncio.ensure_future(tier.wait_resident(min(s.resident_bytes + 1, s.quota))))
