@@ -245,10 +245,11 @@ class CopyEngine(Owner):
         self._done_q: queue.SimpleQueue[tuple[tuple[_Job, ...], Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._counts = defaultdict(int)  # type: defaultdict[str, int]
+        # A reader of statistics() on any thread sees each group of figures of one moment: jobs are
+        # written on the loops under ``_loop_side``, bytes on the submit thread under ``_issue_side``,
+        # latency on the thread that settles the copies, which publishes the histogram as one tuple.
         self._loop_side = threading.Lock()
-        # Each figure has one writer: jobs on the loops (under ``_loop_side``), bytes on the submit
-        # thread, latency on the completion thread, which publishes the histogram as one tuple so that a reader on any
-        # thread sees the buckets, the sum and the count of the same moment.
+        self._issue_side = threading.Lock()
         self._jobs_by_direction = dict.fromkeys(DIRECTIONS, 0)
         self._bytes_by_direction = dict.fromkeys(DIRECTIONS, 0)
         self._latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
@@ -294,7 +295,8 @@ class CopyEngine(Owner):
             undo.pop_all()
 
     def _join_threads(self) -> None:
-        self._submit_q.put(None)
+        with self._loop_side:  # after every copy queued by a call that found the engine open (``_enqueue``)
+            self._submit_q.put(None)
         for thread in self._threads:
             thread.join()
         if len(self._threads) == 1:
@@ -475,22 +477,31 @@ class CopyEngine(Owner):
     def statistics(self) -> CopyStatistics:
         """A snapshot of the engine's figures (any thread; also after close)."""
         c = self._counts
+        # Read in the order the figures are written, last first: every copy whose latency is counted
+        # is counted completed, and every completed one was submitted.
         counts, latency_sum = self._latency
+        completed = c["completed"]
+        with self._issue_side:
+            descriptors, nbytes, coalesced = c["descriptors"], c["bytes"], c["coalesced"]
+            bytes_by_direction = dict(self._bytes_by_direction)
+        with self._loop_side:
+            jobs, requested = c["jobs"], c["requested"]
+            jobs_by_direction = dict(self._jobs_by_direction)
         cumulative = list(itertools.accumulate(counts))
         b = self._backend.statistics()
         return CopyStatistics(
             device=self.device,
             streams=self._n_streams,
             max_batch=self.max_batch,
-            jobs_submitted=c["jobs"],
-            jobs_completed=c["completed"],
-            copies_requested=c["requested"],
-            descriptors_submitted=c["descriptors"],
+            jobs_submitted=jobs,
+            jobs_completed=completed,
+            copies_requested=requested,
+            descriptors_submitted=descriptors,
             driver_calls=b.driver_calls,
-            bytes_copied=c["bytes"],
+            bytes_copied=nbytes,
             batch_abi=b.batch_abi,
-            jobs_by_direction=dict(self._jobs_by_direction),
-            bytes_by_direction=dict(self._bytes_by_direction),
+            jobs_by_direction=jobs_by_direction,
+            bytes_by_direction=bytes_by_direction,
             latency_buckets=tuple(zip((*LATENCY_BUCKETS, float("inf")), cumulative, strict=True)),
             latency_sum_seconds=latency_sum,
             latency_count=cumulative[-1],
@@ -500,7 +511,7 @@ class CopyEngine(Owner):
             sm_crossover_bytes=b.sm_crossover_bytes,
             jobs_by_method=b.jobs_by_method,
             bytes_by_method=b.bytes_by_method,
-            jobs_coalesced=c["coalesced"],
+            jobs_coalesced=coalesced,
         )
 
     def __repr__(self) -> str:
@@ -547,6 +558,7 @@ class CopyEngine(Owner):
 
         :raises CopyPlanError: a region the copy meets closed or shrank under it while it was
             checked on this thread (from another loop's thread); nothing was copied.
+        :raises TierClosedError: the engine closed (on another loop) while the copy was checked.
         """
         self._check_open()
         after_handle = None if after is None else _stream_handle(after)
@@ -561,23 +573,29 @@ class CopyEngine(Owner):
                 # A region snapshotted its copies while this one was checked, perhaps without it:
                 # checked again now that it is tracked (``aiokvtier._regions.InflightCopies``).
                 check_again(planned.dsts, planned.srcs, planned.sizes, owners)
-            if after_handle is not None and after_handle[0] == "stream":
-                after_handle = ("marker", self._backend.mark(after_handle[1]))
-            job = _Job(planned, direction, after_handle, loop, _Landed(loop=loop), keepalive, done)
+            job = _Job(planned, direction, None, loop, _Landed(loop=loop), keepalive, done)
             if signal_submit:
                 job.on_submit = loop.create_future()
+            with self._loop_side:
+                # The close queues the submit thread's stop under this lock, after marking the engine
+                # closing: a copy from another loop's thread is queued ahead of the stop (and runs), or
+                # sees the close here and is refused; never queued behind it, where nobody would run it.
+                self._check_open()
+                if after_handle is not None and after_handle[0] == "stream":
+                    after_handle = ("marker", self._backend.mark(after_handle[1]))
+                job.after = after_handle
+                self._counts["jobs"] += 1
+                self._counts["requested"] += planned.requested
+                self._jobs_by_direction[direction] += 1
+                job.submitted = time.perf_counter()
+                self._submit_q.put(job)
         except BaseException:
             done.set()  # never queued: no close waits for it
             raise
-        with self._loop_side:  # callers on several loops' threads
-            self._counts["jobs"] += 1
-            self._counts["requested"] += planned.requested
-            self._jobs_by_direction[direction] += 1
-        job.submitted = time.perf_counter()
         # The submit and completion threads need the GIL: next to a saturated loop they get it
-        # only through the loop's hand-off (aiokvtier._handoff), held until the copy lands.
+        # only through the loop's hand-off (aiokvtier._handoff), held until the copy lands (settled
+        # on this loop, so not before this call returns).
         handoff(loop).hold_until(job.future)
-        self._submit_q.put(job)
         return job
 
     # -- the threads ------------------------------------------------------------------
@@ -643,11 +661,12 @@ class CopyEngine(Owner):
                 return
             first.error = exc
         else:
-            self._counts["descriptors"] += planned.count
-            self._counts["bytes"] += planned.nbytes
-            self._bytes_by_direction[first.direction] += planned.nbytes
-            if len(group) > 1:
-                self._counts["coalesced"] += len(group)
+            with self._issue_side:
+                self._counts["descriptors"] += planned.count
+                self._counts["bytes"] += planned.nbytes
+                self._bytes_by_direction[first.direction] += planned.nbytes
+                if len(group) > 1:
+                    self._counts["coalesced"] += len(group)
         if self._backend.synchronous:
             # The copies have landed (memmove returned): this thread settles the jobs itself
             # (no hop to the completion thread).
