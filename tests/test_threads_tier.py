@@ -5,17 +5,18 @@ guide and docs/gpu.md allow: a copy checked on another loop's thread (through a 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
-from aiokvtier import CopyEngine, HostTier, HostTierConfig
+from aiokvtier import CopyEngine, HostTier, HostTierConfig, TierStatistics
 
-from .invariants import check_tier
+from .invariants import assert_no_library_threads, check_tier
 
 MiB = 1 << 20
 LOOPS = ["asyncio", "uvloop"]
@@ -114,3 +115,69 @@ def test_a_resize_while_another_loop_checks_the_slots_of_a_copy_succeeds_and_so_
             assert tier.statistics().slots_free == new_quota // MiB
 
     run_loop(loop, main)
+
+
+@pytest.fixture
+def tiny_switch_interval() -> Iterator[None]:
+    """Threads switch every microsecond: a figure read from one thread while another writes it tears often."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+def _torn(s: TierStatistics) -> list[str]:
+    """What a snapshot says that no moment of the tier had."""
+    wrong = []
+    if s.slots_allocated + s.slots_free != s.slots_total:
+        wrong.append(f"{s.slots_allocated} allocated + {s.slots_free} free != {s.slots_total} slots")
+    if s.quota != s.slots_total * s.slot_size:
+        wrong.append(f"quota {s.quota} does not hold {s.slots_total} slots of {s.slot_size}")
+    return wrong
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.usefixtures("tiny_switch_interval")
+def test_statistics_read_from_a_thread_while_the_loop_allocates_frees_and_resizes_are_each_one_moment(
+    loop: str,
+) -> None:
+    torn: list[str] = []
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        tier = await HostTier.open(config(64 * MiB, 96 * MiB))
+        await asyncio.wait_for(tier.wait_resident(), 60)
+        running = threading.Event()
+        running.set()
+
+        def reader() -> None:
+            try:
+                while running.is_set():
+                    torn.extend(_torn(tier.statistics()))
+            except BaseException as exc:
+                errors.append(exc)
+
+        watcher = threading.Thread(target=reader)
+        watcher.start()
+        try:
+            for round in range(30):
+                many = await tier.allocate_ids(40)  # past the few ids checked one by one
+                few = [tier.allocate_nowait() for _ in range(3)]
+                for slot in few:
+                    tier.free(slot)
+                tier.free_many(many)
+                await tier.resize((96 if round % 2 else 48) * MiB)
+                await tier.wait_resident()
+        finally:
+            running.clear()
+            await asyncio.to_thread(watcher.join, 30)
+            await tier.aclose()
+        # statistics() after close, from a thread, too.
+        torn.extend(_torn(await asyncio.to_thread(tier.statistics)))
+
+    run_loop(loop, main)
+    assert not errors, errors
+    assert not torn, sorted(set(torn))[:5]
+    assert_no_library_threads()

@@ -628,11 +628,14 @@ class HostTier(Owner):
         cfg = self._config.resolved
         filler = self._filler
         slots = self._slots
+        # Each read once, from which the rest follows: the loop changes them while another thread
+        # reads, and a snapshot's slots must add up and fill its quota (a resize sets both in turn).
+        total, allocated = slots.total, slots.count
         error = filler.error
         return TierStatistics(
             backing=self._backing.name,
             device=cfg.device,
-            quota=self._quota,
+            quota=total * self._slot_size,
             max_quota=cfg.max_quota,
             base_address=self._base,
             resident_bytes=filler.watermark,
@@ -642,9 +645,9 @@ class HostTier(Owner):
             commit_unit=cfg.commit_unit,
             fill_chunk=cfg.fill_chunk,
             fill_threads=self._fill_threads,
-            slots_total=slots.total,
-            slots_allocated=slots.count,
-            slots_free=slots.available,
+            slots_total=total,
+            slots_allocated=allocated,
+            slots_free=total - allocated,
             views_exported=self._views.count(),
             filling=not filler.complete and error is None and not filler.closed,
             fill_seconds=filler.fill_seconds,
