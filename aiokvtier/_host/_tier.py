@@ -78,7 +78,7 @@ class HostTier(Owner):
         self._backings = backings
         self._life = Lifecycle("HostTier", "aiokvtier-tier")
         self._resize_lock = asyncio.Lock()
-        self._views = ViewLedger(int(self._config.slot_size))
+        self._views = ViewLedger(int(self._config.slot_size), "HostTier")
         self._copies = InflightCopies()
         self._released = False
         self._allocation_waits = 0  # allocate calls that waited for the fill; on the loop only
