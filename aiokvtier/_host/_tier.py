@@ -188,7 +188,16 @@ class HostTier(Owner):
         tier's thread. Cancelling ``aclose`` does not interrupt the teardown:
         the cancellation is delivered once it is complete. Concurrent calls
         wait for the same teardown.
+
+        :raises RuntimeError: called on another event loop than the tier's while that loop runs
+            (nothing changes): the teardown wakes that loop's waiters. Once the tier's loop has
+            ended, any loop may close it.
         """
+        if self._life.state == "open" and not self._loop_thread() and self._loop.is_running():
+            raise RuntimeError(
+                "this HostTier belongs to the event loop that opened it, which is running in another thread: "
+                "close it there (asyncio.run_coroutine_threadsafe(tier.aclose(), loop)); nothing changed"
+            )
         await self._life.close(self._teardown)
 
     def _release(self) -> None:
