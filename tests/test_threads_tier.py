@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from aiokvtier import CopyEngine, HostTier, HostTierConfig, TierStatistics
+from aiokvtier import CopyEngine, HostTier, HostTierConfig, TierClosedError, TierStatistics
 
 from .invariants import assert_no_library_threads, check_tier
 
@@ -180,4 +180,52 @@ def test_statistics_read_from_a_thread_while_the_loop_allocates_frees_and_resize
     run_loop(loop, main)
     assert not errors, errors
     assert not torn, sorted(set(torn))[:5]
+    assert_no_library_threads()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.usefixtures("tiny_switch_interval")
+def test_statistics_read_from_a_thread_while_tiers_open_and_close_answer_or_say_the_tier_is_not_open(
+    loop: str,
+) -> None:
+    """A reader polls the tier of the moment while the loop opens and closes tiers one after another:
+    every answer adds up, and a tier not open yet says so with TierClosedError, nothing else."""
+    current: list[HostTier] = []
+    answers: list[TierStatistics] = []
+    errors: list[BaseException] = []
+    running = threading.Event()
+    running.set()
+
+    def reader() -> None:
+        while running.is_set():
+            if not current:
+                continue
+            try:
+                answers.append(current[-1].statistics())
+                repr(current[-1])
+            except TierClosedError as exc:
+                if "is new" not in str(exc) and "is opening" not in str(exc):
+                    errors.append(exc)
+            except BaseException as exc:
+                errors.append(exc)
+
+    async def main() -> None:
+        watcher = threading.Thread(target=reader)
+        watcher.start()
+        try:
+            for _ in range(15):
+                tier = HostTier(config(8 * MiB, 8 * MiB))
+                current.append(tier)
+                async with tier:
+                    await tier.wait_resident()
+                    slots = await tier.allocate(3)
+                    tier.free_many(slots[1:])
+        finally:
+            running.clear()
+            await asyncio.to_thread(watcher.join, 30)
+
+    run_loop(loop, main)
+    assert not errors, errors[:3]
+    assert answers and not [wrong for s in answers for wrong in _torn(s)]
+    assert any(s.closed for s in answers) or current[-1].statistics().closed
     assert_no_library_threads()

@@ -631,9 +631,13 @@ class HostTier(Owner):
         return read_placement(self._base, self._backing.size)
 
     def statistics(self) -> TierStatistics:
-        """A snapshot of the live figures (any thread)."""
-        if self._life.state in ("new", "opening") or "_filler" not in self.__dict__:
-            raise TierClosedError(self._life.describe())
+        """A snapshot of the live figures (any thread).
+
+        :raises TierClosedError: the tier is new or still opening (or its open failed early).
+        """
+        state = self._life.state  # read once: on another thread the open may complete meanwhile
+        if state in ("new", "opening") or "_filler" not in self.__dict__:
+            raise TierClosedError(self._life.describe() if state == "forked" else f"the HostTier is {state}")
         cfg = self._config.resolved
         filler = self._filler
         slots = self._slots
