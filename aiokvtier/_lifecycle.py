@@ -21,6 +21,7 @@ the owner's ``Worker``, never on the loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import weakref
@@ -99,7 +100,8 @@ class Lifecycle:
         self.keep_worker = False
         """Set by a teardown that hands its worker a job still to come (a release deferred to the last view)."""
         self._close_requested = False
-        self._closed: asyncio.Future[None] | None = None
+        self._closed: concurrent.futures.Future[None] | None = None
+        """Done once the teardown is: thread-safe, for a close awaited on another loop (an engine's)."""
         self._pid = os.getpid()
 
     # -- queries ----------------------------------------------------------------
@@ -148,8 +150,7 @@ class Lifecycle:
         if self.state != "new":
             raise RuntimeError(f"this {self.owner} is {self.state}: an object opens once; make a new one")
         self.state = "opening"
-        loop = asyncio.get_running_loop()
-        self._closed = loop.create_future()
+        self._closed = concurrent.futures.Future()
         try:
             self.worker = Worker(self._thread_name)
         except BaseException:
@@ -204,7 +205,8 @@ class Lifecycle:
             await finish(self._teardown(teardown))
             return
         if self._closed is not None and not self._closed.done():
-            await finish(self._closed)  # a cancelled waiter, too, returns only once the teardown is done
+            # A cancelled waiter, too, returns only once the teardown is done, on whichever loop it runs.
+            await finish(asyncio.wrap_future(self._closed))
 
     async def _teardown(self, teardown: Callable[[], Coroutine[Any, Any, None]]) -> None:
         try:

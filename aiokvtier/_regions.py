@@ -18,6 +18,7 @@ tracking where it moved (``InflightCopies`` says why that suffices).
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Protocol
@@ -168,6 +169,16 @@ from a garbage collector's callback, which could come while this thread holds th
 
 _epoch = 0
 """Snapshots taken so far, of any region (``epoch()``)."""
+
+
+def _after_fork_in_child() -> None:
+    # A thread of the parent (a close unregistering on its owner's thread) may have held the lock:
+    # the child has none of those threads, and opens regions of its own.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def epoch() -> int:

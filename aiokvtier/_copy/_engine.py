@@ -116,6 +116,44 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 """Upper bounds (seconds) of the copy latency histogram: 0.1 ms to 250 ms, then +Inf."""
 
 
+def _plus(by: tuple[int, int, int], direction: str, n: int) -> tuple[int, int, int]:
+    """``by`` (a figure per direction of ``DIRECTIONS``) with ``n`` added to ``direction``'s."""
+    h2d, d2h, raw = by
+    if direction == "h2d":
+        return (h2d + n, d2h, raw)
+    if direction == "d2h":
+        return (h2d, d2h + n, raw)
+    return (h2d, d2h, raw + n)
+
+
+class _Queued(NamedTuple):
+    """What the loops queued, published whole (``CopyEngine.statistics()``)."""
+
+    jobs: int = 0
+    requested: int = 0
+    by_direction: tuple[int, int, int] = (0, 0, 0)
+
+    def add(self, direction: str, requested: int) -> _Queued:
+        return _Queued(self.jobs + 1, self.requested + requested, _plus(self.by_direction, direction, 1))
+
+
+class _Issued(NamedTuple):
+    """What the submit thread issued, published whole (``CopyEngine.statistics()``)."""
+
+    descriptors: int = 0
+    nbytes: int = 0
+    coalesced: int = 0
+    by_direction: tuple[int, int, int] = (0, 0, 0)
+
+    def add(self, direction: str, planned: Plan, jobs: int) -> _Issued:
+        return _Issued(
+            self.descriptors + planned.count,
+            self.nbytes + planned.nbytes,
+            self.coalesced + (jobs if jobs > 1 else 0),
+            _plus(self.by_direction, direction, planned.nbytes),
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class CopyStatistics:
     device: int | None
@@ -244,13 +282,15 @@ class CopyEngine(Owner):
         self._submit_q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._done_q: queue.SimpleQueue[tuple[tuple[_Job, ...], Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._counts = defaultdict(int)  # type: defaultdict[str, int]
+        # A reader of statistics() on any thread sees each group of figures of one moment, without a
+        # lock (none that a fork could leave held in the child, where statistics() is allowed): each
+        # group is published as one tuple, by the loops (under ``_loop_side``, which the close takes
+        # too) for what they queue, by the submit thread for what it issues, and by the thread that
+        # settles the copies for the latency histogram.
         self._loop_side = threading.Lock()
-        # Each figure has one writer: jobs on the loops (under ``_loop_side``), bytes on the submit
-        # thread, latency on the completion thread, which publishes the histogram as one tuple so that a reader on any
-        # thread sees the buckets, the sum and the count of the same moment.
-        self._jobs_by_direction = dict.fromkeys(DIRECTIONS, 0)
-        self._bytes_by_direction = dict.fromkeys(DIRECTIONS, 0)
+        self._queued = _Queued()
+        self._issued = _Issued()
+        self._completed = 0
         self._latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self._latency_sum = 0.0
         self._latency: tuple[tuple[int, ...], float] = (tuple(self._latency_counts), 0.0)
@@ -294,7 +334,8 @@ class CopyEngine(Owner):
             undo.pop_all()
 
     def _join_threads(self) -> None:
-        self._submit_q.put(None)
+        with self._loop_side:  # after every copy queued by a call that found the engine open (``_enqueue``)
+            self._submit_q.put(None)
         for thread in self._threads:
             thread.join()
         if len(self._threads) == 1:
@@ -474,23 +515,27 @@ class CopyEngine(Owner):
 
     def statistics(self) -> CopyStatistics:
         """A snapshot of the engine's figures (any thread; also after close)."""
-        c = self._counts
+        # Read in the order the figures are written, last first: every copy whose latency is counted
+        # is counted completed, and every completed one was submitted.
         counts, latency_sum = self._latency
+        completed = self._completed
+        issued = self._issued
+        queued = self._queued
         cumulative = list(itertools.accumulate(counts))
         b = self._backend.statistics()
         return CopyStatistics(
             device=self.device,
             streams=self._n_streams,
             max_batch=self.max_batch,
-            jobs_submitted=c["jobs"],
-            jobs_completed=c["completed"],
-            copies_requested=c["requested"],
-            descriptors_submitted=c["descriptors"],
+            jobs_submitted=queued.jobs,
+            jobs_completed=completed,
+            copies_requested=queued.requested,
+            descriptors_submitted=issued.descriptors,
             driver_calls=b.driver_calls,
-            bytes_copied=c["bytes"],
+            bytes_copied=issued.nbytes,
             batch_abi=b.batch_abi,
-            jobs_by_direction=dict(self._jobs_by_direction),
-            bytes_by_direction=dict(self._bytes_by_direction),
+            jobs_by_direction=dict(zip(DIRECTIONS, queued.by_direction, strict=True)),
+            bytes_by_direction=dict(zip(DIRECTIONS, issued.by_direction, strict=True)),
             latency_buckets=tuple(zip((*LATENCY_BUCKETS, float("inf")), cumulative, strict=True)),
             latency_sum_seconds=latency_sum,
             latency_count=cumulative[-1],
@@ -500,14 +545,14 @@ class CopyEngine(Owner):
             sm_crossover_bytes=b.sm_crossover_bytes,
             jobs_by_method=b.jobs_by_method,
             bytes_by_method=b.bytes_by_method,
-            jobs_coalesced=c["coalesced"],
+            jobs_coalesced=issued.coalesced,
         )
 
     def __repr__(self) -> str:
-        c = self._counts
+        queued, issued = self._queued, self._issued
         return (
             f"<CopyEngine [{self._life.state} | device {self.device} | {self.method} | streams {self._n_streams} | "
-            f"jobs {c['completed']}/{c['jobs']} done | {c['bytes'] / 2**30:.2f} GiB copied]>"
+            f"jobs {self._completed}/{queued.jobs} done | {issued.nbytes / 2**30:.2f} GiB copied]>"
         )
 
     # -- planning (on the loop) ---------------------------------------------------------
@@ -547,6 +592,7 @@ class CopyEngine(Owner):
 
         :raises CopyPlanError: a region the copy meets closed or shrank under it while it was
             checked on this thread (from another loop's thread); nothing was copied.
+        :raises TierClosedError: the engine closed (on another loop) while the copy was checked.
         """
         self._check_open()
         after_handle = None if after is None else _stream_handle(after)
@@ -561,23 +607,27 @@ class CopyEngine(Owner):
                 # A region snapshotted its copies while this one was checked, perhaps without it:
                 # checked again now that it is tracked (``aiokvtier._regions.InflightCopies``).
                 check_again(planned.dsts, planned.srcs, planned.sizes, owners)
-            if after_handle is not None and after_handle[0] == "stream":
-                after_handle = ("marker", self._backend.mark(after_handle[1]))
-            job = _Job(planned, direction, after_handle, loop, _Landed(loop=loop), keepalive, done)
+            job = _Job(planned, direction, None, loop, _Landed(loop=loop), keepalive, done)
             if signal_submit:
                 job.on_submit = loop.create_future()
+            with self._loop_side:
+                # The close queues the submit thread's stop under this lock, after marking the engine
+                # closing: a copy from another loop's thread is queued ahead of the stop (and runs), or
+                # sees the close here and is refused; never queued behind it, where nobody would run it.
+                self._check_open()
+                if after_handle is not None and after_handle[0] == "stream":
+                    after_handle = ("marker", self._backend.mark(after_handle[1]))
+                job.after = after_handle
+                self._queued = self._queued.add(direction, planned.requested)
+                job.submitted = time.perf_counter()
+                self._submit_q.put(job)
         except BaseException:
             done.set()  # never queued: no close waits for it
             raise
-        with self._loop_side:  # callers on several loops' threads
-            self._counts["jobs"] += 1
-            self._counts["requested"] += planned.requested
-            self._jobs_by_direction[direction] += 1
-        job.submitted = time.perf_counter()
         # The submit and completion threads need the GIL: next to a saturated loop they get it
-        # only through the loop's hand-off (aiokvtier._handoff), held until the copy lands.
+        # only through the loop's hand-off (aiokvtier._handoff), held until the copy lands (settled
+        # on this loop, so not before this call returns).
         handoff(loop).hold_until(job.future)
-        self._submit_q.put(job)
         return job
 
     # -- the threads ------------------------------------------------------------------
@@ -643,11 +693,7 @@ class CopyEngine(Owner):
                 return
             first.error = exc
         else:
-            self._counts["descriptors"] += planned.count
-            self._counts["bytes"] += planned.nbytes
-            self._bytes_by_direction[first.direction] += planned.nbytes
-            if len(group) > 1:
-                self._counts["coalesced"] += len(group)
+            self._issued = self._issued.add(first.direction, planned, len(group))
         if self._backend.synchronous:
             # The copies have landed (memmove returned): this thread settles the jobs itself
             # (no hop to the completion thread).
@@ -719,7 +765,7 @@ class CopyEngine(Owner):
         self._latency_counts[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
         self._latency_sum += latency
         job.done.set()
-        self._counts["completed"] += 1
+        self._completed += 1
         return job
 
 

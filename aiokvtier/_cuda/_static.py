@@ -49,7 +49,7 @@ class StaticHostMem(Owner):
         self.numa_warning: str | None = None
         self._address = 0
         self._context: Any = None
-        self._views = ViewLedger(self.size)
+        self._views = ViewLedger(self.size, "StaticHostMem")
         self._copies = InflightCopies()
         self._released = False
         self._life = Lifecycle("StaticHostMem", "aiokvtier-staging")

@@ -5,7 +5,11 @@ millions of slots costs one byte per slot (the allocated map) plus four bytes
 per *freed* slot. Freed slots are reused first, most recently freed first,
 so hot memory stays hot and fresh slots ascend from zero.
 
-Not thread-safe: the tier calls it from its event loop only.
+Written from the tier's event loop only. ``checked_ids`` may also run on
+another loop's thread (a copy engine shared by several loops checks a copy's
+slots there): ``resize`` replaces the allocated map rather than resizing it in
+place (a numpy view of it held by such a check would make the resize fail),
+and a check reads the map once and bounds its ids by that map's length.
 """
 
 from __future__ import annotations
@@ -151,8 +155,9 @@ class SlotAllocator:
             few = slots.tolist() if slots.ndim == 1 and slots.dtype.kind in "iu" and slots.size <= FEW_IDS else None
         else:
             few = slots if len(slots) <= FEW_IDS else None
+        marks = self._allocated  # once: a resize on the loop replaces it (see the module's docstring)
+        total = len(marks)
         if few is not None:
-            marks, total = self._allocated, self.total
             # A usual request's few ids: ints, checked one by one in a few microseconds, where the
             # array path costs a dozen numpy calls; anything else takes that path (and its messages).
             if all(type(s) is int and 0 <= s < total and marks[s] for s in few):
@@ -178,10 +183,10 @@ class SlotAllocator:
                 raise SlotError(f"slot ids are one integer per slot, not an array of shape {ids.shape} of {ids.dtype}")
             raise SlotError(f"slot {bad!r} is not a slot id of this tier (0..{self.total - 1})")
         low, high = int(ids.min()), int(ids.max())  # before the cast: a uint64 past 2**63 would wrap
-        if low < 0 or high >= self.total:
-            raise SlotError(f"slot {low if low < 0 else high} is not a slot id of this tier (0..{self.total - 1})")
+        if low < 0 or high >= total:
+            raise SlotError(f"slot {low if low < 0 else high} is not a slot id of this tier (0..{total - 1})")
         ids = ids.astype(np.int64, copy=False)
-        allocated = np.frombuffer(self._allocated, dtype=np.uint8)
+        allocated = np.frombuffer(marks, dtype=np.uint8)
         missing = ids[allocated[ids] == 0]
         del allocated  # a live export would stop the map from resizing
         if missing.size:
@@ -218,13 +223,19 @@ class SlotAllocator:
         return self._allocated.rfind(b"\x01", 0, self.next_fresh)
 
     def resize(self, total: int) -> None:
-        """Change the number of slots; a shrink must leave no allocated slot past the end."""
+        """Change the number of slots; a shrink must leave no allocated slot past the end.
+
+        The maps are built first and then replaced, never resized in place: a MemoryError changes
+        nothing, and a check on another thread that holds the old map reads it to its end.
+        """
         if total < self.total:
             if self.highest_allocated() >= total:
                 raise SlotError(f"slot {self.highest_allocated()} is allocated past the new end ({total} slots)")
-            self._free = array("I", (s for s in self._free if s < total))
+            free = array("I", (s for s in self._free if s < total))
+            allocated = self._allocated[:total]
+            self._free = free
             self.next_fresh = min(self.next_fresh, total)
-            del self._allocated[total:]
         else:
-            self._allocated.extend(bytes(total - self.total))
+            allocated = self._allocated + bytes(total - self.total)
+        self._allocated = allocated
         self.total = total

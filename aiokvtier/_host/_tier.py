@@ -78,7 +78,7 @@ class HostTier(Owner):
         self._backings = backings
         self._life = Lifecycle("HostTier", "aiokvtier-tier")
         self._resize_lock = asyncio.Lock()
-        self._views = ViewLedger(int(self._config.slot_size))
+        self._views = ViewLedger(int(self._config.slot_size), "HostTier")
         self._copies = InflightCopies()
         self._released = False
         self._allocation_waits = 0  # allocate calls that waited for the fill; on the loop only
@@ -188,7 +188,16 @@ class HostTier(Owner):
         tier's thread. Cancelling ``aclose`` does not interrupt the teardown:
         the cancellation is delivered once it is complete. Concurrent calls
         wait for the same teardown.
+
+        :raises RuntimeError: called on another event loop than the tier's while that loop runs
+            (nothing changes): the teardown wakes that loop's waiters. Once the tier's loop has
+            ended, any loop may close it.
         """
+        if self._life.state == "open" and not self._loop_thread() and self._loop.is_running():
+            raise RuntimeError(
+                "this HostTier belongs to the event loop that opened it, which is running in another thread: "
+                "close it there (asyncio.run_coroutine_threadsafe(tier.aclose(), loop)); nothing changed"
+            )
         await self._life.close(self._teardown)
 
     def _release(self) -> None:
@@ -622,17 +631,24 @@ class HostTier(Owner):
         return read_placement(self._base, self._backing.size)
 
     def statistics(self) -> TierStatistics:
-        """A snapshot of the live figures (any thread)."""
-        if self._life.state in ("new", "opening") or "_filler" not in self.__dict__:
-            raise TierClosedError(self._life.describe())
+        """A snapshot of the live figures (any thread).
+
+        :raises TierClosedError: the tier is new or still opening (or its open failed early).
+        """
+        state = self._life.state  # read once: on another thread the open may complete meanwhile
+        if state in ("new", "opening") or "_filler" not in self.__dict__:
+            raise TierClosedError(self._life.describe() if state == "forked" else f"the HostTier is {state}")
         cfg = self._config.resolved
         filler = self._filler
         slots = self._slots
+        # Each read once, from which the rest follows: the loop changes them while another thread
+        # reads, and a snapshot's slots must add up and fill its quota (a resize sets both in turn).
+        total, allocated = slots.total, slots.count
         error = filler.error
         return TierStatistics(
             backing=self._backing.name,
             device=cfg.device,
-            quota=self._quota,
+            quota=total * self._slot_size,
             max_quota=cfg.max_quota,
             base_address=self._base,
             resident_bytes=filler.watermark,
@@ -642,9 +658,9 @@ class HostTier(Owner):
             commit_unit=cfg.commit_unit,
             fill_chunk=cfg.fill_chunk,
             fill_threads=self._fill_threads,
-            slots_total=slots.total,
-            slots_allocated=slots.count,
-            slots_free=slots.available,
+            slots_total=total,
+            slots_allocated=allocated,
+            slots_free=total - allocated,
             views_exported=self._views.count(),
             filling=not filler.complete and error is None and not filler.closed,
             fill_seconds=filler.fill_seconds,

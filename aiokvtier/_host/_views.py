@@ -5,7 +5,11 @@ ledger keeps a count of live views per slot (a weakref finalizer drops it
 when the view and everything derived from it is released). The tier uses
 the count to refuse a shrink that would unmap a slot someone still views, and
 to defer unmapping at close until the last view is gone: no view ever points
-at unmapped memory.
+at unmapped memory. A view made on another thread than the close's may have
+passed its owner's open check as the close begins: the ledger refuses views
+from the moment the close asks it about them (``defer_until_empty``), under
+the lock that counts them, so a view is either counted (and holds the memory)
+or refused.
 """
 
 from __future__ import annotations
@@ -15,19 +19,28 @@ import threading
 import weakref
 from collections.abc import Callable
 
+from .._errors import TierClosedError
+
 __all__ = ["ViewLedger"]
 
 
 class ViewLedger:
-    def __init__(self, slot_size: int) -> None:
+    """:param owner: what to call the owner in the error for a view refused at close ("HostTier")."""
+
+    def __init__(self, slot_size: int, owner: str = "owner of the memory") -> None:
         self._buffer_type: type[ctypes.Array[ctypes.c_ubyte]] = type("SlotBuffer", (ctypes.c_ubyte * slot_size,), {})
         self._live: dict[int, int] = {}
         self._lock = threading.Lock()  # finalizers run on whichever thread drops the view
         self._on_empty: Callable[[], None] | None = None
+        self._owner = owner
+        self._closed = False
 
     def view(self, slot: int, address: int) -> memoryview:
+        """:raises TierClosedError: the owner's close has begun releasing the memory."""
         buffer = self._buffer_type.from_address(address)
         with self._lock:
+            if self._closed:
+                raise TierClosedError(f"the {self._owner} is closed: its memory is released, no view of it is made")
             self._live[slot] = self._live.get(slot, 0) + 1
         weakref.finalize(buffer, self._dropped, slot)
         return memoryview(buffer).cast("B")
@@ -63,6 +76,7 @@ class ViewLedger:
             that drops the last one); True if none are, and the caller runs it.
         """
         with self._lock:
+            self._closed = True  # no view from now on: the memory goes now, or with the last one
             if self._live:
                 self._on_empty = callback
                 return False
