@@ -30,6 +30,7 @@ import itertools
 import logging
 import operator
 import os
+import socket
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast, overload
@@ -182,7 +183,9 @@ class AttachedPool(Owner):
 
         :raises PoolError: no socket there, permission denied (the message
             names the socket's mode and owner), the owner refused or is gone,
-            or it speaks another protocol version.
+            it speaks another protocol version, or what is at ``path`` is not
+            a pool (a file, a directory, another program's socket, or one that
+            does not answer within 30 s).
         :raises OSError: the memory cannot be mapped here.
         """
         pool = cls(path, device=device, prefault=prefault)
@@ -194,13 +197,7 @@ class AttachedPool(Owner):
         self._loop = asyncio.get_running_loop()
         sock = await connect(self._path)
         try:
-            await self._loop.sock_sendall(sock, encode(_wire.HELLO, 0, {"v": _wire.VERSION, "pid": os.getpid()}))
-            try:
-                async with asyncio.timeout(ATTACH_TIMEOUT):
-                    payload, fds = await recv_frame_with_fds(sock, 2)
-            except (ConnectionError, TimeoutError) as exc:
-                raise PoolError(f"the pool at {self._path} did not welcome this process: {exc!r}") from None
-            welcome = decode(payload)
+            welcome, fds = await self._handshake(sock)
             if welcome.op == _wire.ERROR:
                 raise error_from(welcome)
             index = welcome.fields.get("index")
@@ -256,6 +253,33 @@ class AttachedPool(Owner):
             self._waiters.append((0, future))
             await future
             self._raise_if_lost()
+
+    async def _handshake(self, sock: socket.socket) -> tuple[Message, list[int]]:
+        """Say hello; the owner's answer and the descriptors that came with it.
+
+        :raises PoolError: what answers at the path is not a pool (it hung up, or spoke something else),
+            or it did not answer within ``ATTACH_TIMEOUT``.
+        """
+        not_a_pool = f"{self._path} is not an aiokvtier pool, or not one of this version"
+        try:
+            await self._loop.sock_sendall(sock, encode(_wire.HELLO, 0, {"v": _wire.VERSION, "pid": os.getpid()}))
+            async with asyncio.timeout(ATTACH_TIMEOUT):
+                payload, fds = await recv_frame_with_fds(sock, 2)
+        except TimeoutError:
+            raise PoolError(
+                f"{self._path} did not answer within {ATTACH_TIMEOUT:g} s: is it an aiokvtier pool, "
+                "and is its owner's event loop running?"
+            ) from None
+        except ConnectionError:  # an owner answers a hello it refuses before it hangs up
+            raise PoolError(f"{not_a_pool}: it hung up on the handshake") from None
+        except ValueError as exc:
+            raise PoolError(f"{not_a_pool}: its answer is not the pool protocol ({exc})") from None
+        try:
+            return decode(payload), fds
+        except ValueError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise PoolError(f"{not_a_pool}: its answer is not the pool protocol ({exc})") from None
 
     def _unmap(self) -> None:
         unmap_shared(self._base, self._size)
