@@ -400,7 +400,7 @@ async def test_attaching_to_something_that_is_not_a_pool_says_so(sock: str, stra
         if stranger == "directory":
             await asyncio.to_thread(os.rmdir, sock)
     assert sock in str(caught.value)
-    assert threading.active_count() == 1 or not [t for t in threading.enumerate() if t.name.startswith("aiokvtier")]
+    assert not [t for t in threading.enumerate() if t.name.startswith("aiokvtier")]  # the refused attach left none
 
 
 async def test_attaching_to_a_socket_that_never_answers_gives_up(sock: str, monkeypatch: pytest.MonkeyPatch) -> None:
