@@ -637,7 +637,7 @@ class HostTier(Owner):
         """
         state = self._life.state  # read once: on another thread the open may complete meanwhile
         if state in ("new", "opening") or "_filler" not in self.__dict__:
-            raise TierClosedError(self._life.describe() if state == "forked" else f"the HostTier is {state}")
+            raise TierClosedError(self._life.describe(state))
         cfg = self._config.resolved
         filler = self._filler
         slots = self._slots
