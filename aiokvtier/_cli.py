@@ -118,6 +118,14 @@ def _octal_mode(text: str) -> int:
     return value
 
 
+def _host_port(text: str) -> str:
+    """``HOST:PORT`` (an IPv6 host in brackets), as ``MooncakeTierConfig.master`` takes it."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
+    return text
+
+
 def _default_quota(available: int) -> int:
     # A quarter of what can be made resident now, in whole GiB, 1 to 8 GiB.
     return max(1 << 30, min(8 << 30, available // 4) >> 30 << 30)
@@ -228,7 +236,10 @@ def build_parser(prog: str = "aiokvtier") -> Parser:
         "--disk-path", type=Path, metavar="DIR", help="also check a disk tier's directory (O_DIRECT, free space)"
     )
     doctor.add_argument(
-        "--mooncake-master", metavar="HOST:PORT", help="also check that a Mooncake master answers there"
+        "--mooncake-master",
+        type=_host_port,
+        metavar="HOST:PORT",
+        help="also check that a Mooncake master answers there",
     )
 
     pool = sub.add_parser(
