@@ -446,7 +446,10 @@ def _command(argv: list[str], prog: str) -> int:
     if argv[:1] == ["serve"]:
         from .server import main as serve
 
-        return serve(argv[1:], prog=f"{prog} serve")
+        status = serve(argv[1:], prog=f"{prog} serve")
+        if status == 130:  # its shutdown after Ctrl-C is done: end by SIGINT, as every command does
+            raise KeyboardInterrupt
+        return status
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.command is None:  # the bare command: what it offers, as a usage error

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["Formatter", "Parser", "UsageError", "error", "run", "run_async", "starting"]
+__all__ = ["Formatter", "Parser", "UsageError", "end_by_sigint", "error", "run", "run_async", "starting"]
 
 T = TypeVar("T")
 
@@ -151,6 +151,11 @@ def _end_by(sig: signal.Signals) -> NoReturn:
     signal.signal(sig, signal.SIG_DFL)
     signal.raise_signal(sig)
     os._exit(128 + sig)  # the signal is blocked in this thread: end with the status a shell would show
+
+
+def end_by_sigint() -> NoReturn:
+    """End the process as Ctrl-C ends a command: by SIGINT, once what it opened is closed."""
+    _end_by(signal.SIGINT)
 
 
 def run(

@@ -288,7 +288,8 @@ async def drain_scenario() -> None:
 
 async def sigint_scenario() -> None:
     # SIGINT (Ctrl-C) while a 2 GiB tier is still filling: the fill stops, the store and the tier
-    # close, and the process exits 0 as after SIGTERM.
+    # close, and the process ends by SIGINT, as every aiokvtier command does after Ctrl-C (a shell
+    # shows 130; it exited 0, as after SIGTERM, before).
     server = await Server.start("--quota", "2GiB")
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
@@ -301,13 +302,38 @@ async def sigint_scenario() -> None:
         code = await asyncio.wait_for(server.proc.wait(), 30)
     finally:
         code, stderr = await server.stop()
-    assert code == 0, stderr
-    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert code == -signal.SIGINT, stderr
+    assert not stderr, stderr
     print("resident at SIGINT:", tier["resident_bytes"], "of", tier["target_bytes"])
 
 
-def test_sigint_while_the_tier_fills_exits_0_without_a_traceback() -> None:
+def test_sigint_while_the_tier_fills_closes_it_and_ends_by_sigint() -> None:
     asyncio.run(asyncio.wait_for(sigint_scenario(), 60))
+
+
+@pytest.mark.parametrize("command", [["-m", "aiokvtier", "serve"], [*APP, "--workers", "2"]], ids=["serve", "workers"])
+def test_ctrl_c_ends_aiokvtier_serve_and_its_workers_by_sigint(command: list[str]) -> None:
+    """The command's own Ctrl-C: the same shutdown, then the process ends by SIGINT (it exited 0 before)."""
+    proc = subprocess.Popen(
+        [sys.executable, *command, "--quota", "64MiB", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = re.search(r"http://127\.0\.0\.1:\d+", proc.stdout.readline())
+        assert url, proc.stderr
+        with httpx.Client(base_url=url.group(0), timeout=30) as client:
+            deadline = time.monotonic() + 30
+            while client.get("/readyz").status_code != 200:
+                assert time.monotonic() < deadline, "not ready in 30 s"
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGINT and not err, err
 
 
 def test_drain_seconds_keeps_serving_with_readyz_503_then_exits_0() -> None:
@@ -848,6 +874,62 @@ async def test_a_disk_tier_under_the_server_keeps_hit_blocks_across_a_restart(tm
                     assert (await client.get("/v1/blocks/ab01")).content == body
                     assert blocks.store.statistics().promoted == 1
                     assert (await client.get("/v1/blocks/ab02")).status_code == 404
+
+
+def _server(*options: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *APP, *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+    )
+
+
+def test_a_port_in_use_is_one_line_and_exit_1() -> None:
+    """Before: uvicorn's own "ERROR:    [Errno 98] ..." line and exit status 3."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _server("--quota", "64MiB", "--host", "127.0.0.1", "--port", str(port))
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"python -m aiokvtier.server: error: cannot listen on 127.0.0.1:{port}: "), lines[0]
+    assert "in use" in lines[0]
+    done = _server("--quota", "64MiB", "--host", "no-such-host.invalid", "--port", "0")
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "cannot listen on no-such-host.invalid:0: " in done.stderr
+
+
+def test_a_device_this_machine_cannot_use_is_a_usage_error() -> None:
+    """Before: the tier's open failed inside uvicorn's startup, a traceback and exit status 3."""
+    from aiokvtier._cuda._driver import device_count
+    from aiokvtier._errors import CudaUnavailableError
+
+    try:
+        visible = device_count()
+    except CudaUnavailableError:
+        visible = 0
+    done = _server("--quota", "64MiB", "--backing", "register", "--device", str(visible), "--port", "0")
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m aiokvtier.server: error: argument --device: "), lines
+
+
+async def test_a_tier_that_cannot_open_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """A second server over the first's disk directory: before, a traceback and exit status 3."""
+    first = await Server.start("--quota", "64MiB", "--disk-path", str(tmp_path))
+    try:
+        second = await asyncio.create_subprocess_exec(
+            sys.executable, *APP, "--quota", "64MiB", "--disk-path", str(tmp_path), "--port", "0",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV, cwd=ROOT,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(second.communicate(), 60)
+    finally:
+        code, stderr = await first.stop()
+    assert code == 0, stderr
+    assert second.returncode == 1 and out == b"", err
+    lines = err.decode().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("python -m aiokvtier.server: error: DiskTierBusy: ") and "open elsewhere" in lines[0]
 
 
 def test_disk_options_are_checked() -> None:
