@@ -68,13 +68,15 @@ def test_serves_until_sigterm_and_exits_0(sock: str) -> None:
 
 
 def test_ctrl_c_closes_it_and_ends_by_sigint(sock: str) -> None:
+    """It says it stops as after SIGTERM (the "stopping" line was missing after Ctrl-C)."""
     proc, _ = _start(sock)
     try:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGINT and not err
+    assert json.loads(out)["event"] == "stopping"
     assert not os.path.exists(sock)
 
 
