@@ -113,8 +113,8 @@ def parse_quota(value: object, *, slot_size: int, max_quota: int) -> int:
         raise QuotaError(f"quota {value!r} rounds down to zero slots: it is smaller than one slot ({_show(slot_size)})")
     if quota > max_quota:
         raise QuotaError(
-            f"quota {value!r} ({_show(quota)} in whole slots) exceeds max_quota ({_show(max_quota)}); "
-            "the reservation cannot grow"
+            f"quota {value!r} ({_show(quota)} in whole slots) exceeds max_quota ({_show(max_quota)}), "
+            "the address range reserved at open, which never grows: open the tier with a larger max_quota"
         )
     return quota
 
@@ -339,7 +339,9 @@ class HostTierConfig(_Frozen):
                     f"max_quota ({_show(self.max_quota)}) rounds down to zero slots of slot_size ({_show(slot)})"
                 )
             if maximum < quota:
-                raise ValueError(f"max_quota ({_show(maximum)}) is below quota ({_show(quota)})")
+                raise ValueError(
+                    f"max_quota ({_show(maximum)}) is below quota ({_show(quota)}): raise max_quota or lower quota"
+                )
         # slot_size is validated after quota and max_quota, so only here can they be
         # rounded; the model is frozen, and nobody has seen (or hashed) it yet.
         self.__dict__.update(quota=ByteSize(quota), max_quota=ByteSize(maximum))

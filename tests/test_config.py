@@ -208,7 +208,7 @@ def test_parse_quota_rounds_down_to_whole_slots(value: object, expected: int) ->
         (4096, ["zero slots", "4096"]),
         ("63KiB", ["zero slots", "'63KiB'"]),
         (2 * GiB + 64 * KiB, ["exceeds max_quota", str(2 * GiB + 64 * KiB)]),
-        ("3GiB", ["exceeds max_quota", "'3GiB'"]),
+        ("3GiB", ["exceeds max_quota", "'3GiB'", "open the tier with a larger max_quota"]),  # what to do, too
     ],
 )
 def test_parse_quota_refusals_name_the_rule_and_the_value(value: object, words: list[str]) -> None:
@@ -352,3 +352,10 @@ def test_a_misspelt_field_names_the_one_meant() -> None:
     with pytest.raises(ValidationError) as caught:  # a bound keeps its context
         HostTierConfig.model_validate({"quota": "1GiB", "max_quota": "1GiB", "fill_threads": 0, "x": 1})
     assert caught.value.errors()[0]["ctx"] == {"ge": 1}
+
+
+def test_a_max_quota_below_the_quota_says_what_to_change() -> None:
+    with pytest.raises(
+        ValidationError, match=r"max_quota \(.*\) is below quota \(.*\): raise max_quota or lower quota"
+    ):
+        HostTierConfig(quota="2GiB", max_quota="1GiB")
