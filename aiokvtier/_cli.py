@@ -267,7 +267,10 @@ def build_parser(prog: str = "aiokvtier") -> Parser:
     )
     pool.add_argument("--slot-size", type=_size("slot_size"), default="64KiB", metavar="SIZE", help="bytes per slot")
     pool.add_argument(
-        "--fill-threads", type=whole_number(1, 256), metavar="N", help="threads making the range resident"
+        "--fill-threads",
+        type=whole_number(1, 256),
+        metavar="N",
+        help="threads making the range resident, 1 to 256 (default: one per CPU this process may use, at most 8)",
     )
     pool.add_argument(
         "--numa-node", type=_numa_node, metavar="NODE", default="none", help="node to place pages on, or 'none'"

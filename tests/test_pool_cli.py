@@ -99,3 +99,9 @@ def test_a_bad_value_is_one_line_and_exit_2(args: list[str], message: str) -> No
 def test_help() -> None:
     done = subprocess.run([*CLI, "--help"], capture_output=True, text=True, env=ENV, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("usage: ") and "--socket" in done.stdout
+    # Every option that takes a value says its default (--fill-threads did not), except the required quota.
+    options = " ".join(done.stdout.split("options:", 1)[1].split()).split(" --")[1:]
+    for option in options:
+        name, *words = option.split()
+        if words and words[0].isupper() and name != "quota":
+            assert "(default: " in option, option
