@@ -314,3 +314,20 @@ def test_configuration_page_gives_each_fields_default() -> None:
             ]
             for value in strings:  # each literal value the field takes is named in its type
                 assert f'"{value}"' in cells[1], f"{model.__name__}.{name} takes {value!r}: {row}"
+
+
+def test_the_store_page_names_every_statistics_field() -> None:
+    """docs/store.md's table left out the tiers below' figures and ``subscribers``."""
+    import dataclasses
+
+    from aiokvtier import StoreStatistics
+
+    text = (ROOT / "docs" / "store.md").read_text()
+    section = text.split("\n## Statistics\n", 1)[1].split("\n## ", 1)[0]
+    named = {
+        name
+        for row in section.splitlines()
+        if row.startswith("| `")
+        for name in re.findall(r"`(\w+)`", row.split(" | ")[0])
+    }
+    assert named == {f.name for f in dataclasses.fields(StoreStatistics)}
