@@ -763,6 +763,65 @@ def test_the_load_generator_answers_help_and_says_what_to_install_without_httpx(
     assert len(lines) == 1 and "httpx" in lines[0] and "pip install 'aiokvtier[server]'" in lines[0], done.stderr
 
 
+LOAD = [sys.executable, "-m", "aiokvtier.server.load"]
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (["--clients", "0"], "argument --clients: 0 is not 1 or more"),
+        (["--seconds", "-1"], "argument --seconds: -1.0 is not a positive number of seconds"),
+        (["--seconds", "nan"], "argument --seconds: nan is not a positive number of seconds"),
+        (["--requests", "0"], "argument --requests: 0 is not 1 or more"),
+        (["--block-size", "0"], "argument --block-size: 0 is not 1 or more"),
+        (["--lookup-keys", "0"], "argument --lookup-keys: 0 is not 1 or more"),
+        (["--url", "127.0.0.1:8077"], "argument --url: '127.0.0.1:8077' is not an http:// or https:// URL"),
+    ],
+)
+def test_the_load_generator_refuses_a_bad_option_in_one_line(options: list[str], says: str) -> None:
+    """Before, each was taken, and ended in a traceback (or a load of no clients)."""
+    done = subprocess.run([*LOAD, *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines() == [f"python -m aiokvtier.server.load: error: {says}"]
+
+
+def test_the_load_generator_says_in_one_line_that_no_server_answers() -> None:
+    """Before: two chained tracebacks from httpx."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = subprocess.run(
+        [*LOAD, "--url", f"http://127.0.0.1:{port}", "--clients", "2", "--seconds", "1"],
+        capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"python -m aiokvtier.server.load: error: no answer from http://127.0.0.1:{port}: "
+    ), lines
+
+
+async def test_ctrl_c_ends_the_load_generator_at_once_and_quietly() -> None:
+    """As a benchmark: no JSON, no traceback (it printed a KeyboardInterrupt traceback), ended by SIGINT."""
+    server = await Server.start("--quota", "256MiB")
+    try:
+        load = await asyncio.create_subprocess_exec(
+            *LOAD, "--url", server.url, "--clients", "2", "--seconds", "30",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV, cwd=ROOT,
+        )  # fmt: skip
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            deadline = time.monotonic() + 30
+            while (await client.get("/v1/stats")).json()["store"]["stores"] == 0:
+                assert time.monotonic() < deadline, "the load sent nothing in 30 s"
+                await asyncio.sleep(0.05)
+        load.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(load.communicate(), 30)
+    finally:
+        code, stderr = await server.stop()
+    assert code == 0, stderr
+    assert load.returncode == -signal.SIGINT and out == b"" and err == b"", err
+
+
 def test_help_describes_every_option_with_its_default() -> None:
     parser = _options.build_parser()
     formatter = parser._get_formatter()
