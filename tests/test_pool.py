@@ -478,3 +478,39 @@ async def test_a_process_speaking_another_protocol_is_refused_and_the_pool_serve
                 pass
         writer.close()
         assert (await good.statistics()).clients == 1
+
+
+async def test_an_attached_pool_called_from_another_event_loop_says_so(sock: str) -> None:
+    """Before, a store from another loop failed with asyncio's "got Future attached to a different loop",
+    and an allocation wrote to the connection from the wrong thread."""
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as attached:
+        seen: list[BaseException] = []
+
+        def other_loop() -> None:
+            async def calls() -> None:
+                for call in (
+                    lambda: attached.allocate(1),
+                    lambda: attached.store([b"k"], [b"v"]),
+                    lambda: attached.load([b"k"], [bytearray(1)]),
+                    lambda: attached.lookup([b"k"]),
+                    lambda: attached.wait_resident(),
+                    lambda: attached.statistics(),
+                    lambda: attached.free_many([0]),
+                    lambda: attached.discard([b"k"]),
+                ):
+                    try:
+                        async with asyncio.timeout(WAIT):
+                            await call()
+                    except BaseException as exc:
+                        seen.append(exc)
+
+            asyncio.run(calls())
+
+        thread = threading.Thread(target=other_loop)
+        thread.start()
+        await asyncio.to_thread(thread.join, WAIT)
+        says = "this AttachedPool belongs to the event loop that attached it; call it from that loop"
+        assert [(type(e), str(e)) for e in seen] == [(RuntimeError, says)] * 8
+        stats = await attached.statistics()
+        assert stats.tier.slots_allocated == 0 and stats.blocks == 0 and stats.claims == 0
+        assert pool.statistics().tier.slots_allocated == 0

@@ -488,6 +488,12 @@ class AttachedPool(Owner):
             self._writer.write(encode(op, rid, fields, parts))
         return rid
 
+    def _check_loop(self) -> None:
+        """:raises RuntimeError: the running loop is not the one that attached (never attached: no check)."""
+        loop = self.__dict__.get("_loop")
+        if loop is not None and asyncio.get_running_loop() is not loop:
+            raise RuntimeError("this AttachedPool belongs to the event loop that attached it; call it from that loop")
+
     async def _request(
         self, op: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = (), undo: str = ""
     ) -> Message:
@@ -601,6 +607,7 @@ class AttachedPool(Owner):
         :raises WouldBlock: ``wait=False`` and fewer than ``n`` slots are resident and free.
         :raises TypeError: ``wait`` is not a bool.
         """
+        self._check_loop()
         n = positive_count(n, "n")
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
@@ -622,6 +629,7 @@ class AttachedPool(Owner):
         :raises SlotError: this process does not hold that slot (nothing changes).
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         await self.free_many([slot])
 
     async def free_many(self, slots: Iterable[int]) -> None:
@@ -629,6 +637,7 @@ class AttachedPool(Owner):
 
         :raises SlotError: one is not held by this process, or repeated.
         """
+        self._check_loop()
         self._check_open()
         held = [self._held(slot, "; nothing was freed") for slot in slots]
         if len(set(held)) != len(held):
@@ -683,6 +692,7 @@ class AttachedPool(Owner):
         :raises FillError: the fill failed below ``nbytes``.
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         self._check_open()
         if nbytes is not None:
             if isinstance(nbytes, bool):
@@ -746,6 +756,7 @@ class AttachedPool(Owner):
 
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         reply = await self._request(_wire.STATS)
         fields = dict(reply.fields["stats"])
         tier = TierStatistics(**fields.pop("tier"))
@@ -796,6 +807,7 @@ class AttachedPool(Owner):
         :raises TypeError: a key that is not bytes-like or an int, or an array that is not 2-D uint8.
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         given, types = self._lookup_keys(keys)
         self._check_open()
         self._raise_if_lost()
@@ -880,6 +892,7 @@ class AttachedPool(Owner):
         :raises ValueError: ``limit`` is not a positive int.
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         if type(limit) is not int or limit < 1:
             raise ValueError(f"limit must be a positive int, got {limit!r}")
         self._check_open()
@@ -895,6 +908,7 @@ class AttachedPool(Owner):
 
         :returns: how many were dropped.
         """
+        self._check_loop()
         _, fields, parts = self._keys(keys)
         reply = await self._request(_wire.DISCARD, fields, parts)
         return int(reply.fields["dropped"])
@@ -939,6 +953,7 @@ class AttachedPool(Owner):
         call cancelled while their commit was on its way may leave those
         blocks visible, whole.
         """
+        self._check_loop()
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
         given, types = self._given(keys)
@@ -1094,6 +1109,7 @@ class AttachedPool(Owner):
         :raises TypeError: an ``after`` that is neither a stream nor an event.
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         given, fields, parts = self._keys(keys)
         pages = self._pages(dst, len(given), engine, page, after, writable=True)
         if not given:

@@ -279,6 +279,7 @@ class BlockStore(Owner):
         return store
 
     async def _build(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._tier.check_open()
         if self._engine_given is not None:
             self._engine_given.check_open()
@@ -411,6 +412,12 @@ class BlockStore(Owner):
         self._count_lookup(len(keys), hits, disk_hits, 0)
         return hits + disk_hits
 
+    def _check_loop(self) -> None:
+        """:raises RuntimeError: the running loop is not the one that opened the store (its tier's)."""
+        loop = self.__dict__.get("_loop")
+        if loop is not None and asyncio.get_running_loop() is not loop:
+            raise RuntimeError("this BlockStore belongs to the event loop that opened it; call it from that loop")
+
     async def lookup_remote(self, keys: Sequence[object]) -> int:
         """``lookup``, then the Mooncake tier: how many leading keys some tier holds (a ``load`` of
         them brings those found only below back). Touches the host tier's prefix.
@@ -424,8 +431,10 @@ class BlockStore(Owner):
 
         :raises TypeError: a key is not bytes-like or an int (a bool, a str).
         :raises TierClosedError: the store is closed.
+        :raises RuntimeError: called from a loop other than the store's.
         """
         self._check_open()
+        self._check_loop()
         keys = key_seq(keys)
         hits, disk_hits = self._lookup_local(keys)
         found = hits + disk_hits
@@ -553,6 +562,7 @@ class BlockStore(Owner):
             call, pages that do not match the keys (nothing changed).
         :raises TypeError: a key that is not bytes-like or an int.
         :raises TierClosedError: the store (or its tier) is closed.
+        :raises RuntimeError: called from a loop other than the store's.
         :raises CudaError: the driver refused the copy (nothing stored).
         :raises CopyPlanError: pages in a StaticHostMem or a tier (named by
             address, or an array over its memory) that is closing, or that
@@ -562,6 +572,7 @@ class BlockStore(Owner):
         (never evicted for the call's room) until the call returns.
         """
         self._check_open()
+        self._check_loop()
         # Whether every key is a bytes or an int is checked while the copy runs (the common case
         # costs nothing then); a list that starts with anything else is converted here.
         given = key_list(keys)
@@ -1007,11 +1018,13 @@ class BlockStore(Owner):
             this store (its own tier's slots).
         :raises TypeError: a key that is not bytes-like or an int.
         :raises TierClosedError: the store is closed.
+        :raises RuntimeError: called from a loop other than the store's.
         :raises CopyPlanError: pages in a StaticHostMem or another tier (named
             by address, or an array over its memory) that is closing, or that
             closed (or shrank past them) while the call waited.
         """
         self._check_open()
+        self._check_loop()
         index, transfers = self._index, self._transfers
         keys = key_seq(keys)
         slots = index.slots_of_all(keys)
@@ -1280,6 +1293,7 @@ class BlockStore(Owner):
         :raises QuotaError: the quota is invalid, or a block past the new end
             is being stored or loaded (nothing changed).
         :raises TierClosedError: the store is closed.
+        :raises RuntimeError: called from a loop other than the store's.
 
         A shrink is refused before anything is evicted when a slot past the
         new end is held by something other than a stored block (another
@@ -1291,6 +1305,7 @@ class BlockStore(Owner):
         and the store follows whatever size the tier ends with.
         """
         self._check_open()
+        self._check_loop()
         tier = self._tier
         async with self._resize_lock:
             self._check_open()
