@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ._program import Parser, UsageError, cuda_devices, run, run_async
+from ._program import Parser, UsageError, cuda_devices, options_in_advice, run, run_async
 from ._units import format_bytes
 
 __all__ = ["main"]
@@ -309,6 +309,7 @@ def _config_error(error: Any) -> NoReturn:
     leading = re.match(r"[a-z_]+", message)  # a model-wide rule's message starts with the field it is about
     field = str(loc[0]) if loc else leading.group(0) if leading else ""
     option = _OPTION_OF_FIELD.get(field)
+    message = options_in_advice(message, _OPTION_OF_FIELD)
     raise UsageError(f"argument {option}: {message}" if option else message)
 
 

@@ -125,7 +125,8 @@ def test_no_command_prints_usage_and_the_commands_and_exits_2(args: list[str]) -
         (["--device", "-1"], "--device", "'-1' is not 0 or more"),
         (["--numa-node", "x"], "--numa-node", ""),
         (["--numa-node", "4095"], "--numa-node", "not an online node"),
-        (["--backing", "vmm"], "--backing", "needs a CUDA device"),
+        (["--backing", "vmm"], "--backing", "needs a CUDA device: set --device"),  # the option, not the field
+        (["--quota", "64MiB", "--max-quota", "32MiB"], "--max-quota", "raise --max-quota or lower --quota"),
         (["--interval", "0"], "--interval", "positive"),
         (["--hold", "-1"], "--hold", "0 or more seconds"),
         (["--hold", "nan"], "--hold", "0 or more seconds"),

@@ -87,6 +87,7 @@ def test_ctrl_c_closes_it_and_ends_by_sigint(sock: str) -> None:
         (["--quota", "64MiB", "--mode", "8"], "argument --mode"),
         (["--quota", "64MiB", "--socket", "/nonexistent-dir/x.sock"], "argument --socket"),
         ([], "--quota"),
+        (["--quota", "1PiB"], "set --max-quota explicitly"),  # the option, where it said the field
     ],
 )
 def test_a_bad_value_is_one_line_and_exit_2(args: list[str], message: str) -> None:

@@ -599,6 +599,8 @@ def test_a_bad_option_is_one_line_naming_it_and_exit_2(options: list[str], named
     assert done.returncode == 2 and done.stdout == ""
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and named in lines[0], done.stderr
+    # The advice names options too ("set --device", "raise --max-quota"), not the config's fields.
+    assert not re.search(r"\b(set|raise|lower) (device|max_quota|quota)\b", lines[0]), lines[0]
 
 
 def test_the_backing_help_names_what_auto_picks() -> None:

@@ -252,5 +252,8 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
             field = named.group()
         else:
             field = str(first["loc"][0]) if first["loc"] else "quota"
+        from .._program import options_in_advice
+
+        message = options_in_advice(message, OPTION_OF_FIELD)
         parser.error(f"argument {OPTION_OF_FIELD.get(field, '--' + field)}: {message}")
     return args, config
