@@ -1003,3 +1003,23 @@ def test_disk_options_are_checked() -> None:
             [sys.executable, *APP, *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
         )
         assert done.returncode == 2 and named in done.stderr, done.stderr
+
+
+def test_the_server_page_lists_every_option_with_its_default() -> None:
+    """docs/server.md's table left out --host and --port."""
+    text = (ROOT / "docs" / "server.md").read_text()
+    rows = {
+        row.split(" | ")[0].strip("| `"): row.split(" | ")[1] for row in text.splitlines() if row.startswith("| `--")
+    }
+    parser = _options.build_parser()
+    shown = [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS and a.dest != "help"]
+    assert set(rows) == {a.option_strings[0] for a in shown}
+    for action in shown:
+        default = action.default
+        if isinstance(default, (int, float, str)) and not isinstance(default, bool) and default is not None:
+            documented = rows[action.option_strings[0]]
+            assert documented in (str(default), f"{default:g}" if isinstance(default, float) else ""), (
+                action.option_strings[0],
+                documented,
+                default,
+            )
