@@ -161,6 +161,8 @@ def test_bad_option_values_print_one_line(args: list[str], option: str, says: st
         (["host", "--sections", "ops"], "--sections", "choose from time_to_first_allocation"),
         (["store", "--repeats", "0"], "--repeats", "1 or more"),
         (["store", "--sections", "nope"], "--sections", "choose from lookup"),
+        # Before: every other section ran, then the tiers section failed with ENOENT and exit 1.
+        (["store", "--disk-path", "/nonexistent-dir"], "--disk-path", "/nonexistent-dir is not a directory"),
         (["cuda", "--full-gib", "0"], "--full-gib", "at least 2 MiB"),
         (["ranks", "--size-gib", "0"], "--size-gib", "at least 2 MiB"),
     ],
