@@ -954,3 +954,16 @@ async def test_a_call_from_another_event_loop_is_refused_and_changes_nothing() -
             assert str(exc) == "this BlockStore belongs to the event loop that opened it; call it from that loop"
         assert store.statistics() == before and store.keys() == [b"kept"]
         store.check_invariants(sole_user=True)
+
+
+async def test_a_store_over_something_that_is_not_a_tier_is_refused_where_it_is_built() -> None:
+    """A config, None or a device number was taken, and the open failed with an AttributeError."""
+    config = small_config(slot_size=64 * KiB)
+    for tier in (config, None, "tier"):
+        with pytest.raises(TypeError, match=r"tier is an open HostTier \(async with HostTier\(config\) as tier\)"):
+            BlockStore(tier)  # type: ignore[arg-type]
+    async with HostTier(config) as tier:
+        with pytest.raises(TypeError, match=r"engine is a CopyEngine \(async with CopyEngine\(0\) as engine\)"):
+            BlockStore(tier, 0)  # type: ignore[arg-type]
+        async with BlockStore(tier) as store:  # and nothing was left behind
+            assert len(store) == 0

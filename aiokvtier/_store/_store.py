@@ -197,6 +197,9 @@ class BlockStore(Owner):
         with it at open and unregisters them at close. Its calls are network calls: ``lookup``
         never asks it, and while it is unavailable it is skipped, never an error.
     :param admit_after: load hits that admit a block to the tiers below.
+    :raises TypeError: ``tier`` is not a HostTier, ``engine`` is a device number rather than a
+        CopyEngine, or ``policy`` is neither a name nor an EvictionPolicy.
+    :raises ValueError: ``event_limit`` or ``admit_after`` below 1.
     """
 
     def __init__(
@@ -210,6 +213,14 @@ class BlockStore(Owner):
         remote: MooncakeTier | None = None,
         admit_after: int = 2,
     ) -> None:
+        from .._host._tier import HostTier
+
+        if not isinstance(tier, HostTier):  # a config, a pool or None would fail at open, far from here
+            raise TypeError(
+                f"tier is an open HostTier (async with HostTier(config) as tier), not {type(tier).__name__}"
+            )
+        if isinstance(engine, int):  # a device number where the engine for it goes
+            raise TypeError(f"engine is a CopyEngine (async with CopyEngine({engine}) as engine) or None, not int")
         if not isinstance(policy, str | EvictionPolicy):
             raise TypeError(f"policy is a name or an EvictionPolicy, not {type(policy).__name__}")
         if type(event_limit) is not int or event_limit < 1:
