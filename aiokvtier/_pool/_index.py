@@ -305,6 +305,11 @@ class BlockIndex:
         freed: list[int] = entry.slots.tolist()
         return freed
 
+    def placed(self, claim: int) -> bool:
+        """Whether ``claim`` is a store in flight whose slots are placed (it may commit)."""
+        entry = self._claims.get(claim)
+        return entry is not None and len(entry.slots) == len(entry.keys)
+
     def owns(self, claim: int) -> bool:
         return claim in self._claims
 

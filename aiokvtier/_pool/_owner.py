@@ -616,6 +616,13 @@ class Pool(Owner):
                     index.abort(claim)
                     self._claim_done(claim)
                     raise
+                if claim not in peer.claims:
+                    # Aborted while it waited (a process may name a claim before its BEGIN answers: ids are
+                    # small ints): the slots it came for would be held by nobody.
+                    self._free_slots(ids)
+                    raise PoolError(
+                        f"the store of claim {claim} was aborted while it waited for slots; nothing was stored"
+                    )
                 index.place(claim, ids)
                 slots[claimed] = ids
             self._count_outcomes(outcomes)
@@ -637,6 +644,10 @@ class Pool(Owner):
 
     def _commit(self, peer: _Peer, message: Message) -> Reply:
         claim = self._claim_of(peer, message)
+        if not self._index.placed(claim):
+            raise PoolError(
+                f"the store of claim {claim} is still waiting for its slots: commit it once its BEGIN answered"
+            )
         self._event("stored", self._index.commit(claim))
         peer.claims.discard(claim)
         self._claim_done(claim)

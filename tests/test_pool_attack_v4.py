@@ -1,0 +1,212 @@
+"""The shared pool attacked as a hostile or unlucky engine would, after its index rewrite (protocol 4).
+
+A raw client (``Raw``) speaks the wire protocol itself and sends what no
+``AttachedPool`` would: frames that lack parts, keys of mixed forms and
+widths, commits and aborts of claims it guesses, requests while its store
+waits for slots. Attached processes scribble the index mirror's shared
+table, real processes are killed between a store's begin and its commit,
+and ``AttachedPool`` calls are cancelled at every await while others evict
+and load. After each scenario the owner's books must hold
+(``assert_books``): its index, its mirror and ``statistics()`` agree, no
+slot is both free and indexed, and nothing is claimed or pinned that no
+live process holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiokvtier import AttachedPool, Pool
+from aiokvtier._host import _linux
+from aiokvtier._pool import _wire
+from tests.conftest import PopulateGate
+from tests.test_pool import WAIT, sock, until
+
+__all__ = ["sock"]  # the fixture, used by name
+
+CONFIG = {"quota": "16MiB", "max_quota": "32MiB", "slot_size": "64KiB"}  # 256 slots; the first fill unit holds 64
+SLOTS = 256
+
+
+class Raw:
+    """A process that speaks the pool's wire protocol itself (its WELCOME's descriptors are dropped)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.rid = 1000
+        self.kept: dict[int, _wire.Message] = {}
+
+    @classmethod
+    async def open(cls, path: str) -> Raw:
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(_wire.encode(_wire.HELLO, 0, {"v": _wire.VERSION, "pid": os.getpid()}))
+        raw = cls(reader, writer)
+        welcome = await raw._next()
+        assert welcome.op == _wire.WELCOME, welcome
+        return raw
+
+    async def _next(self) -> _wire.Message:
+        async with asyncio.timeout(WAIT):
+            head = await self.reader.readexactly(_wire.LENGTH.size)
+            return _wire.decode(await self.reader.readexactly(_wire.LENGTH.unpack(head)[0]))
+
+    def send(self, op: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = ()) -> int:
+        self.rid += 1
+        self.writer.write(_wire.encode(op, self.rid, fields, parts))
+        return self.rid
+
+    async def answer(self, rid: int) -> _wire.Message:
+        while rid not in self.kept:
+            message = await self._next()
+            if message.op in (_wire.REPLY, _wire.ERROR):
+                self.kept[message.rid] = message
+        return self.kept.pop(rid)
+
+    async def ask(self, op: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = ()) -> _wire.Message:
+        return await self.answer(self.send(op, fields, parts))
+
+    async def ok(self, op: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = ()) -> _wire.Message:
+        message = await self.ask(op, fields, parts)
+        assert message.op == _wire.REPLY, message.fields
+        return message
+
+    async def refused(self, op: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = ()) -> Exception:
+        message = await self.ask(op, fields, parts)
+        assert message.op == _wire.ERROR, f"op {op} was served: {message.fields}"
+        return _wire.error_from(message)
+
+    async def owner_hits(self, keys: Sequence[bytes | int]) -> int:
+        """The owner's own answer to a lookup (asked over the socket, never from the mirror)."""
+        kind, parts = _wire.encode_keys(list(keys))
+        return int((await self.ok(_wire.LOOKUP, {"k": kind}, parts)).fields["hits"])
+
+    def begin(self, keys: Sequence[bytes | int], length: int = 100, **fields: Any) -> int:
+        kind, parts = _wire.encode_keys(list(keys))
+        return self.send(_wire.BEGIN, {"k": kind, **fields}, [*parts, np.full(len(keys), length, np.uint64).tobytes()])
+
+    async def store(self, keys: Sequence[bytes | int]) -> int:
+        """Claim and commit ``keys`` (their bytes are not written: the owner cannot tell); returns the claim."""
+        claim = int((await self.answer(self.begin(keys))).fields["claim"])
+        if claim:
+            await self.ok(_wire.COMMIT, {"claim": claim})
+        return claim
+
+    async def discard(self, keys: Sequence[bytes | int]) -> int:
+        kind, parts = _wire.encode_keys(list(keys))
+        return int((await self.ok(_wire.DISCARD, {"k": kind}, parts)).fields["dropped"])
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def rig(path: str, config: dict[str, Any] = CONFIG) -> AsyncIterator[tuple[Pool, AttachedPool, Raw]]:
+    """An owner, an attached process that reads the mirror, and a raw one that asks the owner."""
+    async with Pool(config, path) as pool, AttachedPool(path) as reader:
+        raw = await Raw.open(path)
+        try:
+            yield pool, reader, raw
+        finally:
+            await raw.close()
+
+
+async def assert_books(
+    pool: Pool, reader: AttachedPool, raw: Raw, universe: Sequence[bytes | int], held: int = 0
+) -> None:
+    """Once every answer has come: the owner's index, its mirror and ``statistics()`` agree.
+
+    Every key of ``universe`` (a superset of what is stored) is a hit in the mirror exactly where the
+    owner's index holds it, and they add up to ``statistics().blocks``; nothing is claimed or pinned;
+    the tier's allocated slots are the blocks' and the ``held`` slots of attached processes; and no slot
+    is both free and indexed: every free slot, taken at once, is none of the blocks' slots."""
+    await until(
+        lambda: (s := pool.statistics()).claims == 0 and s.blocks_pinned == 0 and s.slots_attached == held,
+        "a store or a load left something claimed, pinned or held",
+    )
+    pool.check_invariants(sole_user=True)
+    owner = [await raw.owner_hits([k]) for k in universe]
+    mirror = [reader.lookup_nowait([k]) for k in universe]
+    found = [await reader.lookup([k]) for k in universe]
+    assert found == owner, "the mirror answers other than the owner's index"
+    assert all(m in (None, o) for m, o in zip(mirror, owner, strict=True))
+    s = pool.statistics()
+    assert sum(owner) == s.blocks and s.tier.slots_allocated == s.blocks + held
+    stored = [k for k, hit in zip(universe, owner, strict=True) if hit]
+    await reader.wait_resident()
+    blocks: set[int] = set()
+    if stored:  # the blocks' slots, as a load is told them (pinned meanwhile)
+        kind, parts = _wire.encode_keys(stored)
+        loaded = await raw.ok(_wire.LOAD, {"k": kind}, parts)
+        blocks = set(loaded.ints(0).tolist())
+        assert len(blocks) == len(stored), "two blocks share a slot"
+    free = s.tier.slots_total - s.tier.slots_allocated
+    if free:
+        taken = (await raw.ok(_wire.ALLOC, {"n": free})).ints(0).tolist()
+        assert not blocks & set(taken), f"slots {sorted(blocks & set(taken))} are free and indexed"
+        await raw.ok(_wire.FREE, {}, [np.array(taken, dtype=np.int64).tobytes()])
+    if stored:
+        raw.send(_wire.UNPIN, {"pin": loaded.fields["pin"]})
+    await until(lambda: pool.statistics().blocks_pinned == 0, "the books' own load stayed pinned")
+    pool.check_invariants(sole_user=True)
+
+
+@pytest.fixture
+def gate() -> Iterator[PopulateGate]:
+    """The shared tier's fill, held after its first unit (64 slots) until let through."""
+    held = PopulateGate(_linux.populate_write)
+    real, _linux.populate_write = _linux.populate_write, held  # type: ignore[assignment]
+    held.allow(1)
+    try:
+        yield held
+    finally:
+        held.release_all()
+        _linux.populate_write = real  # type: ignore[assignment]
+
+
+def keys_of(prefix: bytes, n: int) -> list[bytes]:
+    return [b"%s-%d" % (prefix, i) for i in range(n)]
+
+
+# -- a store's claim, touched while its BEGIN waits for slots ------------------------------------------------
+
+
+@pytest.mark.parametrize("meddle", [_wire.ABORT, _wire.COMMIT], ids=["abort", "commit"])
+async def test_a_claim_aborted_or_committed_while_its_begin_waits_for_the_fill_takes_no_slot(
+    sock: str, gate: PopulateGate, meddle: int
+) -> None:
+    """Claim ids are small consecutive ints: a process may name one before its BEGIN has answered.
+    An ABORT of it used to make the BEGIN take its slots when the fill came and answer ``'1'`` (a
+    KeyError): the slots were then held by nobody, for good."""
+    async with rig(sock) as (pool, reader, raw):
+        keys = keys_of(b"waiting", 200)  # more than the first unit's 64 slots: the BEGIN waits
+        begin = raw.begin(keys)
+        await until(lambda: pool.statistics().claims == 1, "the store did not claim its keys")
+        guesses = [raw.send(meddle, {"claim": claim}) for claim in range(1, 8)] if meddle == _wire.COMMIT else []
+        if meddle == _wire.ABORT:
+            for claim in range(1, 8):
+                raw.send(_wire.ABORT, {"claim": claim})
+        for rid in guesses:  # its slots are not there yet (or it is not this process's): refused, by name
+            error = await raw.answer(rid)
+            assert error.op == _wire.ERROR
+            message = str(error.fields["message"])
+            assert message.startswith(("no store in flight with claim", "the store of claim")), message
+        await until(lambda: pool.statistics().claims == (1 if meddle == _wire.COMMIT else 0), "the abort")
+        gate.release_all()
+        answer = await raw.answer(begin)
+        if meddle == _wire.ABORT:
+            assert answer.op == _wire.ERROR
+            assert "aborted" in str(answer.fields["message"])
+        else:  # the store goes on, and commits once its slots came
+            assert answer.op == _wire.REPLY
+            await raw.ok(_wire.COMMIT, {"claim": answer.fields["claim"]})
+        await assert_books(pool, reader, raw, keys)
+        assert pool.statistics().blocks == (200 if meddle == _wire.COMMIT else 0)
