@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tracemalloc
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ import pytest
 from aiokvtier import AttachedPool, Pool
 from aiokvtier._host import _linux
 from aiokvtier._pool import _wire
+from aiokvtier._pool._mirror import key_rows
 from tests.conftest import PopulateGate
 from tests.test_pool import WAIT, sock, until
 
@@ -210,3 +212,35 @@ async def test_a_claim_aborted_or_committed_while_its_begin_waits_for_the_fill_t
             await raw.ok(_wire.COMMIT, {"claim": answer.fields["claim"]})
         await assert_books(pool, reader, raw, keys)
         assert pool.statistics().blocks == (200 if meddle == _wire.COMMIT else 0)
+
+
+# -- keys of very different lengths ---------------------------------------------------------------------------
+
+
+async def test_one_long_key_among_short_ones_costs_its_own_bytes_not_a_matrix_of_them(sock: str) -> None:
+    """The mirror used to pad every key of a batch to the longest: a store and two lookups of 255 short
+    keys and one of 64 KiB peaked at 34 MB (16 MiB of rows, copied), in the owner at its commit and in the
+    attached process at its lookups; with a key of 100 MiB the owner asked for 25 GiB (an error on this
+    machine, the owner killed for memory on a larger one)."""
+    async with rig(sock) as (pool, reader, raw):
+        keys = [*keys_of(b"short", 255), b"L" * (64 << 10)]
+        tracemalloc.start()
+        try:
+            result = await reader.store(keys, [b"v" * 100] * len(keys))
+            assert await reader.lookup(keys) == 256
+            assert await reader.lookup(keys[::-1]) == 256
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert len(result.stored) == 256
+        assert peak < 8 << 20, f"a peak of {peak >> 10} KiB for 66 KiB of keys"
+        await assert_books(pool, reader, raw, keys)
+
+
+def test_a_key_has_one_entry_however_far_apart_the_lengths_of_its_batch() -> None:
+    keys: list[bytes | int] = [b"a", b"b" * 40, b"c" * 300, 5, 2**70, b"d" * 5000, b"e\x00", -1, b"f" * 33]
+    rows = key_rows(keys)
+    for i, k in enumerate(keys):
+        assert (key_rows([k])[0] == rows[i]).all(), k
+    only_bytes = [k for k in keys if isinstance(k, bytes)]
+    assert (key_rows(only_bytes) == rows[[i for i, k in enumerate(keys) if isinstance(k, bytes)]]).all()
