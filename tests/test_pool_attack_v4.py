@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import mmap
 import os
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -27,7 +29,8 @@ import pytest
 from aiokvtier import AttachedPool, Pool
 from aiokvtier._host import _linux
 from aiokvtier._pool import _wire
-from aiokvtier._pool._mirror import key_rows
+from aiokvtier._pool._index import BlockIndex
+from aiokvtier._pool._mirror import ENTRY, HEADER, USABLE, IndexMirror, capacity_for, hash_words, key_rows
 from tests.conftest import PopulateGate
 from tests.test_pool import WAIT, sock, until
 
@@ -237,6 +240,65 @@ async def test_one_long_key_among_short_ones_costs_its_own_bytes_not_a_matrix_of
         await assert_books(pool, reader, raw, keys)
 
 
+# -- the mirror's shared table, scribbled by an attached process ----------------------------------------------
+
+
+def scribble_mirror(capacity: int, how: str) -> None:
+    """Write over the index mirror's table as any attached process can (its memfd, reached through /proc;
+    every one found: a mapping of an earlier pool may be left until the garbage collector's next pass)."""
+    scribbled = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            fd = os.open(f"/proc/self/fd/{name}", os.O_RDWR) if "aiokvtier-pool-index" in target else -1
+        except OSError:
+            continue
+        if fd < 0:
+            continue
+        try:
+            if os.fstat(fd).st_size < HEADER + capacity * ENTRY:
+                continue
+            mapping = mmap.mmap(fd, HEADER + capacity * ENTRY)
+        finally:
+            os.close(fd)
+        table = np.frombuffer(mapping, dtype=np.uint64, count=capacity * 8, offset=HEADER).reshape(capacity, 8)
+        if how == "slots":
+            table[table[:, 0] >= 2, 7] ^= np.uint64(0xFF)
+        elif how == "tags":
+            table[:, 0] = np.uint64(7)  # every entry looks taken: no room, and no probe ends
+        else:
+            table[:] = 0
+        del table
+        mapping.close()
+        scribbled += 1
+    assert scribbled, "no index mirror in this process"
+
+
+@pytest.mark.skipif(not USABLE, reason="the mirror is read only on x86-64")
+@pytest.mark.parametrize("scribble", ["slots", "tags", "zeros"])
+async def test_a_mirror_table_scribbled_by_a_process_spoils_lookups_never_the_owners_books(
+    sock: str, scribble: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every attached process maps the mirror read-write (for its referenced bytes). A process that wrote
+    over the table used to make the owner's next discard or eviction raise half-way: the keys left the
+    index, their slots were never freed, and the mirror answered them as hits for good."""
+    async with rig(sock) as (pool, reader, raw):
+        keys = keys_of(b"scribbled", 100)
+        assert await raw.store(keys)
+        await asyncio.to_thread(scribble_mirror, capacity_for(512), scribble)
+        await raw.discard(keys[:30])
+        assert await raw.store(keys_of(b"more", 200))  # evicts 44
+        assert await raw.store(keys[30:40])  # present ones and stored again
+        universe = [*keys, *keys_of(b"more", 200)]
+        assert "index mirror could not be written" in caplog.text  # and made anew: lookups read it again
+        assert reader.lookup_nowait(keys[30:40]) == 10
+        await assert_books(pool, reader, raw, universe)
+        # The books hold, whatever the scribbler spoiled: stores, discards and evictions go on.
+        await raw.discard(universe)
+        assert await raw.store(keys)
+        await assert_books(pool, reader, raw, universe)
+
+
 def test_a_key_has_one_entry_however_far_apart_the_lengths_of_its_batch() -> None:
     keys: list[bytes | int] = [b"a", b"b" * 40, b"c" * 300, 5, 2**70, b"d" * 5000, b"e\x00", -1, b"f" * 33]
     rows = key_rows(keys)
@@ -244,3 +306,32 @@ def test_a_key_has_one_entry_however_far_apart_the_lengths_of_its_batch() -> Non
         assert (key_rows([k])[0] == rows[i]).all(), k
     only_bytes = [k for k in keys if isinstance(k, bytes)]
     assert (key_rows(only_bytes) == rows[[i for i, k in enumerate(keys) if isinstance(k, bytes)]]).all()
+
+
+@pytest.mark.skipif(not USABLE, reason="the mirror is read only on x86-64")
+def test_a_mirror_that_cannot_be_written_nor_made_anew_is_retired_and_the_index_keeps_its_books() -> None:
+    """Lookups then go to the owner (a reader's answer is None), and the index goes on whole."""
+    calls = itertools.count()
+
+    def failing(data: np.ndarray, kind: int, lengths: np.ndarray) -> np.ndarray:
+        if next(calls) >= 1:
+            raise MemoryError("injected: no memory for the rows")
+        return hash_words(data, kind, lengths)
+
+    writer = IndexMirror.create(16, hasher=failing)
+    reader = IndexMirror.attach(os.dup(writer.fd), 16)
+    try:
+        index = BlockIndex(writer, 16)
+        for key, slot in ((b"first", 3), (b"second", 5)):
+            claim = index.claim([key], np.array([100], dtype=np.int64))
+            index.place(claim, np.array([slot], dtype=np.int64))
+            index.commit(claim)
+        assert index.mirror is None and reader.lookup([b"first"]) is None
+        assert index.lookup([b"first", b"second"]) == 2
+        index.check()
+        assert index.discard([b"first"])[1].tolist() == [3]
+        assert index.evict(1, [])[1] == [5]
+        index.check()
+    finally:
+        reader.close()
+        writer.close()
