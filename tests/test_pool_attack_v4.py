@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import mmap
 import os
 import tracemalloc
@@ -297,6 +298,32 @@ async def test_a_mirror_table_scribbled_by_a_process_spoils_lookups_never_the_ow
         await raw.discard(universe)
         assert await raw.store(keys)
         await assert_books(pool, reader, raw, universe)
+
+
+# -- frames that lack what their request needs ---------------------------------------------------------------
+
+
+async def test_requests_missing_their_parts_are_refused_by_name(sock: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A FREE without its slot ids used to fail inside the owner (an IndexError logged as the pool's own
+    failure, answered ``list index out of range``); a BEGIN without its lengths took the keys' bytes for
+    them; padded keys wider than numpy's records were a TypeError."""
+    I = np.array([1, 2, 3], dtype=np.int64).tobytes()  # noqa: E741
+    async with rig(sock) as (pool, reader, raw):
+        with caplog.at_level(logging.ERROR, logger="aiokvtier"):
+            for op, fields, parts, named in [
+                (_wire.FREE, {}, [], "slot ids"),
+                (_wire.BEGIN, {"k": "i"}, [I], "lengths"),
+                (_wire.BEGIN, {"k": "i"}, [I, I, I], "lengths"),
+                (_wire.BEGIN, {"k": "f"}, [_wire.LENGTH.pack(8), I], "lengths"),
+                (_wire.LOOKUP, {"k": "p"}, [_wire.LENGTH.pack(2**32 - 1), b""], "padded keys"),
+                (_wire.LOOKUP, {"k": "f"}, [_wire.LENGTH.pack(2**32 - 1), b""], "fixed-length keys"),
+                (_wire.BEGIN, {"k": "p"}, [_wire.LENGTH.pack(2**31), b"", b""], "padded keys"),
+            ]:
+                error = await raw.refused(op, fields, parts)
+                assert isinstance(error, ValueError), (op, parts, error)
+                assert named in str(error), (op, parts, error)
+        assert "failed a request" not in caplog.text
+        await assert_books(pool, reader, raw, [1, 2, 3])
 
 
 def test_a_key_has_one_entry_however_far_apart_the_lengths_of_its_batch() -> None:

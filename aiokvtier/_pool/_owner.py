@@ -546,6 +546,8 @@ class Pool(Owner):
         return {}, [ids.tobytes()]
 
     def _free(self, peer: _Peer, message: Message) -> Reply:
+        if len(message.parts) != 1:
+            raise ValueError(f"a FREE carries the slot ids to free as one part, not {len(message.parts)}")
         ids = message.ints(0).tolist()
         if len(set(ids)) != len(ids):
             raise SlotError("a slot appears twice in one free; nothing was freed")
@@ -574,8 +576,11 @@ class Pool(Owner):
 
     async def _begin(self, peer: _Peer, message: Message) -> Reply:
         kind = message.fields.get("k")
-        keys, matrix = decode_key_matrix(kind, message.parts[: 1 if kind == "i" else 2])
-        lengths = message.uints(len(message.parts) - 1).astype(np.int64)
+        first = 1 if kind == "i" else 2
+        keys, matrix = decode_key_matrix(kind, message.parts[:first])
+        if len(message.parts) != first + 1:  # else the keys' own bytes would be read as their lengths
+            raise ValueError(f"a BEGIN carries its keys, then their lengths as one part: {len(message.parts)} parts")
+        lengths = message.uints(first).astype(np.int64)
         if len(lengths) != len(keys):
             raise ValueError(f"{len(keys)} keys and {len(lengths)} lengths")
         slot_size = self._tier.slot_size
