@@ -134,6 +134,7 @@ async def assert_books(
     owner's index holds it, and they add up to ``statistics().blocks``; nothing is claimed or pinned;
     the tier's allocated slots are the blocks' and the ``held`` slots of attached processes; and no slot
     is both free and indexed: every free slot, taken at once, is none of the blocks' slots."""
+    universe = list(dict.fromkeys(universe))
     await until(
         lambda: (s := pool.statistics()).claims == 0 and s.blocks_pinned == 0 and s.slots_attached == held,
         "a store or a load left something claimed, pinned or held",
@@ -176,6 +177,16 @@ def gate() -> Iterator[PopulateGate]:
     finally:
         held.release_all()
         _linux.populate_write = real  # type: ignore[assignment]
+
+
+def keyed(keys: Sequence[bytes | int]) -> tuple[dict[str, Any], list[bytes]]:
+    """A request's fields and parts for ``keys``."""
+    kind, parts = _wire.encode_keys(list(keys))
+    return {"k": kind}, parts
+
+
+def framed(payload: bytes) -> bytes:
+    return _wire.LENGTH.pack(len(payload)) + payload
 
 
 def keys_of(prefix: bytes, n: int) -> list[bytes]:
@@ -362,3 +373,173 @@ def test_a_mirror_that_cannot_be_written_nor_made_anew_is_retired_and_the_index_
     finally:
         reader.close()
         writer.close()
+
+
+# -- hostile frames, then the books ---------------------------------------------------------------------------
+
+
+async def test_commits_and_aborts_of_claims_a_process_does_not_hold_change_nothing(sock: str) -> None:
+    async with rig(sock) as (pool, reader, mine):
+        other = await Raw.open(sock)
+        try:
+            keys = keys_of(b"theirs", 8)
+            claim = int((await other.answer(other.begin(keys))).fields["claim"])
+            error = await mine.refused(_wire.COMMIT, {"claim": claim})
+            assert "no store in flight" in str(error)
+            mine.send(_wire.ABORT, {"claim": claim})
+            mine.send(_wire.UNPIN, {"pin": claim})
+            assert await reader.lookup(keys) == 0 and pool.statistics().claims == 1
+            await other.ok(_wire.COMMIT, {"claim": claim})
+            error = await other.refused(_wire.COMMIT, {"claim": claim})  # twice
+            assert "no store in flight" in str(error)
+            other.send(_wire.ABORT, {"claim": claim})  # after its commit: nothing to give up
+            assert await other.owner_hits(keys) == 8 and await reader.lookup(keys) == 8
+        finally:
+            await other.close()
+        await assert_books(pool, reader, mine, keys)
+
+
+async def test_a_store_left_claimed_by_a_process_that_goes_is_stored_by_the_one_waiting_for_it(sock: str) -> None:
+    async with rig(sock) as (pool, reader, raw):
+        keys = keys_of(b"left", 70)  # 70 keys of several lengths: the padded form
+        claim = int((await raw.answer(raw.begin(keys))).fields["claim"])
+        assert claim and pool.statistics().claims == 1
+        assert await reader.discard(keys) == 0  # being stored: not a block yet, and the claim stands
+        waiting = asyncio.ensure_future(reader.store(keys, [b"mine"] * 70))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and await reader.lookup(keys) == 0
+        await raw.close()  # BEGIN, never COMMIT: the process goes
+        async with asyncio.timeout(WAIT):
+            result = await waiting
+        assert result.stored == tuple(keys)
+        dst = np.zeros((70, 4), dtype=np.uint8)
+        await reader.load(keys, dst)
+        assert (dst == np.frombuffer(b"mine", dtype=np.uint8)).all()
+        again = await Raw.open(sock)
+        try:
+            await assert_books(pool, reader, again, keys)
+        finally:
+            await again.close()
+
+
+async def test_keys_in_every_form_hostile_ones_included_are_the_owners_keys_in_the_mirror(sock: str) -> None:
+    """Rows with zero bytes inside or at their end, an all-zero row, rows wider than the client's padded
+    form, fixed-length keys ending in zero bytes, ints beside bytes: whatever the owner makes of a frame's
+    keys, the mirror answers those same keys."""
+    async with rig(sock) as (pool, reader, raw):
+        rows = [b"a\x00b", b"ab\x00", b"\x00\x00\x00", b"xyz"] + [b"r%02d" % i for i in range(60)]
+        wide = np.zeros((len(rows), 40), dtype=np.uint8)
+        for i, row in enumerate(rows):
+            wide[i, : len(row)] = np.frombuffer(row, dtype=np.uint8)
+        wide[3, 39] = 7  # a key of 40 bytes
+        lengths = np.full(len(rows), 10, np.uint64).tobytes()
+        answer = await raw.ok(_wire.BEGIN, {"k": "p"}, [_wire.LENGTH.pack(40), wide.tobytes(), lengths])
+        await raw.ok(_wire.COMMIT, {"claim": answer.fields["claim"]})
+        fixed = [b"f\x00\x00\x00", b"g\x00\x00\x01", b"\x00\x00\x00\x00"]
+        answer = await raw.ok(
+            _wire.BEGIN, {"k": "f"}, [_wire.LENGTH.pack(4), b"".join(fixed), np.full(3, 9, np.uint64).tobytes()]
+        )
+        await raw.ok(_wire.COMMIT, {"claim": answer.fields["claim"]})
+        mixed: list[bytes | int] = [0, -1, 2**63 - 1, 2**64, -(2**70), b"m", b"", b"i5"]
+        assert await raw.store(mixed[:-2]) and await raw.store([b"i5"])  # b"" came as the all-zero row
+        decoded = [row.rstrip(b"\x00") for row in rows]
+        decoded[3] = bytes(wide[3])
+        universe = [*decoded, *fixed, *mixed, b"a", b"ab\x00", b"f", b"\x00", 5, b"\x00" * 3]
+        assert await reader.lookup(decoded) == len(rows)
+        assert await reader.lookup(fixed) == 3 and await reader.lookup(mixed) == len(mixed)
+        await assert_books(pool, reader, raw, universe)
+
+
+async def test_malformed_frames_are_refused_or_drop_their_process_and_change_nothing(sock: str) -> None:
+    I = np.array([1, 2, 3], dtype=np.int64).tobytes()  # noqa: E741
+    async with rig(sock) as (pool, reader, raw):
+        keys = keys_of(b"kept", 40)
+        await reader.store(keys, [b"v" * 10] * 40)
+        refused: list[tuple[int, dict[str, Any], list[bytes]]] = [
+            (_wire.LOOKUP, {}, []),
+            (_wire.LOOKUP, {"k": ["i"]}, [I]),
+            (_wire.LOOKUP, {"k": "p"}, [_wire.LENGTH.pack(0), b""]),
+            (_wire.LOOKUP, {"k": "p"}, [_wire.LENGTH.pack(3), b"abcd"]),
+            (_wire.LOOKUP, {"k": "b"}, [np.array([5], np.uint32).tobytes(), b"ab"]),
+            (_wire.LOOKUP, {"k": "m"}, [np.array([2], np.uint32).tobytes(), b"zz"]),
+            (_wire.LOOKUP, {"k": "m"}, [np.array([5001], np.uint32).tobytes(), b"i" + b"9" * 5000]),
+            (_wire.BEGIN, {"k": "i"}, [I, np.array([0, 1, 1], np.uint64).tobytes()]),
+            (_wire.BEGIN, {"k": "i"}, [I, np.array([1, 1, 2**63], np.uint64).tobytes()]),
+            (_wire.BEGIN, {"k": "i"}, [I, np.array([1, 1], np.uint64).tobytes()]),
+            (_wire.BEGIN, {"k": "i"}, [I, b"odd"]),
+            (_wire.BEGIN, {"k": "i"}, [np.array([4, 4], np.int64).tobytes(), np.ones(2, np.uint64).tobytes()]),
+            (_wire.COMMIT, {}, []),
+            (_wire.COMMIT, {"claim": True}, []),
+            (_wire.COMMIT, {"claim": "1"}, []),
+            (_wire.AWAIT, {}, []),
+            (_wire.LOAD, {"k": "i"}, [np.array([77], np.int64).tobytes()]),
+            (_wire.DISCARD, {"k": "q"}, [b"", b""]),
+            (_wire.ALLOC, {}, []),
+            (_wire.ALLOC, {"n": 0}, []),
+            (_wire.ALLOC, {"n": 2**62}, []),
+            (_wire.ALLOC, {"n": 10**30}, []),
+            (_wire.ALLOC, {"n": 1.5}, []),
+            (_wire.FREE, {}, [np.array([0], np.int64).tobytes()]),
+            (_wire.FREE, {}, [b"abc"]),
+            (_wire.HELLO, {"v": _wire.VERSION}, []),
+            (_wire.REPLY, {}, []),
+            (0, {}, []),
+            (255, {}, []),
+        ]
+        for op, fields, parts in refused:
+            error = await raw.refused(op, fields, parts)
+            assert str(error), (op, fields)
+        for op, fields in [(_wire.ABORT, {"claim": -5}), (_wire.UNPIN, {"pin": 10**40}), (_wire.LOOKED, {"q": -1})]:
+            raw.send(op, fields)  # no reply, and nothing changes
+        empty = {"k": "i"}, [b""]
+        assert (await raw.ok(_wire.LOOKUP, *empty)).fields["hits"] == 0
+        assert (await raw.ok(_wire.DISCARD, *empty)).fields["dropped"] == 0
+        await raw.ok(_wire.AWAIT, *empty)
+        assert (await raw.ok(_wire.BEGIN, {"k": "i"}, [b"", b""])).fields["claim"] == 0
+        pin = (await raw.ok(_wire.LOAD, *empty)).fields["pin"]
+        raw.send(_wire.UNPIN, {"pin": pin})
+        await assert_books(pool, reader, raw, keys)
+        # Frames that are not frames: the process is dropped, and what it held goes back.
+        stats = _wire.HEAD.pack(_wire.STATS, 1, 0)
+        for garbage, then_goes in [
+            (b"\x05\x00\x00\x00garbage", False),
+            (_wire.LENGTH.pack(_wire.MAX_FRAME + 1), False),
+            (framed(_wire.HEAD.pack(_wire.STATS, 1, 200) + b"{}"), False),  # json past the frame's end
+            (framed(_wire.HEAD.pack(_wire.STATS, 1, 3) + b"[1]"), False),
+            (framed(_wire.HEAD.pack(_wire.STATS, 1, 6) + b'{"p":1'), False),
+            (framed(_wire.HEAD.pack(_wire.STATS, 1, 10) + b'{"p":[-1]}'), False),
+            (framed(_wire.HEAD.pack(_wire.STATS, 1, 9) + b'{"p":[4]}' + b"abc"), False),
+            (framed(_wire.HEAD.pack(_wire.STATS, 1, 2) + b"\xff\xfe"), False),
+            (framed(stats[:5]), False),
+            (_wire.encode(_wire.STATS, 1)[:-3], True),  # cut short, then the process goes
+            (_wire.LENGTH.pack(64) + stats, True),
+        ]:
+            hostile = await Raw.open(sock)
+            await hostile.ok(_wire.ALLOC, {"n": 3})
+            claim = int((await hostile.answer(hostile.begin(keys_of(b"dropped", 5)))).fields["claim"])
+            pin = (await hostile.ok(_wire.LOAD, *keyed(keys[:4]))).fields["pin"]
+            assert claim and pin and pool.statistics().claims == 1
+            hostile.writer.write(garbage)
+            if then_goes:
+                hostile.writer.write_eof()
+            async with asyncio.timeout(WAIT):
+                assert await hostile.reader.read() == b""  # the owner let it go
+            await hostile.close()
+            await assert_books(pool, reader, raw, [*keys, *keys_of(b"dropped", 5)])
+        assert pool.clients == 2
+
+
+async def test_a_store_of_more_keys_than_slots_evicts_what_it_may_and_skips_the_rest(sock: str) -> None:
+    async with rig(sock) as (pool, reader, raw):
+        old = keys_of(b"old", 100)
+        await reader.store(old, [b"o"] * 100)
+        pinned = (await raw.ok(_wire.LOAD, *keyed(old[:10]))).fields["pin"]
+        many = list(range(100_000))
+        answer = await raw.answer(raw.begin(many))
+        outcomes = np.frombuffer(answer.parts[0], dtype=np.uint8)
+        assert int(np.count_nonzero(outcomes == _wire.CLAIMED)) == SLOTS - 10  # all but the pinned
+        assert (outcomes[SLOTS - 10 :] == _wire.SKIPPED).all()
+        await raw.ok(_wire.COMMIT, {"claim": answer.fields["claim"]})
+        assert await raw.owner_hits(old[:10]) == 10 and await raw.owner_hits(old[10:11]) == 0
+        raw.send(_wire.UNPIN, {"pin": pinned})
+        await assert_books(pool, reader, raw, [*old, *many[:300]])
