@@ -20,6 +20,7 @@ import itertools
 import logging
 import mmap
 import os
+import sys
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -33,7 +34,7 @@ from aiokvtier._pool import _wire
 from aiokvtier._pool._index import BlockIndex
 from aiokvtier._pool._mirror import ENTRY, HEADER, USABLE, IndexMirror, capacity_for, hash_words, key_rows
 from tests.conftest import PopulateGate
-from tests.test_pool import WAIT, sock, until
+from tests.test_pool import ENV, ROOT, WAIT, Child, sock, until
 
 __all__ = ["sock"]  # the fixture, used by name
 
@@ -543,3 +544,74 @@ async def test_a_store_of_more_keys_than_slots_evicts_what_it_may_and_skips_the_
         assert await raw.owner_hits(old[:10]) == 10 and await raw.owner_hits(old[10:11]) == 0
         raw.send(_wire.UNPIN, {"pin": pinned})
         await assert_books(pool, reader, raw, [*old, *many[:300]])
+
+
+# -- processes killed between a store's steps -----------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def raw_process(path: str, prefix: str, n: int) -> AsyncIterator[Child]:
+    child = Child(
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(ROOT / "tests" / "pool_raw_client.py"),
+            path,
+            prefix,
+            str(n),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=ENV,
+            cwd=ROOT,
+        )
+    )
+    try:
+        await child.event("attached")
+        yield child
+    finally:
+        if child.proc.returncode is None:
+            await child.kill()
+
+
+def command(child: Child, line: str) -> None:
+    assert child.proc.stdin is not None
+    child.proc.stdin.write(line.encode() + b"\n")
+
+
+async def test_a_process_killed_while_its_begin_waits_for_the_fill_hands_its_keys_to_the_one_waiting(
+    sock: str, gate: PopulateGate
+) -> None:
+    keys = keys_of(b"killed", 200)  # more than the first unit: the BEGIN waits for the fill
+    async with rig(sock) as (pool, reader, raw), raw_process(sock, "killed", 200) as child:
+        command(child, "begin")
+        await child.event("sent")
+        await until(lambda: pool.statistics().claims == 1, "the killed process's store never claimed")
+        waiting = asyncio.ensure_future(reader.store(keys, [b"w" * 64] * 200))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await child.kill()
+        await until(lambda: pool.clients == 2, "the owner never saw the process die")
+        gate.release_all()
+        async with asyncio.timeout(WAIT):
+            result = await waiting
+        assert result.stored == tuple(keys)
+        await assert_books(pool, reader, raw, keys)
+
+
+@pytest.mark.parametrize("delay", [0, 0.0002, 0.001, 0.005])
+async def test_a_process_killed_as_it_commits_leaves_its_blocks_whole_or_gone(sock: str, delay: float) -> None:
+    async with rig(sock) as (pool, reader, raw):
+        universe: list[bytes] = []
+        for turn in range(3):
+            keys = keys_of(b"c%d" % turn, 70)
+            universe += keys
+            async with raw_process(sock, f"c{turn}", 70) as child:
+                command(child, "begin")
+                command(child, "wait")
+                begun = await child.event("begun")
+                assert begun["op"] == _wire.REPLY and begun["claim"]
+                command(child, "commit")
+                await asyncio.sleep(delay)
+                await child.kill()
+            await until(lambda: pool.clients == 2, "the owner never saw the process die")
+            assert await raw.owner_hits(keys) in (0, 70)
+            await assert_books(pool, reader, raw, universe)
