@@ -35,6 +35,7 @@ from aiokvtier._pool._index import BlockIndex
 from aiokvtier._pool._mirror import ENTRY, HEADER, USABLE, IndexMirror, capacity_for, hash_words, key_rows
 from tests.conftest import PopulateGate
 from tests.test_pool import ENV, ROOT, WAIT, Child, sock, until
+from tests.test_pool_attack import attack, cases
 
 __all__ = ["sock"]  # the fixture, used by name
 
@@ -615,3 +616,100 @@ async def test_a_process_killed_as_it_commits_leaves_its_blocks_whole_or_gone(so
             await until(lambda: pool.clients == 2, "the owner never saw the process die")
             assert await raw.owner_hits(keys) in (0, 70)
             await assert_books(pool, reader, raw, universe)
+
+
+# -- recency: many touches, the log compacted and read from its head ------------------------------------------
+
+
+async def test_evictions_follow_every_touch_through_many_compactions_of_the_recency_log(sock: str) -> None:
+    """Thousands of touches (owner lookups, loads, stores of present keys) between evictions: the recency
+    log is compacted and read from its head many times over, and each eviction takes the least recently
+    used blocks that no load pins, in order, as an ordered dict moved to its end at each touch would."""
+    rng = np.random.default_rng(7)
+    async with rig(sock) as (pool, reader, raw):
+        events = await reader.events(limit=100_000)
+        order: dict[bytes, None] = {}
+        keys = keys_of(b"lru", SLOTS)
+        assert await raw.store(keys)
+        order.update(dict.fromkeys(keys))
+        fresh = 0
+        for _ in range(6):
+            for i in rng.integers(0, len(order), 1500).tolist():
+                key = list(order)[i]
+                how = i % 3
+                if how == 0:
+                    assert await raw.owner_hits([key]) == 1
+                elif how == 1:
+                    pin = (await raw.ok(_wire.LOAD, *keyed([key]))).fields["pin"]
+                    raw.send(_wire.UNPIN, {"pin": pin})
+                else:
+                    outcome = await raw.answer(raw.begin([key]))
+                    assert outcome.parts[0] == bytes([_wire.PRESENT])
+                del order[key]
+                order[key] = None
+            pinned = [list(order)[i] for i in rng.choice(len(order), 3, replace=False).tolist()]
+            pin = (await raw.ok(_wire.LOAD, *keyed(pinned))).fields["pin"]
+            others = [k for k in order if k not in pinned]
+            assert await raw.owner_hits(others) == len(others)  # the pinned ones are the oldest now
+            order = dict.fromkeys([*pinned, *others])
+            new = keys_of(b"new%d" % fresh, 20)
+            fresh += 1
+            assert await raw.store(new)
+            want = others[:20]  # the pinned are passed over
+            for key in want:
+                del order[key]
+            order.update(dict.fromkeys(new))
+            async with asyncio.timeout(WAIT):
+                while (event := await anext(events)).kind != "evicted":
+                    pass
+            assert list(event.keys) == want
+            raw.send(_wire.UNPIN, {"pin": pin})
+        universe = [*keys, *(k for f in range(fresh) for k in keys_of(b"new%d" % f, 20))]
+        await assert_books(pool, reader, raw, universe)
+        assert await raw.owner_hits(list(order)) == len(order) == SLOTS
+
+
+# -- cancellation at every await, while the pool evicts and another process pins --------------------------------
+
+
+async def test_calls_cancelled_at_every_await_while_the_pool_evicts_around_another_processs_pins(sock: str) -> None:
+    """Stores of 80 keys of several lengths (the padded form) into a full pool, loads, lookups and
+    discards, each cancelled at every await (turns of the loop, ``wait_for``, ``task.cancel()``, a
+    TaskGroup's failing sibling), while a raw process pins blocks: afterwards nothing is claimed, only its
+    pins are held, every visible block is whole, and the books hold."""
+    async with rig(sock) as (pool, reader, raw):
+        filler = keys_of(b"filler", SLOTS - 20)
+        assert await raw.store(filler)
+        pinned = filler[100:110]
+        pin = (await raw.ok(_wire.LOAD, *keyed(pinned))).fields["pin"]
+
+        async def settled(what: str) -> None:
+            await until(
+                lambda: (s := pool.statistics()).claims == 0 and s.blocks_pinned == len(pinned),
+                f"{what}: something left claimed or pinned",
+            )
+            pool.check_invariants(sole_user=True)
+            assert await raw.owner_hits(pinned) == len(pinned), f"{what}: a pinned block was evicted"
+
+        universe: list[bytes] = [*filler]
+        for n, (how, delay) in enumerate(cases()):
+            keys = [b"x%d-%s" % (n, b"k" * (i % 9)) + b"%d" % i for i in range(80)]
+            universe += keys
+            src = np.stack([np.frombuffer((k * 64)[:256], dtype=np.uint8) for k in keys])
+            await attack(lambda k=keys, s=src: reader.store(k, s), how, delay)  # type: ignore[misc]
+            await settled(f"store {how} {delay}")
+            visible = await reader.lookup(keys)
+            assert visible == await raw.owner_hits(keys)
+            if visible:  # whole, never half-copied
+                dst = np.zeros((visible, 256), dtype=np.uint8)
+                await reader.load(keys[:visible], dst)
+                assert (dst == src[:visible]).all(), f"store {how} {delay}: a visible block is not whole"
+                out = np.zeros_like(dst)
+                await attack(lambda k=keys[:visible], d=out: reader.load(k, d), how, delay)  # type: ignore[misc]
+                await settled(f"load {how} {delay}")
+            await attack(lambda k=keys: reader.lookup(k), how, delay)  # type: ignore[misc]
+            await attack(lambda k=keys[:10]: reader.discard(k), how, delay)  # type: ignore[misc]
+            await settled(f"discard {how} {delay}")
+            assert await reader.lookup(keys[:10]) in (0, min(visible, 10))  # all dropped, or none
+        raw.send(_wire.UNPIN, {"pin": pin})
+        await assert_books(pool, reader, raw, universe)
