@@ -30,7 +30,8 @@ import pytest
 
 from aiokvtier import AttachedPool, Pool
 from aiokvtier._host import _linux
-from aiokvtier._pool import _wire
+from aiokvtier._pool import _owner, _wire
+from aiokvtier._pool._events import EventFanout
 from aiokvtier._pool._index import BlockIndex
 from aiokvtier._pool._mirror import ENTRY, HEADER, USABLE, IndexMirror, capacity_for, hash_words, key_rows
 from tests.conftest import PopulateGate
@@ -713,3 +714,57 @@ async def test_calls_cancelled_at_every_await_while_the_pool_evicts_around_anoth
             assert await reader.lookup(keys[:10]) in (0, min(visible, 10))  # all dropped, or none
         raw.send(_wire.UNPIN, {"pin": pin})
         await assert_books(pool, reader, raw, universe)
+
+
+# -- a subscriber that stops reading ----------------------------------------------------------------------------
+
+
+async def test_events_for_a_process_that_stops_reading_are_dropped_and_counted_not_buffered_for_good(
+    sock: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subscribed process that stops reading its socket (stopped, its loop blocked) used to have every
+    event of every store on the machine buffered for it in the owner, without bound (4 MiB after 300
+    stores and discards of 256 keys, and on as long as it stayed stopped). Past a bound the owner now
+    drops its events, and the next one it reads says how many it missed."""
+    monkeypatch.setattr(_owner, "EVENTS_BUFFERED", 256 << 10)
+    async with rig(sock) as (pool, reader, raw):
+        stuck = await Raw.open(sock)
+        await stuck.ok(_wire.SUBSCRIBE)
+        transport = stuck.writer.transport
+        transport.pause_reading()  # type: ignore[attr-defined]  # the raw process reads no more, from here
+        keys = [b"%031d" % i for i in range(256)]
+        src = np.zeros((256, 16), dtype=np.uint8)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(300):
+                await reader.store(keys, src)
+                await reader.discard(keys)
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert grown < 2 << 20, f"{grown >> 10} KiB kept for a process that reads nothing"
+        transport.resume_reading()  # type: ignore[attr-defined]
+        await reader.store(keys[:1], src[:1])  # an event after the drops, which says how many
+        seen, dropped = 0, 0
+        while True:
+            message = await stuck._next()
+            if message.op != _wire.EVENT:
+                continue
+            seen += 1
+            dropped += int(message.fields.get("dropped", 0))
+            if message.fields["kind"] == "stored" and len(_wire.decode_keys(message.fields["k"], message.parts)) == 1:
+                break
+        assert dropped and seen + dropped == 601
+        await stuck.close()
+        await assert_books(pool, reader, raw, keys)
+
+
+async def test_events_the_owner_dropped_are_counted_with_those_the_subscription_dropped() -> None:
+    fanout = EventFanout()
+    events = fanout.subscribe(2)
+    fanout.publish("stored", (b"a",), 3)  # the owner dropped 3 before this one
+    fanout.publish("stored", (b"b",))
+    fanout.publish("discarded", (b"c",), 5)  # the queue drops the first (and its 3), this one says 5
+    got = [await anext(events), await anext(events)]
+    assert [(e.kind, e.keys, e.dropped) for e in got] == [("stored", (b"b",), 4), ("discarded", (b"c",), 5)]

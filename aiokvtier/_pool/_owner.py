@@ -59,6 +59,10 @@ log = logging.getLogger("aiokvtier")
 
 HELLO_TIMEOUT = 10.0
 """Seconds a new connection has to say hello before it is dropped."""
+EVENTS_BUFFERED = 8 << 20
+"""Bytes waiting to be sent to a subscribed process past which its events are dropped (and counted: its next
+event says how many). A process that stops reading (stopped, its loop blocked) would otherwise have every event
+of every store kept for it here, without bound."""
 
 Reply = tuple[dict[str, Any], list[bytes]]
 _KINDS: dict[object, set[type]] = {"f": {bytes}, "p": {bytes}, "b": {bytes}, "i": {int}}
@@ -76,6 +80,8 @@ class _Peer:
         self.pins: set[int] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.subscribed = False
+        self.dropped = 0
+        """Events not sent to this process since its last (it did not read them): told with its next."""
 
     def send(self, frame: bytes) -> None:
         if not self.writer.is_closing():
@@ -727,7 +733,13 @@ class Pool(Owner):
         form, parts = encode_keys(keys)
         frame = encode(_wire.EVENT, 0, {"kind": kind, "k": form}, parts)
         for peer in subscribed:
-            peer.send(frame)
+            if peer.writer.transport.get_write_buffer_size() > EVENTS_BUFFERED:
+                peer.dropped += 1
+            elif peer.dropped:
+                peer.send(encode(_wire.EVENT, 0, {"kind": kind, "k": form, "dropped": peer.dropped}, parts))
+                peer.dropped = 0
+            else:
+                peer.send(frame)
 
 
 def _require(ok: object, broken: str) -> None:
