@@ -28,14 +28,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokvtier import AttachedPool, Pool
+from aiokvtier import AttachedPool, Pool, PoolLostError
 from aiokvtier._host import _linux
 from aiokvtier._pool import _owner, _wire
 from aiokvtier._pool._events import EventFanout
 from aiokvtier._pool._index import BlockIndex
 from aiokvtier._pool._mirror import ENTRY, HEADER, USABLE, IndexMirror, capacity_for, hash_words, key_rows
 from tests.conftest import PopulateGate
-from tests.test_pool import ENV, ROOT, WAIT, Child, sock, until
+from tests.test_pool import ENV, ROOT, WAIT, Child, attached, sock, until
+from tests.test_pool import key as hexkey
 from tests.test_pool_attack import attack, cases
 
 __all__ = ["sock"]  # the fixture, used by name
@@ -768,3 +769,74 @@ async def test_events_the_owner_dropped_are_counted_with_those_the_subscription_
     fanout.publish("discarded", (b"c",), 5)  # the queue drops the first (and its 3), this one says 5
     got = [await anext(events), await anext(events)]
     assert [(e.kind, e.keys, e.dropped) for e in got] == [("stored", (b"b",), 4), ("discarded", (b"c",), 5)]
+
+
+# -- a key discarded and stored again while another process loads it -------------------------------------------
+
+
+async def test_a_key_discarded_and_stored_anew_while_another_process_loads_it(sock: str) -> None:
+    """The loader reads the bytes it pinned, whole, while the key is discarded, stored again with other
+    bytes and the pool churned full around the pinned slots; then a loader killed mid-load lets go of its
+    pins, and the books hold."""
+    hexes = [hexkey(i) for i in range(8)]
+    keys = [bytes.fromhex(k) for k in hexes]
+    async with rig(sock) as (pool, reader, raw), attached(sock) as child:
+        await child.event("attached")
+        await child.call("store", keys=hexes, size=4096)
+        await child.call("hold")
+        loading = child.send("load", keys=hexes, size=4096)
+        await child.event("copying")
+        assert await reader.discard(keys) == 8 and await reader.lookup(keys) == 0
+        anew = np.full((8, 4096), 0xAB, dtype=np.uint8)
+        assert len((await reader.store(keys, anew)).stored) == 8
+        churn = keys_of(b"churn", 2 * SLOTS)
+        for i in range(0, len(churn), 64):  # every slot that may be taken is taken, again and again
+            await reader.store(churn[i : i + 64], [b"c" * 4096] * 64)
+        assert pool.statistics().blocks_pinned == 0  # the pinned blocks are discarded ones now
+        await child.call("release")
+        assert (await child.answer(loading))["exact"]  # the old bytes, whole
+        universe = [*keys, *churn]
+        stored = await raw.owner_hits(keys)
+        if stored:
+            out = np.zeros((stored, 4096), dtype=np.uint8)
+            await reader.load(keys[:stored], out)
+            assert (out == 0xAB).all()
+        await assert_books(pool, reader, raw, universe)
+        await reader.store(keys, anew)
+        await child.call("hold")
+        child.send("load", keys=hexes, size=4096)
+        await child.event("copying")
+        assert pool.statistics().blocks_pinned == 8
+        await child.kill()
+        await until(lambda: pool.clients == 2, "the owner never saw the loader die")
+        await assert_books(pool, reader, raw, universe)
+
+
+# -- the owner killed under stores in flight, then restarted -----------------------------------------------------
+
+
+async def test_the_owner_killed_under_stores_in_flight_then_restarted_starts_clean(sock: str) -> None:
+    owner = await Child.start("pool_owner.py", sock, "16MiB")
+    try:
+        await owner.event("serving")
+        async with AttachedPool(sock) as reader:
+            raw = await Raw.open(sock)
+            keys = keys_of(b"inflight", 70)
+            assert int((await raw.answer(raw.begin(keys))).fields["claim"])  # claimed, never committed
+            waiting = asyncio.ensure_future(reader.store(keys, [b"w"] * 70))  # waits for that store
+            await asyncio.sleep(0.05)
+            assert not waiting.done()
+            await owner.kill()
+            async with asyncio.timeout(WAIT):
+                with pytest.raises(PoolLostError, match="owner went away"):
+                    await waiting
+                await raw.reader.read()  # to the end: the connection closed
+            await raw.close()
+            with pytest.raises(PoolLostError):
+                await reader.store(keys, [b"w"] * 70)
+    finally:
+        await owner.close()
+    async with rig(sock) as (pool, reader, raw):  # a new owner on the same path: nothing of the old one
+        assert await reader.lookup(keys) == 0 and pool.statistics().tier.slots_allocated == 0
+        assert len((await reader.store(keys, [b"w"] * 70)).stored) == 70
+        await assert_books(pool, reader, raw, keys)
