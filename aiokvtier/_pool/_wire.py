@@ -31,6 +31,7 @@ byte arrays, checked as they are read.
     DISCARD keys              ───────────>  REPLY {dropped}
     STATS                     ───────────>  REPLY {tier, pool}
     SUBSCRIBE                 ───────────>  REPLY, then EVENT {kind} keys at every stored, evicted, discarded
+                                            (with {dropped}: events not sent before it, the process not reading)
                               <───────────  ERROR {type, message}  (in place of a REPLY)
                               <───────────  BYE {reason}          (the owner is closing)
 """
