@@ -840,3 +840,33 @@ async def test_the_owner_killed_under_stores_in_flight_then_restarted_starts_cle
         assert await reader.lookup(keys) == 0 and pool.statistics().tier.slots_allocated == 0
         assert len((await reader.store(keys, [b"w"] * 70)).stored) == 70
         await assert_books(pool, reader, raw, keys)
+
+
+async def test_a_process_that_sends_requests_without_reading_the_answers_is_read_no_more_meanwhile(
+    sock: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner used to read and answer such a process's requests for as long as it sent them, keeping
+    every answer for it (20 MB for 20,000 STATS): now it stops reading from it while more than the bound
+    waits for it there, and goes on once it reads; every answer comes, and other processes are served."""
+    monkeypatch.setattr(_owner, "EVENTS_BUFFERED", 256 << 10)
+    async with rig(sock) as (pool, reader, raw):
+        greedy = await Raw.open(sock)
+        greedy.writer.transport.pause_reading()  # type: ignore[attr-defined]
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            greedy.writer.write(b"".join(_wire.encode(_wire.STATS, 1 + i) for i in range(30_000)))
+            await asyncio.sleep(0.5)
+            assert (await reader.statistics()).clients == 3  # others are served meanwhile
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert grown < 4 << 20, f"{grown >> 10} KiB kept for a process that reads nothing"
+        greedy.writer.transport.resume_reading()  # type: ignore[attr-defined]
+        answered = 0
+        async with asyncio.timeout(WAIT):
+            while answered < 30_000:
+                message = await greedy._next()
+                answered += message.op == _wire.REPLY
+        await greedy.close()
+        await assert_books(pool, reader, raw, [])

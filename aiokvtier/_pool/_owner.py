@@ -60,9 +60,10 @@ log = logging.getLogger("aiokvtier")
 HELLO_TIMEOUT = 10.0
 """Seconds a new connection has to say hello before it is dropped."""
 EVENTS_BUFFERED = 8 << 20
-"""Bytes waiting to be sent to a subscribed process past which its events are dropped (and counted: its next
-event says how many). A process that stops reading (stopped, its loop blocked) would otherwise have every event
-of every store kept for it here, without bound."""
+"""Bytes waiting to be sent to a process past which its events are dropped (and counted: its next event says
+how many) and its requests are not read (until it reads its answers). A process that stops reading (stopped,
+its loop blocked) would otherwise have every event of every store kept for it here, and one that sends without
+reading every answer, without bound."""
 
 Reply = tuple[dict[str, Any], list[bytes]]
 _KINDS: dict[object, set[type]] = {"f": {bytes}, "p": {bytes}, "b": {bytes}, "i": {int}}
@@ -455,6 +456,10 @@ class Pool(Owner):
                 if size > _wire.MAX_FRAME:
                     raise ValueError(f"a frame of {size} bytes")
                 self._dispatch(peer, decode(await reader.readexactly(size)))
+                if writer.transport.get_write_buffer_size() > EVENTS_BUFFERED:
+                    # It sends requests and does not read the answers: read no more from it until it does
+                    # (else every answer would be kept here for it, without bound).
+                    await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the process closed its end, or died
         except ValueError as exc:
