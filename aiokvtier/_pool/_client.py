@@ -305,7 +305,8 @@ class AttachedPool(Owner):
                     reason = str(message.fields.get("reason", reason))
                 elif message.op == _wire.EVENT:
                     keys = decode_keys(message.fields.get("k"), message.parts)
-                    self._events.publish(message.fields["kind"], tuple(keys))
+                    dropped = message.fields.get("dropped", 0)  # events the owner did not send, unread
+                    self._events.publish(message.fields["kind"], tuple(keys), dropped if type(dropped) is int else 0)
                 else:
                     self._on_reply(message)
         except (asyncio.IncompleteReadError, ConnectionError):

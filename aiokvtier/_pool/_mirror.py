@@ -220,7 +220,7 @@ def _groups(keys: Keys, types: set[type] | None = None) -> list[Group]:
         if short is not None:
             return [short]
         lengths = np.fromiter(map(len, keys), dtype=np.int64, count=n)  # type: ignore[arg-type]
-        return [(KIND_BYTES, None, _padded(keys, lengths), lengths)]  # type: ignore[arg-type]
+        return _by_width(KIND_BYTES, None, keys, lengths)  # type: ignore[arg-type]
     if types == {int}:
         try:
             ints = np.array(keys, dtype="<i8")
@@ -244,7 +244,26 @@ def _groups(keys: Keys, types: set[type] | None = None) -> list[Group]:
     out: list[Group] = []
     for kind, (where, parts) in found.items():
         lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
-        out.append((kind, np.array(where, dtype=np.intp), _padded(parts, lengths), lengths))
+        out.extend(_by_width(kind, np.array(where, dtype=np.intp), parts, lengths))
+    return out
+
+
+def _by_width(kind: int, where: npt.NDArray[np.intp] | None, parts: Sequence[bytes], lengths: I64) -> list[Group]:
+    """Keys of one kind as groups whose rows cost at most twice their keys' words (and ``KEY_BYTES`` a key).
+
+    Rows are padded to the longest key of their group (a key's hash reads its own words only, so the
+    grouping changes no entry): one group for a batch of similar lengths, as most are; a batch far apart
+    goes by powers of two of words. One group for all made a store of 255 short keys and one of 1 MiB
+    pad 256 MiB, and one of 100 MiB ask for 25 GiB in the owner."""
+    words = np.maximum((lengths + 7) // 8, KEY_BYTES // 8)
+    if not len(parts) or int(words.max()) * len(parts) <= 2 * int(words.sum()):
+        return [(kind, where, _padded(parts, lengths), lengths)]
+    classes = np.ceil(np.log2(words)).astype(np.int64)
+    out: list[Group] = []
+    for c in np.unique(classes).tolist():
+        at = np.flatnonzero(classes == c)
+        group = [parts[i] for i in at.tolist()]
+        out.append((kind, at if where is None else where[at], _padded(group, lengths[at]), lengths[at]))
     return out
 
 
