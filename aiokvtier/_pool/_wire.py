@@ -62,9 +62,10 @@ __all__ = [
     "error_to",
 ]
 
-VERSION = 4
+VERSION = 5
 """3: the index mirror holds a spare copy of its table (a reader never waits for a write). 4: byte keys of
-several lengths may come zero-padded (the ``"p"`` form); any request may carry the mirror's lookup counts."""
+several lengths may come zero-padded (the ``"p"`` form); any request may carry the mirror's lookup counts. 5: a
+key longer than 256 bytes is hashed in the mirror by a digest of it; an event carries how many were dropped."""
 
 HELLO, WELCOME, STATE, ALLOC, FREE, LOOKUP, BEGIN, COMMIT, ABORT, AWAIT, LOAD, UNPIN, DISCARD, STATS = range(1, 15)
 SUBSCRIBE, LOOKED = 15, 16
