@@ -3,8 +3,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -214,3 +215,24 @@ def reserved(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(_linux, "mmap_reserve", spy)
     return bases
+
+
+@pytest.fixture
+def tiny_switch_interval() -> Iterator[None]:
+    """Threads switch every microsecond: what one thread reads while others write it (a figure, a
+    read-modify-write) is interleaved often."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+def run_on_new_loop(name: str, main: Callable[[], Coroutine[Any, Any, object]]) -> None:
+    """Run ``main()`` on a fresh event loop of kind ``name`` ("asyncio" or "uvloop") on this thread."""
+    import uvloop
+
+    factory = uvloop.new_event_loop if name == "uvloop" else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())

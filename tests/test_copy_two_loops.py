@@ -4,9 +4,7 @@ checks a copy over it, counters written from both, copies tracked while a close 
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from aiokvtier import CopyEngine, HostTier, HostTierConfig
 from aiokvtier._regions import InflightCopies, Landing
 
+from .conftest import run_on_new_loop
 from .test_cancellation import run_script
 
 MiB = 1 << 20
@@ -81,25 +80,6 @@ def test_a_tier_closed_on_its_loop_while_another_loop_checks_a_copy_refuses_the_
     assert "jobs 0 0" in out, out
 
 
-@pytest.fixture
-def tiny_switch_interval() -> Iterator[None]:
-    """Threads switch every microsecond: a read-modify-write shared by two threads is interleaved often."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
-
-
-def _run_on_new_loop(name: str, coro_fn: object) -> None:
-    import uvloop
-
-    factory = uvloop.new_event_loop if name == "uvloop" else None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(coro_fn())  # type: ignore[operator]
-
-
 @pytest.mark.usefixtures("tiny_switch_interval")
 def test_one_engine_used_from_two_loops_counts_every_request_of_both() -> None:
     per_loop = 300
@@ -122,7 +102,7 @@ def test_one_engine_used_from_two_loops_counts_every_request_of_both() -> None:
                                 await engine.to_host(tier, slots, page)
 
                 try:
-                    _run_on_new_loop(name, copies)
+                    run_on_new_loop(name, copies)
                 except BaseException as exc:
                     errors.append(exc)
 

@@ -4,15 +4,14 @@ while another loop's thread queues a copy, and ``statistics()`` read from a thre
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from aiokvtier import CopyEngine, CopyStatistics, HostTier, HostTierConfig
 
+from .conftest import run_on_new_loop
 from .test_cancellation import run_script
 
 MiB = 1 << 20
@@ -108,25 +107,6 @@ def test_an_engine_closed_while_another_loop_queues_a_copy_refuses_it_and_nothin
     assert "threads left []" in out, out
 
 
-@pytest.fixture
-def tiny_switch_interval() -> Iterator[None]:
-    """Threads switch every microsecond: a figure read from one thread while others write it tears often."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
-
-
-def _run_on_new_loop(name: str, main: object) -> None:
-    import uvloop
-
-    factory = uvloop.new_event_loop if name == "uvloop" else None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(main())  # type: ignore[operator]
-
-
 def _torn(s: CopyStatistics) -> list[str]:
     """What a snapshot says that no moment of the engine had."""
     wrong = []
@@ -167,7 +147,7 @@ def test_statistics_read_from_a_thread_while_two_loops_copy_are_each_one_moment(
                                 await engine.to_host(tier, slots, page)
 
                 try:
-                    _run_on_new_loop(name, copies)
+                    run_on_new_loop(name, copies)
                 except BaseException as exc:
                     errors.append(exc)
 
