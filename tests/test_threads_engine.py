@@ -29,33 +29,9 @@ import numpy as np
 from aiokvtier import CopyEngine, HostTier, HostTierConfig, TierClosedError
 MiB = 1 << 20
 
-class HeldCopies:
-    '''The tier's copies in flight, whose first tracking from the other loop's thread waits for a gate.'''
-
-    def __init__(self, real, gate, entered):
-        self.real, self.gate, self.entered, self.armed = real, gate, entered, True
-
-    def track(self, done):
-        if self.armed and threading.current_thread().name == "other-loop":
-            self.armed = False
-            self.entered.set()
-            assert self.gate.wait(30)
-        self.real.track(done)
-
-    def __len__(self):
-        return len(self.real)
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-class HeldTier(HostTier):
-    @property
-    def copies(self):
-        if "held" not in self.__dict__:
-            self.__dict__["held"] = HeldCopies(super().copies, GATE, ENTERED)
-        return self.__dict__["held"]
-
-GATE, ENTERED = threading.Event(), threading.Event()
+from tests.held_copies import HeldTier, once
+HeldTier.hold = staticmethod(once(lambda: threading.current_thread().name == "other-loop"))
+GATE, ENTERED = HeldTier.gate, HeldTier.entered
 
 async def main():
     cfg = HostTierConfig(quota=64 * MiB, max_quota=64 * MiB, slot_size=MiB, commit_unit=MiB, numa_node=None)
