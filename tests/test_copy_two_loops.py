@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import numpy as np
 import pytest
 
-from aiokvtier import CopyEngine, HostTier, HostTierConfig
+from aiokvtier import CopyEngine, HostTierConfig
 from aiokvtier._regions import InflightCopies, Landing
 
-from .conftest import run_on_new_loop
+from .conftest import copies_back_and_forth
 from .test_cancellation import run_script
 
 MiB = 1 << 20
@@ -88,23 +87,7 @@ def test_one_engine_used_from_two_loops_counts_every_request_of_both() -> None:
 
     async def both() -> None:
         async with CopyEngine(None) as engine:
-
-            def one_loop(name: str) -> None:
-                async def copies() -> None:
-                    async with HostTier(config) as tier:
-                        await tier.wait_resident()
-                        slots = await tier.allocate(2)
-                        page = np.zeros((2, 4096), dtype=np.uint8)
-                        for i in range(per_loop):
-                            if i % 2:
-                                await engine.to_device(tier, slots, page)
-                            else:
-                                await engine.to_host(tier, slots, page)
-
-                try:
-                    run_on_new_loop(name, copies)
-                except BaseException as exc:
-                    errors.append(exc)
+            one_loop = copies_back_and_forth(engine, config, per_loop, errors)
 
             threads = [threading.Thread(target=one_loop, args=(name,)) for name in LOOPS]
             for thread in threads:

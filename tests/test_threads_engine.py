@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import numpy as np
 import pytest
 
-from aiokvtier import CopyEngine, CopyStatistics, HostTier, HostTierConfig
+from aiokvtier import CopyEngine, CopyStatistics, HostTierConfig
 
-from .conftest import run_on_new_loop
+from .conftest import copies_back_and_forth
 from .test_cancellation import run_script
 
 MiB = 1 << 20
@@ -110,22 +109,7 @@ def test_statistics_read_from_a_thread_while_two_loops_copy_are_each_one_moment(
         async with CopyEngine(None) as engine:
             copying = threading.Event()
 
-            def one_loop(name: str) -> None:
-                async def copies() -> None:
-                    async with HostTier(config) as tier:
-                        await tier.wait_resident()
-                        slots = await tier.allocate(2)
-                        page = np.zeros((2, 4096), dtype=np.uint8)
-                        for i in range(per_loop):
-                            if i % 2:
-                                await engine.to_device(tier, slots, page)
-                            else:
-                                await engine.to_host(tier, slots, page)
-
-                try:
-                    run_on_new_loop(name, copies)
-                except BaseException as exc:
-                    errors.append(exc)
+            one_loop = copies_back_and_forth(engine, config, per_loop, errors)
 
             def reader() -> None:
                 while copying.is_set():
