@@ -1,6 +1,6 @@
-"""A HostTier whose tracking of a copy can be held at a gate: the window between a copy's checks and its
-queueing, opened on purpose, for the tests of objects shared by several event loops (imported by their
-child processes, which have the repository on ``PYTHONPATH``)."""
+"""For the tests of objects shared by several event loops, run in child processes (which have the
+repository on ``PYTHONPATH``): a HostTier whose tracking of a copy can be held at a gate (the window
+between a copy's checks and its queueing, opened on purpose), and the reaping of a forked child."""
 
 from __future__ import annotations
 
@@ -56,3 +56,20 @@ def once(condition: Callable[[], bool]) -> Callable[[], bool]:
         return False
 
     return hold
+
+
+async def reap(pid: int, seconds: float) -> bool:
+    """Wait (polling, on the loop) for the forked child ``pid`` to exit: True if it did within ``seconds``,
+    else it is killed (SIGKILL), reaped, and False."""
+    import asyncio
+    import os
+    import signal
+
+    for _ in range(int(seconds / 0.01)):
+        done, _status = os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 (WNOHANG: never waits)
+        if done:
+            return True
+        await asyncio.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)  # noqa: ASYNC222 (killed: returns at once)
+    return False
