@@ -9,11 +9,14 @@
 #   bash benchmarks/gpu_refresh.sh scale  OUTDIR   # fill_scaling, cold first allocation (~6 min)
 #   bash benchmarks/gpu_refresh.sh copies OUTDIR   # copy_bandwidth, SM beside a matmul (~5 min)
 #   bash benchmarks/gpu_refresh.sh progress OUTDIR # fill_progress, 64 GiB per arm      (~3 min)
+#   bash benchmarks/gpu_refresh.sh requests OUTDIR # request_latency, where a 128 MiB request's
+#                                                  # time goes, the host-only proxy     (~6 min)
+#   bash benchmarks/gpu_refresh.sh store  OUTDIR   # bench store: tiers, prefix, shared (~8 min)
 #
 # Each command runs to its end or to the group's limit; a program killed by the
 # limit leaves what it printed. The machine's description is in every JSON document.
 set -uo pipefail
-group=${1:?group: tests fill tier scale copies progress}
+group=${1:?group: tests fill tier scale copies progress requests store}
 out=${2:?output directory}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -51,8 +54,18 @@ copies)
 progress)
     run fill-progress 330 -m aiokvtier.bench cuda --sections fill_progress
     ;;
+requests)
+    run request-latency 230 -m aiokvtier.bench cuda --sections request_latency
+    run big-request-timeline 130 benchmarks/big_request_timeline.py --requests 8
+    run host-request-latency 130 -m aiokvtier.bench host --sections request_latency
+    ;;
+store)
+    run store-tiers 230 -m aiokvtier.bench store --sections tiers
+    run store-prefix 130 -m aiokvtier.bench store --sections prefix
+    run store-shared 200 -m aiokvtier.bench store --sections shared
+    ;;
 *)
-    echo "unknown group $group (tests fill tier scale copies progress)" >&2
+    echo "unknown group $group (tests fill tier scale copies progress requests store)" >&2
     exit 2
     ;;
 esac

@@ -3,8 +3,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -214,3 +215,52 @@ def reserved(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(_linux, "mmap_reserve", spy)
     return bases
+
+
+@pytest.fixture
+def tiny_switch_interval() -> Iterator[None]:
+    """Threads switch every microsecond: what one thread reads while others write it (a figure, a
+    read-modify-write) is interleaved often."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+def run_on_new_loop(name: str, main: Callable[[], Coroutine[Any, Any, object]]) -> None:
+    """Run ``main()`` on a fresh event loop of kind ``name`` ("asyncio" or "uvloop") on this thread."""
+    import uvloop
+
+    factory = uvloop.new_event_loop if name == "uvloop" else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())
+
+
+def copies_back_and_forth(engine: Any, config: Any, rounds: int, errors: list[BaseException]) -> Callable[[str], None]:
+    """A thread's target: on a new event loop of kind ``name``, a tier of ``config`` of its own and
+    ``rounds`` copies of two of its slots to and from a host array through ``engine`` (shared with other
+    loops); what raises is appended to ``errors``."""
+    import numpy as np
+
+    from aiokvtier import HostTier
+
+    def one_loop(name: str) -> None:
+        async def copies() -> None:
+            async with HostTier(config) as tier:
+                await tier.wait_resident()
+                slots = await tier.allocate(2)
+                page = np.zeros((2, 4096), dtype=np.uint8)
+                for i in range(rounds):
+                    if i % 2:
+                        await engine.to_device(tier, slots, page)
+                    else:
+                        await engine.to_host(tier, slots, page)
+
+        try:
+            run_on_new_loop(name, copies)
+        except BaseException as exc:
+            errors.append(exc)
+
+    return one_loop

@@ -4,16 +4,14 @@ checks a copy over it, counters written from both, copies tracked while a close 
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
-from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
-from aiokvtier import CopyEngine, HostTier, HostTierConfig
+from aiokvtier import CopyEngine, HostTierConfig
 from aiokvtier._regions import InflightCopies, Landing
 
+from .conftest import copies_back_and_forth
 from .test_cancellation import run_script
 
 MiB = 1 << 20
@@ -81,25 +79,6 @@ def test_a_tier_closed_on_its_loop_while_another_loop_checks_a_copy_refuses_the_
     assert "jobs 0 0" in out, out
 
 
-@pytest.fixture
-def tiny_switch_interval() -> Iterator[None]:
-    """Threads switch every microsecond: a read-modify-write shared by two threads is interleaved often."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
-
-
-def _run_on_new_loop(name: str, coro_fn: object) -> None:
-    import uvloop
-
-    factory = uvloop.new_event_loop if name == "uvloop" else None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(coro_fn())  # type: ignore[operator]
-
-
 @pytest.mark.usefixtures("tiny_switch_interval")
 def test_one_engine_used_from_two_loops_counts_every_request_of_both() -> None:
     per_loop = 300
@@ -108,23 +87,7 @@ def test_one_engine_used_from_two_loops_counts_every_request_of_both() -> None:
 
     async def both() -> None:
         async with CopyEngine(None) as engine:
-
-            def one_loop(name: str) -> None:
-                async def copies() -> None:
-                    async with HostTier(config) as tier:
-                        await tier.wait_resident()
-                        slots = await tier.allocate(2)
-                        page = np.zeros((2, 4096), dtype=np.uint8)
-                        for i in range(per_loop):
-                            if i % 2:
-                                await engine.to_device(tier, slots, page)
-                            else:
-                                await engine.to_host(tier, slots, page)
-
-                try:
-                    _run_on_new_loop(name, copies)
-                except BaseException as exc:
-                    errors.append(exc)
+            one_loop = copies_back_and_forth(engine, config, per_loop, errors)
 
             threads = [threading.Thread(target=one_loop, args=(name,)) for name in LOOPS]
             for thread in threads:

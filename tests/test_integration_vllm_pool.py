@@ -724,3 +724,25 @@ def test_two_vllm_engines_share_a_prefix_through_the_pool_and_recompute_what_was
     finally:
         a.close()
         b.close()
+
+
+def test_a_seal_that_claims_more_blocks_than_the_pool_holds_is_a_miss(
+    pool_path: str, replicas: Callable[..., Replica]
+) -> None:
+    """A seal says how many blocks a rank stored of a chunk; one that says more than the pool has slots (a
+    stray write of the seal's key) was believed, and the scheduler built a key per claimed block (up to
+    2**32 - 1 of them). Such a seal is ignored: the chunk is a miss, computed again."""
+    from aiokvtier.integrations._pool_jobs import MAGIC, SEAL_BYTES
+
+    a = replicas(seed=90)
+    chunks = keys([1])
+    a.store(chunks, [0])
+    seal = key_of(chunks[0], SEAL)
+
+    async def forge(pool: AttachedPool) -> None:
+        assert await pool.discard([seal]) == 1
+        assert not (await pool.store([seal], [SEAL_BYTES.pack(MAGIC, 2**32 - 1)])).skipped
+
+    in_pool(pool_path, forge)
+    b = replicas(seed=91, dp=1)  # has not learned the chunk's block counts
+    assert b.lookup(chunks) == [LookupResult.MISS]

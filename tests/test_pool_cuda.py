@@ -288,6 +288,7 @@ BY_KEY_CHILD = textwrap.dedent(
     """
     import asyncio, hashlib, json, sys, time
     from aiokvtier import AttachedPool, CopyEngine
+    import numpy as np
     import torch
 
     SLOT, N = 65536, 1024
@@ -306,8 +307,16 @@ BY_KEY_CHILD = textwrap.dedent(
                 started = time.perf_counter()
                 await pool.load(keys, back, engine=engine)
                 loads.append(time.perf_counter() - started)
+            # Pages given as addresses, their length a numpy scalar (as engines compute it).
+            part = torch.randint(0, 256, (4, 4096), dtype=torch.uint8, device="cuda")
+            addresses = [part[i].data_ptr() for i in range(4)]
+            await pool.store([b"part-%d" % i for i in range(4)], addresses, engine=engine, page=np.int64(4096))
+            part_back = torch.zeros_like(part)
+            back_addresses = [part_back[i].data_ptr() for i in range(4)]
+            await pool.load([b"part-%d" % i for i in range(4)], back_addresses, engine=engine, page=np.int64(4096))
             torch.cuda.synchronize()
             print(json.dumps({
+                "scalar_page": bool(torch.equal(part, part_back)),
                 "stored": len(result.stored), "same": bool(torch.equal(back, data)),
                 "digest": hashlib.sha256(data.cpu().numpy().tobytes()).hexdigest(),
                 "store_gb_s": N * SLOT / stored_s / 1e9, "load_gb_s": N * SLOT / sorted(loads)[1] / 1e9,
@@ -326,7 +335,7 @@ async def test_a_gpu_attached_process_stores_and_loads_by_key_from_and_into_gpu_
     config = {"quota": "256MiB", "max_quota": "256MiB", "slot_size": SLOT, "commit_unit": "32MiB"}
     async with Pool(config, sock), _child(BY_KEY_CHILD, sock) as child:
         report = await child.report()
-        assert report["stored"] == N and report["same"], report
+        assert report["stored"] == N and report["same"] and report["scalar_page"], report
         print(f"store {report['store_gb_s']:.2f} GB/s, load {report['load_gb_s']:.2f} GB/s")  # in the -s output
         async with AttachedPool(sock) as host:
             pages = np.zeros((N, SLOT), dtype=np.uint8)

@@ -4,15 +4,13 @@ while another loop's thread queues a copy, and ``statistics()`` read from a thre
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
-from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
-from aiokvtier import CopyEngine, CopyStatistics, HostTier, HostTierConfig
+from aiokvtier import CopyEngine, CopyStatistics, HostTierConfig
 
+from .conftest import copies_back_and_forth
 from .test_cancellation import run_script
 
 MiB = 1 << 20
@@ -30,33 +28,9 @@ import numpy as np
 from aiokvtier import CopyEngine, HostTier, HostTierConfig, TierClosedError
 MiB = 1 << 20
 
-class HeldCopies:
-    '''The tier's copies in flight, whose first tracking from the other loop's thread waits for a gate.'''
-
-    def __init__(self, real, gate, entered):
-        self.real, self.gate, self.entered, self.armed = real, gate, entered, True
-
-    def track(self, done):
-        if self.armed and threading.current_thread().name == "other-loop":
-            self.armed = False
-            self.entered.set()
-            assert self.gate.wait(30)
-        self.real.track(done)
-
-    def __len__(self):
-        return len(self.real)
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-class HeldTier(HostTier):
-    @property
-    def copies(self):
-        if "held" not in self.__dict__:
-            self.__dict__["held"] = HeldCopies(super().copies, GATE, ENTERED)
-        return self.__dict__["held"]
-
-GATE, ENTERED = threading.Event(), threading.Event()
+from tests.held_copies import HeldTier, once
+HeldTier.hold = staticmethod(once(lambda: threading.current_thread().name == "other-loop"))
+GATE, ENTERED = HeldTier.gate, HeldTier.entered
 
 async def main():
     cfg = HostTierConfig(quota=64 * MiB, max_quota=64 * MiB, slot_size=MiB, commit_unit=MiB, numa_node=None)
@@ -108,25 +82,6 @@ def test_an_engine_closed_while_another_loop_queues_a_copy_refuses_it_and_nothin
     assert "threads left []" in out, out
 
 
-@pytest.fixture
-def tiny_switch_interval() -> Iterator[None]:
-    """Threads switch every microsecond: a figure read from one thread while others write it tears often."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
-
-
-def _run_on_new_loop(name: str, main: object) -> None:
-    import uvloop
-
-    factory = uvloop.new_event_loop if name == "uvloop" else None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(main())  # type: ignore[operator]
-
-
 def _torn(s: CopyStatistics) -> list[str]:
     """What a snapshot says that no moment of the engine had."""
     wrong = []
@@ -154,22 +109,7 @@ def test_statistics_read_from_a_thread_while_two_loops_copy_are_each_one_moment(
         async with CopyEngine(None) as engine:
             copying = threading.Event()
 
-            def one_loop(name: str) -> None:
-                async def copies() -> None:
-                    async with HostTier(config) as tier:
-                        await tier.wait_resident()
-                        slots = await tier.allocate(2)
-                        page = np.zeros((2, 4096), dtype=np.uint8)
-                        for i in range(per_loop):
-                            if i % 2:
-                                await engine.to_device(tier, slots, page)
-                            else:
-                                await engine.to_host(tier, slots, page)
-
-                try:
-                    _run_on_new_loop(name, copies)
-                except BaseException as exc:
-                    errors.append(exc)
+            one_loop = copies_back_and_forth(engine, config, per_loop, errors)
 
             def reader() -> None:
                 while copying.is_set():

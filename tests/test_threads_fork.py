@@ -16,6 +16,7 @@ FORK_WHILE_QUEUEING = """
 import os, signal, threading, time
 from aiokvtier import CopyEngine, HostTier, HostTierConfig, TierClosedError
 from aiokvtier.testing import RecordingBackend
+from tests.held_copies import reap
 MiB = 1 << 20
 GATE, ENTERED = threading.Event(), threading.Event()
 
@@ -54,14 +55,7 @@ async def main():
                 print("child refused:", exc, flush=True)
         finally:
             os._exit(0)
-    for _ in range(2000):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        await asyncio.sleep(0.01)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    if not await reap(pid, 20):
         print("child hung", flush=True)
     GATE.set()
     await asyncio.to_thread(thread.join, 30)

@@ -16,6 +16,7 @@ LOOPS = ["asyncio", "uvloop"]
 FORK_WHILE_UNREGISTERING = """
 import os, signal, threading
 from aiokvtier import HostTier, HostTierConfig, StaticHostMem
+from tests.held_copies import reap
 MiB = 1 << 20
 GATE, ENTERED = threading.Event(), threading.Event()
 LOOP = sys.argv[1]
@@ -63,14 +64,7 @@ async def main():
             in_the_child()
         finally:
             os._exit(0)
-    for _ in range(3000):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        await asyncio.sleep(0.01)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    if not await reap(pid, 30):
         print("child killed", flush=True)
     GATE.set()
     await asyncio.wait_for(closing, 30)

@@ -5,9 +5,8 @@ guide and docs/gpu.md allow: a copy checked on another loop's thread (through a 
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -115,17 +114,6 @@ def test_a_resize_while_another_loop_checks_the_slots_of_a_copy_succeeds_and_so_
             assert tier.statistics().slots_free == new_quota // MiB
 
     run_loop(loop, main)
-
-
-@pytest.fixture
-def tiny_switch_interval() -> Iterator[None]:
-    """Threads switch every microsecond: a figure read from one thread while another writes it tears often."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
 
 
 def _torn(s: TierStatistics) -> list[str]:

@@ -329,7 +329,8 @@ class AttachedPool(Owner):
                     reason = str(message.fields.get("reason", reason))
                 elif message.op == _wire.EVENT:
                     keys = decode_keys(message.fields.get("k"), message.parts)
-                    self._events.publish(message.fields["kind"], tuple(keys))
+                    dropped = message.fields.get("dropped", 0)  # events the owner did not send, unread
+                    self._events.publish(message.fields["kind"], tuple(keys), dropped if type(dropped) is int else 0)
                 else:
                     self._on_reply(message)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -1058,7 +1059,7 @@ class AttachedPool(Owner):
             return Pages(checked.addresses, np.full(n, checked.page, dtype=np.uint64), [obj, checked], checked.page)
         if hasattr(obj, "__cuda_array_interface__") or (isinstance(obj, np.ndarray) and obj.ndim != 1):
             raise ValueError("page= goes with pages given as addresses; an array's page is its row")
-        lengths = integers([page] * n if isinstance(page, int) else page, "page")
+        lengths = integers([page] * n if np.ndim(page) == 0 else page, "page")  # one length: an int or a numpy scalar
         if lengths.shape != (n,) or (n and int(lengths.min()) < 1):
             raise ValueError(f"page= is one positive length, or one per key ({n}); got {page!r}")
         addresses = integers(obj, "address")

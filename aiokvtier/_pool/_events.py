@@ -39,7 +39,7 @@ class PoolEvents:
 
     def _push(self, event: BlockEvent) -> None:
         if len(self._queue) == self._queue.maxlen:
-            self._dropped += 1
+            self._dropped += 1 + self._queue[0].dropped  # the oldest goes, with what it said was missed
         self._queue.append(event)
         self._wake()
 
@@ -65,7 +65,7 @@ class PoolEvents:
                 self._waiter = None
         event = self._queue.popleft()
         if self._dropped:
-            event = BlockEvent(event.kind, event.keys, self._dropped)
+            event = BlockEvent(event.kind, event.keys, event.dropped + self._dropped)
             self._dropped = 0
         return event
 
@@ -98,8 +98,10 @@ class EventFanout:
             self._subscribers.add(events)
         return events
 
-    def publish(self, kind: EventKind, keys: tuple[bytes | int, ...]) -> None:
-        event = BlockEvent(kind, keys)
+    def publish(self, kind: EventKind, keys: tuple[bytes | int, ...], dropped: int = 0) -> None:
+        """An event from the owner; ``dropped``: events before it that the owner did not send (this process
+        had not read what it had sent)."""
+        event = BlockEvent(kind, keys, dropped)
         for events in list(self._subscribers):
             if not events._ended:
                 events._push(event)

@@ -39,8 +39,9 @@ most recent end, and the scan goes on).
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +51,8 @@ from ._mirror import IndexMirror
 from ._wire import BUSY, CLAIMED, PRESENT, SKIPPED, Key, KeyMatrix
 
 __all__ = ["BlockIndex"]
+
+log = logging.getLogger("aiokvtier")
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -290,8 +293,7 @@ class BlockIndex:
         self._live[slots] = True
         self._key[slots] = keys
         self._touch(slots)
-        if self.mirror is not None:
-            self.mirror.insert(keys, slots, lengths, entry.types, entry.matrix)
+        self._mirrored(lambda mirror: mirror.insert(keys, slots, lengths, entry.types, entry.matrix))
         self.counts["stores"] += len(keys)
         self.bytes_stored += int(lengths.sum())
         return keys
@@ -304,6 +306,11 @@ class BlockIndex:
         deque(map(self._where.pop, entry.keys, itertools.repeat(None)), maxlen=0)
         freed: list[int] = entry.slots.tolist()
         return freed
+
+    def placed(self, claim: int) -> bool:
+        """Whether ``claim`` is a store in flight whose slots are placed (it may commit)."""
+        entry = self._claims.get(claim)
+        return entry is not None and len(entry.slots) == len(entry.keys)
 
     def owns(self, claim: int) -> bool:
         return claim in self._claims
@@ -340,8 +347,7 @@ class BlockIndex:
         if mirror is not None and spared_all.size:
             mirror.unreference_many(spared_all)
         self._touch(spared_all[len(second) :])
-        if mirror is not None:
-            mirror.remove_slots(slots)
+        self._mirrored(lambda mirror: mirror.remove_slots(slots))
         self.counts["evictions"] += len(keys)
         freed: list[int] = slots.tolist()
         return keys, freed
@@ -386,6 +392,41 @@ class BlockIndex:
         self._visible -= len(slots)
         self._live[slots] = False
         self._key[slots] = None
+
+    # -- the mirror -------------------------------------------------------------------------
+
+    def _mirrored(self, write: Callable[[IndexMirror], object]) -> None:
+        """Write a change of the ready blocks, already made here, to the mirror.
+
+        The mirror's table is shared memory that every attached process maps read-write (for its
+        referenced bytes): one that wrote over it, or a write that cannot have its memory, makes the write
+        fail part-way. That must not cost the index its books (a discard that raised there kept its slots
+        from the tier for good, and the mirror answered its keys as hits): the index is changed first and
+        whole, and a failed write has the mirror made anew from it. A mirror that cannot be made anew is
+        retired: attached processes ask the owner from then on."""
+        mirror = self.mirror
+        if mirror is None:
+            return
+        try:
+            write(mirror)
+        except Exception as exc:
+            try:
+                mirror.clear()
+                slots = self._slots_of_ready()
+                mirror.insert(self._key[slots].tolist(), slots, self._length[slots])
+            except Exception as again:
+                self.mirror = None
+                try:
+                    mirror.mark_closed()
+                finally:
+                    log.error(
+                        "aiokvtier: the pool's index mirror could not be written (%r) nor made anew (%r): "
+                        "attached processes ask the owner for lookups from now on",
+                        exc,
+                        again,
+                    )
+            else:
+                log.warning("aiokvtier: the pool's index mirror could not be written (%r): made anew", exc)
 
     # -- load: pin, unpin -------------------------------------------------------------------
 
@@ -443,8 +484,7 @@ class BlockIndex:
         pinned = self._pinned[gone] > 0
         self._doomed[gone[pinned]] = True
         freed = gone[~pinned]
-        if self.mirror is not None:
-            self.mirror.remove_slots(gone)
+        self._mirrored(lambda mirror: mirror.remove_slots(gone))
         self.counts["discards"] += len(dropped)
         return dropped, freed
 

@@ -54,6 +54,7 @@ probes past them), so a table whose keys come and go is seldom rebuilt.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import platform
@@ -90,6 +91,11 @@ SEQ, MAGIC_AT, CAPACITY, SLOTS, LIVE, USED, STATE = range(7)
 CLOSED = 1
 EMPTY, TOMBSTONE = 0, 1
 KIND_BYTES, KIND_INT, KIND_BIGINT = 1, 2, 3
+LONG_BYTES = 256
+"""Keys longer than this are hashed as their first ``KEY_BYTES`` and a BLAKE2b digest of the whole key:
+the word-by-word hash costs a round of numpy calls per word of the batch's longest key (a key of 1 MiB held
+the owner's loop for half a second), the digest runs in C at the speed of memory."""
+DIGEST_BYTES = 32
 RETRIES = 8
 """Whole reads a lookup tries before it asks the owner (a read is done over only when a step of a write
 fell inside it: a write's two steps come a fraction of a millisecond apart)."""
@@ -220,7 +226,7 @@ def _groups(keys: Keys, types: set[type] | None = None) -> list[Group]:
         if short is not None:
             return [short]
         lengths = np.fromiter(map(len, keys), dtype=np.int64, count=n)  # type: ignore[arg-type]
-        return [(KIND_BYTES, None, _padded(keys, lengths), lengths)]  # type: ignore[arg-type]
+        return _by_width(KIND_BYTES, None, keys, lengths)  # type: ignore[arg-type]
     if types == {int}:
         try:
             ints = np.array(keys, dtype="<i8")
@@ -244,7 +250,26 @@ def _groups(keys: Keys, types: set[type] | None = None) -> list[Group]:
     out: list[Group] = []
     for kind, (where, parts) in found.items():
         lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
-        out.append((kind, np.array(where, dtype=np.intp), _padded(parts, lengths), lengths))
+        out.extend(_by_width(kind, np.array(where, dtype=np.intp), parts, lengths))
+    return out
+
+
+def _by_width(kind: int, where: npt.NDArray[np.intp] | None, parts: Sequence[bytes], lengths: I64) -> list[Group]:
+    """Keys of one kind as groups whose rows cost at most twice their keys' words (and ``KEY_BYTES`` a key).
+
+    Rows are padded to the longest key of their group (a key's hash reads its own words only, so the
+    grouping changes no entry): one group for a batch of similar lengths, as most are; a batch far apart
+    goes by powers of two of words. One group for all made a store of 255 short keys and one of 1 MiB
+    pad 256 MiB, and one of 100 MiB ask for 25 GiB in the owner."""
+    words = np.maximum((lengths + 7) // 8, KEY_BYTES // 8)
+    if not len(parts) or int(words.max()) * len(parts) <= 2 * int(words.sum()):
+        return [(kind, where, _padded(parts, lengths), lengths)]
+    classes = np.ceil(np.log2(words)).astype(np.int64)
+    out: list[Group] = []
+    for c in np.unique(classes).tolist():
+        at = np.flatnonzero(classes == c)
+        group = [parts[i] for i in at.tolist()]
+        out.append((kind, at if where is None else where[at], _padded(group, lengths[at]), lengths[at]))
     return out
 
 
@@ -270,7 +295,7 @@ def key_rows(
     if not n:
         return rows
     for kind, where, data, lengths in [_from_matrix(matrix)] if matrix is not None else _groups(keys, types):
-        h = hasher(data, kind, lengths)
+        h = hasher(data, kind, lengths) if int(lengths.max()) <= LONG_BYTES else _hash_long(hasher, data, kind, lengths)
         tag = h[0]
         tag[tag < 2] += np.uint64(2)  # 0 and 1 mark empty entries and tombstones
         part = rows if where is None else np.empty((len(data), 8), dtype=np.uint64)
@@ -282,6 +307,27 @@ def key_rows(
         if where is not None:
             rows[where] = part
     return rows
+
+
+def _hash_long(hasher: Hasher, data: npt.NDArray[np.uint8], kind: int, lengths: I64) -> U64:
+    """``hasher``'s two hashes of keys some of which are longer than ``LONG_BYTES``: those as their first
+    ``KEY_BYTES`` and a digest of the whole key (``DIGEST_BYTES``), hashed as keys of that length. A key's
+    hash depends on its own bytes only, whatever the batch; its entry keeps its real length (entries are
+    compared whole), so a digested key never meets a key of the digest form's length."""
+    long = np.flatnonzero(lengths > LONG_BYTES)
+    short = np.flatnonzero(lengths <= LONG_BYTES)
+    h = np.empty((2, len(lengths)), dtype=np.uint64)
+    if short.size:
+        width = max(-(-int(lengths[short].max()) // 8) * 8, KEY_BYTES)
+        h[:, short] = hasher(np.ascontiguousarray(data[short, :width]), kind, lengths[short])
+    form = np.zeros((long.size, KEY_BYTES + DIGEST_BYTES), dtype=np.uint8)
+    form[:, :KEY_BYTES] = data[long, :KEY_BYTES]
+    for row, (i, n) in enumerate(zip(long.tolist(), lengths[long].tolist(), strict=True)):
+        form[row, KEY_BYTES:] = np.frombuffer(
+            hashlib.blake2b(data[i, :n].data, digest_size=DIGEST_BYTES).digest(), np.uint8
+        )
+    h[:, long] = hasher(form, kind, np.full(long.size, KEY_BYTES + DIGEST_BYTES, dtype=np.int64))
+    return h
 
 
 def _drop_views(exc: BaseException) -> None:

@@ -59,6 +59,11 @@ log = logging.getLogger("aiokvtier")
 
 HELLO_TIMEOUT = 10.0
 """Seconds a new connection has to say hello before it is dropped."""
+EVENTS_BUFFERED = 8 << 20
+"""Bytes waiting to be sent to a process past which its events are dropped (and counted: its next event says
+how many) and its requests are not read (until it reads its answers). A process that stops reading (stopped,
+its loop blocked) would otherwise have every event of every store kept for it here, and one that sends without
+reading every answer, without bound."""
 
 Reply = tuple[dict[str, Any], list[bytes]]
 _KINDS: dict[object, set[type]] = {"f": {bytes}, "p": {bytes}, "b": {bytes}, "i": {int}}
@@ -76,6 +81,8 @@ class _Peer:
         self.pins: set[int] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.subscribed = False
+        self.dropped = 0
+        """Events not sent to this process since its last (it did not read them): told with its next."""
 
     def send(self, frame: bytes) -> None:
         if not self.writer.is_closing():
@@ -449,6 +456,10 @@ class Pool(Owner):
                 if size > _wire.MAX_FRAME:
                     raise ValueError(f"a frame of {size} bytes")
                 self._dispatch(peer, decode(await reader.readexactly(size)))
+                if writer.transport.get_write_buffer_size() > EVENTS_BUFFERED:
+                    # It sends requests and does not read the answers: read no more from it until it does
+                    # (else every answer would be kept here for it, without bound).
+                    await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the process closed its end, or died
         except ValueError as exc:
@@ -546,6 +557,8 @@ class Pool(Owner):
         return {}, [ids.tobytes()]
 
     def _free(self, peer: _Peer, message: Message) -> Reply:
+        if len(message.parts) != 1:
+            raise ValueError(f"a FREE carries the slot ids to free as one part, not {len(message.parts)}")
         ids = message.ints(0).tolist()
         if len(set(ids)) != len(ids):
             raise SlotError("a slot appears twice in one free; nothing was freed")
@@ -574,8 +587,11 @@ class Pool(Owner):
 
     async def _begin(self, peer: _Peer, message: Message) -> Reply:
         kind = message.fields.get("k")
-        keys, matrix = decode_key_matrix(kind, message.parts[: 1 if kind == "i" else 2])
-        lengths = message.uints(len(message.parts) - 1).astype(np.int64)
+        first = 1 if kind == "i" else 2
+        keys, matrix = decode_key_matrix(kind, message.parts[:first])
+        if len(message.parts) != first + 1:  # else the keys' own bytes would be read as their lengths
+            raise ValueError(f"a BEGIN carries its keys, then their lengths as one part: {len(message.parts)} parts")
+        lengths = message.uints(first).astype(np.int64)
         if len(lengths) != len(keys):
             raise ValueError(f"{len(keys)} keys and {len(lengths)} lengths")
         slot_size = self._tier.slot_size
@@ -616,6 +632,13 @@ class Pool(Owner):
                     index.abort(claim)
                     self._claim_done(claim)
                     raise
+                if claim not in peer.claims:
+                    # Aborted while it waited (a process may name a claim before its BEGIN answers: ids are
+                    # small ints): the slots it came for would be held by nobody.
+                    self._free_slots(ids)
+                    raise PoolError(
+                        f"the store of claim {claim} was aborted while it waited for slots; nothing was stored"
+                    )
                 index.place(claim, ids)
                 slots[claimed] = ids
             self._count_outcomes(outcomes)
@@ -637,6 +660,10 @@ class Pool(Owner):
 
     def _commit(self, peer: _Peer, message: Message) -> Reply:
         claim = self._claim_of(peer, message)
+        if not self._index.placed(claim):
+            raise PoolError(
+                f"the store of claim {claim} is still waiting for its slots: commit it once its BEGIN answered"
+            )
         self._event("stored", self._index.commit(claim))
         peer.claims.discard(claim)
         self._claim_done(claim)
@@ -711,7 +738,13 @@ class Pool(Owner):
         form, parts = encode_keys(keys)
         frame = encode(_wire.EVENT, 0, {"kind": kind, "k": form}, parts)
         for peer in subscribed:
-            peer.send(frame)
+            if peer.writer.transport.get_write_buffer_size() > EVENTS_BUFFERED:
+                peer.dropped += 1
+            elif peer.dropped:
+                peer.send(encode(_wire.EVENT, 0, {"kind": kind, "k": form, "dropped": peer.dropped}, parts))
+                peer.dropped = 0
+            else:
+                peer.send(frame)
 
 
 def _require(ok: object, broken: str) -> None:

@@ -31,6 +31,7 @@ byte arrays, checked as they are read.
     DISCARD keys              ───────────>  REPLY {dropped}
     STATS                     ───────────>  REPLY {tier, pool}
     SUBSCRIBE                 ───────────>  REPLY, then EVENT {kind} keys at every stored, evicted, discarded
+                                            (with {dropped}: events not sent before it, the process not reading)
                               <───────────  ERROR {type, message}  (in place of a REPLY)
                               <───────────  BYE {reason}          (the owner is closing)
 """
@@ -61,9 +62,10 @@ __all__ = [
     "error_to",
 ]
 
-VERSION = 4
+VERSION = 5
 """3: the index mirror holds a spare copy of its table (a reader never waits for a write). 4: byte keys of
-several lengths may come zero-padded (the ``"p"`` form); any request may carry the mirror's lookup counts."""
+several lengths may come zero-padded (the ``"p"`` form); any request may carry the mirror's lookup counts. 5: a
+key longer than 256 bytes is hashed in the mirror by a digest of it; an event carries how many were dropped."""
 
 HELLO, WELCOME, STATE, ALLOC, FREE, LOOKUP, BEGIN, COMMIT, ABORT, AWAIT, LOAD, UNPIN, DISCARD, STATS = range(1, 15)
 SUBSCRIBE, LOOKED = 15, 16
@@ -246,6 +248,8 @@ def decode_key_matrix(kind: object, parts: list[bytes]) -> tuple[list[Key], KeyM
             raise ValueError("malformed fixed-length keys")
         (size,) = LENGTH.unpack(parts[0])
         blob = parts[1]
+        if size > MAX_FRAME:  # no frame holds such a key (and numpy has no record that wide)
+            raise ValueError(f"malformed fixed-length keys: keys of {size} bytes")
         if size == 0 or len(blob) % size:
             raise ValueError("malformed fixed-length keys: the bytes are not a whole number of keys")
         # numpy's raw fixed-size records come out as bytes, whole (zero bytes kept): 4x faster than slicing.
@@ -257,6 +261,8 @@ def decode_key_matrix(kind: object, parts: list[bytes]) -> tuple[list[Key], KeyM
             raise ValueError("malformed padded keys")
         (width,) = LENGTH.unpack(parts[0])
         blob = parts[1]
+        if width > MAX_FRAME:
+            raise ValueError(f"malformed padded keys: rows of {width} bytes")
         if width == 0 or len(blob) % width:
             raise ValueError("malformed padded keys: the bytes are not a whole number of keys")
         # Each record comes out as bytes without its zero padding: the key (none ends in a zero byte).

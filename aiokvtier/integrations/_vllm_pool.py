@@ -366,9 +366,10 @@ class PoolOffloadingManager(OffloadingManager):
         except BlockNotFound:
             return None
         counts = []
+        most = pool.max_quota // pool.slot_size  # a rank's blocks of one chunk never outnumber the pool's slots
         for row in out:
             n = seal_count(row.tobytes())
-            if n is None:
+            if n is None or n > most:
                 log.warning("aiokvtier: a chunk's seal in the pool is not one this version writes: ignored")
                 return None
             counts.append(n)
