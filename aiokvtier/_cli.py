@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ._program import Parser, UsageError, cuda_devices, run, run_async
+from ._program import Parser, UsageError, cuda_devices, options_in_advice, run, run_async
 from ._units import format_bytes
 
 __all__ = ["main"]
@@ -116,6 +116,14 @@ def _octal_mode(text: str) -> int:
     if not 0 <= value <= 0o777:
         raise argparse.ArgumentTypeError(f"{text!r} is not permission bits (0 to 777)")
     return value
+
+
+def _host_port(text: str) -> str:
+    """``HOST:PORT`` (an IPv6 host in brackets), as ``MooncakeTierConfig.master`` takes it."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
+    return text
 
 
 def _default_quota(available: int) -> int:
@@ -228,7 +236,10 @@ def build_parser(prog: str = "aiokvtier") -> Parser:
         "--disk-path", type=Path, metavar="DIR", help="also check a disk tier's directory (O_DIRECT, free space)"
     )
     doctor.add_argument(
-        "--mooncake-master", metavar="HOST:PORT", help="also check that a Mooncake master answers there"
+        "--mooncake-master",
+        type=_host_port,
+        metavar="HOST:PORT",
+        help="also check that a Mooncake master answers there",
     )
 
     pool = sub.add_parser(
@@ -256,7 +267,10 @@ def build_parser(prog: str = "aiokvtier") -> Parser:
     )
     pool.add_argument("--slot-size", type=_size("slot_size"), default="64KiB", metavar="SIZE", help="bytes per slot")
     pool.add_argument(
-        "--fill-threads", type=whole_number(1, 256), metavar="N", help="threads making the range resident"
+        "--fill-threads",
+        type=whole_number(1, 256),
+        metavar="N",
+        help="threads making the range resident, 1 to 256 (default: one per CPU this process may use, at most 8)",
     )
     pool.add_argument(
         "--numa-node", type=_numa_node, metavar="NODE", default="none", help="node to place pages on, or 'none'"
@@ -295,6 +309,7 @@ def _config_error(error: Any) -> NoReturn:
     leading = re.match(r"[a-z_]+", message)  # a model-wide rule's message starts with the field it is about
     field = str(loc[0]) if loc else leading.group(0) if leading else ""
     option = _OPTION_OF_FIELD.get(field)
+    message = options_in_advice(message, _OPTION_OF_FIELD)
     raise UsageError(f"argument {option}: {message}" if option else message)
 
 
@@ -435,7 +450,10 @@ def _command(argv: list[str], prog: str) -> int:
     if argv[:1] == ["serve"]:
         from .server import main as serve
 
-        return serve(argv[1:], prog=f"{prog} serve")
+        status = serve(argv[1:], prog=f"{prog} serve")
+        if status == 130:  # its shutdown after Ctrl-C is done: end by SIGINT, as every command does
+            raise KeyboardInterrupt
+        return status
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.command is None:  # the bare command: what it offers, as a usage error

@@ -9,6 +9,7 @@ as plain ints, so those never touch pydantic.
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import operator
 from collections.abc import Mapping
@@ -22,12 +23,14 @@ from pydantic import (
     ConfigDict,
     DirectoryPath,
     Field,
+    ModelWrapValidatorHandler,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from . import _sysinfo
 from ._errors import QuotaError
@@ -110,8 +113,8 @@ def parse_quota(value: object, *, slot_size: int, max_quota: int) -> int:
         raise QuotaError(f"quota {value!r} rounds down to zero slots: it is smaller than one slot ({_show(slot_size)})")
     if quota > max_quota:
         raise QuotaError(
-            f"quota {value!r} ({_show(quota)} in whole slots) exceeds max_quota ({_show(max_quota)}); "
-            "the reservation cannot grow"
+            f"quota {value!r} ({_show(quota)} in whole slots) exceeds max_quota ({_show(max_quota)}), "
+            "the address range reserved at open, which never grows: open the tier with a larger max_quota"
         )
     return quota
 
@@ -162,6 +165,30 @@ class ResolvedHostConfig:
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unknown_fields(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        """Pydantic's "Extra inputs are not permitted" names a misspelt field but not the one meant: say it."""
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            errors = exc.errors()
+            if not any(e["type"] == "extra_forbidden" and len(e["loc"]) == 1 for e in errors):
+                raise  # a nested model's unknown fields were named by its own validator
+            fields = [name for name in cls.model_fields if name != "kind"]
+            details: list[InitErrorDetails] = []
+            for e in errors:
+                message = e["msg"]
+                if e["type"] == "extra_forbidden" and len(e["loc"]) == 1:
+                    name = str(e["loc"][0])
+                    close = difflib.get_close_matches(name, fields, 1)
+                    hint = f"did you mean {close[0]!r}?" if close else "the fields are " + ", ".join(fields)
+                    message = f"{cls.__name__} has no field {name!r}: {hint}"
+                # Every error again, in order, with its own message and context (a bound, a validator's error).
+                error = PydanticCustomError(e["type"], message, e.get("ctx"))
+                details.append(InitErrorDetails(type=error, loc=e["loc"], input=e["input"]))
+            raise ValidationError.from_exception_data(exc.title, details) from None
 
 
 GPU_UNIT = 64 * MiB
@@ -312,7 +339,9 @@ class HostTierConfig(_Frozen):
                     f"max_quota ({_show(self.max_quota)}) rounds down to zero slots of slot_size ({_show(slot)})"
                 )
             if maximum < quota:
-                raise ValueError(f"max_quota ({_show(maximum)}) is below quota ({_show(quota)})")
+                raise ValueError(
+                    f"max_quota ({_show(maximum)}) is below quota ({_show(quota)}): raise max_quota or lower quota"
+                )
         # slot_size is validated after quota and max_quota, so only here can they be
         # rounded; the model is frozen, and nobody has seen (or hashed) it yet.
         self.__dict__.update(quota=ByteSize(quota), max_quota=ByteSize(maximum))

@@ -533,7 +533,11 @@ def check_mooncake(master: str | None = None, timeout: float = 2.0) -> Check:
     why = why_unloadable()
     if why is not None:
         verdict: Verdict = "warn" if master else "skip"
-        return Check("mooncake", verdict, why, "pip install 'aiokvtier[mooncake]' for a Mooncake tier", {})
+        if "is installed but" in why:  # installing the wheel again would change nothing
+            advice = "install what it names, then run 'aiokvtier doctor' again"
+        else:
+            advice = "pip install 'aiokvtier[mooncake]' for a Mooncake tier"
+        return Check("mooncake", verdict, why, advice, {})
     if not master:
         return Check("mooncake", "ok", "the wheel loads (no master given: --mooncake-master HOST:PORT)", "", {})
     import socket

@@ -115,13 +115,23 @@ class Lifecycle:
         if self.state != "open":
             raise TierClosedError(self.describe())
 
-    def describe(self) -> str:
-        if self.state == "forked":
+    def describe(self, state: str | None = None) -> str:
+        """Why the object cannot be used, and what to do: for ``state`` as read by the caller (default: now)."""
+        state = self.state if state is None else state
+        if state == "forked":
             return (
                 f"this {self.owner} was opened in process {self._pid}; after fork() the child has none of its "
                 "threads: open a new one in the child"
             )
-        return f"the {self.owner} is {self.state}"
+        owner = self.owner
+        if state == "new":  # built but never entered: the commonest slip of a first program
+            opener = "attach" if owner == "AttachedPool" else "open"
+            return f"the {owner} is new: open it first (async with {owner}(...), or await {owner}.{opener}(...))"
+        if state == "opening":
+            return f"the {owner} is opening: use it once its open has returned"
+        if state in ("closing", "closed"):
+            return f"the {owner} is {state}: a closed {owner} cannot be used again; open a new one"
+        return f"the {owner} is {state}"
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking step on the worker and await its outcome (within build/teardown)."""

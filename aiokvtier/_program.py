@@ -39,13 +39,30 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["Formatter", "Parser", "UsageError", "error", "run", "run_async", "starting"]
+__all__ = [
+    "Formatter",
+    "Parser",
+    "UsageError",
+    "end_by_sigint",
+    "error",
+    "options_in_advice",
+    "run",
+    "run_async",
+    "starting",
+]
 
 T = TypeVar("T")
 
 
 class UsageError(Exception):
     """The command line asked for something invalid, or that this machine cannot do: exit 2."""
+
+
+def options_in_advice(message: str, options: dict[str, str]) -> str:
+    """A config's advice said on the command line: "set max_quota" is "set --max-quota" there."""
+    return re.sub(
+        r"\b(set|raise|lower) (\w+)", lambda m: f"{m.group(1)} {options.get(m.group(2), m.group(2))}", message
+    )
 
 
 def cuda_devices(needs: str) -> int:
@@ -151,6 +168,11 @@ def _end_by(sig: signal.Signals) -> NoReturn:
     signal.signal(sig, signal.SIG_DFL)
     signal.raise_signal(sig)
     os._exit(128 + sig)  # the signal is blocked in this thread: end with the status a shell would show
+
+
+def end_by_sigint() -> NoReturn:
+    """End the process as Ctrl-C ends a command: by SIGINT, once what it opened is closed."""
+    _end_by(signal.SIGINT)
 
 
 def run(

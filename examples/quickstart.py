@@ -11,7 +11,7 @@ with _program.starting():  # a Ctrl-C during the slow imports ends the example a
 async def main() -> None:
     config = HostTierConfig(quota="256MiB", max_quota="1GiB", slot_size="256KiB")
     async with HostTier(config) as tier:
-        slot = await tier.allocate()  # waits only for the first (16 MiB) unit
+        slot = await tier.allocate()  # waits only for the first (4 MiB) unit
         page = tier.view(slot)
         page[:11] = b"hello, kv!\n"
         batch = await tier.allocate(64)

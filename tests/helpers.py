@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +43,7 @@ def state_of(owner: Owner) -> str:
     try:
         owner.check_open()
     except TierClosedError as exc:
-        return str(exc).rsplit(" ", 1)[-1]
+        return re.match(r"the \w+ is (\w+)", str(exc)).group(1)  # type: ignore[union-attr]
     return "open"
 
 

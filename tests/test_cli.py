@@ -125,7 +125,8 @@ def test_no_command_prints_usage_and_the_commands_and_exits_2(args: list[str]) -
         (["--device", "-1"], "--device", "'-1' is not 0 or more"),
         (["--numa-node", "x"], "--numa-node", ""),
         (["--numa-node", "4095"], "--numa-node", "not an online node"),
-        (["--backing", "vmm"], "--backing", "needs a CUDA device"),
+        (["--backing", "vmm"], "--backing", "needs a CUDA device: set --device"),  # the option, not the field
+        (["--quota", "64MiB", "--max-quota", "32MiB"], "--max-quota", "raise --max-quota or lower --quota"),
         (["--interval", "0"], "--interval", "positive"),
         (["--hold", "-1"], "--hold", "0 or more seconds"),
         (["--hold", "nan"], "--hold", "0 or more seconds"),
@@ -160,6 +161,8 @@ def test_bad_option_values_print_one_line(args: list[str], option: str, says: st
         (["host", "--sections", "ops"], "--sections", "choose from time_to_first_allocation"),
         (["store", "--repeats", "0"], "--repeats", "1 or more"),
         (["store", "--sections", "nope"], "--sections", "choose from lookup"),
+        # Before: every other section ran, then the tiers section failed with ENOENT and exit 1.
+        (["store", "--disk-path", "/nonexistent-dir"], "--disk-path", "/nonexistent-dir is not a directory"),
         (["cuda", "--full-gib", "0"], "--full-gib", "at least 2 MiB"),
         (["ranks", "--size-gib", "0"], "--size-gib", "at least 2 MiB"),
     ],

@@ -208,7 +208,7 @@ def test_parse_quota_rounds_down_to_whole_slots(value: object, expected: int) ->
         (4096, ["zero slots", "4096"]),
         ("63KiB", ["zero slots", "'63KiB'"]),
         (2 * GiB + 64 * KiB, ["exceeds max_quota", str(2 * GiB + 64 * KiB)]),
-        ("3GiB", ["exceeds max_quota", "'3GiB'"]),
+        ("3GiB", ["exceeds max_quota", "'3GiB'", "open the tier with a larger max_quota"]),  # what to do, too
     ],
 )
 def test_parse_quota_refusals_name_the_rule_and_the_value(value: object, words: list[str]) -> None:
@@ -327,3 +327,35 @@ def test_the_gpu_usable_backings_default_to_64_mib_units() -> None:
     assert HostTierConfig(quota="1GiB", max_quota="1GiB").commit_unit == 512 * 2**20
     again = HostTierConfig(**base, backing="register")
     assert HostTierConfig.model_validate(again.model_dump()) == again
+
+
+def test_a_misspelt_field_names_the_one_meant() -> None:
+    """pydantic said only "Extra inputs are not permitted" under the misspelt name."""
+    with pytest.raises(ValidationError, match=r"HostTierConfig has no field 'max_quta': did you mean 'max_quota'\?"):
+        HostTierConfig(quota="1GiB", max_quta="2GiB")  # type: ignore[call-arg]
+    with pytest.raises(ValidationError) as caught:  # no near miss: the fields it has; other errors still reported
+        HostTierConfig.model_validate({"quota": 0, "zzz": 1})
+    errors = caught.value.errors()
+    assert [e["loc"] for e in errors] == [("quota",), ("zzz",)]
+    assert "more than 0 bytes" in errors[0]["msg"] and errors[0]["type"] == "value_error"
+    assert errors[1]["type"] == "extra_forbidden"
+    assert errors[1]["msg"].startswith("HostTierConfig has no field 'zzz': the fields are quota, max_quota, slot_size")
+    with pytest.raises(ValidationError) as caught:  # in a whole cache, each tier's and the cache's own
+        CacheConfig.model_validate(
+            {"tiers": [{"kind": "host", "quota": "1GiB", "max_quota": "1GiB", "fill_thread": 2}], "tier": []}
+        )
+    messages = {e["loc"]: e["msg"] for e in caught.value.errors()}
+    assert messages == {
+        ("tiers", 0, "host", "fill_thread"): "HostTierConfig has no field 'fill_thread': did you mean 'fill_threads'?",
+        ("tier",): "CacheConfig has no field 'tier': did you mean 'tiers'?",
+    }
+    with pytest.raises(ValidationError) as caught:  # a bound keeps its context
+        HostTierConfig.model_validate({"quota": "1GiB", "max_quota": "1GiB", "fill_threads": 0, "x": 1})
+    assert caught.value.errors()[0]["ctx"] == {"ge": 1}
+
+
+def test_a_max_quota_below_the_quota_says_what_to_change() -> None:
+    with pytest.raises(
+        ValidationError, match=r"max_quota \(.*\) is below quota \(.*\): raise max_quota or lower quota"
+    ):
+        HostTierConfig(quota="2GiB", max_quota="1GiB")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import builtins
 import html
 import importlib.util
@@ -11,10 +12,13 @@ import os
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ByteSize, TypeAdapter
+from pydantic_core import PydanticUndefined
 
 import aiokvtier
 
@@ -275,3 +279,55 @@ def test_ci_runs_every_check_the_readme_names() -> None:
         for command in line.strip().split(" && "):
             assert command.split(" --site-dir")[0] in ci, command
     assert "mkdocs build --strict" in ci and "python -m pytest -q" in ci
+
+
+def _documented_default(cell: str) -> object:
+    """The value a configuration table's default cell names: ``required``, ``None: ...``, or a literal."""
+    if cell == "required":
+        return PydanticUndefined
+    if cell.startswith("None"):
+        return None
+    literal = re.fullmatch(r"`([^`]+)`", cell)
+    assert literal, f"a default cell that names no value: {cell!r}"
+    text = literal.group(1)
+    if text in ("True", "False") or (text[0] in "\"'0123456789" and not text[-1].isalpha()):
+        return ast.literal_eval(text)
+    return int(TypeAdapter(ByteSize).validate_python(text))  # a size such as 2MiB
+
+
+def test_configuration_page_gives_each_fields_default() -> None:
+    """The defaults the page states are the models' (``fill_threads`` was documented as 1, not per CPU)."""
+    from aiokvtier import CacheConfig, DiskTierConfig, GpuTierConfig, HostTierConfig
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    for model in (HostTierConfig, GpuTierConfig, DiskTierConfig, CacheConfig):
+        section = text.split(f"## `{model.__name__}`", 1)[1].split("\n## ", 1)[0]
+        for name, field in model.model_fields.items():
+            row = next(line for line in section.splitlines() if line.startswith(f"| `{name}` |"))
+            cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+            default = field.default
+            if isinstance(default, ByteSize):
+                default = int(default)
+            assert _documented_default(cells[2]) == default, f"{model.__name__}.{name}: {row}"
+            strings = [
+                arg for t in typing.get_args(field.annotation) for arg in typing.get_args(t) if isinstance(arg, str)
+            ]
+            for value in strings:  # each literal value the field takes is named in its type
+                assert f'"{value}"' in cells[1], f"{model.__name__}.{name} takes {value!r}: {row}"
+
+
+def test_the_store_page_names_every_statistics_field() -> None:
+    """docs/store.md's table left out the tiers below' figures and ``subscribers``."""
+    import dataclasses
+
+    from aiokvtier import StoreStatistics
+
+    text = (ROOT / "docs" / "store.md").read_text()
+    section = text.split("\n## Statistics\n", 1)[1].split("\n## ", 1)[0]
+    named = {
+        name
+        for row in section.splitlines()
+        if row.startswith("| `")
+        for name in re.findall(r"`(\w+)`", row.split(" | ")[0])
+    }
+    assert named == {f.name for f in dataclasses.fields(StoreStatistics)}

@@ -333,6 +333,29 @@ def test_doctor_prints_one_line_per_check() -> None:
     assert any(line.split()[1] == "populate" for line in lines)
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--mooncake-master", "foo"], "argument --mooncake-master: 'foo' is not HOST:PORT (e.g. 127.0.0.1:50051)"),
+        (["--mooncake-master", "host:"], "argument --mooncake-master: 'host:' is not HOST:PORT (e.g. 127.0.0.1:50051)"),
+        (
+            ["--mooncake-master", ":50051"],
+            "argument --mooncake-master: ':50051' is not HOST:PORT (e.g. 127.0.0.1:50051)",
+        ),
+        (
+            ["--mooncake-master", "host:99999"],
+            "argument --mooncake-master: 'host:99999' is not HOST:PORT (e.g. 127.0.0.1:50051)",
+        ),
+        (["--disk-path"], "argument --disk-path: expected one argument"),
+    ],
+)
+def test_doctor_refuses_a_bad_option_in_one_line(args: list[str], says: str) -> None:
+    """A master address without a port was taken, and the check said only that it did not answer."""
+    done = _doctor_cmd(*args)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [f"aiokvtier: error: {says}"]
+
+
 def test_format_line() -> None:
     check = _doctor.Check("thp", "warn", "enabled=always defrag=always", "do this")
     assert _doctor.format_line(check) == "WARN  thp         enabled=always defrag=always  -> do this"
@@ -376,3 +399,19 @@ def test_disk_check_warns_of_a_tier_in_memory() -> None:
     if check is None or check.data.get("file_system") != "tmpfs":
         pytest.skip("no tmpfs at /dev/shm here")
     assert check.verdict == "warn" and "memory, not disk" in check.advice
+
+
+@pytest.mark.parametrize(
+    ("why", "advice"),
+    [
+        ("the Mooncake Store client is not installed: pip install 'aiokvtier[mooncake]'", "pip install"),
+        ("the mooncake wheel is installed but cannot load (install libibverbs: ...): ...", "install what it names"),
+    ],
+)
+def test_the_mooncake_check_advises_what_is_missing(monkeypatch: pytest.MonkeyPatch, why: str, advice: str) -> None:
+    """A wheel that is installed but cannot load its libraries was told to pip install the wheel."""
+    from aiokvtier._mooncake import _client
+
+    monkeypatch.setattr(_client, "why_unloadable", lambda: why)
+    check = _doctor.check_mooncake(None)
+    assert check.verdict == "skip" and check.summary == why and check.advice.startswith(advice)

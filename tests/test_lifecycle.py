@@ -652,3 +652,27 @@ async def test_close_in_turn_closes_every_owner_first_to_last_whatever_an_earlie
     order.clear()
     await close_in_turn(_Closing("a", order), _Closing("b", order))  # type: ignore[arg-type]
     assert order == ["a", "b"]
+
+
+async def test_using_an_object_not_open_or_closed_says_what_to_do() -> None:
+    """A tier or store built but never entered said only "the HostTier is new"; a closed one "is closed"."""
+    from aiokvtier import AttachedPool, BlockStore
+
+    tier = HostTier(small_config())
+    opened = r"open it first \(async with HostTier\(\.\.\.\), or await HostTier\.open\(\.\.\.\)\)"
+    for call in (tier.allocate_nowait, lambda: tier.view(0), tier.statistics):
+        with pytest.raises(TierClosedError, match=r"^the HostTier is new: " + opened):
+            call()
+    with pytest.raises(TierClosedError, match=opened):
+        await tier.allocate()
+    with pytest.raises(TierClosedError, match=r"await AttachedPool\.attach\(\.\.\.\)"):
+        AttachedPool("/nonexistent.sock").check_open()
+    async with tier:
+        store = BlockStore(tier)
+        with pytest.raises(TierClosedError, match=r"the BlockStore is new: open it first .*BlockStore\.open"):
+            store.lookup([b"k"])
+    closed = r"the HostTier is closed: a closed HostTier cannot be used again; open a new one"
+    with pytest.raises(TierClosedError, match=closed):
+        await tier.allocate()
+    with pytest.raises(TierClosedError, match=closed):
+        await BlockStore.open(tier)

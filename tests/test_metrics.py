@@ -308,3 +308,62 @@ async def test_disk_collector_and_the_store_disk_counters_match_statistics(tmp_p
         assert value("aiokvtier_disk_free_bytes", disk="nvme0") == d.free_disk_bytes
         assert value("aiokvtier_store_written_back_total", store="kv") == s.written_back == 2
         assert value("aiokvtier_store_promoted_total", store="kv") == 0
+
+
+class _Snapshot:
+    """Something whose ``statistics()`` a collector scrapes: a Mooncake tier's figures without a cluster."""
+
+    def __init__(self, statistics: object) -> None:
+        self._statistics = statistics
+
+    def statistics(self) -> object:
+        return self._statistics
+
+
+def _metrics_the_guide_names() -> set[str]:
+    """The families docs/guide.md's table lists: each row names its first whole, the others by their
+    suffix after the first's prefix (``aiokvtier_store_blocks``, ``_capacity_blocks``)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text()
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    named = set()
+    for row in section.splitlines():
+        if not row.startswith("| `aiokvtier_"):
+            continue
+        names = re.findall(r"`(aiokvtier_\w+|_\w+)(?:\{\w+\})?`", row.split(" | ")[0])
+        prefix = re.match(r"aiokvtier_[a-z]+", names[0]).group(0)  # type: ignore[union-attr]
+        named |= {name if name.startswith("aiokvtier_") else prefix + name for name in names}
+    return named
+
+
+async def test_the_guide_names_every_metric(tmp_path: Path) -> None:
+    """docs/guide.md's table lists each family the collectors export (it missed the store's counters of
+    the tiers below, and the disk and Mooncake collectors), and none they do not."""
+    import dataclasses
+
+    from aiokvtier import MooncakeStatistics
+    from aiokvtier.metrics import MooncakeCollector
+
+    named = await asyncio.to_thread(_metrics_the_guide_names)
+    mooncake = MooncakeStatistics(**{f.name: 0 for f in dataclasses.fields(MooncakeStatistics)})
+    registry = CollectorRegistry()
+    config = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=tmp_path)
+    async with (
+        HostTier(small_config(slot_size=SLOT)) as tier,
+        DiskTier(config, block_size=SLOT, fingerprint="m") as disk,
+        BlockStore(tier, disk=disk) as store,
+        CopyEngine(None) as engine,
+    ):
+        registry.register(TierCollector(tier))
+        registry.register(StoreCollector(store))
+        registry.register(EngineCollector(engine))
+        registry.register(DiskCollector(disk))
+        registry.register(MooncakeCollector(_Snapshot(mooncake)))  # type: ignore[arg-type]
+        exported = {
+            f.name + ("_total" if f.type == "counter" else "")
+            for f in text_string_to_metric_families(generate_latest(registry).decode())
+        }
+    assert {name.split("_")[1] for name in exported} == {"tier", "store", "copy", "disk", "mooncake"}
+    assert not exported - named, sorted(exported - named)
+    assert not named - exported, sorted(named - exported)

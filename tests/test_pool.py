@@ -353,6 +353,70 @@ async def test_refusals_name_the_problem(sock: str) -> None:
         assert "permission denied" in refused["message"] and "uid" in refused["message"]
 
 
+async def _serve_a_stranger(path: str, answer: bytes | None) -> asyncio.AbstractServer:
+    """A Unix socket at ``path`` that is not a pool: it sends ``answer`` and hangs up, or (None) says nothing."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if answer is None:
+            await reader.read()  # until the client hangs up
+        else:
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_unix_server(handle, path)
+
+
+@pytest.mark.parametrize(
+    ("stranger", "says"),
+    [
+        ("directory", "is a directory, not a pool's socket"),
+        ("file", "is a regular file, not a pool's socket"),
+        ("hangs up", "is not an aiokvtier pool"),
+        ("answers http", "is not an aiokvtier pool"),
+        ("answers a short frame", "is not an aiokvtier pool"),
+    ],
+)
+async def test_attaching_to_something_that_is_not_a_pool_says_so(sock: str, stranger: str, says: str) -> None:
+    """Before, a directory or a file was "refused the connection: its owner is gone", a socket that hung
+    up raised a bare BrokenPipeError or ConnectionResetError, and one that answered something else a
+    ValueError about frames."""
+    server = None
+    if stranger == "directory":
+        await asyncio.to_thread(os.mkdir, sock)
+    elif stranger == "file":
+        await asyncio.to_thread(Path(sock).write_bytes, b"not a socket")
+    else:
+        answer = {"hangs up": b"", "answers http": b"HTTP/1.1 400 Bad Request\r\n\r\n"}.get(stranger, b"\2\0\0\0ab")
+        server = await _serve_a_stranger(sock, answer)
+    try:
+        async with asyncio.timeout(WAIT):
+            with pytest.raises(PoolError, match=says) as caught:
+                await AttachedPool.attach(sock)
+    finally:
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+        if stranger == "directory":
+            await asyncio.to_thread(os.rmdir, sock)
+    assert sock in str(caught.value)
+    assert not [t for t in threading.enumerate() if t.name.startswith("aiokvtier")]  # the refused attach left none
+
+
+async def test_attaching_to_a_socket_that_never_answers_gives_up(sock: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokvtier._pool import _client
+
+    monkeypatch.setattr(_client, "ATTACH_TIMEOUT", 0.2)
+    server = await _serve_a_stranger(sock, None)
+    try:
+        async with asyncio.timeout(WAIT):
+            with pytest.raises(PoolError, match=r"did not answer within 0.2 s: is it an aiokvtier pool"):
+                await AttachedPool.attach(sock)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="mode"):
         Pool(CONFIG, "/tmp/x.sock", mode=0o1777)
@@ -414,3 +478,39 @@ async def test_a_process_speaking_another_protocol_is_refused_and_the_pool_serve
                 pass
         writer.close()
         assert (await good.statistics()).clients == 1
+
+
+async def test_an_attached_pool_called_from_another_event_loop_says_so(sock: str) -> None:
+    """Before, a store from another loop failed with asyncio's "got Future attached to a different loop",
+    and an allocation wrote to the connection from the wrong thread."""
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as attached:
+        seen: list[BaseException] = []
+
+        def other_loop() -> None:
+            async def calls() -> None:
+                for call in (
+                    lambda: attached.allocate(1),
+                    lambda: attached.store([b"k"], [b"v"]),
+                    lambda: attached.load([b"k"], [bytearray(1)]),
+                    lambda: attached.lookup([b"k"]),
+                    lambda: attached.wait_resident(),
+                    lambda: attached.statistics(),
+                    lambda: attached.free_many([0]),
+                    lambda: attached.discard([b"k"]),
+                ):
+                    try:
+                        async with asyncio.timeout(WAIT):
+                            await call()
+                    except BaseException as exc:
+                        seen.append(exc)
+
+            asyncio.run(calls())
+
+        thread = threading.Thread(target=other_loop)
+        thread.start()
+        await asyncio.to_thread(thread.join, WAIT)
+        says = "this AttachedPool belongs to the event loop that attached it; call it from that loop"
+        assert [(type(e), str(e)) for e in seen] == [(RuntimeError, says)] * 8
+        stats = await attached.statistics()
+        assert stats.tier.slots_allocated == 0 and stats.blocks == 0 and stats.claims == 0
+        assert pool.statistics().tier.slots_allocated == 0

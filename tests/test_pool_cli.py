@@ -68,13 +68,15 @@ def test_serves_until_sigterm_and_exits_0(sock: str) -> None:
 
 
 def test_ctrl_c_closes_it_and_ends_by_sigint(sock: str) -> None:
+    """It says it stops as after SIGTERM (the "stopping" line was missing after Ctrl-C)."""
     proc, _ = _start(sock)
     try:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGINT and not err
+    assert json.loads(out)["event"] == "stopping"
     assert not os.path.exists(sock)
 
 
@@ -85,6 +87,7 @@ def test_ctrl_c_closes_it_and_ends_by_sigint(sock: str) -> None:
         (["--quota", "64MiB", "--mode", "8"], "argument --mode"),
         (["--quota", "64MiB", "--socket", "/nonexistent-dir/x.sock"], "argument --socket"),
         ([], "--quota"),
+        (["--quota", "1PiB"], "set --max-quota explicitly"),  # the option, where it said the field
     ],
 )
 def test_a_bad_value_is_one_line_and_exit_2(args: list[str], message: str) -> None:
@@ -97,3 +100,9 @@ def test_a_bad_value_is_one_line_and_exit_2(args: list[str], message: str) -> No
 def test_help() -> None:
     done = subprocess.run([*CLI, "--help"], capture_output=True, text=True, env=ENV, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("usage: ") and "--socket" in done.stdout
+    # Every option that takes a value says its default (--fill-threads did not), except the required quota.
+    options = " ".join(done.stdout.split("options:", 1)[1].split()).split(" --")[1:]
+    for option in options:
+        name, *words = option.split()
+        if words and words[0].isupper() and name != "quota":
+            assert "(default: " in option, option

@@ -288,7 +288,8 @@ async def drain_scenario() -> None:
 
 async def sigint_scenario() -> None:
     # SIGINT (Ctrl-C) while a 2 GiB tier is still filling: the fill stops, the store and the tier
-    # close, and the process exits 0 as after SIGTERM.
+    # close, and the process ends by SIGINT, as every aiokvtier command does after Ctrl-C (a shell
+    # shows 130; it exited 0, as after SIGTERM, before).
     server = await Server.start("--quota", "2GiB")
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
@@ -301,13 +302,38 @@ async def sigint_scenario() -> None:
         code = await asyncio.wait_for(server.proc.wait(), 30)
     finally:
         code, stderr = await server.stop()
-    assert code == 0, stderr
-    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert code == -signal.SIGINT, stderr
+    assert not stderr, stderr
     print("resident at SIGINT:", tier["resident_bytes"], "of", tier["target_bytes"])
 
 
-def test_sigint_while_the_tier_fills_exits_0_without_a_traceback() -> None:
+def test_sigint_while_the_tier_fills_closes_it_and_ends_by_sigint() -> None:
     asyncio.run(asyncio.wait_for(sigint_scenario(), 60))
+
+
+@pytest.mark.parametrize("command", [["-m", "aiokvtier", "serve"], [*APP, "--workers", "2"]], ids=["serve", "workers"])
+def test_ctrl_c_ends_aiokvtier_serve_and_its_workers_by_sigint(command: list[str]) -> None:
+    """The command's own Ctrl-C: the same shutdown, then the process ends by SIGINT (it exited 0 before)."""
+    proc = subprocess.Popen(
+        [sys.executable, *command, "--quota", "64MiB", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = re.search(r"http://127\.0\.0\.1:\d+", proc.stdout.readline())
+        assert url, proc.stderr
+        with httpx.Client(base_url=url.group(0), timeout=30) as client:
+            deadline = time.monotonic() + 30
+            while client.get("/readyz").status_code != 200:
+                assert time.monotonic() < deadline, "not ready in 30 s"
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGINT and not err, err
 
 
 def test_drain_seconds_keeps_serving_with_readyz_503_then_exits_0() -> None:
@@ -573,6 +599,8 @@ def test_a_bad_option_is_one_line_naming_it_and_exit_2(options: list[str], named
     assert done.returncode == 2 and done.stdout == ""
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and named in lines[0], done.stderr
+    # The advice names options too ("set --device", "raise --max-quota"), not the config's fields.
+    assert not re.search(r"\b(set|raise|lower) (device|max_quota|quota)\b", lines[0]), lines[0]
 
 
 def test_the_backing_help_names_what_auto_picks() -> None:
@@ -737,6 +765,65 @@ def test_the_load_generator_answers_help_and_says_what_to_install_without_httpx(
     assert len(lines) == 1 and "httpx" in lines[0] and "pip install 'aiokvtier[server]'" in lines[0], done.stderr
 
 
+LOAD = [sys.executable, "-m", "aiokvtier.server.load"]
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (["--clients", "0"], "argument --clients: 0 is not 1 or more"),
+        (["--seconds", "-1"], "argument --seconds: -1.0 is not a positive number of seconds"),
+        (["--seconds", "nan"], "argument --seconds: nan is not a positive number of seconds"),
+        (["--requests", "0"], "argument --requests: 0 is not 1 or more"),
+        (["--block-size", "0"], "argument --block-size: 0 is not 1 or more"),
+        (["--lookup-keys", "0"], "argument --lookup-keys: 0 is not 1 or more"),
+        (["--url", "127.0.0.1:8077"], "argument --url: '127.0.0.1:8077' is not an http:// or https:// URL"),
+    ],
+)
+def test_the_load_generator_refuses_a_bad_option_in_one_line(options: list[str], says: str) -> None:
+    """Before, each was taken, and ended in a traceback (or a load of no clients)."""
+    done = subprocess.run([*LOAD, *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines() == [f"python -m aiokvtier.server.load: error: {says}"]
+
+
+def test_the_load_generator_says_in_one_line_that_no_server_answers() -> None:
+    """Before: two chained tracebacks from httpx."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = subprocess.run(
+        [*LOAD, "--url", f"http://127.0.0.1:{port}", "--clients", "2", "--seconds", "1"],
+        capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"python -m aiokvtier.server.load: error: no answer from http://127.0.0.1:{port}: "
+    ), lines
+
+
+async def test_ctrl_c_ends_the_load_generator_at_once_and_quietly() -> None:
+    """As a benchmark: no JSON, no traceback (it printed a KeyboardInterrupt traceback), ended by SIGINT."""
+    server = await Server.start("--quota", "256MiB")
+    try:
+        load = await asyncio.create_subprocess_exec(
+            *LOAD, "--url", server.url, "--clients", "2", "--seconds", "30",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV, cwd=ROOT,
+        )  # fmt: skip
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            deadline = time.monotonic() + 30
+            while (await client.get("/v1/stats")).json()["store"]["stores"] == 0:
+                assert time.monotonic() < deadline, "the load sent nothing in 30 s"
+                await asyncio.sleep(0.05)
+        load.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(load.communicate(), 30)
+    finally:
+        code, stderr = await server.stop()
+    assert code == 0, stderr
+    assert load.returncode == -signal.SIGINT and out == b"" and err == b"", err
+
+
 def test_help_describes_every_option_with_its_default() -> None:
     parser = _options.build_parser()
     formatter = parser._get_formatter()
@@ -850,6 +937,62 @@ async def test_a_disk_tier_under_the_server_keeps_hit_blocks_across_a_restart(tm
                     assert (await client.get("/v1/blocks/ab02")).status_code == 404
 
 
+def _server(*options: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *APP, *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+    )
+
+
+def test_a_port_in_use_is_one_line_and_exit_1() -> None:
+    """Before: uvicorn's own "ERROR:    [Errno 98] ..." line and exit status 3."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _server("--quota", "64MiB", "--host", "127.0.0.1", "--port", str(port))
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"python -m aiokvtier.server: error: cannot listen on 127.0.0.1:{port}: "), lines[0]
+    assert "in use" in lines[0]
+    done = _server("--quota", "64MiB", "--host", "no-such-host.invalid", "--port", "0")
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "cannot listen on no-such-host.invalid:0: " in done.stderr
+
+
+def test_a_device_this_machine_cannot_use_is_a_usage_error() -> None:
+    """Before: the tier's open failed inside uvicorn's startup, a traceback and exit status 3."""
+    from aiokvtier._cuda._driver import device_count
+    from aiokvtier._errors import CudaUnavailableError
+
+    try:
+        visible = device_count()
+    except CudaUnavailableError:
+        visible = 0
+    done = _server("--quota", "64MiB", "--backing", "register", "--device", str(visible), "--port", "0")
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m aiokvtier.server: error: argument --device: "), lines
+
+
+async def test_a_tier_that_cannot_open_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """A second server over the first's disk directory: before, a traceback and exit status 3."""
+    first = await Server.start("--quota", "64MiB", "--disk-path", str(tmp_path))
+    try:
+        second = await asyncio.create_subprocess_exec(
+            sys.executable, *APP, "--quota", "64MiB", "--disk-path", str(tmp_path), "--port", "0",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV, cwd=ROOT,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(second.communicate(), 60)
+    finally:
+        code, stderr = await first.stop()
+    assert code == 0, stderr
+    assert second.returncode == 1 and out == b"", err
+    lines = err.decode().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("python -m aiokvtier.server: error: DiskTierBusy: ") and "open elsewhere" in lines[0]
+
+
 def test_disk_options_are_checked() -> None:
     for options, named in (
         (["--disk-path", "/nonexistent/dir"], "--disk-path"),
@@ -860,3 +1003,23 @@ def test_disk_options_are_checked() -> None:
             [sys.executable, *APP, *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
         )
         assert done.returncode == 2 and named in done.stderr, done.stderr
+
+
+def test_the_server_page_lists_every_option_with_its_default() -> None:
+    """docs/server.md's table left out --host and --port."""
+    text = (ROOT / "docs" / "server.md").read_text()
+    rows = {
+        row.split(" | ")[0].strip("| `"): row.split(" | ")[1] for row in text.splitlines() if row.startswith("| `--")
+    }
+    parser = _options.build_parser()
+    shown = [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS and a.dest != "help"]
+    assert set(rows) == {a.option_strings[0] for a in shown}
+    for action in shown:
+        default = action.default
+        if isinstance(default, (int, float, str)) and not isinstance(default, bool) and default is not None:
+            documented = rows[action.option_strings[0]]
+            assert documented in (str(default), f"{default:g}" if isinstance(default, float) else ""), (
+                action.option_strings[0],
+                documented,
+                default,
+            )

@@ -918,3 +918,52 @@ async def test_after_a_failed_fill_stores_evict_into_the_resident_slots(
             await bounded(store.store([key], later[:1], wait=wait))
         warned = [r for r in caplog.records if "store evicts into resident slots" in r.getMessage()]
         assert len(warned) == 1
+
+
+async def test_a_call_from_another_event_loop_is_refused_and_changes_nothing() -> None:
+    """A store called from a loop other than its own skipped its keys and logged "the tier's fill failed"
+    (the tier's own refusal of the wrong loop, taken for a fill failure); a resize raised the tier's
+    message. Each is now the store's RuntimeError, before anything changes."""
+    async with HostTier(small_config(slot_size=64 * KiB)) as tier, BlockStore(tier) as store:
+        await store.store([b"kept"], [b"x" * 10])
+        before = store.statistics()
+        seen: list[BaseException] = []
+
+        def other_loop() -> None:
+            async def calls() -> None:
+                for call in (
+                    lambda: store.store([b"a"], [b"y"]),
+                    lambda: store.load([b"kept"], [bytearray(10)]),
+                    lambda: store.resize(tier.statistics().quota),
+                    lambda: store.lookup_remote([b"kept"]),
+                ):
+                    try:
+                        async with asyncio.timeout(10):
+                            await call()
+                    except BaseException as exc:
+                        seen.append(exc)
+
+            asyncio.run(calls())
+
+        thread = threading.Thread(target=other_loop)
+        thread.start()
+        await asyncio.to_thread(thread.join, 30)
+        assert len(seen) == 4, seen
+        for exc in seen:
+            assert type(exc) is RuntimeError, repr(exc)
+            assert str(exc) == "this BlockStore belongs to the event loop that opened it; call it from that loop"
+        assert store.statistics() == before and store.keys() == [b"kept"]
+        store.check_invariants(sole_user=True)
+
+
+async def test_a_store_over_something_that_is_not_a_tier_is_refused_where_it_is_built() -> None:
+    """A config, None or a device number was taken, and the open failed with an AttributeError."""
+    config = small_config(slot_size=64 * KiB)
+    for tier in (config, None, "tier"):
+        with pytest.raises(TypeError, match=r"tier is an open HostTier \(async with HostTier\(config\) as tier\)"):
+            BlockStore(tier)  # type: ignore[arg-type]
+    async with HostTier(config) as tier:
+        with pytest.raises(TypeError, match=r"engine is a CopyEngine \(async with CopyEngine\(0\) as engine\)"):
+            BlockStore(tier, 0)  # type: ignore[arg-type]
+        async with BlockStore(tier) as store:  # and nothing was left behind
+            assert len(store) == 0

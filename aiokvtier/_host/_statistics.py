@@ -16,7 +16,8 @@ class TierStatistics:
     """
 
     backing: str
-    """``"host"``, ``"register"`` or ``"vmm"``."""
+    """``"host"``, ``"register"`` or ``"vmm"``; a pool's tier: ``"shared"``, or ``"shared-register"`` where
+    the owner registers it with its GPU."""
     device: int | None
     quota: int
     max_quota: int

@@ -225,7 +225,10 @@ class HostTier(Owner):
 
         :raises OutOfSlots: the quota does not have that many slots free.
         :raises FillError: the fill failed below those slots.
-        :raises TierClosedError: the tier closed.
+        :raises TierClosedError: the tier is not open (new, closing or closed).
+        :raises ValueError: ``n`` is below 1.
+        :raises TypeError: ``n`` is not an integer (a bool or a float).
+        :raises RuntimeError: called from a loop other than the tier's.
 
         Cancellation: slots are taken only once they are resident, so a
         cancelled call has taken none.
@@ -637,7 +640,7 @@ class HostTier(Owner):
         """
         state = self._life.state  # read once: on another thread the open may complete meanwhile
         if state in ("new", "opening") or "_filler" not in self.__dict__:
-            raise TierClosedError(self._life.describe() if state == "forked" else f"the HostTier is {state}")
+            raise TierClosedError(self._life.describe(state))
         cfg = self._config.resolved
         filler = self._filler
         slots = self._slots

@@ -30,6 +30,7 @@ import itertools
 import logging
 import operator
 import os
+import socket
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast, overload
@@ -182,7 +183,9 @@ class AttachedPool(Owner):
 
         :raises PoolError: no socket there, permission denied (the message
             names the socket's mode and owner), the owner refused or is gone,
-            or it speaks another protocol version.
+            it speaks another protocol version, or what is at ``path`` is not
+            a pool (a file, a directory, another program's socket, or one that
+            does not answer within 30 s).
         :raises OSError: the memory cannot be mapped here.
         """
         pool = cls(path, device=device, prefault=prefault)
@@ -194,13 +197,7 @@ class AttachedPool(Owner):
         self._loop = asyncio.get_running_loop()
         sock = await connect(self._path)
         try:
-            await self._loop.sock_sendall(sock, encode(_wire.HELLO, 0, {"v": _wire.VERSION, "pid": os.getpid()}))
-            try:
-                async with asyncio.timeout(ATTACH_TIMEOUT):
-                    payload, fds = await recv_frame_with_fds(sock, 2)
-            except (ConnectionError, TimeoutError) as exc:
-                raise PoolError(f"the pool at {self._path} did not welcome this process: {exc!r}") from None
-            welcome = decode(payload)
+            welcome, fds = await self._handshake(sock)
             if welcome.op == _wire.ERROR:
                 raise error_from(welcome)
             index = welcome.fields.get("index")
@@ -256,6 +253,33 @@ class AttachedPool(Owner):
             self._waiters.append((0, future))
             await future
             self._raise_if_lost()
+
+    async def _handshake(self, sock: socket.socket) -> tuple[Message, list[int]]:
+        """Say hello; the owner's answer and the descriptors that came with it.
+
+        :raises PoolError: what answers at the path is not a pool (it hung up, or spoke something else),
+            or it did not answer within ``ATTACH_TIMEOUT``.
+        """
+        not_a_pool = f"{self._path} is not an aiokvtier pool, or not one of this version"
+        try:
+            await self._loop.sock_sendall(sock, encode(_wire.HELLO, 0, {"v": _wire.VERSION, "pid": os.getpid()}))
+            async with asyncio.timeout(ATTACH_TIMEOUT):
+                payload, fds = await recv_frame_with_fds(sock, 2)
+        except TimeoutError:
+            raise PoolError(
+                f"{self._path} did not answer within {ATTACH_TIMEOUT:g} s: is it an aiokvtier pool, "
+                "and is its owner's event loop running?"
+            ) from None
+        except ConnectionError:  # an owner answers a hello it refuses before it hangs up
+            raise PoolError(f"{not_a_pool}: it hung up on the handshake") from None
+        except ValueError as exc:
+            raise PoolError(f"{not_a_pool}: its answer is not the pool protocol ({exc})") from None
+        try:
+            return decode(payload), fds
+        except ValueError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise PoolError(f"{not_a_pool}: its answer is not the pool protocol ({exc})") from None
 
     def _unmap(self) -> None:
         unmap_shared(self._base, self._size)
@@ -465,6 +489,12 @@ class AttachedPool(Owner):
             self._writer.write(encode(op, rid, fields, parts))
         return rid
 
+    def _check_loop(self) -> None:
+        """:raises RuntimeError: the running loop is not the one that attached (never attached: no check)."""
+        loop = self.__dict__.get("_loop")
+        if loop is not None and asyncio.get_running_loop() is not loop:
+            raise RuntimeError("this AttachedPool belongs to the event loop that attached it; call it from that loop")
+
     async def _request(
         self, op: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = (), undo: str = ""
     ) -> Message:
@@ -578,6 +608,7 @@ class AttachedPool(Owner):
         :raises WouldBlock: ``wait=False`` and fewer than ``n`` slots are resident and free.
         :raises TypeError: ``wait`` is not a bool.
         """
+        self._check_loop()
         n = positive_count(n, "n")
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
@@ -599,6 +630,7 @@ class AttachedPool(Owner):
         :raises SlotError: this process does not hold that slot (nothing changes).
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         await self.free_many([slot])
 
     async def free_many(self, slots: Iterable[int]) -> None:
@@ -606,6 +638,7 @@ class AttachedPool(Owner):
 
         :raises SlotError: one is not held by this process, or repeated.
         """
+        self._check_loop()
         self._check_open()
         held = [self._held(slot, "; nothing was freed") for slot in slots]
         if len(set(held)) != len(held):
@@ -660,6 +693,7 @@ class AttachedPool(Owner):
         :raises FillError: the fill failed below ``nbytes``.
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         self._check_open()
         if nbytes is not None:
             if isinstance(nbytes, bool):
@@ -723,6 +757,7 @@ class AttachedPool(Owner):
 
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         reply = await self._request(_wire.STATS)
         fields = dict(reply.fields["stats"])
         tier = TierStatistics(**fields.pop("tier"))
@@ -773,6 +808,7 @@ class AttachedPool(Owner):
         :raises TypeError: a key that is not bytes-like or an int, or an array that is not 2-D uint8.
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         given, types = self._lookup_keys(keys)
         self._check_open()
         self._raise_if_lost()
@@ -857,6 +893,7 @@ class AttachedPool(Owner):
         :raises ValueError: ``limit`` is not a positive int.
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         if type(limit) is not int or limit < 1:
             raise ValueError(f"limit must be a positive int, got {limit!r}")
         self._check_open()
@@ -872,6 +909,7 @@ class AttachedPool(Owner):
 
         :returns: how many were dropped.
         """
+        self._check_loop()
         _, fields, parts = self._keys(keys)
         reply = await self._request(_wire.DISCARD, fields, parts)
         return int(reply.fields["dropped"])
@@ -916,6 +954,7 @@ class AttachedPool(Owner):
         call cancelled while their commit was on its way may leave those
         blocks visible, whole.
         """
+        self._check_loop()
         if type(wait) is not bool:
             raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
         given, types = self._given(keys)
@@ -1071,6 +1110,7 @@ class AttachedPool(Owner):
         :raises TypeError: an ``after`` that is neither a stream nor an event.
         :raises PoolLostError: the owner went away.
         """
+        self._check_loop()
         given, fields, parts = self._keys(keys)
         pages = self._pages(dst, len(given), engine, page, after, writable=True)
         if not given:

@@ -50,9 +50,13 @@ async def serve_pool(config: HostTierConfig, path: str, mode: int) -> None:
         async with Pool(config, path, mode=mode) as pool:
             s = pool.statistics().tier
             _line("serving", path=path, pid=os.getpid(), quota=s.quota, max_quota=s.max_quota, slot_size=s.slot_size)
-            await stop.wait()
-            s = pool.statistics().tier
-            _line("stopping", clients=pool.clients, resident_bytes=s.resident_bytes, slots_allocated=s.slots_allocated)
+            try:
+                await stop.wait()
+            finally:  # SIGTERM, or Ctrl-C's cancellation: either way the pool closes now
+                s = pool.statistics().tier
+                _line(
+                    "stopping", clients=pool.clients, resident_bytes=s.resident_bytes, slots_allocated=s.slots_allocated
+                )
     finally:
         if in_main:
             loop.remove_signal_handler(signal.SIGTERM)

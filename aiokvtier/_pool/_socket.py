@@ -101,8 +101,11 @@ async def connect(path: str) -> socket.socket:
         raise PoolError(_denied(path)) from None
     except ConnectionRefusedError:
         sock.close()
+        # A directory or a regular file refuses a connection as a dead owner's socket does.
+        other = await asyncio.to_thread(_not_a_socket, path)
         raise PoolError(
-            f"the pool at {path} refused the connection: its owner is gone (a restarted owner replaces the socket)"
+            other
+            or f"the pool at {path} refused the connection: its owner is gone (a restarted owner replaces the socket)"
         ) from None
     except OSError as exc:
         sock.close()
@@ -111,6 +114,21 @@ async def connect(path: str) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _not_a_socket(path: str) -> str | None:
+    """What is at ``path`` when it is not a socket, said as an error; None for a socket (or nothing)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    kind = "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "not a socket"
+    return (
+        f"{path} is {kind}, not a pool's socket: attach to the path 'aiokvtier pool --socket' "
+        "(or Pool(config, path)) serves"
+    )
 
 
 def _denied(path: str) -> str:

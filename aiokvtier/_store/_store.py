@@ -197,6 +197,9 @@ class BlockStore(Owner):
         with it at open and unregisters them at close. Its calls are network calls: ``lookup``
         never asks it, and while it is unavailable it is skipped, never an error.
     :param admit_after: load hits that admit a block to the tiers below.
+    :raises TypeError: ``tier`` is not a HostTier, ``engine`` is a device number rather than a
+        CopyEngine, or ``policy`` is neither a name nor an EvictionPolicy.
+    :raises ValueError: ``event_limit`` or ``admit_after`` below 1.
     """
 
     def __init__(
@@ -210,6 +213,14 @@ class BlockStore(Owner):
         remote: MooncakeTier | None = None,
         admit_after: int = 2,
     ) -> None:
+        from .._host._tier import HostTier
+
+        if not isinstance(tier, HostTier):  # a config, a pool or None would fail at open, far from here
+            raise TypeError(
+                f"tier is an open HostTier (async with HostTier(config) as tier), not {type(tier).__name__}"
+            )
+        if isinstance(engine, int):  # a device number where the engine for it goes
+            raise TypeError(f"engine is a CopyEngine (async with CopyEngine({engine}) as engine) or None, not int")
         if not isinstance(policy, str | EvictionPolicy):
             raise TypeError(f"policy is a name or an EvictionPolicy, not {type(policy).__name__}")
         if type(event_limit) is not int or event_limit < 1:
@@ -279,6 +290,7 @@ class BlockStore(Owner):
         return store
 
     async def _build(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._tier.check_open()
         if self._engine_given is not None:
             self._engine_given.check_open()
@@ -411,6 +423,12 @@ class BlockStore(Owner):
         self._count_lookup(len(keys), hits, disk_hits, 0)
         return hits + disk_hits
 
+    def _check_loop(self) -> None:
+        """:raises RuntimeError: the running loop is not the one that opened the store (its tier's)."""
+        loop = self.__dict__.get("_loop")
+        if loop is not None and asyncio.get_running_loop() is not loop:
+            raise RuntimeError("this BlockStore belongs to the event loop that opened it; call it from that loop")
+
     async def lookup_remote(self, keys: Sequence[object]) -> int:
         """``lookup``, then the Mooncake tier: how many leading keys some tier holds (a ``load`` of
         them brings those found only below back). Touches the host tier's prefix.
@@ -424,8 +442,10 @@ class BlockStore(Owner):
 
         :raises TypeError: a key is not bytes-like or an int (a bool, a str).
         :raises TierClosedError: the store is closed.
+        :raises RuntimeError: called from a loop other than the store's.
         """
         self._check_open()
+        self._check_loop()
         keys = key_seq(keys)
         hits, disk_hits = self._lookup_local(keys)
         found = hits + disk_hits
@@ -553,6 +573,7 @@ class BlockStore(Owner):
             call, pages that do not match the keys (nothing changed).
         :raises TypeError: a key that is not bytes-like or an int.
         :raises TierClosedError: the store (or its tier) is closed.
+        :raises RuntimeError: called from a loop other than the store's.
         :raises CudaError: the driver refused the copy (nothing stored).
         :raises CopyPlanError: pages in a StaticHostMem or a tier (named by
             address, or an array over its memory) that is closing, or that
@@ -562,6 +583,7 @@ class BlockStore(Owner):
         (never evicted for the call's room) until the call returns.
         """
         self._check_open()
+        self._check_loop()
         # Whether every key is a bytes or an int is checked while the copy runs (the common case
         # costs nothing then); a list that starts with anything else is converted here.
         given = key_list(keys)
@@ -1007,11 +1029,13 @@ class BlockStore(Owner):
             this store (its own tier's slots).
         :raises TypeError: a key that is not bytes-like or an int.
         :raises TierClosedError: the store is closed.
+        :raises RuntimeError: called from a loop other than the store's.
         :raises CopyPlanError: pages in a StaticHostMem or another tier (named
             by address, or an array over its memory) that is closing, or that
             closed (or shrank past them) while the call waited.
         """
         self._check_open()
+        self._check_loop()
         index, transfers = self._index, self._transfers
         keys = key_seq(keys)
         slots = index.slots_of_all(keys)
@@ -1280,6 +1304,7 @@ class BlockStore(Owner):
         :raises QuotaError: the quota is invalid, or a block past the new end
             is being stored or loaded (nothing changed).
         :raises TierClosedError: the store is closed.
+        :raises RuntimeError: called from a loop other than the store's.
 
         A shrink is refused before anything is evicted when a slot past the
         new end is held by something other than a stored block (another
@@ -1291,6 +1316,7 @@ class BlockStore(Owner):
         and the store follows whatever size the tier ends with.
         """
         self._check_open()
+        self._check_loop()
         tier = self._tier
         async with self._resize_lock:
             self._check_open()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -66,6 +67,13 @@ _CUDA_DEFAULTS: dict[str, tuple[Any, Any]] = {
 }
 _STORE_DEFAULTS: dict[str, tuple[Any, Any]] = {"repeats": (9, 3)}
 _RANKS_DEFAULTS: dict[str, tuple[Any, Any]] = {"size_gib": (8, 1)}
+
+
+def _directory(text: str) -> str:
+    """An existing directory, checked before any section runs (not when the section that writes there does)."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    return text
 
 
 def _default(table: dict[str, tuple[Any, Any]], name: str) -> str:
@@ -184,6 +192,7 @@ def build_parser(prog: str) -> Parser:
     store.add_argument("--repeats", type=_count, help=f"rounds per copy arm {_default(_STORE_DEFAULTS, 'repeats')}")
     store.add_argument(
         "--disk-path",
+        type=_directory,
         metavar="DIR",
         help="where the tiers section writes its files (default: a temporary directory in the current one)",
     )

@@ -21,9 +21,10 @@ Every error is JSON ``{"error": "..."}``. SIGTERM or SIGINT: ``/readyz`` turns
 503, then (after ``--drain-seconds``, default 0, of serving on) stop accepting,
 give the requests in flight up to ``--grace-seconds`` (default 10) to finish,
 answer those still running 503 and close every connection left, close the
-store and the tier, exit 0. A second signal ends the drain, or the grace, at
-once. ``--plain-dict`` serves the same API
-from a dict of bytes (the baseline of ``aiokvtier.server.load``).
+store and the tier, exit 0 (after SIGINT, end by SIGINT: a shell shows 130).
+A second signal ends the drain, or the grace, at once. ``--plain-dict``
+serves the same API from a dict of bytes (the baseline of
+``aiokvtier.server.load``).
 
 Importing this package needs none of the ``server`` extra; ``main``
 says what to install when it is missing.

@@ -120,12 +120,21 @@ class Service:
 
         return run
 
-    @contextlib.asynccontextmanager
-    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+    async def open(self) -> None:
+        """Open the blocks (the tier, the tiers below, the store) and export their figures.
+
+        :raises AiokvtierError: the tier, a tier below or the store refused (nothing is left open).
+        :raises OSError: the same, from the system.
+        """
         await self.blocks.open()
         self.opened = True
         for collector in self.blocks.collectors():
             self.registry.register(collector)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        if not self.opened:  # the server opens them before it starts, to refuse in one line
+            await self.open()
         try:
             yield
         finally:

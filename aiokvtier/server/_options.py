@@ -183,6 +183,18 @@ def _address_towards(host: str, port: int) -> str:
         return socket.gethostname()
 
 
+def _check_device(parser: Parser, device: int) -> None:
+    """Refuse, before anything opens, a ``--device`` this machine cannot use (as ``aiokvtier demo`` does)."""
+    from .._program import UsageError, cuda_devices
+
+    try:
+        count = cuda_devices("argument --device")
+    except UsageError as exc:
+        parser.error(str(exc))
+    if not 0 <= device < count:
+        parser.error(f"argument --device: there is no CUDA device {device} ({count} visible)")
+
+
 def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[argparse.Namespace, HostTierConfig]:
     """The options and the tier's config.
 
@@ -221,6 +233,8 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
     args.mooncake = None if args.mooncake_master is None else mooncake_config(parser, args)
     if (args.attach is None) != (args.listen_fd is None):
         parser.error("argument --attach: a worker takes --attach and --listen-fd together")
+    if args.device is not None and not args.plain_dict:
+        _check_device(parser, args.device)
     try:
         config = HostTierConfig(
             quota=args.quota,
@@ -238,5 +252,8 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
             field = named.group()
         else:
             field = str(first["loc"][0]) if first["loc"] else "quota"
+        from .._program import options_in_advice
+
+        message = options_in_advice(message, OPTION_OF_FIELD)
         parser.error(f"argument {OPTION_OF_FIELD.get(field, '--' + field)}: {message}")
     return args, config

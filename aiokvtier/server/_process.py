@@ -28,12 +28,21 @@ from typing import Any
 import uvicorn
 
 from .._config import DiskTierConfig, HostTierConfig
+from .._errors import AiokvtierError
 from ._app import Service
 from ._blocks import Blocks, DictBlocks, PoolBlocks, StoreBlocks
 
-__all__ = ["serve"]
+__all__ = ["INTERRUPTED", "StartupError", "listen", "serve"]
 
 log = logging.getLogger("aiokvtier.server")
+
+INTERRUPTED = 130
+"""What ``serve`` returns after a shutdown that Ctrl-C (SIGINT) started: the command then ends by SIGINT."""
+
+
+class StartupError(Exception):
+    """The server did not start: the port, or the tier, a tier below or the store refused (one line says why)."""
+
 
 CUT_SECONDS = 1.0
 """After the grace, how long the 503s have to go out before the connections left are aborted (and again
@@ -60,6 +69,23 @@ class Server(uvicorn.Server):
         self.grace_seconds = grace_seconds
         self.drain_until: float | None = None
         self.cut_now = False
+        self.first_signal: int | None = None
+        """The signal that started the shutdown: SIGINT (Ctrl-C) ends the command by SIGINT, SIGTERM with 0."""
+        self.startup_error: AiokvtierError | OSError | None = None
+
+    async def serve(self, sockets: list[Any] | None = None) -> None:
+        # The blocks open before uvicorn starts, so that a tier that cannot open is one line of ours, not a
+        # lifespan traceback; a signal meanwhile is seen once uvicorn runs, which then shuts down at once.
+        with self.capture_signals():
+            try:
+                await self.service.open()
+            except (AiokvtierError, OSError) as exc:
+                self.startup_error = exc
+                return
+        try:
+            await super().serve(sockets)
+        finally:
+            await self.service.blocks.aclose()  # idempotent: the lifespan closed them unless uvicorn failed first
 
     async def startup(self, sockets: list[Any] | None = None) -> None:
         await super().startup(sockets)
@@ -72,6 +98,8 @@ class Server(uvicorn.Server):
         # A signal handler may only set flags: on_tick and the shutdown's wait (every 0.1 s or less,
         # on the loop) act on them.
         self.service.draining = True
+        if self.first_signal is None:
+            self.first_signal = sig
         if self.drain_seconds > 0 and self.drain_until is None:
             self.drain_until = time.monotonic() + self.drain_seconds
             return
@@ -121,8 +149,8 @@ class Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
-        # uvicorn raises the caught signal again once it has shut down; the
-        # shutdown here is the intended end, so the process exits 0 instead.
+        # uvicorn raises the caught signal again once it has shut down; here the
+        # command ends by the first signal itself (``first_signal``).
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -134,8 +162,30 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before uvicorn starts (as uvicorn binds it for its own workers).
+
+    :raises StartupError: the address does not resolve, or the port is taken or not allowed.
+    """
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except BaseException:
+            sock.close()
+            raise
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
-    """Serve until a signal; 0 after a clean shutdown, 3 when the server did not start."""
+    """Serve until a signal; 0 after a clean shutdown that SIGTERM started, ``INTERRUPTED`` after SIGINT.
+
+    :raises StartupError: the server did not start: the port, or the tier or the store refused.
+    """
     if args.workers > 1:
         from ._workers import serve_workers
 
@@ -163,7 +213,18 @@ def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
     )
     server = Server(uv, service, args.drain_seconds, args.grace_seconds)
     if args.listen_fd is not None:  # a worker of --workers: the parent's listening socket
-        server.run(sockets=[socket.socket(fileno=args.listen_fd)])
+        sock = socket.socket(fileno=args.listen_fd)
     else:
-        server.run()
-    return 0 if server.started else 3
+        sock = listen(args.host, args.port)
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:  # uvicorn's way out of a startup that failed after the blocks opened: it logged why
+        raise StartupError("the server did not start (the line above says why)") from None
+    finally:
+        sock.close()
+    error = server.startup_error
+    if error is not None:
+        raise StartupError(f"{type(error).__name__}: {error}" if isinstance(error, AiokvtierError) else str(error))
+    if not server.started:
+        raise StartupError("the server did not start (the line above says why)")
+    return INTERRUPTED if server.first_signal == signal.SIGINT else 0

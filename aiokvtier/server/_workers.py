@@ -23,7 +23,9 @@ import sys
 import tempfile
 
 from .._config import HostTierConfig
+from .._errors import AiokvtierError
 from .._pool._owner import Pool
+from ._process import INTERRUPTED, StartupError, listen
 
 __all__ = ["serve_workers"]
 
@@ -35,11 +37,11 @@ def serve_workers(args: argparse.Namespace, config: HostTierConfig) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     directory = tempfile.mkdtemp(prefix="aiokvtier-server-")
     try:
-        listener = socket.create_server((args.host, args.port), backlog=2048)
-    except OSError as exc:
+        listener = listen(args.host, args.port)
+        listener.listen(2048)
+    except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
-        log.error("aiokvtier server: cannot listen on %s:%d: %s", args.host, args.port, exc)
-        return 3
+        raise
     try:
         return asyncio.run(_supervise(args, config, os.path.join(directory, "pool.sock"), listener))
     finally:
@@ -51,8 +53,12 @@ async def _supervise(args: argparse.Namespace, config: HostTierConfig, path: str
     loop = asyncio.get_running_loop()
     fd = listener.fileno()
     host, port = listener.getsockname()[:2]
-    stopping = False
-    async with Pool(config, path):
+    stopping: int | None = None
+    try:
+        pool = await Pool.open(config, path)
+    except (AiokvtierError, OSError) as exc:
+        raise StartupError(f"{type(exc).__name__}: {exc}" if isinstance(exc, AiokvtierError) else str(exc)) from None
+    try:
         argv = [
             sys.executable, "-m", "aiokvtier.server", "--attach", path, "--listen-fd", str(fd),
             "--log-level", args.log_level, "--drain-seconds", str(args.drain_seconds),
@@ -63,7 +69,8 @@ async def _supervise(args: argparse.Namespace, config: HostTierConfig, path: str
 
         def pass_on(sig: int) -> None:
             nonlocal stopping
-            stopping = True
+            if stopping is None:
+                stopping = sig
             for worker in workers:
                 if worker.returncode is None:
                     worker.send_signal(sig)
@@ -73,12 +80,17 @@ async def _supervise(args: argparse.Namespace, config: HostTierConfig, path: str
         try:
             waits = {asyncio.ensure_future(worker.wait()) for worker in workers}
             _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if not stopping:
+            if stopping is None:
                 log.error("aiokvtier server: a worker exited on its own; stopping the others")
                 pass_on(signal.SIGTERM)
+                stopping = 0  # not a shutdown asked for: the exit status says so
             await asyncio.gather(*pending)
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-    codes = [worker.returncode for worker in workers]
-    return 0 if all(code == 0 for code in codes) and stopping else 1
+    finally:
+        await pool.aclose()
+    # A worker shut down by Ctrl-C ends by SIGINT, as a single server does.
+    if not stopping or not all(worker.returncode in (0, -signal.SIGINT) for worker in workers):
+        return 1
+    return INTERRUPTED if stopping == signal.SIGINT else 0

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from ._options import Parser
@@ -30,29 +32,66 @@ def build_parser(prog: str = "python -m aiokvtier.server.load") -> argparse.Argu
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--url", default="http://127.0.0.1:8077", help="the server")
-    parser.add_argument("--clients", type=int, default=16, help="concurrent clients, each one request at a time")
-    parser.add_argument("--seconds", type=float, default=10.0, help="stop after this long")
-    parser.add_argument("--requests", type=int, default=10**9, help="stop after about this many requests in all")
-    parser.add_argument("--block-size", type=int, default=64 << 10, help="bytes per block PUT")
-    parser.add_argument("--lookup-keys", type=int, default=32, help="keys per lookup: the client's last ones")
+    parser.add_argument("--url", type=_url, default="http://127.0.0.1:8077", help="the server")
+    parser.add_argument("--clients", type=_count, default=16, help="concurrent clients, each one request at a time")
+    parser.add_argument("--seconds", type=_seconds, default=10.0, help="stop after this long")
+    parser.add_argument("--requests", type=_count, default=10**9, help="stop after about this many requests in all")
+    parser.add_argument("--block-size", type=_count, default=64 << 10, help="bytes per block PUT")
+    parser.add_argument("--lookup-keys", type=_count, default=32, help="keys per lookup: the client's last ones")
     return parser
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
+    return value
+
+
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the load and print its JSON; 1 after one line when httpx is missing, 2 after a bad option."""
+    """Run the load and print its JSON; 1 after one line when httpx is missing or the server does not
+    answer, 2 after a bad option. As the process's own command (``argv`` None), Ctrl-C ends it at once
+    by SIGINT, printing nothing, as it ends a benchmark: it holds nothing that outlives the process."""
+    if argv is None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
+        import httpx
+
         from ._load import run
     except ImportError as error:
         missing = f"needs httpx ({error.name} is missing): pip install 'aiokvtier[server]'"
         print(f"{parser.prog}: error: {missing}", file=sys.stderr)
         return 1
-    print(json.dumps(asyncio.run(run(args)), indent=2))
+    try:
+        figures = asyncio.run(run(args))
+    except httpx.TransportError as error:  # refused, unreachable, timed out: the server, not the load
+        print(f"{parser.prog}: error: no answer from {args.url}: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(figures, indent=2))
     return 0
 
 
