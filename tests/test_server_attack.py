@@ -562,3 +562,35 @@ async def killed_worker_scenario(tmp: Path) -> None:
 
 def test_a_worker_killed_mid_put_and_get_leaves_no_claim_and_no_half_block(scratch: Path) -> None:
     run(killed_worker_scenario(scratch), 180)
+
+
+async def killed_owner_scenario(tmp: Path) -> None:
+    # The parent, which owns the pool, SIGKILLed: its workers cannot serve a block any more, and nobody
+    # is left to stop them. Each answers 503 (JSON) meanwhile and /readyz is not 200, then exits by
+    # itself: the port is freed and no process keeps the pool's memory mapped.
+    server = await Workers.start(tmp, 2, "--quota", "64MiB", "--grace-seconds", "2")
+    try:
+        clients = await server.pin_clients(2)
+        data = os.urandom(5000)
+        for client in clients.values():
+            assert (await client.put("/v1/blocks/0a", content=data)).status_code in (200, 201)
+        server.proc.kill()
+        await server.proc.wait()
+        for client in clients.values():
+            try:
+                got = await client.get("/v1/blocks/0a")
+                ready = await client.get("/readyz")
+            except httpx.TransportError:
+                continue  # that worker is already gone
+            assert_error(got, 503)
+            assert "pool" in got.json()["error"], got.text
+            assert ready.status_code == 503 and ready.json()["status"] == "lost", ready.text
+        await until(lambda: all(gone(pid) for pid in clients), 20, "the workers exited")
+        assert await refused(server.url)
+        assert server.worker_pids() == []
+    finally:
+        await server.close()
+
+
+def test_the_pool_owner_killed_its_workers_answer_503_then_exit(scratch: Path) -> None:
+    run(killed_owner_scenario(scratch), 120)

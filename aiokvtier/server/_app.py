@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .._errors import TierClosedError
+from .._errors import PoolLostError, TierClosedError
 from ._blocks import Blocks
 
 __all__ = ["ApiError", "Service"]
@@ -136,7 +136,10 @@ class Service:
 
     async def readyz(self, request: Request) -> Response:
         resident, target, fill_error = self.blocks.residency() if self.opened else (0, 0, None)
-        if self.draining:
+        lost = self.blocks.lost() if self.opened else None
+        if lost is not None:  # nothing can be served any more, and the process is on its way out
+            status, state = 503, "lost"
+        elif self.draining:
             status, state = 503, "draining"
         elif resident > 0:  # a fill that failed part way still serves the resident prefix
             status, state = 200, "ready"
@@ -151,6 +154,8 @@ class Service:
             "fraction": resident / target if target else 0.0,
             "fill_error": fill_error,
         }
+        if lost is not None:
+            body["lost"] = lost
         return JSONResponse(body, status_code=status)
 
     async def block(self, request: Request) -> Response:
@@ -235,6 +240,8 @@ class Service:
         return JSONResponse({"error": error.detail}, status_code=error.status_code, headers=error.headers)
 
     async def closed_error(self, request: Request, error: Exception) -> Response:
+        if isinstance(error, PoolLostError):  # not a shutdown: the pool's owner went away under this worker
+            return JSONResponse({"error": f"the block pool is lost: {error}"}, status_code=503, headers=CLOSE)
         return JSONResponse({"error": SHUTTING_DOWN}, status_code=503, headers=CLOSE)
 
     async def internal_error(self, request: Request, error: Exception) -> Response:

@@ -60,6 +60,8 @@ class Server(uvicorn.Server):
         self.grace_seconds = grace_seconds
         self.drain_until: float | None = None
         self.cut_now = False
+        self.lost: str | None = None
+        """Why the service stopped by itself: its pool is lost (a worker whose parent died), or None."""
 
     async def startup(self, sockets: list[Any] | None = None) -> None:
         await super().startup(sockets)
@@ -82,6 +84,14 @@ class Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.drain_until is not None and time.monotonic() >= self.drain_until:
             self.should_exit = True
+        if self.lost is None and self.service.opened:
+            # A worker's pool goes only with the parent that owns it: nothing can be served any more and
+            # nobody is left to stop this process, so it stops itself (no drain: there is nothing to drain).
+            self.lost = self.service.blocks.lost()
+            if self.lost is not None:
+                log.error("aiokvtier server: the block pool is lost, shutting down: %s", self.lost)
+                self.service.draining = True
+                self.should_exit = True
         return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[Any] | None = None) -> None:
@@ -135,7 +145,8 @@ class Server(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
-    """Serve until a signal; 0 after a clean shutdown, 3 when the server did not start."""
+    """Serve until a signal; 0 after a clean shutdown, 3 when the server did not start, 1 when a worker
+    stopped because its pool was lost."""
     if args.workers > 1:
         from ._workers import serve_workers
 
@@ -166,4 +177,6 @@ def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
         server.run(sockets=[socket.socket(fileno=args.listen_fd)])
     else:
         server.run()
-    return 0 if server.started else 3
+    if not server.started:
+        return 3
+    return 1 if server.lost is not None else 0
