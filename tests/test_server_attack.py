@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .test_server import APP, ENV, ROOT, Raw, Server, assert_error, head, wait_for
+from .test_server import APP, ENV, ROOT, Raw, Server, assert_error, assert_json_503, head, wait_for
 
 SLOT = 64 << 10
 
@@ -594,3 +594,59 @@ async def killed_owner_scenario(tmp: Path) -> None:
 
 def test_the_pool_owner_killed_its_workers_answer_503_then_exit(scratch: Path) -> None:
     run(killed_owner_scenario(scratch), 120)
+
+
+# -- signals with requests in flight ------------------------------------------------------------------
+
+
+async def signal_in_flight_scenario(tmp: Path, sig: signal.Signals, group: bool) -> None:
+    # Eight uploads in flight over the workers when the signal comes: half end within the grace (201),
+    # half never do (JSON 503 after the grace). Then every worker has exited, the parent exits 0, and
+    # neither the pool's socket nor its private directory is left. ``group``: the signal goes to the
+    # parent's whole process group, as a terminal's Ctrl-C does.
+    server = await Workers.start(tmp, 2, "--quota", "64MiB", "--grace-seconds", "3", session=group)
+    uploads: list[Raw] = []
+    try:
+        pids = list(await server.pin_clients(2))
+        assert sorted(pids) == sorted(server.worker_pids())
+        bodies = [os.urandom(6000) for _ in range(8)]
+        for i, body in enumerate(bodies):
+            uploads.append(await Raw.open(server.url, head(f"PUT /v1/blocks/9{i}", "Content-Length: 6000"), body[:10]))
+        await asyncio.sleep(0.3)
+        if group:
+            os.killpg(server.proc.pid, sig)
+        else:
+            server.proc.send_signal(sig)
+        await asyncio.sleep(0.5)
+        assert await refused(server.url)  # the port closed at once
+        for raw, body in zip(uploads[::2], bodies[::2], strict=True):  # these end within the grace
+            raw.writer.write(body[10:])
+        answers = await asyncio.gather(*(raw.answer(15) for raw in uploads))
+        for i, answer in enumerate(answers):
+            if i % 2 == 0:
+                assert answer[0] == 201, answer
+            else:
+                assert_json_503(answer)
+        code = await asyncio.wait_for(server.proc.wait(), 30)
+        assert code == 0
+        assert all(gone(pid) for pid in pids)
+        assert os.listdir(tmp) == [], os.listdir(tmp)  # no socket, no lock, no directory
+    finally:
+        for raw in uploads:
+            raw.close()
+        code, stderr = await server.close()
+    assert code == 0, stderr
+    assert "Traceback" not in stderr and "Exception in ASGI" not in stderr, stderr
+    cut = re.findall(r"(\d+) request\(s\) still in flight, answered 503", stderr)
+    assert sum(map(int, cut)) == 4, stderr  # the workers cut the four uploads that never ended, no other
+
+
+@pytest.mark.parametrize(
+    ("sig", "group"),
+    [(signal.SIGTERM, False), (signal.SIGINT, False)],
+    ids=["sigterm", "sigint"],
+)
+def test_a_signal_with_uploads_in_flight_over_workers_gives_them_the_grace_and_exits_0(
+    scratch: Path, sig: signal.Signals, group: bool
+) -> None:
+    run(signal_in_flight_scenario(scratch, sig, group), 120)

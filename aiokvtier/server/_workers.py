@@ -67,6 +67,9 @@ async def _supervise(args: argparse.Namespace, config: HostTierConfig, path: str
             for worker in workers:
                 if worker.returncode is None:
                     worker.send_signal(sig)
+            # The workers close their copies of the listening socket as they shut down; this one must go
+            # too, or the kernel would go on queueing connections that nobody answers until this exits.
+            listener.close()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, pass_on, sig)
