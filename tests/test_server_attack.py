@@ -643,8 +643,8 @@ async def signal_in_flight_scenario(tmp: Path, sig: signal.Signals, group: bool)
 
 @pytest.mark.parametrize(
     ("sig", "group"),
-    [(signal.SIGTERM, False), (signal.SIGINT, False)],
-    ids=["sigterm", "sigint"],
+    [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGINT, True)],
+    ids=["sigterm", "sigint", "ctrl-c"],
 )
 def test_a_signal_with_uploads_in_flight_over_workers_gives_them_the_grace_and_exits_0(
     scratch: Path, sig: signal.Signals, group: bool

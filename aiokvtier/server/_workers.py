@@ -58,7 +58,12 @@ async def _supervise(args: argparse.Namespace, config: HostTierConfig, path: str
             "--log-level", args.log_level, "--drain-seconds", str(args.drain_seconds),
             "--grace-seconds", str(args.grace_seconds),
         ]  # fmt: skip
-        workers = [await asyncio.create_subprocess_exec(*argv, pass_fds=(fd,)) for _ in range(args.workers)]
+        # Each worker in a process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group)
+        # reaches this process alone, which passes it on once; a worker that got it twice, from the terminal
+        # and from here, would take the second for "end the grace now" and cut its requests in flight.
+        workers = [
+            await asyncio.create_subprocess_exec(*argv, pass_fds=(fd,), process_group=0) for _ in range(args.workers)
+        ]
         print(f"aiokvtier server listening on http://{host}:{port} ({args.workers} workers, one pool)", flush=True)
 
         def pass_on(sig: int) -> None:
