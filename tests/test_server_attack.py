@@ -650,3 +650,29 @@ def test_a_signal_with_uploads_in_flight_over_workers_gives_them_the_grace_and_e
     scratch: Path, sig: signal.Signals, group: bool
 ) -> None:
     run(signal_in_flight_scenario(scratch, sig, group), 120)
+
+
+async def signal_at_start_scenario(tmp: Path, after: float) -> None:
+    # SIGTERM while the parent opens the pool and starts its workers: it stops those it started, exits 0,
+    # and leaves no socket, no directory and no worker behind.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *APP, "--host", "127.0.0.1", "--port", "0", "--workers", "2", "--quota", "64MiB",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**ENV, "TMPDIR": str(tmp)}, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        await until(lambda: bool(glob.glob(f"{tmp}/aiokvtier-server-*/pool.sock")), 30, "the pool's socket")
+        await asyncio.sleep(after)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, stderr.decode()
+    assert "Traceback" not in stderr.decode(), stderr.decode()
+    assert os.listdir(tmp) == [] and processes_naming(str(tmp) + os.sep) == []
+
+
+@pytest.mark.parametrize("after", [0.0, 0.01, 0.03, 0.1])
+def test_a_signal_while_the_workers_start_stops_them_and_exits_0(scratch: Path, after: float) -> None:
+    run(signal_at_start_scenario(scratch, after), 60)

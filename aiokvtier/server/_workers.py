@@ -52,41 +52,57 @@ async def _supervise(args: argparse.Namespace, config: HostTierConfig, path: str
     fd = listener.fileno()
     host, port = listener.getsockname()[:2]
     stopping = False
-    async with Pool(config, path):
-        argv = [
-            sys.executable, "-m", "aiokvtier.server", "--attach", path, "--listen-fd", str(fd),
-            "--log-level", args.log_level, "--drain-seconds", str(args.drain_seconds),
-            "--grace-seconds", str(args.grace_seconds),
-        ]  # fmt: skip
-        # Each worker in a process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group)
-        # reaches this process alone, which passes it on once; a worker that got it twice, from the terminal
-        # and from here, would take the second for "end the grace now" and cut its requests in flight.
-        workers = [
-            await asyncio.create_subprocess_exec(*argv, pass_fds=(fd,), process_group=0) for _ in range(args.workers)
-        ]
-        print(f"aiokvtier server listening on http://{host}:{port} ({args.workers} workers, one pool)", flush=True)
+    workers: list[asyncio.subprocess.Process] = []
+    signals: list[int] = []
 
-        def pass_on(sig: int) -> None:
-            nonlocal stopping
-            stopping = True
-            for worker in workers:
-                if worker.returncode is None:
-                    worker.send_signal(sig)
-            # The workers close their copies of the listening socket as they shut down; this one must go
-            # too, or the kernel would go on queueing connections that nobody answers until this exits.
-            listener.close()
+    def pass_on(sig: int) -> None:
+        nonlocal stopping
+        stopping = True
+        signals.append(sig)
+        for worker in workers:
+            if worker.returncode is None:
+                worker.send_signal(sig)
+        # The workers close their copies of the listening socket as they shut down; this one must go too,
+        # or the kernel would go on queueing connections that nobody answers until this process exits.
+        listener.close()
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, pass_on, sig)
-        try:
+    # From the start: a signal while the pool opens or the workers start stops them too, instead of
+    # killing this process (the default action) and leaving the workers behind.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, pass_on, sig)
+    try:
+        async with Pool(config, path):
+            argv = [
+                sys.executable, "-m", "aiokvtier.server", "--attach", path, "--listen-fd", str(fd),
+                "--log-level", args.log_level, "--drain-seconds", str(args.drain_seconds),
+                "--grace-seconds", str(args.grace_seconds),
+            ]  # fmt: skip
+            for _ in range(args.workers):
+                if stopping:
+                    break
+                # Each in its own process group: a terminal's Ctrl-C (SIGINT to the foreground group) reaches
+                # this process alone, which passes it on once; a worker that got it twice, from the terminal
+                # and from here, would take the second for "end the grace now".
+                worker = await asyncio.create_subprocess_exec(*argv, pass_fds=(fd,), process_group=0)
+                workers.append(worker)
+                for came in signals:  # those that came while it started: pass_on did not know it yet
+                    worker.send_signal(came)
+            if not stopping:
+                print(
+                    f"aiokvtier server listening on http://{host}:{port} ({args.workers} workers, one pool)",
+                    flush=True,
+                )
             waits = {asyncio.ensure_future(worker.wait()) for worker in workers}
-            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if waits:
+                _, waits = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if not stopping:
                 log.error("aiokvtier server: a worker exited on its own; stopping the others")
                 pass_on(signal.SIGTERM)
-            await asyncio.gather(*pending)
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-    codes = [worker.returncode for worker in workers]
-    return 0 if all(code == 0 for code in codes) and stopping else 1
+            await asyncio.gather(*waits)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    # A worker the signal reached before it took its handlers (while Python started) ends by the signal
+    # itself: it served nothing yet, and stopped as asked.
+    stopped = {0, -signal.SIGTERM, -signal.SIGINT}
+    return 0 if stopping and all(worker.returncode in stopped for worker in workers) else 1
