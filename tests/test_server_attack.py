@@ -257,6 +257,11 @@ async def hostile_scenario() -> None:
                 else:
                     assert headers["content-type"] == "application/json", target
                     assert len(body) < 1024, (target, len(body))  # a huge key is not echoed whole
+            # A trailing slash is another path: 404, never a redirect (to where the client's Host header says).
+            for line in ("GET /v1/blocks/aa01/", "PUT /v1/blocks/b005/", "GET /healthz/", "DELETE /v1/blocks/aa01//"):
+                status, headers, _ = await exchange(url, request(line, "Content-Length: 3", body=b"abc"))
+                assert status == 404 and "location" not in headers, (line, status, headers)
+                assert headers["content-type"] == "application/json", line
             status, _, _ = await exchange(url, b"GET /v1/blocks/\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n")
             assert status == 400  # not UTF-8 on the wire: not even a request
             # 100 KB of request head: refused once 16 KiB of it wait for the rest (a 400, or the connection
@@ -292,7 +297,7 @@ async def hostile_scenario() -> None:
 
             # Nothing above changed a block or left one half stored.
             assert (await client.get("/v1/blocks/aa01")).content == OLD
-            for key in ("b002", "b003", "b004"):
+            for key in ("b002", "b003", "b004", "b005"):
                 assert_error(await client.get(f"/v1/blocks/{key}"), 404)
             stats = (await client.get("/v1/stats")).json()
             assert stats["store"]["blocks"] == 2 == stats["tier"]["slots_allocated"], stats["store"]

@@ -264,4 +264,8 @@ class Service:
             TierClosedError: self.closed_error,
             Exception: self.internal_error,
         }
-        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
+        app = Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
+        # A path with a trailing slash is not a route: 404, not Starlette's 307 to the path without it, which
+        # names whatever host the client's Host header says and has a PUT send its block again.
+        app.router.redirect_slashes = False
+        return app
