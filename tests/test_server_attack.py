@@ -232,6 +232,26 @@ async def hostile_scenario() -> None:
                     url, request("PUT /v1/blocks/aa01", declared, "Expect: 100-continue")
                 )
                 assert status == 413 and headers["content-type"] == "application/json"
+            # An answer sent before the body was read to its end says it closes the connection, and does:
+            # the server does not go on reading, and throwing away, the body the client goes on sending.
+            for line, want in (
+                ("PUT /v1/blocks/aa01", 413),
+                ("PUT /v1/blocks/ZZ", 400),
+                ("POST /v1/blocks/aa01", 405),
+                ("POST /nowhere", 404),
+            ):
+                early = await Raw.open(url, head(line, "Content-Length: 1000000000"), bytes(1000))
+                status, headers, _ = await early.answer(10)
+                assert status == want and headers["connection"] == "close", (line, status, headers)
+            # One whose body was read keeps its connection: the next request on it is answered.
+            kept = await Raw.open(
+                url,
+                head("PUT /v1/blocks/b006", "Content-Length: 3")
+                + "abc"
+                + head("GET /v1/blocks/b006", "Connection: close"),
+            )
+            status, headers, body = await kept.answer(10)
+            assert status == 201 and "connection" not in headers and body.endswith(b"\r\n\r\nabc"), body
             huge = b"%x\r\n" % (SLOT + 1) + bytes(SLOT + 1) + b"\r\n0\r\n\r\n"
             status, _, _ = await exchange(url, request("PUT /v1/blocks/aa01", chunked, body=huge))
             assert status == 413
@@ -300,7 +320,7 @@ async def hostile_scenario() -> None:
             for key in ("b002", "b003", "b004", "b005"):
                 assert_error(await client.get(f"/v1/blocks/{key}"), 404)
             stats = (await client.get("/v1/stats")).json()
-            assert stats["store"]["blocks"] == 2 == stats["tier"]["slots_allocated"], stats["store"]
+            assert stats["store"]["blocks"] == 3 == stats["tier"]["slots_allocated"], stats["store"]
             assert stats["store"]["in_flight"] == 0 and stats["store"]["blocks_pinned"] == 0
             assert stats["server"]["internal_errors"] == 0
     finally:

@@ -19,9 +19,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._errors import PoolLostError, TierClosedError
 from ._blocks import Blocks
@@ -40,6 +42,42 @@ _CUT = "aiokvtier server: cut at shutdown"
 """The message of the cancellation that ``Service.cut()`` sends (it names the cause, should one ever escape)."""
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class CloseUnread:
+    """ASGI middleware: an answer sent before the request's body was read to its end says
+    ``Connection: close``, and the server closes the connection after it.
+
+    Without it the connection stays open after a 413, or a 400, 404 or 405 to a request that came with
+    a body, and the server reads on, throwing the rest of the body away, until its keep-alive timeout.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"").strip()
+        unread = b"transfer-encoding" in headers or declared.lstrip(b"0") != b""  # a body, not of 0 bytes
+
+        async def receiving() -> Message:
+            nonlocal unread
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                unread = False  # the body ended, or the client went away
+            return message
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start" and unread:
+                fields = list(message.get("headers", []))
+                if not any(name.lower() == b"connection" for name, _ in fields):
+                    message = {**message, "headers": [*fields, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receiving, sending)
 
 
 class ApiError(Exception):
@@ -264,7 +302,9 @@ class Service:
             TierClosedError: self.closed_error,
             Exception: self.internal_error,
         }
-        app = Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
+        app = Starlette(
+            routes=routes, exception_handlers=handlers, middleware=[Middleware(CloseUnread)], lifespan=self.lifespan
+        )
         # A path with a trailing slash is not a route: 404, not Starlette's 307 to the path without it, which
         # names whatever host the client's Host header says and has a PUT send its block again.
         app.router.redirect_slashes = False
