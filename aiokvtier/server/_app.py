@@ -44,12 +44,15 @@ _CUT = "aiokvtier server: cut at shutdown"
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-class CloseUnread:
-    """ASGI middleware: an answer sent before the request's body was read to its end says
-    ``Connection: close``, and the server closes the connection after it.
+class Framing:
+    """ASGI middleware: how a request's body is framed decides whether its connection carries another.
 
-    Without it the connection stays open after a 413, or a 400, 404 or 405 to a request that came with
-    a body, and the server reads on, throwing the rest of the body away, until its keep-alive timeout.
+    A request with both a ``Content-Length`` and a ``Transfer-Encoding`` is refused (400) and its
+    connection closed (RFC 9112 6.3: a proxy in front that reads the other header would see another
+    request where this server sees a body: how requests are smuggled). An answer sent before the body
+    was read to its end (a 413, or a 400, 404 or 405 to a request that came with a body) says
+    ``Connection: close``: without it the server would read on, throwing the rest of the body away,
+    until its keep-alive timeout.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -60,6 +63,10 @@ class CloseUnread:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
+        if b"transfer-encoding" in headers and b"content-length" in headers:
+            message = "a request has a Content-Length or a Transfer-Encoding, not both"
+            await JSONResponse({"error": message}, status_code=400, headers=CLOSE)(scope, receive, send)
+            return
         declared = headers.get(b"content-length", b"").strip()
         unread = b"transfer-encoding" in headers or declared.lstrip(b"0") != b""  # a body, not of 0 bytes
 
@@ -303,7 +310,7 @@ class Service:
             Exception: self.internal_error,
         }
         app = Starlette(
-            routes=routes, exception_handlers=handlers, middleware=[Middleware(CloseUnread)], lifespan=self.lifespan
+            routes=routes, exception_handlers=handlers, middleware=[Middleware(Framing)], lifespan=self.lifespan
         )
         # A path with a trailing slash is not a route: 404, not Starlette's 307 to the path without it, which
         # names whatever host the client's Host header says and has a PUT send its block again.
