@@ -685,6 +685,30 @@ def test_a_signal_with_uploads_in_flight_over_workers_gives_them_the_grace_and_e
     run(signal_in_flight_scenario(scratch, sig, group), 120)
 
 
+async def drain_over_workers_scenario(tmp: Path) -> None:
+    # --drain-seconds over workers: after SIGTERM every worker keeps serving, new connections too, with
+    # /readyz 503 "draining"; once the drain is over the port refuses connections and the parent exits 0.
+    server = await Workers.start(tmp, 2, "--quota", "64MiB", "--drain-seconds", "3")
+    try:
+        server.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        for _ in range(8):  # each a new connection, taken by either worker
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                ready = await client.get("/readyz")
+                assert ready.status_code == 503 and ready.json()["status"] == "draining", ready.text
+                assert (await client.get("/v1/stats")).json()["server"]["draining"] is True
+        await until(lambda: refused(server.url), 10, "the port closed after the drain")
+        assert await asyncio.wait_for(server.proc.wait(), 30) == 0
+    finally:
+        code, stderr = await server.close()
+    assert code == 0 and "Traceback" not in stderr, stderr
+    assert os.listdir(tmp) == []
+
+
+def test_a_drain_over_workers_serves_new_connections_then_the_port_closes(scratch: Path) -> None:
+    run(drain_over_workers_scenario(scratch), 60)
+
+
 async def signal_at_start_scenario(tmp: Path, after: float) -> None:
     # SIGTERM while the parent opens the pool and starts its workers: it stops those it started, exits 0,
     # and leaves no socket, no directory and no worker behind.
