@@ -300,12 +300,14 @@ async def test_the_owners_death_is_a_clear_error_and_a_restarted_owner_starts_cl
             view[:4] = b"kept"
             await pool.store([b"k"], [b"v" * 100])
             waiting = asyncio.ensure_future(pool.allocate(10**6))  # refused later by the owner, or lost
+            assert pool.lost is None
             await owner.kill()
             async with asyncio.timeout(WAIT):
                 with pytest.raises(PoolLostError, match="owner"):
                     while True:  # answered from the index mirror, rightly, until the loss is noticed
                         assert await pool.lookup([b"k"]) == 1
                         await asyncio.sleep(0.01)
+            assert pool.lost is not None and "the pool's owner went away" in pool.lost
             with pytest.raises(PoolLostError):
                 await waiting
             assert bytes(view[:4]) == b"kept"  # the mapping outlives the owner
@@ -330,6 +332,7 @@ async def test_the_owner_closing_tells_its_clients(sock: str) -> None:
     async with asyncio.timeout(WAIT):
         with pytest.raises(PoolLostError, match="closed the pool"):
             await a.allocate()
+    assert a.lost is not None and "closed the pool" in a.lost
     await a.aclose()
     await a.aclose()
 

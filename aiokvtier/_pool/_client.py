@@ -730,6 +730,12 @@ class AttachedPool(Owner):
         return self._life.closed
 
     @property
+    def lost(self) -> str | None:
+        """Why every call now raises ``PoolLostError`` (the owner closed the pool or went away, or this
+        process closed it), or None while the owner serves this process. Any thread."""
+        return self._lost
+
+    @property
     def copies(self) -> InflightCopies:
         return self._copies
 

@@ -9,7 +9,8 @@ the first unit of the tier is resident. Blocks are named by lowercase hex text
 of 1 to 128 characters; the store's key is that text as ASCII bytes.
 
     GET    /healthz              200 {"status": "ok"}
-    GET    /readyz               503 until the first unit is resident (and after SIGTERM, or on a failed fill), then 200
+    GET    /readyz               503 until the first unit is resident (and after SIGTERM, on a failed fill, or
+                                 in a --workers worker whose pool is lost), then 200
     PUT    /v1/blocks/{key}      201 stored, 200 already there, 413 too large, 507 no room, 400 bad request
     GET    /v1/blocks/{key}      200 the bytes stored, 404 unknown
     DELETE /v1/blocks/{key}      204, 404 unknown

@@ -19,11 +19,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .._errors import TierClosedError
+from .._errors import PoolLostError, TierClosedError
 from ._blocks import Blocks
 
 __all__ = ["ApiError", "Service"]
@@ -40,6 +42,49 @@ _CUT = "aiokvtier server: cut at shutdown"
 """The message of the cancellation that ``Service.cut()`` sends (it names the cause, should one ever escape)."""
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class Framing:
+    """ASGI middleware: how a request's body is framed decides whether its connection carries another.
+
+    A request with both a ``Content-Length`` and a ``Transfer-Encoding`` is refused (400) and its
+    connection closed (RFC 9112 6.3: a proxy in front that reads the other header would see another
+    request where this server sees a body: how requests are smuggled). An answer sent before the body
+    was read to its end (a 413, or a 400, 404 or 405 to a request that came with a body) says
+    ``Connection: close``: without it the server would read on, throwing the rest of the body away,
+    until its keep-alive timeout.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if b"transfer-encoding" in headers and b"content-length" in headers:
+            message = "a request has a Content-Length or a Transfer-Encoding, not both"
+            await JSONResponse({"error": message}, status_code=400, headers=CLOSE)(scope, receive, send)
+            return
+        declared = headers.get(b"content-length", b"").strip()
+        unread = b"transfer-encoding" in headers or declared.lstrip(b"0") != b""  # a body, not of 0 bytes
+
+        async def receiving() -> Message:
+            nonlocal unread
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                unread = False  # the body ended, or the client went away
+            return message
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start" and unread:
+                fields = list(message.get("headers", []))
+                if not any(name.lower() == b"connection" for name, _ in fields):
+                    message = {**message, "headers": [*fields, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receiving, sending)
 
 
 class ApiError(Exception):
@@ -145,7 +190,10 @@ class Service:
 
     async def readyz(self, request: Request) -> Response:
         resident, target, fill_error = self.blocks.residency() if self.opened else (0, 0, None)
-        if self.draining:
+        lost = self.blocks.lost() if self.opened else None
+        if lost is not None:  # nothing can be served any more, and the process is on its way out
+            status, state = 503, "lost"
+        elif self.draining:
             status, state = 503, "draining"
         elif resident > 0:  # a fill that failed part way still serves the resident prefix
             status, state = 200, "ready"
@@ -160,6 +208,8 @@ class Service:
             "fraction": resident / target if target else 0.0,
             "fill_error": fill_error,
         }
+        if lost is not None:
+            body["lost"] = lost
         return JSONResponse(body, status_code=status)
 
     async def block(self, request: Request) -> Response:
@@ -244,6 +294,8 @@ class Service:
         return JSONResponse({"error": error.detail}, status_code=error.status_code, headers=error.headers)
 
     async def closed_error(self, request: Request, error: Exception) -> Response:
+        if isinstance(error, PoolLostError):  # not a shutdown: the pool's owner went away under this worker
+            return JSONResponse({"error": f"the block pool is lost: {error}"}, status_code=503, headers=CLOSE)
         return JSONResponse({"error": SHUTTING_DOWN}, status_code=503, headers=CLOSE)
 
     async def internal_error(self, request: Request, error: Exception) -> Response:
@@ -266,4 +318,10 @@ class Service:
             TierClosedError: self.closed_error,
             Exception: self.internal_error,
         }
-        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
+        app = Starlette(
+            routes=routes, exception_handlers=handlers, middleware=[Middleware(Framing)], lifespan=self.lifespan
+        )
+        # A path with a trailing slash is not a route: 404, not Starlette's 307 to the path without it, which
+        # names whatever host the client's Host header says and has a PUT send its block again.
+        app.router.redirect_slashes = False
+        return app

@@ -32,6 +32,7 @@ class Blocks(Protocol):
     async def open(self) -> None: ...
     async def aclose(self) -> None: ...
     def residency(self) -> tuple[int, int, str | None]: ...
+    def lost(self) -> str | None: ...
     async def put(self, key: bytes, body: bytes) -> Put: ...
     async def get(self, key: bytes) -> bytes | None: ...
     async def delete(self, key: bytes) -> bool: ...
@@ -88,6 +89,9 @@ class StoreBlocks:
     def residency(self) -> tuple[int, int, str | None]:
         s = self.tier.statistics()
         return s.resident_bytes, s.target_bytes, s.fill_error
+
+    def lost(self) -> str | None:
+        return None
 
     async def put(self, key: bytes, body: bytes) -> Put:
         result = await self.store.store([key], [body])
@@ -152,6 +156,10 @@ class PoolBlocks:
     def residency(self) -> tuple[int, int, str | None]:
         return self.pool.resident_bytes, self.pool.quota, None
 
+    def lost(self) -> str | None:
+        """Why the pool can no longer serve this worker (its owner went away), or None."""
+        return self.pool.lost if "pool" in self.__dict__ else None
+
     async def put(self, key: bytes, body: bytes) -> Put:
         result = await self.pool.store([key], [body])
         return "stored" if result.stored else "present" if result.present else "skipped"
@@ -196,6 +204,9 @@ class DictBlocks:
 
     def residency(self) -> tuple[int, int, str | None]:
         return 1, 1, None  # nothing to fill: ready at once
+
+    def lost(self) -> str | None:
+        return None
 
     async def put(self, key: bytes, body: bytes) -> Put:
         if key in self.blocks:

@@ -72,6 +72,8 @@ class Server(uvicorn.Server):
         self.first_signal: int | None = None
         """The signal that started the shutdown: SIGINT (Ctrl-C) ends the command by SIGINT, SIGTERM with 0."""
         self.startup_error: AiokvtierError | OSError | None = None
+        self.lost: str | None = None
+        """Why the service stopped by itself: its pool is lost (a worker whose parent died), or None."""
 
     async def serve(self, sockets: list[Any] | None = None) -> None:
         # The blocks open before uvicorn starts, so that a tier that cannot open is one line of ours, not a
@@ -110,6 +112,14 @@ class Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.drain_until is not None and time.monotonic() >= self.drain_until:
             self.should_exit = True
+        if self.lost is None and self.service.opened:
+            # A worker's pool goes only with the parent that owns it: nothing can be served any more and
+            # nobody is left to stop this process, so it stops itself (no drain: there is nothing to drain).
+            self.lost = self.service.blocks.lost()
+            if self.lost is not None:
+                log.error("aiokvtier server: the block pool is lost, shutting down: %s", self.lost)
+                self.service.draining = True
+                self.should_exit = True
         return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[Any] | None = None) -> None:
@@ -182,7 +192,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
-    """Serve until a signal; 0 after a clean shutdown that SIGTERM started, ``INTERRUPTED`` after SIGINT.
+    """Serve until a signal; 0 after a clean shutdown that SIGTERM started, ``INTERRUPTED`` after SIGINT, 1
+    when a worker stopped because its pool was lost.
 
     :raises StartupError: the server did not start: the port, or the tier or the store refused.
     """
@@ -227,4 +238,6 @@ def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
         raise StartupError(f"{type(error).__name__}: {error}" if isinstance(error, AiokvtierError) else str(error))
     if not server.started:
         raise StartupError("the server did not start (the line above says why)")
+    if server.lost is not None:
+        return 1
     return INTERRUPTED if server.first_signal == signal.SIGINT else 0
