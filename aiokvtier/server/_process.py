@@ -94,7 +94,9 @@ class Server(uvicorn.Server):
         for server in self.servers:
             for sock in server.sockets:
                 host, port = sock.getsockname()[:2]
-                print(f"aiokvtier server listening on http://{host}:{port}", flush=True)
+                # One write for the whole line: the workers of --workers share the parent's stdout, and
+                # print() writes the newline apart (unbuffered, PYTHONUNBUFFERED=1), so lines interleaved.
+                print(f"aiokvtier server listening on http://{host}:{port}\n", end="", flush=True)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler may only set flags: on_tick and the shutdown's wait (every 0.1 s or less,
