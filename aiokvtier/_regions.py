@@ -36,6 +36,7 @@ __all__ = [
     "Landing",
     "Region",
     "epoch",
+    "generation",
     "known",
     "locate",
     "locate_span",
@@ -185,6 +186,13 @@ def epoch() -> int:
     """A count that moves whenever a region snapshots its copies in flight (a close, a shrink): a
     tracker that read it before its checks and finds it moved after tracking checks again."""
     return _epoch
+
+
+def generation() -> tuple[int, object]:
+    """What a check of where spans lie depends on: ``epoch()`` and the set of regions. A check
+    that passed stays true while this is unchanged (a region grows, never moves; it shrinks or
+    closes only through a snapshot), so a caller may keep its result until then."""
+    return _epoch, _live
 
 
 def _republish() -> None:

@@ -33,6 +33,10 @@ class StaticHostMem(Owner):
     released (or, for ``aclose``, once the teardown is complete).
     """
 
+    checks_hold_until_snapshot = True
+    """A span found inside it stays inside until it closes (its size never changes, and its close
+    marks it closed before it snapshots): the copy engine may keep an array's check over it."""
+
     def __init__(self, size: int, device: int | None = None, numa_node: int | None = None) -> None:
         if type(size) is not int or size <= 0:
             raise ValueError(f"size must be a positive int, got {size!r}")
