@@ -9,7 +9,8 @@ import errno
 import gc
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,8 @@ from aiokvtier._disk._io import DataFile
 
 from .helpers import eventually
 from .invariants import wait_no_library_threads
-from .test_disk_attack import gate
-from .test_store_disk_pieces import DATA, HEAD, KEYS, PER, SLOT, TAIL, prefix, settled
+from .test_disk_attack import Gate, gate
+from .test_store_disk_pieces import DATA, HEAD, KEYS, PER, SLOT, TAIL, begun, prefix, settled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -92,11 +93,32 @@ def fail_reads_of(monkeypatch: pytest.MonkeyPatch, slots: set[int], code: int = 
     monkeypatch.setattr(DataFile, "read_blocks", read_blocks)
 
 
-async def cancel_after(call: Callable[[], Any], ticks: int) -> bool:
+@asynccontextmanager
+async def load_held_in_a_read(
+    monkeypatch: pytest.MonkeyPatch, store: BlockStore, out: Any
+) -> AsyncIterator[tuple[asyncio.Future[None], Gate]]:
+    """A load of every key into ``out``, begun as a task and held inside its first piece's read until the
+    gate is released (it is on the way out, whatever happened)."""
+    with gate(monkeypatch, "read_blocks") as g:
+        load = asyncio.ensure_future(store.load(KEYS, out))
+        await g.reached()
+        yield load, g
+
+
+async def closed_under_a_read(g: Gate, close: Callable[[], Awaitable[None]], *waiting: asyncio.Future[None]) -> None:
+    """``close()`` begun while the gate holds a read waits for it (and so does each of ``waiting``), and
+    ends once the read is let go."""
+    closing = asyncio.ensure_future(close())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # a read in flight uses the files and the host slots
+    assert not any(w.done() for w in waiting)
+    await g.release()
+    await closing
+
+
+async def cancel_after(call: Callable[[], Coroutine[Any, Any, Any]], ticks: int) -> bool:
     """Run ``call()`` as a task and cancel it after ``ticks`` turns of the loop; True if it was cancelled."""
-    task = asyncio.ensure_future(call())
-    for _ in range(ticks):
-        await asyncio.sleep(0)
+    task = await begun(call(), ticks)
     task.cancel()
     try:
         await task
@@ -172,9 +194,7 @@ async def test_a_load_cancelled_while_every_piece_reads_waits_for_the_reads(
     read are not read, and their slots go back."""
     async with prefix(tmp_path) as (tier, store, disk):
         out = np.zeros_like(DATA)
-        with gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, out))
-            await g.reached()
+        async with load_held_in_a_read(monkeypatch, store, out) as (load, g):
             load.cancel()
             await asyncio.sleep(0.05)
             assert not load.done()  # a read holds host slots: the load waits for it
@@ -285,13 +305,12 @@ async def test_a_cancelled_load_with_a_failed_piece_logs_nothing_unretrieved(
 ) -> None:
     async with prefix(tmp_path) as (tier, store, disk):
         fail_reads_of(monkeypatch, {await asyncio.to_thread(slot_on_disk, disk, HEAD + 1)})
-        with caplog.at_level(logging.ERROR, logger="asyncio"), gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, np.zeros_like(DATA)))
-            await g.reached()
-            load.cancel()
-            await g.release()
-            with pytest.raises(asyncio.CancelledError):
-                await load
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            async with load_held_in_a_read(monkeypatch, store, np.zeros_like(DATA)) as (load, g):
+                load.cancel()
+                await g.release()
+                with pytest.raises(asyncio.CancelledError):
+                    await load
             gc.collect()
             await asyncio.sleep(0)
         monkeypatch.undo()
@@ -310,9 +329,7 @@ async def test_a_key_discarded_while_its_piece_is_read_is_not_in_the_store_after
     async with prefix(tmp_path) as (tier, store, disk):
         victim = HEAD + 2 * PER + 4
         out = np.zeros_like(DATA)
-        with gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, out))
-            await g.reached()
+        async with load_held_in_a_read(monkeypatch, store, out) as (load, g):
             store.discard([KEYS[victim]])
             assert KEYS[victim] not in disk and KEYS[victim] not in store
             await g.release()
@@ -360,9 +377,7 @@ async def test_blocks_evicted_from_the_disk_tier_while_their_piece_is_read_still
     """Dropped while a read holds their data slots: the slots are reused only after the read let go."""
     async with prefix(tmp_path) as (tier, store, disk):
         out = np.zeros_like(DATA)
-        with gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, out))
-            await g.reached()
+        async with load_held_in_a_read(monkeypatch, store, out) as (load, g):
             assert disk.discard(KEYS[HEAD:]) > 0  # what an eviction by a write does to the index
             await g.release()
             await load  # the bytes were read whole before the slots were given to anyone
@@ -401,14 +416,8 @@ async def test_the_disk_tier_closed_while_pieces_read_waits_for_them_and_the_loa
 ) -> None:
     async with prefix(tmp_path) as (tier, store, disk):
         out = np.zeros_like(DATA)
-        with gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, out))
-            await g.reached()
-            closing = asyncio.ensure_future(disk.aclose())
-            await asyncio.sleep(0.05)
-            assert not closing.done()  # a read in flight uses the files and the host slots
-            await g.release()
-            await closing
+        async with load_held_in_a_read(monkeypatch, store, out) as (load, g):
+            await closed_under_a_read(g, disk.aclose)
             try:
                 await load
             except BlockNotFound as exc:
@@ -430,14 +439,8 @@ async def test_the_store_closed_while_pieces_read_waits_for_the_load_to_land(
 ) -> None:
     async with prefix(tmp_path) as (tier, store, disk):
         out = np.zeros_like(DATA)
-        with gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, out))
-            await g.reached()
-            closing = asyncio.ensure_future(store.aclose())
-            await asyncio.sleep(0.05)
-            assert not closing.done() and not load.done()
-            await g.release()
-            await closing
+        async with load_held_in_a_read(monkeypatch, store, out) as (load, g):
+            await closed_under_a_read(g, store.aclose, load)
         await load
         assert np.array_equal(out, DATA)
         assert tier.statistics().slots_allocated == 0
@@ -547,9 +550,7 @@ async def test_a_load_cancelled_while_another_load_waits_on_its_promotions(tmp_p
 async def test_a_shrink_racing_the_load_is_refused_or_evicts_and_nothing_is_held(tmp_path: Path, ticks: int) -> None:
     async with prefix(tmp_path) as (tier, store, disk):
         out = np.zeros_like(DATA)
-        load = asyncio.ensure_future(store.load(KEYS, out))
-        for _ in range(ticks):
-            await asyncio.sleep(0)
+        load = await begun(store.load(KEYS, out), ticks)
         try:
             await store.resize((HEAD + PER) * SLOT)
         except QuotaError:
