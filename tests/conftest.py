@@ -5,7 +5,7 @@ import errno
 import os
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -236,6 +236,28 @@ def run_on_new_loop(name: str, main: Callable[[], Coroutine[Any, Any, object]]) 
     factory = uvloop.new_event_loop if name == "uvloop" else None
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main())
+
+
+async def raised_on_another_loop(
+    calls: Sequence[Callable[[], Awaitable[object]]], within: float = 10.0
+) -> list[BaseException]:
+    """Await each of ``calls`` in turn on an asyncio loop of a new thread, at most ``within`` seconds
+    each; what they raised, in order (a call that returned adds nothing)."""
+    seen: list[BaseException] = []
+
+    async def each() -> None:
+        for call in calls:
+            try:
+                async with asyncio.timeout(within):
+                    await call()
+            except BaseException as exc:
+                seen.append(exc)
+
+    thread = threading.Thread(target=lambda: asyncio.run(each()))
+    thread.start()
+    await asyncio.to_thread(thread.join, within * (len(calls) + 1))
+    assert not thread.is_alive(), "the calls on the other loop did not end"
+    return seen
 
 
 def copies_back_and_forth(engine: Any, config: Any, rounds: int, errors: list[BaseException]) -> Callable[[str], None]:

@@ -1,11 +1,12 @@
 """For the tests of objects shared by several event loops, run in child processes (which have the
 repository on ``PYTHONPATH``): a HostTier whose tracking of a copy can be held at a gate (the window
-between a copy's checks and its queueing, opened on purpose), and the reaping of a forked child."""
+between a copy's checks and its queueing, opened on purpose), a copy from a thread's loop of its own,
+what the owner does while that thread is held, and a forked child run and reaped."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiokvtier import HostTier
@@ -56,6 +57,64 @@ def once(condition: Callable[[], bool]) -> Callable[[], bool]:
         return False
 
     return hold
+
+
+def copy_on_its_own_loop(
+    run: Callable[[Callable[[], Awaitable[None]]], None],
+    copy: Callable[[], Awaitable[object]],
+    outcome: list[str],
+    refused: type[BaseException] | tuple[type[BaseException], ...] = (),
+) -> Callable[[], None]:
+    """A thread's target: ``run`` (the script's runner, on the loop kind it was started for) awaits
+    ``copy()`` on a loop of the thread's own; ``outcome`` gets "copied", or "refused: " and the error
+    for one of ``refused`` (anything else raises on that thread)."""
+
+    async def attempt() -> None:
+        try:
+            await copy()
+            outcome.append("copied")
+        except refused as exc:
+            outcome.append("refused: " + str(exc))
+
+    return lambda: run(attempt)
+
+
+async def while_held(
+    target: Callable[[], None],
+    during: Callable[[], Awaitable[object]],
+    gate: threading.Event,
+    entered: threading.Event,
+    join: float = 30,
+    **thread: Any,
+) -> threading.Thread:
+    """Start ``target`` on a thread (``thread``: the Thread's other arguments); once it is held (``entered``
+    set, 30 s at most), await ``during()``; then open ``gate``, whatever happened, and join the thread
+    (``join`` seconds at most). Returns the thread, to ask whether it ended."""
+    import asyncio
+
+    held = threading.Thread(target=target, **thread)
+    held.start()
+    try:
+        assert await asyncio.to_thread(entered.wait, 30), "the thread was never held"
+        await during()
+    finally:
+        gate.set()
+        await asyncio.to_thread(held.join, join)
+    return held
+
+
+async def in_a_fork(child: Callable[[], Awaitable[None]], seconds: float) -> bool:
+    """Fork; the child awaits ``child()`` and exits at once (status 0, whatever happened; nothing of the
+    parent's runs on in it); the parent reaps it: True if it exited within ``seconds`` (see ``reap``)."""
+    import os
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            await child()
+        finally:
+            os._exit(0)
+    return await reap(pid, seconds)
 
 
 async def reap(pid: int, seconds: float) -> bool:

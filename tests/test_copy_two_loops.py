@@ -26,6 +26,7 @@ CLOSED_BETWEEN_CHECK_AND_TRACK = """
 import threading
 import numpy as np
 from aiokvtier import CopyEngine, CopyPlanError, HostTier, HostTierConfig
+from tests.held_copies import copy_on_its_own_loop, while_held
 MiB = 1 << 20
 
 class HeldArray:
@@ -48,22 +49,8 @@ async def main():
         gate, entered = threading.Event(), threading.Event()
         dst = HeldArray(np.zeros((4, MiB), dtype=np.uint8), gate, entered)
         outcome = []
-
-        def other_loop():
-            async def copy():
-                try:
-                    await engine.to_device(tier, slots, dst)
-                    outcome.append("copied")
-                except CopyPlanError as exc:
-                    outcome.append("refused: " + str(exc))
-            run(copy)
-
-        thread = threading.Thread(target=other_loop)
-        thread.start()
-        assert await asyncio.to_thread(entered.wait, 30)
-        await asyncio.wait_for(tier.aclose(), 30)
-        gate.set()
-        await asyncio.to_thread(thread.join, 30)
+        other_loop = copy_on_its_own_loop(run, lambda: engine.to_device(tier, slots, dst), outcome, CopyPlanError)
+        await while_held(other_loop, lambda: asyncio.wait_for(tier.aclose(), 30), gate, entered)
         print(outcome[0], flush=True)
         stats = engine.statistics()
         print("jobs", stats.jobs_submitted, stats.jobs_completed, flush=True)

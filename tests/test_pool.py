@@ -25,7 +25,7 @@ import pytest
 
 from aiokvtier import AttachedPool, HostTier, Pool, PoolError, PoolLostError, SlotError
 from aiokvtier._host import _linux
-from tests.conftest import PopulateGate
+from tests.conftest import PopulateGate, raised_on_another_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -487,31 +487,17 @@ async def test_an_attached_pool_called_from_another_event_loop_says_so(sock: str
     """Before, a store from another loop failed with asyncio's "got Future attached to a different loop",
     and an allocation wrote to the connection from the wrong thread."""
     async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as attached:
-        seen: list[BaseException] = []
-
-        def other_loop() -> None:
-            async def calls() -> None:
-                for call in (
-                    lambda: attached.allocate(1),
-                    lambda: attached.store([b"k"], [b"v"]),
-                    lambda: attached.load([b"k"], [bytearray(1)]),
-                    lambda: attached.lookup([b"k"]),
-                    lambda: attached.wait_resident(),
-                    lambda: attached.statistics(),
-                    lambda: attached.free_many([0]),
-                    lambda: attached.discard([b"k"]),
-                ):
-                    try:
-                        async with asyncio.timeout(WAIT):
-                            await call()
-                    except BaseException as exc:
-                        seen.append(exc)
-
-            asyncio.run(calls())
-
-        thread = threading.Thread(target=other_loop)
-        thread.start()
-        await asyncio.to_thread(thread.join, WAIT)
+        calls = [
+            lambda: attached.allocate(1),
+            lambda: attached.store([b"k"], [b"v"]),
+            lambda: attached.load([b"k"], [bytearray(1)]),
+            lambda: attached.lookup([b"k"]),
+            lambda: attached.wait_resident(),
+            lambda: attached.statistics(),
+            lambda: attached.free_many([0]),
+            lambda: attached.discard([b"k"]),
+        ]
+        seen = await raised_on_another_loop(calls, WAIT)
         says = "this AttachedPool belongs to the event loop that attached it; call it from that loop"
         assert [(type(e), str(e)) for e in seen] == [(RuntimeError, says)] * 8
         stats = await attached.statistics()

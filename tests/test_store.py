@@ -35,7 +35,7 @@ from aiokvtier import (
 )
 from aiokvtier._store._policy import Key, LRUPolicy
 
-from .conftest import PopulateGate
+from .conftest import PopulateGate, raised_on_another_loop
 from .helpers import KiB, MiB, eventually, small_config
 from .test_cancellation import cancel_during, sweep
 
@@ -927,27 +927,14 @@ async def test_a_call_from_another_event_loop_is_refused_and_changes_nothing() -
     async with HostTier(small_config(slot_size=64 * KiB)) as tier, BlockStore(tier) as store:
         await store.store([b"kept"], [b"x" * 10])
         before = store.statistics()
-        seen: list[BaseException] = []
-
-        def other_loop() -> None:
-            async def calls() -> None:
-                for call in (
-                    lambda: store.store([b"a"], [b"y"]),
-                    lambda: store.load([b"kept"], [bytearray(10)]),
-                    lambda: store.resize(tier.statistics().quota),
-                    lambda: store.lookup_remote([b"kept"]),
-                ):
-                    try:
-                        async with asyncio.timeout(10):
-                            await call()
-                    except BaseException as exc:
-                        seen.append(exc)
-
-            asyncio.run(calls())
-
-        thread = threading.Thread(target=other_loop)
-        thread.start()
-        await asyncio.to_thread(thread.join, 30)
+        seen = await raised_on_another_loop(
+            [
+                lambda: store.store([b"a"], [b"y"]),
+                lambda: store.load([b"kept"], [bytearray(10)]),
+                lambda: store.resize(tier.statistics().quota),
+                lambda: store.lookup_remote([b"kept"]),
+            ]
+        )
         assert len(seen) == 4, seen
         for exc in seen:
             assert type(exc) is RuntimeError, repr(exc)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -31,6 +32,16 @@ def pages(n: int, seed: int = 0) -> np.ndarray:
 
 
 DATA = pages(len(KEYS))
+
+T = TypeVar("T")
+
+
+async def begun(call: Coroutine[Any, Any, T], turns: int) -> asyncio.Future[T]:
+    """``call`` as a task, once the loop has turned ``turns`` times since it was made one."""
+    task = asyncio.ensure_future(call)
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    return task
 
 
 @asynccontextmanager
@@ -93,8 +104,8 @@ async def test_a_key_given_twice_across_pieces_is_brought_back_once(tmp_path: Pa
 async def test_a_block_gone_from_disk_in_the_middle_piece_is_a_miss_and_the_others_land(tmp_path: Path) -> None:
     async with prefix(tmp_path) as (tier, store, disk):
         middle = HEAD + 2 * PER + 1  # in the third piece
-        load = asyncio.ensure_future(store.load(KEYS, np.zeros_like(DATA)))
-        await asyncio.sleep(0)  # the load asked the disk tier for the lengths and queued its pieces
+        # One turn: the load asked the disk tier for the lengths and queued its pieces.
+        load = await begun(store.load(KEYS, np.zeros_like(DATA)), 1)
         assert disk.discard([KEYS[middle]]) == 1  # before any piece reads
         with pytest.raises(BlockNotFound, match=repr(KEYS[middle])):
             await load
@@ -125,9 +136,7 @@ async def test_a_load_cancelled_at_any_point_leaves_nothing_claimed(tmp_path: Pa
 async def test_a_close_that_begins_during_the_load_waits_for_it(tmp_path: Path, steps: int) -> None:
     async with prefix(tmp_path) as (tier, store, disk):
         out = np.zeros_like(DATA)
-        load = asyncio.ensure_future(store.load(KEYS, out))
-        for _ in range(steps):
-            await asyncio.sleep(0)
+        load = await begun(store.load(KEYS, out), steps)
         await store.aclose()
         assert load.done()
         await load  # the close waited: every piece landed and was copied

@@ -9,7 +9,8 @@ import errno
 import gc
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,8 @@ from aiokvtier._disk._io import DataFile
 
 from .helpers import eventually
 from .invariants import wait_no_library_threads
-from .test_disk_attack import gate
-from .test_store_disk_pieces import DATA, HEAD, KEYS, PER, SLOT, TAIL, prefix, settled
+from .test_disk_attack import Gate, gate
+from .test_store_disk_pieces import DATA, HEAD, KEYS, PER, SLOT, TAIL, begun, prefix, settled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -92,11 +93,44 @@ def fail_reads_of(monkeypatch: pytest.MonkeyPatch, slots: set[int], code: int = 
     monkeypatch.setattr(DataFile, "read_blocks", read_blocks)
 
 
-async def cancel_after(call: Callable[[], Any], ticks: int) -> bool:
-    """Run ``call()`` as a task and cancel it after ``ticks`` turns of the loop; True if it was cancelled."""
-    task = asyncio.ensure_future(call())
-    for _ in range(ticks):
+@asynccontextmanager
+async def load_held_in_a_read(
+    monkeypatch: pytest.MonkeyPatch, store: BlockStore
+) -> AsyncIterator[tuple[asyncio.Future[None], Gate, np.ndarray]]:
+    """A load of every key into a zeroed destination, begun as a task and held inside its first piece's
+    read until the gate is released (it is on the way out, whatever happened); with the destination."""
+    out = np.zeros_like(DATA)
+    with gate(monkeypatch, "read_blocks") as g:
+        load = asyncio.ensure_future(store.load(KEYS, out))
+        await g.reached()
+        yield load, g, out
+
+
+async def closed_under_a_read(g: Gate, close: Callable[[], Awaitable[None]], *waiting: asyncio.Future[None]) -> None:
+    """``close()`` begun while the gate holds a read waits for it (and so does each of ``waiting``), and
+    ends once the read is let go."""
+    closing = asyncio.ensure_future(close())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # a read in flight uses the files and the host slots
+    assert not any(w.done() for w in waiting)
+    await g.release()
+    await closing
+
+
+@asynccontextmanager
+async def nothing_unretrieved(caplog: pytest.LogCaptureFixture) -> AsyncIterator[None]:
+    """The body leaves no failed task whose exception nobody retrieved (the loop logs one as an error when
+    it is collected)."""
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        yield
+        gc.collect()
         await asyncio.sleep(0)
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+async def cancel_after(call: Callable[[], Coroutine[Any, Any, Any]], ticks: int) -> bool:
+    """Run ``call()`` as a task and cancel it after ``ticks`` turns of the loop; True if it was cancelled."""
+    task = await begun(call(), ticks)
     task.cancel()
     try:
         await task
@@ -171,10 +205,7 @@ async def test_a_load_cancelled_while_every_piece_reads_waits_for_the_reads(
     """The cancellation comes only once the disk's threads let go of the host slots; the pieces not
     read are not read, and their slots go back."""
     async with prefix(tmp_path) as (tier, store, disk):
-        out = np.zeros_like(DATA)
-        with gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, out))
-            await g.reached()
+        async with load_held_in_a_read(monkeypatch, store) as (load, g, out):
             load.cancel()
             await asyncio.sleep(0.05)
             assert not load.done()  # a read holds host slots: the load waits for it
@@ -270,13 +301,10 @@ async def test_two_failed_pieces_raise_the_first_in_the_keys_order_and_log_nothi
         first, second = HEAD + PER + 2, HEAD + 3 * PER + 5
         slots = {await asyncio.to_thread(slot_on_disk, disk, i) for i in (first, second)}
         fail_reads_of(monkeypatch, slots)
-        with caplog.at_level(logging.ERROR, logger="asyncio"):
+        async with nothing_unretrieved(caplog):
             with pytest.raises(BlockNotFound, match=repr(KEYS[first])):
                 await store.load(KEYS, np.zeros_like(DATA))
-            gc.collect()
-            await asyncio.sleep(0)
         monkeypatch.undo()
-        assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
         settled(tier, store, disk)
 
 
@@ -285,17 +313,15 @@ async def test_a_cancelled_load_with_a_failed_piece_logs_nothing_unretrieved(
 ) -> None:
     async with prefix(tmp_path) as (tier, store, disk):
         fail_reads_of(monkeypatch, {await asyncio.to_thread(slot_on_disk, disk, HEAD + 1)})
-        with caplog.at_level(logging.ERROR, logger="asyncio"), gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, np.zeros_like(DATA)))
-            await g.reached()
+        async with (
+            nothing_unretrieved(caplog),
+            load_held_in_a_read(monkeypatch, store) as (load, g, _),
+        ):
             load.cancel()
             await g.release()
             with pytest.raises(asyncio.CancelledError):
                 await load
-            gc.collect()
-            await asyncio.sleep(0)
         monkeypatch.undo()
-        assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
         settled(tier, store, disk)
 
 
@@ -309,10 +335,7 @@ async def test_a_key_discarded_while_its_piece_is_read_is_not_in_the_store_after
     back into the host tier after the discard returned."""
     async with prefix(tmp_path) as (tier, store, disk):
         victim = HEAD + 2 * PER + 4
-        out = np.zeros_like(DATA)
-        with gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, out))
-            await g.reached()
+        async with load_held_in_a_read(monkeypatch, store) as (load, g, out):
             store.discard([KEYS[victim]])
             assert KEYS[victim] not in disk and KEYS[victim] not in store
             await g.release()
@@ -359,10 +382,7 @@ async def test_blocks_evicted_from_the_disk_tier_while_their_piece_is_read_still
 ) -> None:
     """Dropped while a read holds their data slots: the slots are reused only after the read let go."""
     async with prefix(tmp_path) as (tier, store, disk):
-        out = np.zeros_like(DATA)
-        with gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, out))
-            await g.reached()
+        async with load_held_in_a_read(monkeypatch, store) as (load, g, out):
             assert disk.discard(KEYS[HEAD:]) > 0  # what an eviction by a write does to the index
             await g.release()
             await load  # the bytes were read whole before the slots were given to anyone
@@ -400,15 +420,8 @@ async def test_the_disk_tier_closed_while_pieces_read_waits_for_them_and_the_loa
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with prefix(tmp_path) as (tier, store, disk):
-        out = np.zeros_like(DATA)
-        with gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, out))
-            await g.reached()
-            closing = asyncio.ensure_future(disk.aclose())
-            await asyncio.sleep(0.05)
-            assert not closing.done()  # a read in flight uses the files and the host slots
-            await g.release()
-            await closing
+        async with load_held_in_a_read(monkeypatch, store) as (load, g, out):
+            await closed_under_a_read(g, disk.aclose)
             try:
                 await load
             except BlockNotFound as exc:
@@ -429,15 +442,8 @@ async def test_the_store_closed_while_pieces_read_waits_for_the_load_to_land(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with prefix(tmp_path) as (tier, store, disk):
-        out = np.zeros_like(DATA)
-        with gate(monkeypatch, "read_blocks") as g:
-            load = asyncio.ensure_future(store.load(KEYS, out))
-            await g.reached()
-            closing = asyncio.ensure_future(store.aclose())
-            await asyncio.sleep(0.05)
-            assert not closing.done() and not load.done()
-            await g.release()
-            await closing
+        async with load_held_in_a_read(monkeypatch, store) as (load, g, out):
+            await closed_under_a_read(g, store.aclose, load)
         await load
         assert np.array_equal(out, DATA)
         assert tier.statistics().slots_allocated == 0
@@ -547,9 +553,7 @@ async def test_a_load_cancelled_while_another_load_waits_on_its_promotions(tmp_p
 async def test_a_shrink_racing_the_load_is_refused_or_evicts_and_nothing_is_held(tmp_path: Path, ticks: int) -> None:
     async with prefix(tmp_path) as (tier, store, disk):
         out = np.zeros_like(DATA)
-        load = asyncio.ensure_future(store.load(KEYS, out))
-        for _ in range(ticks):
-            await asyncio.sleep(0)
+        load = await begun(store.load(KEYS, out), ticks)
         try:
             await store.resize((HEAD + PER) * SLOT)
         except QuotaError:

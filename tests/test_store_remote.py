@@ -99,6 +99,26 @@ async def push_out(store: BlockStore, n: int = 16, seed: int = 100) -> None:
     await store.store([b"other-%d-%d" % (seed, i) for i in range(n)], [page(seed + i) for i in range(n)])
 
 
+@asynccontextmanager
+async def over_disk_and_mooncake(
+    master: Master, path: Path, name: str, keys: list[bytes]
+) -> AsyncIterator[tuple[BlockStore, DiskTier]]:
+    """A store over a disk tier and a Mooncake tier (``admit_after=1``) that wrote ``page(i)`` under the
+    i-th key to both; then ``keys[2:4]`` dropped from the disk (only in Mooncake now), and the host tier
+    filled with other blocks."""
+    fingerprint = unique(name)
+    disk_config = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=path)
+    async with (
+        DiskTier(disk_config, block_size=SLOT, fingerprint=fingerprint) as disk,
+        remote_store(master.config(), fingerprint, disk=disk, admit_after=1) as (store, _),
+    ):
+        await admit(store, keys)
+        await eventually(lambda: store.statistics().written_back == len(keys), 30)
+        disk.discard(keys[2:4])
+        await push_out(store)
+        yield store, disk
+
+
 async def test_blocks_hit_twice_go_to_mooncake_and_come_back_bit_exact_once_evicted(master: Master) -> None:
     keys = [b"k%d" % i for i in range(8)]
     async with remote_store(master.config(), unique("store")) as (store, remote):
@@ -143,17 +163,7 @@ async def test_a_block_shorter_than_a_slot_comes_back_with_its_length(master: Ma
 
 async def test_lookup_remote_goes_on_through_host_disk_and_mooncake(master: Master, tmp_path: Path) -> None:
     keys = [b"m%d" % i for i in range(6)]
-    fingerprint = unique("mixed")
-    disk_config = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=tmp_path)
-    async with (
-        DiskTier(disk_config, block_size=SLOT, fingerprint=fingerprint) as disk,
-        remote_store(master.config(), fingerprint, disk=disk, admit_after=1) as (store, _),
-    ):
-        await store.store(keys, [page(i) for i in range(6)])
-        await load_pages(store, keys)
-        await eventually(lambda: (store.statistics().written_back, store.statistics().remote_written) == (6, 6), 30)
-        disk.discard(keys[2:4])  # only in Mooncake now (and the host tier)
-        await push_out(store)
+    async with over_disk_and_mooncake(master, tmp_path, "mixed", keys) as (store, _):
         await store.store([keys[4]], [page(4)])  # back in the host tier
         assert store.lookup(keys) == 2  # disk, disk, then neither local tier
         assert await store.lookup_remote(keys) == 6  # disk, disk, Mooncake, Mooncake, host, disk
@@ -172,17 +182,7 @@ async def test_a_miss_on_disk_does_not_keep_mooncakes_blocks_from_landing_and_th
     disk left the Mooncake tier's blocks unread (the error said the others landed), and a load whose
     Mooncake block came earlier in its keys named the disk's miss, not the first missing key."""
     keys = [b"f%d" % i for i in range(6)]
-    fingerprint = unique("firstmiss")
-    disk_config = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=tmp_path)
-    async with (
-        DiskTier(disk_config, block_size=SLOT, fingerprint=fingerprint) as disk,
-        remote_store(master.config(), fingerprint, disk=disk, admit_after=1) as (store, _),
-    ):
-        await store.store(keys, [page(i) for i in range(6)])
-        await load_pages(store, keys)
-        await eventually(lambda: (store.statistics().written_back, store.statistics().remote_written) == (6, 6), 30)
-        disk.discard(keys[2:4])  # only in Mooncake now
-        await push_out(store)
+    async with over_disk_and_mooncake(master, tmp_path, "firstmiss", keys) as (store, disk):
         mixed = [keys[0], keys[2], keys[3], keys[5]]  # disk, Mooncake, Mooncake, disk
         out = np.zeros((4, SLOT), dtype=np.uint8)
         load = asyncio.ensure_future(store.load(mixed, out))

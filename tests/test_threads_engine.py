@@ -28,7 +28,7 @@ import numpy as np
 from aiokvtier import CopyEngine, HostTier, HostTierConfig, TierClosedError
 MiB = 1 << 20
 
-from tests.held_copies import HeldTier, once
+from tests.held_copies import HeldTier, copy_on_its_own_loop, once, while_held
 HeldTier.hold = staticmethod(once(lambda: threading.current_thread().name == "other-loop"))
 GATE, ENTERED = HeldTier.gate, HeldTier.entered
 
@@ -40,22 +40,9 @@ async def main():
     engine = await CopyEngine.open(None)
     page = np.zeros((2, 4096), dtype=np.uint8)
     outcome = []
-
-    def other_loop():
-        async def copy():
-            try:
-                await engine.to_host(tier, slots, page)
-                outcome.append("copied")
-            except TierClosedError as exc:
-                outcome.append("refused: " + str(exc))
-        run(copy)
-
-    thread = threading.Thread(target=other_loop, name="other-loop", daemon=True)
-    thread.start()
-    assert await asyncio.to_thread(ENTERED.wait, 30)
-    await asyncio.wait_for(engine.aclose(), 30)
-    GATE.set()
-    await asyncio.to_thread(thread.join, 10)
+    other_loop = copy_on_its_own_loop(run, lambda: engine.to_host(tier, slots, page), outcome, TierClosedError)
+    close = lambda: asyncio.wait_for(engine.aclose(), 30)
+    thread = await while_held(other_loop, close, GATE, ENTERED, join=10, name="other-loop", daemon=True)
     print("outcome", "hung" if thread.is_alive() else outcome[0], flush=True)
     # A copy left tracked would hold the tier's close for good (a close is not cancellable).
     print("copies over the tier", len(tier.copies), flush=True)

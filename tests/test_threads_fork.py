@@ -16,7 +16,7 @@ FORK_WHILE_QUEUEING = """
 import os, signal, threading, time
 from aiokvtier import CopyEngine, HostTier, HostTierConfig, TierClosedError
 from aiokvtier.testing import RecordingBackend
-from tests.held_copies import reap
+from tests.held_copies import copy_on_its_own_loop, in_a_fork, while_held
 MiB = 1 << 20
 GATE, ENTERED = threading.Event(), threading.Event()
 
@@ -34,31 +34,21 @@ async def main():
     engine = await CopyEngine.open(0, backend=HeldMarks())  # the backend issues nothing: no GPU needed
     device_side = [0x7E0000000000, 0x7E0000100000]  # addresses the backend never touches
     outcome = []
+    other_loop = copy_on_its_own_loop(run, lambda: engine.to_device(tier, slots, device_side, after=7), outcome)
 
-    def other_loop():
-        async def copy():
-            await engine.to_device(tier, slots, device_side, after=7)
-            outcome.append("copied")
-        run(copy)
-
-    thread = threading.Thread(target=other_loop)
-    thread.start()
-    assert await asyncio.to_thread(ENTERED.wait, 30)
-    pid = os.fork()
-    if pid == 0:
+    async def in_the_child():
+        s, t = engine.statistics(), tier.statistics()
+        print("child statistics", s.jobs_submitted, s.jobs_completed, t.slots_allocated, flush=True)
         try:
-            s, t = engine.statistics(), tier.statistics()
-            print("child statistics", s.jobs_submitted, s.jobs_completed, t.slots_allocated, flush=True)
-            try:
-                await engine.to_device(tier, slots, device_side)
-            except TierClosedError as exc:
-                print("child refused:", exc, flush=True)
-        finally:
-            os._exit(0)
-    if not await reap(pid, 20):
-        print("child hung", flush=True)
-    GATE.set()
-    await asyncio.to_thread(thread.join, 30)
+            await engine.to_device(tier, slots, device_side)
+        except TierClosedError as exc:
+            print("child refused:", exc, flush=True)
+
+    async def fork():
+        if not await in_a_fork(in_the_child, 20):
+            print("child hung", flush=True)
+
+    await while_held(other_loop, fork, GATE, ENTERED)
     print("parent", outcome, engine.statistics().jobs_completed, flush=True)
     await engine.aclose()
     await tier.aclose()

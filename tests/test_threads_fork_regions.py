@@ -16,7 +16,7 @@ LOOPS = ["asyncio", "uvloop"]
 FORK_WHILE_UNREGISTERING = """
 import os, signal, threading
 from aiokvtier import HostTier, HostTierConfig, StaticHostMem
-from tests.held_copies import reap
+from tests.held_copies import in_a_fork
 MiB = 1 << 20
 GATE, ENTERED = threading.Event(), threading.Event()
 LOOP = sys.argv[1]
@@ -32,7 +32,7 @@ def hold_in_the_lock(frame, event, arg):
         return line
     return None
 
-def in_the_child():
+async def in_the_child():  # blocks its loop: nothing else runs on it in the child
     out = []
 
     async def open_own():
@@ -58,13 +58,7 @@ async def main():
     threading.settrace(None)
     closing = asyncio.ensure_future(stage.aclose())
     assert await asyncio.to_thread(ENTERED.wait, 30)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            in_the_child()
-        finally:
-            os._exit(0)
-    if not await reap(pid, 30):
+    if not await in_a_fork(in_the_child, 30):
         print("child killed", flush=True)
     GATE.set()
     await asyncio.wait_for(closing, 30)

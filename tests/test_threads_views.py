@@ -16,6 +16,7 @@ LOOPS = ["asyncio", "uvloop"]
 VIEW_WHILE_CLOSING = """
 import os, sys, threading
 from aiokvtier import HostTier, HostTierConfig, StaticHostMem, TierClosedError
+from tests.held_copies import while_held
 MiB = 1 << 20
 GATE, ENTERED = threading.Event(), threading.Event()
 LOOP, WHICH = sys.argv[1].split()
@@ -53,12 +54,7 @@ async def main():
         view.release()
         del view
 
-    thread = threading.Thread(target=viewer)
-    thread.start()
-    assert await asyncio.to_thread(ENTERED.wait, 30)
-    await asyncio.wait_for(owner.aclose(), 30)
-    GATE.set()
-    await asyncio.to_thread(thread.join, 30)
+    await while_held(viewer, lambda: asyncio.wait_for(owner.aclose(), 30), GATE, ENTERED)
     print("outcome", outcome[0], flush=True)
     for _ in range(500):  # a view outlives the close: the release comes once it is dropped
         if owner.released and not [t for t in threading.enumerate() if t.name.startswith("aiokvtier-")]:
