@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import threading
 import weakref
 
 import numpy as np
 import pytest
 
 from aiokvtier import CopyEngine, CopyPlanError, HostTier, StaticHostMem
-from aiokvtier._regions import Landing
 
 from .helpers import KiB, MiB, small_config
 
@@ -61,7 +61,7 @@ async def test_an_array_checked_before_is_refused_once_its_buffer_is_closing() -
         dst = _over(stage.address, 2)
         await engine.to_device(tier, ids, dst)
         await engine.to_device(tier, ids, dst)  # a second request of the same buffer
-        held = Landing()
+        held = threading.Event()
         stage.copies.track(held)  # a copy in flight: the close waits for it
         closing = asyncio.create_task(stage.aclose())
         for _ in range(100):
