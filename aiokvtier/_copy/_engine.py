@@ -52,6 +52,7 @@ from ._requests import (
     copy_table,
     plan_side,
     plan_slots,
+    plan_slots_many,
     registrations,
     relocate,
 )
@@ -74,6 +75,26 @@ class _Landed(asyncio.Future[None]):
 
     def cancel(self, msg: Any = None) -> bool:
         return False
+
+
+class _Waiting(_Landed):
+    """A request made while the engine was busy (``CopyEngine._defer()``): never cancelled either,
+    so a cancelled caller resumes once its copy landed, as any caller does."""
+
+    queued = False
+    """The copy was queued: the engine settles the future once it landed."""
+
+
+@dataclass(eq=False, slots=True)
+class _Deferred:
+    """A request made while the engine was busy, planned with the others of its loop's turn."""
+
+    tier: HostTier
+    slots: Any
+    buffer: Any
+    direction: str
+    page: int | None
+    future: _Waiting
 
 
 @dataclass(eq=False)
@@ -294,6 +315,8 @@ class CopyEngine(Owner):
         self._latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self._latency_sum = 0.0
         self._latency: tuple[tuple[int, ...], float] = (tuple(self._latency_counts), 0.0)
+        self._pending: dict[asyncio.AbstractEventLoop, list[_Deferred]] = {}
+        """Per loop, the requests made during its current turn while the engine was busy (``_defer()``)."""
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -347,6 +370,7 @@ class CopyEngine(Owner):
         Cancelling it does not interrupt the teardown: the cancellation is
         delivered once the engine is closed.
         """
+        self._flush(asyncio.get_running_loop())  # what this loop asked for before the close is queued ahead of it
         await self._life.close(self._teardown)
 
     def _join(self) -> None:
@@ -373,6 +397,9 @@ class CopyEngine(Owner):
         :raises ValueError: no slots, a ``page`` below one, a read-only, non-contiguous or misshapen ``dst``.
         :raises CudaError: the driver refused the batch.
         """
+        if after is None and self._busy(slots):
+            await self._defer(tier, slots, dst, "h2d", page)
+            return
         since = epoch()
         planned, owners = self._plan_slots(tier, slots, dst, "h2d", page)
         await self._enqueue(planned, "h2d", after, (tier, dst), owners, since).future
@@ -387,6 +414,9 @@ class CopyEngine(Owner):
 
         Raises as ``to_device()``; a slot given twice is a [``SlotError``][aiokvtier.SlotError].
         """
+        if after is None and self._busy(slots):
+            await self._defer(tier, slots, src, "d2h", page)
+            return
         since = epoch()
         planned, owners = self._plan_slots(tier, slots, src, "d2h", page)
         await self._enqueue(planned, "d2h", after, (tier, src), owners, since).future
@@ -567,6 +597,79 @@ class CopyEngine(Owner):
         self._check_device(tier)
         return plan_slots(tier, slots, buffer, direction, page_size, host_only=self.device is None)
 
+    # -- requests made while the engine is busy: planned together, once per turn of the loop --
+
+    def _busy(self, slots: Any) -> bool:
+        """Whether a request is better deferred to the end of the loop's turn (``_defer()``): copies
+        are queued or in flight (or deferred already), so it would wait for them anyway."""
+        self._check_open()  # first, as an undeferred request does (a forked child has no running loop)
+        if not isinstance(slots, list | tuple | np.ndarray):
+            return False  # an iterator is read once, by the checks, now
+        return self._queued.jobs != self._completed or asyncio.get_running_loop() in self._pending
+
+    def _defer(self, tier: HostTier, slots: Any, buffer: Any, direction: str, page: int | None) -> _Waiting:
+        """Take a request to be checked and planned with the others made during this turn of the loop.
+
+        Tasks that copy at once (an engine's many requests in flight) then pay the numpy calls of
+        one request per turn, not one each. The checks and their errors are those of a request made
+        alone, reported by the returned future.
+        """
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        # The ids as they are now: the caller's list may change before the turn ends.
+        slots = slots.copy() if isinstance(slots, np.ndarray) else tuple(slots)
+        future = _Waiting(loop=loop)
+        pending = self._pending.get(loop)
+        if pending is None:
+            pending = self._pending[loop] = []
+            loop.call_soon(self._flush, loop)
+        pending.append(_Deferred(tier, slots, buffer, direction, page, future))
+        return future
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Plan and queue the requests deferred during the turn that just ended (on ``loop``)."""
+        batch = self._pending.pop(loop, None)
+        if not batch:
+            return
+        groups: dict[tuple[int, str, int | None], list[_Deferred]] = {}
+        for r in batch:
+            groups.setdefault((id(r.tier), r.direction, r.page), []).append(r)
+        try:
+            for group in groups.values():
+                self._queue_group(group)
+        finally:
+            for r in batch:  # reached only where something other than a request's own error ended the flush
+                if not r.future.done() and not r.future.queued:
+                    r.future.set_exception(RuntimeError("the copy was not queued: the engine's flush was interrupted"))
+
+    def _queue_group(self, group: list[_Deferred]) -> None:
+        """Queue deferred requests of one tier, direction and ``page``: planned at once where every one
+        passes, else each alone, so that each meets its own error."""
+        first = group[0]
+        since = epoch()
+        planned: list[tuple[Plan, list[Any]]] | None = None
+        if len(group) > 1:
+            try:
+                self._check_device(first.tier)
+                requests = [(r.slots, r.buffer) for r in group]
+                planned = plan_slots_many(
+                    first.tier, requests, first.direction, first.page, host_only=self.device is None
+                )
+            except Exception:  # some request is refused: which one, and why, is said below
+                planned = None
+        for i, r in enumerate(group):
+            try:
+                if planned is None:
+                    since = epoch()
+                    plan_i, owners = self._plan_slots(r.tier, r.slots, r.buffer, r.direction, r.page)
+                else:
+                    plan_i, owners = planned[i]
+                self._enqueue(plan_i, r.direction, None, (r.tier, r.buffer), owners, since, waiting=r.future)
+            except Exception as exc:  # the caller's error, as if it had asked alone
+                if r.future.queued:  # failed after the copy was handed over: the copy settles the future
+                    raise
+                r.future.set_exception(exc)
+
     def _check_device(self, tier: HostTier) -> None:
         self._check_open()
         if self.device is not None and tier.config.device not in (None, self.device):
@@ -584,10 +687,12 @@ class CopyEngine(Owner):
         since: int,
         *,
         signal_submit: bool = False,
+        waiting: _Waiting | None = None,
     ) -> _Job:
         """Hand a planned copy to the submit thread; its ``future`` settles once the bytes landed.
 
-        ``since``: ``epoch()`` read before the copy was checked. The buffers are the GPU's until
+        ``since``: ``epoch()`` read before the copy was checked. ``waiting``: a deferred
+        request's future, settled as the job's (it stops being cancellable once queued). The buffers are the GPU's until
         ``future`` settles: it is never cancelled, so a cancelled caller regains them only then.
 
         :raises CopyPlanError: a region the copy meets closed or shrank under it while it was
@@ -607,7 +712,8 @@ class CopyEngine(Owner):
                 # A region snapshotted its copies while this one was checked, perhaps without it:
                 # checked again now that it is tracked (``aiokvtier._regions.InflightCopies``).
                 check_again(planned.dsts, planned.srcs, planned.sizes, owners)
-            job = _Job(planned, direction, None, loop, _Landed(loop=loop), keepalive, done)
+            future = _Landed(loop=loop) if waiting is None else waiting
+            job = _Job(planned, direction, None, loop, future, keepalive, done)
             if signal_submit:
                 job.on_submit = loop.create_future()
             with self._loop_side:
@@ -621,6 +727,8 @@ class CopyEngine(Owner):
                 self._queued = self._queued.add(direction, planned.requested)
                 job.submitted = time.perf_counter()
                 self._submit_q.put(job)
+                if waiting is not None:
+                    waiting.queued = True
         except BaseException:
             done.set()  # never queued: no close waits for it
             raise

@@ -6,6 +6,7 @@ and ``memmove`` on a worker thread without one, so CI tests it for real.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -15,7 +16,7 @@ import numpy.typing as npt
 
 from .._errors import SlotError
 
-__all__ = ["SMALL", "Plan", "chunk_slices", "plan", "plan_small", "sorted_values"]
+__all__ = ["SMALL", "Plan", "chunk_slices", "plan", "plan_many", "plan_small", "sorted_values"]
 
 U64 = npt.NDArray[np.uint64]
 Registrations = npt.ArrayLike | Callable[[U64], npt.NDArray[np.int64]] | None
@@ -166,6 +167,63 @@ def plan(
     else:
         merged = np.add.reduceat(z, starts).astype(np.uint64)
     return Plan(d[starts], s[starts], merged, count)
+
+
+def plan_many(
+    dsts: U64,
+    srcs: U64,
+    page: int,
+    counts: list[int],
+    *,
+    dst_reg: Callable[[U64], npt.NDArray[np.int64]] | None = None,
+    src_reg: Callable[[U64], npt.NDArray[np.int64]] | None = None,
+    order_by: str = "src",
+    distinct_order_side: bool = False,
+) -> list[Plan]:
+    """``plan()`` of several requests at once: one plan per request, copy for copy the plan that
+    ``plan()`` makes of it alone, for the numpy calls of one.
+
+    ``dsts`` and ``srcs`` hold the requests' copies one request after another, ``counts[i]``
+    of request ``i`` (each at least one), every copy ``page`` bytes. Copies of two requests
+    never merge.
+
+    :raises SlotError: with ``distinct_order_side``, an address repeats on the ``order_by`` side
+        within a request (which one is not said: plan that request alone to name it).
+    """
+    if order_by not in ("src", "dst"):
+        raise ValueError(f"order_by must be 'src' or 'dst', not {order_by!r}")
+    n = len(dsts)
+    request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    order = np.lexsort((srcs if order_by == "src" else dsts, request))  # by request, then address: stable
+    d, s = dsts[order], srcs[order]
+    same = request[1:] == request[:-1]  # the order keeps each request's copies together, in request order
+    if distinct_order_side:
+        lead = s if order_by == "src" else d
+        if (same & (lead[1:] == lead[:-1])).any():
+            raise SlotError("a slot appears twice as a copy destination")
+    step = np.uint64(page)
+    joins = same & (s[1:] == s[:-1] + step) & (d[1:] == d[:-1] + step)
+    pairs = np.flatnonzero(joins)
+    for reg, side in ((dst_reg, d), (src_reg, s)):
+        if reg is None or pairs.size == 0:
+            continue
+        ids = reg(np.concatenate((side[pairs], side[pairs + 1])))
+        joins[pairs] &= ids[: pairs.size] == ids[pairs.size :]
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    if starts.size == n:  # nothing merged (shuffled slots): the request's copies as they are
+        sizes = np.full(n, page, dtype=np.uint64)
+        bounds = list(itertools.accumulate(counts))
+    else:
+        sizes = np.diff(np.append(starts, n)).astype(np.uint64) * step
+        d, s = d[starts], s[starts]
+        # Each request's first copy starts a run (no join crosses requests): its position among the
+        # starts is where its plan begins.
+        bounds = [*np.searchsorted(starts, list(itertools.accumulate(counts[:-1]))).tolist(), len(starts)]
+    plans, lo = [], 0
+    for count, hi in zip(counts, bounds, strict=True):
+        plans.append(Plan(d[lo:hi], s[lo:hi], sizes[lo:hi], count))
+        lo = hi
+    return plans
 
 
 def _uniform(sizes: object) -> int | None:

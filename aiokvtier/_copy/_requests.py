@@ -37,7 +37,7 @@ from .. import _regions
 from .._errors import CopyPlanError
 from .._host._slots import positive_count
 from . import _plan
-from ._plan import U64, Plan, plan, plan_small
+from ._plan import U64, Plan, plan, plan_many, plan_small
 
 if TYPE_CHECKING:
     from .._host._tier import HostTier
@@ -52,6 +52,7 @@ __all__ = [
     "owners_of",
     "plan_side",
     "plan_slots",
+    "plan_slots_many",
     "registrations",
     "relocate",
     "stream_handle",
@@ -391,6 +392,59 @@ def plan_slots(
     _check_page(tier, page)  # before the addresses are located: a page of 2**64 does not fit numpy's uint64
     side = buffer_addresses(buffer, len(host), page, writable=direction == "h2d", host_only=host_only)
     return plan_side(tier, host, side, direction)
+
+
+def plan_slots_many(
+    tier: HostTier, requests: Sequence[tuple[Any, Any]], direction: str, page_size: int | None, *, host_only: bool
+) -> list[tuple[Plan, list[Any]]]:
+    """``plan_slots()`` of several ``(slots, buffer)`` requests of one tier, direction and ``page``
+    at once: the same plans and owners, for the numpy calls of one request (plus a check of each
+    buffer, which ``buffer_addresses()`` keeps for arrays).
+
+    Takes slot ids as lists or tuples of ints, or 1-D integer arrays; and buffers whose pages are
+    one size for every request.
+
+    :raises: where any request would be refused, or takes something else: something (which request,
+        and why, is for ``plan_slots()`` of each alone to say).
+    """
+    parts = []
+    for slots, _ in requests:
+        if isinstance(slots, np.ndarray):
+            if slots.ndim != 1 or slots.dtype.kind not in "iu" or not slots.size:
+                raise ValueError("plan alone")
+            parts.append(slots.astype(np.int64, copy=False))
+        elif not slots or set(map(type, slots)) != {int}:  # bools and the rest: named by plan_slots() alone
+            raise ValueError("plan alone")
+        else:
+            parts.append(np.asarray(slots, dtype=np.int64))
+    counts = [len(p) for p in parts]
+    host = tier.slot_addresses(np.concatenate(parts))
+    page = tier.slot_size if page_size is None else positive_count(page_size, "page")
+    _check_page(tier, page)
+    h2d = direction == "h2d"
+    sides = [
+        buffer_addresses(buffer, count, page, writable=h2d, host_only=host_only)
+        for (_, buffer), count in zip(requests, counts, strict=True)
+    ]
+    page = sides[0].page
+    if any(side.page != page for side in sides):
+        raise ValueError("plan alone")
+    _check_page(tier, page)
+    other = np.concatenate([side.addresses for side in sides])
+    request = np.repeat(np.arange(len(counts)), counts)
+    if h2d:  # each request's destinations (the buffer's pages) must not overlap (check_disjoint)
+        starts = other[np.lexsort((other, request))]
+        if ((request[1:] == request[:-1]) & (starts[1:] < starts[:-1] + np.uint64(page))).any():
+            raise CopyPlanError("two copies write overlapping bytes")
+        plans = plan_many(other, host, page, counts, src_reg=tier.registrations_at)
+    else:
+        plans = plan_many(
+            host, other, page, counts, dst_reg=tier.registrations_at, order_by="dst", distinct_order_side=True
+        )
+    return [
+        (planned, [tier, *(r for r in side.regions if r is not tier)])
+        for planned, side in zip(plans, sides, strict=True)
+    ]
 
 
 def plan_side(tier: HostTier, host: U64, side: Pages, direction: str) -> tuple[Plan, list[Any]]:
