@@ -1023,3 +1023,52 @@ def test_the_server_page_lists_every_option_with_its_default() -> None:
                 documented,
                 default,
             )
+
+
+async def _other_server(answer: bytes) -> asyncio.Server:
+    """An HTTP server that is not the block server: every request gets ``answer`` (a whole response)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+CLOSE_200 = b"HTTP/1.1 200 OK\r\nConnection: close\r\n"
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (CLOSE_200 + b"Content-Type: text/html\r\nContent-Length: 13\r\n\r\n<html></html>", "200 text/html"),
+        (b"HTTP/1.1 404 Not Found\r\nConnection: close\r\nContent-Length: 9\r\n\r\nnot found", "404"),
+        (CLOSE_200 + b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n[]", "200 application/json"),
+    ],
+    ids=["html", "404", "json-list"],
+)
+async def test_the_load_generator_says_in_one_line_that_another_server_answered(answer: bytes, says: str) -> None:
+    """Before: a JSONDecodeError traceback (or a TypeError) after the whole run."""
+    other = await _other_server(answer)
+    port = other.sockets[0].getsockname()[1]
+    try:
+        load = await asyncio.create_subprocess_exec(
+            *LOAD, "--url", f"http://127.0.0.1:{port}", "--clients", "2", "--seconds", "1",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV, cwd=ROOT,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(load.communicate(), 60)
+    finally:
+        other.close()
+        await other.wait_closed()
+    lines = err.decode().splitlines()
+    assert load.returncode == 1 and out == b"", lines
+    assert len(lines) == 1, lines
+    said = f"python -m aiokvtier.server.load: error: http://127.0.0.1:{port}/v1/stats answered "
+    assert lines[0].startswith(said), lines
+    assert says in lines[0] and "not the block server" in lines[0], lines

@@ -68,9 +68,10 @@ def _url(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the load and print its JSON; 1 after one line when httpx is missing or the server does not
-    answer, 2 after a bad option. As the process's own command (``argv`` None), Ctrl-C ends it at once
-    by SIGINT, printing nothing, as it ends a benchmark: it holds nothing that outlives the process."""
+    """Run the load and print its JSON; 1 after one line when httpx is missing, the server does not
+    answer or what answers is not the block server, 2 after a bad option. As the process's own command
+    (``argv`` None), Ctrl-C ends it at once by SIGINT, printing nothing, as it ends a benchmark: it holds
+    nothing that outlives the process."""
     if argv is None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     parser = build_parser()
@@ -81,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import httpx
 
-        from ._load import run
+        from ._load import NotTheServer, run
     except ImportError as error:
         missing = f"needs httpx ({error.name} is missing): pip install 'aiokvtier[server]'"
         print(f"{parser.prog}: error: {missing}", file=sys.stderr)
@@ -90,6 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         figures = asyncio.run(run(args))
     except httpx.TransportError as error:  # refused, unreachable, timed out: the server, not the load
         print(f"{parser.prog}: error: no answer from {args.url}: {error}", file=sys.stderr)
+        return 1
+    except NotTheServer as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 1
     print(json.dumps(figures, indent=2))
     return 0
