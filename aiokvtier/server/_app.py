@@ -262,6 +262,7 @@ class Service:
         return JSONResponse(body)
 
     async def metrics(self, request: Request) -> Response:
+        await self.blocks.refresh()
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @staticmethod
