@@ -1072,3 +1072,38 @@ async def test_the_load_generator_says_in_one_line_that_another_server_answered(
     said = f"python -m aiokvtier.server.load: error: http://127.0.0.1:{port}/v1/stats answered "
     assert lines[0].startswith(said), lines
     assert says in lines[0] and "not the block server" in lines[0], lines
+
+
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]], ids=["one", "workers"])
+async def test_a_body_that_stalls_is_answered_408_after_the_body_timeout_and_stores_nothing(workers: list[str]) -> None:
+    """Before: the request waited for its body forever (until a shutdown cut it), holding its handler."""
+    server = await Server.start("--quota", "64MiB", "--body-timeout", "0.5", *workers)
+    raws: list[Raw] = []
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+            raws += [
+                await Raw.open(server.url, head("PUT /v1/blocks/cd", "Content-Length: 5000")),  # headers only
+                await Raw.open(server.url, head("PUT /v1/blocks/ce", "Content-Length: 5000"), b"x" * 100),
+                await Raw.open(server.url, head("PUT /v1/blocks/ef", "Transfer-Encoding: chunked"), b"10\r\nyy"),
+                await Raw.open(server.url, head("POST /v1/lookup", "Content-Length: 100"), b'{"keys": ['),
+            ]
+            for raw in raws:
+                status, headers, body = await raw.answer(30)
+                assert status == 408, (status, headers, body)
+                assert headers["content-type"] == "application/json" and headers["connection"] == "close", headers
+                assert "did not arrive within 0.5 s" in json.loads(body)["error"], body
+            for key in ("cd", "ce", "ef"):
+                assert (await client.get(f"/v1/blocks/{key}")).status_code == 404
+            stats = (await client.get("/v1/stats")).json()
+            assert stats["server"]["internal_errors"] == 0
+            if workers:
+                assert stats["pool"]["blocks"] == 0 and stats["pool"]["claims"] == 0, stats
+            else:
+                assert stats["store"]["blocks"] == 0 and stats["store"]["in_flight"] == 0, stats
+            assert (await client.put("/v1/blocks/cd", content=b"block")).status_code == 201  # the key is free
+    finally:
+        for raw in raws:
+            raw.close()
+        code, stderr = await server.stop()
+    assert code == 0 and "Traceback" not in stderr, stderr

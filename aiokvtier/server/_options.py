@@ -104,6 +104,13 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
         help="then, wait this long for the requests in flight before answering them 503 and closing every connection",
     )
     parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request's body must arrive within this long of its headers, else 408 and nothing stored; 0: no limit",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=1,
@@ -208,6 +215,8 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
         parser.error(f"argument --drain-seconds: {args.drain_seconds} is not 0 to 3600 seconds")
     if not 0 <= args.grace_seconds <= 3600:
         parser.error(f"argument --grace-seconds: {args.grace_seconds} is not 0 to 3600 seconds")
+    if not 0 <= args.body_timeout <= 3600:
+        parser.error(f"argument --body-timeout: {args.body_timeout} is not 0 to 3600 seconds")
     if not 1 <= args.workers <= 256:
         parser.error(f"argument --workers: {args.workers} is not 1 to 256")
     if args.workers > 1 and args.plain_dict:
