@@ -1107,3 +1107,25 @@ async def test_a_body_that_stalls_is_answered_408_after_the_body_timeout_and_sto
             raw.close()
         code, stderr = await server.stop()
     assert code == 0 and "Traceback" not in stderr, stderr
+
+
+async def test_bytes_that_are_not_http_get_uvicorns_plain_text_400_as_the_server_page_says() -> None:
+    """uvicorn answers these before any route sees a request, and offers the app no way to shape the
+    answer; docs/server.md says so, quoting it, so a client knows the one non-JSON error it can meet."""
+    page = await asyncio.to_thread((ROOT / "docs" / "server.md").read_text)
+    assert '`400 text/plain` "Invalid HTTP request received."' in page
+    server = await Server.start("--quota", "64MiB")
+    try:
+        for data in (
+            "GARBAGE\r\n\r\n",
+            head("GET /healthz", "Bad Header: x"),
+            head("PUT /v1/blocks/ab", "Content-Length: 1, 2"),
+        ):
+            raw = await Raw.open(server.url, data)
+            status, headers, body = await raw.answer(30)
+            assert status == 400, (data[:40], status, body)
+            assert headers["content-type"] == "text/plain; charset=utf-8" and headers["connection"] == "close"
+            assert body == b"Invalid HTTP request received.", body
+    finally:
+        code, stderr = await server.stop()
+    assert code == 0, stderr
