@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
@@ -771,17 +771,20 @@ LOAD = [sys.executable, "-m", "aiokvtier.server.load"]
 @pytest.mark.parametrize(
     ("options", "says"),
     [
-        (["--clients", "0"], "argument --clients: 0 is not 1 or more"),
-        (["--seconds", "-1"], "argument --seconds: -1.0 is not a positive number of seconds"),
-        (["--seconds", "nan"], "argument --seconds: nan is not a positive number of seconds"),
-        (["--requests", "0"], "argument --requests: 0 is not 1 or more"),
-        (["--block-size", "0"], "argument --block-size: 0 is not 1 or more"),
-        (["--lookup-keys", "0"], "argument --lookup-keys: 0 is not 1 or more"),
+        (["--clients", "0"], "argument --clients: '0' is not 1 or more"),
+        (["--clients", "x"], "argument --clients: 'x' is not a whole number"),
+        (["--seconds", "-1"], "argument --seconds: '-1' must be a positive number of seconds"),
+        (["--seconds", "nan"], "argument --seconds: 'nan' must be a positive number of seconds"),
+        (["--seconds", "soon"], "argument --seconds: 'soon' is not a number of seconds"),
+        (["--requests", "0"], "argument --requests: '0' is not 1 or more"),
+        (["--block-size", "0"], "argument --block-size: '0' is not 1 or more"),
+        (["--lookup-keys", "0"], "argument --lookup-keys: '0' is not 1 or more"),
         (["--url", "127.0.0.1:8077"], "argument --url: '127.0.0.1:8077' is not an http:// or https:// URL"),
     ],
 )
 def test_the_load_generator_refuses_a_bad_option_in_one_line(options: list[str], says: str) -> None:
-    """Before, each was taken, and ended in a traceback (or a load of no clients)."""
+    """Before, each was taken, and ended in a traceback (or a load of no clients); then its words were not
+    those of ``aiokvtier``'s commands for the same mistake ("0 is not 1 or more", "-1.0 is not ...")."""
     done = subprocess.run([*LOAD, *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.splitlines() == [f"python -m aiokvtier.server.load: error: {says}"]
@@ -1129,3 +1132,66 @@ async def test_bytes_that_are_not_http_get_uvicorns_plain_text_400_as_the_server
     finally:
         code, stderr = await server.stop()
     assert code == 0, stderr
+
+
+def _refusal(run: Callable[[], object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """The exit status and the one line a command's usage error printed."""
+    try:
+        status = run()
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, (out, err)
+    assert isinstance(status, int)
+    return status, err.rstrip("\n")
+
+
+@pytest.mark.parametrize(
+    ("demo", "serve"),
+    [
+        (["--quota", "lots"], ["--quota", "lots"]),
+        (["--quota", "-1GiB"], ["--quota", "-1GiB"]),
+        (["--quota", "0"], ["--quota", "0"]),
+        (["--slot-size", "2XB"], ["--slot-size", "2XB"]),
+        (["--max-quota", "1.5x"], ["--max-quota", "1.5x"]),
+        (["--device", "x"], ["--device", "x"]),
+        (["--device", "-1"], ["--device", "-1"]),
+        (["--fill-threads", "x"], ["--workers", "x"]),
+        (["--fill-threads", "0"], ["--workers", "0"]),
+        (["--fill-threads", "257"], ["--workers", "257"]),
+        (["--hold", "soon"], ["--drain-seconds", "soon"]),
+        (["--hold", "soon"], ["--body-timeout", "soon"]),
+    ],
+)
+def test_serve_refuses_a_bad_value_as_the_other_commands_do(
+    demo: list[str], serve: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``aiokvtier serve``'s refusals are argparse's prog, then the words of ``aiokvtier``'s other commands for
+    the same mistake. Before: argparse's own ("invalid int value: 'x'", "invalid float value"), and sizes
+    and ranges in words of their own ("not a size: 'lots' (bytes, or like 64KiB, 2GiB)", "0 is not 1 to 256")."""
+    from aiokvtier import _cli
+
+    status, theirs = _refusal(lambda: _cli.main(["demo", *demo]), capsys)
+    assert status == 2 and theirs.startswith(f"aiokvtier: error: argument {demo[0]}: "), theirs
+    said = theirs.removeprefix(f"aiokvtier: error: argument {demo[0]}: ")
+    for prog in ("aiokvtier serve", "aiokvtier-server", "python -m aiokvtier.server"):
+        status, ours = _refusal(lambda prog=prog: aiokvtier.server.main(serve, prog=prog), capsys)  # type: ignore[misc]
+        assert status == 2 and ours == f"{prog}: error: argument {serve[0]}: {said}", (ours, theirs)
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (["--port", "x"], "argument --port: 'x' is not a whole number"),
+        (["--port", "70000"], "argument --port: '70000' is not 0 to 65535"),
+        (["--drain-seconds", "-1"], "argument --drain-seconds: '-1' must be 0 to 3600 seconds"),
+        (["--grace-seconds", "nan"], "argument --grace-seconds: 'nan' must be 0 to 3600 seconds"),
+        (["--body-timeout", "inf"], "argument --body-timeout: 'inf' must be 0 to 3600 seconds"),
+        (["--disk-quota", "lots"], "argument --disk-quota: 'lots' is not a size"),
+    ],
+)
+def test_serve_refuses_numbers_in_the_words_of_the_other_commands(
+    options: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, line = _refusal(lambda: aiokvtier.server.main(options, prog="aiokvtier serve"), capsys)
+    assert status == 2 and line.startswith(f"aiokvtier serve: error: {says}"), line

@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from .._program import seconds, whole_number
 from ._options import Parser
 
 __all__ = ["main"]
@@ -32,33 +33,14 @@ def build_parser(prog: str = "python -m aiokvtier.server.load") -> argparse.Argu
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    count = whole_number(1)
     parser.add_argument("--url", type=_url, default="http://127.0.0.1:8077", help="the server")
-    parser.add_argument("--clients", type=_count, default=16, help="concurrent clients, each one request at a time")
-    parser.add_argument("--seconds", type=_seconds, default=10.0, help="stop after this long")
-    parser.add_argument("--requests", type=_count, default=10**9, help="stop after about this many requests in all")
-    parser.add_argument("--block-size", type=_count, default=64 << 10, help="bytes per block PUT")
-    parser.add_argument("--lookup-keys", type=_count, default=32, help="keys per lookup: the client's last ones")
+    parser.add_argument("--clients", type=count, default=16, help="concurrent clients, each one request at a time")
+    parser.add_argument("--seconds", type=seconds(positive=True), default=10.0, help="stop after this long")
+    parser.add_argument("--requests", type=count, default=10**9, help="stop after about this many requests in all")
+    parser.add_argument("--block-size", type=count, default=64 << 10, help="bytes per block PUT")
+    parser.add_argument("--lookup-keys", type=count, default=32, help="keys per lookup: the client's last ones")
     return parser
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < float("inf"):  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
-    return value
 
 
 def _url(text: str) -> str:
