@@ -19,6 +19,7 @@ import json
 import signal
 import sys
 import threading
+import urllib.parse
 from collections.abc import Sequence
 
 from .._program import seconds, whole_number
@@ -44,8 +45,15 @@ def build_parser(prog: str = "python -m aiokvtier.server.load") -> argparse.Argu
 
 
 def _url(text: str) -> str:
-    if not text.startswith(("http://", "https://")):
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018 - reading it checks it: a port that is not one raises
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https"):
         raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
+    if not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} names no host")
     return text
 
 
@@ -74,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except httpx.TransportError as error:  # refused, unreachable, timed out: the server, not the load
         print(f"{parser.prog}: error: no answer from {args.url}: {error}", file=sys.stderr)
         return 1
+    except httpx.InvalidURL as error:  # one that the option's own check let through
+        print(f"{parser.prog}: error: argument --url: {args.url!r} is not a URL: {error}", file=sys.stderr)
+        return 2
     except NotTheServer as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 1
