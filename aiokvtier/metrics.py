@@ -59,7 +59,7 @@ _S = TypeVar("_S")
 _R = TypeVar("_R", covariant=True)
 
 
-class Reporting(Protocol[_R]):
+class _Reporting(Protocol[_R]):
     """What a collector reads: an object whose ``statistics()`` returns its figures, from any thread."""
 
     def statistics(self) -> _R: ...
@@ -165,7 +165,7 @@ _TIER_COUNTERS: _Figures = (
 )
 
 
-class TierCollector(_Tabled[Reporting[TierStatistics], TierStatistics]):
+class TierCollector(_Tabled[_Reporting[TierStatistics], TierStatistics]):
     """Exports a [``HostTier``][aiokvtier.HostTier]'s statistics, labelled ``tier=name`` (or those of
     anything whose ``statistics()`` returns ``TierStatistics``)."""
 
@@ -311,7 +311,7 @@ _POOL_COUNTERS: _Figures = (
 )
 
 
-class PoolCollector(_Tabled[Reporting[PoolStatistics], PoolStatistics]):
+class PoolCollector(_Tabled[_Reporting[PoolStatistics], PoolStatistics]):
     """Exports a [``Pool``][aiokvtier.Pool]'s shared figures (attached processes, the shared store),
     labelled ``pool=name``; its tier's go through ``TierCollector(pool.tier)``.
 
