@@ -756,6 +756,7 @@ def test_the_load_generator_answers_help_and_says_what_to_install_without_httpx(
         capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert helped.returncode == 0 and "--clients" in helped.stdout, helped.stderr
+    assert "stop after this long (default: 10)" in " ".join(helped.stdout.split())
     done = _python(
         WITHOUT_THE_EXTRA.format(names=("httpx",)) + "import runpy\nsys.argv = ['x', '--seconds', '1']\n"
         "runpy.run_module('aiokvtier.server.load', run_name='__main__')"
@@ -847,6 +848,10 @@ def test_help_describes_every_option_with_its_default() -> None:
     assert done.returncode == 0
     for default in ("(default: 1GiB)", "(default: 64KiB)", "(default: host)", "(default: lru)", "(default: warning)"):
         assert default in text, default
+    # Seconds as the other commands show them (it showed "10.0", "0.0"), and a default said once.
+    for default in ("answering them 503 and closing every connection (default: 10)", "readyz 503 (default: 0)"):
+        assert default in text, default
+    assert "(default: the quota)" in text and "(default: the quota) (default" not in text
 
 
 def _fuzz_request(rng: random.Random) -> tuple[str, str, bytes, dict[str, str]]:

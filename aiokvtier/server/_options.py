@@ -16,20 +16,11 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from .._config import HostTierConfig, MooncakeTierConfig
-from .._program import seconds, size, whole_number
+from .._program import Formatter, seconds, size, whole_number
 
 __all__ = ["build_parser", "parse"]
 
 DESCRIPTION = "A KV block service over a BlockStore, on Starlette and uvicorn."
-
-
-class Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default where its help does not already say it (and it has one)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):

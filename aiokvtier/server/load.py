@@ -22,7 +22,7 @@ import threading
 import urllib.parse
 from collections.abc import Sequence
 
-from .._program import seconds, whole_number
+from .._program import Formatter, seconds, whole_number
 from ._options import Parser
 
 __all__ = ["main"]
@@ -32,15 +32,21 @@ def build_parser(prog: str = "python -m aiokvtier.server.load") -> argparse.Argu
     parser = Parser(
         prog=prog,
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=Formatter,
     )
     count = whole_number(1)
     parser.add_argument("--url", type=_url, default="http://127.0.0.1:8077", help="the server")
-    parser.add_argument("--clients", type=count, default=16, help="concurrent clients, each one request at a time")
+    parser.add_argument(
+        "--clients", type=count, metavar="N", default=16, help="concurrent clients, each one request at a time"
+    )
     parser.add_argument("--seconds", type=seconds(positive=True), default=10.0, help="stop after this long")
-    parser.add_argument("--requests", type=count, default=10**9, help="stop after about this many requests in all")
-    parser.add_argument("--block-size", type=count, default=64 << 10, help="bytes per block PUT")
-    parser.add_argument("--lookup-keys", type=count, default=32, help="keys per lookup: the client's last ones")
+    parser.add_argument(
+        "--requests", type=count, metavar="N", default=10**9, help="stop after about this many requests in all"
+    )
+    parser.add_argument("--block-size", type=count, metavar="BYTES", default=64 << 10, help="bytes per block PUT")
+    parser.add_argument(
+        "--lookup-keys", type=count, metavar="N", default=32, help="keys per lookup: the client's last ones"
+    )
     return parser
 
 
