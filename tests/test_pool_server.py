@@ -81,6 +81,7 @@ def test_workers_refuse_what_cannot_be_shared() -> None:
         (["--workers", "2", "--plain-dict"], "--plain-dict"),
         (["--workers", "2", "--backing", "register", "--device", "0"], "host memory only"),
         (["--workers", "0"], "not 1 to 256"),
+        (["--workers", "2", "--policy", "s3fifo"], "argument --policy: "),  # it was ignored: the pool's own order
     ):
         done = subprocess.run(
             [sys.executable, "-m", "aiokvtier.server", *args], capture_output=True, text=True, env=ENV, timeout=60

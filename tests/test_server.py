@@ -590,6 +590,7 @@ def test_plain_dict_baseline_serves_the_same_api() -> None:
         (["--drain-seconds", "nan"], "--drain-seconds"),
         (["--grace-seconds", "-1"], "--grace-seconds"),
         (["--grace-seconds", "nan"], "--grace-seconds"),
+        (["--plain-dict", "--policy", "s3fifo"], "argument --policy: "),  # it was ignored: the dict drops its oldest
     ],
 )
 def test_a_bad_option_is_one_line_naming_it_and_exit_2(options: list[str], named: str) -> None:

@@ -213,6 +213,12 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
         parser.error("argument --workers: several workers share a pool; --plain-dict keeps blocks in one process")
     if args.workers > 1 and (args.device is not None or args.backing not in ("host", "auto")):
         parser.error("argument --workers: a pool shares host memory only (--backing host, no --device)")
+    if args.policy != "lru" and (args.workers > 1 or args.plain_dict):
+        # Each keeps its own order (a pool: LRU with a second chance; the dict: oldest first): say so, not ignore it.
+        parser.error(
+            f"argument --policy: {args.policy} is a policy of one process's store "
+            "(a --workers pool evicts least recently used blocks, --plain-dict its oldest)"
+        )
     if args.disk_path is not None and (args.workers > 1 or args.plain_dict):
         parser.error("argument --disk-path: a disk tier goes under one process's store (no --workers, no --plain-dict)")
     if args.disk_path is not None and not os.path.isdir(args.disk_path):
