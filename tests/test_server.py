@@ -567,6 +567,8 @@ async def plain_dict_scenario() -> None:
             await bad_requests(client, "a1")
             assert (await client.get("/v1/blocks/a1")).content == blocks["a1"]
             assert (await client.get("/v1/stats")).json()["server"]["internal_errors"] == 0
+            metrics = await client.get("/metrics")  # the baseline has no collectors: as docs/server.md says
+            assert metrics.status_code == 200 and metrics.content == b""
     finally:
         code, stderr = await server.stop()
     assert code == 0 and "Traceback" not in stderr, stderr
