@@ -1209,3 +1209,28 @@ def test_serve_refuses_numbers_in_the_words_of_the_other_commands(
 ) -> None:
     status, line = _refusal(lambda: aiokvtier.server.main(options, prog="aiokvtier serve"), capsys)
     assert status == 2 and line.startswith(f"aiokvtier serve: error: {says}"), line
+
+
+async def test_the_body_timeout_answers_408_in_process_and_leaves_no_cancellation_behind() -> None:
+    # The timeout cancels the handler's read: the 408 must not leave the task cancelling (the server's
+    # own cancellation, or cut()'s, would then be taken for it), and a body in time is served as before.
+    stall = asyncio.Event()
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b"part of a block"
+        await stall.wait()
+        yield b"the rest"
+
+    service = _app.Service(_blocks.DictBlocks(1 << 20, 1 << 16), body_timeout=0.2)
+    app = service.app()
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        async with app.router.lifespan_context(app):
+            answer = await asyncio.wait_for(client.put("/v1/blocks/ab", content=stalled()), 10)
+            assert_error(answer, 408)
+            assert answer.headers["connection"] == "close" and "15 bytes came" in answer.json()["error"]
+            assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+            assert service.in_flight == 0
+            assert_error(await client.get("/v1/blocks/ab"), 404)
+            assert (await client.put("/v1/blocks/ab", content=b"block")).status_code == 201
+            assert service.internal_errors == 0
