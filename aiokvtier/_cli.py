@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ._program import Parser, UsageError, cuda_devices, options_in_advice, run, run_async
+from ._program import Parser, UsageError, cuda_devices, options_in_advice, run, run_async, seconds, whole_number
+from ._program import size as _size
 from ._units import format_bytes
 
 __all__ = ["main"]
@@ -35,77 +36,12 @@ _OPTION_OF_FIELD = {
 }
 
 
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
-
-
-def _size(name: str) -> Callable[[str], int]:
-    """A size option: bytes, or a number and a unit (512MiB, 4GiB, 1GB), more than 0 and below 2**63."""
-
-    def parse(text: str) -> int:
-        if text.lstrip().startswith("-"):
-            raise argparse.ArgumentTypeError(f"{text!r} is negative: a size is more than 0 bytes")
-        if not _SIZE.fullmatch(text):
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a size: give bytes, or a number and a unit such as 512MiB, 4GiB or 1GB"
-            )
-        from ._config import _size_bytes
-
-        try:
-            return _size_bytes(int(text) if text.strip().isdigit() else text, name)
-        except ValueError as exc:
-            message = str(exc).removeprefix(f"{name} ")
-            if "is not a size" in message:  # the unit (pydantic's words follow the colon)
-                message = f"{text!r} is not a size: unknown unit; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB"
-            raise argparse.ArgumentTypeError(message) from None
-
-    parse.__name__ = "size"
-    return parse
-
-
-def whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An option's whole number from ``low`` to ``high`` (the demo's and the benchmarks' argparse type)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low or (high is not None and value > high):
-            bounds = f"{low} to {high}" if high is not None else f"{low} or more"
-            raise argparse.ArgumentTypeError(f"{text!r} is not {bounds}")
-        return value
-
-    parse.__name__ = "count"
-    return parse
-
-
 def _numa_node(text: str) -> int | str | None:
     if text in ("auto", "none"):
         return None if text == "none" else text
     if text.isdigit():
         return int(text)
     raise argparse.ArgumentTypeError(f"{text!r} is not a node number (0 or more), 'auto' or 'none'")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
-    return value
-
-
-def non_negative_seconds(text: str) -> float:
-    """An option's seconds, 0 or more (the demo's and the benchmarks' argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 <= value < float("inf"):  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more seconds")
-    return abs(value)  # -0.0 prints as 0
 
 
 def _octal_mode(text: str) -> int:
@@ -203,14 +139,14 @@ def build_parser(prog: str = "aiokvtier") -> Parser:
     demo.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="event loop to run on")
     demo.add_argument(
         "--interval",
-        type=_positive_float,
+        type=seconds(positive=True),
         default=1.0,
         metavar="SECONDS",
         help="seconds between progress lines when output is not a terminal",
     )
     demo.add_argument(
         "--hold",
-        type=non_negative_seconds,
+        type=seconds(),
         default=0.0,
         metavar="SECONDS",
         help="seconds to keep the tier open once it is resident",

@@ -48,7 +48,10 @@ __all__ = [
     "options_in_advice",
     "run",
     "run_async",
+    "seconds",
+    "size",
     "starting",
+    "whole_number",
 ]
 
 T = TypeVar("T")
@@ -63,6 +66,76 @@ def options_in_advice(message: str, options: dict[str, str]) -> str:
     return re.sub(
         r"\b(set|raise|lower) (\w+)", lambda m: f"{m.group(1)} {options.get(m.group(2), m.group(2))}", message
     )
+
+
+# -- option types: every command says the same mistake in the same words ------------------------------
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+
+def size(name: str) -> Callable[[str], int]:
+    """A size option: bytes, or a number and a unit (512MiB, 4GiB, 1GB), more than 0 and below 2**63.
+
+    :param name: the config field it sets, as the config's own refusal names it (dropped from the message).
+    """
+
+    def parse(text: str) -> int:
+        if text.lstrip().startswith("-"):
+            raise argparse.ArgumentTypeError(f"{text!r} is negative: a size is more than 0 bytes")
+        if not _SIZE.fullmatch(text):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a size: give bytes, or a number and a unit such as 512MiB, 4GiB or 1GB"
+            )
+        from ._config import _size_bytes
+
+        try:
+            return _size_bytes(int(text) if text.strip().isdigit() else text, name)
+        except ValueError as exc:
+            message = str(exc).removeprefix(f"{name} ")
+            if "is not a size" in message:  # the unit (pydantic's words follow the colon)
+                message = f"{text!r} is not a size: unknown unit; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB"
+            raise argparse.ArgumentTypeError(message) from None
+
+    parse.__name__ = "size"
+    return parse
+
+
+def whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An option's whole number from ``low`` to ``high`` (None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"{low} to {high}" if high is not None else f"{low} or more"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {bounds}")
+        return value
+
+    parse.__name__ = "count"
+    return parse
+
+
+def seconds(*, positive: bool = False, most: float | None = None) -> Callable[[str], float]:
+    """An option's seconds: 0 or more (more than 0 with ``positive``), up to ``most``; never nan or infinity."""
+    if most is None:
+        bounds = "a positive number of seconds" if positive else "0 or more seconds"
+    else:
+        bounds = f"more than 0 and at most {most:g} seconds" if positive else f"0 to {most:g} seconds"
+    high = float("inf") if most is None else most
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not ((value > 0 if positive else value >= 0) and value <= high and value != float("inf")):  # nan too
+            raise argparse.ArgumentTypeError(f"{text!r} must be {bounds}")
+        return abs(value)  # -0.0 prints as 0
+
+    parse.__name__ = "seconds"
+    return parse
 
 
 def cuda_devices(needs: str) -> int:

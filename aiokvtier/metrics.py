@@ -5,16 +5,19 @@ collector reads ``statistics()`` of the objects it was given when Prometheus
 scrapes, so nothing is counted twice and nothing runs between scrapes:
 
     from prometheus_client import REGISTRY
-    from aiokvtier.metrics import DiskCollector, EngineCollector, MooncakeCollector, StoreCollector, TierCollector
+    from aiokvtier.metrics import (
+        DiskCollector, EngineCollector, MooncakeCollector, PoolCollector, StoreCollector, TierCollector
+    )
 
     REGISTRY.register(TierCollector(tier))
     REGISTRY.register(StoreCollector(store, name="kv"))
     REGISTRY.register(EngineCollector(engine, name="gpu0"))
     REGISTRY.register(DiskCollector(disk, name="nvme0"))
     REGISTRY.register(MooncakeCollector(remote, name="cluster"))
+    REGISTRY.register(PoolCollector(pool, name="shared"))  # and TierCollector(pool.tier) for its tier
 
 Every series carries the object's name as the label ``tier``, ``store``,
-``engine``, ``disk`` or ``mooncake``. A registry takes one collector of each kind (the metric names
+``engine``, ``disk``, ``mooncake`` or ``pool``. A registry takes one collector of each kind (the metric names
 would clash otherwise); [``TierCollector.add()``][aiokvtier.metrics.TierCollector.add] puts more objects under
 the same one. A closed object still scrapes (its last figures); a tier that
 has not opened yet scrapes as nothing.
@@ -40,11 +43,11 @@ from ._copy._engine import CopyEngine, CopyStatistics
 from ._disk._tier import DiskStatistics, DiskTier
 from ._errors import TierClosedError
 from ._host._statistics import TierStatistics
-from ._host._tier import HostTier
 from ._mooncake._tier import MooncakeStatistics, MooncakeTier
+from ._pool._statistics import PoolStatistics
 from ._store._store import BlockStore, StoreStatistics
 
-__all__ = ["DiskCollector", "EngineCollector", "MooncakeCollector", "StoreCollector", "TierCollector"]
+__all__ = ["DiskCollector", "EngineCollector", "MooncakeCollector", "PoolCollector", "StoreCollector", "TierCollector"]
 
 
 class _Snapshotting(Protocol):
@@ -53,6 +56,13 @@ class _Snapshotting(Protocol):
 
 _T = TypeVar("_T", bound=_Snapshotting)
 _S = TypeVar("_S")
+_R = TypeVar("_R", covariant=True)
+
+
+class _Reporting(Protocol[_R]):
+    """What a collector reads: an object whose ``statistics()`` returns its figures, from any thread."""
+
+    def statistics(self) -> _R: ...
 
 
 class _Collector(Generic[_T, _S]):
@@ -155,8 +165,9 @@ _TIER_COUNTERS: _Figures = (
 )
 
 
-class TierCollector(_Tabled[HostTier, TierStatistics]):
-    """Exports a [``HostTier``][aiokvtier.HostTier]'s statistics, labelled ``tier=name``."""
+class TierCollector(_Tabled[_Reporting[TierStatistics], TierStatistics]):
+    """Exports a [``HostTier``][aiokvtier.HostTier]'s statistics, labelled ``tier=name`` (or those of
+    anything whose ``statistics()`` returns ``TierStatistics``)."""
 
     _label = "tier"
     _gauges = _TIER_GAUGES
@@ -270,6 +281,48 @@ class MooncakeCollector(_Tabled[MooncakeTier, MooncakeStatistics]):
     _label = "mooncake"
     _gauges = _MOONCAKE_GAUGES
     _counters = _MOONCAKE_COUNTERS
+
+
+_POOL_GAUGES: _Figures = (
+    ("aiokvtier_pool_clients", "Processes attached now.", lambda s: s.clients),
+    ("aiokvtier_pool_slots_attached", "Slots attached processes hold through allocate.", lambda s: s.slots_attached),
+    ("aiokvtier_pool_blocks", "Visible blocks of the shared store.", lambda s: s.blocks),
+    ("aiokvtier_pool_pinned_blocks", "Blocks a load (in any process) is reading now.", lambda s: s.blocks_pinned),
+    ("aiokvtier_pool_claims", "Stores in flight (claims not yet committed or aborted).", lambda s: s.claims),
+)
+_POOL_COUNTERS: _Figures = (
+    ("aiokvtier_pool_queries", "Lookups that answered.", lambda s: s.queries),
+    ("aiokvtier_pool_hits", "Keys lookups matched (the stored prefix).", lambda s: s.hits),
+    ("aiokvtier_pool_misses", "Keys lookups were asked beyond the stored prefix.", lambda s: s.misses),
+    ("aiokvtier_pool_stores", "Blocks stored.", lambda s: s.stores),
+    ("aiokvtier_pool_present", "Keys a store found already stored.", lambda s: s.present),
+    ("aiokvtier_pool_skipped", "Keys a store skipped (nothing left to evict).", lambda s: s.skipped),
+    ("aiokvtier_pool_loads", "Blocks loaded.", lambda s: s.loads),
+    ("aiokvtier_pool_evictions", "Blocks evicted.", lambda s: s.evictions),
+    ("aiokvtier_pool_discards", "Blocks discarded.", lambda s: s.discards),
+    ("aiokvtier_pool_stored_bytes", "Bytes stored.", lambda s: s.bytes_stored),
+    ("aiokvtier_pool_loaded_bytes", "Bytes loaded.", lambda s: s.bytes_loaded),
+    ("aiokvtier_pool_owner_lookups", "Lookups the owner answered itself (also in queries).", lambda s: s.owner_lookups),
+    (
+        "aiokvtier_pool_mirror_retries",
+        "Mirror reads attached processes did over.",
+        lambda s: s.mirror_retries,
+    ),
+)
+
+
+class PoolCollector(_Tabled[_Reporting[PoolStatistics], PoolStatistics]):
+    """Exports a [``Pool``][aiokvtier.Pool]'s shared figures (attached processes, the shared store),
+    labelled ``pool=name``; its tier's go through ``TierCollector(pool.tier)``.
+
+    ``Pool.statistics()`` belongs to the owner's loop: scrape from it (or take the figures on it and export
+    them through any object whose ``statistics()`` returns them, as an attached process must:
+    ``AttachedPool.statistics()`` is a coroutine).
+    """
+
+    _label = "pool"
+    _gauges = _POOL_GAUGES
+    _counters = _POOL_COUNTERS
 
 
 class EngineCollector(_Collector[CopyEngine, CopyStatistics]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -342,11 +343,12 @@ async def test_the_guide_names_every_metric(tmp_path: Path) -> None:
     the tiers below, and the disk and Mooncake collectors), and none they do not."""
     import dataclasses
 
-    from aiokvtier import MooncakeStatistics
-    from aiokvtier.metrics import MooncakeCollector
+    from aiokvtier import MooncakeStatistics, PoolStatistics
+    from aiokvtier.metrics import MooncakeCollector, PoolCollector
 
     named = await asyncio.to_thread(_metrics_the_guide_names)
     mooncake = MooncakeStatistics(**{f.name: 0 for f in dataclasses.fields(MooncakeStatistics)})
+    pool = PoolStatistics(**{f.name: 0 for f in dataclasses.fields(PoolStatistics)})
     registry = CollectorRegistry()
     config = await asyncio.to_thread(DiskTierConfig, quota=64 * SLOT, path=tmp_path)
     async with (
@@ -360,10 +362,41 @@ async def test_the_guide_names_every_metric(tmp_path: Path) -> None:
         registry.register(EngineCollector(engine))
         registry.register(DiskCollector(disk))
         registry.register(MooncakeCollector(_Snapshot(mooncake)))  # type: ignore[arg-type]
+        registry.register(PoolCollector(_Snapshot(pool)))  # type: ignore[arg-type]
         exported = {
             f.name + ("_total" if f.type == "counter" else "")
             for f in text_string_to_metric_families(generate_latest(registry).decode())
         }
-    assert {name.split("_")[1] for name in exported} == {"tier", "store", "copy", "disk", "mooncake"}
+    assert {name.split("_")[1] for name in exported} == {"tier", "store", "copy", "disk", "mooncake", "pool"}
     assert not exported - named, sorted(exported - named)
     assert not named - exported, sorted(named - exported)
+
+
+async def test_pool_collector_exports_the_shared_store_beside_the_pools_tier() -> None:
+    import tempfile
+
+    from aiokvtier import AttachedPool, Pool
+    from aiokvtier.metrics import PoolCollector
+
+    directory = await asyncio.to_thread(tempfile.mkdtemp, prefix="akm", dir="/tmp")
+    path = f"{directory}/pool.sock"
+    registry = CollectorRegistry()
+    try:
+        async with Pool(small_config(slot_size=SLOT), path) as pool, AttachedPool(path) as attached:
+            registry.register(TierCollector(pool.tier))
+            registry.register(PoolCollector(pool, name="shared"))
+            await attached.store([b"a", b"b"], [bytes(SLOT), bytes(SLOT)])
+            s = pool.statistics()
+
+            def value(name: str, **labels: str) -> float | None:
+                return registry.get_sample_value(name, labels)
+
+            assert value("aiokvtier_pool_blocks", pool="shared") == s.blocks == 2
+            assert value("aiokvtier_pool_clients", pool="shared") == 1
+            assert value("aiokvtier_pool_stores_total", pool="shared") == s.stores == 2
+            assert value("aiokvtier_pool_stored_bytes_total", pool="shared") == 2 * SLOT
+            assert value("aiokvtier_tier_quota_bytes", tier="default") == s.tier.quota
+    finally:
+        for name in await asyncio.to_thread(os.listdir, directory):
+            await asyncio.to_thread(os.unlink, f"{directory}/{name}")
+        await asyncio.to_thread(os.rmdir, directory)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
@@ -567,6 +567,8 @@ async def plain_dict_scenario() -> None:
             await bad_requests(client, "a1")
             assert (await client.get("/v1/blocks/a1")).content == blocks["a1"]
             assert (await client.get("/v1/stats")).json()["server"]["internal_errors"] == 0
+            metrics = await client.get("/metrics")  # the baseline has no collectors: as docs/server.md says
+            assert metrics.status_code == 200 and metrics.content == b""
     finally:
         code, stderr = await server.stop()
     assert code == 0 and "Traceback" not in stderr, stderr
@@ -590,6 +592,7 @@ def test_plain_dict_baseline_serves_the_same_api() -> None:
         (["--drain-seconds", "nan"], "--drain-seconds"),
         (["--grace-seconds", "-1"], "--grace-seconds"),
         (["--grace-seconds", "nan"], "--grace-seconds"),
+        (["--plain-dict", "--policy", "s3fifo"], "argument --policy: "),  # it was ignored: the dict drops its oldest
     ],
 )
 def test_a_bad_option_is_one_line_naming_it_and_exit_2(options: list[str], named: str) -> None:
@@ -756,6 +759,7 @@ def test_the_load_generator_answers_help_and_says_what_to_install_without_httpx(
         capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert helped.returncode == 0 and "--clients" in helped.stdout, helped.stderr
+    assert "stop after this long (default: 10)" in " ".join(helped.stdout.split())
     done = _python(
         WITHOUT_THE_EXTRA.format(names=("httpx",)) + "import runpy\nsys.argv = ['x', '--seconds', '1']\n"
         "runpy.run_module('aiokvtier.server.load', run_name='__main__')"
@@ -771,20 +775,29 @@ LOAD = [sys.executable, "-m", "aiokvtier.server.load"]
 @pytest.mark.parametrize(
     ("options", "says"),
     [
-        (["--clients", "0"], "argument --clients: 0 is not 1 or more"),
-        (["--seconds", "-1"], "argument --seconds: -1.0 is not a positive number of seconds"),
-        (["--seconds", "nan"], "argument --seconds: nan is not a positive number of seconds"),
-        (["--requests", "0"], "argument --requests: 0 is not 1 or more"),
-        (["--block-size", "0"], "argument --block-size: 0 is not 1 or more"),
-        (["--lookup-keys", "0"], "argument --lookup-keys: 0 is not 1 or more"),
+        (["--clients", "0"], "argument --clients: '0' is not 1 or more"),
+        (["--clients", "x"], "argument --clients: 'x' is not a whole number"),
+        (["--seconds", "-1"], "argument --seconds: '-1' must be a positive number of seconds"),
+        (["--seconds", "nan"], "argument --seconds: 'nan' must be a positive number of seconds"),
+        (["--seconds", "soon"], "argument --seconds: 'soon' is not a number of seconds"),
+        (["--requests", "0"], "argument --requests: '0' is not 1 or more"),
+        (["--block-size", "0"], "argument --block-size: '0' is not 1 or more"),
+        (["--lookup-keys", "0"], "argument --lookup-keys: '0' is not 1 or more"),
         (["--url", "127.0.0.1:8077"], "argument --url: '127.0.0.1:8077' is not an http:// or https:// URL"),
+        (["--url", "http://"], "argument --url: 'http://' names no host"),
+        (["--url", "http://127.0.0.1:x"], "argument --url: 'http://127.0.0.1:x' is not a URL: "),
+        (["--url", "http://127.0.0.1:99999"], "argument --url: 'http://127.0.0.1:99999' is not a URL: "),
+        (["--url", "http://[::1:8077"], "argument --url: 'http://[::1:8077' is not a URL: "),
     ],
 )
 def test_the_load_generator_refuses_a_bad_option_in_one_line(options: list[str], says: str) -> None:
-    """Before, each was taken, and ended in a traceback (or a load of no clients)."""
+    """Before, each was taken, and ended in a traceback (or a load of no clients; a URL with no host, a port
+    that is not one: still a traceback); then its words were not those of ``aiokvtier``'s commands for
+    the same mistake ("0 is not 1 or more", "-1.0 is not ...")."""
     done = subprocess.run([*LOAD, *options], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT)
     assert done.returncode == 2 and done.stdout == "", done.stderr
-    assert done.stderr.splitlines() == [f"python -m aiokvtier.server.load: error: {says}"]
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"python -m aiokvtier.server.load: error: {says}"), lines
 
 
 def test_the_load_generator_says_in_one_line_that_no_server_answers() -> None:
@@ -838,6 +851,10 @@ def test_help_describes_every_option_with_its_default() -> None:
     assert done.returncode == 0
     for default in ("(default: 1GiB)", "(default: 64KiB)", "(default: host)", "(default: lru)", "(default: warning)"):
         assert default in text, default
+    # Seconds as the other commands show them (it showed "10.0", "0.0"), and a default said once.
+    for default in ("answering them 503 and closing every connection (default: 10)", "readyz 503 (default: 0)"):
+        assert default in text, default
+    assert "(default: the quota)" in text and "(default: the quota) (default" not in text
 
 
 def _fuzz_request(rng: random.Random) -> tuple[str, str, bytes, dict[str, str]]:
@@ -1023,3 +1040,197 @@ def test_the_server_page_lists_every_option_with_its_default() -> None:
                 documented,
                 default,
             )
+
+
+async def _other_server(answer: bytes) -> asyncio.Server:
+    """An HTTP server that is not the block server: every request gets ``answer`` (a whole response)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+CLOSE_200 = b"HTTP/1.1 200 OK\r\nConnection: close\r\n"
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (CLOSE_200 + b"Content-Type: text/html\r\nContent-Length: 13\r\n\r\n<html></html>", "200 text/html"),
+        (b"HTTP/1.1 404 Not Found\r\nConnection: close\r\nContent-Length: 9\r\n\r\nnot found", "404"),
+        (CLOSE_200 + b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n[]", "200 application/json"),
+    ],
+    ids=["html", "404", "json-list"],
+)
+async def test_the_load_generator_says_in_one_line_that_another_server_answered(answer: bytes, says: str) -> None:
+    """Before: a JSONDecodeError traceback (or a TypeError) after the whole run."""
+    other = await _other_server(answer)
+    port = other.sockets[0].getsockname()[1]
+    try:
+        load = await asyncio.create_subprocess_exec(
+            *LOAD, "--url", f"http://127.0.0.1:{port}", "--clients", "2", "--seconds", "1",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV, cwd=ROOT,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(load.communicate(), 60)
+    finally:
+        other.close()
+        await other.wait_closed()
+    lines = err.decode().splitlines()
+    assert load.returncode == 1 and out == b"", lines
+    assert len(lines) == 1, lines
+    said = f"python -m aiokvtier.server.load: error: http://127.0.0.1:{port}/v1/stats answered "
+    assert lines[0].startswith(said), lines
+    assert says in lines[0] and "not the block server" in lines[0], lines
+
+
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]], ids=["one", "workers"])
+async def test_a_body_that_stalls_is_answered_408_after_the_body_timeout_and_stores_nothing(workers: list[str]) -> None:
+    """Before: the request waited for its body forever (until a shutdown cut it), holding its handler."""
+    server = await Server.start("--quota", "64MiB", "--body-timeout", "0.5", *workers)
+    raws: list[Raw] = []
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+            raws += [
+                await Raw.open(server.url, head("PUT /v1/blocks/cd", "Content-Length: 5000")),  # headers only
+                await Raw.open(server.url, head("PUT /v1/blocks/ce", "Content-Length: 5000"), b"x" * 100),
+                await Raw.open(server.url, head("PUT /v1/blocks/ef", "Transfer-Encoding: chunked"), b"10\r\nyy"),
+                await Raw.open(server.url, head("POST /v1/lookup", "Content-Length: 100"), b'{"keys": ['),
+            ]
+            for raw in raws:
+                status, headers, body = await raw.answer(30)
+                assert status == 408, (status, headers, body)
+                assert headers["content-type"] == "application/json" and headers["connection"] == "close", headers
+                assert "did not arrive within 0.5 s" in json.loads(body)["error"], body
+            for key in ("cd", "ce", "ef"):
+                assert (await client.get(f"/v1/blocks/{key}")).status_code == 404
+            stats = (await client.get("/v1/stats")).json()
+            assert stats["server"]["internal_errors"] == 0
+            if workers:
+                assert stats["pool"]["blocks"] == 0 and stats["pool"]["claims"] == 0, stats
+            else:
+                assert stats["store"]["blocks"] == 0 and stats["store"]["in_flight"] == 0, stats
+            assert (await client.put("/v1/blocks/cd", content=b"block")).status_code == 201  # the key is free
+    finally:
+        for raw in raws:
+            raw.close()
+        code, stderr = await server.stop()
+    assert code == 0 and "Traceback" not in stderr, stderr
+
+
+async def test_bytes_that_are_not_http_get_uvicorns_plain_text_400_as_the_server_page_says() -> None:
+    """uvicorn answers these before any route sees a request, and offers the app no way to shape the
+    answer; docs/server.md says so, quoting it, so a client knows the one non-JSON error it can meet."""
+    page = await asyncio.to_thread((ROOT / "docs" / "server.md").read_text)
+    assert '`400 text/plain` "Invalid HTTP request received."' in page
+    server = await Server.start("--quota", "64MiB")
+    try:
+        for data in (
+            "GARBAGE\r\n\r\n",
+            head("GET /healthz", "Bad Header: x"),
+            head("PUT /v1/blocks/ab", "Content-Length: 1, 2"),
+        ):
+            raw = await Raw.open(server.url, data)
+            status, headers, body = await raw.answer(30)
+            assert status == 400, (data[:40], status, body)
+            assert headers["content-type"] == "text/plain; charset=utf-8" and headers["connection"] == "close"
+            assert body == b"Invalid HTTP request received.", body
+    finally:
+        code, stderr = await server.stop()
+    assert code == 0, stderr
+
+
+def _refusal(run: Callable[[], object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """The exit status and the one line a command's usage error printed."""
+    try:
+        status = run()
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, (out, err)
+    assert isinstance(status, int)
+    return status, err.rstrip("\n")
+
+
+@pytest.mark.parametrize(
+    ("demo", "serve"),
+    [
+        (["--quota", "lots"], ["--quota", "lots"]),
+        (["--quota", "-1GiB"], ["--quota", "-1GiB"]),
+        (["--quota", "0"], ["--quota", "0"]),
+        (["--slot-size", "2XB"], ["--slot-size", "2XB"]),
+        (["--max-quota", "1.5x"], ["--max-quota", "1.5x"]),
+        (["--device", "x"], ["--device", "x"]),
+        (["--device", "-1"], ["--device", "-1"]),
+        (["--fill-threads", "x"], ["--workers", "x"]),
+        (["--fill-threads", "0"], ["--workers", "0"]),
+        (["--fill-threads", "257"], ["--workers", "257"]),
+        (["--hold", "soon"], ["--drain-seconds", "soon"]),
+        (["--hold", "soon"], ["--body-timeout", "soon"]),
+    ],
+)
+def test_serve_refuses_a_bad_value_as_the_other_commands_do(
+    demo: list[str], serve: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``aiokvtier serve``'s refusals are argparse's prog, then the words of ``aiokvtier``'s other commands for
+    the same mistake. Before: argparse's own ("invalid int value: 'x'", "invalid float value"), and sizes
+    and ranges in words of their own ("not a size: 'lots' (bytes, or like 64KiB, 2GiB)", "0 is not 1 to 256")."""
+    from aiokvtier import _cli
+
+    status, theirs = _refusal(lambda: _cli.main(["demo", *demo]), capsys)
+    assert status == 2 and theirs.startswith(f"aiokvtier: error: argument {demo[0]}: "), theirs
+    said = theirs.removeprefix(f"aiokvtier: error: argument {demo[0]}: ")
+    for prog in ("aiokvtier serve", "aiokvtier-server", "python -m aiokvtier.server"):
+        status, ours = _refusal(lambda prog=prog: aiokvtier.server.main(serve, prog=prog), capsys)  # type: ignore[misc]
+        assert status == 2 and ours == f"{prog}: error: argument {serve[0]}: {said}", (ours, theirs)
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (["--port", "x"], "argument --port: 'x' is not a whole number"),
+        (["--port", "70000"], "argument --port: '70000' is not 0 to 65535"),
+        (["--drain-seconds", "-1"], "argument --drain-seconds: '-1' must be 0 to 3600 seconds"),
+        (["--grace-seconds", "nan"], "argument --grace-seconds: 'nan' must be 0 to 3600 seconds"),
+        (["--body-timeout", "inf"], "argument --body-timeout: 'inf' must be 0 to 3600 seconds"),
+        (["--disk-quota", "lots"], "argument --disk-quota: 'lots' is not a size"),
+    ],
+)
+def test_serve_refuses_numbers_in_the_words_of_the_other_commands(
+    options: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, line = _refusal(lambda: aiokvtier.server.main(options, prog="aiokvtier serve"), capsys)
+    assert status == 2 and line.startswith(f"aiokvtier serve: error: {says}"), line
+
+
+async def test_the_body_timeout_answers_408_in_process_and_leaves_no_cancellation_behind() -> None:
+    # The timeout cancels the handler's read: the 408 must not leave the task cancelling (the server's
+    # own cancellation, or cut()'s, would then be taken for it), and a body in time is served as before.
+    stall = asyncio.Event()
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b"part of a block"
+        await stall.wait()
+        yield b"the rest"
+
+    service = _app.Service(_blocks.DictBlocks(1 << 20, 1 << 16), body_timeout=0.2)
+    app = service.app()
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+        async with app.router.lifespan_context(app):
+            answer = await asyncio.wait_for(client.put("/v1/blocks/ab", content=stalled()), 10)
+            assert_error(answer, 408)
+            assert answer.headers["connection"] == "close" and "15 bytes came" in answer.json()["error"]
+            assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+            assert service.in_flight == 0
+            assert_error(await client.get("/v1/blocks/ab"), 404)
+            assert (await client.put("/v1/blocks/ab", content=b"block")).status_code == 201
+            assert service.internal_errors == 0

@@ -612,11 +612,13 @@ async def killed_owner_scenario(tmp: Path) -> None:
         for client in clients.values():
             try:
                 got = await client.get("/v1/blocks/0a")
+                scraped = await client.get("/metrics")  # its figures are asked of the owner
                 ready = await client.get("/readyz")
             except httpx.TransportError:
                 continue  # that worker is already gone
-            assert_error(got, 503)
-            assert "pool" in got.json()["error"], got.text
+            for answer in (got, scraped):
+                assert_error(answer, 503)
+                assert "pool" in answer.json()["error"], answer.text
             assert ready.status_code == 503 and ready.json()["status"] == "lost", ready.text
         await until(lambda: all(gone(pid) for pid in clients), 20, "the workers exited")
         assert await refused(server.url)

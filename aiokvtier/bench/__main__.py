@@ -9,9 +9,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from .._cli import non_negative_seconds as _seconds
-from .._cli import whole_number
-from .._program import Parser, UsageError, cuda_devices, run
+from .._program import Parser, UsageError, cuda_devices, run, seconds, whole_number
 
 _GIB_STEP = 2 / 1024
 """GiB options are whole 2 MiB: the largest slot a program uses, and a multiple of the page that mmap wants."""
@@ -140,7 +138,7 @@ def build_parser(prog: str) -> Parser:
     host.add_argument("--sections", nargs="+", help=_SECTIONS_HELP.format("all but thp_auto"))
     fill = host.add_argument_group("neighbours, fill_scaling, busy_loop and thp_auto sections")
     fill.add_argument("--gib", type=_gib, help=f"GiB each fill makes resident {_default(t, 'gib')}")
-    fill.add_argument("--settle", type=_seconds, help=f"seconds of rest after each free {_default(t, 'settle')}")
+    fill.add_argument("--settle", type=seconds(), help=f"seconds of rest after each free {_default(t, 'settle')}")
     fill.add_argument(
         "--register-units-mib",
         type=_mib,
@@ -173,7 +171,7 @@ def build_parser(prog: str) -> Parser:
     _cold_options(cuda, t)
     full = cuda.add_argument_group("full_tier section")
     full.add_argument("--full-gib", type=_gib, help=f"GiB of the tier made wholly resident {_default(t, 'full_gib')}")
-    full.add_argument("--settle", type=_seconds, help=f"seconds of rest before each fill {_default(t, 'settle')}")
+    full.add_argument("--settle", type=seconds(), help=f"seconds of rest before each fill {_default(t, 'settle')}")
     cuda.add_argument(
         "--cold-prewarm",
         action="store_true",

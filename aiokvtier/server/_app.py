@@ -108,11 +108,14 @@ class Service:
 
     Every endpoint runs under ``cut()``'s watch: a request still in flight
     when the shutdown's grace is over (its body still arriving, or a store
-    waiting for the tier's fill) is answered 503 in JSON.
+    waiting for the tier's fill) is answered 503 in JSON. A body that has
+    not arrived whole ``body_timeout`` seconds after its handler began to
+    read it (None: no limit) is answered 408 before anything is stored.
     """
 
-    def __init__(self, blocks: Blocks) -> None:
+    def __init__(self, blocks: Blocks, *, body_timeout: float | None = None) -> None:
         self.blocks = blocks
+        self.body_timeout = body_timeout
         self.draining = False
         self.opened = False
         self.cutting = False
@@ -262,11 +265,13 @@ class Service:
         return JSONResponse(body)
 
     async def metrics(self, request: Request) -> Response:
+        await self.blocks.refresh()
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @staticmethod
-    async def _body(request: Request, limit: int, what: str) -> bytes:
-        """The body, refused with 413 past ``limit`` bytes: from Content-Length before reading, else while reading."""
+    async def _body(self, request: Request, limit: int, what: str) -> bytes:
+        """The body, refused with 413 past ``limit`` bytes (from Content-Length before reading, else while
+        reading), and with 408 when it is not whole within ``body_timeout``: a client that stalls would
+        otherwise hold its request, and whatever it waits for, forever."""
         declared = request.headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -275,12 +280,16 @@ class Service:
                 raise ApiError(413, f"the {what} is {int(declared)} bytes, at most {limit}")
         chunks = bytearray()
         try:
-            async for chunk in request.stream():
-                chunks += chunk
-                if len(chunks) > limit:
-                    raise ApiError(413, f"the {what} is more than {limit} bytes")
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in request.stream():
+                    chunks += chunk
+                    if len(chunks) > limit:
+                        raise ApiError(413, f"the {what} is more than {limit} bytes")
         except ClientDisconnect:
             raise ApiError(400, "the client went away before the body ended") from None
+        except TimeoutError:
+            message = f"the {what} did not arrive within {self.body_timeout:g} s ({len(chunks)} bytes came)"
+            raise ApiError(408, message, CLOSE) from None
         return bytes(chunks)
 
     # -- errors: every answer but a success is JSON {"error": ...}

@@ -12,11 +12,13 @@ from prometheus_client.registry import Collector
 from .. import metrics
 from .._config import DiskTierConfig, HostTierConfig, MooncakeTierConfig
 from .._disk._tier import DiskTier
-from .._errors import BlockNotFound
+from .._errors import BlockNotFound, TierClosedError
+from .._host._statistics import TierStatistics
 from .._host._tier import HostTier
 from .._lifecycle import close_in_turn
 from .._mooncake._tier import MooncakeTier
 from .._pool._client import AttachedPool
+from .._pool._statistics import PoolStatistics
 from .._store._store import BlockStore
 
 __all__ = ["Blocks", "DictBlocks", "PoolBlocks", "StoreBlocks"]
@@ -39,6 +41,8 @@ class Blocks(Protocol):
     async def lookup(self, keys: list[bytes]) -> int: ...
     async def stats(self) -> dict[str, Any]: ...
     def collectors(self) -> list[Collector]: ...
+    async def refresh(self) -> None:
+        """Before a scrape: bring the figures the collectors read up to date (those that cannot be read then)."""
 
 
 class StoreBlocks:
@@ -132,6 +136,9 @@ class StoreBlocks:
             found.append(metrics.MooncakeCollector(self.remote))
         return found
 
+    async def refresh(self) -> None:
+        pass  # the collectors read the tier's and the store's statistics() as they scrape
+
 
 class PoolBlocks:
     """Blocks in the store of a pool that another process owns (``--workers``: each worker attaches).
@@ -144,6 +151,7 @@ class PoolBlocks:
     def __init__(self, path: str) -> None:
         self.path = path
         self.slot_size = 0
+        self.figures = PoolFigures()
 
     async def open(self) -> None:
         self.pool = await AttachedPool.attach(self.path)
@@ -184,7 +192,36 @@ class PoolBlocks:
         return {"tier": pool.pop("tier"), "pool": pool, "worker": {"pid": os.getpid()}}
 
     def collectors(self) -> list[Collector]:
-        return []
+        return [metrics.TierCollector(self.figures.tier), metrics.PoolCollector(self.figures)]
+
+    async def refresh(self) -> None:
+        """Ask the owner for the pool's figures: ``AttachedPool.statistics()`` is a coroutine, which a
+        collector, read synchronously as it scrapes, cannot await.
+
+        :raises PoolLostError: the owner went away.
+        """
+        self.figures.latest = await self.pool.statistics()
+
+
+class PoolFigures:
+    """The pool's figures as of the last ``refresh()``, for the collectors; none before the first."""
+
+    def __init__(self) -> None:
+        self.latest: PoolStatistics | None = None
+        self.tier = _TierFigures(self)
+
+    def statistics(self) -> PoolStatistics:
+        if self.latest is None:
+            raise TierClosedError("no figures yet")  # a collector scrapes it as nothing
+        return self.latest
+
+
+class _TierFigures:
+    def __init__(self, figures: PoolFigures) -> None:
+        self.figures = figures
+
+    def statistics(self) -> TierStatistics:
+        return self.figures.statistics().tier
 
 
 class DictBlocks:
@@ -240,3 +277,6 @@ class DictBlocks:
 
     def collectors(self) -> list[Collector]:
         return []
+
+    async def refresh(self) -> None:
+        pass

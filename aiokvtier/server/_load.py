@@ -10,7 +10,30 @@ import time
 
 import httpx
 
-__all__ = ["run"]
+__all__ = ["NotTheServer", "run"]
+
+
+class NotTheServer(Exception):
+    """What answered at the URL is not the block server: the message names the URL and what came back."""
+
+
+async def server_stats(http: httpx.AsyncClient) -> dict[str, object]:
+    """The server's ``/v1/stats``.
+
+    :raises NotTheServer: the answer is not the block server's JSON (another server at that address).
+    """
+    response = await http.get("/v1/stats")
+    try:
+        stats = response.json() if response.status_code == 200 else None
+    except ValueError:  # not JSON, or not UTF-8
+        stats = None
+    if not isinstance(stats, dict) or "server" not in stats:
+        kind = response.headers.get("content-type", "no Content-Type").partition(";")[0]
+        raise NotTheServer(
+            f"{response.url} answered {response.status_code} {kind}: {response.text[:60]!r}, "
+            "not the block server's JSON (is --url the block server?)"
+        )
+    return stats
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -50,6 +73,8 @@ async def client(
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
     out: dict[str, list[float]] = {"PUT": [], "GET": [], "lookup": []}
+    async with httpx.AsyncClient(base_url=args.url, timeout=30) as http:
+        await server_stats(http)  # before the load: another server there is told at once, not after it
     budget = [args.requests]
     start = time.monotonic()
     deadline = start + args.seconds
@@ -66,7 +91,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         for name, times in out.items()
     }
     async with httpx.AsyncClient(base_url=args.url, timeout=30) as http:
-        stats = (await http.get("/v1/stats")).json()
+        stats = await server_stats(http)
     return {
         "url": args.url,
         "clients": args.clients,

@@ -13,28 +13,21 @@ import socket
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from pydantic import ByteSize, TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from .._config import HostTierConfig, MooncakeTierConfig
+from .._program import Formatter, seconds, size, whole_number
 
 __all__ = ["build_parser", "parse"]
 
 DESCRIPTION = "A KV block service over a BlockStore, on Starlette and uvicorn."
 
 
-class Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default where its help does not already say it (and it has one)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 class Parser(argparse.ArgumentParser):
-    """Errors are one line: ``aiokvtier-server: error: argument --quota: ...``, exit 2; an argument that
-    starts with ``-`` and a digit is a value (``--quota -1GiB`` is refused as a size, not as "expected
-    one argument"), as in the ``aiokvtier`` command."""
+    """Errors are one line: ``aiokvtier-server: error: argument --quota: ...`` (the command as it was
+    named: ``aiokvtier serve``, ``python -m aiokvtier.server``), exit 2, in the words of the ``aiokvtier``
+    command's (the option types of ``aiokvtier._program``); an argument that starts with ``-`` and a
+    digit is a value (``--quota -1GiB`` is refused as a size, not as "expected one argument")."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -44,29 +37,24 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def size(text: str) -> int:
-    try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
-    except ValidationError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or like 64KiB, 2GiB)") from None
-
-
 OPTION_OF_FIELD = {"quota": "--quota", "max_quota": "--max-quota", "slot_size": "--slot-size"}
 OPTION_OF_FIELD |= {"device": "--device", "backing": "--backing"}
 
 
 def build_parser(prog: str = "aiokvtier-server") -> Parser:
     parser = Parser(prog=prog, description=DESCRIPTION, formatter_class=Formatter)
-    parser.add_argument("--quota", type=size, default="1GiB", metavar="SIZE", help="bytes of the tier, like 2GiB")
+    parser.add_argument(
+        "--quota", type=size("quota"), default="1GiB", metavar="SIZE", help="bytes of the tier, like 2GiB"
+    )
     parser.add_argument(
         "--max-quota",
-        type=size,
+        type=size("max_quota"),
         default=None,
         metavar="SIZE",
         help="bytes of address range reserved (default: the quota)",
     )
     parser.add_argument(
-        "--slot-size", type=size, default="64KiB", metavar="SIZE", help="bytes per slot: the largest block"
+        "--slot-size", type=size("slot_size"), default="64KiB", metavar="SIZE", help="bytes per slot: the largest block"
     )
     parser.add_argument(
         "--backing",
@@ -75,12 +63,20 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
         help="host memory only, or GPU-usable (register, vmm: need --device); auto: register with --device",
     )
     parser.add_argument(
-        "--device", type=int, default=None, metavar="N", help="CUDA ordinal of the GPU the tier serves (default: none)"
+        "--device",
+        type=whole_number(0),
+        default=None,
+        metavar="N",
+        help="CUDA ordinal of the GPU the tier serves (default: none)",
     )
     parser.add_argument("--policy", choices=["lru", "s3fifo"], default="lru", help="the store's eviction policy")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument(
-        "--port", type=int, default=8077, metavar="N", help="port to listen on; 0: any free port (printed)"
+        "--port",
+        type=whole_number(0, 65535),
+        default=8077,
+        metavar="N",
+        help="port to listen on; 0: any free port (printed)",
     )
     parser.add_argument(
         "--log-level",
@@ -91,21 +87,28 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
     parser.add_argument("--plain-dict", action="store_true", help="serve from a dict of bytes (the baseline)")
     parser.add_argument(
         "--drain-seconds",
-        type=float,
+        type=seconds(most=3600),
         default=0.0,
         metavar="SECONDS",
         help="after SIGTERM or SIGINT, serve on this long with readyz 503",
     )
     parser.add_argument(
         "--grace-seconds",
-        type=float,
+        type=seconds(most=3600),
         default=10.0,
         metavar="SECONDS",
         help="then, wait this long for the requests in flight before answering them 503 and closing every connection",
     )
     parser.add_argument(
+        "--body-timeout",
+        type=seconds(most=3600),
+        default=30.0,
+        metavar="SECONDS",
+        help="a request's body must arrive within this long of its headers, else 408 and nothing stored; 0: no limit",
+    )
+    parser.add_argument(
         "--workers",
-        type=int,
+        type=whole_number(1, 256),
         default=1,
         metavar="N",
         help="server processes over one pool (host backing): a block PUT through one is a GET hit through all",
@@ -116,7 +119,11 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
         help="a disk tier below the host tier, in this existing directory (blocks hit twice are written there)",
     )
     parser.add_argument(
-        "--disk-quota", type=size, default="64GiB", metavar="SIZE", help="bytes of the disk tier (with --disk-path)"
+        "--disk-quota",
+        type=size("quota"),
+        default="64GiB",
+        metavar="SIZE",
+        help="bytes of the disk tier (with --disk-path)",
     )
     parser.add_argument(
         "--mooncake-master",
@@ -136,7 +143,7 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
     )
     parser.add_argument(
         "--mooncake-segment-size",
-        type=size,
+        type=size("segment_size"),
         metavar="SIZE",
         help="host memory this server gives the cluster's pool (with --mooncake-master; default 1GiB)",
     )
@@ -202,18 +209,16 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
     """
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    if not 0 <= args.port <= 65535:
-        parser.error(f"argument --port: {args.port} is not a port (0 to 65535)")
-    if not 0 <= args.drain_seconds <= 3600:  # also refuses nan
-        parser.error(f"argument --drain-seconds: {args.drain_seconds} is not 0 to 3600 seconds")
-    if not 0 <= args.grace_seconds <= 3600:
-        parser.error(f"argument --grace-seconds: {args.grace_seconds} is not 0 to 3600 seconds")
-    if not 1 <= args.workers <= 256:
-        parser.error(f"argument --workers: {args.workers} is not 1 to 256")
     if args.workers > 1 and args.plain_dict:
         parser.error("argument --workers: several workers share a pool; --plain-dict keeps blocks in one process")
     if args.workers > 1 and (args.device is not None or args.backing not in ("host", "auto")):
         parser.error("argument --workers: a pool shares host memory only (--backing host, no --device)")
+    if args.policy != "lru" and (args.workers > 1 or args.plain_dict):
+        # Each keeps its own order (a pool: LRU with a second chance; the dict: oldest first): say so, not ignore it.
+        parser.error(
+            f"argument --policy: {args.policy} is a policy of one process's store "
+            "(a --workers pool evicts least recently used blocks, --plain-dict its oldest)"
+        )
     if args.disk_path is not None and (args.workers > 1 or args.plain_dict):
         parser.error("argument --disk-path: a disk tier goes under one process's store (no --workers, no --plain-dict)")
     if args.disk_path is not None and not os.path.isdir(args.disk_path):

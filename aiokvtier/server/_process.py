@@ -214,7 +214,7 @@ def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
         if args.disk_path is not None:
             disk = DiskTierConfig(quota=args.disk_quota, path=args.disk_path)
         blocks = StoreBlocks(config, args.policy, disk, args.mooncake)
-    service = Service(blocks)
+    service = Service(blocks, body_timeout=args.body_timeout or None)
     uv = uvicorn.Config(
         service.app(),
         host=args.host,
