@@ -29,6 +29,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
 
+from aiokvtier import AttachedPool
+from aiokvtier.integrations import _vllm_pool
 from aiokvtier.integrations._vllm_pool import REATTACH_AFTER, PoolLoadStoreSpec, PoolOffloadingWorker
 
 from .invariants import assert_no_library_threads
@@ -77,6 +79,18 @@ def two_group_worker(path: str) -> PoolOffloadingWorker:
 # -- hostile specs -------------------------------------------------------------------------------
 
 
+def refused_both_ways(
+    worker: PoolOffloadingWorker, spec: GPULoadStoreSpec, error: type[Exception], match: str | None = None
+) -> None:
+    """A store and a load of two chunks with ``spec`` are refused on the caller's thread; no job ran."""
+    chunks = PoolLoadStoreSpec(keys([1, 2]))
+    with pytest.raises(error, match=match):
+        worker.submit_store(1, spec, chunks)
+    with pytest.raises(error, match=match):
+        worker.submit_load(2, chunks, spec)
+    assert worker.get_finished() == []
+
+
 def test_a_negative_group_size_is_refused_not_read_from_the_ids_end(owned: tuple[str, Any]) -> None:
     """vLLM checks only that the group sizes add up: [-1, 4] with three ids passed, and the -1 made a
     negative offset, so the plan took the second group's first block from the ids' end (ids[-1])."""
@@ -121,12 +135,7 @@ def test_block_ids_of_a_wrong_type_or_range_change_nothing(
     try:
         spec = gpu_spec([0, 1])
         spec.block_ids = ids  # what a caller past vLLM's constructor can hand over
-        chunks = PoolLoadStoreSpec(keys([1, 2]))
-        with pytest.raises(error):
-            a.worker.submit_store(1, spec, chunks)
-        with pytest.raises(error):
-            a.worker.submit_load(2, chunks, spec)
-        assert a.worker.get_finished() == []
+        refused_both_ways(a.worker, spec, error)
         stats = nothing_held(path, clients=2)
         assert stats.stores == 0 and stats.loads == 0
     finally:
@@ -150,12 +159,7 @@ def test_group_sizes_and_first_indices_of_a_wrong_type_or_range_change_nothing(
     try:
         spec = GPULoadStoreSpec([0, 1], group_sizes=[2], block_indices=[0])
         spec.group_sizes, spec.block_indices = sizes, firsts  # what a caller past vLLM's constructor can hand over
-        chunks = PoolLoadStoreSpec(keys([1, 2]))
-        with pytest.raises(error, match=match):
-            a.worker.submit_store(1, spec, chunks)
-        with pytest.raises(error, match=match):
-            a.worker.submit_load(2, chunks, spec)
-        assert a.worker.get_finished() == []
+        refused_both_ways(a.worker, spec, error, match)
         stats = nothing_held(path, clients=2)
         assert stats.stores == 0 and stats.loads == 0
     finally:
@@ -354,7 +358,7 @@ def test_a_pool_back_with_another_slot_size_is_not_used_by_an_engine_that_cut_it
             old.store(chunks, [0, 1])
             time.sleep(0.05)
         assert statistics(path).blocks == 0
-        said = [r for r in caplog.records if "is back with 131072-byte slots, not 65536: not used" in r.getMessage()]
+        said = [r for r in caplog.records if "is back with 131072-byte slots, not 65536: given up" in r.getMessage()]
         assert 1 <= len(said) <= 2  # once by each half of the old engine, not at every attempt
         new = Replica(path, seed=72, page=page)
         assert new.store(chunks, [0, 1]) == chunks
@@ -369,6 +373,48 @@ def test_a_pool_back_with_another_slot_size_is_not_used_by_an_engine_that_cut_it
         old.close()
         if new is not None:
             new.close()
+        stop_owner(owner)
+    assert_no_library_threads()
+
+
+def test_a_pool_back_with_another_slot_size_is_given_up_once_not_attached_again_every_period(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused, the pool was attached again every ``REATTACH_AFTER`` for the engine's life: a connection,
+    the tier mapped (prefaulted by a host worker, registered with CUDA by a GPU one) and dropped, every
+    second, by each half. It is given up once, with an error that says so; a restart takes it up."""
+    monkeypatch.setattr(_vllm_pool, "REATTACH_AFTER", 0.02)
+    attaches: list[str] = []
+    real = AttachedPool.attach.__func__  # type: ignore[attr-defined]
+
+    async def counted(cls: type[AttachedPool], path: str, **kw: Any) -> AttachedPool:
+        attaches.append(path)
+        pool: AttachedPool = await real(cls, path, **kw)
+        return pool
+
+    monkeypatch.setattr(AttachedPool, "attach", classmethod(counted))
+    path = str(tmp_path / "pool.sock")
+    owner = start_owner(path, "16MiB")
+    old = Replica(path, seed=73)
+    try:
+        chunks = keys([1, 2])
+        stop_owner(owner)
+        owner = start_owner(path, "16MiB", "128KiB")
+        wait_for(lambda: [old.lookup(chunks), any("is back with 131072" in r.getMessage() for r in caplog.records)][1])
+        first = len(attaches)
+        deadline = time.monotonic() + 1.0  # fifty periods
+        while time.monotonic() < deadline:
+            old.store(chunks, [0, 1])
+            assert old.lookup(chunks) == [LookupResult.MISS] * 2
+            time.sleep(0.01)
+        assert len(attaches) - first <= 1, attaches  # the other half's one refusal at most
+        said = [r for r in caplog.records if "given up" in r.getMessage()]
+        assert 1 <= len(said) <= 2 and all(r.levelname == "ERROR" for r in said)
+        assert "restart the engine" in said[0].getMessage()
+        assert statistics(path).blocks == 0
+        nothing_held(path)  # neither half stays attached to a pool it does not use
+    finally:
+        old.close()
         stop_owner(owner)
     assert_no_library_threads()
 
