@@ -31,10 +31,11 @@ from vllm.v1.kv_offload.config import OffloadingGroupConfig
 
 from aiokvtier import AttachedPool
 from aiokvtier.integrations import _vllm_pool
+from aiokvtier.integrations._pool_jobs import MAGIC, SEAL, SEAL_BYTES
 from aiokvtier.integrations._vllm_pool import REATTACH_AFTER, PoolLoadStoreSpec, PoolOffloadingWorker
 
 from .invariants import assert_no_library_threads
-from .test_integration_vllm_pool import Replica, start_owner, statistics, stop_owner, wait_for
+from .test_integration_vllm_pool import Replica, in_pool, key_of, start_owner, statistics, stop_owner, wait_for
 from .vllm_pool_replica import GPU_BLOCKS, PAGE, digests, finish, gpu_spec, keys, kv_caches, pool_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -517,3 +518,75 @@ def test_a_pool_spec_refuses_keys_that_are_not_bytes() -> None:
         with pytest.raises(TypeError, match="offload key is bytes"):
             PoolLoadStoreSpec([b"fine", bad])  # type: ignore[list-item]
     assert PoolLoadStoreSpec([b"a", bytearray(b"b"), memoryview(b"c")]).keys == (b"a", b"b", b"c")
+
+
+# -- forged seals and blocks -------------------------------------------------------------------------
+
+
+def forge(path: str, key: bytes, value: bytes) -> None:
+    """Replace the block of ``key`` with ``value``, as a stray writer of the engines' namespace would."""
+
+    async def write(pool: AttachedPool) -> None:
+        await pool.discard([key])
+        assert not (await pool.store([key], [value])).skipped
+
+    in_pool(path, write)
+
+
+@pytest.mark.parametrize(
+    "seal",
+    [
+        SEAL_BYTES.pack(MAGIC, 2) + b"\x00",  # longer than a seal: its load raised into vLLM's scheduler
+        MAGIC,  # cut short: read as a count of 0 (the rest of the row zero)
+        SEAL_BYTES.pack(MAGIC, 2)[:5],  # cut short, its count's first byte kept: read as 2
+        SEAL_BYTES.pack(MAGIC, 0),  # no rank's share of a chunk is empty
+    ],
+    ids=["long", "magic-only", "cut", "zero"],
+)
+def test_a_seal_of_the_wrong_length_or_an_empty_count_is_a_miss_and_teaches_nothing(
+    owned: tuple[str, Any], seal: bytes
+) -> None:
+    """The scheduler learns a group's block counts from the first chunk it finds by its seals, once. A seal
+    of 9 bytes made the load of the seals raise ValueError out of ``lookup`` (vLLM's scheduler died); one
+    cut short was read zero-padded, and a count of 0 was believed: every later chunk of the group was a
+    hit by its seals alone, its blocks gone or not."""
+    path, _ = owned
+    a = Replica(path, seed=80)
+    b = None
+    try:
+        chunks = keys([1, 2])
+        a.store(chunks, [0, 1])
+        forge(path, key_of(chunks[0], SEAL), seal)
+        in_pool(path, lambda pool: pool.discard([key_of(chunks[1], 1)]))  # the second chunk lacks a block
+        b = Replica(path, seed=81, dp=1)  # has not learned the group's block counts
+        assert b.lookup(chunks[:1]) == [LookupResult.MISS]
+        assert b.lookup(chunks[1:]) == [LookupResult.MISS]  # a seal alone is not a chunk
+        a.store(chunks[2:], [2])
+        forge(path, key_of(chunks[0], SEAL), SEAL_BYTES.pack(MAGIC, 2))  # what the engine writes
+        assert b.lookup(chunks[:1]) == [LookupResult.HIT]
+        assert b.lookup(chunks[1:]) == [LookupResult.MISS]
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+    nothing_held(path)
+
+
+def test_a_block_stored_shorter_than_its_page_is_a_load_error_not_half_a_page(owned: tuple[str, Any]) -> None:
+    """A load copies a block's stored length; the worker took a short block for its whole page, and the
+    GPU block kept its old bytes past it under a successful load: another engine's bytes and its own. Its
+    GPU block is a load error now (vLLM computes it again)."""
+    path, _ = owned
+    a = Replica(path, seed=82)
+    try:
+        chunks = keys([1, 2])
+        a.store(chunks, [0, 1])
+        forge(path, key_of(chunks[0], 1), b"\x01" * 100)  # the second layer's page of the first chunk
+        a.worker.report_load_errors = True
+        result = a.load(chunks, [5, 6])
+        assert result.success and a.worker.take_load_errors() == {5, 6}  # from the short block's GPU block on
+        assert a.load(chunks[1:], [6]).success and a.worker.take_load_errors() == set()
+        assert digests(a.caches, [6]) == digests(a.caches, [1])
+    finally:
+        a.close()
+    nothing_held(path)
