@@ -99,13 +99,24 @@ class Message:
         return np.frombuffer(self.parts[index], dtype=np.uint64)
 
 
-def encode(op: int, rid: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = ()) -> bytes:
-    """One frame, length prefix included."""
+def encode(
+    op: int, rid: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = (), *, request: bool = False
+) -> bytes:
+    """One frame, length prefix included.
+
+    :param request: a request to the owner, which drops a process that sends a frame past ``MAX_FRAME``.
+    :raises ValueError: ``request`` and the frame would be larger than that (checked before it is built).
+    """
     head = dict(fields or {})
     head["p"] = [len(p) for p in parts]
     text = json.dumps(head, separators=(",", ":")).encode()
     body = [HEAD.pack(op, rid, len(text)), text, *parts]
     size = sum(map(len, body))
+    if request and size > MAX_FRAME:
+        raise ValueError(
+            f"a request of {size} bytes does not fit the pool protocol's frames of at most {MAX_FRAME} bytes "
+            "(its keys take the room: split the call, or shorten the keys)"
+        )
     return b"".join([LENGTH.pack(size), *body])
 
 

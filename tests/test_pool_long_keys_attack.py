@@ -1,0 +1,242 @@
+"""Attacks on the pool's long keys (those past ``LONG_BYTES``, hashed in the index mirror by a digest):
+keys at the boundary and around it, keys alike in their first bytes or in their digest form, the largest
+key a frame holds and one past it, two processes storing one long key, discards and evictions under
+loads, and cancellation at every step of a store, a load and a lookup. After each, a lookup finds only
+the keys stored (a false hit would load another key's block), and the owner's statistics, its index and
+its mirror agree, with nothing claimed, pinned or leaked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from aiokvtier import AttachedPool, BlockNotFound, Pool, PoolStatistics
+from aiokvtier._pool import _wire
+from aiokvtier._pool._mirror import DIGEST_BYTES, KEY_BYTES, LONG_BYTES, USABLE, key_rows
+
+pytestmark = [
+    pytest.mark.skipif(not USABLE, reason="the mirror is read only on x86-64"),
+    pytest.mark.timeout(180),
+]
+
+SLOT = 4096
+CONFIG = {"quota": "1MiB", "max_quota": "1MiB", "slot_size": "4KiB"}  # 256 slots: evictions come soon
+
+
+@pytest.fixture
+def sock() -> Iterator[str]:
+    """A socket path short enough for sun_path, in a directory of its own."""
+    directory = tempfile.mkdtemp(prefix="akla", dir="/tmp")
+    yield os.path.join(directory, "pool.sock")
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
+    os.rmdir(directory)
+
+
+BODY = np.random.default_rng(17).integers(1, 256, (1 << 20) + 2, dtype=np.uint8).tobytes()
+"""Random bytes with no zero byte: every key below is a cut or a change of it, so that all share their
+first bytes."""
+
+
+def cut(n: int) -> bytes:
+    return BODY[:n]
+
+
+def changed(key: bytes, at: int) -> bytes:
+    """``key`` with its byte at ``at`` different."""
+    return key[:at] + bytes([key[at] ^ 0x5A]) + key[at + 1 :]
+
+
+def pages_for(keys: list[bytes | int], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (len(keys), SLOT), dtype=np.uint8)
+
+
+def agree(pool: Pool, stats: PoolStatistics) -> None:
+    """Nothing stays claimed or pinned; the index, its mirror, the processes and the tier agree."""
+    pool.check_invariants(sole_user=True)
+    assert stats.claims == 0 and stats.blocks_pinned == 0, stats
+    assert stats.tier.slots_allocated == stats.blocks, stats
+
+
+STORED = [255, 256, 257, LONG_BYTES + 8, 1 << 16, 1 << 20]
+"""Key lengths at and around the boundary, and far past it (the keys are prefixes of one another)."""
+NEAR = [1, KEY_BYTES, KEY_BYTES + 1, 254, 258, 263, 265, (1 << 16) - 1, (1 << 16) + 1, (1 << 20) - 1, (1 << 20) + 1]
+"""Lengths never stored: each a prefix or an extension of a stored key."""
+
+
+def alike() -> list[bytes]:
+    """Keys of a stored key's length that differ from it in one byte only: past its first 256 bytes, in
+    its last byte, in its first 32 bytes (the entry's), and in byte 32 (the first the entry leaves out)."""
+    out = []
+    for n in STORED:
+        key = cut(n)
+        for at in {n - 1, KEY_BYTES, 0, min(LONG_BYTES + 3, n - 1)}:
+            out.append(changed(key, at))
+    return out
+
+
+async def test_keys_at_the_boundary_are_found_as_themselves_and_their_neighbours_never(sock: str) -> None:
+    stored: list[bytes | int] = [cut(n) for n in STORED]
+    never: list[bytes] = [cut(n) for n in NEAR] + alike()
+    never += [cut(n) + b"\x00" for n in STORED]  # the same and a zero byte more
+    assert not set(never) & set(stored)
+    rows = key_rows([*stored, *never])
+    assert len({tuple(r[:7].tolist()) for r in rows}) == len(stored) + len(never)  # every key its own entry
+    pages = pages_for(stored, 1)
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a, AttachedPool(sock) as b:
+        result = await a.store(stored, pages)
+        assert result.stored == tuple(stored)
+        for key in stored:
+            assert b.lookup_nowait([key]) == 1
+        for key in never:
+            assert b.lookup_nowait([key]) == 0, len(key)  # the mirror
+            assert await b.lookup([key]) == 0
+            assert await b.discard([key]) == 0  # the owner
+            with pytest.raises(BlockNotFound) as missing:
+                await b.load([key], np.zeros((1, SLOT), dtype=np.uint8))
+            assert missing.value.key == key
+        assert b.lookup_nowait([*stored, never[0]]) == len(stored)
+        back = np.zeros_like(pages)
+        assert await b.load(stored, back) == [SLOT] * len(stored)
+        assert (back == pages).all()
+        lookups = len(stored) + 2 * len(never) + 1
+        stats = await b.statistics()  # the lookups' counts travel with this request
+        assert stats.queries == lookups and stats.hits == 2 * len(stored)
+        assert stats.misses == 2 * len(never) + 1
+        assert stats.blocks == len(stored) and stats.discards == 0
+        agree(pool, stats)
+
+
+def digest_form(key: bytes) -> bytes:
+    """What a long key is hashed as in the mirror: its first bytes and a digest of it."""
+    return key[:KEY_BYTES] + hashlib.blake2b(key, digest_size=DIGEST_BYTES).digest()
+
+
+async def test_a_short_key_equal_to_a_long_keys_digest_form_is_another_key(sock: str) -> None:
+    """The two hash alike (a long key's hashes are its digest form's); their entries differ by length."""
+    long = [cut(LONG_BYTES + 1), cut(5000), cut(1 << 20)]
+    forms: list[bytes | int] = [digest_form(k) for k in long]
+    assert (key_rows(long)[:, :2] == key_rows(forms)[:, :2]).all()  # the same probe chain
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a, AttachedPool(sock) as b:
+        await a.store(list(long), pages_for(list(long), 2))
+        for form in forms:
+            assert b.lookup_nowait([form]) == 0
+        form_pages = pages_for(forms, 3)
+        assert (await b.store(forms, form_pages)).stored == tuple(forms)
+        assert b.lookup_nowait(list(long)) == 3 and b.lookup_nowait(forms) == 3
+        back = np.zeros_like(form_pages)
+        await a.load(forms, back)
+        assert (back == form_pages).all()
+        assert await a.discard(list(long)) == 3
+        assert b.lookup_nowait(forms) == 3 and b.lookup_nowait([long[0]]) == 0
+        agree(pool, await a.statistics())
+
+
+async def test_a_long_byte_key_and_an_int_of_the_same_digits_are_two_keys(sock: str) -> None:
+    big = 10**300  # carried as its decimal text, 301 bytes: past LONG_BYTES
+    text = b"%d" % big
+    keys: list[bytes | int] = [big, text, -big, b"-" + text]
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a, AttachedPool(sock) as b:
+        await a.store([big], pages_for([big], 4))
+        assert b.lookup_nowait([text]) == 0 and await b.lookup([text]) == 0
+        assert b.lookup_nowait([big]) == 1 and b.lookup_nowait([-big]) == 0
+        pages = pages_for(keys, 5)
+        result = await b.store(keys, pages)
+        assert result.present == (big,) and result.stored == tuple(keys[1:])
+        back = np.zeros_like(pages)
+        await a.load(keys[1:], back[1:])
+        assert (back[1:] == pages[1:]).all()
+        agree(pool, await a.statistics())
+
+
+async def test_a_str_key_is_refused_everywhere_and_bytes_like_long_keys_are_their_bytes(sock: str) -> None:
+    key = cut(3000)
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a:
+        page = np.ones((1, SLOT), dtype=np.uint8)
+        for call in (
+            lambda: a.store([key.decode("latin-1")], page),
+            lambda: a.load([key.decode("latin-1")], page),
+            lambda: a.discard([key.decode("latin-1")]),
+            lambda: a.lookup([key.decode("latin-1")]),
+        ):
+            with pytest.raises(TypeError, match="not str"):
+                await call()
+        with pytest.raises(TypeError, match="not str"):
+            a.lookup_nowait([key.decode("latin-1")])
+        stats = await a.statistics()
+        assert stats.queries == stats.stores == stats.discards == stats.loads == 0 and stats.blocks == 0
+        assert (await a.store([bytearray(key)], page)).stored == (key,)
+        assert a.lookup_nowait([memoryview(key)]) == 1 and a.lookup_nowait([key]) == 1
+        assert await a.discard([memoryview(key)]) == 1
+        agree(pool, await a.statistics())
+
+
+# -- the largest key a frame holds ---------------------------------------------------------------------
+
+
+def longest(op: int, fields: dict[str, object], before: list[bytes], after: list[bytes]) -> int:
+    """The longest key a request of one key (its parts ``before``, the key, ``after``) holds in a frame."""
+    empty = len(_wire.encode(op, 1, fields, [*before, b"", *after])) - _wire.LENGTH.size
+    n = _wire.MAX_FRAME - empty
+    return n - (len(str(n)) - 1)  # the key's length is written in the fields, in place of "0"
+
+
+def test_a_request_frame_is_refused_one_byte_past_the_largest_the_owner_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner drops a process whose frame is past ``MAX_FRAME``: the client refuses to build one."""
+    for limit in (1 << 14, 1 << 20):
+        monkeypatch.setattr(_wire, "MAX_FRAME", limit)
+        n = longest(_wire.DISCARD, {"k": "f"}, [b"1234"], [])
+        frame = _wire.encode(_wire.DISCARD, 1, {"k": "f"}, [b"1234", cut(n)], request=True)
+        assert len(frame) == _wire.LENGTH.size + limit
+        with pytest.raises(ValueError, match=f"does not fit the pool protocol's frames of at most {limit} bytes"):
+            _wire.encode(_wire.DISCARD, 1, {"k": "f"}, [b"1234", cut(n + 1)], request=True)
+        assert _wire.encode(_wire.DISCARD, 1, {"k": "f"}, [b"1234", cut(n + 1)])  # a reply is not limited
+
+
+async def test_a_key_past_the_largest_frame_is_refused_and_the_pool_stays_attached(sock: str) -> None:
+    """A discard (or a load, a store) of a key of 1 GiB: the frame was sent, the owner dropped the process
+    for breaking the protocol, and every call of the process failed after (``PoolLostError``)."""
+    key = bytes(_wire.MAX_FRAME + 1)
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a:
+        a.lookup_nowait([cut(300)])  # a count to tell with the next request: kept when that one is refused
+        with pytest.raises(ValueError, match="split the call, or shorten the keys"):
+            await a.discard([key])
+        with pytest.raises(ValueError, match="split the call, or shorten the keys"):
+            await a.load([key], np.zeros((1, SLOT), dtype=np.uint8))
+        with pytest.raises(ValueError, match="split the call, or shorten the keys"):
+            await a.store([key], np.zeros((1, SLOT), dtype=np.uint8))
+        del key
+        assert a.lost is None
+        page = pages_for([b"k"], 6)
+        assert (await a.store([cut(300)], page)).stored == (cut(300),)
+        stats = await a.statistics()
+        assert stats.queries == 1 and stats.misses == 1 and stats.stores == 1 and stats.discards == 0
+        agree(pool, stats)
+
+
+async def test_the_largest_key_a_frame_holds_is_stored_and_found(sock: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same at a smaller frame limit (both ends read it), end to end, at the boundary."""
+    monkeypatch.setattr(_wire, "MAX_FRAME", 3 * SLOT + 200)
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a, AttachedPool(sock) as b:
+        largest = cut(longest(_wire.BEGIN, {"k": "f", "wait": True}, [b"1234"], [b"12345678"]))
+        assert len(largest) > 3 * SLOT
+        b.lookup_nowait([largest])  # counts to tell with b's next request, which they would make too large
+        page = pages_for([largest], 7)
+        assert (await a.store([largest], page)).stored == (largest,)
+        assert b.lookup_nowait([largest]) == 1 and await b.lookup([largest[:-1]]) == 0
+        back = np.zeros_like(page)
+        await b.load([largest], back)
+        assert (back == page).all()
+        with pytest.raises(ValueError, match="does not fit"):
+            await a.store([cut(len(largest) + 1)], page)
+        assert a.lost is None and b.lost is None
+        assert await b.discard([largest]) == 1
+        stats = await a.statistics()
+        assert stats.queries == 3 and stats.hits == 1 and stats.misses == 2  # b's counts all told
+        agree(pool, stats)
