@@ -8,6 +8,7 @@ its mirror agree, with nothing claimed, pinned or leaked.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import tempfile
@@ -240,3 +241,201 @@ async def test_the_largest_key_a_frame_holds_is_stored_and_found(sock: str, monk
         stats = await a.statistics()
         assert stats.queries == 3 and stats.hits == 1 and stats.misses == 2  # b's counts all told
         agree(pool, stats)
+
+
+# -- several processes at once ---------------------------------------------------------------------------
+
+
+def family(n: int, length: int = 3000) -> list[bytes | int]:
+    """``n`` long keys of one length that differ in one byte past their first ``LONG_BYTES``."""
+    base = cut(length)
+    return [changed(base, LONG_BYTES + 1 + i) for i in range(n)]
+
+
+async def test_one_long_key_stored_by_two_processes_at_once_is_stored_once_and_whole(sock: str) -> None:
+    keys = [*family(24), cut(1 << 20), cut(LONG_BYTES + 1)]
+    mine, theirs = pages_for(keys, 8), pages_for(keys, 9)
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a, AttachedPool(sock) as b:
+        for _ in range(4):
+            ra, rb = await asyncio.gather(a.store(keys, mine), b.store(keys[::-1], np.ascontiguousarray(theirs[::-1])))
+            assert not ra.skipped and not rb.skipped
+            assert set(ra.stored).isdisjoint(rb.stored)
+            assert set(ra.stored) | set(rb.stored) == set(keys)  # each stored once, by one of them
+            assert set(ra.present) == set(keys) - set(ra.stored)
+            back = np.zeros_like(mine)
+            await a.load(keys, back)
+            for i, key in enumerate(keys):
+                assert (back[i] == (mine[i] if key in ra.stored else theirs[i])).all()
+            assert b.lookup_nowait(keys) == len(keys)
+            assert await b.discard(keys) == len(keys)
+            assert a.lookup_nowait(keys) == 0
+        stats = await a.statistics()
+        assert stats.stores == 4 * len(keys) and stats.present == 4 * len(keys) and stats.skipped == 0
+        assert stats.discards == 4 * len(keys) and stats.blocks == 0
+        agree(pool, stats)
+
+
+async def test_long_keys_discarded_and_evicted_under_loads_never_load_another_keys_bytes(sock: str) -> None:
+    """Loads of long keys alike in all but one byte, while another process discards them and a third
+    fills the pool (evictions): each load copies its own keys' bytes or names a missing key."""
+    keys = family(64)
+    pages = pages_for(keys, 10)
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a, AttachedPool(sock) as b:
+        async with AttachedPool(sock) as c:
+            loaded = missing = 0
+            for round_ in range(12):
+                await a.store(keys, pages)
+                back = np.zeros_like(pages)
+
+                async def load(back: np.ndarray = back) -> bool:
+                    try:
+                        await b.load(keys, back)
+                    except BlockNotFound as exc:
+                        assert exc.key in keys
+                        return False
+                    return True
+
+                got, _, _ = await asyncio.gather(
+                    load(),
+                    a.discard(keys[round_ % 3 :: 3]),
+                    c.store(family(60, 4000 + round_), pages_for(keys[:60], round_)),  # full from the 4th round
+                )
+                if got:
+                    assert (back == pages).all()
+                    loaded += 1
+                else:
+                    missing += 1
+                hits = b.lookup_nowait(keys)
+                assert hits is not None and 0 <= hits <= len(keys)
+                if hits:
+                    part = np.zeros((hits, SLOT), dtype=np.uint8)
+                    try:
+                        await b.load(keys[:hits], part)
+                    except BlockNotFound:
+                        pass  # evicted since the lookup
+                    else:
+                        assert (part == pages[:hits]).all()
+            assert loaded + missing == 12
+        stats = await a.statistics()
+        assert stats.evictions > 0
+        agree(pool, stats)
+
+
+# -- cancellation at every step ---------------------------------------------------------------------------
+
+
+async def settled(pool: Pool, a: AttachedPool) -> PoolStatistics:
+    """The owner's books once the aborts and unpins of cancelled calls (sent without a reply) reached it."""
+    async with asyncio.timeout(30):
+        while True:
+            stats = await a.statistics()
+            if stats.claims == 0 and stats.blocks_pinned == 0:
+                agree(pool, stats)
+                return stats
+            await asyncio.sleep(0.001)
+
+
+async def cancelled_at_each_step(call: object, most: int = 400) -> int:
+    """Run ``call()`` again and again, cancelled after 0, 1, 2... passes of the loop, until it ends first;
+    how many times it was cancelled."""
+    assert callable(call)
+    for steps in range(most):
+        task = asyncio.ensure_future(call())
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        if task.done():
+            await task
+            return steps
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await call.after()  # type: ignore[attr-defined]
+    raise AssertionError(f"still not done after {most} passes of the loop")
+
+
+async def test_store_load_and_lookup_of_long_keys_cancelled_at_every_await_leave_nothing_behind(sock: str) -> None:
+    keys = [*family(8), cut(1 << 20), cut(LONG_BYTES + 1)]
+    mine, theirs = pages_for(keys, 11), pages_for(keys, 12)
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a, AttachedPool(sock) as b:
+
+        async def whole() -> None:
+            """Every key visible holds one store's page, whole; then the keys are dropped for the next try."""
+            stats = await settled(pool, b)
+            hits = b.lookup_nowait(keys)
+            assert hits is not None
+            present = [k for k in keys if b.lookup_nowait([k]) == 1]
+            if present:
+                at = [keys.index(k) for k in present]
+                back = np.zeros((len(present), SLOT), dtype=np.uint8)
+                await b.load(present, back)
+                for row, i in zip(back, at, strict=True):
+                    assert (row == mine[i]).all() or (row == theirs[i]).all()
+            await b.discard(keys)
+            assert stats.blocks == len(present)
+
+        async def store() -> None:
+            await a.store(keys, mine)
+
+        store.after = whole  # type: ignore[attr-defined]
+        assert await cancelled_at_each_step(store) > 0
+
+        async def store_beside_another() -> None:
+            """Cancelled while another process stores the same keys: that one waits for the claim, then
+            stores or finds each key."""
+            other = asyncio.ensure_future(b.store(keys, theirs))
+            try:
+                await a.store(keys, mine)
+            finally:
+                result = await asyncio.shield(other)
+                assert not result.skipped and len(result.stored) + len(result.present) == len(keys)
+
+        store_beside_another.after = whole  # type: ignore[attr-defined]
+        assert await cancelled_at_each_step(store_beside_another) > 0
+
+        await a.store(keys, mine)
+
+        async def load() -> None:
+            back = np.zeros_like(mine)
+            await a.load(keys, back)
+            assert (back == mine).all()
+
+        async def still_there() -> None:
+            stats = await settled(pool, b)
+            assert stats.blocks == len(keys) and b.lookup_nowait(keys) == len(keys)
+
+        load.after = still_there  # type: ignore[attr-defined]
+        assert await cancelled_at_each_step(load) > 0
+
+        async def lookup() -> None:
+            assert await a.lookup(keys) == len(keys)
+
+        lookup.after = still_there  # type: ignore[attr-defined]
+        await cancelled_at_each_step(lookup)
+
+        for delay in [i * 0.0002 for i in range(16)]:  # timeouts swept from 0 to 3 ms
+            for call, after in ((load, still_there), (lookup, still_there)):
+                try:
+                    await asyncio.wait_for(call(), delay)
+                except TimeoutError:
+                    pass
+                await after()
+            await b.discard(keys)
+            try:
+                await asyncio.wait_for(store(), delay)
+            except TimeoutError:
+                pass
+            await whole()
+            await a.store(keys, mine)
+        stats = await settled(pool, a)
+        assert stats.blocks == len(keys)
+
+
+def test_a_missing_long_keys_error_frame_carries_the_key_once() -> None:
+    """The owner sent a missing key's error with its message, ``repr(key)`` in JSON: four to eight times
+    the key (a key of 64 MiB: a frame of 300 MiB, built in 1.9 s on the owner's loop). The client makes
+    the message from the key, which the frame carries as a part."""
+    key = cut(1 << 20)
+    fields, parts = _wire.error_to(BlockNotFound(key))
+    frame = _wire.encode(_wire.ERROR, 1, fields, parts)
+    assert len(frame) < len(key) + 1024
+    error = _wire.error_from(_wire.decode(frame[_wire.LENGTH.size :]))
+    assert isinstance(error, BlockNotFound) and error.key == key and repr(key) in str(error)

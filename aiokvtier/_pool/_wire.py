@@ -353,8 +353,9 @@ def error_to(exc: BaseException) -> tuple[dict[str, Any], list[bytes]]:
     """An ERROR frame's fields and parts for ``exc``."""
     name = type(exc).__name__
     if isinstance(exc, _errors.BlockNotFound):
+        # The key as a part, once: its message (the key's repr) is made again from it at the other end.
         kind, parts = encode_keys([exc.key])
-        return {"type": "BlockNotFound", "message": str(exc), "k": kind}, parts
+        return {"type": "BlockNotFound", "k": kind}, parts
     if isinstance(exc, _errors.FillError):
         fields = {"type": "FillError", "message": str(exc), "resident": exc.resident_bytes}
         return fields | {"failed": exc.failed_offset}, []
