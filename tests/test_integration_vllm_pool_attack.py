@@ -36,7 +36,7 @@ from aiokvtier.integrations._vllm_pool import REATTACH_AFTER, PoolLoadStoreSpec,
 
 from .invariants import assert_no_library_threads
 from .test_integration_vllm_pool import Replica, in_pool, key_of, start_owner, statistics, stop_owner, wait_for
-from .vllm_pool_replica import GPU_BLOCKS, PAGE, digests, finish, gpu_spec, keys, kv_caches, pool_config
+from .vllm_pool_replica import GPU_BLOCKS, LAYERS, PAGE, digests, finish, gpu_spec, keys, kv_caches, pool_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -589,4 +589,52 @@ def test_a_block_stored_shorter_than_its_page_is_a_load_error_not_half_a_page(ow
         assert digests(a.caches, [6]) == digests(a.caches, [1])
     finally:
         a.close()
+    nothing_held(path)
+
+
+# -- jobs cancelled mid-transfer -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.001, 0.003, 0.01, 0.03])
+def test_a_shutdown_at_any_moment_of_its_jobs_leaves_no_claim_pin_or_slot_and_chunks_whole(
+    owned: tuple[str, Any], delay: float
+) -> None:
+    """Stores and loads of pages cut in two pieces, the worker shut down ``delay`` s after they were
+    queued: the pool holds no claim, no pin and no slot but its blocks', and each chunk another engine
+    finds loads whole, bit for bit."""
+    path, _ = owned
+    page = 96 << 10  # two pieces of a 64 KiB slot
+    a = Replica(path, seed=83, page=page)
+    chunks = keys(list(range(40)))
+    try:
+        a.store(chunks[:8], list(range(8)))
+        with a.manager.lock:
+            out = a.manager.prepare_store(chunks[8:], a.request)
+        todo = out.store_spec.keys
+        for job in range(16):
+            a.worker.submit_store(
+                job, gpu_spec([8 + 2 * job, 9 + 2 * job]), PoolLoadStoreSpec(todo[2 * job : 2 * job + 2])
+            )
+            a.worker.submit_load(100 + job, PoolLoadStoreSpec([chunks[job % 8]]), gpu_spec([40 + job]))
+        time.sleep(delay)
+    finally:
+        a.close()
+    ended = {r.job_id for r in a.worker.get_finished()}
+    assert ended == {*range(16), *range(100, 116)}
+    stats = nothing_held(path)
+    assert stats.slots_attached == 0 and stats.tier.slots_allocated == stats.blocks
+    b = Replica(path, seed=84, page=page, dp=1)
+    try:
+        whole = [
+            i for i, c in enumerate(chunks) if b.lookup([c]) == [LookupResult.HIT]
+        ]  # one by one: jobs end in any order
+        assert whole[:8] == list(range(8))
+        assert stats.blocks == len(whole) * (2 * LAYERS + 1)  # two pieces a layer and a seal: no chunk in part
+        b.worker.report_load_errors = True
+        assert b.load([chunks[i] for i in whole], list(range(len(whole)))).success
+        assert b.worker.take_load_errors() == set()
+        for n, i in enumerate(whole):
+            assert digests(b.caches, [n]) == digests(a.caches, [i])
+    finally:
+        b.close()
     nothing_held(path)
