@@ -20,6 +20,7 @@ import pytest
 from aiokvtier import AttachedPool, BlockNotFound, Pool, PoolStatistics
 from aiokvtier._pool import _wire
 from aiokvtier._pool._mirror import DIGEST_BYTES, KEY_BYTES, LONG_BYTES, USABLE, key_rows
+from tests.test_pool_attack_v4 import assert_books, rig
 
 pytestmark = [
     pytest.mark.skipif(not USABLE, reason="the mirror is read only on x86-64"),
@@ -439,3 +440,44 @@ def test_a_missing_long_keys_error_frame_carries_the_key_once() -> None:
     assert len(frame) < len(key) + 1024
     error = _wire.error_from(_wire.decode(frame[_wire.LENGTH.size :]))
     assert isinstance(error, BlockNotFound) and error.key == key and repr(key) in str(error)
+
+
+# -- long keys in every form a frame may carry them -------------------------------------------------------
+
+
+async def test_long_keys_in_every_wire_form_hostile_ones_included_are_the_owners_keys_in_the_mirror(sock: str) -> None:
+    """Rows of 600 bytes zero-padded with zero bytes inside, a row as wide as its frame, 64 keys of
+    several lengths cut out as records, fixed-length long keys ending in zero bytes, ints of 301 digits
+    beside bytes: whatever the owner makes of them (it hashes them from the frame's matrix), the mirror
+    answers those same keys, and no key alike but in its length or a byte."""
+    async with rig(sock) as (pool, reader, raw):
+        rows = [cut(300), cut(150) + bytes(10) + cut(200), bytes(20) + cut(290), changed(cut(599), 400), cut(600)]
+        wide = np.zeros((len(rows), 600), dtype=np.uint8)
+        for i, row in enumerate(rows):
+            wide[i, : len(row)] = np.frombuffer(row, dtype=np.uint8)
+        lengths = np.full(len(rows), 10, np.uint64).tobytes()
+        answer = await raw.ok(_wire.BEGIN, {"k": "p"}, [_wire.LENGTH.pack(600), wide.tobytes(), lengths])
+        await raw.ok(_wire.COMMIT, {"claim": answer.fields["claim"]})
+        decoded = [row.rstrip(b"\x00") for row in rows]  # the "p" form's keys end at their last non-zero byte
+        records = [cut(LONG_BYTES - 8 + i % 17) + bytes([1 + i]) for i in range(64)]  # lengths 16 apart
+        kind, parts = _wire.encode_keys(records)
+        assert kind == "b" and _wire.decode_key_matrix(kind, parts)[1] is not None  # cut out as records
+        assert await raw.store(records)
+        fixed = [cut(400)[:-3] + b"\x00\x00\x00", changed(cut(400), 399)[:-1] + b"\x00", b"\x00" * 400]
+        answer = await raw.ok(
+            _wire.BEGIN, {"k": "f"}, [_wire.LENGTH.pack(400), b"".join(fixed), np.full(3, 9, np.uint64).tobytes()]
+        )
+        await raw.ok(_wire.COMMIT, {"claim": answer.fields["claim"]})
+        mixed: list[bytes | int] = [10**300, -(10**300), b"%d" % (10**300 + 1), cut(5000)]
+        assert await raw.store(mixed)
+        near: list[bytes | int] = [
+            *(k + b"\x00" for k in decoded),
+            *(k[:-1] for k in records),
+            *(k[:-1] for k in fixed),
+            b"%d" % 10**300,
+            10**300 + 1,
+            changed(cut(5000), 4000),
+        ]
+        assert await reader.lookup(decoded) == len(decoded) and await reader.lookup(records) == len(records)
+        assert await reader.lookup(fixed) == 3 and await reader.lookup(mixed) == len(mixed)
+        await assert_books(pool, reader, raw, [*decoded, *records, *fixed, *mixed, *near])
