@@ -20,6 +20,7 @@ import pytest
 from aiokvtier import AttachedPool, BlockNotFound, Pool, PoolStatistics
 from aiokvtier._pool import _wire
 from aiokvtier._pool._mirror import DIGEST_BYTES, KEY_BYTES, LONG_BYTES, USABLE, key_rows
+from tests.test_pool import Child, attached, until
 from tests.test_pool_attack_v4 import assert_books, rig
 
 pytestmark = [
@@ -481,3 +482,39 @@ async def test_long_keys_in_every_wire_form_hostile_ones_included_are_the_owners
         assert await reader.lookup(decoded) == len(decoded) and await reader.lookup(records) == len(records)
         assert await reader.lookup(fixed) == 3 and await reader.lookup(mixed) == len(mixed)
         await assert_books(pool, reader, raw, [*decoded, *records, *fixed, *mixed, *near])
+
+
+async def test_long_keys_stored_by_real_processes_at_once_and_one_killed_mid_copy(sock: str) -> None:
+    """Two processes store the same long keys at once; a third, stopped in its copy of others and killed,
+    leaves them to the one waiting for them: each key stored once, whole, nothing claimed after."""
+    # Keys of up to 5,000 bytes: their hex and their answers' fit a line of the test's pipe.
+    same = [k.hex() for k in [*family(4, 1000), cut(5000), cut(LONG_BYTES + 1)]]  # type: ignore[union-attr]
+    left = [k.hex() for k in family(5, 700)]  # type: ignore[union-attr]
+    async with Pool(CONFIG, sock) as pool, attached(sock) as a, attached(sock) as b:
+        victim = await Child.start("pool_client.py", sock)
+        try:
+            await victim.event("attached")
+            await a.event("attached")
+            await b.event("attached")
+            one, two = await asyncio.gather(
+                a.call("store", keys=same, size=SLOT), b.call("store", keys=same, size=SLOT)
+            )
+            assert sorted(one["stored"] + two["stored"]) == sorted(same)
+            assert not one["skipped"] and not two["skipped"]
+            await victim.call("hold")
+            storing = victim.send("store", keys=left, size=SLOT)
+            await victim.event("copying")  # claimed, mid-copy
+            waiting = a.send("store", keys=left, size=SLOT)
+            await asyncio.sleep(0.05)
+            assert a.pending(waiting) and victim.pending(storing)
+            await victim.kill()
+            got = await a.answer(waiting)
+            assert got["stored"] == left, got
+        finally:
+            await victim.close()
+        assert (await b.call("load", keys=[*same, *left], size=SLOT))["exact"]
+        assert (await b.call("lookup", keys=[*same, *left]))["hits"] == len(same) + len(left)
+        await until(lambda: not pool.statistics().claims, "the killed process's claim stayed")
+        stats = pool.statistics()
+        assert stats.blocks == len(same) + len(left) and stats.stores == len(same) + len(left)
+        agree(pool, stats)
