@@ -19,7 +19,7 @@ import pytest
 
 from aiokvtier import AttachedPool, BlockNotFound, Pool, PoolStatistics
 from aiokvtier._pool import _wire
-from aiokvtier._pool._mirror import DIGEST_BYTES, KEY_BYTES, LONG_BYTES, USABLE, key_rows
+from aiokvtier._pool._mirror import DIGEST_BYTES, KEY_BYTES, LONG_BYTES, USABLE, IndexMirror, key_rows
 from tests.test_pool import Child, attached, until
 from tests.test_pool_attack_v4 import assert_books, rig
 
@@ -518,3 +518,53 @@ async def test_long_keys_stored_by_real_processes_at_once_and_one_killed_mid_cop
         stats = pool.statistics()
         assert stats.blocks == len(same) + len(left) and stats.stores == len(same) + len(left)
         agree(pool, stats)
+
+
+# -- keys made to look alike ---------------------------------------------------------------------------
+
+
+def twins(length: int, at: int) -> tuple[bytes, bytes]:
+    """Two keys of ``length`` bytes, alike but in the words at ``at`` and ``at + 8`` (past their first 32
+    bytes): the top bit of the first word, and in the next what that bit makes of a word-by-word hash's
+    state after a multiply and a shift (both exact, whatever the state). Hashed word by word with one
+    multiply a word, the two were one entry: a false hit, made without a search."""
+    key = bytearray(cut(length))
+    other = bytearray(key)
+    first = int.from_bytes(key[at : at + 8], "little") ^ (1 << 63)
+    second = int.from_bytes(key[at + 8 : at + 16], "little") ^ (1 << 63) ^ (1 << 34)
+    other[at : at + 8] = first.to_bytes(8, "little")
+    other[at + 8 : at + 16] = second.to_bytes(8, "little")
+    return bytes(key), bytes(other)
+
+
+TWINS = [twins(n, at) for n, at in [(48, 32), (64, 40), (200, 96), (LONG_BYTES, LONG_BYTES - 16)]]
+
+
+def test_keys_made_to_look_alike_past_their_first_32_bytes_are_two_entries() -> None:
+    mirror = IndexMirror.create(64)
+    try:
+        for i, (key, other) in enumerate(TWINS):
+            assert key != other and len(key) == len(other) and key[:KEY_BYTES] == other[:KEY_BYTES]
+            mirror.insert([key], [i], [SLOT])
+            assert mirror.lookup([key]) == 1
+            assert mirror.lookup([other]) == 0, len(key)  # a false hit: another key's block
+    finally:
+        mirror.close()
+
+
+async def test_a_key_made_to_look_like_a_stored_one_is_never_a_hit_and_both_keep_their_blocks(sock: str) -> None:
+    keys: list[bytes | int] = [k for k, _ in TWINS]
+    others: list[bytes | int] = [o for _, o in TWINS]
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a, AttachedPool(sock) as b:
+        await a.store(keys, pages_for(keys, 13))
+        for other in others:
+            assert b.lookup_nowait([other]) == 0 and await b.lookup([other]) == 0
+        theirs = pages_for(others, 14)
+        assert (await b.store(others, theirs)).stored == tuple(others)
+        agree(pool, await a.statistics())  # the mirror names each key's own slot
+        assert await a.discard(keys) == len(keys)
+        assert b.lookup_nowait(others) == len(others) and b.lookup_nowait(keys[:1]) == 0
+        back = np.zeros_like(theirs)
+        await a.load(others, back)
+        assert (back == theirs).all()
+        agree(pool, await a.statistics())

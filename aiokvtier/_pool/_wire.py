@@ -62,10 +62,11 @@ __all__ = [
     "error_to",
 ]
 
-VERSION = 5
+VERSION = 6
 """3: the index mirror holds a spare copy of its table (a reader never waits for a write). 4: byte keys of
 several lengths may come zero-padded (the ``"p"`` form); any request may carry the mirror's lookup counts. 5: a
-key longer than 256 bytes is hashed in the mirror by a digest of it; an event carries how many were dropped."""
+key longer than 256 bytes is hashed in the mirror by a digest of it; an event carries how many were dropped. 6:
+the mirror's hash is seeded from its header and mixes each word twice."""
 
 HELLO, WELCOME, STATE, ALLOC, FREE, LOOKUP, BEGIN, COMMIT, ABORT, AWAIT, LOAD, UNPIN, DISCARD, STATS = range(1, 15)
 SUBSCRIBE, LOOKED = 15, 16
