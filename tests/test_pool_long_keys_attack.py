@@ -568,3 +568,30 @@ async def test_a_key_made_to_look_like_a_stored_one_is_never_a_hit_and_both_keep
         await a.load(others, back)
         assert (back == theirs).all()
         agree(pool, await a.statistics())
+
+
+async def test_long_keys_discarded_and_pressed_out_while_a_real_process_loads_them_load_whole(sock: str) -> None:
+    """A process stopped in its load of long keys (pinned): another discards them and a third fills the
+    pool past its slots. The discarded blocks are gone for lookups at once but keep their slots until the
+    load ends, which copies them whole; then every slot but the blocks' is free again."""
+    keys = family(20, 700)  # their hex and their answers fit a line of the test's pipe
+    hexed = [k.hex() for k in keys]  # type: ignore[union-attr]
+    async with Pool(CONFIG, sock) as pool, attached(sock) as loader, AttachedPool(sock) as a:
+        await loader.event("attached")
+        await loader.call("store", keys=hexed, size=SLOT)
+        await loader.call("hold")
+        loading = loader.send("load", keys=hexed, size=SLOT)
+        await loader.event("copying")  # pinned, mid-copy
+        assert await a.discard(keys[::2]) == 10
+        assert a.lookup_nowait(keys) == 0 and a.lookup_nowait(keys[1:2]) == 1
+        others = family(250, 2500)
+        result = await a.store(others, pages_for(others, 15))  # room only for what no load pins
+        assert result.skipped and pool.statistics().evictions == 0
+        await loader.call("release")
+        assert (await loader.answer(loading))["exact"]
+        await until(lambda: not pool.statistics().blocks_pinned, "the load's pins stayed")
+        stats = pool.statistics()
+        assert stats.discards == 10 and stats.blocks == 10 + len(result.stored)
+        agree(pool, stats)
+        assert len((await a.store(others, pages_for(others, 15))).stored) > 0  # the freed slots serve again
+        agree(pool, pool.statistics())
