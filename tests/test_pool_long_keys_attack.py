@@ -595,3 +595,44 @@ async def test_long_keys_discarded_and_pressed_out_while_a_real_process_loads_th
         agree(pool, stats)
         assert len((await a.store(others, pages_for(others, 15))).stored) > 0  # the freed slots serve again
         agree(pool, pool.statistics())
+
+
+async def test_random_batches_of_keys_of_every_length_answer_as_a_model_of_the_store(sock: str) -> None:
+    """Keys of 0 to 700 bytes (twins among them), ints and long ints, stored, discarded and looked up in
+    random batches: the mirror's prefix is the model's every time."""
+    rng = np.random.default_rng(21)
+    universe: list[bytes | int] = [cut(int(n)) for n in rng.integers(0, 700, 120)]
+    universe += [
+        changed(cut(int(n)), int(a)) for n, a in zip(rng.integers(40, 700, 60), rng.integers(33, 39, 60), strict=True)
+    ]
+    universe += [k for pair in TWINS for k in pair] + [7, -7, 2**64 + 3, -(10**280), cut(1 << 16)]
+    universe = list(dict.fromkeys(universe))
+    held: set[bytes | int] = set()
+
+    def model(batch: list[bytes | int]) -> int:
+        n = 0
+        for key in batch:
+            if key not in held:
+                break
+            n += 1
+        return n
+
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as a, AttachedPool(sock) as b:
+        for round_ in range(30):
+            picks = rng.choice(len(universe), int(rng.integers(1, 40)), replace=False)
+            batch = [universe[i] for i in picks.tolist()]
+            if round_ % 3 == 2:
+                dropped = await a.discard(batch)
+                assert dropped == len(held & set(batch))
+                held -= set(batch)
+            else:
+                result = await a.store(batch, pages_for(batch, round_))
+                assert not result.skipped
+                held |= set(batch)
+            for _ in range(10):
+                order = [universe[i] for i in rng.permutation(len(universe))[: int(rng.integers(1, 60))].tolist()]
+                order.sort(key=lambda k: k not in held)  # a stored prefix, then the rest
+                assert b.lookup_nowait(order) == model(order), order
+        stats = await b.statistics()
+        assert stats.blocks == len(held)
+        agree(pool, stats)
