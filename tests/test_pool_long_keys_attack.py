@@ -540,10 +540,24 @@ def twins(length: int, at: int) -> tuple[bytes, bytes]:
 TWINS = [twins(n, at) for n, at in [(48, 32), (64, 40), (200, 96), (LONG_BYTES, LONG_BYTES - 16)]]
 
 
+def digest_twins(length: int, prefix: int) -> tuple[bytes, bytes]:
+    """Two long keys of one length and first 256 bytes whose digests share their first ``prefix`` bytes
+    (a birthday search over their last two bytes)."""
+    seen: dict[bytes, bytes] = {}
+    base = cut(length - 2)
+    for i in range(1 << 16):
+        key = base + i.to_bytes(2, "little")
+        head = hashlib.blake2b(key, digest_size=DIGEST_BYTES).digest()[:prefix]
+        if head in seen:
+            return seen[head], key
+        seen[head] = key
+    raise AssertionError("no pair found")
+
+
 def test_keys_made_to_look_alike_past_their_first_32_bytes_are_two_entries() -> None:
     mirror = IndexMirror.create(64)
     try:
-        for i, (key, other) in enumerate(TWINS):
+        for i, (key, other) in enumerate([*TWINS, digest_twins(LONG_BYTES + 40, 3), digest_twins(5000, 2)]):
             assert key != other and len(key) == len(other) and key[:KEY_BYTES] == other[:KEY_BYTES]
             mirror.insert([key], [i], [SLOT])
             assert mirror.lookup([key]) == 1
