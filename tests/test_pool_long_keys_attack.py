@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
-import tempfile
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,6 +19,9 @@ from aiokvtier._pool import _wire
 from aiokvtier._pool._mirror import DIGEST_BYTES, KEY_BYTES, LONG_BYTES, USABLE, IndexMirror, key_rows
 from tests.test_pool import Child, attached, until
 from tests.test_pool_attack_v4 import assert_books, rig
+from tests.test_pool_long_keys import sock
+
+__all__ = ["sock"]  # the fixture, used by name
 
 pytestmark = [
     pytest.mark.skipif(not USABLE, reason="the mirror is read only on x86-64"),
@@ -30,16 +30,6 @@ pytestmark = [
 
 SLOT = 4096
 CONFIG = {"quota": "1MiB", "max_quota": "1MiB", "slot_size": "4KiB"}  # 256 slots: evictions come soon
-
-
-@pytest.fixture
-def sock() -> Iterator[str]:
-    """A socket path short enough for sun_path, in a directory of its own."""
-    directory = tempfile.mkdtemp(prefix="akla", dir="/tmp")
-    yield os.path.join(directory, "pool.sock")
-    for name in os.listdir(directory):
-        os.unlink(os.path.join(directory, name))
-    os.rmdir(directory)
 
 
 BODY = np.random.default_rng(17).integers(1, 256, (1 << 20) + 2, dtype=np.uint8).tobytes()
