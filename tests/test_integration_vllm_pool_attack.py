@@ -29,11 +29,14 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
 
+from aiokvtier import AttachedPool
+from aiokvtier.integrations import _vllm_pool
+from aiokvtier.integrations._pool_jobs import MAGIC, SEAL, SEAL_BYTES
 from aiokvtier.integrations._vllm_pool import REATTACH_AFTER, PoolLoadStoreSpec, PoolOffloadingWorker
 
 from .invariants import assert_no_library_threads
-from .test_integration_vllm_pool import Replica, start_owner, statistics, stop_owner, wait_for
-from .vllm_pool_replica import GPU_BLOCKS, PAGE, digests, finish, gpu_spec, keys, kv_caches, pool_config
+from .test_integration_vllm_pool import Replica, in_pool, key_of, start_owner, statistics, stop_owner, wait_for
+from .vllm_pool_replica import GPU_BLOCKS, LAYERS, PAGE, digests, finish, gpu_spec, keys, kv_caches, pool_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,6 +78,18 @@ def two_group_worker(path: str) -> PoolOffloadingWorker:
 
 
 # -- hostile specs -------------------------------------------------------------------------------
+
+
+def refused_both_ways(
+    worker: PoolOffloadingWorker, spec: GPULoadStoreSpec, error: type[Exception], match: str | None = None
+) -> None:
+    """A store and a load of two chunks with ``spec`` are refused on the caller's thread; no job ran."""
+    chunks = PoolLoadStoreSpec(keys([1, 2]))
+    with pytest.raises(error, match=match):
+        worker.submit_store(1, spec, chunks)
+    with pytest.raises(error, match=match):
+        worker.submit_load(2, chunks, spec)
+    assert worker.get_finished() == []
 
 
 def test_a_negative_group_size_is_refused_not_read_from_the_ids_end(owned: tuple[str, Any]) -> None:
@@ -121,12 +136,7 @@ def test_block_ids_of_a_wrong_type_or_range_change_nothing(
     try:
         spec = gpu_spec([0, 1])
         spec.block_ids = ids  # what a caller past vLLM's constructor can hand over
-        chunks = PoolLoadStoreSpec(keys([1, 2]))
-        with pytest.raises(error):
-            a.worker.submit_store(1, spec, chunks)
-        with pytest.raises(error):
-            a.worker.submit_load(2, chunks, spec)
-        assert a.worker.get_finished() == []
+        refused_both_ways(a.worker, spec, error)
         stats = nothing_held(path, clients=2)
         assert stats.stores == 0 and stats.loads == 0
     finally:
@@ -150,12 +160,7 @@ def test_group_sizes_and_first_indices_of_a_wrong_type_or_range_change_nothing(
     try:
         spec = GPULoadStoreSpec([0, 1], group_sizes=[2], block_indices=[0])
         spec.group_sizes, spec.block_indices = sizes, firsts  # what a caller past vLLM's constructor can hand over
-        chunks = PoolLoadStoreSpec(keys([1, 2]))
-        with pytest.raises(error, match=match):
-            a.worker.submit_store(1, spec, chunks)
-        with pytest.raises(error, match=match):
-            a.worker.submit_load(2, chunks, spec)
-        assert a.worker.get_finished() == []
+        refused_both_ways(a.worker, spec, error, match)
         stats = nothing_held(path, clients=2)
         assert stats.stores == 0 and stats.loads == 0
     finally:
@@ -354,7 +359,7 @@ def test_a_pool_back_with_another_slot_size_is_not_used_by_an_engine_that_cut_it
             old.store(chunks, [0, 1])
             time.sleep(0.05)
         assert statistics(path).blocks == 0
-        said = [r for r in caplog.records if "is back with 131072-byte slots, not 65536: not used" in r.getMessage()]
+        said = [r for r in caplog.records if "is back with 131072-byte slots, not 65536: given up" in r.getMessage()]
         assert 1 <= len(said) <= 2  # once by each half of the old engine, not at every attempt
         new = Replica(path, seed=72, page=page)
         assert new.store(chunks, [0, 1]) == chunks
@@ -369,6 +374,48 @@ def test_a_pool_back_with_another_slot_size_is_not_used_by_an_engine_that_cut_it
         old.close()
         if new is not None:
             new.close()
+        stop_owner(owner)
+    assert_no_library_threads()
+
+
+def test_a_pool_back_with_another_slot_size_is_given_up_once_not_attached_again_every_period(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused, the pool was attached again every ``REATTACH_AFTER`` for the engine's life: a connection,
+    the tier mapped (prefaulted by a host worker, registered with CUDA by a GPU one) and dropped, every
+    second, by each half. It is given up once, with an error that says so; a restart takes it up."""
+    monkeypatch.setattr(_vllm_pool, "REATTACH_AFTER", 0.02)
+    attaches: list[str] = []
+    real = AttachedPool.attach.__func__  # type: ignore[attr-defined]
+
+    async def counted(cls: type[AttachedPool], path: str, **kw: Any) -> AttachedPool:
+        attaches.append(path)
+        pool: AttachedPool = await real(cls, path, **kw)
+        return pool
+
+    monkeypatch.setattr(AttachedPool, "attach", classmethod(counted))
+    path = str(tmp_path / "pool.sock")
+    owner = start_owner(path, "16MiB")
+    old = Replica(path, seed=73)
+    try:
+        chunks = keys([1, 2])
+        stop_owner(owner)
+        owner = start_owner(path, "16MiB", "128KiB")
+        wait_for(lambda: [old.lookup(chunks), any("is back with 131072" in r.getMessage() for r in caplog.records)][1])
+        first = len(attaches)
+        deadline = time.monotonic() + 1.0  # fifty periods
+        while time.monotonic() < deadline:
+            old.store(chunks, [0, 1])
+            assert old.lookup(chunks) == [LookupResult.MISS] * 2
+            time.sleep(0.01)
+        assert len(attaches) - first <= 1, attaches  # the other half's one refusal at most
+        said = [r for r in caplog.records if "given up" in r.getMessage()]
+        assert 1 <= len(said) <= 2 and all(r.levelname == "ERROR" for r in said)
+        assert "restart the engine" in said[0].getMessage()
+        assert statistics(path).blocks == 0
+        nothing_held(path)  # neither half stays attached to a pool it does not use
+    finally:
+        old.close()
         stop_owner(owner)
     assert_no_library_threads()
 
@@ -471,3 +518,123 @@ def test_a_pool_spec_refuses_keys_that_are_not_bytes() -> None:
         with pytest.raises(TypeError, match="offload key is bytes"):
             PoolLoadStoreSpec([b"fine", bad])  # type: ignore[list-item]
     assert PoolLoadStoreSpec([b"a", bytearray(b"b"), memoryview(b"c")]).keys == (b"a", b"b", b"c")
+
+
+# -- forged seals and blocks -------------------------------------------------------------------------
+
+
+def forge(path: str, key: bytes, value: bytes) -> None:
+    """Replace the block of ``key`` with ``value``, as a stray writer of the engines' namespace would."""
+
+    async def write(pool: AttachedPool) -> None:
+        await pool.discard([key])
+        assert not (await pool.store([key], [value])).skipped
+
+    in_pool(path, write)
+
+
+@pytest.mark.parametrize(
+    "seal",
+    [
+        SEAL_BYTES.pack(MAGIC, 2) + b"\x00",  # longer than a seal: its load raised into vLLM's scheduler
+        MAGIC,  # cut short: read as a count of 0 (the rest of the row zero)
+        SEAL_BYTES.pack(MAGIC, 2)[:5],  # cut short, its count's first byte kept: read as 2
+        SEAL_BYTES.pack(MAGIC, 0),  # no rank's share of a chunk is empty
+    ],
+    ids=["long", "magic-only", "cut", "zero"],
+)
+def test_a_seal_of_the_wrong_length_or_an_empty_count_is_a_miss_and_teaches_nothing(
+    owned: tuple[str, Any], seal: bytes
+) -> None:
+    """The scheduler learns a group's block counts from the first chunk it finds by its seals, once. A seal
+    of 9 bytes made the load of the seals raise ValueError out of ``lookup`` (vLLM's scheduler died); one
+    cut short was read zero-padded, and a count of 0 was believed: every later chunk of the group was a
+    hit by its seals alone, its blocks gone or not."""
+    path, _ = owned
+    a = Replica(path, seed=80)
+    b = None
+    try:
+        chunks = keys([1, 2])
+        a.store(chunks, [0, 1])
+        forge(path, key_of(chunks[0], SEAL), seal)
+        in_pool(path, lambda pool: pool.discard([key_of(chunks[1], 1)]))  # the second chunk lacks a block
+        b = Replica(path, seed=81, dp=1)  # has not learned the group's block counts
+        assert b.lookup(chunks[:1]) == [LookupResult.MISS]
+        assert b.lookup(chunks[1:]) == [LookupResult.MISS]  # a seal alone is not a chunk
+        a.store(chunks[2:], [2])
+        forge(path, key_of(chunks[0], SEAL), SEAL_BYTES.pack(MAGIC, 2))  # what the engine writes
+        assert b.lookup(chunks[:1]) == [LookupResult.HIT]
+        assert b.lookup(chunks[1:]) == [LookupResult.MISS]
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+    nothing_held(path)
+
+
+def test_a_block_stored_shorter_than_its_page_is_a_load_error_not_half_a_page(owned: tuple[str, Any]) -> None:
+    """A load copies a block's stored length; the worker took a short block for its whole page, and the
+    GPU block kept its old bytes past it under a successful load: another engine's bytes and its own. Its
+    GPU block is a load error now (vLLM computes it again)."""
+    path, _ = owned
+    a = Replica(path, seed=82)
+    try:
+        chunks = keys([1, 2])
+        a.store(chunks, [0, 1])
+        forge(path, key_of(chunks[0], 1), b"\x01" * 100)  # the second layer's page of the first chunk
+        a.worker.report_load_errors = True
+        result = a.load(chunks, [5, 6])
+        assert result.success and a.worker.take_load_errors() == {5, 6}  # from the short block's GPU block on
+        assert a.load(chunks[1:], [6]).success and a.worker.take_load_errors() == set()
+        assert digests(a.caches, [6]) == digests(a.caches, [1])
+    finally:
+        a.close()
+    nothing_held(path)
+
+
+# -- jobs cancelled mid-transfer -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.001, 0.003, 0.01, 0.03])
+def test_a_shutdown_at_any_moment_of_its_jobs_leaves_no_claim_pin_or_slot_and_chunks_whole(
+    owned: tuple[str, Any], delay: float
+) -> None:
+    """Stores and loads of pages cut in two pieces, the worker shut down ``delay`` s after they were
+    queued: the pool holds no claim, no pin and no slot but its blocks', and each chunk another engine
+    finds loads whole, bit for bit."""
+    path, _ = owned
+    page = 96 << 10  # two pieces of a 64 KiB slot
+    a = Replica(path, seed=83, page=page)
+    chunks = keys(list(range(40)))
+    try:
+        a.store(chunks[:8], list(range(8)))
+        with a.manager.lock:
+            out = a.manager.prepare_store(chunks[8:], a.request)
+        todo = out.store_spec.keys
+        for job in range(16):
+            a.worker.submit_store(
+                job, gpu_spec([8 + 2 * job, 9 + 2 * job]), PoolLoadStoreSpec(todo[2 * job : 2 * job + 2])
+            )
+            a.worker.submit_load(100 + job, PoolLoadStoreSpec([chunks[job % 8]]), gpu_spec([40 + job]))
+        time.sleep(delay)
+    finally:
+        a.close()
+    ended = {r.job_id for r in a.worker.get_finished()}
+    assert ended == {*range(16), *range(100, 116)}
+    stats = nothing_held(path)
+    assert stats.slots_attached == 0 and stats.tier.slots_allocated == stats.blocks
+    b = Replica(path, seed=84, page=page, dp=1)
+    try:
+        whole = [
+            i for i, c in enumerate(chunks) if b.lookup([c]) == [LookupResult.HIT]
+        ]  # one by one: jobs end in any order
+        assert whole[:8] == list(range(8))
+        assert stats.blocks == len(whole) * (2 * LAYERS + 1)  # two pieces a layer and a seal: no chunk in part
+        b.worker.report_load_errors = True
+        assert b.load([chunks[i] for i in whole], list(range(len(whole)))).success
+        assert b.worker.take_load_errors() == set()
+        for n, i in enumerate(whole):
+            assert digests(b.caches, [n]) == digests(a.caches, [i])
+    finally:
+        b.close()
+    nothing_held(path)

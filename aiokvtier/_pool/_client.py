@@ -483,10 +483,11 @@ class AttachedPool(Owner):
     def _post(self, op: int, fields: dict[str, Any], parts: Sequence[bytes] = (), expect_reply: bool = False) -> int:
         """Send without waiting for an answer (ordered after everything sent before)."""
         rid = next(self._rids)
+        frame = encode(op, rid, fields, parts, request=True)
         if expect_reply:
             self._orphans[rid] = ""
         if self._lost is None:
-            self._writer.write(encode(op, rid, fields, parts))
+            self._writer.write(frame)
         return rid
 
     def _check_loop(self) -> None:
@@ -505,14 +506,27 @@ class AttachedPool(Owner):
         """
         self._check_open()
         self._raise_if_lost()
-        if self._looked:  # told with this request (a frame less), so before its work: one connection is one order
-            looked = self._counts_looked()
-            if looked is not None:
-                fields = {**(fields or {}), "looked": looked}
+        # The mirror's lookup counts are told with this request (a frame less), so before its work: one
+        # connection is one order.
+        looked = self._counts_looked() if self._looked else None
         rid = next(self._rids)
+        try:
+            # Refused here, before anything is sent: the owner drops a process whose frame is too large.
+            frame = encode(
+                op, rid, fields if looked is None else {**(fields or {}), "looked": looked}, parts, request=True
+            )
+        except ValueError:
+            try:
+                frame = encode(op, rid, fields, parts, request=True)
+            except ValueError:
+                if looked is not None:  # told with the next request
+                    self._looked.appendleft((looked["q"], looked["h"], looked["m"], looked["r"]))
+                raise
+            assert looked is not None
+            self._post(_wire.LOOKED, looked)  # the counts took the last of the room: in a frame of their own
         future: asyncio.Future[Message] = self._loop.create_future()
         self._pending[rid] = (future, undo)
-        self._writer.write(encode(op, rid, fields, parts))
+        self._writer.write(frame)
         try:
             message = await future
         except asyncio.CancelledError:
@@ -812,6 +826,7 @@ class AttachedPool(Owner):
         :param keys: a sequence of keys, or a 2-D uint8 array whose rows are keys (bytes keys of one
             length, with no Python object per key: the cheaper form for large batches).
         :raises TypeError: a key that is not bytes-like or an int, or an array that is not 2-D uint8.
+        :raises ValueError: the owner is asked, and the keys are too long in all for one request (1 GiB).
         :raises PoolLostError: the owner went away.
         """
         self._check_loop()
@@ -914,6 +929,7 @@ class AttachedPool(Owner):
         """Drop blocks from the shared store (a block a load reads goes when that load is done).
 
         :returns: how many were dropped.
+        :raises ValueError: keys too long in all for one request (1 GiB); nothing changed.
         """
         self._check_loop()
         _, fields, parts = self._keys(keys)
@@ -950,7 +966,7 @@ class AttachedPool(Owner):
             follow exactly the work queued before it).
         :returns: a ``StoreResult`` (stored, present, skipped: keys in the caller's order).
         :raises ValueError: a page larger than a slot, an empty page, a key twice, pages that do not
-            match the keys (nothing changed).
+            match the keys, keys too long in all for one request (1 GiB) (nothing changed).
         :raises TypeError: a key that is not bytes-like or an int, a ``wait`` that is not a bool, or an
             ``after`` that is neither a stream nor an event.
         :raises PoolLostError: the owner went away (nothing of this call is visible then).
@@ -1112,7 +1128,8 @@ class AttachedPool(Owner):
         :param after: with ``engine``: a CUDA stream or event the copies wait for on the GPU.
         :raises BlockNotFound: a key is not stored (the first missing one is named); nothing copied.
         :raises ValueError: a destination page shorter than its block, a read-only destination,
-            pages that do not match the keys, ``page`` or ``after`` without ``engine`` (nothing copied).
+            pages that do not match the keys, ``page`` or ``after`` without ``engine``, keys too long in
+            all for one request (1 GiB) (nothing copied).
         :raises TypeError: an ``after`` that is neither a stream nor an event.
         :raises PoolLostError: the owner went away.
         """

@@ -11,7 +11,7 @@ the last read in flight ends.
 
 Layout (one memfd)::
 
-    header   4 KiB: seq, magic, capacity, slots, live, used, state
+    header   4 KiB: seq, magic, capacity, slots, live, used, state, the hash's two seeds
     table    capacity x 64-byte entries (open addressing, linear probing)
     spare    the same again: the table as it was before the write in progress
     refs     one byte per slot: "referenced since the owner last looked" (CLOCK)
@@ -22,9 +22,14 @@ hash; 0 an empty entry, 1 a tombstone), ``check`` (a second, independent
 ``slot | length << 32``. A hit needs the first seven equal to the key's:
 keys of up to 32 bytes (block hashes, ints) are compared whole, so a hash
 collision can cost a probe, never a false hit; longer keys are told apart
-by their length, their first 32 bytes and 128 bits of hash. (A tier whose
-slots or slot size do not fit 32 bits has no mirror: its lookups ask the
-owner.)
+by their length, their first 32 bytes and 128 bits of hash. The hash is
+seeded with two random words the owner draws for its mirror (in the header,
+read by every attached process): with fixed seeds anyone could search for
+two keys that hash alike, and with one multiply a word, two keys apart in
+a word's top bit and in what that bit made of the state in the next word
+hashed alike whatever the seeds (no search at all), so each word takes two
+multiplies. (A tier whose slots or slot size do not fit 32 bits has no
+mirror: its lookups ask the owner.)
 
 Consistency is a seqlock over two copies (a "latch"): the owner makes
 ``seq`` odd, writes the table, makes ``seq`` even, then copies the entries it
@@ -54,6 +59,7 @@ probes past them), so a table whose keys come and go is seldom rebuilt.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import mmap
 import os
@@ -87,7 +93,8 @@ MAGIC = 0x61696F6B76696478  # "aiokvidx"
 HEADER = 4096
 ENTRY = 64
 KEY_BYTES = 32
-SEQ, MAGIC_AT, CAPACITY, SLOTS, LIVE, USED, STATE = range(7)
+SEQ, MAGIC_AT, CAPACITY, SLOTS, LIVE, USED, STATE, SEEDS = range(8)
+"""The header's words (``SEEDS``: the first of two)."""
 CLOSED = 1
 EMPTY, TOMBSTONE = 0, 1
 KIND_BYTES, KIND_INT, KIND_BIGINT = 1, 2, 3
@@ -132,13 +139,13 @@ def mirror_size(slots: int) -> int:
     return HEADER + 2 * capacity_for(slots) * ENTRY + refs
 
 
-def hash_words(data: npt.NDArray[np.uint8], kind: int, lengths: I64) -> U64:
-    """Two 64-bit hashes of each row of ``data`` (keys of one kind, zero-padded to whole words): a
-    multiply-xorshift over the key's own words (``ceil(length / 8)``), seeded with its kind and length, in
-    numpy."""
+def hash_words(data: npt.NDArray[np.uint8], kind: int, lengths: I64, seeds: U64 = _SEEDS) -> U64:
+    """Two 64-bit hashes of each row of ``data`` (keys of one kind, zero-padded to whole words): two rounds
+    of multiply-xorshift a word over the key's own words (``ceil(length / 8)``), seeded with ``seeds``
+    (``(2, 1)`` uint64), its kind and length, in numpy."""
     n = data.shape[0]
     h = np.empty((2, n), dtype=np.uint64)
-    h[:] = _SEEDS ^ (lengths.astype(np.uint64) | np.uint64(kind << 56))
+    h[:] = seeds ^ (lengths.astype(np.uint64) | np.uint64(kind << 56))
     if not n:
         return h
     counts = (lengths + 7) // 8
@@ -148,20 +155,26 @@ def hash_words(data: npt.NDArray[np.uint8], kind: int, lengths: I64) -> U64:
     # more in page faults than its arithmetic.
     words = np.ascontiguousarray(data.view("<u8")[:, :most].T)
     factors = np.repeat(_P, n, axis=1).reshape(-1)
+    others = factors.reshape(2, n)[::-1].reshape(-1)
     flat = h.reshape(-1)
     mixed = np.empty_like(h)
     spare = np.empty_like(flat)
-    shift = np.uint64(29)
+    shift, half = np.uint64(29), np.uint64(32)
     for c in range(most):
         into = h if c < least else mixed  # keys shorter than this word keep theirs
         np.bitwise_xor(h, words[c], out=into)
         step = into.reshape(-1)
+        # Two rounds: through one, a difference in the top bit came out as a fixed difference (a multiply
+        # carries nothing past the top bit), which the next word cancelled in both hashes at once.
         step *= factors
         np.right_shift(step, shift, out=spare)
         step ^= spare
+        step *= others
+        np.right_shift(step, half, out=spare)
+        step ^= spare
         if c >= least:
             np.copyto(h, mixed, where=c < counts)
-    flat *= factors.reshape(2, n)[::-1].reshape(-1)
+    flat *= others
     np.right_shift(flat, np.uint64(32), out=spare)
     flat ^= spare
     return h
@@ -340,18 +353,18 @@ class IndexMirror:
     """The shared table: created by the owner (``create``, the writer) or mapped by an attached process
     (``attach``, a reader). A reader writes only the referenced bytes."""
 
-    def __init__(self, fd: int, slots: int, *, owner: bool, hasher: Hasher = hash_words) -> None:
+    def __init__(self, fd: int, slots: int, *, owner: bool, hasher: Hasher | None = None) -> None:
         self.fd = fd
         self.slots = slots
         self.capacity = capacity_for(slots)
         self.size = mirror_size(slots)
-        self._hasher = hasher
+        self._hasher: Hasher = hasher or hash_words  # seeded by ``create`` and ``attach``
         self._owner = owner
         # Mapped in whole, now (on the caller's worker thread): a lookup's keys land on random pages of
         # both copies, and faulting them in one by one cost a process's first lookup of 4,096 keys about
         # 3.4 ms more CPU.
         self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED | POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._header: U64 = np.frombuffer(self._map, dtype=np.uint64, count=8)
+        self._header: U64 = np.frombuffer(self._map, dtype=np.uint64, count=SEEDS + 2)
         table_bytes = self.capacity * ENTRY
         self._table: U64 = np.frombuffer(self._map, dtype=np.uint64, count=self.capacity * 8, offset=HEADER).reshape(
             self.capacity, 8
@@ -374,7 +387,7 @@ class IndexMirror:
         self._unmapped = threading.Event()
 
     @classmethod
-    def create(cls, slots: int, *, hasher: Hasher = hash_words) -> IndexMirror:
+    def create(cls, slots: int, *, hasher: Hasher | None = None) -> IndexMirror:
         """A new, empty mirror for a tier of ``slots`` slots (the owner; blocking: a memfd and a mapping).
 
         :raises ValueError: ``slots`` is not a positive int.
@@ -390,10 +403,12 @@ class IndexMirror:
             raise
         h = mirror._header
         h[MAGIC_AT], h[CAPACITY], h[SLOTS] = MAGIC, mirror.capacity, slots
+        h[SEEDS : SEEDS + 2] = np.frombuffer(os.urandom(16), dtype=np.uint64)
+        mirror._seeded(hasher)
         return mirror
 
     @classmethod
-    def attach(cls, fd: int, slots: int, *, hasher: Hasher = hash_words) -> IndexMirror:
+    def attach(cls, fd: int, slots: int, *, hasher: Hasher | None = None) -> IndexMirror:
         """Map the owner's mirror (takes ``fd``: closed here once mapped, or on failure).
 
         :raises ValueError: the memfd is not a mirror of that many slots.
@@ -413,7 +428,16 @@ class IndexMirror:
             mirror.close()
             raise ValueError("the memory the pool sent is not its index mirror")
         mirror.fd = -1
+        mirror._seeded(hasher)
         return mirror
+
+    def _seeded(self, hasher: Hasher | None) -> None:
+        """Hash with ``hasher``, or (None) ``hash_words`` seeded with the header's seeds (copied: the unmap
+        needs no view of the mapping left)."""
+        if hasher is None:
+            seeds = self._header[SEEDS : SEEDS + 2].copy().reshape(2, 1)
+            hasher = functools.partial(hash_words, seeds=seeds)
+        self._hasher = hasher
 
     def close(self) -> None:
         """Unmap (and close the owner's memfd), at once or when the last lookup reading on another thread

@@ -62,10 +62,11 @@ __all__ = [
     "error_to",
 ]
 
-VERSION = 5
+VERSION = 6
 """3: the index mirror holds a spare copy of its table (a reader never waits for a write). 4: byte keys of
 several lengths may come zero-padded (the ``"p"`` form); any request may carry the mirror's lookup counts. 5: a
-key longer than 256 bytes is hashed in the mirror by a digest of it; an event carries how many were dropped."""
+key longer than 256 bytes is hashed in the mirror by a digest of it; an event carries how many were dropped. 6:
+the mirror's hash is seeded from its header and mixes each word twice."""
 
 HELLO, WELCOME, STATE, ALLOC, FREE, LOOKUP, BEGIN, COMMIT, ABORT, AWAIT, LOAD, UNPIN, DISCARD, STATS = range(1, 15)
 SUBSCRIBE, LOOKED = 15, 16
@@ -99,13 +100,24 @@ class Message:
         return np.frombuffer(self.parts[index], dtype=np.uint64)
 
 
-def encode(op: int, rid: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = ()) -> bytes:
-    """One frame, length prefix included."""
+def encode(
+    op: int, rid: int, fields: dict[str, Any] | None = None, parts: Sequence[bytes] = (), *, request: bool = False
+) -> bytes:
+    """One frame, length prefix included.
+
+    :param request: a request to the owner, which drops a process that sends a frame past ``MAX_FRAME``.
+    :raises ValueError: ``request`` and the frame would be larger than that (checked before it is built).
+    """
     head = dict(fields or {})
     head["p"] = [len(p) for p in parts]
     text = json.dumps(head, separators=(",", ":")).encode()
     body = [HEAD.pack(op, rid, len(text)), text, *parts]
     size = sum(map(len, body))
+    if request and size > MAX_FRAME:
+        raise ValueError(
+            f"a request of {size} bytes does not fit the pool protocol's frames of at most {MAX_FRAME} bytes "
+            "(its keys take the room: split the call, or shorten the keys)"
+        )
     return b"".join([LENGTH.pack(size), *body])
 
 
@@ -342,8 +354,9 @@ def error_to(exc: BaseException) -> tuple[dict[str, Any], list[bytes]]:
     """An ERROR frame's fields and parts for ``exc``."""
     name = type(exc).__name__
     if isinstance(exc, _errors.BlockNotFound):
+        # The key as a part, once: its message (the key's repr) is made again from it at the other end.
         kind, parts = encode_keys([exc.key])
-        return {"type": "BlockNotFound", "message": str(exc), "k": kind}, parts
+        return {"type": "BlockNotFound", "k": kind}, parts
     if isinstance(exc, _errors.FillError):
         fields = {"type": "FillError", "message": str(exc), "resident": exc.resident_bytes}
         return fields | {"failed": exc.failed_offset}, []

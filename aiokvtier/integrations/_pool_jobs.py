@@ -401,16 +401,25 @@ class PoolJobs:
                 return 0
             try:
                 pages, how = self._pages(job, count, engine)
-                await pool.load(job.keys[:count], pages, after=after, **how)
-                return count
+                copied = await pool.load(job.keys[:count], pages, after=after, **how)
+                # A block stored shorter than its page (not one this version writes) left the rest of the
+                # page as it was: its GPU block is not loaded.
+                short = np.flatnonzero(np.asarray(copied, dtype=np.uint64) != job.lengths[:count])
+                if not short.size:
+                    return count
+                return self._block_start(job, int(short[0]))
             except BlockNotFound as exc:
                 try:
                     missing = job.keys.index(exc.key)  # type: ignore[arg-type]
                 except ValueError:
                     return 0
-                # Back to the start of the missing key's GPU block: a block is loaded whole or not at all.
-                block = job.gpu_blocks[missing]
-                while missing > 0 and job.gpu_blocks[missing - 1] == block:
-                    missing -= 1
-                count = missing
+                count = self._block_start(job, missing)
         return 0
+
+    @staticmethod
+    def _block_start(job: PoolJob, index: int) -> int:
+        """The first key of the GPU block of key ``index``: a block is loaded whole or not at all."""
+        block = job.gpu_blocks[index]
+        while index > 0 and job.gpu_blocks[index - 1] == block:
+            index -= 1
+        return index

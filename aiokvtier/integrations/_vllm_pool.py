@@ -152,7 +152,8 @@ class PoolLoadStoreSpec(LoadStoreSpec):
 
 
 class _Link:
-    """The attached pool of one process, attached again (every ``REATTACH_AFTER`` s) once its owner is back.
+    """The attached pool of one process, attached again (every ``REATTACH_AFTER`` s) once its owner is back;
+    given up for good if it comes back with another slot size.
 
     Lives on the runner's loop; ``current`` may be read from any thread.
     """
@@ -166,8 +167,9 @@ class _Link:
         """The slot size of the first pool attached: the worker's pages are cut into pieces of it, and a pool
         of another size (an owner restarted with other settings) is not used (its keys would name pieces cut
         otherwise: another engine's loads would copy them into the wrong places)."""
-        self._refused: int | None = None
-        """The slot size of the last pool not used (said once)."""
+        self._gave_up = False
+        """A pool of another slot size came back: never attached again (each attempt mapped the tier, and a
+        GPU worker registered it, to drop it again)."""
         self._lost_at: float | None = None
         self._next = 0.0
         self._closed = False
@@ -178,8 +180,8 @@ class _Link:
         self.slot_size = self.current.slot_size
 
     async def get(self) -> AttachedPool | None:
-        """The pool, or None while its owner is away (and once closed)."""
-        if self._lost_at is None or self._closed:
+        """The pool, or None while its owner is away (and once closed or given up)."""
+        if self._lost_at is None or self._closed or self._gave_up:
             return self.current
         now = time.monotonic()
         if now < self._next:
@@ -191,13 +193,14 @@ class _Link:
             log.debug("aiokvtier: the pool at %s is not back yet: %s", self.path, exc)
             return None
         if pool.slot_size != self.slot_size:
+            self._gave_up = True
+            old, self.current = self.current, None
             await pool.aclose()
-            if self._refused == pool.slot_size:  # said once, not at every attempt
-                return None
-            self._refused = pool.slot_size
+            if old is not None:
+                await old.aclose()
             log.error(
-                "aiokvtier: the pool at %s is back with %d-byte slots, not %d: not used (this engine's keys name "
-                "pieces of the old size); restart the engine to use it",
+                "aiokvtier: the pool at %s is back with %d-byte slots, not %d: given up (this engine's keys name "
+                "pieces of the old size); vLLM's offloading misses from now on: restart the engine to use the pool",
                 self.path,
                 pool.slot_size,
                 self.slot_size,
@@ -359,20 +362,25 @@ class PoolOffloadingManager(OffloadingManager):
             return None
         out = np.zeros((len(rows), SEAL_BYTES.size), dtype=np.uint8)
         try:
-            await pool.load([row.tobytes() for row in rows], out)
+            copied = await pool.load([row.tobytes() for row in rows], out)
         except PoolLostError as exc:
             self._link.lost(pool, exc)
             return None
         except BlockNotFound:
             return None
+        except ValueError:  # a block longer than a seal under a seal's key
+            copied = [0] * len(rows)
         counts = []
         most = pool.max_quota // pool.slot_size  # a rank's blocks of one chunk never outnumber the pool's slots
-        for row in out:
-            n = seal_count(row.tobytes())
-            if n is None or n > most:
-                log.warning("aiokvtier: a chunk's seal in the pool is not one this version writes: ignored")
-                return None
+        for row, size in zip(out, copied, strict=True):
+            # A seal cut short reads zero-padded here; no rank's share of a chunk is empty.
+            n = seal_count(row.tobytes()) if size == SEAL_BYTES.size else None
+            if n is None or not 0 < n <= most:
+                break
             counts.append(n)
+        if len(counts) != len(rows):
+            log.warning("aiokvtier: a chunk's seal in the pool is not one this version writes: ignored")
+            return None
         return tuple(counts)
 
     # -- vLLM's OffloadingManager --------------------------------------------------------------
