@@ -122,6 +122,9 @@ async def test_a_refused_request_among_deferred_ones_fails_alone_with_its_own_er
             (engine.to_device(tier, [1, 2], [stage.address, 64]), CopyPlanError, "no open HostTier"),
             (engine.to_device(tier, [], []), ValueError, "no slots"),
             (engine.to_device(tier, [4], [stage.address], page=2 * SLOT), CopyPlanError, "does not fit"),
+            (engine.to_device(tier, [4], [stage.address], page=[1]), TypeError, "page"),  # unhashable
+            (engine.to_device(tier, [4], [stage.address], page=True), TypeError, "bool"),
+            (engine.to_device(tier, [4], [stage.address], page=0), ValueError, "positive"),
         ]
         before = engine.statistics()
         tasks = [asyncio.ensure_future(engine.to_device(tier, [5, 6], good))]

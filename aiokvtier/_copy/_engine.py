@@ -634,9 +634,11 @@ class CopyEngine(Owner):
         batch = self._pending.pop(loop, None)
         if not batch:
             return
-        groups: dict[tuple[int, str, int | None], list[_Deferred]] = {}
+        groups: dict[tuple[int, str, object], list[_Deferred]] = {}
         for r in batch:
-            groups.setdefault((id(r.tier), r.direction, r.page), []).append(r)
+            # A page that is no int (unhashable, perhaps) makes a group of its own, refused alone.
+            page = r.page if r.page is None or type(r.page) is int else r
+            groups.setdefault((id(r.tier), r.direction, page), []).append(r)
         try:
             for group in groups.values():
                 self._queue_group(group)
