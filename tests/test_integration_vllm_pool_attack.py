@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
 
-from aiokvtier import AttachedPool
+from aiokvtier import AttachedPool, CudaError
 from aiokvtier.integrations import _vllm_pool
 from aiokvtier.integrations._pool_jobs import MAGIC, SEAL, SEAL_BYTES
 from aiokvtier.integrations._vllm_pool import REATTACH_AFTER, PoolLoadStoreSpec, PoolOffloadingWorker
@@ -638,3 +638,43 @@ def test_a_shutdown_at_any_moment_of_its_jobs_leaves_no_claim_pin_or_slot_and_ch
     finally:
         b.close()
     nothing_held(path)
+
+
+def test_a_gpu_error_while_attaching_again_is_a_miss_and_a_later_attempt_takes_the_pool(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU worker attaches again by registering the pool's memory with CUDA; a driver error there
+    went out of the link into the job (each failed, vLLM's too). It is now a miss, said in a warning,
+    and the next attempt after the period takes the pool as any reattach does."""
+    monkeypatch.setattr(_vllm_pool, "REATTACH_AFTER", 0.05)
+    failing = [False]
+    real = AttachedPool.attach.__func__  # type: ignore[attr-defined]
+
+    async def flaky(cls: type[AttachedPool], path: str, **kw: Any) -> AttachedPool:
+        if failing[0]:
+            raise CudaError("cuMemHostRegister", "CUDA_ERROR_OUT_OF_MEMORY", 2)
+        pool: AttachedPool = await real(cls, path, **kw)
+        return pool
+
+    monkeypatch.setattr(AttachedPool, "attach", classmethod(flaky))
+    path = str(tmp_path / "pool.sock")
+    owner = start_owner(path, "16MiB")
+    old = Replica(path, seed=74)
+    try:
+        chunks = keys([1, 2])
+        stop_owner(owner)
+        failing[0] = True
+        owner = start_owner(path, "16MiB")
+        wait_for(
+            lambda: [old.store(chunks, [0, 1]), any("with the GPU here" in r.getMessage() for r in caplog.records)][1]
+        )
+        assert old.lookup(chunks) == [LookupResult.MISS] * 2  # no job failed: misses
+        said = [r for r in caplog.records if "with the GPU here" in r.getMessage()]
+        assert all(r.levelname == "WARNING" and "CUDA_ERROR_OUT_OF_MEMORY" in r.getMessage() for r in said)
+        failing[0] = False
+        wait_for(lambda: [old.store(chunks, [0, 1]), old.lookup(chunks)][1] == [LookupResult.HIT] * 2, timeout=30)
+        nothing_held(path, clients=2)  # both halves attached again
+    finally:
+        old.close()
+        stop_owner(owner)
+    assert_no_library_threads()

@@ -187,6 +187,9 @@ class AttachedPool(Owner):
             a pool (a file, a directory, another program's socket, or one that
             does not answer within 30 s).
         :raises OSError: the memory cannot be mapped here.
+        :raises CudaUnavailableError: ``device`` was given without a usable driver.
+        :raises CudaError: ``device`` was given and the driver refused to make what is resident
+            GPU-usable in this process.
         """
         pool = cls(path, device=device, prefault=prefault)
         await pool.__aenter__()

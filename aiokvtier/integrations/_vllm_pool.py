@@ -56,7 +56,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from .. import AttachedPool, BlockNotFound, CopyEngine, PoolError, PoolLostError
+from .. import AttachedPool, BlockNotFound, CopyEngine, CudaError, CudaUnavailableError, PoolError, PoolLostError
 from ._pool_jobs import SEAL, SEAL_BYTES, SUFFIX, KVTensor, PoolJob, PoolJobs, block_key, seal_count, tensors_device
 from .vllm import EXTRA_KEY, _cancel_all, _LoopThread, _would_wait, job_blocks
 
@@ -191,6 +191,16 @@ class _Link:
             pool = await AttachedPool.attach(self.path, device=self._device, prefault=self._prefault)
         except (PoolError, OSError) as exc:
             log.debug("aiokvtier: the pool at %s is not back yet: %s", self.path, exc)
+            return None
+        except (CudaError, CudaUnavailableError) as exc:
+            # The pool is back, but making its memory GPU-usable here failed: a miss, as while it was away
+            # (a job that raised instead failed, and vLLM's, with it), and another try after the period.
+            log.warning(
+                "aiokvtier: the pool at %s is back but could not be registered with the GPU here: %s; vLLM's "
+                "offloading misses until a later attempt succeeds",
+                self.path,
+                exc,
+            )
             return None
         if pool.slot_size != self.slot_size:
             self._gave_up = True
