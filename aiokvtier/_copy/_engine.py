@@ -1,7 +1,9 @@
 """CopyEngine: batched, awaited copies between tier slots and GPU memory.
 
 Planning runs on the caller's loop (numpy, no per-copy Python objects);
-the engine's submit thread hands each planned job to its backend
+requests made while a GPU engine is busy are planned at the end of the
+loop's turn, all of that turn's at once (``_defer()``). The engine's
+submit thread hands each planned job to its backend
 (``aiokvtier._copy._backend``): with a device, ``cuMemcpyBatchAsync`` called
 through ctypes with plain arrays or the SM kernel, on the engine's own
 non-default streams, an event recorded per job. One completion thread waits
