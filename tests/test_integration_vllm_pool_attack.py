@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -378,6 +378,18 @@ def test_a_pool_back_with_another_slot_size_is_not_used_by_an_engine_that_cut_it
     assert_no_library_threads()
 
 
+def before_attach(monkeypatch: pytest.MonkeyPatch, before: Callable[[str], None]) -> None:
+    """``AttachedPool.attach`` calls ``before(path)`` first (which may raise), then attaches."""
+    real = AttachedPool.attach.__func__  # type: ignore[attr-defined]
+
+    async def attach(cls: type[AttachedPool], path: str, **kw: Any) -> AttachedPool:
+        before(path)
+        pool: AttachedPool = await real(cls, path, **kw)
+        return pool
+
+    monkeypatch.setattr(AttachedPool, "attach", classmethod(attach))
+
+
 def test_a_pool_back_with_another_slot_size_is_given_up_once_not_attached_again_every_period(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -386,14 +398,7 @@ def test_a_pool_back_with_another_slot_size_is_given_up_once_not_attached_again_
     second, by each half. It is given up once, with an error that says so; a restart takes it up."""
     monkeypatch.setattr(_vllm_pool, "REATTACH_AFTER", 0.02)
     attaches: list[str] = []
-    real = AttachedPool.attach.__func__  # type: ignore[attr-defined]
-
-    async def counted(cls: type[AttachedPool], path: str, **kw: Any) -> AttachedPool:
-        attaches.append(path)
-        pool: AttachedPool = await real(cls, path, **kw)
-        return pool
-
-    monkeypatch.setattr(AttachedPool, "attach", classmethod(counted))
+    before_attach(monkeypatch, attaches.append)
     path = str(tmp_path / "pool.sock")
     owner = start_owner(path, "16MiB")
     old = Replica(path, seed=73)
@@ -648,15 +653,12 @@ def test_a_gpu_error_while_attaching_again_is_a_miss_and_a_later_attempt_takes_t
     and the next attempt after the period takes the pool as any reattach does."""
     monkeypatch.setattr(_vllm_pool, "REATTACH_AFTER", 0.05)
     failing = [False]
-    real = AttachedPool.attach.__func__  # type: ignore[attr-defined]
 
-    async def flaky(cls: type[AttachedPool], path: str, **kw: Any) -> AttachedPool:
+    def refuse(path: str) -> None:
         if failing[0]:
             raise CudaError("cuMemHostRegister", "CUDA_ERROR_OUT_OF_MEMORY", 2)
-        pool: AttachedPool = await real(cls, path, **kw)
-        return pool
 
-    monkeypatch.setattr(AttachedPool, "attach", classmethod(flaky))
+    before_attach(monkeypatch, refuse)
     path = str(tmp_path / "pool.sock")
     owner = start_owner(path, "16MiB")
     old = Replica(path, seed=74)
