@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,20 @@ async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"not true after {within} s: {predicate}")
         await asyncio.sleep(0.005)
+
+
+async def closing_with_a_copy_held(region: Any) -> tuple[threading.Event, asyncio.Task[None]]:
+    """Start ``region.aclose()`` with a copy in flight over it (an Event tracked as one) and return once
+    the region is closing: the Event (set it to let the close finish) and the close's task."""
+    held = threading.Event()
+    region.copies.track(held)  # a copy in flight: the close waits for it
+    closing = asyncio.create_task(region.aclose())
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if region.state == "closing":
+            break
+    assert region.state == "closing"
+    return held, closing
 
 
 def state_of(owner: Owner) -> str:

@@ -8,10 +8,8 @@ array's shape or flags) and expect the same answers as a first request gets.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import gc
-import threading
 import weakref
 
 import numpy as np
@@ -19,7 +17,7 @@ import pytest
 
 from aiokvtier import CopyEngine, CopyPlanError, HostTier, StaticHostMem
 
-from .helpers import KiB, MiB, small_config
+from .helpers import KiB, MiB, closing_with_a_copy_held, small_config
 
 SLOT = 64 * KiB
 
@@ -61,14 +59,7 @@ async def test_an_array_checked_before_is_refused_once_its_buffer_is_closing() -
         dst = _over(stage.address, 2)
         await engine.to_device(tier, ids, dst)
         await engine.to_device(tier, ids, dst)  # a second request of the same buffer
-        held = threading.Event()
-        stage.copies.track(held)  # a copy in flight: the close waits for it
-        closing = asyncio.create_task(stage.aclose())
-        for _ in range(100):
-            await asyncio.sleep(0)
-            if stage.state == "closing":
-                break
-        assert stage.state == "closing"
+        held, closing = await closing_with_a_copy_held(stage)
         before = engine.statistics().jobs_submitted
         for direction in (engine.to_device, engine.to_host):
             with pytest.raises(CopyPlanError, match="is closing"):

@@ -12,7 +12,6 @@ and every refused one changes nothing.
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import ctypes
 import itertools
@@ -36,7 +35,7 @@ from aiokvtier._host._layout import UnitLayout
 from aiokvtier._regions import InflightCopies
 
 from .conftest import PopulateGate
-from .helpers import KiB, MiB, eventually, small_config
+from .helpers import KiB, MiB, closing_with_a_copy_held, eventually, small_config
 from .test_pool import ENV, ROOT
 
 SLOT = 64 * KiB
@@ -687,14 +686,7 @@ async def test_a_closing_tier_refuses_copies_over_it() -> None:
         await tier.wait_resident()
         base = tier.statistics().base_address
         slot = await tier.allocate()
-        held = threading.Event()
-        tier.copies.track(held)  # a copy in flight: the close waits for it
-        closing = asyncio.create_task(tier.aclose())
-        for _ in range(100):
-            await asyncio.sleep(0)
-            if tier.state == "closing":
-                break
-        assert tier.state == "closing"
+        held, closing = await closing_with_a_copy_held(tier)
         before = engine.statistics().jobs_submitted
         for copy in ((stage.address, base, SLOT), (base, stage.address, SLOT), (base - 1, base + SLOT, 2)):
             with pytest.raises(CopyPlanError, match=r"is closing|runs into"):
