@@ -619,8 +619,12 @@ class CopyEngine(Owner):
         """
         self._check_open()
         loop = asyncio.get_running_loop()
-        # The ids as they are now: the caller's list may change before the turn ends.
+        # The ids, and addresses given as a list or an array, as they are now: the caller may reuse
+        # them before the turn ends, and a request made alone reads them at once. An array of pages is
+        # the memory itself (its interface is read when planned).
         slots = slots.copy() if isinstance(slots, np.ndarray) else tuple(slots)
+        if isinstance(buffer, list) or (isinstance(buffer, np.ndarray) and buffer.ndim < 2):
+            buffer = buffer.copy()
         future = _Waiting(loop=loop)
         pending = self._pending.get(loop)
         if pending is None:

@@ -1,0 +1,244 @@
+"""Requests made while the engine is busy, under attack: each must come out as if made alone.
+
+Every request here is made twice: alone, on an idle engine (it is checked and queued at once), and
+deferred, on an engine whose first copy is held (it is checked and planned at the end of the loop's
+turn, with the others of that turn). The two must give the same plan, the same error (type and
+words), the same cancellation; nothing may leak either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+
+from aiokvtier import CopyEngine, HostTier, StaticHostMem
+from aiokvtier.testing import RecordingBackend
+
+from .helpers import KiB, MiB, small_config
+from .invariants import wait_no_library_threads
+
+SLOT = 64 * KiB
+ROWS = 64
+HANG = 10.0
+
+Call = Callable[[CopyEngine, HostTier, HostTier, StaticHostMem], Awaitable[None]]
+
+
+def _over(address: int, pages: int, page: int = SLOT) -> np.ndarray:
+    """A writable array of ``pages`` rows over memory nobody else's view keeps."""
+    raw = (ctypes.c_uint8 * (pages * page)).from_address(address)
+    return np.frombuffer(raw, dtype=np.uint8).reshape(pages, page)
+
+
+def _rows(stage: StaticHostMem) -> np.ndarray:
+    """A copy of the staging buffer's rows now (no view left exported, which would keep it mapped)."""
+    with stage.view() as view:
+        return np.frombuffer(view, dtype=np.uint8).reshape(-1, SLOT).copy()
+
+
+def _row(stage: StaticHostMem, i: int) -> int:
+    return stage.address + i * SLOT
+
+
+@asynccontextmanager
+async def _world() -> AsyncIterator[tuple[HostTier, HostTier, StaticHostMem]]:
+    """Two tiers (64 and 8 allocated slots of known bytes) and a staging buffer of 64 rows."""
+    async with (
+        HostTier(small_config()) as tier,
+        HostTier(small_config(quota=8 * MiB)) as other,
+        StaticHostMem(ROWS * SLOT) as stage,
+    ):
+        await tier.wait_resident()
+        await other.wait_resident()
+        assert await tier.allocate(64) == list(range(64))
+        assert await other.allocate(8) == list(range(8))
+        for s in range(64):
+            tier.view(s)[:] = bytes([s + 1]) * SLOT
+        yield tier, other, stage
+    await wait_no_library_threads()
+
+
+@asynccontextmanager
+async def _busy(tier: HostTier, stage: StaticHostMem) -> AsyncIterator[tuple[CopyEngine, RecordingBackend]]:
+    """An engine whose first copy (slot 0 into the stage's last row) is issued and held: busy."""
+    recording = RecordingBackend(hold=True, memmove=True)
+    async with CopyEngine(None, backend=recording) as engine:
+        first = asyncio.ensure_future(engine.to_device(tier, [0], [_row(stage, ROWS - 1)]))
+        await asyncio.wait_for(recording.wait_issued(1), HANG)
+        try:
+            yield engine, recording
+        finally:
+            recording.release()
+            await asyncio.wait_for(first, HANG)
+            _idle(engine, tier, stage)
+
+
+def _idle(engine: CopyEngine, *tiers: Any) -> None:
+    stats = engine.statistics()
+    assert stats.jobs_submitted == stats.jobs_completed == stats.latency_count, stats
+    assert all(len(t.copies) == 0 for t in tiers)
+
+
+def _outcome(result: Any) -> tuple[Any, ...]:
+    if isinstance(result, BaseException):
+        return (type(result).__name__, str(result))
+    return ("ok",)
+
+
+def _plans(recording: RecordingBackend, skip: int = 0) -> list[tuple[Any, ...]]:
+    return sorted((c.direction, c.dsts, c.srcs, c.sizes, c.requested) for c in recording.issued[skip:])
+
+
+async def _alone(calls: list[Call], tier: HostTier, other: HostTier, stage: StaticHostMem) -> tuple[list[Any], Any]:
+    """Each request made alone, on an idle engine: its outcome, and the plans issued."""
+    recording = RecordingBackend(memmove=True)
+    async with CopyEngine(None, backend=recording) as engine:
+        outcomes = []
+        for call in calls:
+            result = await asyncio.wait_for(
+                asyncio.gather(call(engine, tier, other, stage), return_exceptions=True), HANG
+            )
+            outcomes.append(_outcome(result[0]))
+        _idle(engine, tier, other, stage)
+    return outcomes, _plans(recording)
+
+
+async def _deferred(calls: list[Call], tier: HostTier, other: HostTier, stage: StaticHostMem) -> tuple[list[Any], Any]:
+    """The same requests made in one turn while the engine is busy."""
+    async with _busy(tier, stage) as (engine, recording):
+        tasks = [asyncio.ensure_future(call(engine, tier, other, stage)) for call in calls]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        recording.release()
+        recording.hold = False
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), HANG)
+    return [_outcome(r) for r in results], _plans(recording, skip=1)
+
+
+def _good() -> list[Call]:
+    """Requests that pass: both directions, both tiers, lists, tuples, arrays of ids, arrays of pages."""
+    return [
+        lambda e, t, o, s: e.to_device(t, [5, 6], [_row(s, 10), _row(s, 11)]),
+        lambda e, t, o, s: e.to_device(t, (9, 7, 8), [_row(s, 12), _row(s, 13), _row(s, 14)]),
+        lambda e, t, o, s: e.to_device(t, np.array([21, 22], dtype=np.uint16), [_row(s, 15), _row(s, 16)]),
+        lambda e, t, o, s: e.to_device(t, np.array([23, 23], dtype=np.int8), [_row(s, 17), _row(s, 18)]),
+        lambda e, t, o, s: e.to_device(t, [24, 25], _over(_row(s, 19), 2)),
+        lambda e, t, o, s: e.to_device(t, [26, 27], _over(_row(s, 21), 2)),  # the same array's check, kept
+        lambda e, t, o, s: e.to_device(t, [26, 27], _over(_row(s, 21), 2)),
+        lambda e, t, o, s: e.to_device(t, [28], [_row(s, 23)], page=SLOT // 2),
+        lambda e, t, o, s: e.to_device(t, [29], [_row(s, 23) + SLOT // 2], page=SLOT // 2),
+        lambda e, t, o, s: e.to_device(t, [31, 30], np.array([_row(s, 25), _row(s, 24)], dtype=np.uint64)),
+        lambda e, t, o, s: e.to_device(o, [0, 1], [_row(s, 26), _row(s, 27)]),
+        lambda e, t, o, s: e.to_host(t, [40, 41], [_row(s, 0), _row(s, 1)]),
+        lambda e, t, o, s: e.to_host(t, [43, 42], _over(_row(s, 2), 2)),
+        lambda e, t, o, s: e.to_host(o, [3, 2], [_row(s, 4), _row(s, 5)]),
+        lambda e, t, o, s: e.to_host(o, np.array([4]), [_row(s, 6)], page=4096),
+        lambda e, t, o, s: e.to_device(t, list(range(20, 60)), [_row(s, 28) + i for i in range(40)], page=1),
+    ]
+
+
+def _bad() -> list[Call]:
+    """Requests that are refused: slot ids, buffers and ``page=`` of every wrong kind."""
+    frozen = np.frombuffer(bytes(2 * SLOT), dtype=np.uint8).reshape(2, SLOT)
+    return [
+        # slot ids
+        lambda e, t, o, s: e.to_device(t, [1, 99], [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, [1, -1], [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, [1, True], [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, [1, 2.0], [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, [1, "2"], [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, [1, None], [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, [1, 2**64], [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, [1, np.int64(2)], [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, np.array([1, 2**63 + 1], dtype=np.uint64), [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, np.array([1, 2**64 - 2], dtype=np.uint64), [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, np.array([True, False]), [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, np.array([1.0, 2.0]), [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, np.array([[1, 2]]), [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, np.array(3), [_row(s, 30)]),
+        lambda e, t, o, s: e.to_device(t, np.array([1, 2], dtype=object), [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_device(t, np.array([], dtype=np.int64), []),
+        lambda e, t, o, s: e.to_device(t, [], []),
+        lambda e, t, o, s: e.to_device(o, [1, 9], [_row(s, 30), _row(s, 31)]),
+        lambda e, t, o, s: e.to_host(t, [45, 45], [_row(s, 0), _row(s, 1)]),
+        lambda e, t, o, s: e.to_host(t, np.array([46, 46]), _over(_row(s, 2), 2)),
+        # buffers
+        lambda e, t, o, s: e.to_device(t, [1, 2], frozen),
+        lambda e, t, o, s: e.to_device(t, [1, 2], _over(_row(s, 30), 1)),  # too short
+        lambda e, t, o, s: e.to_device(t, [1], _over(_row(s, 30), 1, 2 * SLOT)),  # rows longer than a slot
+        lambda e, t, o, s: e.to_device(t, [1, 2], _over(_row(s, 30), 4)[::2]),  # not contiguous
+        lambda e, t, o, s: e.to_device(t, [1], _over(_row(s, ROWS - 1) + SLOT // 2, 1)),  # its row leaves the stage
+        lambda e, t, o, s: e.to_device(t, [1, 2], [_row(s, 30), _row(s, 30) + SLOT // 2]),  # overlapping
+        lambda e, t, o, s: e.to_device(t, [1, 2], [_row(s, 30), _row(s, 30)]),
+        lambda e, t, o, s: e.to_device(t, [1, 2], [_row(s, 30)]),  # one address short
+        lambda e, t, o, s: e.to_device(t, [1, 2], [_row(s, 30), float(_row(s, 31))]),
+        lambda e, t, o, s: e.to_device(t, [1, 2], [_row(s, 30), True]),
+        lambda e, t, o, s: e.to_device(t, [1, 2], [_row(s, 30), -5]),
+        lambda e, t, o, s: e.to_device(t, [1, 2], [_row(s, 30), 64]),  # in no region
+        lambda e, t, o, s: e.to_device(t, [1, 2], np.array([_row(s, 30), _row(s, 31)], dtype=np.float64)),
+        lambda e, t, o, s: e.to_device(t, [1], [_row(s, ROWS - 1) + 4096]),  # runs past the stage
+        lambda e, t, o, s: e.to_device(t, [1], "abc"),
+        lambda e, t, o, s: e.to_device(t, [1], b"abc"),
+        lambda e, t, o, s: e.to_device(t, [1], _row(s, 30)),
+        lambda e, t, o, s: e.to_device(t, [1], None),
+        lambda e, t, o, s: e.to_host(t, [1], [_row(s, 30) + 3]),  # from an odd address: fine
+        # page=
+        lambda e, t, o, s: e.to_device(t, [4], [_row(s, 32)], page=True),
+        lambda e, t, o, s: e.to_device(t, [4], [_row(s, 32)], page=0),
+        lambda e, t, o, s: e.to_device(t, [4], [_row(s, 32)], page=-1),
+        lambda e, t, o, s: e.to_device(t, [4], [_row(s, 32)], page=1.5),
+        lambda e, t, o, s: e.to_device(t, [4], [_row(s, 32)], page="1"),
+        lambda e, t, o, s: e.to_device(t, [4], [_row(s, 32)], page=[1]),
+        lambda e, t, o, s: e.to_device(t, [4], [_row(s, 32)], page=2**70),
+        lambda e, t, o, s: e.to_device(t, [4], [_row(s, 32)], page=SLOT + 1),
+        lambda e, t, o, s: e.to_device(t, [4], [_row(s, 32)], page=np.int64(4096)),
+        lambda e, t, o, s: e.to_device(t, [4, 5], _over(_row(s, 32), 2), page=7),  # an array's page is its row
+    ]
+
+
+async def test_a_mix_of_good_and_bad_requests_in_one_turn_come_out_as_each_alone() -> None:
+    async with _world() as (tier, other, stage):
+        calls = _good() + _bad()
+        alone, alone_plans = await _alone(calls, tier, other, stage)
+        deferred, deferred_plans = await _deferred(calls, tier, other, stage)
+        for i, (a, d) in enumerate(zip(alone, deferred, strict=True)):
+            assert a == d, f"request {i}: alone {a}, deferred {d}"
+        assert deferred_plans == alone_plans
+        assert alone[: len(_good())] == [("ok",)] * len(_good())
+        # Some good and some bad, in every order: still each as alone.
+        rng = np.random.default_rng(11)
+        for _ in range(3):
+            order = [int(i) for i in rng.permutation(len(calls))[:12]]
+            picked = [calls[i] for i in order]
+            got, plans = await _deferred(picked, tier, other, stage)
+            assert got == [alone[i] for i in order]
+            assert plans == sorted(p for p in (await _alone(picked, tier, other, stage))[1])
+
+
+async def test_addresses_changed_after_a_deferred_request_was_made_do_not_move_its_copy() -> None:
+    """A request reads its addresses when it is made, as one made alone does: a caller that reuses its
+    list (or array) of addresses once the call has begun does not redirect the copy."""
+    async with _world() as (tier, _, stage), _busy(tier, stage) as (engine, recording):
+        with stage.view() as view:
+            view[3 * SLOT : 5 * SLOT] = b"\xaa" * (2 * SLOT)
+            view[41 * SLOT : 43 * SLOT] = b"\xbb" * (2 * SLOT)
+        listed = [_row(stage, 1), _row(stage, 2)]
+        array = np.array([_row(stage, 3), _row(stage, 4)], dtype=np.uint64)
+        tasks = [
+            asyncio.ensure_future(engine.to_device(tier, [5, 6], listed)),
+            asyncio.ensure_future(engine.to_host(tier, [7, 8], array)),
+        ]
+        await asyncio.sleep(0)  # both requests made (and deferred); their turn has not ended
+        listed[:] = [_row(stage, 40), 64]  # elsewhere, and an address in no region
+        array[:] = [_row(stage, 41), _row(stage, 42)]
+        await asyncio.wait_for(recording.wait_issued(3), HANG)
+        recording.release()
+        assert await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), HANG) == [None, None]
+        rows = _rows(stage)
+        assert (rows[1] == 6).all() and (rows[2] == 7).all() and not rows[40].any()
+        assert bytes(tier.view(7)) == bytes(tier.view(8)) == b"\xaa" * SLOT
