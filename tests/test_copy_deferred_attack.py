@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
+import pytest
 
 from aiokvtier import CopyEngine, HostTier, StaticHostMem
 from aiokvtier.testing import RecordingBackend
@@ -242,3 +243,61 @@ async def test_addresses_changed_after_a_deferred_request_was_made_do_not_move_i
         rows = _rows(stage)
         assert (rows[1] == 6).all() and (rows[2] == 7).all() and not rows[40].any()
         assert bytes(tier.view(7)) == bytes(tier.view(8)) == b"\xaa" * SLOT
+
+
+async def _refused_then_cancelled(engine: CopyEngine, tier: HostTier, stage: StaticHostMem, k: int) -> tuple[Any, ...]:
+    """A refused request (slot 99) cancelled after ``k`` yields of the loop: how its caller ended."""
+    task = asyncio.ensure_future(engine.to_device(tier, [99], [_row(stage, 1)]))
+    for _ in range(k):
+        await asyncio.sleep(0)
+    task.cancel()
+    (result,) = await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), HANG)
+    return _outcome(result)
+
+
+@pytest.mark.parametrize("k", range(5))
+async def test_a_refused_request_cancelled_before_its_turn_ends_reports_its_error_as_alone(k: int) -> None:
+    """Alone, a refused request raises before any cancel can reach it (its first step); deferred,
+    the refusal comes a turn later, and a cancel in between must not hide it."""
+    async with _world() as (tier, _, stage):
+        async with CopyEngine(None, backend=RecordingBackend(memmove=True)) as engine:
+            alone = await _refused_then_cancelled(engine, tier, stage, k)
+        async with _busy(tier, stage) as (engine, _recording):
+            deferred = await _refused_then_cancelled(engine, tier, stage, k)
+        assert deferred == alone
+        assert alone[0] == ("CancelledError" if k == 0 else "SlotError")  # k == 0: it never ran
+
+
+async def _group(engine: CopyEngine, tier: HostTier, stage: StaticHostMem) -> list[tuple[Any, ...]]:
+    """A TaskGroup whose one task fails at once, beside a refused request and a good one."""
+
+    async def boom() -> None:
+        raise RuntimeError("boom")
+
+    good = asyncio.Event()
+
+    async def copy() -> None:
+        await engine.to_device(tier, [3], [_row(stage, 3)])
+        good.set()
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(engine.to_device(tier, [1, 99], [_row(stage, 1), _row(stage, 2)]))
+            group.create_task(copy())
+            group.create_task(boom())
+    except BaseExceptionGroup as failed:
+        return sorted(_outcome(e) for e in failed.exceptions)
+    raise AssertionError("the group did not fail")
+
+
+async def test_a_task_group_whose_sibling_fails_reports_a_refused_request_as_alone() -> None:
+    async with _world() as (tier, _, stage):
+        async with CopyEngine(None, backend=RecordingBackend(memmove=True)) as engine:
+            alone = await asyncio.wait_for(_group(engine, tier, stage), HANG)
+        async with _busy(tier, stage) as (engine, recording):
+            recording.hold = False
+            # The held first copy lands a little later, by a timer the group's failure cannot cancel.
+            asyncio.get_running_loop().call_later(0.01, recording.release)
+            deferred = await asyncio.wait_for(_group(engine, tier, stage), HANG)
+        assert deferred == alone
+        assert [kind for kind, _ in alone] == ["RuntimeError", "SlotError"]

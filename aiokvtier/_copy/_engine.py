@@ -398,7 +398,7 @@ class CopyEngine(Owner):
         :raises CudaError: the driver refused the batch.
         """
         if after is None and self._busy(slots):
-            await self._defer(tier, slots, dst, "h2d", page)
+            await self._deferred(self._defer(tier, slots, dst, "h2d", page))
             return
         since = epoch()
         planned, owners = self._plan_slots(tier, slots, dst, "h2d", page)
@@ -415,7 +415,7 @@ class CopyEngine(Owner):
         Raises as ``to_device()``; a slot given twice is a [``SlotError``][aiokvtier.SlotError].
         """
         if after is None and self._busy(slots):
-            await self._defer(tier, slots, src, "d2h", page)
+            await self._deferred(self._defer(tier, slots, src, "d2h", page))
             return
         since = epoch()
         planned, owners = self._plan_slots(tier, slots, src, "d2h", page)
@@ -632,6 +632,19 @@ class CopyEngine(Owner):
             loop.call_soon(self._flush, loop)
         pending.append(_Deferred(tier, slots, buffer, direction, page, future))
         return future
+
+    @staticmethod
+    async def _deferred(waiting: _Waiting) -> None:
+        """Await a deferred request: as a request made alone, bar when it is refused at its turn."""
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            # Refused (never queued): alone, the refusal would have been raised when the request was
+            # made, before any cancellation could reach the caller, so it is what the caller gets.
+            error = None if waiting.queued or not waiting.done() else waiting.exception()
+            if error is not None:
+                raise error from None
+            raise
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         """Plan and queue the requests deferred during the turn that just ended (on ``loop``)."""
