@@ -301,3 +301,29 @@ async def test_a_task_group_whose_sibling_fails_reports_a_refused_request_as_alo
             deferred = await asyncio.wait_for(_group(engine, tier, stage), HANG)
         assert deferred == alone
         assert [kind for kind, _ in alone] == ["RuntimeError", "SlotError"]
+
+
+class _Interface:
+    """A host buffer exposing ``__array_interface__`` with lists where the protocol says tuples."""
+
+    def __init__(self, address: int, rows: int, *, strides: bool = False) -> None:
+        self.__array_interface__ = {
+            "shape": [rows, SLOT],
+            "typestr": "|u1",
+            "data": (address, False),
+            "strides": [SLOT, 1] if strides else None,
+            "version": 3,
+        }
+
+
+async def test_a_buffer_whose_interface_gives_lists_is_copied_as_one_giving_tuples() -> None:
+    """Before the check was kept, such a buffer was copied; the record's key must not refuse it."""
+    async with _world() as (tier, _, stage):
+        async with CopyEngine(None) as engine:
+            for strides in (False, True):
+                for _ in range(2):  # the second request of the same buffer meets the kept check
+                    await engine.to_device(tier, [5, 6], _Interface(_row(stage, 8), 2, strides=strides))
+                    assert (_rows(stage)[8] == 6).all() and (_rows(stage)[9] == 7).all()
+                    await engine.to_host(tier, [10, 11], _Interface(_row(stage, 8), 2, strides=strides))
+                    assert bytes(tier.view(10)) == bytes([6]) * SLOT
+            _idle(engine, tier)
