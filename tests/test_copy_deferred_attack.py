@@ -9,6 +9,7 @@ words), the same cancellation; nothing may leak either way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -17,11 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokvtier import CopyEngine, HostTier, StaticHostMem
+from aiokvtier import CopyEngine, CopyPlanError, HostTier, StaticHostMem, TierClosedError
 from aiokvtier.testing import RecordingBackend
 
 from .helpers import KiB, MiB, small_config
 from .invariants import wait_no_library_threads
+from .test_cancellation import run_script
 
 SLOT = 64 * KiB
 ROWS = 64
@@ -327,3 +329,150 @@ async def test_a_buffer_whose_interface_gives_lists_is_copied_as_one_giving_tupl
                     await engine.to_host(tier, [10, 11], _Interface(_row(stage, 8), 2, strides=strides))
                     assert bytes(tier.view(10)) == bytes([6]) * SLOT
             _idle(engine, tier)
+
+
+DELAYS = (0, 0.0001, 0.0002, 0.0005, 0.001, 0.0015, 0.002)
+
+
+def _landed(stage: StaticHostMem, row: int) -> bool:
+    """Whether slot ``row``'s bytes are in the stage's row ``row`` (requests below copy slot i to row i)."""
+    return bool((_rows(stage)[row] == row + 1).all())
+
+
+async def _interrupted(engine: CopyEngine, tier: HostTier, stage: StaticHostMem, wrap: str, i: int) -> bool:
+    """Copy slot ``i`` to row ``i`` under a timeout, ``wait_for`` or a cancel after some yields; whether
+    the bytes had landed when the caller came back."""
+    call = engine.to_device(tier, [i], [_row(stage, i)])
+    if wrap == "timeout":
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(DELAYS[i % len(DELAYS)]):
+                await call
+    elif wrap == "wait_for":
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(call, DELAYS[i % len(DELAYS)])
+    else:
+        task = asyncio.ensure_future(call)
+        for _ in range(i % 7):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    return _landed(stage, i)
+
+
+async def test_callers_cancelled_or_timed_out_at_every_point_resume_only_once_their_copy_landed() -> None:
+    """Timeouts of 0 to 2 ms and cancels after 0 to 6 yields: a caller whose copy was made comes back
+    only once its bytes landed (the held first copy, which every other lands after, lands ~3 ms on)."""
+    async with _world() as (tier, _, stage):
+        for wrap in ("timeout", "wait_for", "cancel"):
+            with stage.view() as view:
+                view[:] = bytes(len(view))
+            async with _busy(tier, stage) as (engine, recording):
+                recording.hold = False
+                asyncio.get_running_loop().call_later(0.003, recording.release)
+                tasks = [asyncio.ensure_future(_interrupted(engine, tier, stage, wrap, i)) for i in range(1, 61)]
+                at_return = await asyncio.wait_for(asyncio.gather(*tasks), HANG)
+            finally_landed = [_landed(stage, i) for i in range(1, 61)]
+            back_early = [i + 1 for i, (a, f) in enumerate(zip(at_return, finally_landed, strict=True)) if f and not a]
+            assert not back_early, f"{wrap}: callers of rows {back_early} came back before their copy landed"
+            if wrap == "timeout":  # each request is made before its timeout can fire
+                assert all(finally_landed)
+            assert any(finally_landed), wrap
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_a_tier_closed_or_shrunk_in_the_turn_of_deferred_requests_never_has_its_memory_copied_gone(
+    when: str,
+) -> None:
+    """A close or shrink begun in the same turn as the requests, before or after their flush: each
+    copy is waited for (its bytes right) or refused; none runs over memory going away."""
+    async with _world() as (tier, _, stage):
+        other = await HostTier.open(small_config(quota=8 * MiB))
+        await other.wait_resident()
+        ids = await other.allocate(8)
+        for s in ids:
+            other.view(s)[:] = bytes([0x40 + s]) * SLOT
+        beyond = _over(other.statistics().base_address + 6 * MiB, 2)  # committed now; past 4 MiB
+        async with _busy(tier, stage) as (engine, recording):
+            loop = asyncio.get_running_loop()
+            calls = [engine.to_device(other, [s], [_row(stage, s)]) for s in ids]
+            calls.append(engine.to_device(tier, [1, 2], beyond))  # into the shrunk tier's memory
+            calls.append(engine.to_host(other, [6, 7], beyond))  # out of it, into slots of the closing one
+            tasks = [asyncio.ensure_future(c) for c in calls]
+            ops: list[asyncio.Task[Any]] = []
+            start = lambda: ops.extend([loop.create_task(other.resize(4 * MiB)), loop.create_task(other.aclose())])  # noqa: E731
+            if when == "after":
+                await asyncio.sleep(0)  # the requests are made, their flush queued: the close and shrink come after it
+            start()  # else their first steps run right after the requests', before the flush
+            await asyncio.sleep(0.005)
+            recording.release()
+            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), HANG)
+            await asyncio.wait_for(asyncio.gather(*ops, return_exceptions=True), HANG)
+        rows = _rows(stage)
+        for s, result in zip(ids, results, strict=False):
+            assert result is None or isinstance(result, TierClosedError | CopyPlanError), result
+            if result is None:
+                assert (rows[s] == 0x40 + s).all()
+        assert len(other.copies) == 0 and other.state == "closed"
+
+
+# Requests deferred on two loops at once (the main one, and a thread's own), half of the thread's
+# cancelled while deferred: every copy lands, each caller after its own, and the figures add up.
+TWO_LOOPS_DEFER = """
+import threading
+import numpy as np
+from aiokvtier import CopyEngine, HostTier, StaticHostMem
+from aiokvtier.testing import RecordingBackend
+from tests.helpers import small_config
+SLOT = 64 << 10
+
+async def main():
+    recording = RecordingBackend(hold=True, memmove=True)
+    async with HostTier(small_config()) as tier, StaticHostMem(64 * SLOT) as stage, \\
+            CopyEngine(None, backend=recording) as engine:
+        await asyncio.wait_for(tier.wait_resident(), 60)
+        ids = await tier.allocate(41)
+        for s in ids:
+            tier.view(s)[:] = bytes([s + 1]) * SLOT
+        row = lambda s: stage.address + s * SLOT
+        first = asyncio.ensure_future(engine.to_device(tier, [0], [row(0)]))
+        await asyncio.wait_for(recording.wait_issued(1), 30)
+        early = []
+
+        async def theirs():
+            async def one(s, cancel):
+                task = asyncio.ensure_future(engine.to_device(tier, [s], [row(s)]))
+                await asyncio.sleep(0)
+                if cancel:
+                    task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                with stage.view() as v:
+                    if bytes(v[s * SLOT : (s + 1) * SLOT]) != bytes([s + 1]) * SLOT:
+                        early.append(s)
+            await asyncio.wait_for(asyncio.gather(*(one(s, s % 2 == 0) for s in range(21, 41))), 30)
+
+        thread = threading.Thread(target=run, args=(theirs,))
+        thread.start()
+        mine = [asyncio.ensure_future(engine.to_device(tier, [s], [row(s)])) for s in range(1, 21)]
+        await asyncio.wait_for(recording.wait_issued(41), 30)
+        recording.release()
+        await asyncio.wait_for(asyncio.gather(first, *mine), 30)
+        await asyncio.to_thread(thread.join, 30)
+        assert not thread.is_alive() and not early, early
+        with stage.view() as v:
+            rows = np.frombuffer(v, dtype=np.uint8).reshape(-1, SLOT).copy()
+        assert all((rows[s] == s + 1).all() for s in range(41))
+        stats = engine.statistics()
+        print("jobs", stats.jobs_submitted, stats.jobs_completed, stats.latency_count, len(tier.copies), flush=True)
+
+run(main)
+"""
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_requests_deferred_on_two_loops_at_once_all_land_and_add_up(loop: str) -> None:
+    out = run_script(TWO_LOOPS_DEFER, loop, timeout=120)
+    assert out.split() == ["jobs", "41", "41", "41", "0"], out
