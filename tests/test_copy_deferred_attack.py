@@ -476,3 +476,56 @@ run(main)
 def test_requests_deferred_on_two_loops_at_once_all_land_and_add_up(loop: str) -> None:
     out = run_script(TWO_LOOPS_DEFER, loop, timeout=120)
     assert out.split() == ["jobs", "41", "41", "41", "0"], out
+
+
+# fork() while requests wait for the end of the loop's turn: the child runs that turn's flush on its
+# copy of the loop, and must queue nothing (the engine is the parent's); the parent's copies all land.
+FORK_WHILE_DEFERRED = """
+import numpy as np
+from aiokvtier import CopyEngine, HostTier, StaticHostMem
+from aiokvtier.testing import RecordingBackend
+from tests.held_copies import in_a_fork
+from tests.helpers import small_config
+SLOT = 64 << 10
+
+async def main():
+    recording = RecordingBackend(hold=True, memmove=True)
+    async with HostTier(small_config()) as tier, StaticHostMem(16 * SLOT) as stage, \\
+            CopyEngine(None, backend=recording) as engine:
+        await asyncio.wait_for(tier.wait_resident(), 60)
+        ids = await tier.allocate(8)
+        for s in ids:
+            tier.view(s)[:] = bytes([s + 1]) * SLOT
+        first = asyncio.ensure_future(engine.to_device(tier, [0], [stage.address]))
+        await asyncio.wait_for(recording.wait_issued(1), 30)
+        mine = [asyncio.ensure_future(engine.to_device(tier, [s], [stage.address + s * SLOT])) for s in ids[1:]]
+        await asyncio.sleep(0)  # deferred; their flush is the loop's next callback, in both processes
+
+        async def in_the_child():
+            # The child's loop runs on (this task, the turn's flush) but has no running loop to give
+            # asyncio's helpers: bare yields only.
+            for _ in range(5):
+                await asyncio.sleep(0)
+            ended = sorted({type(t.exception()).__name__ if t.done() else "pending" for t in mine})
+            print("child", ended, len(recording.issued), flush=True)
+
+        if not await in_a_fork(in_the_child, 20):
+            print("child hung", flush=True)
+        await asyncio.wait_for(recording.wait_issued(8), 30)
+        recording.release()
+        await asyncio.wait_for(asyncio.gather(first, *mine), 30)
+        with stage.view() as v:
+            rows = np.frombuffer(v, dtype=np.uint8).reshape(-1, SLOT).copy()
+        assert all((rows[s] == s + 1).all() for s in ids)
+        stats = engine.statistics()
+        print("parent", stats.jobs_submitted, stats.jobs_completed, stats.latency_count, len(tier.copies), flush=True)
+
+run(main)
+"""
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_fork_while_requests_are_deferred_queues_nothing_in_the_child(loop: str) -> None:
+    out = run_script(FORK_WHILE_DEFERRED, loop, timeout=90)
+    assert "child ['TierClosedError'] 1" in out, out
+    assert "parent 8 8 8 0" in out, out
