@@ -370,7 +370,8 @@ class CopyEngine(Owner):
         Cancelling it does not interrupt the teardown: the cancellation is
         delivered once the engine is closed.
         """
-        self._flush(asyncio.get_running_loop())  # what this loop asked for before the close is queued ahead of it
+        if self._life.state == "open":  # not in a forked child, which has no running loop (and no requests)
+            self._flush(asyncio.get_running_loop())  # what this loop asked for before the close is queued ahead of it
         await self._life.close(self._teardown)
 
     def _join(self) -> None:
