@@ -537,3 +537,49 @@ def test_a_fork_while_requests_are_deferred_queues_nothing_in_the_child(loop: st
     assert "child ['TierClosedError'] 1" in out, out
     assert "parent 8 8 8 0" in out, out
     assert "child closed <CopyEngine [closed" in out, out
+
+
+# The engine closed on another loop's thread while this loop's requests wait for the end of its turn
+# (this loop blocked meanwhile, so that the close begins first): each is refused, as a request checked
+# after the close began (the close cannot queue another loop's requests ahead of it), none waits
+# forever, and nothing is left tracked.
+CLOSED_BY_ANOTHER_LOOP = """
+import threading, time
+from aiokvtier import CopyEngine, HostTier, StaticHostMem, TierClosedError
+from aiokvtier.testing import RecordingBackend
+from tests.helpers import small_config
+SLOT = 64 << 10
+
+async def main():
+    recording = RecordingBackend(hold=True, memmove=True)
+    async with HostTier(small_config()) as tier, StaticHostMem(16 * SLOT) as stage:
+        await asyncio.wait_for(tier.wait_resident(), 60)
+        ids = await tier.allocate(8)
+        engine = await CopyEngine.open(None, backend=recording)
+        first = asyncio.ensure_future(engine.to_device(tier, [0], [stage.address]))
+        await asyncio.wait_for(recording.wait_issued(1), 30)
+        mine = [asyncio.ensure_future(engine.to_device(tier, [s], [stage.address + s * SLOT])) for s in ids[1:]]
+        await asyncio.sleep(0)  # deferred; their flush is the loop's next callback
+        closer = threading.Thread(target=run, args=(engine.aclose,))
+        closer.start()
+        deadline = time.monotonic() + 30
+        while "closing" not in repr(engine) and time.monotonic() < deadline:
+            time.sleep(0.001)  # this loop's turn is held open until the close has begun
+        results = await asyncio.wait_for(asyncio.gather(*mine, return_exceptions=True), 30)
+        recording.release()
+        await asyncio.wait_for(first, 30)
+        await asyncio.to_thread(closer.join, 30)
+        kinds = sorted({"copied" if r is None else type(r).__name__ for r in results})
+        stats = engine.statistics()
+        print("outcomes", kinds, closer.is_alive(), repr(engine).split()[1], flush=True)
+        print("jobs", stats.jobs_submitted, stats.jobs_completed, stats.latency_count, len(tier.copies), flush=True)
+
+run(main)
+"""
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_engine_closed_on_another_loop_before_this_loops_turn_ends_refuses_its_requests(loop: str) -> None:
+    out = run_script(CLOSED_BY_ANOTHER_LOOP, loop, timeout=90)
+    assert "outcomes ['TierClosedError'] False [closed" in out, out
+    assert "jobs 1 1 1 0" in out, out
