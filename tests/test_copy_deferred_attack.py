@@ -76,6 +76,7 @@ async def _busy(tier: HostTier, stage: StaticHostMem) -> AsyncIterator[tuple[Cop
         try:
             yield engine, recording
         finally:
+            recording.hold = False  # a test that failed with copies held must not hang the close
             recording.release()
             await asyncio.wait_for(first, HANG)
             _idle(engine, tier, stage)
