@@ -372,7 +372,8 @@ class CopyEngine(Owner):
         Cancelling it does not interrupt the teardown: the cancellation is
         delivered once the engine is closed.
         """
-        self._flush(asyncio.get_running_loop())  # what this loop asked for before the close is queued ahead of it
+        if self._life.state == "open":  # not in a forked child, which has no running loop (and no requests)
+            self._flush(asyncio.get_running_loop())  # what this loop asked for before the close is queued ahead of it
         await self._life.close(self._teardown)
 
     def _join(self) -> None:
@@ -400,7 +401,7 @@ class CopyEngine(Owner):
         :raises CudaError: the driver refused the batch.
         """
         if after is None and self._busy(slots):
-            await self._defer(tier, slots, dst, "h2d", page)
+            await self._deferred(self._defer(tier, slots, dst, "h2d", page))
             return
         since = epoch()
         planned, owners = self._plan_slots(tier, slots, dst, "h2d", page)
@@ -417,7 +418,7 @@ class CopyEngine(Owner):
         Raises as ``to_device()``; a slot given twice is a [``SlotError``][aiokvtier.SlotError].
         """
         if after is None and self._busy(slots):
-            await self._defer(tier, slots, src, "d2h", page)
+            await self._deferred(self._defer(tier, slots, src, "d2h", page))
             return
         since = epoch()
         planned, owners = self._plan_slots(tier, slots, src, "d2h", page)
@@ -621,8 +622,12 @@ class CopyEngine(Owner):
         """
         self._check_open()
         loop = asyncio.get_running_loop()
-        # The ids as they are now: the caller's list may change before the turn ends.
+        # The ids, and addresses given as a list or an array, as they are now: the caller may reuse
+        # them before the turn ends, and a request made alone reads them at once. An array of pages is
+        # the memory itself (its interface is read when planned).
         slots = slots.copy() if isinstance(slots, np.ndarray) else tuple(slots)
+        if isinstance(buffer, list) or (isinstance(buffer, np.ndarray) and buffer.ndim < 2):
+            buffer = buffer.copy()
         future = _Waiting(loop=loop)
         pending = self._pending.get(loop)
         if pending is None:
@@ -630,6 +635,19 @@ class CopyEngine(Owner):
             loop.call_soon(self._flush, loop)
         pending.append(_Deferred(tier, slots, buffer, direction, page, future))
         return future
+
+    @staticmethod
+    async def _deferred(waiting: _Waiting) -> None:
+        """Await a deferred request: as a request made alone, bar when it is refused at its turn."""
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            # Refused (never queued): alone, the refusal would have been raised when the request was
+            # made, before any cancellation could reach the caller, so it is what the caller gets.
+            error = None if waiting.queued or not waiting.done() else waiting.exception()
+            if error is not None:
+                raise error from None
+            raise
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         """Plan and queue the requests deferred during the turn that just ended (on ``loop``)."""

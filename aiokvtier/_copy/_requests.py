@@ -320,8 +320,13 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         raise ValueError("the buffer exposes no data pointer")
     if writable and data[1]:
         raise ValueError("the destination buffer is read-only; nothing was copied")
-    key = (data, iface["shape"], iface.get("strides"), iface["typestr"], n)
-    known = _checked.get(key)
+    strides = iface.get("strides")
+    # The protocols say tuples; lists pass too, as they do in a fresh check.
+    key: tuple[Any, ...] | None = (data, tuple(iface["shape"]), strides and tuple(strides), iface["typestr"], n)
+    try:
+        known = _checked.get(key)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable part: such a buffer is checked afresh each time
+        key = known = None
     if known is not None:
         addresses, page, refs, generation = known
         owners = tuple(ref() for ref in refs)
@@ -329,7 +334,6 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
             return Pages(addresses, page, owners, obj, writable)
     shape = tuple(iface["shape"])
     itemsize = np.dtype(iface["typestr"]).itemsize
-    strides = iface.get("strides")
     if strides is not None:
         expect, contiguous = itemsize, True
         for dim, stride in zip(reversed(shape), reversed(strides), strict=True):
@@ -352,7 +356,7 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
     # own, or device memory).
     generation = _regions.generation()
     owners = owners_of(addresses, page, known_only=False, span=(base, base + total))
-    if all(getattr(o, "checks_hold_until_snapshot", False) for o in owners):
+    if key is not None and all(getattr(o, "checks_hold_until_snapshot", False) for o in owners):
         addresses.flags.writeable = False  # shared by every request of this buffer
         if len(_checked) >= _CHECKED_BUFFERS:
             _checked.clear()
