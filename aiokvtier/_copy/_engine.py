@@ -618,9 +618,9 @@ class CopyEngine(Owner):
 
         Tasks that copy at once (an engine's many requests in flight) then pay the numpy calls of
         one request per turn, not one each. The checks and their errors are those of a request made
-        alone, reported by the returned future.
+        alone, reported by the returned future. Called right after ``_busy()``, which checked the
+        engine open.
         """
-        self._check_open()
         loop = asyncio.get_running_loop()
         # The ids, and addresses given as a list or an array, as they are now: the caller may reuse
         # them before the turn ends, and a request made alone reads them at once. An array of pages is
@@ -716,9 +716,9 @@ class CopyEngine(Owner):
     ) -> _Job:
         """Hand a planned copy to the submit thread; its ``future`` settles once the bytes landed.
 
-        ``since``: ``epoch()`` read before the copy was checked. ``waiting``: a deferred
-        request's future, settled as the job's (it stops being cancellable once queued). The buffers are the GPU's until
-        ``future`` settles: it is never cancelled, so a cancelled caller regains them only then.
+        ``since``: ``epoch()`` read before the copy was checked. ``waiting``: a deferred request's
+        future, settled as the job's. The buffers are the GPU's until ``future`` settles: it is
+        never cancelled, so a cancelled caller regains them only then.
 
         :raises CopyPlanError: a region the copy meets closed or shrank under it while it was
             checked on this thread (from another loop's thread); nothing was copied.

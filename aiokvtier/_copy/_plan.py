@@ -153,8 +153,7 @@ def plan(
         if reg is None or pairs.size == 0:
             continue
         if callable(reg) and 2 * pairs.size < count:  # few candidates: ask about those alone
-            ids = reg(np.concatenate((side[pairs], side[pairs + 1])))
-            joins[pairs] &= ids[: pairs.size] == ids[pairs.size :]
+            joins[pairs] &= _one_registration(reg, side, pairs)
             continue
         r = reg(side) if callable(reg) else np.asarray(reg)
         r = r if order is None or callable(reg) else r[order]
@@ -207,8 +206,7 @@ def plan_many(
     for reg, side in ((dst_reg, d), (src_reg, s)):
         if reg is None or pairs.size == 0:
             continue
-        ids = reg(np.concatenate((side[pairs], side[pairs + 1])))
-        joins[pairs] &= ids[: pairs.size] == ids[pairs.size :]
+        joins[pairs] &= _one_registration(reg, side, pairs)
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     if starts.size == n:  # nothing merged (shuffled slots): the request's copies as they are
         sizes = np.full(n, page, dtype=np.uint64)
@@ -224,6 +222,16 @@ def plan_many(
         plans.append(Plan(d[lo:hi], s[lo:hi], sizes[lo:hi], count))
         lo = hi
     return plans
+
+
+def _one_registration(
+    reg: Callable[[U64], npt.NDArray[np.int64]], side: U64, pairs: npt.NDArray[np.intp]
+) -> npt.NDArray[np.bool_]:
+    """Per candidate pair ``(pairs[i], pairs[i] + 1)`` of ``side``, whether both lie in one registration
+    (``reg`` is asked about the candidates alone)."""
+    ids = reg(np.concatenate((side[pairs], side[pairs + 1])))
+    same: npt.NDArray[np.bool_] = ids[: pairs.size] == ids[pairs.size :]
+    return same
 
 
 def _uniform(sizes: object) -> int | None:
