@@ -35,16 +35,16 @@ def out(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def held_memmove(copies: list[tuple[int, int, int]], done: threading.Event | None = None) -> None:
+def held_memmove(copies: list[tuple[int, int, int]]) -> None:
     """Copies wait for a ``release`` command while ``hold`` is on (the process is mid-store or mid-load)."""
     if holding:
         out({"event": "copying", "n": len(copies)})
         held.wait()
-    real_memmove(copies, done)
+    real_memmove(copies)
 
 
 def held_rows(real: Any) -> Any:
-    """The same hold for copies made as rows of a page array (``aiokvtier._pool._rows``)."""
+    """The same hold for copies made as rows of a page array (``aiokvtier._host._rows``)."""
 
     def copy(*args: Any) -> None:
         if holding:

@@ -105,8 +105,8 @@ class Held:
 
 @pytest.fixture
 def held_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Held]:
-    gate = Held(transfers_module.memmove_all)
-    monkeypatch.setattr(transfers_module, "memmove_all", gate)
+    gate = Held(transfers_module.landed_after)
+    monkeypatch.setattr(transfers_module, "landed_after", gate)
     yield gate
     gate.open.set()
 

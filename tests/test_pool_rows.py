@@ -1,4 +1,4 @@
-"""A pool store's and load's copies as rows of a page array (``aiokvtier._pool._rows``) and as merged runs of
+"""A pool store's and load's copies as rows of a page array (``aiokvtier._host._rows``) and as merged runs of
 neighbouring pages, against a copy per page: every byte lands where it would have, whatever the pages' form."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from aiokvtier import AttachedPool, Pool
-from aiokvtier._pool._rows import SMALL_ROW, rows_from_slots, rows_into_slots, runs
-from aiokvtier._store._transfers import memmove_all
+from aiokvtier._host._rows import SMALL_ROW, memmove_all, rows_from_slots, rows_into_slots, runs
 from tests.test_pool import CONFIG, sock
 
 __all__ = ["sock"]  # the fixture, used by name
@@ -62,6 +61,20 @@ def test_rows_land_in_their_slots_and_come_back() -> None:
     with pytest.raises(IndexError):
         rows_into_slots(address(memory), memory.nbytes, slot, np.array([count]), pages[:1], None)
     assert np.array_equal(memory, expected)
+
+
+def test_whole_rows_are_gathered_straight_into_the_array() -> None:
+    rng = np.random.default_rng(2)
+    memory = rng.integers(0, 256, (32, 64), dtype=np.uint8)
+    slots = rng.permutation(32)[:12].astype(np.int64)
+    back = np.zeros((12, 64), dtype=np.uint8)
+    rows_from_slots(address(memory), memory.nbytes, 64, slots, back, 64)
+    assert np.array_equal(back, memory[slots])
+    for outside in (32, -1):  # "clip" would copy an end slot: refused, nothing written
+        back[:] = 7
+        with pytest.raises(IndexError, match=f"slot {outside} is outside"):
+            rows_from_slots(address(memory), memory.nbytes, 64, np.array([0, outside]), back[:2], 64)
+        assert (back == 7).all()
 
 
 @pytest.mark.parametrize("width", [1, 100, SMALL_ROW + 8, SLOT])

@@ -1,7 +1,7 @@
 """BlockStore through its public API (host pages, no engine), on asyncio and uvloop.
 
 Copies are held where a test needs a block pinned or a store in flight: the
-store's host copy (``memmove_all``, run on its thread) is replaced by a gated
+store's host copy (``landed_after``, run on its thread) is replaced by a gated
 one. Every await is bounded, so a hang fails the test instead of stalling it.
 """
 
@@ -11,7 +11,7 @@ import asyncio
 import random
 import threading
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -123,13 +123,13 @@ class Gate:
         self.entered = threading.Event()
         self.done = threading.Event()
         self.calls = 0
-        self._real = transfers_module.memmove_all
+        self._real = transfers_module.landed_after
 
-    def __call__(self, copies: list[tuple[int, int, int]], landed: threading.Event) -> None:
+    def __call__(self, copy: Callable[[], None], landed: threading.Event) -> None:
         self.calls += 1
         self.entered.set()
         self.open.wait(TIMEOUT)
-        self._real(copies, landed)
+        self._real(copy, landed)
         self.done.set()
 
     async def release(self) -> None:
@@ -142,7 +142,7 @@ class Gate:
 @pytest.fixture
 def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     gate = Gate()
-    monkeypatch.setattr(transfers_module, "memmove_all", gate)
+    monkeypatch.setattr(transfers_module, "landed_after", gate)
     yield gate
     gate.open.set()
 

@@ -42,6 +42,7 @@ from .. import _regions
 from .._copy._requests import integers, stream_handle
 from .._errors import CopyPlanError, FillError, PoolError, PoolLostError, SlotError
 from .._host import _linux
+from .._host._rows import SMALL_ROW, memmove_all, rows_from_slots, rows_into_slots, runs
 from .._host._shared import map_shared, unmap_shared
 from .._host._slots import positive_count
 from .._host._statistics import TierStatistics
@@ -49,12 +50,11 @@ from .._host._views import ViewLedger
 from .._lifecycle import Lifecycle, Owner, finish
 from .._regions import I64, U64, InflightCopies
 from .._store._result import StoreResult
-from .._store._transfers import Pages, host_pages, memmove_all
+from .._store._transfers import Pages, host_pages
 from . import _wire
 from ._events import EventFanout, PoolEvents
 from ._gpu import Registrations
 from ._mirror import USABLE, IndexMirror, Keys, Looked
-from ._rows import SMALL_ROW, rows_from_slots, rows_into_slots, runs
 from ._socket import connect, recv_frame_with_fds
 from ._statistics import PoolStatistics
 from ._wire import (

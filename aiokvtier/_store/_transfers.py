@@ -2,33 +2,44 @@
 
 Three paths: a ``CopyEngine`` (device pages; the addresses checked once when
 the call began), ``CopyEngine.copy`` for blocks shorter than the destination
-pages, and, without an engine, ``memmove`` on the store's own thread, tracked
+pages, and, without an engine, a copy on the store's own thread, tracked
 as every copy over a region's memory is (by the tier, and by any
 StaticHostMem or other tier the caller's pages lie in), so that their close
 and shrink wait for it. A copy owns the caller's pages until it lands.
+
+Without an engine, pages given as the rows of one 2-D array are copied by one
+numpy call (``aiokvtier._host._rows``), which releases the GIL for the whole
+copy: the loop books the blocks meanwhile, where a ``memmove`` per page took
+the GIL back between pages and ran after the booking rather than beside it.
+Other pages (a list of buffers, blocks shorter than the rows) take a
+``memmove`` per page.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from .._copy._requests import Pages as CopyPages
 from .._copy._requests import buffer_addresses, check_again, check_disjoint, owners_of
 from .._errors import CopyPlanError
+from .._host._rows import memmove_all, rows_from_slots, rows_into_slots
 from .._lifecycle import Lifecycle, finish
 from .._regions import Landing, epoch
 from ._index import I64, NO_IDS, U64
+
+U8 = npt.NDArray[np.uint8]
 
 if TYPE_CHECKING:
     from .._copy._engine import CopyEngine
     from .._host._tier import HostTier
 
-__all__ = ["Pages", "Started", "Transfers", "host_pages", "memmove_all"]
+__all__ = ["Pages", "Started", "Transfers", "host_pages", "landed_after"]
 
 
 class Pages(NamedTuple):
@@ -41,9 +52,14 @@ class Pages(NamedTuple):
     """The one length of every page (a CopyEngine's pages, checked by ``buffer_addresses``); 0: host pages."""
     regions: tuple[Any, ...] = ()
     """Where a CopyEngine's page addresses lie (a StaticHostMem, a tier): owners the copy must outlive."""
+    array: U8 | None = None
+    """Host pages given as the rows of one 2-D uint8 array: that array (copied as rows)."""
+    rows: I64 | None = None
+    """With ``array``: which of its rows the pages are, in order (None: every row)."""
 
     def take(self, ids: I64) -> Pages:
-        return Pages(self.addresses[ids], self.lengths[ids], self.owners, self.page, self.regions)
+        rows = None if self.array is None else ids if self.rows is None else self.rows[ids]
+        return Pages(self.addresses[ids], self.lengths[ids], self.owners, self.page, self.regions, self.array, rows)
 
     def side(self, page: int) -> CopyPages:
         """For ``CopyEngine.start()``: the addresses were checked when the call began (as a
@@ -68,7 +84,7 @@ def host_pages(obj: Any, n: int, *, writable: bool) -> Pages:
             raise ValueError("the destination array is read-only; nothing was copied")
         page = obj.shape[1]
         addresses = np.uint64(obj.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(page)
-        return Pages(addresses, np.full(n, page, dtype=np.uint64), [obj])
+        return Pages(addresses, np.full(n, page, dtype=np.uint64), [obj], array=obj)
     if isinstance(obj, bytes | bytearray | memoryview | str):
         raise TypeError("pages are a sequence of bytes-like objects (one per key) or a 2-D uint8 array")
     try:
@@ -170,10 +186,14 @@ class Transfers:
         if engine is not None:
             return engine.start(tier, slots, pages.side(pages.page), "d2h", after=after)
         since = epoch()
+        if pages.array is not None:
+            base, size = tier.base_address, tier.region_bounds()[1]  # the first checks the tier open
+            rows = partial(rows_into_slots, base, size, tier.slot_size, slots, pages.array, pages.rows)
+            return (None, self._copy_host(rows, slots, pages.addresses, pages.lengths, since, into_slots=True))
         copies = list(
             zip(tier.slot_addresses(slots).tolist(), pages.addresses.tolist(), pages.lengths.tolist(), strict=True)
         )
-        return (None, self._copy_host(copies, pages.addresses, pages.lengths, since))
+        return (None, self._copy_host(partial(memmove_all, copies), slots, pages.addresses, pages.lengths, since))
 
     def start_out(self, slots: I64, pages: Pages, lengths: U64, after: Any) -> Started:
         """Queue the copy of ``slots`` into the caller's pages."""
@@ -182,11 +202,19 @@ class Transfers:
         if engine is not None and bool((lengths == page).all()):
             return engine.start(tier, slots, pages.side(page), "h2d", after=after)
         since = epoch()
+        width = int(lengths[0])
+        array = pages.array
+        if engine is None and array is not None and pages.rows is None and bool((lengths == array.shape[1]).all()):
+            base, size = tier.base_address, tier.region_bounds()[1]
+            # Whole rows, every row in order: gathered straight into the array (shorter blocks or some
+            # rows only would go through a temporary array of the rows first).
+            rows = partial(rows_from_slots, base, size, tier.slot_size, slots, array, width)
+            return (None, self._copy_host(rows, slots, pages.addresses, lengths, since, into_slots=False))
         # Host pages, or blocks shorter than the destination pages: each copies its own length.
         copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
         if engine is not None:
             return (None, asyncio.ensure_future(engine.copy(copies, after=after)))
-        return (None, self._copy_host(copies, pages.addresses, lengths, since))
+        return (None, self._copy_host(partial(memmove_all, copies), slots, pages.addresses, lengths, since))
 
     @staticmethod
     async def overlap(started: Started, work: Callable[[], None]) -> None:
@@ -208,13 +236,20 @@ class Transfers:
             await finish(done)
 
     def _copy_host(
-        self, copies: list[tuple[int, int, int]], pages: U64, lengths: U64, since: int
+        self,
+        copy: Callable[[], None],
+        slots: I64,
+        pages: U64,
+        lengths: U64,
+        since: int,
+        *,
+        into_slots: bool = True,
     ) -> asyncio.Future[None]:
-        """``memmove`` the copies on the store's thread, tracked as every copy over a region's memory
-        is: by the tier, and by any StaticHostMem or other tier that the caller's ``pages`` (of
-        ``lengths`` bytes) lie in, for an array made over its memory keeps none of it mapped. Their
-        close and shrink wait until the thread let go. ``since``: ``epoch()`` before the slots were
-        located.
+        """Run ``copy`` on the store's thread: a copy between ``slots`` and the caller's ``pages`` (of
+        ``lengths`` bytes), tracked as every copy over a region's memory is: by the tier, and by any
+        StaticHostMem or other tier that the pages lie in, for an array made over its memory keeps none
+        of it mapped. Their close and shrink wait until the thread let go (``landed_after``).
+        ``since``: ``epoch()`` before the slots were located.
 
         :raises CopyPlanError: a page lies in a region that is closing, or leaves it.
         """
@@ -226,21 +261,18 @@ class Transfers:
                 if region is not self._tier:
                     region.copies.track(done)
             if epoch() != since:  # a region snapshotted meanwhile (from another loop's thread): again
-                table = np.array(copies, dtype=np.uint64).reshape(-1, 3)
-                check_again(table[:, 0], table[:, 1], table[:, 2], (self._tier, *regions))
-            return self._life.submit(memmove_all, copies, done)
+                at = self._tier.slot_addresses(slots)
+                dsts, srcs = (at, pages) if into_slots else (pages, at)
+                check_again(dsts, srcs, lengths, (self._tier, *regions))
+            return self._life.submit(landed_after, copy, done)
         except BaseException:
             done.set()
             raise
 
 
-def memmove_all(copies: list[tuple[int, int, int]], done: Landing | None = None) -> None:
-    """``(dst, src, n)`` copies on a worker thread (ctypes releases the GIL for each); ``done`` (set
-    also on failure) tells the regions the copies were over."""
-    move = ctypes.memmove
+def landed_after(copy: Callable[[], None], done: Landing) -> None:
+    """Run ``copy`` on a worker thread, then set ``done`` (also on failure) for the regions it was over."""
     try:
-        for dst, src, n in copies:
-            move(dst, src, n)
+        copy()
     finally:
-        if done is not None:
-            done.set()
+        done.set()

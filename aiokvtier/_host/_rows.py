@@ -1,10 +1,12 @@
-"""Copies between a caller's page array and the pool's slots: numpy row assignments, not a memmove per page.
+"""Copies between a caller's page array and a mapping's slots (a tier's, the pool's): numpy row copies, not a
+memmove per page.
 
 A store of 4,096 one-byte pages cost 3.2 ms as 4,096 ``ctypes.memmove`` calls (a Python step and a GIL
 release each) and 0.03 ms as one ``slots[ids, :1] = pages``; at 64 KiB pages the assignment is no slower
-(13 against 15 ms, development VM), and numpy releases the GIL while it copies. The slots are viewed as one
+(13 against 15 ms, development VM), and numpy releases the GIL while it copies, so the loop thread runs
+while a worker copies (a block store books its blocks then). The slots are viewed as one
 ``(slots, slot_size)`` array over this process's mapping for the length of a copy only: a view kept past it
-would outlive the unmap. Every copy runs on the pool's worker thread (blocking).
+would outlive the unmap. Every copy runs on a worker thread (blocking).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import ctypes
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SMALL_ROW", "rows_from_slots", "rows_into_slots", "runs"]
+__all__ = ["SMALL_ROW", "memmove_all", "rows_from_slots", "rows_into_slots", "runs"]
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
@@ -47,7 +49,13 @@ def rows_from_slots(base: int, size: int, slot_size: int, slots: I64, pages: U8,
     :raises IndexError: a slot past the mapping.
     """
     tier = _slots(base, size, slot_size)
-    pages[:, :width] = tier[slots, :width]
+    if width == pages.shape[1] and pages.flags.c_contiguous:  # whole rows: gathered straight into them
+        outside = slots[(slots < 0) | (slots >= len(tier))]
+        if outside.size:  # "clip" would copy the last slot instead
+            raise IndexError(f"slot {int(outside[0])} is outside the mapping's {len(tier)} slots")
+        np.take(tier[:, :width], slots, axis=0, out=pages, mode="clip")  # "raise" would buffer the output
+    else:
+        pages[:, :width] = tier[slots, :width]
 
 
 def runs(dst: U64, src: U64, lengths: U64) -> list[tuple[int, int, int]]:
@@ -60,3 +68,10 @@ def runs(dst: U64, src: U64, lengths: U64) -> list[tuple[int, int, int]]:
     starts = np.flatnonzero(np.concatenate(([True], ~joined)))
     sizes = np.add.reduceat(lengths, starts)
     return list(zip(dst[starts].tolist(), src[starts].tolist(), sizes.tolist(), strict=True))
+
+
+def memmove_all(copies: list[tuple[int, int, int]]) -> None:
+    """``(dst, src, n)`` copies, a ``memmove`` each (ctypes releases the GIL for each), on a worker thread."""
+    move = ctypes.memmove
+    for dst, src, n in copies:
+        move(dst, src, n)
