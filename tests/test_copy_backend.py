@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 
 from aiokvtier import CopyEngine, CopyPlanError, CudaError, HostTier, Pages, SlotError, SmOptions, StaticHostMem
@@ -221,6 +222,25 @@ async def test_pages_refuse_what_start_cannot_copy() -> None:
         with pytest.raises(ValueError, match="one address per slot"):
             engine.start(tier, slots, source.take([0]), "d2h")
         assert recording.issued == []
+
+
+async def test_checked_pages_are_located_again_only_after_a_snapshot() -> None:
+    """Pages in a StaticHostMem keep their check until some region closes or shrinks (which moves
+    the regions' generation); then they are located again, and a close of their own region refuses them."""
+    async with rig() as (tier, stage, engine, recording):
+        slots = await tier.allocate(2)
+        pages = engine.pages(np.arange(2) * SLOT + stage.address, 2, page=SLOT, writable=True)
+        assert pages.checked_at is not None  # a StaticHostMem's check holds until a snapshot
+        await bounded(engine.start(tier, slots, pages, "h2d").done)
+        other = await bounded(StaticHostMem.open(SLOT))
+        await bounded(other.aclose())  # a snapshot elsewhere: located again, still copied
+        await bounded(engine.start(tier, slots, pages, "h2d").done)
+        await bounded(stage.aclose())
+        with pytest.raises(CopyPlanError, match="closed after the pages were checked"):
+            engine.start(tier, slots, pages, "h2d")
+        assert len(recording.issued) == 2
+        in_tier = engine.pages([tier.address(s) for s in slots], 2, page=SLOT, writable=False)
+        assert in_tier.checked_at is None  # a tier's check is made again before each copy
 
 
 def test_an_issued_copy_is_a_plain_record() -> None:

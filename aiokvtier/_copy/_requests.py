@@ -249,6 +249,10 @@ class Pages:
     """The buffer (or whatever keeps the memory alive)."""
     writable: bool = True
     """Checked as a destination (``to_device``, a load): the buffer is not read-only."""
+    checked_at: tuple[int, object] | None = None
+    """The regions' ``generation()`` read before the check, where every region met keeps its checks
+    until a snapshot (``checks_hold_until_snapshot``): while it is unchanged, ``relocate`` has
+    nothing to do. None: located again before each copy."""
 
     def take(self, ids: Any) -> Pages:
         """The pages at positions ``ids`` (a sequence or integer array), in that order.
@@ -310,7 +314,9 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         # Located with a device too: a staging buffer or tier named by address is an owner whose
         # close must wait for the DMA, and a page leaving it is refused, as in a raw copy. Device
         # memory meets no region: no owners.
-        return Pages(unsigned, default_page, owners_of(unsigned, default_page, known_only=host_only), obj, writable)
+        generation = _regions.generation()
+        located = owners_of(unsigned, default_page, known_only=host_only)
+        return Pages(unsigned, default_page, located, obj, writable, _holding(located, generation))
     data = iface.get("data")
     if n == 0 and tuple(iface["shape"])[:1] == (0,):
         # No pages (a store or load of no keys): no page size to find, and an empty tensor may
@@ -331,7 +337,7 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         addresses, page, refs, generation = known
         owners = tuple(ref() for ref in refs)
         if _regions.generation() == generation and all(o is not None and not o.closed for o in owners):
-            return Pages(addresses, page, owners, obj, writable)
+            return Pages(addresses, page, owners, obj, writable, generation)
     shape = tuple(iface["shape"])
     itemsize = np.dtype(iface["typestr"]).itemsize
     if strides is not None:
@@ -356,12 +362,18 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
     # own, or device memory).
     generation = _regions.generation()
     owners = owners_of(addresses, page, known_only=False, span=(base, base + total))
-    if key is not None and all(getattr(o, "checks_hold_until_snapshot", False) for o in owners):
+    holding = _holding(owners, generation)
+    if key is not None and holding is not None:
         addresses.flags.writeable = False  # shared by every request of this buffer
         if len(_checked) >= _CHECKED_BUFFERS:
             _checked.clear()
         _checked[key] = (addresses, page, tuple(map(weakref.ref, owners)), generation)
-    return Pages(addresses, page, owners, obj, writable)
+    return Pages(addresses, page, owners, obj, writable, holding)
+
+
+def _holding(owners: Sequence[Any], generation: tuple[int, object]) -> tuple[int, object] | None:
+    """``generation`` where the check of pages in ``owners`` holds until it moves, else None."""
+    return generation if all(getattr(o, "checks_hold_until_snapshot", False) for o in owners) else None
 
 
 _CHECKED_BUFFERS = 256
@@ -494,6 +506,8 @@ def relocate(side: Pages) -> Pages:
     for region in side.regions:
         if region.closed:
             raise CopyPlanError(f"{region.region_name} closed after the pages were checked; nothing was copied")
+    if side.checked_at is not None and side.checked_at == _regions.generation():
+        return side  # no region closed or shrank since the check: a snapshot would have moved it
     return replace(side, regions=owners_of(side.addresses, side.page, known_only=False))
 
 

@@ -56,15 +56,17 @@ class Pages(NamedTuple):
     """Host pages given as the rows of one 2-D uint8 array: that array (copied as rows)."""
     rows: I64 | None = None
     """With ``array``: which of its rows the pages are, in order (None: every row)."""
+    checked_at: tuple[int, object] | None = None
+    """A CopyEngine's pages: when their regions were checked (``CopyPages.checked_at``)."""
 
     def take(self, ids: I64) -> Pages:
         rows = None if self.array is None else ids if self.rows is None else self.rows[ids]
-        return Pages(self.addresses[ids], self.lengths[ids], self.owners, self.page, self.regions, self.array, rows)
+        return self._replace(addresses=self.addresses[ids], lengths=self.lengths[ids], rows=rows)
 
     def side(self, page: int) -> CopyPages:
         """For ``CopyEngine.start()``: the addresses were checked when the call began (as a
         destination for a load, the one direction that writes them)."""
-        return CopyPages(self.addresses, page, self.regions, self.owners)
+        return CopyPages(self.addresses, page, self.regions, self.owners, checked_at=self.checked_at)
 
 
 Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
@@ -154,7 +156,7 @@ class Transfers:
             if not writable and n and side.page > slot_size:  # one page size: no pass over the lengths
                 raise ValueError(f"a page of {side.page} bytes does not fit a {slot_size}-byte slot; nothing changed")
             lengths = np.full(n, side.page, dtype=np.uint64)
-            return Pages(side.addresses, lengths, [obj], side.page, tuple(side.regions))
+            return Pages(side.addresses, lengths, [obj], side.page, tuple(side.regions), checked_at=side.checked_at)
         pages = host_pages(obj, n, writable=writable)
         if not writable and n:
             longest = int(pages.lengths.max())
