@@ -329,8 +329,9 @@ class HostTierConfig(_Frozen):
             maximum = default_max_quota() // slot * slot
             if maximum < quota:
                 raise ValueError(
-                    f"quota ({_show(quota)}) exceeds the host memory available "
-                    f"({_show(maximum)}); set max_quota explicitly to reserve more"
+                    f"quota ({_show(quota)}) exceeds this host's memory "
+                    f"({_show(maximum)}: MemTotal, capped by the memory cgroup's limit): lower quota, or, where "
+                    "that memory grows as it is used (a VM), set max_quota explicitly"
                 )
         else:
             maximum = int(self.max_quota) // slot * slot

@@ -536,7 +536,9 @@ def check_mooncake(master: str | None = None, timeout: float = 2.0) -> Check:
         if "is installed but" in why:  # installing the wheel again would change nothing
             advice = "install what it names, then run 'aiokvtier doctor' again"
         else:
-            advice = "pip install 'aiokvtier[mooncake]' for a Mooncake tier"
+            install = "pip install 'aiokvtier[mooncake]'"
+            why = why.removesuffix(f": {install}")  # the advice says it: the line says it once
+            advice = f"for a Mooncake tier: {install}"
         return Check("mooncake", verdict, why, advice, {})
     if not master:
         return Check("mooncake", "ok", "the wheel loads (no master given: --mooncake-master HOST:PORT)", "", {})

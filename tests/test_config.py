@@ -260,8 +260,12 @@ def test_invalid_input_names_the_field(kwargs: dict[str, object], field: str) ->
 
 
 def test_quota_above_host_memory_needs_explicit_max_quota() -> None:
-    with pytest.raises(ValidationError, match="set max_quota explicitly"):
+    with pytest.raises(ValidationError, match="set max_quota explicitly") as info:
         HostTierConfig(quota=default_max_quota() + GiB)
+    # The bound is MemTotal (or the cgroup's limit), not the memory available now; the first fix is a lower
+    # quota: a max_quota set past the memory lets the fill run into the OOM killer.
+    assert "exceeds this host's memory" in str(info.value) and "MemTotal" in str(info.value)
+    assert "lower quota, or" in str(info.value)
     assert HostTierConfig(quota=default_max_quota() + GiB, max_quota=1 << 44).quota > default_max_quota()
 
 

@@ -249,6 +249,31 @@ def test_python_examples_in_the_docs_run(page: str, tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
 
 
+PROGRAM_PAGES = ["disk.md", "store.md"]
+"""Pages, besides those above, with a whole program (one that calls ``asyncio.run``) among their excerpts."""
+
+
+def _whole_programs(page: Path) -> list[str]:
+    return [block for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S) if "asyncio.run(" in block]
+
+
+def test_every_page_with_a_whole_program_runs_it() -> None:
+    """A page's excerpts stand for code around them; a whole program on a page is run by the test below."""
+    pages = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md") if _whole_programs(p))
+    assert pages == sorted(["index.md", "configuration.md", *PROGRAM_PAGES])
+
+
+@pytest.mark.parametrize("page", PROGRAM_PAGES)
+def test_whole_programs_in_the_docs_run(page: str, tmp_path: Path) -> None:
+    blocks = _whole_programs(ROOT / "docs" / page)
+    assert blocks
+    for i, block in enumerate(blocks):
+        script = tmp_path / f"block{i}.py"
+        script.write_text(block)
+        done = _run(str(script), timeout=120)
+        assert done.returncode == 0, done.stderr
+
+
 def test_index_example_is_about_twenty_lines() -> None:
     block = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "index.md").read_text(), re.S)[0]
     assert 15 <= len(block.strip().splitlines()) <= 22

@@ -402,16 +402,34 @@ def test_disk_check_warns_of_a_tier_in_memory() -> None:
 
 
 @pytest.mark.parametrize(
-    ("why", "advice"),
+    ("why", "summary", "advice"),
     [
-        ("the Mooncake Store client is not installed: pip install 'aiokvtier[mooncake]'", "pip install"),
-        ("the mooncake wheel is installed but cannot load (install libibverbs: ...): ...", "install what it names"),
+        (
+            "the Mooncake Store client is not installed: pip install 'aiokvtier[mooncake]'",
+            "the Mooncake Store client is not installed",
+            "for a Mooncake tier: pip install 'aiokvtier[mooncake]'",
+        ),
+        (
+            "the mooncake wheel is installed but cannot load (install libibverbs: ...): ...",
+            "the mooncake wheel is installed but cannot load (install libibverbs: ...): ...",
+            "install what it names, then run 'aiokvtier doctor' again",
+        ),
     ],
 )
-def test_the_mooncake_check_advises_what_is_missing(monkeypatch: pytest.MonkeyPatch, why: str, advice: str) -> None:
+def test_the_mooncake_check_advises_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, why: str, summary: str, advice: str
+) -> None:
     """A wheel that is installed but cannot load its libraries was told to pip install the wheel."""
     from aiokvtier._mooncake import _client
 
     monkeypatch.setattr(_client, "why_unloadable", lambda: why)
     check = _doctor.check_mooncake(None)
-    assert check.verdict == "skip" and check.summary == why and check.advice.startswith(advice)
+    assert check.verdict == "skip" and check.summary == summary and check.advice == advice
+
+
+def test_the_mooncake_line_names_the_install_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The summary said the pip command and the advice said it again, on one line."""
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # the wheel is not installed: the import fails
+    line = _doctor.format_line(_doctor.check_mooncake(None))
+    assert line.count("pip install 'aiokvtier[mooncake]'") == 1, line
+    assert line.startswith("SKIP  mooncake    the Mooncake Store client is not installed  -> "), line

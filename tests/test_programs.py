@@ -191,6 +191,23 @@ def test_store_benchmark_prefix_section_times_the_pieces_of_the_load() -> None:
     assert 0 < times["first_piece_landed"] <= times["last_piece_landed"] <= times["load_done"]
 
 
+def test_store_benchmark_keeps_mooncakes_info_lines_off_its_progress() -> None:
+    """The bench set GLOG_minloglevel, which the wheel ignores: its info lines filled the progress."""
+    from aiokvtier._mooncake import _client
+
+    if (why := _client.why_unloadable()) is not None or _client.find_master() is None:
+        pytest.skip(why or "mooncake_master is not installed")
+    env = {k: v for k, v in ENV.items() if k != "MC_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "aiokvtier.bench", "store", "--quick", "--sections", "tiers"],
+        capture_output=True, text=True, env=env, timeout=240, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "skipped" not in json.loads(done.stdout)["tiers"]["mooncake"]
+    info = [line for line in done.stderr.splitlines() if re.match(r"I\d{4} ", line)]
+    assert not info, info[:3]
+
+
 def test_engine_mock_example_hits_evicts_and_verifies() -> None:
     out = _run("examples/engine_mock.py")
     assert out.startswith("pages: ")
