@@ -49,11 +49,14 @@ def rows_from_slots(base: int, size: int, slot_size: int, slots: I64, pages: U8,
     :raises IndexError: a slot past the mapping.
     """
     tier = _slots(base, size, slot_size)
-    if width == pages.shape[1] and pages.flags.c_contiguous:  # whole rows: gathered straight into them
+    # Whole slots into whole rows: gathered straight into them. Shorter blocks are not: ``np.take`` first
+    # copies a source that is not C-contiguous whole, here the first ``width`` bytes of every slot of the
+    # mapping (a read past the committed range crashes, and every slot is read for a few).
+    if width == slot_size == pages.shape[1] and pages.flags.c_contiguous:
         outside = slots[(slots < 0) | (slots >= len(tier))]
         if outside.size:  # "clip" would copy the last slot instead
             raise IndexError(f"slot {int(outside[0])} is outside the mapping's {len(tier)} slots")
-        np.take(tier[:, :width], slots, axis=0, out=pages, mode="clip")  # "raise" would buffer the output
+        np.take(tier, slots, axis=0, out=pages, mode="clip")  # "raise" would buffer the output
     else:
         pages[:, :width] = tier[slots, :width]
 
