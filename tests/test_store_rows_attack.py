@@ -15,18 +15,21 @@ import ctypes
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 
-from aiokvtier import StoreResult
+from aiokvtier import BlockStore, HostTier, HostTierConfig, StaticHostMem, StoreResult
 from aiokvtier._host import _linux
 from aiokvtier._host._rows import rows_from_slots
 from aiokvtier._store import _transfers as transfers_module
+from tests.helpers import eventually
+from tests.test_cancellation import cancel_during, sweep
 from tests.test_store import SLOT, TIMEOUT, bounded, open_store, page, pages
-from tests.test_store_attack import exact, whole
+from tests.test_store_attack import cancel_after, exact, whole
 
 HALF = SLOT // 2
 
@@ -152,6 +155,350 @@ def test_rows_from_slots_reads_the_slots_it_is_given_only(width: int) -> None:
             rows_from_slots(base, 4 * SLOT, SLOT, np.array([1, 4], dtype=np.int64), dst[:2], width)
     finally:
         _linux.munmap(base, length)
+
+
+# -- rows over the store's own tier ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["several slots", "one slot"])
+async def test_rows_over_the_stores_own_blocks_are_pinned_sources(how: str, into: Rows) -> None:
+    """The rows of an array over blocks of the store itself (several slots, or halves of one block's view):
+    the call pins those blocks, so the room it makes evicts others; a present key's row is not copied
+    (its block keeps its bytes), the others land bit-exact from the blocks they lay in."""
+    async with open_store(5) as (tier, store):
+        first = [10, 11, 12, 13]
+        await bounded(store.store(first, pages(first)))  # one slot left; 10 is the least recently used
+        slots = [store.slot(k) for k in first]
+        assert consecutive(slots)
+        view: memoryview | None = None
+        if how == "several slots":
+            src = over(tier.address(slots[0]), 3, SLOT)  # rows over 10, 11 and 12
+            keys = [1, 12, 2]
+            result = await bounded(store.store(keys, src))
+            assert result == StoreResult(stored=(1, 2), present=(12,), skipped=())
+            gone, want = 13, {1: page(10), 2: page(12)}
+        else:
+            view = tier.view(slots[0])
+            src = np.frombuffer(view, dtype=np.uint8).reshape(2, HALF)  # two pages in block 10
+            result = await bounded(store.store([1, 2], src))
+            assert result == StoreResult(stored=(1, 2), present=(), skipped=())
+            gone, want = 11, {1: page(10)[:HALF], 2: page(10)[HALF:]}
+        assert gone not in store and all(k in store for k in first if k != gone)
+        assert into.calls == 2 and into.landed == [True, True]
+        for key, data in want.items():
+            dst = np.zeros((1, len(data)), dtype=np.uint8)
+            await bounded(store.load([key], dst))
+            assert dst.tobytes() == data
+        del src
+        if view is not None:
+            view.release()
+        store.discard([1, 2])
+        whole(tier, store, [1, 2, *first])
+        await exact(store)
+
+
+async def exact_width(store: BlockStore, keys: list[Any], width: int) -> None:
+    dst = np.zeros((len(keys), width), dtype=np.uint8)
+    await bounded(store.load(keys, dst))
+    assert np.array_equal(dst, pages(keys, width))
+
+
+@pytest.mark.parametrize("width", [SLOT, HALF])
+async def test_a_load_into_rows_over_the_stores_own_tier(width: int, out: Rows) -> None:
+    """Rows over a block of the store would overwrite it: refused, nothing copied or pinned, even where
+    only one row of several lies there. Rows over slots of the same tier that the caller holds are the
+    caller's memory: the load copies into them."""
+    async with open_store(8) as (tier, store):
+        keys = [1, 2, 3]
+        await bounded(store.store(keys, pages(keys, width)))
+        slots = [store.slot(k) for k in keys]
+        foreign = await bounded(tier.allocate(2))
+        assert consecutive([*slots, *foreign])
+        refused = [
+            over(tier.address(slots[1]), 1, width),  # in block 2
+            over(tier.address(slots[2]) + SLOT - width, 2, width),  # the end of block 3, then the caller's slot
+        ]
+        for dst in refused:
+            with pytest.raises(ValueError, match="a block of this store"):
+                await bounded(store.load(keys[: len(dst)], dst))
+            assert store.statistics().blocks_pinned == 0
+        assert out.calls == 0
+        await exact_width(store, keys, width)
+        dst = over(tier.address(foreign[0]), 2, width)
+        await bounded(store.load([3, 1], dst))
+        assert np.array_equal(dst, pages([3, 1], width))
+        assert bytes(tier.view(foreign[0]))[:width] == page(3, width)
+        assert out.calls == 2 and out.landed == [True, True]
+        del dst, refused
+        tier.free_many(foreign)
+        whole(tier, store, keys)
+
+
+# -- regions closed or shrunk while a row copy is held -----------------------------------------------
+
+
+async def test_a_held_load_into_rows_over_a_static_host_mem_holds_its_close(out: Rows) -> None:
+    """A load into an array over a StaticHostMem's view: its close waits for the row copy, which lands
+    whole; the view the array holds keeps the memory mapped until the array goes."""
+    async with open_store(8) as (tier, store):
+        keys = list(range(4))
+        await bounded(store.store(keys, pages(keys)))
+        mem = await bounded(StaticHostMem.open(4 * SLOT))
+        dst = np.frombuffer(mem.view(), dtype=np.uint8).reshape(4, SLOT)
+        gate = out.hold()
+        loading = asyncio.ensure_future(store.load(keys[::-1], dst))
+        await eventually(out.entered.is_set)
+        closing = asyncio.ensure_future(mem.aclose())
+        await turns()
+        assert not closing.done() and len(mem.copies) == 1
+        assert store.statistics().blocks_pinned == 4
+        await let_through(gate)
+        await bounded(loading)
+        await bounded(closing)
+        assert out.landed == [True] and np.array_equal(dst, pages(keys[::-1]))
+        assert not mem.released
+        del dst
+        await eventually(lambda: mem.released)
+        whole(tier, store, keys)
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("change", ["close", "shrink"])
+async def test_a_held_row_copy_over_another_tier_holds_its_close_and_shrink(
+    direction: str, change: str, into: Rows, out: Rows
+) -> None:
+    """Rows over slots of another tier (an array over several of its slots, holding none of them mapped),
+    as the source of a store or the destination of a load: that tier's close or shrink waits for the row
+    copy, which lands whole."""
+    rows = into if direction == "store" else out
+    cfg = HostTierConfig(quota=8 * SLOT, max_quota=16 * SLOT, slot_size=SLOT, commit_unit=4 * SLOT, fill_chunk=8 * SLOT)
+    async with open_store(8) as (tier, store):
+        other = await bounded(HostTier.open(cfg))
+        try:
+            await bounded(other.wait_resident())
+            held = await bounded(other.allocate(3))
+            assert consecutive(held)
+            array = over(other.address(held[0]), 3, SLOT)
+            keys = [5, 6, 7]
+            if direction == "store":
+                array[:] = pages(keys)
+                call = store.store(keys, array)
+            else:
+                await bounded(store.store(keys, pages(keys)))
+                call = store.load(keys, array)
+            gate = rows.hold()
+            copying = asyncio.ensure_future(call)
+            await eventually(rows.entered.is_set)
+            changing = asyncio.ensure_future(other.aclose() if change == "close" else other.resize(4 * SLOT))
+            await turns()
+            assert not changing.done() and len(other.copies) == 1
+            await let_through(gate)
+            result = await bounded(copying)
+            if direction == "store":
+                assert result == StoreResult(stored=tuple(keys), present=(), skipped=())
+            await bounded(changing)
+            assert rows.landed == [True]
+            if change == "shrink":
+                assert other.slots_total == 4 and np.array_equal(array, pages(keys))
+            del array
+            await exact(store)
+            whole(tier, store, keys)
+        finally:
+            await bounded(other.aclose())
+        assert other.released
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("change", ["close", "shrink"])
+async def test_a_held_row_copy_holds_the_stores_own_tier_close_and_shrink(
+    direction: str, change: str, into: Rows, out: Rows
+) -> None:
+    """The store's own tier closed or shrunk (past slots nobody holds) while one of its row copies is held:
+    the close or shrink waits for it, the copy lands whole and the call ends as if nothing happened."""
+    rows = into if direction == "store" else out
+    async with open_store(8) as (tier, store):
+        keys = [1, 2, 3]
+        src = pages(keys)
+        dst = np.zeros_like(src)
+        if direction == "load":
+            await bounded(store.store(keys, src))
+        gate = rows.hold()
+        copying = asyncio.ensure_future(store.store(keys, src) if direction == "store" else store.load(keys, dst))
+        await eventually(rows.entered.is_set)
+        changing = asyncio.ensure_future(tier.aclose() if change == "close" else tier.resize(4 * SLOT))
+        await turns()
+        assert not changing.done() and len(tier.copies) == 1
+        await let_through(gate)
+        result = await bounded(copying)
+        await bounded(changing)
+        assert rows.landed == [True]
+        if direction == "store":
+            assert result == StoreResult(stored=tuple(keys), present=(), skipped=())
+        else:
+            assert np.array_equal(dst, src)
+        stats = store.statistics()
+        assert stats.in_flight == 0 and stats.blocks_pinned == 0 and stats.blocks == 3
+        if change == "shrink":
+            assert tier.slots_total == 4
+            whole(tier, store, keys)
+            await exact(store)
+    assert tier.released
+
+
+# -- cancellation ---------------------------------------------------------------------------------------
+
+
+def whole_rows_or_none(dst: np.ndarray, keys: list[Any]) -> None:
+    for key, row in zip(keys, dst, strict=True):
+        assert not row.any() or row.tobytes() == page(key), f"the row of {key!r} is torn"
+
+
+async def test_cancelled_row_stores_leave_each_key_whole_or_absent(into: Rows) -> None:
+    """Stores of rows (a present key among them: a subset of rows) cancelled by ``wait_for``, a TaskGroup and
+    ``task.cancel()`` at delays from before the first step to past the (slowed) copy, in a tier that
+    evicts: afterwards nothing is in flight or pinned, one slot per block, every key whole or absent."""
+    into.delay = 0.002
+    async with open_store(8) as (tier, store):
+        universe: list[int] = []
+        cancelled = 0
+        for case, (how, delay) in enumerate(sweep(11, delays=(0, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.02))):
+            keys = [case * 10 + i for i in range(4)] + universe[-1:]
+            universe += keys[:4]
+            outcome = await cancel_during(partial(store.store, keys, pages(keys)), how, delay)
+            cancelled += outcome.cancelled
+            if not outcome.cancelled:  # the present key may have been evicted since: stored again
+                result = outcome.result
+                assert result is not None and set(keys[:4]) <= set(result.stored) and not result.skipped
+            whole(tier, store, universe)
+            await exact(store)
+        assert 0 < cancelled < len(universe) // 4
+        assert into.landed.count(True) == len(into.landed)
+
+
+async def test_cancelled_row_loads_write_whole_rows_or_none(out: Rows) -> None:
+    """Loads into rows cancelled at swept delays: each row is its block whole or untouched, the blocks
+    stay, and nothing stays pinned."""
+    out.delay = 0.002
+    async with open_store(8) as (tier, store):
+        keys = list(range(8))
+        await bounded(store.store(keys, pages(keys)))
+        cancelled = 0
+        for how, delay in sweep(12, delays=(0, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.02)):
+            dst = np.zeros((8, SLOT), dtype=np.uint8)
+            outcome = await cancel_during(partial(store.load, keys[::-1], dst), how, delay)
+            cancelled += outcome.cancelled
+            if outcome.cancelled:
+                whole_rows_or_none(dst, keys[::-1])
+            else:
+                assert np.array_equal(dst, pages(keys[::-1]))
+            whole(tier, store, keys)
+        assert cancelled
+        await exact(store)
+
+
+async def test_row_stores_and_loads_cancelled_after_each_step(into: Rows, out: Rows) -> None:
+    """``task.cancel()`` after 0, 1, 2... loop iterations: at every await a row store or load has."""
+    async with open_store(6) as (tier, store):
+        universe: list[int] = []
+        for steps in range(10):
+            keys = [steps * 10 + i for i in range(3)] + universe[-2:]
+            universe += keys[:3]
+            await cancel_after(partial(store.store, keys, pages(keys)), steps)
+            whole(tier, store, universe)
+            here = [k for k in universe if k in store]
+            dst = np.zeros((len(here), SLOT), dtype=np.uint8)
+            if not await cancel_after(partial(store.load, here, dst), steps):
+                assert np.array_equal(dst, pages(here))
+            else:
+                whole_rows_or_none(dst, here)
+            whole(tier, store, universe)
+            await exact(store)
+        assert into.landed.count(True) == len(into.landed) and out.landed.count(True) == len(out.landed)
+
+
+# -- a row copy that fails ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("present", [False, True])
+async def test_a_failing_row_store_keeps_nothing_and_lets_its_regions_close(present: bool, into: Rows) -> None:
+    """The row copy fails after writing its first row: the store raises, no key of it is stored (not even
+    the row that landed), no slot is kept, and the StaticHostMem it read closes (the copy let go)."""
+    async with open_store(8) as (tier, store):
+        before = [1, 2]
+        await bounded(store.store(before, pages(before)))
+        keys = [5, 1, 6, 7] if present else [5, 6, 7]
+        async with StaticHostMem(len(keys) * SLOT) as mem:
+            src = np.frombuffer(mem.view(), dtype=np.uint8).reshape(len(keys), SLOT)
+            src[:] = pages(keys)
+            into.fail = 1
+            with pytest.raises(MemoryError, match="injected"):
+                await bounded(store.store(keys, src))
+            assert not any(k in store for k in (5, 6, 7)) and 1 in store
+            whole(tier, store, sorted({*before, *keys}))
+            del src
+        assert (await bounded(store.store(keys, pages(keys)))).stored == (5, 6, 7)  # no claim left behind
+        whole(tier, store, sorted({*before, *keys}))
+        await exact(store)
+
+
+async def test_a_failing_row_load_unpins_and_lets_its_regions_close(out: Rows) -> None:
+    """The row copy of a load fails after its first row: the load raises, nothing stays pinned or in
+    flight, the blocks stay whole, and the StaticHostMem the rows lie in closes."""
+    async with open_store(8) as (tier, store):
+        keys = [1, 2, 3]
+        await bounded(store.store(keys, pages(keys)))
+        async with StaticHostMem(3 * SLOT) as mem:
+            dst = np.frombuffer(mem.view(), dtype=np.uint8).reshape(3, SLOT)
+            out.fail = 1
+            with pytest.raises(MemoryError, match="injected"):
+                await bounded(store.load(keys, dst))
+            whole_rows_or_none(dst, keys)
+            whole(tier, store, keys)
+            await bounded(store.load(keys, dst))
+            assert np.array_equal(dst, pages(keys))
+            del dst
+        await exact(store)
+
+
+# -- some rows only, beside another call's claim -------------------------------------------------------
+
+
+@pytest.mark.parametrize("other", ["lands", "fails", "waiter cancelled"])
+async def test_a_subset_of_rows_beside_another_calls_claim(other: str, into: Rows) -> None:
+    """A call storing four rows finds two of its keys claimed by a call whose row copy is held: it copies
+    its other two rows (a subset, queued behind the held copy), then waits for the claim and finds them
+    stored (``lands``), or stores them itself from its own rows once the other call failed (``fails``).
+    Cancelled before its copy landed, it keeps none of its keys."""
+    async with open_store(8) as (tier, store):
+        gate = into.hold()
+        first = asyncio.ensure_future(store.store([1, 2], pages([1, 2])))
+        await eventually(into.entered.is_set)
+        keys = [3, 1, 0, 2]
+        second = asyncio.ensure_future(store.store(keys, pages(keys)))
+        await turns()
+        assert store.statistics().in_flight == 2 and not second.done()
+        if other == "fails":
+            into.fail = 1  # the held copy, the first to run
+        if other == "waiter cancelled":
+            second.cancel()
+        await let_through(gate)
+        if other == "fails":
+            with pytest.raises(MemoryError):
+                await bounded(first)
+            assert await bounded(second) == StoreResult(stored=(3, 1, 0, 2), present=(), skipped=())
+            assert into.calls == 3  # the retry copied rows 1 and 3 of its own pages
+        else:
+            assert (await bounded(first)).stored == (1, 2)
+            if other == "lands":
+                assert await bounded(second) == StoreResult(stored=(3, 0), present=(1, 2), skipped=())
+            else:
+                with pytest.raises(asyncio.CancelledError):
+                    await bounded(second)
+                assert 3 not in store and 0 not in store
+            assert into.calls == 2
+        assert into.landed.count(True) == len(into.landed)
+        whole(tier, store, [0, 1, 2, 3])
+        await exact(store)
 
 
 # -- odd arrays -----------------------------------------------------------------------------------------
