@@ -33,12 +33,21 @@ def _slots(base: int, size: int, slot_size: int) -> U8:
     return np.frombuffer(memory, dtype=np.uint8).reshape(count, slot_size)
 
 
+def _plain(pages: U8) -> U8:
+    """The array itself over the same memory: a subclass's own indexing or ``__array_function__`` would run
+    on the worker and could take other bytes than its rows in memory (those a copy per page takes)."""
+    if type(pages) is np.ndarray:
+        return pages
+    plain: U8 = np.ndarray.view(pages, np.ndarray)
+    return plain
+
+
 def rows_into_slots(base: int, size: int, slot_size: int, slots: I64, pages: U8, rows: I64 | None) -> None:
     """Copy ``pages[rows]`` (every row: None) into the first bytes of ``slots`` of the mapping at ``base``.
 
     :raises IndexError: a slot past the mapping (nothing is written past it).
     """
-    tier = _slots(base, size, slot_size)
+    tier, pages = _slots(base, size, slot_size), _plain(pages)
     width = pages.shape[1]
     tier[slots, :width] = pages if rows is None else pages[rows]
 
@@ -48,12 +57,15 @@ def rows_from_slots(base: int, size: int, slot_size: int, slots: I64, pages: U8,
 
     :raises IndexError: a slot past the mapping.
     """
-    tier = _slots(base, size, slot_size)
-    if width == pages.shape[1] and pages.flags.c_contiguous:  # whole rows: gathered straight into them
+    tier, pages = _slots(base, size, slot_size), _plain(pages)
+    # Whole slots into whole rows: gathered straight into them. Shorter blocks are not: ``np.take`` first
+    # copies a source that is not C-contiguous whole, here the first ``width`` bytes of every slot of the
+    # mapping (a read past the committed range crashes, and every slot is read for a few).
+    if width == slot_size == pages.shape[1] and pages.flags.c_contiguous:
         outside = slots[(slots < 0) | (slots >= len(tier))]
         if outside.size:  # "clip" would copy the last slot instead
             raise IndexError(f"slot {int(outside[0])} is outside the mapping's {len(tier)} slots")
-        np.take(tier[:, :width], slots, axis=0, out=pages, mode="clip")  # "raise" would buffer the output
+        np.take(tier, slots, axis=0, out=pages, mode="clip")  # "raise" would buffer the output
     else:
         pages[:, :width] = tier[slots, :width]
 
