@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokvtier import StaticHostMem
+from aiokvtier import BlockStore, CopyPlanError, HostTier, HostTierConfig, StaticHostMem
 from aiokvtier._store import _transfers as transfers_module
+from tests.conftest import PopulateGate
 from tests.helpers import eventually
 from tests.test_store import SLOT, bounded, open_store, page, pages, settled
 
@@ -109,4 +110,30 @@ async def test_rows_in_a_static_host_mem_hold_its_close_until_they_landed(monkey
         dst = np.zeros((8, SLOT), dtype=np.uint8)
         await bounded(store.load(list(range(8)), dst))
         assert np.array_equal(dst, pages(list(range(8))))
+        settled(tier, store)
+
+
+@pytest.mark.parametrize("form", ["array", "list"])
+async def test_pages_whose_region_closed_while_the_store_waited_are_refused(gate: PopulateGate, form: str) -> None:
+    """A store of pages in a StaticHostMem waits for the fill; the StaticHostMem closes meanwhile: the copy
+    is refused (the pages' region was located when the call began), nothing is stored, no slot kept."""
+    opening = asyncio.ensure_future(StaticHostMem.open(4 * SLOT))
+    while not opening.done():  # the buffer's own populate calls go through; the tier's fill then waits
+        gate.allow(gate.calls)
+        await asyncio.sleep(0.001)
+    mem = await bounded(opening)
+    cfg = HostTierConfig(quota=64 * SLOT, max_quota=64 * SLOT, slot_size=SLOT, commit_unit=8 * SLOT)
+    async with HostTier(cfg) as tier, BlockStore(tier) as store:
+        rows = np.frombuffer(mem.view(), dtype=np.uint8).reshape(4, SLOT)
+        src: Any = rows if form == "array" else list(rows)
+        storing = asyncio.ensure_future(store.store([1, 2, 3, 4], src))  # no slot resident yet: it waits
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not storing.done()
+        await bounded(mem.aclose())
+        gate.release_all()
+        with pytest.raises(CopyPlanError, match="closed after the pages were checked"):
+            await bounded(storing)
+        del src, rows
+        assert len(store) == 0 and store.statistics().stores == 0
         settled(tier, store)

@@ -47,6 +47,7 @@ __all__ = [
     "buffer_addresses",
     "check_again",
     "check_disjoint",
+    "held_checks",
     "copy_table",
     "integers",
     "owners_of",
@@ -316,7 +317,7 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         # memory meets no region: no owners.
         generation = _regions.generation()
         located = owners_of(unsigned, default_page, known_only=host_only)
-        return Pages(unsigned, default_page, located, obj, writable, _holding(located, generation))
+        return Pages(unsigned, default_page, located, obj, writable, held_checks(located, generation))
     data = iface.get("data")
     if n == 0 and tuple(iface["shape"])[:1] == (0,):
         # No pages (a store or load of no keys): no page size to find, and an empty tensor may
@@ -362,7 +363,7 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
     # own, or device memory).
     generation = _regions.generation()
     owners = owners_of(addresses, page, known_only=False, span=(base, base + total))
-    holding = _holding(owners, generation)
+    holding = held_checks(owners, generation)
     if key is not None and holding is not None:
         addresses.flags.writeable = False  # shared by every request of this buffer
         if len(_checked) >= _CHECKED_BUFFERS:
@@ -371,7 +372,7 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
     return Pages(addresses, page, owners, obj, writable, holding)
 
 
-def _holding(owners: Sequence[Any], generation: tuple[int, object]) -> tuple[int, object] | None:
+def held_checks(owners: Sequence[Any], generation: tuple[int, object]) -> tuple[int, object] | None:
     """``generation`` where the check of pages in ``owners`` holds until it moves, else None."""
     return generation if all(getattr(o, "checks_hold_until_snapshot", False) for o in owners) else None
 

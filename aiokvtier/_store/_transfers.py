@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from .. import _regions
 from .._copy._requests import Pages as CopyPages
-from .._copy._requests import buffer_addresses, check_again, check_disjoint, owners_of
+from .._copy._requests import buffer_addresses, check_again, check_disjoint, held_checks, owners_of
 from .._errors import CopyPlanError
 from .._host._rows import memmove_all, rows_from_slots, rows_into_slots
 from .._lifecycle import Lifecycle, finish
@@ -164,12 +165,16 @@ class Transfers:
                 raise ValueError(f"a page of {longest} bytes does not fit a {slot_size}-byte slot; nothing changed")
             if int(pages.lengths.min()) == 0:
                 raise ValueError("an empty page cannot be stored")
-        return pages
+        # Where the pages lie, now: a region among them that closes while the call waits (for slots,
+        # another call's claim) refuses the copy rather than read or write memory it let go.
+        generation = _regions.generation()
+        regions = owners_of(pages.addresses, pages.lengths, known_only=False) if n else ()
+        return pages._replace(regions=regions, checked_at=held_checks(regions, generation))
 
     def slots_under(self, pages: Pages) -> I64:
         """The tier slots the pages lie in, ascending (pages in the store's own tier)."""
         tier = self._tier
-        if self.engine is not None and tier not in pages.regions:
+        if tier not in pages.regions:  # located when the call began: the usual call, pages of the caller's own
             return NO_IDS
         base, size = tier.region_bounds()
         offsets = pages.addresses - np.uint64(base)  # below the base: wraps past the size
@@ -191,11 +196,11 @@ class Transfers:
         if pages.array is not None:
             base, size = tier.base_address, tier.region_bounds()[1]  # the first checks the tier open
             rows = partial(rows_into_slots, base, size, tier.slot_size, slots, pages.array, pages.rows)
-            return (None, self._copy_host(rows, slots, pages.addresses, pages.lengths, since, into_slots=True))
+            return (None, self._copy_host(rows, slots, pages, pages.lengths, since, into_slots=True))
         copies = list(
             zip(tier.slot_addresses(slots).tolist(), pages.addresses.tolist(), pages.lengths.tolist(), strict=True)
         )
-        return (None, self._copy_host(partial(memmove_all, copies), slots, pages.addresses, pages.lengths, since))
+        return (None, self._copy_host(partial(memmove_all, copies), slots, pages, pages.lengths, since))
 
     def start_out(self, slots: I64, pages: Pages, lengths: U64, after: Any) -> Started:
         """Queue the copy of ``slots`` into the caller's pages."""
@@ -211,12 +216,12 @@ class Transfers:
             # Whole rows, every row in order: gathered straight into the array (shorter blocks or some
             # rows only would go through a temporary array of the rows first).
             rows = partial(rows_from_slots, base, size, tier.slot_size, slots, array, width)
-            return (None, self._copy_host(rows, slots, pages.addresses, lengths, since, into_slots=False))
+            return (None, self._copy_host(rows, slots, pages, lengths, since, into_slots=False))
         # Host pages, or blocks shorter than the destination pages: each copies its own length.
         copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
         if engine is not None:
             return (None, asyncio.ensure_future(engine.copy(copies, after=after)))
-        return (None, self._copy_host(partial(memmove_all, copies), slots, pages.addresses, lengths, since))
+        return (None, self._copy_host(partial(memmove_all, copies), slots, pages, lengths, since, into_slots=False))
 
     @staticmethod
     async def overlap(started: Started, work: Callable[[], None]) -> None:
@@ -241,22 +246,28 @@ class Transfers:
         self,
         copy: Callable[[], None],
         slots: I64,
-        pages: U64,
+        pages: Pages,
         lengths: U64,
         since: int,
         *,
         into_slots: bool = True,
     ) -> asyncio.Future[None]:
-        """Run ``copy`` on the store's thread: a copy between ``slots`` and the caller's ``pages`` (of
-        ``lengths`` bytes), tracked as every copy over a region's memory is: by the tier, and by any
+        """Run ``copy`` on the store's thread: a copy of ``lengths`` bytes between ``slots`` and the
+        caller's ``pages``, tracked as every copy over a region's memory is: by the tier, and by any
         StaticHostMem or other tier that the pages lie in, for an array made over its memory keeps none
         of it mapped. Their close and shrink wait until the thread let go (``landed_after``).
         ``since``: ``epoch()`` before the slots were located.
 
-        :raises CopyPlanError: a page lies in a region that is closing, or leaves it.
+        :raises CopyPlanError: a region the pages lay in when the call began closed since, or a page
+            lies in a region that is closing, or leaves it.
         """
-        # Located now, in the step that located the slots: every region met was open.
-        regions = owners_of(pages, lengths, known_only=False)
+        for region in pages.regions:
+            if region.closed:
+                raise CopyPlanError(f"{region.region_name} closed after the pages were checked; nothing was copied")
+        # Located when the call began; again where a region closed or shrank since (the pages may have
+        # left one), in the step that located the slots: every region met is open.
+        located = pages.checked_at is not None and pages.checked_at == _regions.generation()
+        regions = pages.regions if located else owners_of(pages.addresses, lengths, known_only=False)
         done = self._tier.copies.begin()
         try:
             for region in regions:
@@ -264,7 +275,7 @@ class Transfers:
                     region.copies.track(done)
             if epoch() != since:  # a region snapshotted meanwhile (from another loop's thread): again
                 at = self._tier.slot_addresses(slots)
-                dsts, srcs = (at, pages) if into_slots else (pages, at)
+                dsts, srcs = (at, pages.addresses) if into_slots else (pages.addresses, at)
                 check_again(dsts, srcs, lengths, (self._tier, *regions))
             return self._life.submit(landed_after, copy, done)
         except BaseException:
