@@ -1,15 +1,24 @@
 """For the tests of objects shared by several event loops, run in child processes (which have the
 repository on ``PYTHONPATH``): a HostTier whose tracking of a copy can be held at a gate (the window
 between a copy's checks and its queueing, opened on purpose), a copy from a thread's loop of its own,
-what the owner does while that thread is held, and a forked child run and reaped."""
+what the owner does while that thread is held, a forked child run and reaped, and a busy engine (its first
+copy held in flight)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
-from aiokvtier import HostTier
+from aiokvtier import CopyEngine, HostTier, StaticHostMem
+from aiokvtier.testing import RecordingBackend
+
+from .helpers import small_config
+from .invariants import wait_no_library_threads
+
+SLOT = 64 << 10
 
 
 class HeldCopies:
@@ -132,3 +141,27 @@ async def reap(pid: int, seconds: float) -> bool:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)  # noqa: ASYNC222 (killed: returns at once)
     return False
+
+
+@asynccontextmanager
+async def busy_engine(**backend: Any) -> AsyncIterator[tuple[HostTier, StaticHostMem, CopyEngine, RecordingBackend]]:
+    """A tier of 64 allocated slots (slot ``s`` holds bytes ``s + 1``), a staging buffer of 64 rows, and an
+    engine over a RecordingBackend whose first job (slot 0 into the last row) is issued and held: the
+    engine is busy, and requests made now are deferred. On exit the held jobs land and the threads go."""
+    recording = RecordingBackend(hold=True, memmove=True, **backend)
+    async with (
+        HostTier(small_config()) as tier,
+        StaticHostMem(64 * SLOT) as stage,
+        CopyEngine(None, backend=recording) as engine,
+    ):
+        await asyncio.wait_for(tier.wait_resident(), 60)
+        slots = await tier.allocate(64)
+        assert slots == list(range(64))
+        for s in slots:
+            tier.view(s)[:] = bytes([s + 1]) * SLOT
+        first = asyncio.ensure_future(engine.to_device(tier, [0], [stage.address + 63 * SLOT]))
+        await asyncio.wait_for(recording.wait_issued(1), 30)
+        yield tier, stage, engine, recording
+        recording.release()
+        await asyncio.wait_for(first, 30)
+    await wait_no_library_threads()

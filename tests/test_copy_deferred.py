@@ -9,8 +9,7 @@ same plan, the same error (and only its own), the same cancellation, the same cl
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -20,34 +19,11 @@ from aiokvtier import CopyEngine, CopyPlanError, HostTier, SlotError, StaticHost
 from aiokvtier._copy._plan import plan, plan_many
 from aiokvtier.testing import IssuedCopy, RecordingBackend
 
+from .held_copies import busy_engine
 from .helpers import KiB, small_config
-from .invariants import wait_no_library_threads
 
 SLOT = 64 * KiB
 HANG = 10.0
-
-
-@asynccontextmanager
-async def held(**backend: Any) -> AsyncIterator[tuple[HostTier, StaticHostMem, CopyEngine, RecordingBackend]]:
-    """A tier of 64 allocated slots holding known bytes, a staging buffer, and an engine over a
-    RecordingBackend whose first job (a copy of slot 0) is issued and held: the engine is busy."""
-    recording = RecordingBackend(hold=True, memmove=True, **backend)
-    async with (
-        HostTier(small_config()) as tier,
-        StaticHostMem(64 * SLOT) as stage,
-        CopyEngine(None, backend=recording) as engine,
-    ):
-        await tier.wait_resident()
-        slots = await tier.allocate(64)
-        assert slots == list(range(64))
-        for s in slots:
-            tier.view(s)[:] = bytes([s + 1]) * SLOT
-        first = asyncio.ensure_future(engine.to_device(tier, [0], [stage.address + 63 * SLOT]))
-        await asyncio.wait_for(recording.wait_issued(1), HANG)
-        yield tier, stage, engine, recording
-        recording.release()
-        await asyncio.wait_for(first, HANG)
-    await wait_no_library_threads()
 
 
 def _rows(stage: StaticHostMem) -> np.ndarray:
@@ -76,7 +52,7 @@ def _as_issued(copy: IssuedCopy) -> tuple[tuple[int, ...], ...]:
 
 
 async def test_requests_made_while_busy_get_the_plans_they_would_get_alone() -> None:
-    async with held() as (tier, stage, engine, recording):
+    async with busy_engine() as (tier, stage, engine, recording):
         rng = np.random.default_rng(7)
         requests = []
         for i in range(12):  # shuffled slots or one run, both directions, each into its own 4 rows
@@ -110,7 +86,7 @@ async def test_requests_made_while_busy_get_the_plans_they_would_get_alone() -> 
 
 
 async def test_a_refused_request_among_deferred_ones_fails_alone_with_its_own_error() -> None:
-    async with held() as (tier, stage, engine, recording):
+    async with busy_engine() as (tier, stage, engine, recording):
         frozen = np.frombuffer(bytes(2 * SLOT), dtype=np.uint8).reshape(2, SLOT)
         good = [stage.address + r * SLOT for r in (10, 11)]
         bad: list[tuple[Awaitable[Any], type[BaseException], str]] = [
@@ -161,7 +137,7 @@ async def test_the_same_request_alone_is_refused_with_the_same_words() -> None:
 
 
 async def test_a_cancelled_or_timed_out_deferred_caller_resumes_once_its_copy_landed() -> None:
-    async with held() as (tier, stage, engine, recording):
+    async with busy_engine() as (tier, stage, engine, recording):
 
         async def timed(i: int, delay: float) -> None:
             try:
@@ -213,7 +189,7 @@ async def test_a_close_right_after_deferred_requests_queues_them_ahead_of_it() -
 
 
 async def test_deferred_requests_of_a_tier_closed_before_their_turn_are_refused() -> None:
-    async with held() as (_, stage, engine, _recording):
+    async with busy_engine() as (_, stage, engine, _recording):
         other = await HostTier.open(small_config())
         await other.wait_resident()
         ids = await other.allocate(2)

@@ -422,22 +422,11 @@ async def test_a_tier_closed_or_shrunk_in_the_turn_of_deferred_requests_never_ha
 TWO_LOOPS_DEFER = """
 import threading
 import numpy as np
-from aiokvtier import CopyEngine, HostTier, StaticHostMem
-from aiokvtier.testing import RecordingBackend
-from tests.helpers import small_config
-SLOT = 64 << 10
+from tests.held_copies import SLOT, busy_engine
 
 async def main():
-    recording = RecordingBackend(hold=True, memmove=True)
-    async with HostTier(small_config()) as tier, StaticHostMem(64 * SLOT) as stage, \\
-            CopyEngine(None, backend=recording) as engine:
-        await asyncio.wait_for(tier.wait_resident(), 60)
-        ids = await tier.allocate(41)
-        for s in ids:
-            tier.view(s)[:] = bytes([s + 1]) * SLOT
+    async with busy_engine() as (tier, stage, engine, recording):  # slot 0's copy held: busy
         row = lambda s: stage.address + s * SLOT
-        first = asyncio.ensure_future(engine.to_device(tier, [0], [row(0)]))
-        await asyncio.wait_for(recording.wait_issued(1), 30)
         early = []
 
         async def theirs():
@@ -460,12 +449,12 @@ async def main():
         mine = [asyncio.ensure_future(engine.to_device(tier, [s], [row(s)])) for s in range(1, 21)]
         await asyncio.wait_for(recording.wait_issued(41), 30)
         recording.release()
-        await asyncio.wait_for(asyncio.gather(first, *mine), 30)
+        await asyncio.wait_for(asyncio.gather(*mine), 30)
         await asyncio.to_thread(thread.join, 30)
         assert not thread.is_alive() and not early, early
         with stage.view() as v:
             rows = np.frombuffer(v, dtype=np.uint8).reshape(-1, SLOT).copy()
-        assert all((rows[s] == s + 1).all() for s in range(41))
+        assert all((rows[s] == s + 1).all() for s in range(1, 41))
         stats = engine.statistics()
         print("jobs", stats.jobs_submitted, stats.jobs_completed, stats.latency_count, len(tier.copies), flush=True)
 
@@ -485,23 +474,11 @@ def test_requests_deferred_on_two_loops_at_once_all_land_and_add_up(loop: str) -
 # quietly, as for any owner; it raised RuntimeError('no running event loop').
 FORK_WHILE_DEFERRED = """
 import numpy as np
-from aiokvtier import CopyEngine, HostTier, StaticHostMem
-from aiokvtier.testing import RecordingBackend
-from tests.held_copies import in_a_fork
-from tests.helpers import small_config
-SLOT = 64 << 10
+from tests.held_copies import SLOT, busy_engine, in_a_fork
 
 async def main():
-    recording = RecordingBackend(hold=True, memmove=True)
-    async with HostTier(small_config()) as tier, StaticHostMem(16 * SLOT) as stage, \\
-            CopyEngine(None, backend=recording) as engine:
-        await asyncio.wait_for(tier.wait_resident(), 60)
-        ids = await tier.allocate(8)
-        for s in ids:
-            tier.view(s)[:] = bytes([s + 1]) * SLOT
-        first = asyncio.ensure_future(engine.to_device(tier, [0], [stage.address]))
-        await asyncio.wait_for(recording.wait_issued(1), 30)
-        mine = [asyncio.ensure_future(engine.to_device(tier, [s], [stage.address + s * SLOT])) for s in ids[1:]]
+    async with busy_engine() as (tier, stage, engine, recording):  # slot 0's copy held: busy
+        mine = [asyncio.ensure_future(engine.to_device(tier, [s], [stage.address + s * SLOT])) for s in range(1, 8)]
         await asyncio.sleep(0)  # deferred; their flush is the loop's next callback, in both processes
 
         async def in_the_child():
@@ -521,10 +498,10 @@ async def main():
             print("child hung", flush=True)
         await asyncio.wait_for(recording.wait_issued(8), 30)
         recording.release()
-        await asyncio.wait_for(asyncio.gather(first, *mine), 30)
+        await asyncio.wait_for(asyncio.gather(*mine), 30)
         with stage.view() as v:
             rows = np.frombuffer(v, dtype=np.uint8).reshape(-1, SLOT).copy()
-        assert all((rows[s] == s + 1).all() for s in ids)
+        assert all((rows[s] == s + 1).all() for s in range(1, 8))
         stats = engine.statistics()
         print("parent", stats.jobs_submitted, stats.jobs_completed, stats.latency_count, len(tier.copies), flush=True)
 
