@@ -17,9 +17,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ._program import Parser, UsageError, cuda_devices, options_in_advice, run, run_async, seconds, whole_number
+from ._program import (
+    Parser,
+    UsageError,
+    check_quota_available,
+    cuda_devices,
+    force_option,
+    options_in_advice,
+    run,
+    run_async,
+    seconds,
+    whole_number,
+)
 from ._program import size as _size
-from ._units import format_bytes
 
 __all__ = ["main"]
 
@@ -131,11 +141,7 @@ def build_parser(prog: str = "aiokvtier") -> Parser:
         help="node to place pages on: a number, 'none', or 'auto' (the GPU's node with --device)",
     )
     demo.add_argument("--thp", action="store_true", help="opt the range into transparent huge pages")
-    demo.add_argument(
-        "--force",
-        action="store_true",
-        help="open a quota larger than the memory available now (the kernel may OOM-kill the process)",
-    )
+    force_option(demo)
     demo.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="event loop to run on")
     demo.add_argument(
         "--interval",
@@ -212,6 +218,7 @@ def build_parser(prog: str = "aiokvtier") -> Parser:
         "--numa-node", type=_numa_node, metavar="NODE", default="none", help="node to place pages on, or 'none'"
     )
     pool.add_argument("--thp", action="store_true", help="opt the range into transparent huge pages")
+    force_option(pool)
     pool.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="event loop to run on")
 
     sub.add_parser(
@@ -266,19 +273,13 @@ def _demo(args: argparse.Namespace, argv_quota: str | None) -> int:
     from ._config import HostTierConfig, default_max_quota
     from ._demo import DemoOptions, run_demo
 
-    available, bound = _sysinfo.available_memory()
     quota = args.quota
     if quota is None:
-        quota = _QUICK_QUOTA if args.quick else _default_quota(available)
+        quota = _QUICK_QUOTA if args.quick else _default_quota(_sysinfo.available_memory()[0])
         if args.max_quota is not None:
             quota = min(quota, args.max_quota)  # the default never contradicts an explicit reservation
         argv_quota = argv_quota or ("256MiB" if quota == _QUICK_QUOTA else None)
-    if quota > available and not args.force:
-        raise UsageError(
-            f"argument --quota: {format_bytes(quota)} is more than this machine can make resident now "
-            f"({format_bytes(available)} available: {bound}); the kernel would kill the process part-way, "
-            "so it is refused (--force to try anyway)"
-        )
+    check_quota_available(quota, force=args.force)
     values: dict[str, object] = {
         "quota": quota,
         "slot_size": args.slot_size,
@@ -360,6 +361,7 @@ def _pool(args: argparse.Namespace) -> int:
         config = HostTierConfig.model_validate(values)
     except ValidationError as exc:
         _config_error(exc)
+    check_quota_available(int(config.quota), force=args.force)
     path = args.socket or default_socket()
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):

@@ -24,6 +24,9 @@ Each with its second base, if any, and what it means:
 
 from __future__ import annotations
 
+import copyreg
+from typing import Any
+
 __all__ = [
     "AiokvtierError",
     "BlockNotFound",
@@ -48,6 +51,13 @@ __all__ = [
 
 class AiokvtierError(Exception):
     """Base of every error aiokvtier raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as it is and rebuilt without __init__ (cls.__new__(cls, *args) sets args, then the
+        # attributes): the default calls the class with args, which an error whose __init__ takes its
+        # fields refuses (FillError, CudaError) or misreads (BlockNotFound took its message for the key).
+        # copyreg's, so that a pickle names no private module of ours.
+        return (copyreg.__newobj__, (type(self), *self.args), self.__dict__)  # type: ignore[attr-defined]
 
 
 class WouldBlock(AiokvtierError):
@@ -172,3 +182,10 @@ class MooncakeError(AiokvtierError):
     missing, or the client's setup failed or did not finish within ``open_timeout`` (the
     master or the metadata server unreachable). The message says which; ``__cause__`` keeps
     an import error."""
+
+
+# Tracebacks and reprs name each error where it is imported from (aiokvtier.PoolError), not this private
+# module; pickle finds them there too (aiokvtier's module __getattr__ imports them).
+for _name in __all__:
+    globals()[_name].__module__ = "aiokvtier"
+del _name

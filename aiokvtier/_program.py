@@ -43,8 +43,10 @@ __all__ = [
     "Formatter",
     "Parser",
     "UsageError",
+    "check_quota_available",
     "end_by_sigint",
     "error",
+    "force_option",
     "options_in_advice",
     "run",
     "run_async",
@@ -155,6 +157,42 @@ def cuda_devices(needs: str) -> int:
     if count == 0:
         raise UsageError(f"{needs}: no CUDA device can be used here: the driver sees none")
     return count
+
+
+def force_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--force``, the way past ``check_quota_available``, in the same words on every command."""
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="open a quota larger than the memory available now (the kernel may OOM-kill the process)",
+    )
+
+
+def check_quota_available(quota: int, *, force: bool) -> None:
+    """Refuse a quota larger than the memory this machine can make resident now, unless ``force``.
+
+    Now is ``MemAvailable``, or the memory cgroup's limit less its usage where
+    that is tighter (``_sysinfo.available_memory``, which tests replace). A
+    quota between that and ``MemTotal`` passes the config's own check, and its
+    fill would meet the OOM killer part-way: the command refuses it before
+    anything runs. One check for every command that owns a tier (``demo``,
+    ``pool``, ``serve``).
+
+    :raises UsageError: ``quota`` is more than that, and not ``force``; the
+        message names both figures and both ways out.
+    """
+    if force:
+        return
+    from . import _sysinfo
+    from ._units import format_bytes
+
+    available, bound = _sysinfo.available_memory()
+    if quota > available:
+        raise UsageError(
+            f"argument --quota: {format_bytes(quota)} is more than this machine can make resident now "
+            f"({format_bytes(available)} available: {bound}); the kernel would kill the process part-way: "
+            f"lower --quota to {format_bytes(available)} or less, or pass --force to try anyway"
+        )
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):

@@ -164,6 +164,13 @@ def test_bad_option_values_print_one_line(args: list[str], option: str, says: st
         # Before: every other section ran, then the tiers section failed with ENOENT and exit 1.
         (["store", "--disk-path", "/nonexistent-dir"], "--disk-path", "/nonexistent-dir is not a directory"),
         (["cuda", "--full-gib", "0"], "--full-gib", "at least 2 MiB"),
+        # The names before the device: without a GPU it said there was no CUDA device.
+        (
+            ["cuda", "--sections", "nope"],
+            "--sections",
+            "unknown sections ['nope']; choose from time_to_first_allocation",
+        ),
+        (["cuda", "--sections", "cold", "nope"], "--sections", "unknown sections ['nope']; choose from"),
         (["ranks", "--size-gib", "0"], "--size-gib", "at least 2 MiB"),
     ],
 )

@@ -12,11 +12,13 @@ from __future__ import annotations
 import ast
 import io
 import os
+import pickle
 import re
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,6 +64,59 @@ def test_the_lazy_table_matches_all_and_the_type_checkers_imports() -> None:
     table = {(module, name) for module, names in aiokvtier._EXPORTS.items() for name in names}
     assert checked == table
     assert sorted(name for _, name in table) == sorted(aiokvtier.__all__)
+
+
+# -- the public errors: named where they are imported from, and pickled whole ---------------------
+
+
+def _is_exception(name: str) -> bool:
+    value = getattr(aiokvtier, name)
+    return isinstance(value, type) and issubclass(value, BaseException)
+
+
+ERRORS = [name for name in aiokvtier.__all__ if _is_exception(name)]
+_MADE: dict[str, Callable[[Any], BaseException]] = {  # those whose __init__ takes their fields
+    "FillError": lambda cls: cls("fill failed", resident_bytes=4 << 20, failed_offset=8 << 20),
+    "DecommitError": lambda cls: cls("a shrink left units committed", committed=((0, 4096), (8192, 4096))),
+    "CudaError": lambda cls: cls("cuMemcpyBatchAsync", "CUDA_ERROR_INVALID_VALUE", 1),
+    "BlockNotFound": lambda cls: cls(b"\x00key"),
+}
+
+
+def test_the_public_exceptions_are_the_error_tree() -> None:
+    assert sorted(ERRORS) == sorted(aiokvtier._EXPORTS["._errors"])
+    assert all(issubclass(getattr(aiokvtier, name), aiokvtier.AiokvtierError) for name in ERRORS)
+
+
+@pytest.mark.parametrize("name", ERRORS)
+def test_a_public_exception_is_named_aiokvtier_and_pickles_whole(name: str) -> None:
+    """Tracebacks said ``aiokvtier._errors.PoolError``; FillError, DecommitError and CudaError did not
+    unpickle (their __init__ takes their fields), and BlockNotFound came back with its message doubled."""
+    cls = getattr(aiokvtier, name)
+    assert cls.__module__ == "aiokvtier"
+    assert pickle.loads(pickle.dumps(cls)) is cls
+    error = _MADE.get(name, lambda cls: cls("why it failed"))(cls)
+    error.add_note("a note")
+    assert "".join(traceback.format_exception_only(error)).startswith(f"aiokvtier.{name}: ")
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        back = pickle.loads(pickle.dumps(error, protocol))
+        assert type(back) is cls and back.args == error.args and str(back) == str(error)
+        assert vars(back) == vars(error) and back.__notes__ == ["a note"]
+
+
+def test_a_pickled_error_comes_back_in_a_fresh_process() -> None:
+    """Unpickling imports it from ``aiokvtier``, where nothing of the package was imported yet."""
+    error = aiokvtier.FillError("fill failed", resident_bytes=4 << 20, failed_offset=8 << 20)
+    code = (
+        "import pickle, sys\n"
+        "error = pickle.loads(sys.stdin.buffer.read())\n"
+        "print(repr(error), type(error).__module__, error.resident_bytes, error.failed_offset)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(error), capture_output=True, env=ENV, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode().split() == ["FillError('fill", "failed')", "aiokvtier", str(4 << 20), str(8 << 20)]
 
 
 # -- every command and example: --help, a bad value, Ctrl-C at any moment, a closed stdout ----------

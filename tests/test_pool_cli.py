@@ -18,11 +18,15 @@ __all__ = ["sock"]  # the fixture, used by name
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 CLI = [sys.executable, "-m", "aiokvtier", "pool"]
+LOW_MEMORY = [sys.executable, str(ROOT / "tests" / "low_memory.py"), str(64 << 20), "pool"]
+"""The command where only 64 MiB can be made resident now."""
 
 
-def _start(sock: str) -> tuple[subprocess.Popen[str], dict[str, object]]:
+def _start(
+    sock: str, command: list[str] = CLI, quota: str = "64MiB"
+) -> tuple[subprocess.Popen[str], dict[str, object]]:
     proc = subprocess.Popen(
-        [*CLI, "--quota", "64MiB", "--max-quota", "64MiB", "--socket", sock],
+        [*command, "--quota", quota, "--max-quota", quota, "--socket", sock],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -95,6 +99,32 @@ def test_a_bad_value_is_one_line_and_exit_2(args: list[str], message: str) -> No
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("aiokvtier: error: ") and message in lines[0]
+
+
+def test_a_quota_above_the_memory_available_now_is_refused_naming_both_ways_out(sock: str) -> None:
+    """Before, only ``demo`` checked: a quota between MemAvailable and MemTotal filled into the OOM killer."""
+    done = subprocess.run(
+        [*LOW_MEMORY, "--quota", "128MiB", "--socket", sock], capture_output=True, text=True, env=ENV, timeout=60
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines() == [
+        "aiokvtier: error: argument --quota: 128 MiB is more than this machine can make resident now "
+        "(64 MiB available: MemAvailable); the kernel would kill the process part-way: "
+        "lower --quota to 64 MiB or less, or pass --force to try anyway"
+    ]
+    assert not os.path.exists(sock)
+
+
+def test_force_serves_a_quota_above_the_memory_available_now(sock: str) -> None:
+    proc, serving = _start(sock, [*LOW_MEMORY, "--force"], quota="128MiB")
+    try:
+        assert serving["event"] == "serving" and serving["quota"] == 128 << 20
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert json.loads(out)["event"] == "stopping"
 
 
 def test_help() -> None:

@@ -16,14 +16,14 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import httpx
 import pytest
 
 import aiokvtier.server
-from aiokvtier import DiskTierConfig, HostTierConfig
+from aiokvtier import DiskTierConfig, HostTierConfig, _sysinfo
 from aiokvtier.server import _app, _blocks, _options
 
 from .conftest import PopulateGate
@@ -31,6 +31,8 @@ from .helpers import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ["-m", "aiokvtier.server"]
+LOW_MEMORY = [str(ROOT / "tests" / "low_memory.py"), str(64 << 20), "serve"]
+"""``aiokvtier serve`` where only 64 MiB can be made resident now."""
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 CLIENTS = 32
 BLOCKS_PER_CLIENT = 12
@@ -45,9 +47,9 @@ class Server:
         self.url = url
 
     @classmethod
-    async def start(cls, *options: str) -> Server:
+    async def start(cls, *options: str, program: Sequence[str] = APP) -> Server:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, *APP, "--host", "127.0.0.1", "--port", "0", *options,
+            sys.executable, *program, "--host", "127.0.0.1", "--port", "0", *options,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV, cwd=ROOT,
         )  # fmt: skip
         assert proc.stdout is not None
@@ -1234,3 +1236,41 @@ async def test_the_body_timeout_answers_408_in_process_and_leaves_no_cancellatio
             assert_error(await client.get("/v1/blocks/ab"), 404)
             assert (await client.put("/v1/blocks/ab", content=b"block")).status_code == 201
             assert service.internal_errors == 0
+
+
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]], ids=["one", "workers"])
+def test_a_quota_above_the_memory_available_now_is_refused_naming_both_ways_out(
+    workers: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``aiokvtier demo`` and ``pool`` refuse it; with --workers, the parent that would own the pool does."""
+    monkeypatch.setattr(_sysinfo, "available_memory", lambda: (64 << 20, "cgroup v2 limit less usage"))
+    status, line = _refusal(
+        lambda: aiokvtier.server.main(["--quota", "128MiB", "--port", "0", *workers], prog="aiokvtier serve"), capsys
+    )
+    assert status == 2
+    assert line == (
+        "aiokvtier serve: error: argument --quota: 128 MiB is more than this machine can make resident now "
+        "(64 MiB available: cgroup v2 limit less usage); the kernel would kill the process part-way: "
+        "lower --quota to 64 MiB or less, or pass --force to try anyway"
+    )
+
+
+def test_only_the_process_that_makes_the_tier_checks_the_memory_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker of --workers attaches to the pool its parent made; the plain dict fills only as blocks come."""
+    monkeypatch.setattr(_sysinfo, "available_memory", lambda: (64 << 20, "MemAvailable"))
+    for options in (["--attach", "/nonexistent/pool.sock", "--listen-fd", "3"], ["--plain-dict"], ["--force"]):
+        _, config = _options.parse(["--quota", "128MiB", *options])
+        assert config.quota == 128 << 20
+
+
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]], ids=["one", "workers"])
+async def test_force_serves_a_quota_above_the_memory_available_now(workers: list[str]) -> None:
+    server = await Server.start("--quota", "128MiB", "--force", *workers, program=LOW_MEMORY)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+            assert (await client.put("/v1/blocks/ab", content=b"block")).status_code == 201
+            assert (await client.get("/v1/blocks/ab")).content == b"block"
+    finally:
+        code, stderr = await server.stop()
+    assert code == 0, stderr

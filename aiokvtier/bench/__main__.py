@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -205,6 +206,10 @@ def build_parser(prog: str) -> Parser:
     return parser
 
 
+_PROGRAMS = {"host": "._host", "cuda": "._cuda", "store": "._store", "ranks": "._cuda"}
+"""The module of each mode: its ``sections(args)`` and ``run(args)`` (``run_ranks`` for ranks)."""
+
+
 def _needs_cuda(mode: str) -> None:
     """:raises UsageError: no CUDA device can be used here (checked before anything runs)."""
     cuda_devices(f"bench {mode}")
@@ -223,29 +228,18 @@ def bench(argv: list[str], prog: str) -> int:
     _resolve(
         args, {"host": _HOST_DEFAULTS, "cuda": _CUDA_DEFAULTS, "store": _STORE_DEFAULTS}.get(args.mode, _RANKS_DEFAULTS)
     )
-    from ._common import UnknownSections, machine
+    from ._common import UnknownSections, check_sections, machine
 
+    program = importlib.import_module(_PROGRAMS[args.mode], __package__)
+    if args.mode != "ranks":  # ranks has one section and no --sections
+        # The names before the device: a misspelt section is refused as one on every machine.
+        try:
+            check_sections(program.sections(args), args.sections)
+        except UnknownSections as exc:
+            raise UsageError(f"argument --sections: {exc}") from None
     if args.mode in ("cuda", "ranks"):
         _needs_cuda(args.mode)
-    try:
-        if args.mode == "host":
-            from . import _host
-
-            result = _host.run(args)
-        elif args.mode == "cuda":
-            from ._cuda import run
-
-            result = run(args)
-        elif args.mode == "store":
-            from . import _store
-
-            result = _store.run(args)
-        else:
-            from ._cuda import run_ranks
-
-            result = run_ranks(args)
-    except UnknownSections as exc:
-        raise UsageError(f"argument --sections: {exc}") from None
+    result = program.run_ranks(args) if args.mode == "ranks" else program.run(args)
     json.dump({"mode": args.mode, "machine": machine(), **result}, sys.stdout, indent=2)
     print()
     return 0

@@ -6,7 +6,7 @@ import asyncio
 import platform
 import statistics
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from .._host import _linux
@@ -120,6 +120,20 @@ class UnknownSections(ValueError):
     """``--sections`` named a part the program does not have (raised before any part runs)."""
 
 
+def check_sections(sections: Iterable[str], chosen: list[str] | None) -> None:
+    """Check the names ``--sections`` gave against a program's sections.
+
+    Called before the program looks for what it needs (a GPU), so that a
+    misspelt name is refused as one on every machine.
+
+    :raises UnknownSections: a name is not a section.
+    """
+    known = list(sections)
+    unknown = set(chosen or ()) - set(known)
+    if unknown:
+        raise UnknownSections(f"unknown sections {sorted(unknown)}; choose from {', '.join(known)}")
+
+
 def run_sections(
     sections: dict[str, Callable[[], Any]],
     chosen: list[str] | None,
@@ -134,9 +148,7 @@ def run_sections(
     :raises UnknownSections: a name is not a section; nothing has run.
     """
     names = chosen or list(sections)
-    unknown = set(names) - set(sections)
-    if unknown:
-        raise UnknownSections(f"unknown sections {sorted(unknown)}; choose from {', '.join(sections)}")
+    check_sections(sections, names)
     results: dict[str, Any] = {}
     with Steps(title, names, costs=costs) as steps:
         for name in names:

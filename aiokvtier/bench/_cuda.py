@@ -463,9 +463,10 @@ def _plain_batch(drv: Any, dst: Any, src: Any, size: int, stream: Any, direction
         check("cuMemcpyBatchAsync", drv.cuMemcpyBatchAsync(d, s, [size] * len(d), len(d), [attrs], [0], 1, stream))
 
 
-def run(args: Any) -> dict[str, Any]:
+def sections(args: Any) -> dict[str, Callable[[], Any]]:
+    """The program's sections by name, in their order; building them touches no GPU."""
     quick = args.quick
-    sections: dict[str, Callable[[], Any]] = {
+    return {
         "time_to_first_allocation": lambda: first_allocation((2 if quick else 64) * GiB),
         "fill_throughput": lambda: fill_throughput((2 if quick else 16) * GiB),
         "fill_progress": lambda: fill_progress((2 if quick else 64) * GiB),
@@ -486,7 +487,10 @@ def run(args: Any) -> dict[str, Any]:
         },
         "cold": lambda: _cold.section(args, ["host", "register", "vmm"], cuda=True),
     }
-    return run_sections(sections, args.sections, title="bench cuda")
+
+
+def run(args: Any) -> dict[str, Any]:
+    return run_sections(sections(args), args.sections, title="bench cuda")
 
 
 def run_ranks(args: Any) -> dict[str, Any]:
@@ -494,5 +498,5 @@ def run_ranks(args: Any) -> dict[str, Any]:
     from .._cuda._driver import device_count
 
     gpus = device_count()
-    sections = {"one_rank_per_gpu": lambda: contention(gpus, int(args.size_gib * GiB), one_per_gpu=True)}
-    return {"gpus": gpus, **run_sections(sections, None, title="bench ranks")}
+    parts = {"one_rank_per_gpu": lambda: contention(gpus, int(args.size_gib * GiB), one_per_gpu=True)}
+    return {"gpus": gpus, **run_sections(parts, None, title="bench ranks")}

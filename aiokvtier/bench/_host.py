@@ -211,9 +211,10 @@ def _costs(args: Any, loops: int) -> dict[str, float]:
     }
 
 
-def run(args: Any) -> dict[str, Any]:
+def sections(args: Any) -> dict[str, Callable[[], Any]]:
+    """The program's sections by name, in their order; building them runs nothing."""
     fill = int(args.fill_gib * GiB)
-    sections: dict[str, Callable[[], Any]] = {
+    return {
         "time_to_first_allocation": lambda: time_to_first_allocation([int(s * GiB) for s in args.sizes], args.repeats),
         "fill_throughput": lambda: fill_throughput(fill, [1, 2], args.repeats),
         "fill_progress": lambda: fill_progress(fill),
@@ -238,7 +239,11 @@ def run(args: Any) -> dict[str, Any]:
             None if args.fragment_gib is None else int(args.fragment_gib * GiB),
         ),
     }
+
+
+def run(args: Any) -> dict[str, Any]:
+    parts = sections(args)
     # thp_auto fragments memory on purpose (gigabytes held in 4 KiB pieces): only when asked for.
-    chosen = args.sections or [name for name in sections if name != "thp_auto"]
+    chosen = args.sections or [name for name in parts if name != "thp_auto"]
     costs = _costs(args, len(loop_factories()))
-    return run_sections(sections, chosen, title="bench host", costs=costs)
+    return run_sections(parts, chosen, title="bench host", costs=costs)

@@ -453,9 +453,10 @@ def churn(capacity: int, length: int, a: float) -> dict[str, Any]:
 # -- the program ----------------------------------------------------------------------------
 
 
-def run(args: Any) -> dict[str, Any]:
+def sections(args: Any) -> dict[str, Callable[[], Any]]:
+    """The program's sections by name, in their order; building them runs nothing."""
     quick, repeats = args.quick, args.repeats
-    sections: dict[str, Callable[[], Any]] = {
+    return {
         "lookup": lambda: per_policy(
             lambda p: asyncio.run(_lookup(8192 if quick else 65536, 4096, 20 if quick else 200, p))
         ),
@@ -467,6 +468,10 @@ def run(args: Any) -> dict[str, Any]:
         "prefix": lambda: _tiers.prefix_section(quick, args.disk_path),
         "shared": lambda: shared(quick, repeats),
     }
+
+
+def run(args: Any) -> dict[str, Any]:
+    parts = sections(args)
     # shared starts processes of its own, and prefix is a part of tiers: asked for by name only.
-    chosen = args.sections or [name for name in sections if name not in ("shared", "prefix")]
-    return run_sections(sections, chosen, title="bench store")
+    chosen = args.sections or [name for name in parts if name not in ("shared", "prefix")]
+    return run_sections(parts, chosen, title="bench store")

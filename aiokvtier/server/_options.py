@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from .._config import HostTierConfig, MooncakeTierConfig
-from .._program import Formatter, seconds, size, whole_number
+from .._program import Formatter, UsageError, check_quota_available, force_option, seconds, size, whole_number
 
 __all__ = ["build_parser", "parse"]
 
@@ -69,6 +69,7 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
         metavar="N",
         help="CUDA ordinal of the GPU the tier serves (default: none)",
     )
+    force_option(parser)
     parser.add_argument("--policy", choices=["lru", "s3fifo"], default="lru", help="the store's eviction policy")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument(
@@ -192,7 +193,7 @@ def _address_towards(host: str, port: int) -> str:
 
 def _check_device(parser: Parser, device: int) -> None:
     """Refuse, before anything opens, a ``--device`` this machine cannot use (as ``aiokvtier demo`` does)."""
-    from .._program import UsageError, cuda_devices
+    from .._program import cuda_devices
 
     try:
         count = cuda_devices("argument --device")
@@ -261,4 +262,11 @@ def parse(argv: Sequence[str] | None, prog: str = "aiokvtier-server") -> tuple[a
 
         message = options_in_advice(message, OPTION_OF_FIELD)
         parser.error(f"argument {OPTION_OF_FIELD.get(field, '--' + field)}: {message}")
+    if args.attach is None and not args.plain_dict:
+        # Checked by the process that makes the tier: with --workers, the parent that owns their pool (a
+        # worker attaches to memory already there). The dict fills only as blocks are put.
+        try:
+            check_quota_available(int(config.quota), force=args.force)
+        except UsageError as exc:
+            parser.error(str(exc))
     return args, config
