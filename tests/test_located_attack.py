@@ -419,6 +419,43 @@ async def spilled(engine: CopyEngine, path: Path) -> AsyncIterator[tuple[HostTie
             yield tier, store, disk
 
 
+@pytest.mark.parametrize("device", [None, 0])
+async def test_a_load_of_short_blocks_waiting_on_the_disk_refuses_pages_whose_buffer_closed(
+    device: int | None, host_engines: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Blocks shorter than the destination pages are copied by a raw copy, not by start(): a load of them
+    waits for the disk while its pages' StaticHostMem closes (and a new one is mapped, at its address where
+    the kernel gives it back): refused, nothing issued, the new buffer untouched."""
+    recording = RecordingBackend(memmove=device is None)
+    async with CopyEngine(device, backend=recording) as engine, spilled(engine, tmp_path) as (tier, store, disk):
+        dst = await bounded(StaticHostMem.open(2 * SLOT))
+        at = dst.address
+        reading, asked = asyncio.Event(), asyncio.Event()
+        real = disk.read
+
+        async def read(keys: list[bytes], addresses: list[int]) -> tuple[bool, ...]:
+            asked.set()
+            await reading.wait()
+            return await real(keys, addresses)
+
+        monkeypatch.setattr(disk, "read", read)
+        before = len(recording.issued)
+        loading = asyncio.ensure_future(store.load([b"a", b"b"], [at, at + SLOT]))
+        await bounded(asked.wait())
+        await bounded(dst.aclose())
+        new = await bounded(StaticHostMem.open(2 * SLOT))
+        mine = raw(new.address, 2)
+        mine[:] = 0xAB
+        reading.set()
+        try:
+            with pytest.raises(CopyPlanError):
+                await bounded(loading)
+            assert recording.issued[before:] == [] and (mine == 0xAB).all()
+            untouched(store, tier, new)
+        finally:
+            await bounded(new.aclose())
+
+
 # -- cancellation of the waiting call -------------------------------------------------------------
 
 
