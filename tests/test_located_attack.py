@@ -85,7 +85,8 @@ def host_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 async def through(gate: PopulateGate, opening: Awaitable[T]) -> T:
-    """``opening`` with every populate call it makes let through (the gate holds the others)."""
+    """``opening``, with every populate call made meanwhile let through (a held store's tier stays held:
+    the gate holds its addresses)."""
     task = asyncio.ensure_future(opening)
 
     async def drive() -> T:
@@ -466,7 +467,7 @@ async def test_a_waiting_store_cancelled_at_each_await_leaves_nothing_behind(
     """A store of pages over a StaticHostMem, waiting for the fill, cancelled at each of its awaits: nothing
     claimed, pinned or tracked afterwards; then the fill comes, the same pages store right and the buffer
     closes cleanly."""
-    if path == "engine":
+    if path == "engine":  # else the store leaves its host-to-host engine aside: the host path
         monkeypatch.setattr(Transfers, "host_engines", True)
     recording = RecordingBackend(memmove=True)
     stage = await through(gate, StaticHostMem.open(2 * SLOT))
