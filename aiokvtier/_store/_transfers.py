@@ -203,7 +203,11 @@ class Transfers:
         return (None, self._copy_host(partial(memmove_all, copies), slots, pages, pages.lengths, since))
 
     def start_out(self, slots: I64, pages: Pages, lengths: U64, after: Any) -> Started:
-        """Queue the copy of ``slots`` into the caller's pages."""
+        """Queue the copy of ``slots`` into the caller's pages.
+
+        :raises CopyPlanError: a region the pages lay in when the call began closed since (or, through an
+            engine, shrank past them).
+        """
         tier, engine = self._tier, self.engine
         page = pages.page or int(pages.lengths[0])
         if engine is not None and bool((lengths == page).all()):
@@ -220,6 +224,9 @@ class Transfers:
         # Host pages, or blocks shorter than the destination pages: each copies its own length.
         copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
         if engine is not None:
+            # A raw copy locates its spans afresh: where the pages' region closed while the call waited, a
+            # device engine would take them for device memory, a host one for whatever is mapped there now.
+            _refuse_closed(pages.regions)
             return (None, asyncio.ensure_future(engine.copy(copies, after=after)))
         return (None, self._copy_host(partial(memmove_all, copies), slots, pages, lengths, since, into_slots=False))
 
@@ -261,9 +268,7 @@ class Transfers:
         :raises CopyPlanError: a region the pages lay in when the call began closed since, or a page
             lies in a region that is closing, or leaves it.
         """
-        for region in pages.regions:
-            if region.closed:
-                raise CopyPlanError(f"{region.region_name} closed after the pages were checked; nothing was copied")
+        _refuse_closed(pages.regions)
         # Located when the call began; again where a region closed or shrank since (the pages may have
         # left one), in the step that located the slots: every region met is open.
         located = pages.checked_at is not None and pages.checked_at == _regions.generation()
@@ -281,6 +286,13 @@ class Transfers:
         except BaseException:
             done.set()
             raise
+
+
+def _refuse_closed(regions: tuple[Any, ...]) -> None:
+    """:raises CopyPlanError: a region the pages lay in when the call began has closed since."""
+    for region in regions:
+        if region.closed:
+            raise CopyPlanError(f"{region.region_name} closed after the pages were checked; nothing was copied")
 
 
 def landed_after(copy: Callable[[], None], done: Landing) -> None:
