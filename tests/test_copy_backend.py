@@ -243,6 +243,28 @@ async def test_checked_pages_are_located_again_only_after_a_snapshot() -> None:
         assert in_tier.checked_at is None  # a tier's check is made again before each copy
 
 
+async def test_pages_made_or_replaced_by_hand_are_located_before_a_copy() -> None:
+    """``Pages`` built by hand, or a checked one with its addresses replaced, carry no check: a
+    host-to-host engine refuses addresses in no tier or StaticHostMem rather than memmove there, and
+    takes those in one as if just checked."""
+    async with rig() as (tier, stage, engine, recording):
+        slots = await tier.allocate(2)
+        outside = np.zeros(2 * SLOT, dtype=np.uint8)  # the caller's own memory: in no region
+        nowhere = np.arange(2, dtype=np.uint64) * np.uint64(SLOT) + np.uint64(outside.ctypes.data)
+        checked = engine.pages(np.arange(2) * SLOT + stage.address, 2, page=SLOT, writable=True)
+        for forged in (
+            Pages(nowhere, SLOT, ()),
+            dataclasses.replace(checked, addresses=nowhere),
+            dataclasses.replace(checked.take([1, 0]), addresses=nowhere),
+        ):
+            with pytest.raises(CopyPlanError, match="lies in no open HostTier or StaticHostMem"):
+                engine.start(tier, slots, forged, "h2d")
+        assert recording.issued == [] and (outside == 0).all()
+        by_hand = Pages(np.arange(2, dtype=np.uint64) * np.uint64(SLOT) + np.uint64(stage.address), SLOT, ())
+        await bounded(engine.start(tier, slots, by_hand, "h2d").done)  # located now: in the staging buffer
+        assert len(recording.issued) == 1 and recording.issued[0].dsts == (stage.address,)  # one run of two pages
+
+
 def test_an_issued_copy_is_a_plain_record() -> None:
     copy = IssuedCopy(0, "h2d", (1,), (2,), (3,), 1, (1,), None)
     assert copy == IssuedCopy(0, "h2d", (1,), (2,), (3,), 1, (1,), None)

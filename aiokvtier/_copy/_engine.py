@@ -519,7 +519,8 @@ class CopyEngine(Owner):
             raise ValueError("the pages were checked as a source (writable=False); nothing was copied")
         self._check_device(tier)
         since = epoch()
-        planned, owners = plan_side(tier, tier.slot_addresses(slots), relocate(pages), direction)
+        located = relocate(pages, host_only=self.device is None)
+        planned, owners = plan_side(tier, tier.slot_addresses(slots), located, direction)
         job = self._enqueue(planned, direction, after, (tier, pages.owner), owners, since, signal_submit=report_issue)
         return StartedCopy(job.future if job.on_submit is None else job.on_submit, job.future)
 

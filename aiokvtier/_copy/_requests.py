@@ -27,7 +27,7 @@ import math
 import weakref
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,6 +47,7 @@ __all__ = [
     "buffer_addresses",
     "check_again",
     "check_disjoint",
+    "checked",
     "held_checks",
     "copy_table",
     "integers",
@@ -254,13 +255,17 @@ class Pages:
     """The regions' ``generation()`` read before the check, where every region met keeps its checks
     until a snapshot (``checks_hold_until_snapshot``): while it is unchanged, ``relocate`` has
     nothing to do. None: located again before each copy."""
+    _checked: Any = field(default=None, init=False, compare=False)
+    # The addresses the library checked (``checked()``: ``buffer_addresses``, ``take``): pages built
+    # or ``replace``d by hand have none, and are located again before every copy.
 
     def take(self, ids: Any) -> Pages:
         """The pages at positions ``ids`` (a sequence or integer array), in that order.
 
         :raises IndexError: a position is out of range.
         """
-        return replace(self, addresses=self.addresses[np.asarray(ids, dtype=np.intp)])
+        taken = replace(self, addresses=self.addresses[np.asarray(ids, dtype=np.intp)])
+        return checked(taken) if self._checked is self.addresses else taken
 
     def __len__(self) -> int:
         return int(self.addresses.shape[0])
@@ -317,12 +322,12 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         # memory meets no region: no owners.
         generation = _regions.generation()
         located = owners_of(unsigned, default_page, known_only=host_only)
-        return Pages(unsigned, default_page, located, obj, writable, held_checks(located, generation))
+        return checked(Pages(unsigned, default_page, located, obj, writable, held_checks(located, generation)))
     data = iface.get("data")
     if n == 0 and tuple(iface["shape"])[:1] == (0,):
         # No pages (a store or load of no keys): no page size to find, and an empty tensor may
         # expose a null pointer.
-        return Pages(np.empty(0, dtype=np.uint64), default_page or 0, (), obj, writable)
+        return checked(Pages(np.empty(0, dtype=np.uint64), default_page or 0, (), obj, writable))
     if not isinstance(data, tuple) or not data[0]:
         raise ValueError("the buffer exposes no data pointer")
     if writable and data[1]:
@@ -338,7 +343,7 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         addresses, page, refs, generation = known
         owners = tuple(ref() for ref in refs)
         if _regions.generation() == generation and all(o is not None and not o.closed for o in owners):
-            return Pages(addresses, page, owners, obj, writable, generation)
+            return checked(Pages(addresses, page, owners, obj, writable, generation))
     shape = tuple(iface["shape"])
     itemsize = np.dtype(iface["typestr"]).itemsize
     if strides is not None:
@@ -369,7 +374,13 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         if len(_checked) >= _CHECKED_BUFFERS:
             _checked.clear()
         _checked[key] = (addresses, page, tuple(map(weakref.ref, owners)), generation)
-    return Pages(addresses, page, owners, obj, writable, holding)
+    return checked(Pages(addresses, page, owners, obj, writable, holding))
+
+
+def checked(pages: Pages) -> Pages:
+    """Mark ``pages`` as checked by the library (their addresses located when they were made)."""
+    object.__setattr__(pages, "_checked", pages.addresses)
+    return pages
 
 
 def held_checks(owners: Sequence[Any], generation: tuple[int, object]) -> tuple[int, object] | None:
@@ -493,23 +504,29 @@ def plan_side(tier: HostTier, host: U64, side: Pages, direction: str) -> tuple[P
     return planned, owners
 
 
-def relocate(side: Pages) -> Pages:
+def relocate(side: Pages, *, host_only: bool = False) -> Pages:
     """A side ``buffer_addresses()`` checked some time ago, located again before it is copied.
 
     Addresses named in a tier or a StaticHostMem were located when checked;
     the region may have closed (unmapped) or shrunk since, while the caller
     waited. Without such regions (a device buffer, an array) nothing is done.
+    Pages the library did not make (built or ``replace``d by hand) are located
+    afresh, and with ``host_only`` (an engine without a device) each must lie
+    in an open tier or StaticHostMem.
 
-    :raises CopyPlanError: a region closed, or a page now leaves its committed range.
+    :raises CopyPlanError: a region closed, a page now leaves its committed range, or
+        (``host_only``) a page lies in no known region.
     """
-    if not side.regions:
-        return side
+    trusted = side._checked is side.addresses
+    if trusted and not side.regions and not host_only:
+        return side  # device memory, as checked
     for region in side.regions:
         if region.closed:
             raise CopyPlanError(f"{region.region_name} closed after the pages were checked; nothing was copied")
-    if side.checked_at is not None and side.checked_at == _regions.generation():
+    if trusted and side.checked_at is not None and side.checked_at == _regions.generation():
         return side  # no region closed or shrank since the check: a snapshot would have moved it
-    return replace(side, regions=owners_of(side.addresses, side.page, known_only=False))
+    # Without a device every page must lie in a known region (a memmove elsewhere could kill the process).
+    return replace(side, regions=owners_of(side.addresses, side.page, known_only=host_only))
 
 
 def owners_of(

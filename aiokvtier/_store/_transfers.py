@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from .. import _regions
 from .._copy._requests import Pages as CopyPages
-from .._copy._requests import buffer_addresses, check_again, check_disjoint, held_checks, owners_of
+from .._copy._requests import buffer_addresses, check_again, check_disjoint, checked, held_checks, owners_of
 from .._errors import CopyPlanError
 from .._host._rows import memmove_all, rows_from_slots, rows_into_slots
 from .._lifecycle import Lifecycle, finish
@@ -67,7 +67,7 @@ class Pages(NamedTuple):
     def side(self, page: int) -> CopyPages:
         """For ``CopyEngine.start()``: the addresses were checked when the call began (as a
         destination for a load, the one direction that writes them)."""
-        return CopyPages(self.addresses, page, self.regions, self.owners, checked_at=self.checked_at)
+        return checked(CopyPages(self.addresses, page, self.regions, self.owners, checked_at=self.checked_at))
 
 
 Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
