@@ -490,8 +490,22 @@ class AttachedPool(Owner):
         if expect_reply:
             self._orphans[rid] = ""
         if self._lost is None:
-            self._writer.write(frame)
+            try:
+                self._write(frame)
+            except PoolLostError:
+                pass  # nothing to wait for: the reader ends the connection's calls as it meets the close
         return rid
+
+    def _write(self, frame: bytes) -> None:
+        """Send ``frame`` on the connection.
+
+        :raises PoolLostError: the owner closed the connection and the reader has not met the close
+            yet (uvloop raises ``RuntimeError`` on a write to a closed transport; asyncio drops it).
+        """
+        try:
+            self._writer.write(frame)
+        except RuntimeError as exc:
+            raise PoolLostError(f"the connection to the pool's owner closed: pool at {self._path}") from exc
 
     def _check_loop(self) -> None:
         """:raises RuntimeError: the running loop is not the one that attached (never attached: no check)."""
@@ -528,8 +542,8 @@ class AttachedPool(Owner):
             assert looked is not None
             self._post(_wire.LOOKED, looked)  # the counts took the last of the room: in a frame of their own
         future: asyncio.Future[Message] = self._loop.create_future()
+        self._write(frame)
         self._pending[rid] = (future, undo)
-        self._writer.write(frame)
         try:
             message = await future
         except asyncio.CancelledError:
