@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
+
 from aiokvtier import CopyEngine, HostTier, StaticHostMem
 from aiokvtier.testing import RecordingBackend
 
@@ -165,3 +167,9 @@ async def busy_engine(**backend: Any) -> AsyncIterator[tuple[HostTier, StaticHos
         recording.release()
         await asyncio.wait_for(first, 30)
     await wait_no_library_threads()
+
+
+def staged_rows(stage: StaticHostMem) -> np.ndarray:
+    """A copy of the staging buffer's rows now (no view left exported, which would keep it mapped)."""
+    with stage.view() as view:
+        return np.frombuffer(view, dtype=np.uint8).reshape(-1, SLOT).copy()

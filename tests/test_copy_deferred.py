@@ -19,17 +19,11 @@ from aiokvtier import CopyEngine, CopyPlanError, HostTier, SlotError, StaticHost
 from aiokvtier._copy._plan import plan, plan_many
 from aiokvtier.testing import IssuedCopy, RecordingBackend
 
-from .held_copies import busy_engine
+from .held_copies import busy_engine, staged_rows
 from .helpers import KiB, small_config
 
 SLOT = 64 * KiB
 HANG = 10.0
-
-
-def _rows(stage: StaticHostMem) -> np.ndarray:
-    """A copy of the staging buffer's rows now (no view left exported, which would keep it mapped)."""
-    with stage.view() as view:
-        return np.frombuffer(view, dtype=np.uint8).reshape(-1, SLOT).copy()
 
 
 async def _settled(*calls: Awaitable[Any]) -> list[Any]:
@@ -74,7 +68,7 @@ async def test_requests_made_while_busy_get_the_plans_they_would_get_alone() -> 
         assert not any(t.done() for t in tasks)  # held: none came back before its copy landed
         recording.release()
         assert await _settled(*tasks) == [None] * len(tasks)
-        rows = _rows(stage)
+        rows = staged_rows(stage)
         for slots, pages, direction in requests:
             for s, address in zip(slots, pages, strict=True):
                 if direction == "h2d":
@@ -116,7 +110,7 @@ async def test_a_refused_request_among_deferred_ones_fails_alone_with_its_own_er
         assert engine.statistics().jobs_submitted == before.jobs_submitted + 2  # the refused ones: not counted
         recording.release()
         assert await _settled(tasks[0], tasks[-1]) == [None, None]
-        assert (_rows(stage)[10] == 6).all() and bytes(tier.view(7)) == bytes([6]) * SLOT
+        assert (staged_rows(stage)[10] == 6).all() and bytes(tier.view(7)) == bytes([6]) * SLOT
 
 
 async def test_the_same_request_alone_is_refused_with_the_same_words() -> None:
@@ -145,7 +139,7 @@ async def test_a_cancelled_or_timed_out_deferred_caller_resumes_once_its_copy_la
                     await engine.to_device(tier, [i], [stage.address + i * SLOT])
             except TimeoutError:
                 pass
-            landed = (_rows(stage)[i] == i + 1).all()
+            landed = (staged_rows(stage)[i] == i + 1).all()
             assert landed, f"a caller timed out after {delay} s came back before its copy landed"
 
         tasks = [asyncio.ensure_future(timed(i + 1, d)) for i, d in enumerate((0, 0, 0.0001, 0.001))]
@@ -158,7 +152,7 @@ async def test_a_cancelled_or_timed_out_deferred_caller_resumes_once_its_copy_la
         await _settled(*tasks)
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(cancelled, HANG)
-        assert (_rows(stage)[9] == 10).all()  # the copy was made: a cancelled caller only stops waiting for it
+        assert (staged_rows(stage)[9] == 10).all()  # the copy was made: a cancelled caller only stops waiting for it
         assert [t.result() for t in tasks] == [None] * 4
 
 
@@ -183,7 +177,7 @@ async def test_a_close_right_after_deferred_requests_queues_them_ahead_of_it() -
         recording.release()
         await asyncio.wait_for(closing, HANG)
         assert await _settled(first, *calls) == [None] * len(slots)
-        assert all((_rows(stage)[s] == s + 1).all() for s in slots)
+        assert all((staged_rows(stage)[s] == s + 1).all() for s in slots)
         stats = engine.statistics()
         assert stats.jobs_submitted == stats.jobs_completed == len(slots)
 

@@ -21,6 +21,7 @@ import pytest
 from aiokvtier import CopyEngine, CopyPlanError, HostTier, StaticHostMem, TierClosedError
 from aiokvtier.testing import RecordingBackend
 
+from .held_copies import staged_rows
 from .helpers import KiB, MiB, small_config
 from .invariants import wait_no_library_threads
 from .test_cancellation import run_script
@@ -36,12 +37,6 @@ def _over(address: int, pages: int, page: int = SLOT) -> np.ndarray:
     """A writable array of ``pages`` rows over memory nobody else's view keeps."""
     raw = (ctypes.c_uint8 * (pages * page)).from_address(address)
     return np.frombuffer(raw, dtype=np.uint8).reshape(pages, page)
-
-
-def _rows(stage: StaticHostMem) -> np.ndarray:
-    """A copy of the staging buffer's rows now (no view left exported, which would keep it mapped)."""
-    with stage.view() as view:
-        return np.frombuffer(view, dtype=np.uint8).reshape(-1, SLOT).copy()
 
 
 def _row(stage: StaticHostMem, i: int) -> int:
@@ -243,7 +238,7 @@ async def test_addresses_changed_after_a_deferred_request_was_made_do_not_move_i
         await asyncio.wait_for(recording.wait_issued(3), HANG)
         recording.release()
         assert await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), HANG) == [None, None]
-        rows = _rows(stage)
+        rows = staged_rows(stage)
         assert (rows[1] == 6).all() and (rows[2] == 7).all() and not rows[40].any()
         assert bytes(tier.view(7)) == bytes(tier.view(8)) == b"\xaa" * SLOT
 
@@ -326,7 +321,7 @@ async def test_a_buffer_whose_interface_gives_lists_is_copied_as_one_giving_tupl
             for strides in (False, True):
                 for _ in range(2):  # the second request of the same buffer meets the kept check
                     await engine.to_device(tier, [5, 6], _Interface(_row(stage, 8), 2, strides=strides))
-                    assert (_rows(stage)[8] == 6).all() and (_rows(stage)[9] == 7).all()
+                    assert (staged_rows(stage)[8] == 6).all() and (staged_rows(stage)[9] == 7).all()
                     await engine.to_host(tier, [10, 11], _Interface(_row(stage, 8), 2, strides=strides))
                     assert bytes(tier.view(10)) == bytes([6]) * SLOT
             _idle(engine, tier)
@@ -337,7 +332,7 @@ DELAYS = (0, 0.0001, 0.0002, 0.0005, 0.001, 0.0015, 0.002)
 
 def _landed(stage: StaticHostMem, row: int) -> bool:
     """Whether slot ``row``'s bytes are in the stage's row ``row`` (requests below copy slot i to row i)."""
-    return bool((_rows(stage)[row] == row + 1).all())
+    return bool((staged_rows(stage)[row] == row + 1).all())
 
 
 async def _interrupted(engine: CopyEngine, tier: HostTier, stage: StaticHostMem, wrap: str, i: int) -> bool:
@@ -409,7 +404,7 @@ async def test_a_tier_closed_or_shrunk_in_the_turn_of_deferred_requests_never_ha
             recording.release()
             results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), HANG)
             await asyncio.wait_for(asyncio.gather(*ops, return_exceptions=True), HANG)
-        rows = _rows(stage)
+        rows = staged_rows(stage)
         for s, result in zip(ids, results, strict=False):
             assert result is None or isinstance(result, TierClosedError | CopyPlanError), result
             if result is None:
@@ -421,8 +416,7 @@ async def test_a_tier_closed_or_shrunk_in_the_turn_of_deferred_requests_never_ha
 # cancelled while deferred: every copy lands, each caller after its own, and the figures add up.
 TWO_LOOPS_DEFER = """
 import threading
-import numpy as np
-from tests.held_copies import SLOT, busy_engine
+from tests.held_copies import SLOT, busy_engine, staged_rows
 
 async def main():
     async with busy_engine() as (tier, stage, engine, recording):  # slot 0's copy held: busy
@@ -452,8 +446,7 @@ async def main():
         await asyncio.wait_for(asyncio.gather(*mine), 30)
         await asyncio.to_thread(thread.join, 30)
         assert not thread.is_alive() and not early, early
-        with stage.view() as v:
-            rows = np.frombuffer(v, dtype=np.uint8).reshape(-1, SLOT).copy()
+        rows = staged_rows(stage)
         assert all((rows[s] == s + 1).all() for s in range(1, 41))
         stats = engine.statistics()
         print("jobs", stats.jobs_submitted, stats.jobs_completed, stats.latency_count, len(tier.copies), flush=True)
@@ -473,8 +466,7 @@ def test_requests_deferred_on_two_loops_at_once_all_land_and_add_up(loop: str) -
 # The child's aclose() of the parent's engine (which flushes its loop's requests first) closes it
 # quietly, as for any owner; it raised RuntimeError('no running event loop').
 FORK_WHILE_DEFERRED = """
-import numpy as np
-from tests.held_copies import SLOT, busy_engine, in_a_fork
+from tests.held_copies import SLOT, busy_engine, in_a_fork, staged_rows
 
 async def main():
     async with busy_engine() as (tier, stage, engine, recording):  # slot 0's copy held: busy
@@ -499,8 +491,7 @@ async def main():
         await asyncio.wait_for(recording.wait_issued(8), 30)
         recording.release()
         await asyncio.wait_for(asyncio.gather(*mine), 30)
-        with stage.view() as v:
-            rows = np.frombuffer(v, dtype=np.uint8).reshape(-1, SLOT).copy()
+        rows = staged_rows(stage)
         assert all((rows[s] == s + 1).all() for s in range(1, 8))
         stats = engine.statistics()
         print("parent", stats.jobs_submitted, stats.jobs_completed, stats.latency_count, len(tier.copies), flush=True)
