@@ -48,10 +48,12 @@ __all__ = [
     "check_again",
     "check_disjoint",
     "checked",
-    "held_checks",
     "copy_table",
     "integers",
+    "located",
+    "located_again",
     "owners_of",
+    "refuse_closed",
     "plan_side",
     "plan_slots",
     "plan_slots_many",
@@ -320,9 +322,8 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         # Located with a device too: a staging buffer or tier named by address is an owner whose
         # close must wait for the DMA, and a page leaving it is refused, as in a raw copy. Device
         # memory meets no region: no owners.
-        generation = _regions.generation()
-        located = owners_of(unsigned, default_page, known_only=host_only)
-        return checked(Pages(unsigned, default_page, located, obj, writable, held_checks(located, generation)))
+        regions, checked_at = located(unsigned, default_page, known_only=host_only)
+        return checked(Pages(unsigned, default_page, regions, obj, writable, checked_at))
     data = iface.get("data")
     if n == 0 and tuple(iface["shape"])[:1] == (0,):
         # No pages (a store or load of no keys): no page size to find, and an empty tensor may
@@ -366,14 +367,12 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
     # view that keeps it mapped): an owner whose close must wait for the copy, its pages checked
     # as addresses naming it are. The array vouches for memory outside every region (the caller's
     # own, or device memory).
-    generation = _regions.generation()
-    owners = owners_of(addresses, page, known_only=False, span=(base, base + total))
-    holding = held_checks(owners, generation)
+    owners, holding = located(addresses, page, known_only=False, span=(base, base + total))
     if key is not None and holding is not None:
         addresses.flags.writeable = False  # shared by every request of this buffer
         if len(_checked) >= _CHECKED_BUFFERS:
             _checked.clear()
-        _checked[key] = (addresses, page, tuple(map(weakref.ref, owners)), generation)
+        _checked[key] = (addresses, page, tuple(map(weakref.ref, owners)), holding)
     return checked(Pages(addresses, page, owners, obj, writable, holding))
 
 
@@ -383,9 +382,41 @@ def checked(pages: Pages) -> Pages:
     return pages
 
 
-def held_checks(owners: Sequence[Any], generation: tuple[int, object]) -> tuple[int, object] | None:
-    """``generation`` where the check of pages in ``owners`` holds until it moves, else None."""
-    return generation if all(getattr(o, "checks_hold_until_snapshot", False) for o in owners) else None
+def located(
+    addresses: U64, sizes: int | U64, *, known_only: bool, span: tuple[int, int] | None = None
+) -> tuple[tuple[Any, ...], tuple[int, object] | None]:
+    """The regions spans lie in now (``owners_of``), and the regions' ``generation()`` read before,
+    where every region met keeps its checks until a snapshot (None: the answer holds for now only)."""
+    generation = _regions.generation()
+    owners = owners_of(addresses, sizes, known_only=known_only, span=span)
+    holds = all(getattr(o, "checks_hold_until_snapshot", False) for o in owners)
+    return owners, generation if holds else None
+
+
+def refuse_closed(regions: tuple[Any, ...]) -> None:
+    """:raises CopyPlanError: a region the pages lay in when they were checked has closed since."""
+    for region in regions:
+        if region.closed:
+            raise CopyPlanError(f"{region.region_name} closed after the pages were checked; nothing was copied")
+
+
+def located_again(
+    regions: tuple[Any, ...],
+    checked_at: tuple[int, object] | None,
+    addresses: U64,
+    sizes: int | U64,
+    *,
+    known_only: bool,
+) -> tuple[Any, ...]:
+    """``regions`` that ``located()`` found (with ``checked_at``), as they stand now: the same while no
+    region closed or shrank since (a snapshot moves the generation), else the spans located afresh.
+
+    :raises CopyPlanError: one of ``regions`` closed since, or as ``owners_of()``.
+    """
+    refuse_closed(regions)
+    if checked_at is not None and checked_at == _regions.generation():
+        return regions
+    return owners_of(addresses, sizes, known_only=known_only)
 
 
 _CHECKED_BUFFERS = 256
@@ -520,13 +551,10 @@ def relocate(side: Pages, *, host_only: bool = False) -> Pages:
     trusted = side._checked is side.addresses
     if trusted and not side.regions and not host_only:
         return side  # device memory, as checked
-    for region in side.regions:
-        if region.closed:
-            raise CopyPlanError(f"{region.region_name} closed after the pages were checked; nothing was copied")
-    if trusted and side.checked_at is not None and side.checked_at == _regions.generation():
-        return side  # no region closed or shrank since the check: a snapshot would have moved it
     # Without a device every page must lie in a known region (a memmove elsewhere could kill the process).
-    return replace(side, regions=owners_of(side.addresses, side.page, known_only=host_only))
+    checked_at = side.checked_at if trusted else None
+    regions = located_again(side.regions, checked_at, side.addresses, side.page, known_only=host_only)
+    return side if regions is side.regions else replace(side, regions=regions)
 
 
 def owners_of(

@@ -25,9 +25,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from .. import _regions
 from .._copy._requests import Pages as CopyPages
-from .._copy._requests import buffer_addresses, check_again, check_disjoint, checked, held_checks, owners_of
+from .._copy._requests import (
+    buffer_addresses,
+    check_again,
+    check_disjoint,
+    checked,
+    located,
+    located_again,
+    refuse_closed,
+)
 from .._errors import CopyPlanError
 from .._host._rows import memmove_all, rows_from_slots, rows_into_slots
 from .._lifecycle import Lifecycle, finish
@@ -167,9 +174,8 @@ class Transfers:
                 raise ValueError("an empty page cannot be stored")
         # Where the pages lie, now: a region among them that closes while the call waits (for slots,
         # another call's claim) refuses the copy rather than read or write memory it let go.
-        generation = _regions.generation()
-        regions = owners_of(pages.addresses, pages.lengths, known_only=False) if n else ()
-        return pages._replace(regions=regions, checked_at=held_checks(regions, generation))
+        regions, checked_at = located(pages.addresses, pages.lengths, known_only=False) if n else ((), None)
+        return pages._replace(regions=regions, checked_at=checked_at)
 
     def slots_under(self, pages: Pages) -> I64:
         """The tier slots the pages lie in, ascending (pages in the store's own tier)."""
@@ -213,20 +219,19 @@ class Transfers:
         if engine is not None and bool((lengths == page).all()):
             return engine.start(tier, slots, pages.side(page), "h2d", after=after)
         since = epoch()
-        width = int(lengths[0])
         array = pages.array
         if engine is None and array is not None and pages.rows is None and bool((lengths == array.shape[1]).all()):
             base, size = tier.base_address, tier.region_bounds()[1]
             # Whole rows, every row in order: gathered straight into the array (shorter blocks or some
             # rows only would go through a temporary array of the rows first).
-            rows = partial(rows_from_slots, base, size, tier.slot_size, slots, array, width)
+            rows = partial(rows_from_slots, base, size, tier.slot_size, slots, array, array.shape[1])
             return (None, self._copy_host(rows, slots, pages, lengths, since, into_slots=False))
         # Host pages, or blocks shorter than the destination pages: each copies its own length.
         copies = list(zip(pages.addresses.tolist(), tier.slot_addresses(slots).tolist(), lengths.tolist(), strict=True))
         if engine is not None:
             # A raw copy locates its spans afresh: where the pages' region closed while the call waited, a
             # device engine would take them for device memory, a host one for whatever is mapped there now.
-            _refuse_closed(pages.regions)
+            refuse_closed(pages.regions)
             return (None, asyncio.ensure_future(engine.copy(copies, after=after)))
         return (None, self._copy_host(partial(memmove_all, copies), slots, pages, lengths, since, into_slots=False))
 
@@ -268,11 +273,9 @@ class Transfers:
         :raises CopyPlanError: a region the pages lay in when the call began closed since, or a page
             lies in a region that is closing, or leaves it.
         """
-        _refuse_closed(pages.regions)
         # Located when the call began; again where a region closed or shrank since (the pages may have
         # left one), in the step that located the slots: every region met is open.
-        located = pages.checked_at is not None and pages.checked_at == _regions.generation()
-        regions = pages.regions if located else owners_of(pages.addresses, lengths, known_only=False)
+        regions = located_again(pages.regions, pages.checked_at, pages.addresses, lengths, known_only=False)
         done = self._tier.copies.begin()
         try:
             for region in regions:
@@ -286,13 +289,6 @@ class Transfers:
         except BaseException:
             done.set()
             raise
-
-
-def _refuse_closed(regions: tuple[Any, ...]) -> None:
-    """:raises CopyPlanError: a region the pages lay in when the call began has closed since."""
-    for region in regions:
-        if region.closed:
-            raise CopyPlanError(f"{region.region_name} closed after the pages were checked; nothing was copied")
 
 
 def landed_after(copy: Callable[[], None], done: Landing) -> None:
