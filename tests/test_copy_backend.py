@@ -470,6 +470,31 @@ async def test_a_plan_refused_after_some_calls_waits_for_them_before_its_caller_
             assert stats.jobs_submitted == stats.jobs_completed == 3
 
 
+async def test_a_request_in_pieces_goes_on_the_streams_in_turn_and_lands_with_its_last_event(
+    model_driver: ModelDriver,
+) -> None:
+    """``pieces_from``: each piece is its own batch calls and event, on the streams in turn; the caller
+    returns once every piece's event was waited for, and the events are reused after."""
+    model = model_driver
+    page = 4 * KiB
+    async with HostTier(small_config(slot_size=page)) as tier:
+        await tier.wait_resident()
+        slots = await tier.allocate(3000)
+        every_other = [DEVICE + 2 * i * page for i in range(3000)]  # nothing merges
+        async with CopyEngine(0, method="dma", pieces_from=2048) as engine:
+            await bounded(engine.to_device(tier, slots, every_other))
+            calls = ModelBatch.calls
+            assert sum(n for _, n, _ in calls) == 3000 and {d for d, _, _ in calls} == {"h2d"}
+            records = [(e, s) for kind, e, s, *_ in model.log if kind == "record"]
+            assert len(records) == 2 and records[0][1] != records[1][1]  # a piece (1,024, then 1,976) a stream
+            assert {s for _, _, s in calls} == {s for _, s in records}
+            await bounded(engine.to_host(tier, slots[:100], every_other[:100]))  # below pieces_from: one job
+            stats = engine.statistics()
+            assert stats.jobs_in_pieces == 1 and stats.jobs_completed == 2 and stats.descriptors_submitted == 3100
+            assert model.created_events == 2  # the two pieces' events, fired, then one reused
+    assert not model.streams and not model.events and model.contexts == 0
+
+
 async def test_a_failed_wait_reaches_the_caller_and_its_event_is_not_reused(model_driver: ModelDriver) -> None:
     model = model_driver
     async with HostTier(small_config()) as tier:

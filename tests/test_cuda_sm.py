@@ -66,6 +66,38 @@ async def test_bit_exact_shuffled_and_unit_edges(backing: str, method: str, page
         assert stats.bytes_by_method["sm" if method == "dma" else "dma"] == 0
 
 
+@pytest.mark.parametrize("method", ["auto", *METHODS])
+@pytest.mark.parametrize("backing", BACKINGS)
+async def test_a_request_in_pieces_is_bit_exact_both_ways(backing: str, method: str) -> None:
+    """Every 4 KiB slot of a 128 MiB tier, shuffled (32,768 pages: pieces of 1k, 2k, 4k, then 8k, on
+    the streams in turn), to the GPU and back in another order, beside the same request planned whole."""
+    torch = torch_cuda()
+    page = 4 << 10
+    async with (
+        HostTier(tier_config(backing, page)) as tier,
+        CopyEngine(0, method=method) as engine,
+        CopyEngine(0, method=method, pieces_from=None) as whole,
+    ):
+        await tier.wait_resident()
+        total = tier.statistics().quota // page
+        ids = chosen_slots(page, total, total, seed=11)
+        await tier.allocate(total)
+        src = random_pages(torch, total, page, seed=3)
+        await engine.to_host(tier, ids, src)
+        order = np.random.default_rng(4).permutation(total)
+        back = torch.zeros_like(src)
+        await engine.to_device(tier, [ids[i] for i in order], back)
+        torch.cuda.synchronize()
+        assert torch.equal(back, src[torch.as_tensor(order, device="cuda")])
+        again = torch.zeros_like(src)
+        await whole.to_device(tier, [ids[i] for i in order], again)
+        torch.cuda.synchronize()
+        assert torch.equal(again, back)
+        stats = engine.statistics()
+        assert stats.jobs_in_pieces == 2 and stats.jobs_completed == 2 and stats.bytes_copied == 2 * total * page
+        assert whole.statistics().jobs_in_pieces == 0
+
+
 @pytest.mark.parametrize("short", [16, 8, 1], ids=["16B-short", "8B-short", "1B-short"])
 @pytest.mark.parametrize("backing", BACKINGS)
 async def test_sm_pages_smaller_than_the_slot(backing: str, short: int) -> None:

@@ -45,7 +45,7 @@ from .._host._slots import positive_count
 from .._lifecycle import Lifecycle, Owner
 from .._regions import Landing, epoch
 from ._backend import CopyBackend, HostBackend
-from ._plan import Plan, plan
+from ._plan import PIECES_FROM, Pieces, Plan, plan
 from ._requests import (
     Pages,
     buffer_addresses,
@@ -101,7 +101,7 @@ class _Deferred:
 
 @dataclass(eq=False)
 class _Job:
-    plan: Plan
+    plan: Plan | Pieces
     direction: str
     after: Any
     loop: asyncio.AbstractEventLoop
@@ -167,14 +167,23 @@ class _Issued(NamedTuple):
     nbytes: int = 0
     coalesced: int = 0
     by_direction: tuple[int, int, int] = (0, 0, 0)
+    in_pieces: int = 0
 
-    def add(self, direction: str, planned: Plan, jobs: int) -> _Issued:
+    def add(self, direction: str, planned: Plan, jobs: int, *, piece: bool = False) -> _Issued:
         return _Issued(
             self.descriptors + planned.count,
             self.nbytes + planned.nbytes,
             self.coalesced + (jobs if jobs > 1 else 0),
             _plus(self.by_direction, direction, planned.nbytes),
+            self.in_pieces + (planned.jobs if piece else 0),
         )
+
+
+class _InPieces(NamedTuple):
+    """The handles of a request issued in pieces (``Pieces``), in issue order: it has landed once all
+    of them have, and one that failed to issue still waits for the pieces issued before it."""
+
+    handles: tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +223,8 @@ class CopyStatistics:
     jobs_coalesced: int = 0
     """Copy calls issued together with others as one plan (queued behind a busy submit thread,
     on a backend that coalesces: a GPU's)."""
+    jobs_in_pieces: int = 0
+    """Copy calls planned and issued piece by piece on the submit thread (``pieces_from``)."""
 
 
 class CopyEngine(Owner):
@@ -243,6 +254,13 @@ class CopyEngine(Owner):
         passes ``aiokvtier.testing.RecordingBackend`` to see (and hold) every planned job
         without a GPU. ``method``, ``sm_budget``, ``crossover`` and ``sm_options``
         configure the default backend only.
+    :param pieces_from: a request of at least this many pages (``to_device``, ``to_host``,
+        ``begin``, ``start``; without ``after=``) is checked whole when it is made, then
+        planned and issued in pieces (1,024 pages, doubling to 8,192) by the submit thread,
+        so the GPU copies one piece while the next is planned; its caller still awaits one
+        copy, settled once every piece landed. None: every request planned whole on the
+        caller's loop. Without a device (``memmove``, which copies as it is issued) requests
+        are always planned whole.
 
     For a store or an integration that copies subsets of one buffer:
     ``pages = engine.pages(buffer, n, writable=True)`` checks the buffer once,
@@ -271,6 +289,7 @@ class CopyEngine(Owner):
         crossover: Crossover | Mapping[str, int] | None = None,
         sm_options: SmOptions | None = None,
         backend: CopyBackend | None = None,
+        pieces_from: int | None = PIECES_FROM,
     ) -> None:
         if device is not None and (type(device) is not int or device < 0):
             raise ValueError(f"device must be a CUDA ordinal or None, got {device!r}")
@@ -288,6 +307,8 @@ class CopyEngine(Owner):
             crossover = Crossover.fixed(crossover)
         if sm_options is not None and not isinstance(sm_options, SmOptions):
             raise TypeError(f"sm_options must be an SmOptions, not {type(sm_options).__name__}")
+        if pieces_from is not None and (type(pieces_from) is not int or pieces_from < 2):
+            raise ValueError(f"pieces_from must be an int of at least 2, or None; got {pieces_from!r}")
         if backend is None:
             backend = _default_backend(device, streams, method, sm_budget, crossover, sm_options)
         elif not isinstance(backend, CopyBackend):
@@ -298,6 +319,8 @@ class CopyEngine(Owner):
             )
         self.device = device
         self._backend = backend
+        # A synchronous backend copies as it issues: nothing to plan the next piece beside.
+        self._pieces_from = None if backend.synchronous else pieces_from
         self.method = backend.method
         self.max_batch = max_batch
         self._n_streams = streams
@@ -404,7 +427,7 @@ class CopyEngine(Owner):
             await self._deferred(self._defer(tier, slots, dst, "h2d", page))
             return
         since = epoch()
-        planned, owners = self._plan_slots(tier, slots, dst, "h2d", page)
+        planned, owners = self._plan_slots(tier, slots, dst, "h2d", page, after)
         await self._enqueue(planned, "h2d", after, (tier, dst), owners, since).future
 
     async def to_host(
@@ -421,7 +444,7 @@ class CopyEngine(Owner):
             await self._deferred(self._defer(tier, slots, src, "d2h", page))
             return
         since = epoch()
-        planned, owners = self._plan_slots(tier, slots, src, "d2h", page)
+        planned, owners = self._plan_slots(tier, slots, src, "d2h", page, after)
         await self._enqueue(planned, "d2h", after, (tier, src), owners, since).future
 
     def begin(
@@ -446,7 +469,7 @@ class CopyEngine(Owner):
         if direction not in ("h2d", "d2h"):
             raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
         since = epoch()
-        planned, owners = self._plan_slots(tier, slots, buffer, direction, page)
+        planned, owners = self._plan_slots(tier, slots, buffer, direction, page, after)
         job = self._enqueue(planned, direction, after, (tier, buffer), owners, since, signal_submit=True)
         assert job.on_submit is not None
         return StartedCopy(job.on_submit, job.future)
@@ -520,7 +543,8 @@ class CopyEngine(Owner):
         self._check_device(tier)
         since = epoch()
         located = relocate(pages, host_only=self.device is None)
-        planned, owners = plan_side(tier, tier.slot_addresses(slots), located, direction)
+        pieces_from = self._pieces_from if after is None else None
+        planned, owners = plan_side(tier, tier.slot_addresses(slots), located, direction, pieces_from=pieces_from)
         job = self._enqueue(planned, direction, after, (tier, pages.owner), owners, since, signal_submit=report_issue)
         return StartedCopy(job.future if job.on_submit is None else job.on_submit, job.future)
 
@@ -580,6 +604,7 @@ class CopyEngine(Owner):
             jobs_by_method=b.jobs_by_method,
             bytes_by_method=b.bytes_by_method,
             jobs_coalesced=issued.coalesced,
+            jobs_in_pieces=issued.in_pieces,
         )
 
     def __repr__(self) -> str:
@@ -592,14 +617,18 @@ class CopyEngine(Owner):
     # -- planning (on the loop) ---------------------------------------------------------
 
     def _plan_slots(
-        self, tier: HostTier, slots: Any, buffer: Any, direction: str, page_size: int | None = None
-    ) -> tuple[Plan, list[Any]]:
-        """Check the slots and the device side, then plan in the host side's address order.
+        self, tier: HostTier, slots: Any, buffer: Any, direction: str, page_size: int | None = None, after: Any = None
+    ) -> tuple[Plan | Pieces, list[Any]]:
+        """Check the slots and the device side, then plan in the host side's address order (a large
+        request without ``after=``: ``Pieces``, planned on the submit thread).
 
         Returns the plan and the regions whose close must wait for it.
         """
         self._check_device(tier)
-        return plan_slots(tier, slots, buffer, direction, page_size, host_only=self.device is None)
+        pieces_from = self._pieces_from if after is None else None
+        return plan_slots(
+            tier, slots, buffer, direction, page_size, host_only=self.device is None, pieces_from=pieces_from
+        )
 
     # -- requests made while the engine is busy: planned together, once per turn of the loop --
 
@@ -612,6 +641,8 @@ class CopyEngine(Owner):
             # come one per turn, with nothing to plan them with (measured: a turn more for each, and
             # 4-17% slower). An iterator is read once, by the checks, now.
             return False
+        if self._pieces_from is not None and len(slots) >= self._pieces_from:
+            return False  # planned in pieces by the submit thread: nothing to gain from planning it with others
         return self._queued.jobs != self._completed or asyncio.get_running_loop() in self._pending
 
     def _defer(self, tier: HostTier, slots: Any, buffer: Any, direction: str, page: int | None) -> _Waiting:
@@ -705,7 +736,7 @@ class CopyEngine(Owner):
 
     def _enqueue(
         self,
-        planned: Plan,
+        planned: Plan | Pieces,
         direction: str,
         after: Any,
         keepalive: tuple[Any, ...],
@@ -777,6 +808,9 @@ class CopyEngine(Owner):
                 self._done_q.put(None)
                 return
             assert isinstance(job, _Job)
+            if isinstance(job.plan, Pieces):
+                self._issue_pieces(job)
+                continue
             group = [job]
             if backend.coalesce and job.after is None:
                 carried = self._gather(group)
@@ -796,6 +830,7 @@ class CopyEngine(Owner):
                 return _NOTHING
             if (
                 more is None
+                or isinstance(more.plan, Pieces)
                 or more.after is not None
                 or more.direction != first.direction
                 or count + more.plan.count > self.max_batch
@@ -818,7 +853,9 @@ class CopyEngine(Owner):
         first = group[0]
         handle = None
         try:
-            planned = first.plan if len(group) == 1 else _merged([job.plan for job in group])
+            plans = [job.plan for job in group if isinstance(job.plan, Plan)]
+            assert len(plans) == len(group)  # requests in pieces go to _issue_pieces()
+            planned = plans[0] if len(plans) == 1 else _merged(plans)
             handle = self._backend.issue(planned, first.direction, first.after)
         except BaseException as exc:  # reported to the awaiting task
             if len(group) > 1:
@@ -833,6 +870,25 @@ class CopyEngine(Owner):
             # (no hop to the completion thread).
             self._settle([self._finish(job) for job in group], submitted_too=True)
             return
+        self._hand_over(group, handle)
+
+    def _issue_pieces(self, job: _Job) -> None:
+        """Plan and issue a large request piece by piece (``Pieces``): the GPU copies each piece while
+        the next is planned. Where a piece fails to plan or issue, the error is the caller's once the
+        pieces issued before it have landed (as a failed driver call's issued part does)."""
+        assert isinstance(job.plan, Pieces)
+        handles = []
+        try:
+            for piece in job.plan.plans():
+                handles.append(self._backend.issue(piece, job.direction, None))
+                self._issued = self._issued.add(job.direction, piece, piece.jobs, piece=True)
+        except BaseException as exc:  # reported to the awaiting task
+            job.error = exc
+        self._hand_over([job], _InPieces(tuple(handles)))
+
+    def _hand_over(self, group: list[_Job], handle: Any) -> None:
+        """Tell the callers that asked (``begin()``) their copies were issued, then pass the jobs to the
+        completion thread (submit thread)."""
         signals: dict[asyncio.AbstractEventLoop, list[Outcome]] = defaultdict(list)
         for job in group:
             if job.on_submit is not None:
@@ -863,7 +919,7 @@ class CopyEngine(Owner):
                     stopping = True
                 else:
                     pending.append(more)
-            while pending and (pending[0][0][0].error is not None or backend.landed(pending[0][1])):
+            while pending and self._landed(*pending[0]):
                 finished += self._wait(*pending.popleft())
             self._settle(finished)
 
@@ -883,8 +939,22 @@ class CopyEngine(Owner):
         for loop, batch in by_loop.items():
             deliver(loop, batch)
 
+    def _landed(self, jobs: tuple[_Job, ...], handle: Any) -> bool:
+        """Whether jobs issued together have landed, or failed to issue (completion thread)."""
+        if isinstance(handle, _InPieces):  # a failed piece's request waits for the pieces issued before it
+            return all(self._backend.landed(h) for h in handle.handles)
+        return jobs[0].error is not None or self._backend.landed(handle)
+
     def _wait(self, jobs: tuple[_Job, ...], handle: Any) -> list[_Job]:
         """Wait for jobs issued together to land (completion thread); one that failed to issue is done."""
+        if isinstance(handle, _InPieces):
+            for piece in handle.handles:  # every piece, also after one failed: the buffers are the GPU's until then
+                try:
+                    self._backend.wait(piece)
+                except BaseException as exc:  # the first error is the caller's
+                    if jobs[0].error is None:
+                        jobs[0].error = exc
+            return [self._finish(jobs[0])]
         if jobs[0].error is None:
             try:
                 self._backend.wait(handle)

@@ -37,7 +37,7 @@ from .. import _regions
 from .._errors import CopyPlanError
 from .._host._slots import positive_count
 from . import _plan
-from ._plan import U64, Plan, plan, plan_many, plan_small
+from ._plan import U64, Pieces, Plan, plan, plan_many, plan_small, refuse_repeats
 
 if TYPE_CHECKING:
     from .._host._tier import HostTier
@@ -433,13 +433,20 @@ memory, the caller's own) need nothing more."""
 
 
 def plan_slots(
-    tier: HostTier, slots: Any, buffer: Any, direction: str, page_size: int | None, *, host_only: bool
-) -> tuple[Plan, list[Any]]:
+    tier: HostTier,
+    slots: Any,
+    buffer: Any,
+    direction: str,
+    page_size: int | None,
+    *,
+    host_only: bool,
+    pieces_from: int | None = None,
+) -> tuple[Plan | Pieces, list[Any]]:
     """Check a per-slot copy's two sides, then plan it in the host side's address order.
 
     ``direction`` is ``"h2d"`` (slots to ``buffer``) or ``"d2h"``; ``host_only``:
     a host-to-host engine (``buffer`` must lie in known regions). Returns the
-    plan and the regions whose close must wait for it.
+    plan and the regions whose close must wait for it. ``pieces_from``: see ``plan_side()``.
 
     :raises CopyPlanError: a page larger than a slot, or (host-to-host) an address outside every region.
     :raises SlotError: a slot is not allocated, or (d2h) appears twice.
@@ -450,7 +457,7 @@ def plan_slots(
     page = tier.slot_size if page_size is None else positive_count(page_size, "page")
     _check_page(tier, page)  # before the addresses are located: a page of 2**64 does not fit numpy's uint64
     side = buffer_addresses(buffer, len(host), page, writable=direction == "h2d", host_only=host_only)
-    return plan_side(tier, host, side, direction)
+    return plan_side(tier, host, side, direction, pieces_from=pieces_from)
 
 
 def plan_slots_many(
@@ -506,9 +513,14 @@ def plan_slots_many(
     ]
 
 
-def plan_side(tier: HostTier, host: U64, side: Pages, direction: str) -> tuple[Plan, list[Any]]:
+def plan_side(
+    tier: HostTier, host: U64, side: Pages, direction: str, *, pieces_from: int | None = None
+) -> tuple[Plan | Pieces, list[Any]]:
     """Plan a per-slot copy between the slots at ``host`` (``tier.slot_addresses``) and pages that
     ``buffer_addresses()`` checked (a subset of its addresses, in any order, stays checked).
+
+    ``pieces_from``: a request of at least so many pages is checked whole and returned as
+    ``Pieces``, planned where it is issued (None: always planned here).
 
     :raises CopyPlanError: the side's page is larger than a slot.
     :raises ValueError: no slots, or not one address per slot.
@@ -524,6 +536,11 @@ def plan_side(tier: HostTier, host: U64, side: Pages, direction: str) -> tuple[P
         check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
     owners = [tier, *(r for r in regions if r is not tier)]
     registration = tier.registrations_at
+    if pieces_from is not None and len(host) >= pieces_from:
+        if h2d:
+            return Pieces(other, host, page, "src", src_reg=registration), owners
+        refuse_repeats(host, tier.slot_size)  # the whole request's, before any piece is issued
+        return Pieces(host, other, page, "dst", dst_reg=registration), owners
     if len(host) <= _plan.SMALL:  # the usual request: Python ints beat two dozen numpy calls
         hosts, others = host.tolist(), other.tolist()
         if h2d:
