@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from aiokvtier import CopyEngine, HostTier, SlotError, StaticHostMem
-from aiokvtier._copy._plan import PIECE, PIECES_FROM, Pieces, plan, refuse_repeats
+from aiokvtier._copy._plan import PIECES_FROM, Pieces, plan, refuse_repeats
 from aiokvtier.testing import RecordingBackend
 
 from .helpers import KiB, MiB, small_config
@@ -23,7 +23,10 @@ from .invariants import check_tier, wait_no_library_threads
 
 PAGE = 4 * KiB
 SLOTS = 16384
-"""A 64 MiB tier of 4 KiB slots: a request of every slot is five pieces (1k, 2k, 4k, 8k, 1k)."""
+"""A 64 MiB tier of 4 KiB slots: a request of every slot is six pieces, each half as large again as
+the last (``SIZES``)."""
+SIZES = [1024, 1536, 2304, 3456, 5184, 2880]
+N = len(SIZES)
 HANG = 20.0
 
 
@@ -64,7 +67,7 @@ async def test_a_large_request_is_issued_in_pieces_each_in_host_order() -> None:
         pages = pages_of(stage, np.arange(SLOTS))
         await bounded(engine.to_host(tier, shuffled, pages))
         sizes = [job.requested for job in recording.issued]
-        assert sizes == [1024, 2048, 4096, PIECE, SLOTS - 1024 - 2048 - 4096 - PIECE]
+        assert sizes == SIZES
         for job in recording.issued:
             assert job.direction == "d2h" and list(job.dsts) == sorted(job.dsts)  # the slots lead, ascending
         host = tier.slot_addresses(shuffled)
@@ -80,9 +83,11 @@ async def test_pieces_merge_runs_within_a_piece_and_never_across_a_registration(
     async with rig() as (tier, stage, engine, recording):
         slots = np.asarray(await tier.allocate(SLOTS), dtype=np.int64)
         await bounded(engine.to_device(tier, slots, pages_of(stage, np.arange(SLOTS))))
-        units = 1 * MiB // PAGE  # small_config's commit unit: runs stop at each
-        for job in recording.issued:
-            assert set(job.sizes) == {units * PAGE} or job.requested < units
+        base = int(tier.slot_addresses([0])[0])
+        unit = 1 * MiB  # small_config's commit unit: runs stop at each
+        runs = [(src - base, size) for job in recording.issued for src, size in zip(job.srcs, job.sizes, strict=True)]
+        assert all(offset // unit == (offset + size - 1) // unit for offset, size in runs)
+        assert max(size for _, size in runs) == unit and len(runs) < SLOTS // 64  # merged, within a piece
         assert copied(recording.issued) == set(
             zip(pages_of(stage, np.arange(SLOTS)).tolist(), tier.slot_addresses(slots).tolist(), strict=True)
         )
@@ -179,15 +184,15 @@ async def test_the_pieces_copy_bit_exact_both_ways() -> None:
         back = np.random.default_rng(5).permutation(SLOTS)  # load in another order: row i <- slot shuffled[back[i]]
         await bounded(engine.to_device(tier, shuffled[back], rows))
         assert np.array_equal(rows, data[back])
-        assert engine.statistics().jobs_in_pieces == 2 and len(recording.issued) == 10
+        assert engine.statistics().jobs_in_pieces == 2 and len(recording.issued) == 2 * N
 
 
 async def test_the_caller_returns_once_every_piece_landed_and_a_cancelled_one_only_then() -> None:
     async with rig(hold=True) as (tier, stage, engine, recording):
         slots = np.asarray(await tier.allocate(SLOTS), dtype=np.int64)
         task = asyncio.ensure_future(engine.to_device(tier, slots, pages_of(stage, np.arange(SLOTS))))
-        await bounded(recording.wait_issued(5))
-        for held in range(5, 1, -1):
+        await bounded(recording.wait_issued(N))
+        for held in range(N, 1, -1):
             recording.release(1)
             for _ in range(20):
                 await asyncio.sleep(0)
@@ -250,7 +255,7 @@ async def test_a_failed_piece_fails_its_caller_once_every_piece_is_done() -> Non
     async with rig(hold=True) as (tier, stage, engine, recording):
         slots = np.asarray(await tier.allocate(SLOTS), dtype=np.int64)
         call = asyncio.ensure_future(engine.to_device(tier, slots, pages_of(stage, np.arange(SLOTS))))
-        await bounded(recording.wait_issued(5))
+        await bounded(recording.wait_issued(N))
         recording.release(1)
         recording.fail(RuntimeError("piece 2 failed"), 1)
         for _ in range(20):
@@ -269,8 +274,8 @@ async def test_a_large_request_on_a_busy_engine_is_not_deferred_and_small_ones_a
         await bounded(recording.wait_issued(1))
         big = asyncio.ensure_future(engine.to_host(tier, slots[4:], pages_of(stage, np.arange(4, SLOTS))))
         after = asyncio.ensure_future(engine.to_device(tier, slots[:4], pages_of(stage, np.arange(4))))
-        await bounded(recording.wait_issued(7))
-        assert [j.direction for j in recording.issued] == ["h2d"] + ["d2h"] * 5 + ["h2d"]
+        await bounded(recording.wait_issued(N + 2))
+        assert [j.direction for j in recording.issued] == ["h2d"] + ["d2h"] * N + ["h2d"]
         recording.hold = False
         recording.release()
         await bounded(asyncio.gather(small, big, after))
@@ -282,12 +287,12 @@ async def test_close_waits_for_every_piece_and_leaves_no_thread() -> None:
     async with rig(hold=True) as (tier, stage, engine, recording):
         slots = np.asarray(await tier.allocate(SLOTS), dtype=np.int64)
         call = asyncio.ensure_future(engine.to_device(tier, slots, pages_of(stage, np.arange(SLOTS))))
-        await bounded(recording.wait_issued(5))
+        await bounded(recording.wait_issued(N))
         closing = asyncio.ensure_future(engine.aclose())
         for _ in range(20):
             await asyncio.sleep(0)
         assert not closing.done() and not call.done()
-        recording.release(4)
+        recording.release(N - 1)
         for _ in range(20):
             await asyncio.sleep(0)
         assert not closing.done()

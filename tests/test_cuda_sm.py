@@ -69,8 +69,9 @@ async def test_bit_exact_shuffled_and_unit_edges(backing: str, method: str, page
 @pytest.mark.parametrize("method", ["auto", *METHODS])
 @pytest.mark.parametrize("backing", BACKINGS)
 async def test_a_request_in_pieces_is_bit_exact_both_ways(backing: str, method: str) -> None:
-    """Every 4 KiB slot of a 128 MiB tier, shuffled (32,768 pages: pieces of 1k, 2k, 4k, then 8k, on
-    the streams in turn), to the GPU and back in another order, beside the same request planned whole."""
+    """Every 4 KiB slot of a 128 MiB tier, shuffled (32,768 pages: for the kernel, pieces from 1,024
+    pages growing to 8,192, on the streams in turn; whole for the copy engines), to the GPU and back
+    in another order, beside the same request planned whole."""
     torch = torch_cuda()
     page = 4 << 10
     async with (
@@ -94,7 +95,9 @@ async def test_a_request_in_pieces_is_bit_exact_both_ways(backing: str, method: 
         torch.cuda.synchronize()
         assert torch.equal(again, back)
         stats = engine.statistics()
-        assert stats.jobs_in_pieces == 2 and stats.jobs_completed == 2 and stats.bytes_copied == 2 * total * page
+        kernel = stats.bytes_by_method["sm"] == stats.bytes_copied  # auto: as the device's crossover chose
+        assert stats.jobs_in_pieces == (2 if method == "sm" or (method == "auto" and kernel) else 0)
+        assert stats.jobs_completed == 2 and stats.bytes_copied == 2 * total * page
         assert whole.statistics().jobs_in_pieces == 0
 
 

@@ -314,6 +314,15 @@ def test_method_selection() -> None:
     assert _sm.pick_method("auto", x, "h2d", *odd) == "dma"  # not 16-byte aligned: the kernel would crawl
 
 
+def test_a_piece_takes_the_path_of_its_whole_request() -> None:
+    x = Crossover(curves=curves(sm_per_page=1e-6, dma_per_page=4e-6, sm_fixed=100e-6, dma_fixed=10e-6))
+    two = arrays([4096, 8192], [0, 4096], [4096, 4096])
+    assert _sm.pick_method("auto", x, "h2d", *two) == "dma"  # alone, two pages do not pay for a launch
+    assert _sm.pick_method("auto", x, "h2d", *two, whole=(32768, 32768 * 4096)) == "sm"
+    odd = arrays([8, 4104], [0, 4096], [4096, 4096])
+    assert _sm.pick_method("auto", x, "h2d", *odd, whole=(32768, 32768 * 4096)) == "dma"  # the piece's own alignment
+
+
 def test_thresholds_override() -> None:
     x = parse_thresholds("h2d=32KiB, d2h=16384")
     assert x.thresholds == {"h2d": 32768, "d2h": 16384}

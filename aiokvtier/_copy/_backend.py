@@ -83,6 +83,13 @@ class CopyBackend(ABC):
         """First thing on each thread the engine starts (a CUDA backend makes its context current)."""
         return None
 
+    def in_pieces(self, direction: str, count: int, nbytes: int) -> bool:
+        """Whether a per-slot request of ``count`` pages and ``nbytes`` is better planned in pieces
+        where it is issued (``Pieces``: each piece copies while the next is planned) than whole on
+        the caller's loop. Caller's thread, for requests the engine's ``pieces_from`` lets through.
+        Default: where the copy runs on after ``issue()`` returns (not ``synchronous``)."""
+        return not self.synchronous
+
     def mark(self, stream: int) -> Any:
         """Something recorded on ``stream`` now, on the caller's thread, that ``issue()`` may wait for.
 

@@ -47,6 +47,7 @@ from .._regions import Landing, epoch
 from ._backend import CopyBackend, HostBackend
 from ._plan import PIECES_FROM, Pieces, Plan, plan
 from ._requests import (
+    InPieces,
     Pages,
     buffer_addresses,
     check_again,
@@ -255,12 +256,13 @@ class CopyEngine(Owner):
         without a GPU. ``method``, ``sm_budget``, ``crossover`` and ``sm_options``
         configure the default backend only.
     :param pieces_from: a request of at least this many pages (``to_device``, ``to_host``,
-        ``begin``, ``start``; without ``after=``) is checked whole when it is made, then
-        planned and issued in pieces (1,024 pages, doubling to 8,192) by the submit thread,
-        so the GPU copies one piece while the next is planned; its caller still awaits one
-        copy, settled once every piece landed. None: every request planned whole on the
-        caller's loop. Without a device (``memmove``, which copies as it is issued) requests
-        are always planned whole.
+        ``begin``, ``start``; without ``after=``) that the SM kernel copies is checked whole
+        when it is made, then planned and issued in pieces (1,024 pages, each piece half as
+        large again as the last, up to 8,192) by the submit thread, so the GPU copies one
+        piece while the next is planned; its caller still awaits one copy, settled once
+        every piece landed. None: every request planned whole on the caller's loop. The
+        copy engines' requests (``"dma"``) and a host-only engine's (``memmove``) are
+        always planned whole: their issue is the copy's pace already.
 
     For a store or an integration that copies subsets of one buffer:
     ``pages = engine.pages(buffer, n, writable=True)`` checks the buffer once,
@@ -543,8 +545,8 @@ class CopyEngine(Owner):
         self._check_device(tier)
         since = epoch()
         located = relocate(pages, host_only=self.device is None)
-        pieces_from = self._pieces_from if after is None else None
-        planned, owners = plan_side(tier, tier.slot_addresses(slots), located, direction, pieces_from=pieces_from)
+        in_pieces = self._in_pieces(direction, after)
+        planned, owners = plan_side(tier, tier.slot_addresses(slots), located, direction, in_pieces=in_pieces)
         job = self._enqueue(planned, direction, after, (tier, pages.owner), owners, since, signal_submit=report_issue)
         return StartedCopy(job.future if job.on_submit is None else job.on_submit, job.future)
 
@@ -625,10 +627,18 @@ class CopyEngine(Owner):
         Returns the plan and the regions whose close must wait for it.
         """
         self._check_device(tier)
-        pieces_from = self._pieces_from if after is None else None
-        return plan_slots(
-            tier, slots, buffer, direction, page_size, host_only=self.device is None, pieces_from=pieces_from
-        )
+        in_pieces = self._in_pieces(direction, after)
+        return plan_slots(tier, slots, buffer, direction, page_size, host_only=self.device is None, in_pieces=in_pieces)
+
+    def _in_pieces(self, direction: str, after: Any) -> InPieces | None:
+        """Which requests of this call are planned in pieces: from ``pieces_from`` pages, without
+        ``after=`` (one stream waits for it; the pieces go on the streams in turn), where the
+        backend gains from it (``CopyBackend.in_pieces``)."""
+        bound = self._pieces_from
+        if bound is None or after is not None:
+            return None
+        wants = self._backend.in_pieces
+        return lambda pages, page: pages >= bound and wants(direction, pages, pages * page)
 
     # -- requests made while the engine is busy: planned together, once per turn of the loop --
 

@@ -64,8 +64,9 @@ FIRST_PIECE = 1024
 """Pages in a request's first piece: the GPU starts after its short planning and issue."""
 
 PIECE = 8192
-"""Pages in a later piece (pieces double from ``FIRST_PIECE`` up to this): planned and issued in
-less time than the piece before takes to copy, on an H100's host, for pages of 4 KiB and up."""
+"""Pages in a later piece: pieces grow by half from ``FIRST_PIECE`` up to this. On an H100's host
+a page of 4 KiB takes about half as long to plan and issue as the kernel takes to copy it, so a
+piece twice the last would leave the GPU idle between pieces; one half as large again does not."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,9 @@ class Plan:
     jobs: int = 1
     """Copy calls whose copies this plan holds: more than one where the engine issues jobs
     queued together as one plan (``CopyBackend.coalesce``)."""
+    whole: tuple[int, int] | None = None
+    """A piece's request (``Pieces``), as ``(copies, bytes)``: a backend chooses the path of the
+    request, not of each piece. None: the plan is the whole request."""
 
     @property
     def count(self) -> int:
@@ -131,10 +135,20 @@ class Pieces:
         """One page per copy (the checks broadcast it)."""
         return self.page
 
+    def parts(self) -> list[slice]:
+        """The pieces: ``first`` pages, then each half as large again as the last, up to ``size``."""
+        out, start, length = [], 0, self.first
+        while start < self.requested:
+            out.append(slice(start, min(start + length, self.requested)))
+            start, length = out[-1].stop, min(length + length // 2, self.size)
+        return out
+
     def plans(self) -> Iterator[Plan]:
         """The pieces' plans, in order, each planned when asked for. The first counts the request
-        as a job (``Plan.jobs``), the others as none, so a request is one job in the figures."""
-        for i, part in enumerate(chunk_slices(self.requested, self.size, self.first)):
+        as a job (``Plan.jobs``), the others as none, so a request is one job in the figures;
+        each carries the request's size (``Plan.whole``)."""
+        whole = (self.requested, self.nbytes)
+        for i, part in enumerate(self.parts()):
             planned = plan(
                 self.dsts[part],
                 self.srcs[part],
@@ -144,7 +158,7 @@ class Pieces:
                 n=part.stop - part.start,
                 order_by=self.order_by,
             )
-            yield planned if i == 0 else replace(planned, jobs=0)
+            yield replace(planned, jobs=1 if i == 0 else 0, whole=whole)
 
 
 def refuse_repeats(values: U64, step: int) -> None:

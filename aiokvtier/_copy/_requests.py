@@ -26,7 +26,7 @@ import itertools
 import math
 import weakref
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .._host._tier import HostTier
 
 __all__ = [
+    "InPieces",
     "Pages",
     "buffer_addresses",
     "check_again",
@@ -432,6 +433,10 @@ otherwise (``checks_hold_until_snapshot`` false) is never recorded. Arrays in no
 memory, the caller's own) need nothing more."""
 
 
+InPieces = Callable[[int, int], bool]
+"""Whether a request of so many pages of so many bytes is planned in pieces (``Pieces``)."""
+
+
 def plan_slots(
     tier: HostTier,
     slots: Any,
@@ -440,13 +445,13 @@ def plan_slots(
     page_size: int | None,
     *,
     host_only: bool,
-    pieces_from: int | None = None,
+    in_pieces: InPieces | None = None,
 ) -> tuple[Plan | Pieces, list[Any]]:
     """Check a per-slot copy's two sides, then plan it in the host side's address order.
 
     ``direction`` is ``"h2d"`` (slots to ``buffer``) or ``"d2h"``; ``host_only``:
     a host-to-host engine (``buffer`` must lie in known regions). Returns the
-    plan and the regions whose close must wait for it. ``pieces_from``: see ``plan_side()``.
+    plan and the regions whose close must wait for it. ``in_pieces``: see ``plan_side()``.
 
     :raises CopyPlanError: a page larger than a slot, or (host-to-host) an address outside every region.
     :raises SlotError: a slot is not allocated, or (d2h) appears twice.
@@ -457,7 +462,7 @@ def plan_slots(
     page = tier.slot_size if page_size is None else positive_count(page_size, "page")
     _check_page(tier, page)  # before the addresses are located: a page of 2**64 does not fit numpy's uint64
     side = buffer_addresses(buffer, len(host), page, writable=direction == "h2d", host_only=host_only)
-    return plan_side(tier, host, side, direction, pieces_from=pieces_from)
+    return plan_side(tier, host, side, direction, in_pieces=in_pieces)
 
 
 def plan_slots_many(
@@ -514,13 +519,13 @@ def plan_slots_many(
 
 
 def plan_side(
-    tier: HostTier, host: U64, side: Pages, direction: str, *, pieces_from: int | None = None
+    tier: HostTier, host: U64, side: Pages, direction: str, *, in_pieces: InPieces | None = None
 ) -> tuple[Plan | Pieces, list[Any]]:
     """Plan a per-slot copy between the slots at ``host`` (``tier.slot_addresses``) and pages that
     ``buffer_addresses()`` checked (a subset of its addresses, in any order, stays checked).
 
-    ``pieces_from``: a request of at least so many pages is checked whole and returned as
-    ``Pieces``, planned where it is issued (None: always planned here).
+    ``in_pieces(pages, page)``: True for a request to check whole and return as ``Pieces``,
+    planned where it is issued (None: always planned here).
 
     :raises CopyPlanError: the side's page is larger than a slot.
     :raises ValueError: no slots, or not one address per slot.
@@ -536,7 +541,7 @@ def plan_side(
         check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
     owners = [tier, *(r for r in regions if r is not tier)]
     registration = tier.registrations_at
-    if pieces_from is not None and len(host) >= pieces_from:
+    if in_pieces is not None and in_pieces(len(host), page):
         if h2d:
             return Pieces(other, host, page, "src", src_reg=registration), owners
         refuse_repeats(host, tier.slot_size)  # the whole request's, before any piece is issued

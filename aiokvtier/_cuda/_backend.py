@@ -242,7 +242,17 @@ class CudaBackend(CopyBackend):
             self._sm.give_back(slab)
 
     def _wants_sm(self, plan: Plan, direction: str) -> bool:
-        return pick_method(self.method, self._crossover, direction, plan.dsts, plan.srcs, plan.sizes) == "sm"
+        chosen = pick_method(self.method, self._crossover, direction, plan.dsts, plan.srcs, plan.sizes, plan.whole)
+        return chosen == "sm"
+
+    def in_pieces(self, direction: str, count: int, nbytes: int) -> bool:
+        """Requests that go to the kernel: it copies a piece while the next is planned. The copy
+        engines' share of a request is held by the driver calls (~1 us a descriptor), which
+        already overlap the copy; planned in pieces it came out slower (docs/benchmarks.md)."""
+        if self._sm is None or self.method == "dma":
+            return False
+        crossover = self._crossover
+        return self.method == "sm" or (crossover is not None and crossover.choose(direction, count, nbytes) == "sm")
 
     def _launch_sm(self, plan: Plan, direction: str, stream: Any) -> Any:
         """Check the device side, then upload descriptors and launch (submit thread).

@@ -458,8 +458,17 @@ def device_side_problem(addrs: U64, sizes: U64, device: int) -> str | None:
 METHODS = ("auto", "dma", "sm")
 
 
-def pick_method(method: str, crossover: Crossover | None, direction: str, dsts: U64, srcs: U64, sizes: U64) -> str:
-    """``"sm"`` or ``"dma"`` for one planned request.
+def pick_method(
+    method: str,
+    crossover: Crossover | None,
+    direction: str,
+    dsts: U64,
+    srcs: U64,
+    sizes: U64,
+    whole: tuple[int, int] | None = None,
+) -> str:
+    """``"sm"`` or ``"dma"`` for one planned request (or a piece of one: ``whole`` is the request's
+    ``(copies, bytes)``, which the crossover is asked about).
 
     Raw copies (``direction="any"``) always go to the copy engines; ``"auto"`` sends to the
     kernel only requests whose every copy moves in 16-byte accesses, and only where the
@@ -471,4 +480,5 @@ def pick_method(method: str, crossover: Crossover | None, direction: str, dsts: 
         return "sm"
     if crossover is None or not vector_aligned(dsts, srcs, sizes):
         return "dma"
-    return crossover.choose(direction, int(dsts.shape[0]), int(sizes.sum()))
+    count, nbytes = (int(dsts.shape[0]), int(sizes.sum())) if whole is None else whole
+    return crossover.choose(direction, count, nbytes)
