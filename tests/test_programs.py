@@ -104,6 +104,41 @@ def test_host_benchmark_refuses_an_unknown_section() -> None:
     assert done.returncode != 0 and "unknown sections ['nope']" in done.stderr and "cold" in done.stderr
 
 
+HELP_CHECK = """
+import importlib, json, sys, threading
+from aiokvtier.bench.__main__ import _PROGRAMS, main, parse
+
+mode = sys.argv[1]
+try:
+    main([mode, "--help"])
+except SystemExit as exit:
+    code = exit.code
+loaded = sorted(m for m in sys.modules if m == "cuda" or m.startswith(("cuda.", "torch")))
+threads = threading.active_count()
+# The names as the program gets them: its sections(args) over the parsed command line (bench()).
+names = list(importlib.import_module(_PROGRAMS[mode], "aiokvtier.bench").sections(parse([mode], "bench")))
+print(json.dumps({"code": code, "cuda": loaded, "threads": threads, "names": names}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["host", "cuda", "store"])
+def test_bench_help_lists_every_section_it_runs_without_importing_cuda(mode: str) -> None:
+    """``bench MODE --help`` names each section ``--sections`` takes, in the order they run (read from the
+    table the program runs), and imports no CUDA binding and starts no thread to say so."""
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_CHECK, mode], capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    help_text, _, last = done.stdout.rstrip().rpartition("\n")
+    got = json.loads(last)
+    assert got["code"] == 0 and got["cuda"] == [] and got["threads"] == 1, got
+    assert len(got["names"]) > 1
+    option = re.search(r"\n  --sections .*?(?=\n  -|\n\n|$)", help_text, re.S)
+    assert option, help_text
+    listed = re.search(r"in this order: (.*?) \(default:", " ".join(option.group(0).split()))
+    assert listed and listed.group(1).split(", ") == got["names"], option.group(0)
+
+
 @pytest.mark.cuda
 def test_cuda_benchmark_copy_and_cold_sections_print_json_side_by_side() -> None:
     out = _run("-m", "aiokvtier.bench", "cuda", "--quick", "--sections", "copy_bandwidth", "cold")

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _regions
-from .._copy._requests import integers, stream_handle
+from .._copy._requests import integers, refuse_closed, stream_handle
 from .._errors import CopyPlanError, FillError, PoolError, PoolLostError, SlotError
 from .._host import _linux
 from .._host._rows import SMALL_ROW, memmove_all, rows_from_slots, rows_into_slots, runs
@@ -48,9 +48,9 @@ from .._host._slots import positive_count
 from .._host._statistics import TierStatistics
 from .._host._views import ViewLedger
 from .._lifecycle import Lifecycle, Owner, finish
-from .._regions import I64, U64, InflightCopies
+from .._regions import I64, U64, InflightCopies, epoch
 from .._store._result import StoreResult
-from .._store._transfers import Pages, host_pages
+from .._store._transfers import Pages, copy_tracked, host_pages, located_pages
 from . import _wire
 from ._events import EventFanout, PoolEvents
 from ._gpu import Registrations
@@ -987,6 +987,9 @@ class AttachedPool(Owner):
         :raises TypeError: a key that is not bytes-like or an int, a ``wait`` that is not a bool, or an
             ``after`` that is neither a stream nor an event.
         :raises PoolLostError: the owner went away (nothing of this call is visible then).
+        :raises CopyPlanError: a page lies in a region (a ``StaticHostMem``, a tier) that closed, or shrank
+            past it, while the call waited for the owner: nothing was copied from it, the keys claimed then
+            are given back (keys stored before the call waited for another process's store stay stored).
 
         Cancellation: the call returns once nothing reads the caller's pages;
         blocks whose copy had not landed are given up (never visible); a
@@ -1057,16 +1060,19 @@ class AttachedPool(Owner):
         try:
             if engine is not None:
                 if into.size:
-                    await self._copy_on(
-                        engine, into, pages.addresses[rows], pages.lengths[rows], to_slots=True, after=after
-                    )
+                    await self._copy_on(engine, into, pages.take(rows), pages.lengths[rows], to_slots=True, after=after)
             else:
+                since = epoch()
+                taken = pages.take(rows)
                 if array is not None and (rows.size == len(array) or array.shape[1] <= SMALL_ROW):
                     every = None if rows.size == len(array) else rows  # every row, in order: copied where it lies
                     job = partial(rows_into_slots, self._base, self._size, self._slot_size, into, array, every)
                 else:
-                    job = partial(memmove_all, runs(self._at(into), pages.addresses[rows], pages.lengths[rows]))
-                await finish(self._life.submit(job))  # the caller's pages are read until it lands
+                    job = partial(memmove_all, runs(self._at(into), taken.addresses, taken.lengths))
+                # Refused where the pages' region closed while the owner answered; the caller's pages are
+                # read until it lands, and their region's close waits for that.
+                at = partial(self._at, into)
+                await finish(copy_tracked(self._life, job, taken, taken.lengths, at, since, tier=None, into_slots=True))
             await self._request(_wire.COMMIT, {"claim": claim})
             committed = True
         finally:
@@ -1087,7 +1093,7 @@ class AttachedPool(Owner):
         if engine is None:
             if page is not None or after is not None:
                 raise ValueError("page= and after= go with engine= (GPU pages); host pages carry their lengths")
-            return host_pages(obj, n, writable=writable)
+            return located_pages(host_pages(obj, n, writable=writable))
         if self._device is None or engine.device != self._device:
             raise ValueError(
                 f"engine= copies GPU pages: this process attached with device={self._device}, the engine copies "
@@ -1095,7 +1101,8 @@ class AttachedPool(Owner):
             )
         if page is None:
             checked = engine.pages(obj, n, page=self._slot_size, writable=writable)
-            return Pages(checked.addresses, np.full(n, checked.page, dtype=np.uint64), [obj, checked], checked.page)
+            each = np.full(n, checked.page, dtype=np.uint64)
+            return Pages(checked.addresses, each, [obj, checked], checked.page, tuple(checked.regions))
         if hasattr(obj, "__cuda_array_interface__") or (isinstance(obj, np.ndarray) and obj.ndim != 1):
             raise ValueError("page= goes with pages given as addresses; an array's page is its row")
         lengths = integers([page] * n if np.ndim(page) == 0 else page, "page")  # one length: an int or a numpy scalar
@@ -1105,25 +1112,35 @@ class AttachedPool(Owner):
         if addresses.shape != (n,):
             raise ValueError(f"expected {n} integer addresses, got {addresses.size}")
         owners: list[Any] = [obj]
+        regions: dict[int, Any] = {}
         for size in np.unique(lengths).tolist():  # each length's pages checked as a CopyEngine checks one size
             same = addresses[lengths == size]
-            owners.append(engine.pages(same, len(same), page=size, writable=writable))
-        return Pages(addresses.view(np.uint64), lengths.view(np.uint64), owners, 0)
+            checked = engine.pages(same, len(same), page=size, writable=writable)
+            owners.append(checked)
+            regions.update((id(region), region) for region in checked.regions)
+        return Pages(addresses.view(np.uint64), lengths.view(np.uint64), owners, 0, tuple(regions.values()))
 
     def _at(self, slots: I64) -> U64:
         """The addresses of ``slots`` in this process's mapping."""
         return np.uint64(self._base) + slots.astype(np.uint64) * np.uint64(self._slot_size)
 
     async def _copy_on(
-        self, engine: CopyEngine, slots: I64, pages: U64, lengths: U64, *, to_slots: bool, after: Any = None
+        self, engine: CopyEngine, slots: I64, pages: Pages, lengths: U64, *, to_slots: bool, after: Any = None
     ) -> None:
-        """Copy between ``slots`` and device ``pages`` with ``engine``, once this process has registered
-        the slots' units (the owner hands out slots as its fill passes them; this process registers
-        them on its own worker, a little later)."""
+        """Copy ``lengths`` bytes between ``slots`` and the engine's ``pages`` with ``engine``, once this
+        process has registered the slots' units (the owner hands out slots as its fill passes them;
+        this process registers them on its own worker, a little later).
+
+        :raises CopyPlanError: a region the pages lay in when the call began closed since.
+        """
         end = (int(slots.max()) + 1) * self._slot_size
         await self.wait_resident(min(end, self._quota))
+        # A raw copy locates its spans afresh: pages whose region closed while the call waited would be
+        # taken for device memory.
+        refuse_closed(pages.regions)
         at = self._at(slots).tolist()
-        dst, src = (at, pages.tolist()) if to_slots else (pages.tolist(), at)
+        addresses = pages.addresses.tolist()
+        dst, src = (at, addresses) if to_slots else (addresses, at)
         # Returns once the GPU let go of the pages, also when the caller is cancelled.
         await engine.copy(list(zip(dst, src, lengths.tolist(), strict=True)), after=after)
 
@@ -1149,6 +1166,8 @@ class AttachedPool(Owner):
             all for one request (1 GiB) (nothing copied).
         :raises TypeError: an ``after`` that is neither a stream nor an event.
         :raises PoolLostError: the owner went away.
+        :raises CopyPlanError: a destination page lies in a region (a ``StaticHostMem``, a tier) that closed,
+            or shrank past it, while the call waited for the owner: nothing was copied (the blocks unpinned).
         """
         self._check_loop()
         given, fields, parts = self._keys(keys)
@@ -1169,14 +1188,17 @@ class AttachedPool(Owner):
                 )
             job: Callable[[], None]
             if engine is not None:
-                await self._copy_on(engine, slots, pages.addresses, lengths, to_slots=False, after=after)
+                await self._copy_on(engine, slots, pages, lengths, to_slots=False, after=after)
             else:
+                since = epoch()
                 width = int(lengths[0])
                 if isinstance(dst, np.ndarray) and width <= SMALL_ROW and bool((lengths == width).all()):
                     job = partial(rows_from_slots, self._base, self._size, self._slot_size, slots, dst, width)
                 else:
                     job = partial(memmove_all, runs(pages.addresses, self._at(slots), lengths))
-                await finish(self._life.submit(job))
+                # Refused where the pages' region closed while the owner answered (nothing written).
+                at = partial(self._at, slots)
+                await finish(copy_tracked(self._life, job, pages, lengths, at, since, tier=None, into_slots=False))
             loaded = True
         finally:
             if self._lost is None:

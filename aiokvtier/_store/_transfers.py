@@ -38,7 +38,7 @@ from .._copy._requests import (
 from .._errors import CopyPlanError
 from .._host._rows import memmove_all, rows_from_slots, rows_into_slots
 from .._lifecycle import Lifecycle, finish
-from .._regions import Landing, epoch
+from .._regions import Landing, Region, epoch
 from ._index import I64, NO_IDS, U64
 
 U8 = npt.NDArray[np.uint8]
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from .._copy._engine import CopyEngine
     from .._host._tier import HostTier
 
-__all__ = ["Pages", "Started", "Transfers", "host_pages", "landed_after"]
+__all__ = ["Pages", "Started", "Transfers", "copy_tracked", "host_pages", "landed_after", "located_pages"]
 
 
 class Pages(NamedTuple):
@@ -59,13 +59,14 @@ class Pages(NamedTuple):
     page: int = 0
     """The one length of every page (a CopyEngine's pages, checked by ``buffer_addresses``); 0: host pages."""
     regions: tuple[Any, ...] = ()
-    """Where a CopyEngine's page addresses lie (a StaticHostMem, a tier): owners the copy must outlive."""
+    """Where the pages lie (a StaticHostMem, a tier), located when the call began: owners the copy must
+    outlive, and whose close since refuses it."""
     array: U8 | None = None
     """Host pages given as the rows of one 2-D uint8 array: that array (copied as rows)."""
     rows: I64 | None = None
     """With ``array``: which of its rows the pages are, in order (None: every row)."""
     checked_at: tuple[int, object] | None = None
-    """A CopyEngine's pages: when their regions were checked (``CopyPages.checked_at``)."""
+    """When ``regions`` were located, where that holds until a region snapshots (``located()``)."""
 
     def take(self, ids: I64) -> Pages:
         rows = None if self.array is None else ids if self.rows is None else self.rows[ids]
@@ -79,6 +80,19 @@ class Pages(NamedTuple):
 
 Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
 """A queued copy: ``submitted`` (None: nothing to wait for) settles once it was issued, ``done`` once it landed."""
+
+
+def located_pages(pages: Pages) -> Pages:
+    """Host ``pages`` with the regions they lie in now (``located()``): a region among them that closes
+    while the call waits (for slots, another call's claim, an owner's answer) refuses the copy
+    (``copy_tracked``) rather than read or write memory it let go.
+
+    :raises CopyPlanError: a page runs into a region, or leaves one, or what it lies in is not committed.
+    """
+    if not len(pages.addresses):
+        return pages
+    regions, checked_at = located(pages.addresses, pages.lengths, known_only=False)
+    return pages._replace(regions=regions, checked_at=checked_at)
 
 
 def host_pages(obj: Any, n: int, *, writable: bool) -> Pages:
@@ -172,10 +186,7 @@ class Transfers:
                 raise ValueError(f"a page of {longest} bytes does not fit a {slot_size}-byte slot; nothing changed")
             if int(pages.lengths.min()) == 0:
                 raise ValueError("an empty page cannot be stored")
-        # Where the pages lie, now: a region among them that closes while the call waits (for slots,
-        # another call's claim) refuses the copy rather than read or write memory it let go.
-        regions, checked_at = located(pages.addresses, pages.lengths, known_only=False) if n else ((), None)
-        return pages._replace(regions=regions, checked_at=checked_at)
+        return located_pages(pages)
 
     def slots_under(self, pages: Pages) -> I64:
         """The tier slots the pages lie in, ascending (pages in the store's own tier)."""
@@ -264,31 +275,52 @@ class Transfers:
         *,
         into_slots: bool = True,
     ) -> asyncio.Future[None]:
-        """Run ``copy`` on the store's thread: a copy of ``lengths`` bytes between ``slots`` and the
-        caller's ``pages``, tracked as every copy over a region's memory is: by the tier, and by any
-        StaticHostMem or other tier that the pages lie in, for an array made over its memory keeps none
-        of it mapped. Their close and shrink wait until the thread let go (``landed_after``).
-        ``since``: ``epoch()`` before the slots were located.
+        """``copy_tracked`` on the store's thread, between the tier's ``slots`` and the caller's pages.
 
-        :raises CopyPlanError: a region the pages lay in when the call began closed since, or a page
-            lies in a region that is closing, or leaves it.
+        :raises CopyPlanError: as ``copy_tracked``.
         """
-        # Located when the call began; again where a region closed or shrank since (the pages may have
-        # left one), in the step that located the slots: every region met is open.
-        regions = located_again(pages.regions, pages.checked_at, pages.addresses, lengths, known_only=False)
-        done = self._tier.copies.begin()
-        try:
-            for region in regions:
-                if region is not self._tier:
-                    region.copies.track(done)
-            if epoch() != since:  # a region snapshotted meanwhile (from another loop's thread): again
-                at = self._tier.slot_addresses(slots)
-                dsts, srcs = (at, pages.addresses) if into_slots else (pages.addresses, at)
-                check_again(dsts, srcs, lengths, (self._tier, *regions))
-            return self._life.submit(landed_after, copy, done)
-        except BaseException:
-            done.set()
-            raise
+        tier = self._tier
+        at = partial(tier.slot_addresses, slots)
+        return copy_tracked(self._life, copy, pages, lengths, at, since, tier=tier, into_slots=into_slots)
+
+
+def copy_tracked(
+    life: Lifecycle,
+    copy: Callable[[], None],
+    pages: Pages,
+    lengths: U64,
+    slot_addresses: Callable[[], U64],
+    since: int,
+    *,
+    tier: Region | None,
+    into_slots: bool,
+) -> asyncio.Future[None]:
+    """Run ``copy`` on the worker of ``life``: a copy of ``lengths`` bytes between slots (at
+    ``slot_addresses()``) and the caller's host ``pages`` (``located_pages``), tracked as every copy
+    over a region's memory is: by ``tier`` (the slots' region, None where they lie in none), and by
+    any StaticHostMem or other tier that the pages lie in, for an array made over its memory keeps
+    none of it mapped. Their close and shrink wait until the thread let go (``landed_after``).
+    ``since``: ``epoch()`` before the slots were located. On the loop, in one step.
+
+    :raises CopyPlanError: a region the pages lay in when the call began closed since, or a page
+        lies in a region that is closing, or leaves it.
+    """
+    # Located when the call began; again where a region closed or shrank since (the pages may have
+    # left one), in the step that located the slots: every region met is open.
+    regions = located_again(pages.regions, pages.checked_at, pages.addresses, lengths, known_only=False)
+    done = Landing() if tier is None else tier.copies.begin()
+    try:
+        for region in regions:
+            if region is not tier:
+                region.copies.track(done)
+        if epoch() != since:  # a region snapshotted meanwhile (from another loop's thread): again
+            at = slot_addresses()
+            dsts, srcs = (at, pages.addresses) if into_slots else (pages.addresses, at)
+            check_again(dsts, srcs, lengths, regions if tier is None else (tier, *regions))
+        return life.submit(landed_after, copy, done)
+    except BaseException:
+        done.set()
+        raise
 
 
 def landed_after(copy: Callable[[], None], done: Landing) -> None:

@@ -40,7 +40,37 @@ def _mib(text: str) -> float:
     return value
 
 
-_SECTIONS_HELP = "run only these parts, in this order (default: {}); an unknown name is refused with the list"
+def _sections_help(default: str, names: list[str] | None = None) -> str:
+    listed = "" if names is None else f": {', '.join(names)}"
+    return f"run only these parts, in this order{listed} (default: {default}); any other name is refused"
+
+
+class _ModeParser(Parser):
+    """A mode's parser, whose help names the sections ``--sections`` takes: read when the help is
+    shown, from the table the mode's program runs (``section_names``), so that a parse imports no
+    program and the list cannot drift from what runs.
+
+    :param mode: the mode (``host``, ``cuda``, ...).
+    """
+
+    def __init__(self, *args: Any, mode: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._mode = mode
+        self._sections: str | None = None
+
+    def add_sections(self, default: str) -> None:
+        """Add ``--sections``; ``default``: what runs without it, in words."""
+        self.add_argument("--sections", nargs="+", help=_sections_help(default))
+        self._sections = default
+
+    def format_help(self) -> str:
+        if self._sections is not None:
+            names = section_names(self._mode)
+            for action in self._actions:
+                if action.dest == "sections":
+                    action.help = _sections_help(self._sections, names)
+        return super().format_help()
+
 
 # Options whose default depends on --quick: (default, with --quick). --quick runs every section at small
 # sizes, in seconds; an option given on the command line wins over both.
@@ -113,10 +143,11 @@ def _cold_options(parser: argparse.ArgumentParser, table: dict[str, tuple[Any, A
 
 def build_parser(prog: str) -> Parser:
     parser = Parser(prog=prog, description="Benchmark programs: each prints one JSON document on stdout.")
-    sub = parser.add_subparsers(dest="mode", metavar="MODE", parser_class=Parser)
+    sub = parser.add_subparsers(dest="mode", metavar="MODE", parser_class=_ModeParser)
     t = _HOST_DEFAULTS
     host = sub.add_parser(
         "host",
+        mode="host",
         help="progressive host tier vs making memory resident up front",
         description="The host tier against making memory resident up front. The defaults take minutes and fill\n"
         "up to 16 GiB at a time; --quick takes seconds. Progress goes to stderr, the JSON to stdout.",
@@ -136,7 +167,7 @@ def build_parser(prog: str) -> Parser:
     host.add_argument(
         "--repeats", type=_count, help=f"runs per measurement (the median is reported) {_default(t, 'repeats')}"
     )
-    host.add_argument("--sections", nargs="+", help=_SECTIONS_HELP.format("all but thp_auto"))
+    host.add_sections("all but thp_auto")
     fill = host.add_argument_group("neighbours, fill_scaling, busy_loop and thp_auto sections")
     fill.add_argument("--gib", type=_gib, help=f"GiB each fill makes resident {_default(t, 'gib')}")
     fill.add_argument("--settle", type=seconds(), help=f"seconds of rest after each free {_default(t, 'settle')}")
@@ -164,11 +195,12 @@ def build_parser(prog: str) -> Parser:
     t = _CUDA_DEFAULTS
     cuda = sub.add_parser(
         "cuda",
+        mode="cuda",
         help="CUDA backings and copies (needs a GPU and the cuda extra)",
         description="GPU backings and copies on a CUDA machine. Progress goes to stderr, the JSON to stdout.",
     )
     _quick(cuda, "to check the program runs here")
-    cuda.add_argument("--sections", nargs="+", help=_SECTIONS_HELP.format("all"))
+    cuda.add_sections("all")
     _cold_options(cuda, t)
     full = cuda.add_argument_group("full_tier section")
     full.add_argument("--full-gib", type=_gib, help=f"GiB of the tier made wholly resident {_default(t, 'full_gib')}")
@@ -180,14 +212,13 @@ def build_parser(prog: str) -> Parser:
     )
     store = sub.add_parser(
         "store",
+        mode="store",
         help="the BlockStore: lookups, bookkeeping, copies, hit rates",
         description="The BlockStore beside the plain structure or copy it wraps. Progress goes to stderr, "
         "the JSON to stdout.",
     )
     _quick(store, "to check the program runs here")
-    store.add_argument(
-        "--sections", nargs="+", help=_SECTIONS_HELP.format("all but shared and prefix (a part of tiers)")
-    )
+    store.add_sections("all but shared and prefix (a part of tiers)")
     store.add_argument("--repeats", type=_count, help=f"rounds per copy arm {_default(_STORE_DEFAULTS, 'repeats')}")
     store.add_argument(
         "--disk-path",
@@ -197,6 +228,7 @@ def build_parser(prog: str) -> Parser:
     )
     ranks = sub.add_parser(
         "ranks",
+        mode="ranks",
         help="one rank per GPU filling at once (needs a GPU and the cuda extra)",
         description="One rank per visible GPU, each filling its own GPU's tier. Progress goes to stderr, "
         "the JSON to stdout.",
@@ -208,6 +240,25 @@ def build_parser(prog: str) -> Parser:
 
 _PROGRAMS = {"host": "._host", "cuda": "._cuda", "store": "._store", "ranks": "._cuda"}
 """The module of each mode: its ``sections(args)`` and ``run(args)`` (``run_ranks`` for ranks)."""
+_DEFAULTS = {"host": _HOST_DEFAULTS, "cuda": _CUDA_DEFAULTS, "store": _STORE_DEFAULTS, "ranks": _RANKS_DEFAULTS}
+
+
+def parse(argv: list[str], prog: str) -> argparse.Namespace:
+    """The command line, with each default that depends on ``--quick`` resolved (``mode`` None: no mode).
+
+    :raises UsageError: a bad value or option.
+    """
+    args = build_parser(prog).parse_args(argv)
+    if args.mode is not None:
+        _resolve(args, _DEFAULTS[args.mode])
+    return args
+
+
+def section_names(mode: str) -> list[str]:
+    """The names ``--sections`` takes for ``mode``, in their order: the keys of its program's
+    ``sections(args)`` over the defaults (building that table runs nothing and touches no GPU)."""
+    program = importlib.import_module(_PROGRAMS[mode], __package__)
+    return list(program.sections(parse([mode], "bench")))
 
 
 def _needs_cuda(mode: str) -> None:
@@ -220,14 +271,10 @@ def bench(argv: list[str], prog: str) -> int:
 
     :raises UsageError: a bad value, an unknown section, or a CUDA mode without a device.
     """
-    parser = build_parser(prog)
-    args = parser.parse_args(argv)
+    args = parse(argv, prog)
     if args.mode is None:
-        print(parser.format_help(), file=sys.stderr, end="")
+        print(build_parser(prog).format_help(), file=sys.stderr, end="")
         return 2
-    _resolve(
-        args, {"host": _HOST_DEFAULTS, "cuda": _CUDA_DEFAULTS, "store": _STORE_DEFAULTS}.get(args.mode, _RANKS_DEFAULTS)
-    )
     from ._common import UnknownSections, check_sections, machine
 
     program = importlib.import_module(_PROGRAMS[args.mode], __package__)
