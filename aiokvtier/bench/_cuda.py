@@ -19,6 +19,7 @@ from .._cuda._static import StaticHostMem
 from .._host._tier import HostTier
 from . import _cold, _requests, _sm
 from ._common import GiB, MiB, loop_factories, median, record_fill, run_on, run_sections, sample_loop_lag, summary_ms
+from ._pool_probe import pool_contention
 from ._probe import Probe
 
 
@@ -435,6 +436,7 @@ def sections(args: Any) -> dict[str, Callable[[], Any]]:
         "executor_responsiveness": lambda: {
             "1_process": contention(1, (1 if quick else 8) * GiB),
             "8_processes": contention(8, (1 if quick else 6) * GiB),
+            "8_processes_one_pool": pool_contention(8, (1 if quick else 48) * GiB, "host"),
         },
         "cold": lambda: _cold.section(args, ["host", "register", "vmm"], cuda=True),
     }
