@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any
 
 import pytest
 
 from aiokvtier.bench._pool_probe import GOAL_BLOCKED_FRACTION, GOAL_GIB_S, GOAL_WORST_STALL_MS, pool_contention
+from aiokvtier.bench._probe import Probe
 
 from .test_programs import _run
 
@@ -93,6 +95,24 @@ def _check(report: dict[str, Any], processes: int, size: int, registered: int) -
     meets = usable >= 12 and report["worst_stall_ms"] <= 20 and report["blocked_fraction_max"] <= 0.05
     assert report["meets_goal"] is meets
     assert math.isfinite(json.loads(json.dumps(report))["wall_s"])
+
+
+def test_the_probe_reports_the_calls_of_its_window_and_those_after_it_apart() -> None:
+    probe = Probe(None)  # never started: its samples are set here
+    probe.starts, probe.samples = [0.0, 1.0, 1.5, 3.0], [0.5, 0.1, 0.2, 0.3]
+    row = probe.report(1.0, 1.0)  # the call at 0.0 came before the window: left out
+    assert row == {"blocked_fraction": 0.3, "p99_ms": pytest.approx(199.0), "worst_stall_ms": 200.0,
+                   "after_worst_stall_ms": 300.0}  # fmt: skip
+    assert probe.report(4.0)["worst_stall_ms"] == 500.0  # no window: every call
+
+
+def test_the_probe_without_a_device_times_a_call_that_does_nothing() -> None:
+    deadline = time.monotonic() + 30  # a probe thread that died must fail the test, not hang it
+    with Probe(None) as probe:
+        while len(probe.samples) < 5 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    assert len(probe.samples) == len(probe.starts) >= 5
+    assert probe.report(1.0)["worst_stall_ms"] >= 0
 
 
 def test_processes_attached_to_one_pool_report_every_figure_without_a_device() -> None:

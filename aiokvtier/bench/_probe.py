@@ -61,12 +61,13 @@ class Probe:
 
     def report(self, wall: float, started: float | None = None) -> dict[str, float]:
         """The calls of the ``wall`` seconds from ``started`` (default: every call); those that began
-        after that window (a tier's close: unregistering, unmapping) as ``after_*``."""
+        after that window (a tier's close: unregistering, unmapping) as ``after_*``, those before it
+        (a probe started early, waiting for the others) not at all."""
         if started is None:
             s, rest = self.samples, []
         else:
             end = started + wall
-            s = [d for t, d in zip(self.starts, self.samples, strict=True) if t < end]
+            s = [d for t, d in zip(self.starts, self.samples, strict=True) if started <= t < end]
             rest = [d for t, d in zip(self.starts, self.samples, strict=True) if t >= end]
         row = {
             "blocked_fraction": round(sum(s) / wall, 4) if wall else 0.0,
