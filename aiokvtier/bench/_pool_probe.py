@@ -94,13 +94,13 @@ def _attached(rank: int, path: str, device: int | None, go: Any, out: Any) -> No
     """A spawned process: its CUDA context and probe, then, at ``go``, the attach (``_attach``)."""
     try:
         ctx: PrimaryContext | None = None
-        dptr = 0
+        dptr: Any = 0
         if device is not None:
             ctx = PrimaryContext(device)
             ctx.make_current()
-            dptr = int(check("cuMemAlloc", driver().cuMemAlloc(1 << 20)))
+            dptr = check("cuMemAlloc", driver().cuMemAlloc(1 << 20))
         try:
-            with Probe(ctx, dptr) as probe:
+            with Probe(ctx, dptr) as probe:  # running before the window: its report leaves those calls out
                 out.put(("ready", rank, None))
                 if not go.wait(READY_TIMEOUT_S + RUN_TIMEOUT_S):
                     raise TimeoutError("the owner never opened the pool")
