@@ -31,7 +31,7 @@ from aiokvtier import HostTier, HostTierConfig
 from aiokvtier._cuda import _backings
 from aiokvtier._cuda._driver import PrimaryContext, check, driver
 from aiokvtier.bench._common import machine
-from aiokvtier.bench._cuda import Probe
+from aiokvtier.bench._probe import Probe
 
 GiB, MiB = 1 << 30, 1 << 20
 

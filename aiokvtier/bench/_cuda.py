@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +19,8 @@ from .._cuda._static import StaticHostMem
 from .._host._tier import HostTier
 from . import _cold, _requests, _sm
 from ._common import GiB, MiB, loop_factories, median, record_fill, run_on, run_sections, sample_loop_lag, summary_ms
+from ._pool_probe import pool_contention
+from ._probe import Probe
 
 
 def _cfg(size: int, backing: str, threads: int | None = 1, slot: int = 2 * MiB, device: int = 0) -> HostTierConfig:
@@ -119,55 +120,6 @@ def fill_progress(size: int) -> dict[str, Any]:
 
 
 # -- 2./3. fill throughput with a probe thread ----------------------------------------
-
-
-class Probe:
-    """Times ``cuPointerGetAttribute`` every millisecond on its own thread."""
-
-    def __init__(self, ctx: PrimaryContext, dptr: int) -> None:
-        self._ctx, self._dptr = ctx, dptr
-        self.samples: list[float] = []
-        self.starts: list[float] = []
-        """``time.perf_counter()`` at each sample's call, for placing a stall among other events."""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        drv = driver()
-        self._ctx.make_current()
-        attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            drv.cuPointerGetAttribute(attr, self._dptr)
-            self.samples.append(time.perf_counter() - t0)
-            self.starts.append(t0)
-            time.sleep(0.001)
-
-    def __enter__(self) -> Probe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def report(self, wall: float, started: float | None = None) -> dict[str, float]:
-        """The calls of the ``wall`` seconds from ``started`` (default: every call); those that began
-        after that window (a tier's close: unregistering, unmapping) as ``after_*``."""
-        if started is None:
-            s, rest = self.samples, []
-        else:
-            end = started + wall
-            s = [d for t, d in zip(self.starts, self.samples, strict=True) if t < end]
-            rest = [d for t, d in zip(self.starts, self.samples, strict=True) if t >= end]
-        row = {
-            "blocked_fraction": round(sum(s) / wall, 4) if wall else 0.0,
-            "p99_ms": round(float(np.percentile(s, 99)) * 1e3, 3) if s else 0.0,
-            "worst_stall_ms": round(max(s) * 1e3, 3) if s else 0.0,
-        }
-        if started is not None:
-            row["after_worst_stall_ms"] = round(max(rest) * 1e3, 3) if rest else 0.0
-        return row
 
 
 async def _fill(
@@ -484,6 +436,7 @@ def sections(args: Any) -> dict[str, Callable[[], Any]]:
         "executor_responsiveness": lambda: {
             "1_process": contention(1, (1 if quick else 8) * GiB),
             "8_processes": contention(8, (1 if quick else 6) * GiB),
+            "8_processes_one_pool": pool_contention(8, (1 if quick else 48) * GiB, "host"),
         },
         "cold": lambda: _cold.section(args, ["host", "register", "vmm"], cuda=True),
     }
