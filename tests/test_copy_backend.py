@@ -563,31 +563,31 @@ async def test_auto_sends_pages_to_the_kernel_and_falls_back_to_the_copy_engines
 async def test_a_request_for_the_kernel_goes_in_pieces_on_the_streams_in_turn(
     model_driver: ModelDriver, model_sm: dict[str, str | None]
 ) -> None:
-    """``pieces_from``: a request the kernel takes is launched piece by piece (1,024, 1,536, 440 pages),
+    """``pieces_from``: a request the kernel takes is launched piece by piece (4,096, then 4,904 pages),
     each with its event, on the streams in turn, and its caller returns once every piece's event was
     waited for; the copy engines' requests and those below ``pieces_from`` go whole."""
     model = model_driver
     page = 4 * KiB
     async with HostTier(small_config(slot_size=page)) as tier:
         await tier.wait_resident()
-        slots = await tier.allocate(3000)
-        every_other = [DEVICE + 2 * i * page for i in range(3000)]  # nothing merges
+        slots = await tier.allocate(9000)
+        every_other = [DEVICE + 2 * i * page for i in range(9000)]  # nothing merges
         kernel = {"h2d": 64 * KiB, "d2h": 64 * KiB}
-        async with CopyEngine(0, crossover=kernel, pieces_from=2048) as engine:
+        async with CopyEngine(0, crossover=kernel, pieces_from=8192) as engine:
             sm = ModelSmPath.made[-1]
             records = len([r for r in model.log if r[0] == "record"])
             await bounded(engine.to_device(tier, slots, every_other))
-            assert sm.launched == [1024, 1536, 440] and sm.out == 0 and ModelBatch.calls == []
+            assert sm.launched == [4096, 4904] and sm.out == 0 and ModelBatch.calls == []
             made = [(e, s) for kind, e, s, *_ in model.log[records:] if kind == "record"]
-            assert len(made) == 3 and made[0][1] == made[2][1] != made[1][1]
+            assert len(made) == 2 and made[0][1] != made[1][1]
             await bounded(engine.to_host(tier, slots[:100], every_other[:100]))  # below pieces_from: one launch
-            assert sm.launched == [1024, 1536, 440, 100]
+            assert sm.launched == [4096, 4904, 100]
             stats = engine.statistics()
             assert stats.jobs_in_pieces == 1 and stats.jobs_completed == 2
             assert stats.jobs_by_method == {"sm": 2, "dma": 0}
-        async with CopyEngine(0, method="dma", pieces_from=2048) as dma:
+        async with CopyEngine(0, method="dma", pieces_from=8192) as dma:
             await bounded(dma.to_device(tier, slots, every_other))
-            assert dma.statistics().jobs_in_pieces == 0 and sum(n for _, n, _ in ModelBatch.calls) == 3000
+            assert dma.statistics().jobs_in_pieces == 0 and sum(n for _, n, _ in ModelBatch.calls) == 9000
 
 
 async def test_sm_refuses_a_device_side_it_cannot_reach(model_sm: dict[str, str | None]) -> None:

@@ -25,7 +25,7 @@ PAGE = 4 * KiB
 SLOTS = 16384
 """A 64 MiB tier of 4 KiB slots: a request of every slot is six pieces, each half as large again as
 the last (``SIZES``)."""
-SIZES = [1024, 1536, 2304, 3456, 5184, 2880]
+SIZES = [4096, 6144, 6144]
 N = len(SIZES)
 HANG = 20.0
 

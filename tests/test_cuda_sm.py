@@ -69,7 +69,7 @@ async def test_bit_exact_shuffled_and_unit_edges(backing: str, method: str, page
 @pytest.mark.parametrize("method", ["auto", *METHODS])
 @pytest.mark.parametrize("backing", BACKINGS)
 async def test_a_request_in_pieces_is_bit_exact_both_ways(backing: str, method: str) -> None:
-    """Every 4 KiB slot of a 128 MiB tier, shuffled (32,768 pages: for the kernel, pieces from 1,024
+    """Every 4 KiB slot of a 128 MiB tier, shuffled (32,768 pages: for the kernel, pieces from 4,096
     pages growing to 8,192, on the streams in turn; whole for the copy engines), to the GPU and back
     in another order, beside the same request planned whole."""
     torch = torch_cuda()

@@ -257,7 +257,7 @@ class CopyEngine(Owner):
         configure the default backend only.
     :param pieces_from: a request of at least this many pages (``to_device``, ``to_host``,
         ``begin``, ``start``; without ``after=``) that the SM kernel copies is checked whole
-        when it is made, then planned and issued in pieces (1,024 pages, each piece half as
+        when it is made, then planned and issued in pieces (4,096 pages, each piece half as
         large again as the last, up to 8,192) by the submit thread, so the GPU copies one
         piece while the next is planned; its caller still awaits one copy, settled once
         every piece landed. None: every request planned whole on the caller's loop. The
