@@ -195,6 +195,11 @@ GPU_UNIT = 64 * MiB
 """The default commit unit of the GPU-usable backings (see ``HostTierConfig.commit_unit``)."""
 
 
+def gpu_unit(slot: int) -> int:
+    """``GPU_UNIT`` rounded to a whole number of ``slot``-byte slots (at least one)."""
+    return max(1, round(GPU_UNIT / slot)) * slot
+
+
 class HostTierConfig(_Frozen):
     """The host tier: a progressively filled, slot-addressed range of CPU memory.
 
@@ -357,8 +362,7 @@ class HostTierConfig(_Frozen):
             # pins or maps a unit: with 512 MiB units another thread's mmap waited 12 ms (p99,
             # register) and 11 ms (vmm) on the H200, with 64 MiB ones 1.5-1.7 ms, at the same
             # fill rate (docs/benchmarks.md, neighbours).
-            slot = int(self.slot_size)
-            self.__dict__["commit_unit"] = ByteSize(max(1, round(GPU_UNIT / slot)) * slot)
+            self.__dict__["commit_unit"] = ByteSize(gpu_unit(int(self.slot_size)))
         return self
 
     @property

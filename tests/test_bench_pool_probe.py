@@ -120,7 +120,7 @@ def test_processes_attached_to_one_pool_report_every_figure_without_a_device() -
     report = pool_contention(2, size, "host", device=None)
     _check(report, 2, size, registered=0)
     assert report["owner_backing"] == "host" and report["device"] is None
-    assert report["slot_kib"] == 64 and report["commit_unit_mib"] == 512  # as the pool command opens it
+    assert report["slot_kib"] == 64 and report["commit_unit_mib"] == 64  # as the pool command opens it
     assert report["registered_everywhere"] is False  # nothing registers without a device
 
 

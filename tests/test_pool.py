@@ -183,6 +183,23 @@ async def test_attach_allocates_frees_and_sees_the_shared_statistics(sock: str) 
         assert pool.tier.statistics().slots_allocated == 0  # an exit gives its slots back
 
 
+@pytest.mark.parametrize(
+    ("named", "unit"),
+    [({}, 64 << 20), ({"commit_unit": "16MiB"}, 16 << 20), ({"fill_chunk": "32MiB"}, 32 << 20)],
+    ids=["default", "commit_unit", "fill_chunk"],
+)
+async def test_a_host_pool_takes_a_gpu_usable_tiers_unit_unless_its_config_names_one(
+    sock: str, named: dict[str, str], unit: int
+) -> None:
+    """Attached processes register the pool unit by unit: a host pool's default unit is 64 MiB (a host
+    tier's is 512 MiB), and a unit or fill chunk the config names is kept."""
+    config = {"quota": "128MiB", "max_quota": "1GiB", "slot_size": "64KiB", **named}
+    assert HostTier(config).config.resolved.commit_unit == (512 << 20 if not named else unit)
+    async with Pool(config, sock) as pool:
+        assert pool.tier.config.resolved.commit_unit == unit
+        assert pool.tier.config.resolved.quota == 128 << 20 and pool.tier.config.resolved.max_quota == 1 << 30
+
+
 async def test_an_attached_process_waits_for_the_owners_watermark(sock: str, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = PopulateGate(_linux.populate_write)
     monkeypatch.setattr(_linux, "populate_write", gate)

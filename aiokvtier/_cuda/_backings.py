@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from .._config import ResolvedHostConfig
 from .._errors import CudaError, NumaPolicyError
@@ -19,9 +20,11 @@ from .._host._backing import Backing, HostBacking
 from .._host._shared import SharedBacking
 from ._driver import CU_MEMHOSTREGISTER_PORTABLE, PrimaryContext, check, driver
 
-__all__ = ["RegisterBacking", "SharedRegisterBacking", "VmmBacking", "make_backing"]
+__all__ = ["RegisterBacking", "SharedRegisterBacking", "VmmBacking", "make_backing", "paced"]
 
 log = logging.getLogger("aiokvtier")
+
+T = TypeVar("T")
 
 # One registration at a time in the process, and a moment with the driver free
 # after each, so a CUDA call that waited gets in before the next registration. The
@@ -31,6 +34,16 @@ log = logging.getLogger("aiokvtier")
 # rate; benchmarks/register_stalls.py). Touching the pages stays parallel.
 _REGISTERING = threading.Lock()
 _REGISTER_GAP_S = 0.0002
+
+
+def paced(call: Callable[..., T], *args: Any) -> T:
+    """``call(*args)``, a registration or unregistration, one at a time in the process, then the
+    driver left free for a moment (``_REGISTER_GAP_S``); returns what the driver call returned."""
+    with _REGISTERING:
+        result = call(*args)
+        if _REGISTER_GAP_S:
+            time.sleep(_REGISTER_GAP_S)
+    return result
 
 
 if TYPE_CHECKING:
@@ -71,10 +84,8 @@ class _Registering(_Below):
             raise
 
     def _host_register(self, offset: int, length: int) -> None:
-        with _REGISTERING:
-            result = driver().cuMemHostRegister(self.base + offset, length, CU_MEMHOSTREGISTER_PORTABLE)
-            if _REGISTER_GAP_S:
-                time.sleep(_REGISTER_GAP_S)
+        address = self.base + offset
+        result = paced(driver().cuMemHostRegister, address, length, CU_MEMHOSTREGISTER_PORTABLE)
         check("cuMemHostRegister", result)
         with self._lock:
             self._registered[offset] = length
@@ -83,10 +94,8 @@ class _Registering(_Below):
     def _host_unregister(self, offset: int) -> None:
         # Paced like registrations: a close that unregistered a 96 GiB tier's units back to back
         # kept other CUDA calls of the process out for 0.27 s (benchmarks/register_stalls.py).
-        with _REGISTERING:
-            result = driver().cuMemHostUnregister(self.base + offset)
-            if _REGISTER_GAP_S:
-                time.sleep(_REGISTER_GAP_S)
+        address = self.base + offset
+        result = paced(driver().cuMemHostUnregister, address)
         check("cuMemHostUnregister", result)
         with self._lock:
             self.registered_bytes -= self._registered.pop(offset)

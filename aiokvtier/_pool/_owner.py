@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._config import HostTierConfig
+from .._config import HostTierConfig, gpu_unit
 from .._errors import ConfigError, FillError, OutOfSlots, PoolError, SlotError, TierClosedError, WouldBlock
 from .._host._shared import SharedBackings
 from .._host._statistics import TierStatistics
@@ -110,6 +110,18 @@ def _peer_pid(conn: socket.socket) -> int:
     return pid
 
 
+def _shared_units(config: HostTierConfig) -> HostTierConfig:
+    """A host-backed pool's config with a GPU-usable tier's commit unit, unless it names one (or a
+    fill chunk): every process attached with ``device=`` registers the pool unit by unit, and a
+    registration of 512 MiB (a host tier's default unit) holds that process's other CUDA calls
+    eight times as long as one of 64 MiB (docs/benchmarks.md, executor_responsiveness)."""
+    if config.resolved_backing != "host" or {"commit_unit", "fill_chunk"} & config.model_fields_set:
+        return config
+    values = config.model_dump(exclude_unset=True)
+    values["commit_unit"] = gpu_unit(int(config.slot_size))
+    return HostTierConfig.model_validate(values)
+
+
 class Pool(Owner):
     """A host tier shared by every process that attaches to it, and a block store they share.
 
@@ -137,7 +149,9 @@ class Pool(Owner):
     """
 
     def __init__(self, config: HostTierConfig | Mapping[str, Any], path: str | os.PathLike[str], *, mode: int = 0o600):
-        self._config = config if isinstance(config, HostTierConfig) else HostTierConfig.model_validate(config)
+        self._config = _shared_units(
+            config if isinstance(config, HostTierConfig) else HostTierConfig.model_validate(config)
+        )
         backing = self._config.resolved_backing
         if backing == "vmm":
             raise ConfigError(

@@ -148,7 +148,8 @@ async def _own(config: HostTierConfig, path: str, go: Any, out: Any, procs: list
         await pool.tier.wait_resident()
         filled_at = _clock()
         reports = await asyncio.to_thread(_collect, out, procs, "report", RUN_TIMEOUT_S)
-    return {"opened_at": opened_at, "owner_fill_s": filled_at - opened_at, "reports": reports}
+        unit = pool.tier.config.resolved.commit_unit
+    return {"opened_at": opened_at, "owner_fill_s": filled_at - opened_at, "reports": reports, "unit": unit}
 
 
 def _owner_config(
@@ -181,7 +182,7 @@ def pool_contention(
     the whole pool GPU-usable in its own context on ``device`` (None: no CUDA, host figures only).
 
     ``backing`` is the owner's: ``"host"`` (it registers nothing) or ``"register"`` (it registers too,
-    with ``device``). ``commit_unit`` None: the config's default (512 MiB for a host pool, as the
+    with ``device``). ``commit_unit`` None: the pool's default (64 MiB, a GPU-usable tier's, as the
     ``aiokvtier pool`` command has it); attached processes register the owner's units.
 
     :raises RuntimeError: an attached process failed or exited early.
@@ -227,7 +228,7 @@ def _summary(
         "owner_backing": config.resolved_backing,
         "device": device,
         "slot_kib": config.resolved.slot_size // 1024,
-        "commit_unit_mib": config.resolved.commit_unit / MiB,
+        "commit_unit_mib": owned["unit"] / MiB,
         "owner_fill_s": round(owned["owner_fill_s"], 4),
         "wall_s": round(wall, 4),
         "pool_usable_everywhere_gib_s": round(usable_gib_s, 3),
