@@ -319,7 +319,11 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         lo = int(addrs.min()) if n else 0
         if lo < 0:
             raise ValueError(f"address {int(addrs[addrs < 0][0])} is negative")
-        unsigned = addrs.view(np.uint64)
+        # The caller's own int64 array comes back as it is: copied, so that the addresses checked are
+        # the ones copied, whatever the caller writes there later (a request in pieces, or pages
+        # started later, reads them after the call has returned).
+        shared = isinstance(obj, np.ndarray) and np.may_share_memory(addrs, obj)
+        unsigned = addrs.astype(np.uint64) if shared else addrs.view(np.uint64)
         # Located with a device too: a staging buffer or tier named by address is an owner whose
         # close must wait for the DMA, and a page leaving it is refused, as in a raw copy. Device
         # memory meets no region: no owners.
