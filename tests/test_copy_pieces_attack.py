@@ -703,3 +703,25 @@ async def test_a_refused_launch_of_a_later_piece_fails_its_request_after_the_pie
                     await bounded(engine.to_host(tier, slots, spread))
             assert sm.launched == SIZES[:2] and sm.out == 0
             settled(engine, tier)
+
+
+@pytest.mark.usefixtures("model_sm")
+async def test_a_request_the_kernel_cannot_take_goes_whole_to_the_copy_engines() -> None:
+    """``"auto"`` sends to the kernel only what it moves in 16-byte accesses: a request of odd
+    addresses or pages goes to the copy engines, whole (before the fix, in pieces: a driver call
+    of 128 descriptors again at each piece, 14 calls where the whole takes 11)."""
+    async with HostTier(_config()) as tier:
+        await tier.wait_resident()
+        slots = await allocated(tier, 9000)
+        even = [DEVICE + 2 * i * PAGE for i in range(9000)]
+        async with CopyEngine(0, crossover={"h2d": 64 * KiB, "d2h": 64 * KiB}) as engine:
+            sm = ModelSmPath.made[-1]
+            await bounded(engine.to_device(tier, slots, [a + 8 for a in even]))  # odd addresses
+            await bounded(engine.to_host(tier, slots, even, page=PAGE - 8))  # odd pages
+            assert sm.launched == [] and sum(n for _, n, _ in ModelBatch.calls) == 2 * 9000
+            assert len(ModelBatch.calls) == 2 * 11
+            await bounded(engine.to_host(tier, slots, even))  # the kernel's: in pieces
+            assert sm.launched == [4096, 4904]
+            stats = engine.statistics()
+            assert stats.jobs_in_pieces == 1 and stats.jobs_by_method == {"sm": 1, "dma": 2}
+            settled(engine, tier)

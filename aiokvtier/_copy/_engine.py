@@ -638,7 +638,7 @@ class CopyEngine(Owner):
         if bound is None or after is not None:
             return None
         wants = self._backend.in_pieces
-        return lambda pages, page: pages >= bound and wants(direction, pages, pages * page)
+        return lambda host, other, page: len(host) >= bound and wants(direction, host, other, page)
 
     # -- requests made while the engine is busy: planned together, once per turn of the loop --
 

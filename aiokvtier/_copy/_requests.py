@@ -437,8 +437,9 @@ otherwise (``checks_hold_until_snapshot`` false) is never recorded. Arrays in no
 memory, the caller's own) need nothing more."""
 
 
-InPieces = Callable[[int, int], bool]
-"""Whether a request of so many pages of so many bytes is planned in pieces (``Pieces``)."""
+InPieces = Callable[[U64, U64, int], bool]
+"""Whether a request between the slots at these addresses and the pages at those, of so many bytes
+each, is planned in pieces (``Pieces``)."""
 
 
 def plan_slots(
@@ -528,7 +529,7 @@ def plan_side(
     """Plan a per-slot copy between the slots at ``host`` (``tier.slot_addresses``) and pages that
     ``buffer_addresses()`` checked (a subset of its addresses, in any order, stays checked).
 
-    ``in_pieces(pages, page)``: True for a request to check whole and return as ``Pieces``,
+    ``in_pieces(host, other, page)``: True for a request to check whole and return as ``Pieces``,
     planned where it is issued (None: always planned here).
 
     :raises CopyPlanError: the side's page is larger than a slot.
@@ -545,7 +546,7 @@ def plan_side(
         check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
     owners = [tier, *(r for r in regions if r is not tier)]
     registration = tier.registrations_at
-    if in_pieces is not None and in_pieces(len(host), page):
+    if in_pieces is not None and in_pieces(host, other, page):
         if h2d:
             return Pieces(other, host, page, "src", src_reg=registration), owners
         refuse_repeats(host, tier.slot_size)  # the whole request's, before any piece is issued
