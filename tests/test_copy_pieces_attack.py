@@ -8,12 +8,14 @@ Defects these tests found: a 0-d array of slot ids raised ``TypeError`` (``len()
 choose between deferring and pieces) instead of the ``SlotError`` a request planned at once raises;
 and an int64 array of addresses was kept as the caller's own array, so pieces planned after the
 call returned (``begin()``, ``start()``) copied whatever the caller had written there since, never
-checked (a memmove from any address on a host-only backend).
+checked (a memmove from any address on a host-only backend); and with ``method="auto"`` a request
+the kernel cannot take (odd addresses or pages) went to the copy engines in pieces.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -497,8 +499,6 @@ def _hostile(slots: np.ndarray, pages: np.ndarray) -> list[tuple[str, str, Any, 
 
 def rows_view(pages: np.ndarray, row: int) -> np.ndarray:
     """An array over the stage whose rows are ``row`` bytes (a page per slot; the stage's memory)."""
-    import ctypes
-
     n = SLOTS * PAGE // row
     buffer = (ctypes.c_uint8 * (n * row)).from_address(int(pages[0]))
     return np.frombuffer(buffer, dtype=np.uint8).reshape(n, row)
