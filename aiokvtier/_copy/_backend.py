@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._plan import Plan
+from ._plan import U64, Plan
 
 __all__ = ["BackendStatistics", "CopyBackend", "HostBackend"]
 
@@ -83,11 +83,12 @@ class CopyBackend(ABC):
         """First thing on each thread the engine starts (a CUDA backend makes its context current)."""
         return None
 
-    def in_pieces(self, direction: str, count: int, nbytes: int) -> bool:
-        """Whether a per-slot request of ``count`` pages and ``nbytes`` is better planned in pieces
-        where it is issued (``Pieces``: each piece copies while the next is planned) than whole on
-        the caller's loop. Caller's thread, for requests the engine's ``pieces_from`` lets through.
-        Default: where the copy runs on after ``issue()`` returns (not ``synchronous``)."""
+    def in_pieces(self, direction: str, host: U64, other: U64, page: int) -> bool:
+        """Whether a per-slot request between the slots at ``host`` and the pages at ``other``, ``page``
+        bytes each, is better planned in pieces where it is issued (``Pieces``: each piece copies
+        while the next is planned) than whole on the caller's loop. Caller's thread, for requests
+        the engine's ``pieces_from`` lets through. Default: where the copy runs on after ``issue()``
+        returns (not ``synchronous``)."""
         return not self.synchronous
 
     def mark(self, stream: int) -> Any:

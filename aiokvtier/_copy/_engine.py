@@ -638,7 +638,7 @@ class CopyEngine(Owner):
         if bound is None or after is not None:
             return None
         wants = self._backend.in_pieces
-        return lambda pages, page: pages >= bound and wants(direction, pages, pages * page)
+        return lambda host, other, page: len(host) >= bound and wants(direction, host, other, page)
 
     # -- requests made while the engine is busy: planned together, once per turn of the loop --
 
@@ -651,7 +651,9 @@ class CopyEngine(Owner):
             # come one per turn, with nothing to plan them with (measured: a turn more for each, and
             # 4-17% slower). An iterator is read once, by the checks, now.
             return False
-        if self._pieces_from is not None and len(slots) >= self._pieces_from:
+        # An array's size, not its len(): a 0-d array has none, and is refused as a SlotError when planned.
+        count = slots.size if isinstance(slots, np.ndarray) else len(slots)
+        if self._pieces_from is not None and count >= self._pieces_from:
             return False  # planned in pieces by the submit thread: nothing to gain from planning it with others
         return self._queued.jobs != self._completed or asyncio.get_running_loop() in self._pending
 

@@ -319,7 +319,11 @@ def buffer_addresses(obj: Any, n: int, default_page: int | None, *, writable: bo
         lo = int(addrs.min()) if n else 0
         if lo < 0:
             raise ValueError(f"address {int(addrs[addrs < 0][0])} is negative")
-        unsigned = addrs.view(np.uint64)
+        # The caller's own int64 array comes back as it is: copied, so that the addresses checked are
+        # the ones copied, whatever the caller writes there later (a request in pieces, or pages
+        # started later, reads them after the call has returned).
+        shared = isinstance(obj, np.ndarray) and np.may_share_memory(addrs, obj)
+        unsigned = addrs.astype(np.uint64) if shared else addrs.view(np.uint64)
         # Located with a device too: a staging buffer or tier named by address is an owner whose
         # close must wait for the DMA, and a page leaving it is refused, as in a raw copy. Device
         # memory meets no region: no owners.
@@ -433,8 +437,9 @@ otherwise (``checks_hold_until_snapshot`` false) is never recorded. Arrays in no
 memory, the caller's own) need nothing more."""
 
 
-InPieces = Callable[[int, int], bool]
-"""Whether a request of so many pages of so many bytes is planned in pieces (``Pieces``)."""
+InPieces = Callable[[U64, U64, int], bool]
+"""Whether a request between the slots at these addresses and the pages at those, of so many bytes
+each, is planned in pieces (``Pieces``)."""
 
 
 def plan_slots(
@@ -524,7 +529,7 @@ def plan_side(
     """Plan a per-slot copy between the slots at ``host`` (``tier.slot_addresses``) and pages that
     ``buffer_addresses()`` checked (a subset of its addresses, in any order, stays checked).
 
-    ``in_pieces(pages, page)``: True for a request to check whole and return as ``Pieces``,
+    ``in_pieces(host, other, page)``: True for a request to check whole and return as ``Pieces``,
     planned where it is issued (None: always planned here).
 
     :raises CopyPlanError: the side's page is larger than a slot.
@@ -541,7 +546,7 @@ def plan_side(
         check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
     owners = [tier, *(r for r in regions if r is not tier)]
     registration = tier.registrations_at
-    if in_pieces is not None and in_pieces(len(host), page):
+    if in_pieces is not None and in_pieces(host, other, page):
         if h2d:
             return Pieces(other, host, page, "src", src_reg=registration), owners
         refuse_repeats(host, tier.slot_size)  # the whole request's, before any piece is issued

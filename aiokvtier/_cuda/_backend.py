@@ -17,12 +17,14 @@ import os
 from contextlib import ExitStack
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .._copy._backend import BackendStatistics, CopyBackend
-from .._copy._plan import Plan
+from .._copy._plan import U64, Plan
 from .._errors import AiokvtierError, CopyPlanError, CudaError
 from ._batch import BatchCall, resolve_batch_function
 from ._crossover import Crossover, parse_thresholds
-from ._kernel import DEFAULT_SM_BUDGET
+from ._kernel import DEFAULT_SM_BUDGET, vector_aligned
 from ._sm import SmOptions, SmPath, device_side_problem, pick_method
 
 __all__ = ["CudaBackend"]
@@ -245,14 +247,20 @@ class CudaBackend(CopyBackend):
         chosen = pick_method(self.method, self._crossover, direction, plan.dsts, plan.srcs, plan.sizes, plan.whole)
         return chosen == "sm"
 
-    def in_pieces(self, direction: str, count: int, nbytes: int) -> bool:
+    def in_pieces(self, direction: str, host: U64, other: U64, page: int) -> bool:
         """Requests that go to the kernel: it copies a piece while the next is planned. The copy
         engines' share of a request is held by the driver calls (~1 us a descriptor), which
-        already overlap the copy; planned in pieces it came out slower (docs/benchmarks.md)."""
+        already overlap the copy; planned in pieces it came out slower (docs/benchmarks.md).
+        With ``"auto"``, what ``pick_method()`` would send to the kernel whole: a request it cannot
+        move in 16-byte accesses goes to the copy engines, so it is planned whole too."""
         if self._sm is None or self.method == "dma":
             return False
-        crossover = self._crossover
-        return self.method == "sm" or (crossover is not None and crossover.choose(direction, count, nbytes) == "sm")
+        if self.method == "sm":
+            return True
+        crossover, count = self._crossover, int(host.shape[0])
+        if crossover is None or crossover.choose(direction, count, count * page) != "sm":
+            return False
+        return vector_aligned(host, other, np.array([page], dtype=np.uint64))
 
     def _launch_sm(self, plan: Plan, direction: str, stream: Any) -> Any:
         """Check the device side, then upload descriptors and launch (submit thread).
