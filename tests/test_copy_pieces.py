@@ -172,6 +172,22 @@ def test_pieces_plan_the_same_copies_as_one_plan() -> None:
     assert spans(plans) == spans([whole])
 
 
+def test_pieces_that_cannot_merge_keep_the_requests_order_and_the_rest_are_sorted() -> None:
+    rng = np.random.default_rng(8)
+    n = 9000
+    slots = np.uint64(1 << 40) + rng.permutation(n).astype(np.uint64) * np.uint64(64 * KiB)
+    rows = np.uint64(1 << 42) + np.arange(n, dtype=np.uint64) * np.uint64(PAGE)
+    short = list(Pieces(rows, slots, PAGE, "src").plans())  # 4 KiB of each 64 KiB slot: nothing merges
+    assert np.array_equal(np.concatenate([p.srcs for p in short]), slots)
+    assert np.array_equal(np.concatenate([p.dsts for p in short]), rows)
+    assert all(p.count == p.requested for p in short)
+    whole = list(Pieces(rows, slots, 64 * KiB, "src").plans())  # whole slots could merge: sorted
+    assert all(np.all(p.srcs[1:] > p.srcs[:-1]) for p in whole)
+    alone = plan(rows[:100], slots[:100], PAGE, keep_order=True)
+    assert np.array_equal(alone.srcs, slots[:100])
+    assert np.array_equal(plan(rows[:100], slots[:100], PAGE).srcs, np.sort(slots[:100]))
+
+
 async def test_the_pieces_copy_bit_exact_both_ways() -> None:
     async with rig(memmove=True) as (tier, stage, engine, recording):
         slots = np.asarray(await tier.allocate(SLOTS), dtype=np.int64)

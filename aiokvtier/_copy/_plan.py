@@ -101,8 +101,9 @@ class Plan:
 @dataclass(frozen=True, slots=True)
 class Pieces:
     """A large per-slot request whose copies were checked where it was made, planned piece by piece
-    where it is issued: each piece sorted and merged as ``plan()`` does a whole request, and issued
-    before the next is planned, so the GPU copies one piece while the next is planned.
+    where it is issued: each piece sorted and merged as ``plan()`` does a whole request (left in
+    the request's order where nothing can merge: ``keep_order``), and issued before the next is
+    planned, so the GPU copies one piece while the next is planned.
 
     Planned whole on the loop, a 128 MiB request of 4 KiB pages spent 1.3 ms planning and 0.8 ms
     being issued before its 2.6 ms copy began (docs/benchmarks.md). Runs contiguous across two
@@ -159,6 +160,7 @@ class Pieces:
                 src_reg=self.src_reg,
                 n=part.stop - part.start,
                 order_by=self.order_by,
+                keep_order=True,  # pieces go to the SM kernel, which reads pages in any order
             )
             yield replace(planned, jobs=1 if i == 0 else 0, whole=whole)
 
@@ -221,8 +223,14 @@ def plan(
     n: int | None = None,
     order_by: str = "src",
     distinct_order_side: bool = False,
+    keep_order: bool = False,
 ) -> Plan:
     """Sort copies by one side, merge runs contiguous on both sides within one registration.
+
+    :param keep_order: where no two copies can merge (pages of one size that no two leading
+        addresses lie a page apart from: the lowest set bit of their offsets does not divide it),
+        leave the copies in the order given: for a backend to which the order is no matter (the
+        SM kernel), the sort would be the plan's whole cost.
 
     :param order_by: ``"src"`` or ``"dst"``: the side whose address order the
         batch follows. The host side is the right one: the DMA engines move
@@ -249,6 +257,11 @@ def plan(
         raise ValueError(f"order_by must be 'src' or 'dst', not {order_by!r}")
     lead = s if order_by == "src" else d
     order: npt.NDArray[np.intp] | None = None
+    if keep_order and page is not None and not distinct_order_side and count > 1:
+        offsets = np.bitwise_or.reduce(lead - np.uint64(int(lead.min())))
+        grain = int(offsets) & -int(offsets)
+        if grain and page % grain:
+            return Plan(d, s, z, count)
     if not (lead[1:] > lead[:-1]).all():  # fresh slots usually ascend already: no sort, no gathers
         order, lead, grain = _sorted_order(lead)
         if order_by == "src":
