@@ -149,8 +149,9 @@ class BlockIndex:
             return
         pins = self.pins
         np.subtract.at(pins, slots, _ONE)
-        released = slots[pins[slots] == 0]
-        doomed = released[self.state[released] == DOOMED]  # discarded while they were read
+        doomed = slots[self.state[slots] == DOOMED]  # discarded while they were read: rare, so looked at first
+        if doomed.size:
+            doomed = doomed[pins[doomed] == 0]  # released
         if doomed.size:
             doomed = np.unique(doomed)
             self.state[doomed] = FREE
