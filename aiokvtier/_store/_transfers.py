@@ -177,7 +177,8 @@ class Transfers:
             side = buffer_addresses(obj, n, slot_size, writable=writable, host_only=engine.device is None)
             if not writable and n and side.page > slot_size:  # one page size: no pass over the lengths
                 raise ValueError(f"a page of {side.page} bytes does not fit a {slot_size}-byte slot; nothing changed")
-            lengths = np.full(n, side.page, dtype=np.uint64)
+            lengths = np.empty(n, dtype=np.uint64)
+            lengths.fill(side.page)  # np.full's own Python steps cost more than this
             return Pages(side.addresses, lengths, [obj], side.page, tuple(side.regions), checked_at=side.checked_at)
         pages = host_pages(obj, n, writable=writable)
         if not writable and n:
@@ -227,11 +228,16 @@ class Transfers:
         """
         tier, engine = self._tier, self.engine
         page = pages.page or int(pages.lengths[0])
-        if engine is not None and bool((lengths == page).all()):
+        if engine is not None and not np.count_nonzero(lengths != page):
             return engine.start(tier, slots, pages.side(page), "h2d", after=after)
         since = epoch()
         array = pages.array
-        if engine is None and array is not None and pages.rows is None and bool((lengths == array.shape[1]).all()):
+        if (
+            engine is None
+            and array is not None
+            and pages.rows is None
+            and not np.count_nonzero(lengths != array.shape[1])
+        ):
             base, size = tier.base_address, tier.region_bounds()[1]
             # Whole rows, every row in order: gathered straight into the array (shorter blocks or some
             # rows only would go through a temporary array of the rows first).
