@@ -82,6 +82,18 @@ Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
 """A queued copy: ``submitted`` (None: nothing to wait for) settles once it was issued, ``done`` once it landed."""
 
 
+class Copied(asyncio.Future[None]):
+    """A host copy's end on a worker thread (``copy_tracked``): never cancelled, as a CopyEngine's copies.
+
+    A task cancelled while it awaits one stays suspended until the copy ended, then receives the
+    cancellation (its ``cancel()`` finds a waiter that refuses it): the caller's pages are the copy's
+    until then. Awaited directly, its wake-up is one loop iteration, where ``finish()``'s shield took two.
+    """
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+
 def located_pages(pages: Pages) -> Pages:
     """Host ``pages`` with the regions they lie in now (``located()``): a region among them that closes
     while the call waits (for slots, another call's claim, an owner's answer) refuses the copy
@@ -269,7 +281,10 @@ class Transfers:
                 await submitted
             work()
         finally:
-            await finish(done)
+            if done.done() or isinstance(done, Copied):  # never cancelled: awaited without a task and a shield
+                await done
+            else:
+                await finish(done)
 
     def _copy_host(
         self,
@@ -306,7 +321,8 @@ def copy_tracked(
     over a region's memory is: by ``tier`` (the slots' region, None where they lie in none), and by
     any StaticHostMem or other tier that the pages lie in, for an array made over its memory keeps
     none of it mapped. Their close and shrink wait until the thread let go (``landed_after``).
-    ``since``: ``epoch()`` before the slots were located. On the loop, in one step.
+    ``since``: ``epoch()`` before the slots were located. On the loop, in one step. Returns a ``Copied``:
+    never cancelled, so it may be awaited directly.
 
     :raises CopyPlanError: a region the pages lay in when the call began closed since, or a page
         lies in a region that is closing, or leaves it.
@@ -323,7 +339,7 @@ def copy_tracked(
             at = slot_addresses()
             dsts, srcs = (at, pages.addresses) if into_slots else (pages.addresses, at)
             check_again(dsts, srcs, lengths, regions if tier is None else (tier, *regions))
-        return life.submit(landed_after, copy, done)
+        return life.submit(landed_after, copy, done, future=Copied(loop=asyncio.get_running_loop()))
     except BaseException:
         done.set()
         raise
