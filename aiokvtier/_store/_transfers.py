@@ -87,7 +87,9 @@ class Copied(asyncio.Future[None]):
 
     A task cancelled while it awaits one stays suspended until the copy ended, then receives the
     cancellation (its ``cancel()`` finds a waiter that refuses it): the caller's pages are the copy's
-    until then. Awaited directly, its wake-up is one loop iteration, where ``finish()``'s shield took two.
+    until then. Awaited directly, its wake-up is one loop iteration, where ``finish()``'s shield took two;
+    a copy that failed under a cancelled caller is then not the cancellation's ``__cause__`` (as with
+    the engine's copies).
     """
 
     def cancel(self, msg: Any = None) -> bool:
