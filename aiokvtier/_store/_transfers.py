@@ -121,8 +121,14 @@ def host_pages(obj: Any, n: int, *, writable: bool) -> Pages:
         if writable and not obj.flags.writeable:
             raise ValueError("the destination array is read-only; nothing was copied")
         page = obj.shape[1]
-        addresses = np.uint64(obj.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(page)
-        return Pages(addresses, np.full(n, page, dtype=np.uint64), [obj], array=obj)
+        base = obj.ctypes.data
+        if page:  # one arange: half the numpy steps of a base plus an arange times the page
+            addresses = np.arange(base, base + n * page, page, dtype=np.uint64)
+        else:
+            addresses = np.full(n, base, dtype=np.uint64)
+        lengths = np.empty(n, dtype=np.uint64)
+        lengths.fill(page)
+        return Pages(addresses, lengths, [obj], array=obj)
     if isinstance(obj, bytes | bytearray | memoryview | str):
         raise TypeError("pages are a sequence of bytes-like objects (one per key) or a 2-D uint8 array")
     try:
