@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from .._copy._engine import CopyEngine
     from .._host._tier import HostTier
 
-__all__ = ["Pages", "Started", "Transfers", "copy_tracked", "host_pages", "landed_after", "located_pages"]
+__all__ = ["Copied", "Pages", "Started", "Transfers", "copy_tracked", "host_pages", "landed_after", "located_pages"]
 
 
 class Pages(NamedTuple):
