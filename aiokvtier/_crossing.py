@@ -68,12 +68,17 @@ class Worker:
         self._thread.start()
         self.stopped = False
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """Run ``fn(*args)`` on the thread; the returned future (of the running loop) gets its outcome."""
+    def submit(self, fn: Callable[..., T], *args: Any, future: asyncio.Future[T] | None = None) -> asyncio.Future[T]:
+        """Run ``fn(*args)`` on the thread; the returned future (of the running loop) gets its outcome.
+
+        :param future: the future to settle, made by the caller on the running loop (one that refuses
+            cancellation, say); None: a new one.
+        """
         if self.stopped:
             raise RuntimeError("the worker is stopped")
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
+        if future is None:
+            future = loop.create_future()
         # The thread needs the GIL to run the step and hand its outcome back: next to a
         # saturated loop it gets it only through the loop's hand-off (aiokvtier._handoff).
         handoff(loop).hold_until(future)

@@ -22,12 +22,13 @@ __all__ = ["Claim", "Claims"]
 class Claim:
     """The keys one store call is storing, and the future its waiters learn the stored keys from."""
 
-    __slots__ = ("_keys", "_set", "filling", "future")
+    __slots__ = ("_future", "_keys", "_set", "_stored", "filling")
 
     def __init__(self, keys: list[Key], filling: bool) -> None:
         self._keys = keys
         self._set: set[Key] | None = None
-        self.future: asyncio.Future[Sequence[Key]] = asyncio.get_running_loop().create_future()
+        self._future: asyncio.Future[Sequence[Key]] | None = None
+        self._stored: Sequence[Key] | None = None
         self.filling = filling
         """The call may be waiting for the fill (``wait=True``, taking slots): ``wait=False`` calls skip its keys."""
 
@@ -37,6 +38,21 @@ class Claim:
         if self._set is None:
             self._set = set(self._keys)
         return self._set
+
+    @property
+    def future(self) -> asyncio.Future[Sequence[Key]]:
+        """Gives the keys the call stored once it ended. Made when first asked for (by a call that waits
+        for this one: most calls have none), done at once where the call ended already."""
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+            if self._stored is not None:
+                self._future.set_result(self._stored)
+        return self._future
+
+    def settle(self, stored: Sequence[Key]) -> None:
+        self._stored = stored
+        if self._future is not None:
+            self._future.set_result(stored)
 
 
 class Claims:
@@ -60,7 +76,7 @@ class Claims:
     def settle(self, claim: Claim, stored: Sequence[Key]) -> None:
         """The call ended: its waiters learn which of its keys it stored."""
         self._claims.discard(claim)
-        claim.future.set_result(stored)
+        claim.settle(stored)
 
     def elsewhere(
         self, keys: list[Key], missing: I64, wait: bool

@@ -66,6 +66,8 @@ class BlockIndex:
         """Slots the policy and the maps are sized for."""
         self.visible = 0
         """Ready blocks."""
+        self.doomed = 0
+        """Blocks discarded (or given up) while pinned, their slots freed at their last unpin."""
         self.policy: EvictionPolicy
 
     def attach(self, policy: EvictionPolicy, capacity: int) -> None:
@@ -149,11 +151,15 @@ class BlockIndex:
             return
         pins = self.pins
         np.subtract.at(pins, slots, _ONE)
-        released = slots[pins[slots] == 0]
-        doomed = released[self.state[released] == DOOMED]  # discarded while they were read
+        if not self.doomed:  # the usual unpin: nothing discarded while it was read, no look at the states
+            return
+        doomed = slots[self.state[slots] == DOOMED]
+        if doomed.size:
+            doomed = doomed[pins[doomed] == 0]  # released
         if doomed.size:
             doomed = np.unique(doomed)
             self.state[doomed] = FREE
+            self.doomed -= len(doomed)
             if not self._tier.closed:
                 self._tier.free_many(doomed.tolist())
 
@@ -219,6 +225,7 @@ class BlockIndex:
             self.state[slot] = FREE
             return True
         self.state[slot] = DOOMED
+        self.doomed += 1
         return False
 
     def give_back(self, slots: list[int]) -> None:
@@ -274,6 +281,7 @@ class BlockIndex:
         self.key_of[gone] = None
         pinned = self.pins[gone] > 0
         self.state[gone] = np.where(pinned, DOOMED, FREE).astype(np.uint8)
+        self.doomed += int(np.count_nonzero(pinned))
         free = gone[~pinned]
         if free.size:
             self._tier.free_many(free.tolist())
@@ -347,6 +355,8 @@ class BlockIndex:
         require(not pinned.size or int(pins.max()) < 1 << 31, "a pin count went below zero")
         require(set(state[pinned].tolist()) <= {READY, DOOMED}, "a pin on a slot that holds no readable block")
         require((pins[state == DOOMED] > 0).all(), "a doomed block that nothing pins")
+        doomed = int(np.count_nonzero(state == DOOMED))
+        require(doomed == self.doomed, f"{doomed} doomed slots, {self.doomed} counted")
         policy = self.policy
         tracked = policy.tracked()
         if tracked is not None:

@@ -679,7 +679,8 @@ class BlockStore(Owner):
             if filling:  # skipped (wait=False): so is every key after it
                 outcome[filling] = _SKIPPED
                 self._lower(call, at(filling[0]))
-        if missing.size and at(int(missing[-1])) >= call.limit:  # a retry's keys past a skip made meanwhile
+        # A retry's keys past a skip made meanwhile (a first pass's keys all lie below its limit unless lowered).
+        if missing.size and (positions is not None or call.limit < n) and at(int(missing[-1])) >= call.limit:
             keep = int(np.searchsorted(missing if positions is None else positions[missing], call.limit))
             outcome[missing[keep:]] = _SKIPPED
             missing = missing[:keep]
@@ -731,7 +732,8 @@ class BlockStore(Owner):
                     self._lower(call, at(int(missing[len(taken)])))
             everything = len(taken) == n  # every key, in order: no subsets to take
             chosen = missing[: len(taken)]
-            outcome[missing[len(taken) :]] = _SKIPPED
+            if len(taken) < len(missing):
+                outcome[missing[len(taken) :]] = _SKIPPED
             chosen_keys = keys if everything else claimed[: len(taken)]
             chosen_pages = pages if everything else pages.take(chosen)
             published: tuple[Key, ...] = ()
@@ -750,7 +752,8 @@ class BlockStore(Owner):
                 index.policy.inserted_many(taken, chosen_keys)
                 inserted = taken
                 published = tuple(chosen_keys)
-                nbytes = int(chosen_pages.lengths.sum())
+                page = chosen_pages.page  # one length for every page (a CopyEngine's pages): no reduction
+                nbytes = page * len(taken) if page else int(chosen_pages.lengths.sum())
 
             if chosen.size:
                 queued = (
@@ -1039,7 +1042,7 @@ class BlockStore(Owner):
         index, transfers = self._index, self._transfers
         keys = key_seq(keys)
         slots = index.slots_of_all(keys)
-        if slots is not None and (index.state[slots] == READY).all():
+        if slots is not None and not np.count_nonzero(index.state[slots] != READY):
             pages = transfers.pages(dst, len(keys), writable=True)
             await self._begin_load(keys, slots, pages, after)
             return
@@ -1153,14 +1156,17 @@ class BlockStore(Owner):
         raise BlockNotFound(keys[int(absent[0])])
 
     @staticmethod
-    def _check_lengths(keys: Sequence[Key], ids: I64, pages: U64, lengths: U64) -> None:
-        shorts = np.flatnonzero(pages < lengths)
-        if shorts.size:
-            short = int(shorts[0])
-            raise ValueError(
-                f"destination page {int(ids[short])} has {int(pages[short])} bytes, block "
-                f"{keys[int(ids[short])]!r} has {int(lengths[short])}; nothing was copied"
-            )
+    def _check_lengths(keys: Sequence[Key], ids: I64 | None, pages: U64, lengths: U64) -> None:
+        """:raises ValueError: a page shorter than its block (``ids``: the keys' positions; None: in order)."""
+        short_of = pages < lengths
+        if not np.count_nonzero(short_of):  # the usual call: one C call, no index array
+            return
+        short = int(np.flatnonzero(short_of)[0])
+        at = short if ids is None else int(ids[short])
+        raise ValueError(
+            f"destination page {at} has {int(pages[short])} bytes, block "
+            f"{keys[at]!r} has {int(lengths[short])}; nothing was copied"
+        )
 
     def _begin_load(
         self, keys: Sequence[Key], slots: I64, pages: Pages, after: Any, *, inside: bool = False
@@ -1173,7 +1179,7 @@ class BlockStore(Owner):
         """
         index, transfers = self._index, self._transfers
         lengths = index.length[slots]  # a copy: the map may grow later
-        self._check_lengths(keys, np.arange(len(keys), dtype=np.int64), pages.lengths, lengths)
+        self._check_lengths(keys, None, pages.lengths, lengths)
         if after is not None and transfers.engine is None:
             raise ValueError("after= needs a CopyEngine; this store copies host memory")
         if slots.size:

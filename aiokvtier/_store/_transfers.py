@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from .._copy._engine import CopyEngine
     from .._host._tier import HostTier
 
-__all__ = ["Pages", "Started", "Transfers", "copy_tracked", "host_pages", "landed_after", "located_pages"]
+__all__ = ["Copied", "Pages", "Started", "Transfers", "copy_tracked", "host_pages", "landed_after", "located_pages"]
 
 
 class Pages(NamedTuple):
@@ -82,6 +82,20 @@ Started = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
 """A queued copy: ``submitted`` (None: nothing to wait for) settles once it was issued, ``done`` once it landed."""
 
 
+class Copied(asyncio.Future[None]):
+    """A host copy's end on a worker thread (``copy_tracked``): never cancelled, as a CopyEngine's copies.
+
+    A task cancelled while it awaits one stays suspended until the copy ended, then receives the
+    cancellation (its ``cancel()`` finds a waiter that refuses it): the caller's pages are the copy's
+    until then. Awaited directly, its wake-up is one loop iteration, where ``finish()``'s shield took two;
+    a copy that failed under a cancelled caller is then not the cancellation's ``__cause__`` (as with
+    the engine's copies).
+    """
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+
 def located_pages(pages: Pages) -> Pages:
     """Host ``pages`` with the regions they lie in now (``located()``): a region among them that closes
     while the call waits (for slots, another call's claim, an owner's answer) refuses the copy
@@ -107,8 +121,14 @@ def host_pages(obj: Any, n: int, *, writable: bool) -> Pages:
         if writable and not obj.flags.writeable:
             raise ValueError("the destination array is read-only; nothing was copied")
         page = obj.shape[1]
-        addresses = np.uint64(obj.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(page)
-        return Pages(addresses, np.full(n, page, dtype=np.uint64), [obj], array=obj)
+        base = obj.ctypes.data
+        if page:  # one arange: half the numpy steps of a base plus an arange times the page
+            addresses = np.arange(base, base + n * page, page, dtype=np.uint64)
+        else:
+            addresses = np.full(n, base, dtype=np.uint64)
+        lengths = np.empty(n, dtype=np.uint64)
+        lengths.fill(page)
+        return Pages(addresses, lengths, [obj], array=obj)
     if isinstance(obj, bytes | bytearray | memoryview | str):
         raise TypeError("pages are a sequence of bytes-like objects (one per key) or a 2-D uint8 array")
     try:
@@ -177,7 +197,8 @@ class Transfers:
             side = buffer_addresses(obj, n, slot_size, writable=writable, host_only=engine.device is None)
             if not writable and n and side.page > slot_size:  # one page size: no pass over the lengths
                 raise ValueError(f"a page of {side.page} bytes does not fit a {slot_size}-byte slot; nothing changed")
-            lengths = np.full(n, side.page, dtype=np.uint64)
+            lengths = np.empty(n, dtype=np.uint64)
+            lengths.fill(side.page)  # np.full's own Python steps cost more than this
             return Pages(side.addresses, lengths, [obj], side.page, tuple(side.regions), checked_at=side.checked_at)
         pages = host_pages(obj, n, writable=writable)
         if not writable and n:
@@ -227,11 +248,16 @@ class Transfers:
         """
         tier, engine = self._tier, self.engine
         page = pages.page or int(pages.lengths[0])
-        if engine is not None and bool((lengths == page).all()):
+        if engine is not None and not np.count_nonzero(lengths != page):
             return engine.start(tier, slots, pages.side(page), "h2d", after=after)
         since = epoch()
         array = pages.array
-        if engine is None and array is not None and pages.rows is None and bool((lengths == array.shape[1]).all()):
+        if (
+            engine is None
+            and array is not None
+            and pages.rows is None
+            and not np.count_nonzero(lengths != array.shape[1])
+        ):
             base, size = tier.base_address, tier.region_bounds()[1]
             # Whole rows, every row in order: gathered straight into the array (shorter blocks or some
             # rows only would go through a temporary array of the rows first).
@@ -263,7 +289,10 @@ class Transfers:
                 await submitted
             work()
         finally:
-            await finish(done)
+            if done.done() or isinstance(done, Copied):  # never cancelled: awaited without a task and a shield
+                await done
+            else:
+                await finish(done)
 
     def _copy_host(
         self,
@@ -300,7 +329,8 @@ def copy_tracked(
     over a region's memory is: by ``tier`` (the slots' region, None where they lie in none), and by
     any StaticHostMem or other tier that the pages lie in, for an array made over its memory keeps
     none of it mapped. Their close and shrink wait until the thread let go (``landed_after``).
-    ``since``: ``epoch()`` before the slots were located. On the loop, in one step.
+    ``since``: ``epoch()`` before the slots were located. On the loop, in one step. Returns a ``Copied``:
+    never cancelled, so it may be awaited directly.
 
     :raises CopyPlanError: a region the pages lay in when the call began closed since, or a page
         lies in a region that is closing, or leaves it.
@@ -317,7 +347,7 @@ def copy_tracked(
             at = slot_addresses()
             dsts, srcs = (at, pages.addresses) if into_slots else (pages.addresses, at)
             check_again(dsts, srcs, lengths, regions if tier is None else (tier, *regions))
-        return life.submit(landed_after, copy, done)
+        return life.submit(landed_after, copy, done, future=Copied(loop=asyncio.get_running_loop()))
     except BaseException:
         done.set()
         raise
