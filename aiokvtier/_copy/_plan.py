@@ -140,11 +140,7 @@ class Pieces:
 
     def parts(self) -> list[slice]:
         """The pieces: ``first`` pages, then each half as large again as the last, up to ``size``."""
-        out, start, length = [], 0, self.first
-        while start < self.requested:
-            out.append(slice(start, min(start + length, self.requested)))
-            start, length = out[-1].stop, min(length + length // 2, self.size)
-        return out
+        return chunk_slices(self.requested, self.size, self.first, by_half=True)
 
     def plans(self) -> Iterator[Plan]:
         """The pieces' plans, in order, each planned when asked for. The first counts the request
@@ -188,13 +184,14 @@ def refuse_repeats(values: U64, step: int) -> None:
         raise SlotError("a slot appears twice as a copy destination")
 
 
-def chunk_slices(count: int, cap: int, first: int = FIRST_CHUNK) -> list[slice]:
+def chunk_slices(count: int, cap: int, first: int = FIRST_CHUNK, *, by_half: bool = False) -> list[slice]:
     """Slices of at most ``cap`` of ``count`` descriptors, one driver call each;
-    the first ``first`` long, doubling up to ``cap``, so the copy starts early."""
+    the first ``first`` long, doubling up to ``cap`` (growing by half with ``by_half``:
+    ``Pieces``), so the copy starts early."""
     out, start, size = [], 0, max(1, min(first, cap))
     while start < count:
         out.append(slice(start, min(start + size, count)))
-        start, size = out[-1].stop, min(size * 2, cap)
+        start, size = out[-1].stop, min(size + (size // 2 if by_half else size), cap)
     return out
 
 
@@ -258,8 +255,7 @@ def plan(
     lead = s if order_by == "src" else d
     order: npt.NDArray[np.intp] | None = None
     if keep_order and page is not None and not distinct_order_side and count > 1:
-        offsets = np.bitwise_or.reduce(lead - np.uint64(int(lead.min())))
-        grain = int(offsets) & -int(offsets)
+        _, grain = _offsets_and_grain(lead)
         if grain and page % grain:
             return Plan(d, s, z, count)
     if not (lead[1:] > lead[:-1]).all():  # fresh slots usually ascend already: no sort, no gathers
@@ -393,6 +389,14 @@ def sorted_values(values: U64) -> U64:
     return np.sort(values, kind=SORT_KIND) if radix is None else values[radix[0]]
 
 
+def _offsets_and_grain(lead: U64) -> tuple[U64, int]:
+    """Each address's offset from the lowest, and the largest power of two dividing every offset
+    (0: every address is the same): neighbours in address order lie a multiple of it apart."""
+    offsets = lead - np.uint64(int(lead.min()))
+    common = int(np.bitwise_or.reduce(offsets))
+    return offsets, common & -common
+
+
 def _radix_order(lead: U64) -> tuple[npt.NDArray[np.intp], int] | None:
     """The stable permutation that sorts ``lead`` and its grain (see ``_sorted_order()``), where
     radix passes are cheaper than numpy's sorts (``RADIX_FROM``); else None.
@@ -406,9 +410,7 @@ def _radix_order(lead: U64) -> tuple[npt.NDArray[np.intp], int] | None:
     n = int(lead.shape[0])
     if n < RADIX_FROM:
         return None
-    offsets = lead - np.uint64(int(lead.min()))
-    common = int(np.bitwise_or.reduce(offsets))
-    grain = common & -common
+    offsets, grain = _offsets_and_grain(lead)
     if grain > 1:
         offsets >>= np.uint64(grain.bit_length() - 1)
     width = int(offsets.max()).bit_length()

@@ -24,7 +24,7 @@ from .._copy._plan import U64, Plan
 from .._errors import AiokvtierError, CopyPlanError, CudaError
 from ._batch import BatchCall, resolve_batch_function
 from ._crossover import Crossover, parse_thresholds
-from ._kernel import DEFAULT_SM_BUDGET, vector_aligned
+from ._kernel import DEFAULT_SM_BUDGET
 from ._sm import SmOptions, SmPath, device_side_problem, pick_method
 
 __all__ = ["CudaBackend"]
@@ -253,14 +253,11 @@ class CudaBackend(CopyBackend):
         already overlap the copy; planned in pieces it came out slower (docs/benchmarks.md).
         With ``"auto"``, what ``pick_method()`` would send to the kernel whole: a request it cannot
         move in 16-byte accesses goes to the copy engines, so it is planned whole too."""
-        if self._sm is None or self.method == "dma":
+        if self._sm is None:
             return False
-        if self.method == "sm":
-            return True
-        crossover, count = self._crossover, int(host.shape[0])
-        if crossover is None or crossover.choose(direction, count, count * page) != "sm":
-            return False
-        return vector_aligned(host, other, np.array([page], dtype=np.uint64))
+        count, sizes = int(host.shape[0]), np.array([page], dtype=np.uint64)
+        chosen = pick_method(self.method, self._crossover, direction, host, other, sizes, (count, count * page))
+        return chosen == "sm"
 
     def _launch_sm(self, plan: Plan, direction: str, stream: Any) -> Any:
         """Check the device side, then upload descriptors and launch (submit thread).

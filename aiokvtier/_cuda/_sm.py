@@ -478,7 +478,10 @@ def pick_method(
         return "dma"
     if method == "sm":
         return "sm"
-    if crossover is None or not vector_aligned(dsts, srcs, sizes):
+    if crossover is None:
         return "dma"
     count, nbytes = (int(dsts.shape[0]), int(sizes.sum())) if whole is None else whole
-    return crossover.choose(direction, count, nbytes)
+    # The crossover first (a few float operations), then the alignment (passes over every copy).
+    if crossover.choose(direction, count, nbytes) != "sm" or not vector_aligned(dsts, srcs, sizes):
+        return "dma"
+    return "sm"
