@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import glob
 import hashlib
+import itertools
 import os
 import random
 import re
@@ -545,25 +546,37 @@ async def killed_worker_scenario(tmp: Path) -> None:
         blocks = {f"a{i:02x}": os.urandom(4 << 20) for i in range(48)}
         answered: dict[str, int] = {}
 
+        killed = False
+
         async def traffic(seed: int) -> None:
             rng = random.Random(seed)
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-                # Only connections that reached the victim count: find one.
+                # Only connections that reached the victim count: find one (or give up once it is gone).
                 while (await client.get("/v1/stats")).json()["worker"]["pid"] != victim:
                     await client.aclose()
+                    if killed:
+                        return
                     client = httpx.AsyncClient(base_url=server.url, timeout=30)
-                for key in list(blocks)[seed::4]:
+                # PUT (200 once stored: never overwritten) and GET until the kill cuts the connection off, so
+                # that a task that reached the victim has a request in flight when it dies. None starts after
+                # the kill: httpx would open a new connection, to the survivor, and keep it busy.
+                for key in itertools.cycle(list(blocks)[seed::4]):
+                    if killed:
+                        return
                     put = await client.put(f"/v1/blocks/{key}", content=blocks[key])
-                    answered[key] = put.status_code
+                    assert put.status_code in (200, 201), put.text
+                    answered.setdefault(key, put.status_code)
+                    if killed:
+                        return
                     got = await client.get(f"/v1/blocks/{list(answered)[rng.randrange(len(answered))]}")
                     assert got.status_code == 200 and got.content in blocks.values()
-                await client.aclose()
 
         tasks = [asyncio.ensure_future(traffic(seed)) for seed in range(4)]
         await until(lambda: len(answered) >= 6, 60, "six PUTs through the victim")
+        killed = True
         os.kill(victim, signal.SIGKILL)
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-        for outcome in outcomes:  # cut off mid-request, or done: nothing else
+        for outcome in outcomes:  # cut off mid-request, or never reached the victim: nothing else
             assert outcome is None or isinstance(outcome, httpx.TransportError), outcome
         assert any(outcome is not None for outcome in outcomes), "no request was in flight at the kill"
 
