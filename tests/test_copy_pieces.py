@@ -260,6 +260,7 @@ async def test_a_refused_piece_reaches_the_caller_after_the_pieces_issued_before
         with pytest.raises(OSError, match=f"piece {refused} refused"):
             await bounded(call)
         assert len(tier.copies) == 0 and len(stage.copies) == 0
+        assert engine.statistics().jobs_in_pieces == 1  # also where its first piece was refused
         recording.n = 0
         recording.hold = False
         await bounded(engine.to_host(tier, slots, pages_of(stage, np.arange(SLOTS))))  # the engine goes on

@@ -170,14 +170,18 @@ class _Issued(NamedTuple):
     by_direction: tuple[int, int, int] = (0, 0, 0)
     in_pieces: int = 0
 
-    def add(self, direction: str, planned: Plan, jobs: int, *, piece: bool = False) -> _Issued:
+    def add(self, direction: str, planned: Plan, jobs: int) -> _Issued:
         return _Issued(
             self.descriptors + planned.count,
             self.nbytes + planned.nbytes,
             self.coalesced + (jobs if jobs > 1 else 0),
             _plus(self.by_direction, direction, planned.nbytes),
-            self.in_pieces + (planned.jobs if piece else 0),
+            self.in_pieces,
         )
+
+    def one_in_pieces(self) -> _Issued:
+        """A request whose pieces the submit thread starts to plan (counted also if its first fails)."""
+        return self._replace(in_pieces=self.in_pieces + 1)
 
 
 class _InPieces(NamedTuple):
@@ -890,10 +894,11 @@ class CopyEngine(Owner):
         pieces issued before it have landed (as a failed driver call's issued part does)."""
         assert isinstance(job.plan, Pieces)
         handles = []
+        self._issued = self._issued.one_in_pieces()
         try:
             for piece in job.plan.plans():
                 handles.append(self._backend.issue(piece, job.direction, None))
-                self._issued = self._issued.add(job.direction, piece, piece.jobs, piece=True)
+                self._issued = self._issued.add(job.direction, piece, piece.jobs)
         except BaseException as exc:  # reported to the awaiting task
             job.error = exc
         self._hand_over([job], _InPieces(tuple(handles)))
