@@ -104,8 +104,20 @@ async def figures_agree(pool: Pool, a: AttachedPool) -> None:
         ({"quota": "100MiB", "max_quota": "100MiB", "slot_size": "64KiB", "commit_unit": "16MiB"}, 16 * MiB),
         ({"quota": "100MiB", "max_quota": "100MiB", "slot_size": "64KiB", "fill_chunk": "100KiB"}, 128 << 10),
         ({"quota": "1GB", "max_quota": "1GB"}, UNIT),  # 2 MiB slots, 952 MiB
+        ({"quota": "130MiB", "max_quota": 200 * MiB + 12288, "slot_size": "12KiB"}, 5461 * 12288),  # odd pages
     ],
-    ids=["quota-100MiB", "quota-20MiB", "slot-96MiB", "slot-48MiB", "slot-40MiB", "slot-3MiB", "unit", "chunk", "1GB"],
+    ids=[
+        "quota-100MiB",
+        "quota-20MiB",
+        "slot-96MiB",
+        "slot-48MiB",
+        "slot-40MiB",
+        "slot-3MiB",
+        "unit",
+        "chunk",
+        "1GB",
+        "slot-12KiB",
+    ],
 )
 async def test_a_config_at_the_edges_of_the_unit_fills_and_every_process_agrees_with_the_memory(
     sock: str, config: dict[str, str], unit: int
@@ -117,15 +129,18 @@ async def test_a_config_at_the_edges_of_the_unit_fills_and_every_process_agrees_
         s = pool.statistics().tier
         whole = await child.call("wait_resident")
         assert whole["resident"] == s.resident_bytes
-        # Every slot of the quota is there for a process in another address space, and no more.
-        slots = (await child.call("allocate", n=s.slots_total))["slots"]
-        assert sorted(slots) == list(range(s.slots_total))
-        await child.call("write", slot=slots[-1], data=b"last".hex())
-        assert bytes(pool.tier.view(slots[-1])[:4]) == b"last"
+        # Every slot of the quota is there for the attached processes, and no more; the last one's bytes
+        # are the same memory in another address space.
+        ours = (await a.allocate_ids(s.slots_total - 1)).tolist()
+        (last,) = (await child.call("allocate", n=1))["slots"]
+        assert sorted([*ours, last]) == list(range(s.slots_total))
+        await child.call("write", slot=last, data=b"last".hex())
+        assert bytes(pool.tier.view(last)[:4]) == b"last"
         refused = await child.answer(child.send("allocate", n=1))
         assert refused["error"] == "OutOfSlots"
         stats = await child.call("stats")
         assert stats["slots_allocated"] == s.slots_total and stats["clients"] == 2
+        await a.free_many(ours)
         pool.check_invariants(sole_user=True)
 
 
