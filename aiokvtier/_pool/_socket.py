@@ -120,7 +120,7 @@ def _not_a_socket(path: str) -> str | None:
     """What is at ``path`` when it is not a socket, said as an error; None for a socket (or nothing)."""
     try:
         mode = os.stat(path).st_mode
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a name in the abstract namespace (a leading NUL) is no file
         return None
     if stat.S_ISSOCK(mode):
         return None
