@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import select
 import subprocess
@@ -218,13 +219,20 @@ def test_a_miss_or_a_wrong_size_loads_nothing_into_that_object(adapters: Callabl
     assert same_bytes(objs[0], outs[0]) and not outs[1].raw_tensor.any() and not outs[2].raw_tensor.any()
 
 
-def test_an_object_larger_than_a_slot_is_skipped_not_a_failed_task(adapters: Callable[[dict[str, Any]], Any]) -> None:
+def test_an_object_larger_than_a_slot_is_skipped_not_a_failed_task(
+    adapters: Callable[[dict[str, Any]], Any], caplog: pytest.LogCaptureFixture
+) -> None:
     adapter = adapters({"quota": "1MiB", "slot_size": SLOT})
     objs = [random_obj(SLOT), random_obj(SLOT + 4096), random_obj(4096)]
-    result = store(adapter, [key(0), key(1), key(2)], objs)
+    with caplog.at_level(logging.WARNING, logger="aiokvtier"):
+        result = store(adapter, [key(0), key(1), key(2)], objs)
+        store(adapter, [key(3)], [random_obj(SLOT + 4096)])
     assert result.is_successful() and result.bytes_transferred() == SLOT + 4096
     assert lookup(adapter, [key(0), key(1), key(2)]) == [True, False, True]
     adapter.submit_unlock([key(0), key(2)])
+    (warning,) = [r.getMessage() for r in caplog.records if "does not fit" in r.getMessage()]  # once
+    assert f"a {SLOT + 4096}-byte object does not fit a {SLOT}-byte slot" in warning
+    assert "set adapter_params' slot_size to at least" in warning
 
 
 def test_delete_is_done_and_told_when_it_returns(adapters: Callable[[dict[str, Any]], Any]) -> None:
@@ -442,6 +450,21 @@ def test_two_lmcache_servers_share_one_pool(pool_owner: PoolOwner, adapters: Cal
     outs = [memory_obj(torch.empty_like(o.raw_tensor)) for o in objs]
     assert load(b, keys, outs) == [True] * 3 and all(same_bytes(x, y) for x, y in zip(objs, outs, strict=True))
     assert b.report_status()["processes"] == 2
+
+
+def test_an_object_larger_than_a_pools_slot_names_the_pools_slot_size(
+    pool_owner: PoolOwner, adapters: Callable[[dict[str, Any]], Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    # 'slot_size' is refused beside 'pool': the fix is the owner's --slot-size.
+    adapter = adapters({"pool": pool_owner.pool.path})
+    slot = pool_owner.pool.tier.slot_size
+    with caplog.at_level(logging.WARNING, logger="aiokvtier"):
+        result = store(adapter, [key(0), key(1)], [random_obj(slot + 4096), random_obj(4096)])
+    assert result.is_successful() and result.bytes_transferred() == 4096
+    assert lookup(adapter, [key(1), key(0)]) == [True, False]
+    (warning,) = [r.getMessage() for r in caplog.records if "does not fit" in r.getMessage()]
+    assert f"a {slot + 4096}-byte object does not fit a {slot}-byte slot" in warning
+    assert "start the pool with a --slot-size of at least" in warning
 
 
 def test_a_pool_block_of_another_size_is_a_miss_and_the_rest_load(

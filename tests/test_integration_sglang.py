@@ -569,6 +569,28 @@ def test_bad_calls_are_refused_and_change_nothing() -> None:
         HiCacheAiokvtier({"extra_config": TIER})  # type: ignore[arg-type]
 
 
+def test_hybrid_models_extra_pools_are_refused_with_a_reason() -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    host = make_host_pool()
+    storage = make_storage(host, TIER)
+    try:
+        page = host.alloc(host.page_size)
+        assert storage.batch_set_v1(["a"], page) == [True]
+        mamba = [PoolTransfer(name=PoolName.MAMBA, host_indices=page, keys=["a"])]
+        calls = {
+            "batch_exists_v2": lambda: storage.batch_exists_v2(["a"], mamba),
+            "batch_get_v2": lambda: storage.batch_get_v2(mamba),
+            "batch_set_v2": lambda: storage.batch_set_v2(mamba),
+        }
+        for name, call in calls.items():
+            with pytest.raises(NotImplementedError, match=rf"{name} yet: hybrid models' extra host pools"):
+                call()
+        assert storage.batch_exists(["a"]) == 1  # the KV pages are untouched
+    finally:
+        storage.close()
+
+
 def test_importing_aiokvtier_imports_neither_sglang_nor_torch() -> None:
     code = (
         "import sys, aiokvtier; aiokvtier.HostTier; aiokvtier.AttachedPool; aiokvtier.BlockStore\n"

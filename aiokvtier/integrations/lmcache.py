@@ -490,11 +490,19 @@ class AiokvtierL2Adapter(L2AdapterInterface):
                     chosen.setdefault(self._key(key), i)
                 elif size and not self._warned_size:  # never fits: not stored, as a full tier skips
                     self._warned_size = True
+                    # A pool's slot size is its owner's: 'slot_size' is refused beside 'pool'.
+                    fix = (
+                        "start the pool with a --slot-size of at least"
+                        if self._pool is not None
+                        else "set adapter_params' slot_size to at least"
+                    )
                     log.warning(
                         "aiokvtier L2 adapter: a %d-byte object does not fit a %d-byte slot and is not stored; "
-                        "set slot_size to at least LMCache's chunk size in bytes",
+                        "%s the bytes of one LMCache chunk (chunk_size tokens x layers x 2 x KV heads per rank "
+                        "x head size x bytes per element)",
                         size,
                         slot_size,
+                        fix,
                     )
             akeys = list(chosen)
             pages = [objects[i].byte_array for i in chosen.values()]

@@ -556,6 +556,29 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             return sum(loaded)
         return [t if ok else None for t, ok in zip(target_locations, loaded, strict=True)]
 
+    # SGLang calls the v2 forms only for models with extra host pools; its base class raises a bare
+    # NotImplementedError from a prefetch or backup thread, which names neither the backend nor a way out.
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """Not supported yet: hybrid models' extra pools.
+
+        :raises NotImplementedError: always, naming what is missing.
+        """
+        raise _no_extra_pools("batch_exists_v2")
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> Any:
+        """Not supported yet: hybrid models' extra pools.
+
+        :raises NotImplementedError: always, naming what is missing.
+        """
+        raise _no_extra_pools("batch_get_v2")
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> Any:
+        """Not supported yet: hybrid models' extra pools.
+
+        :raises NotImplementedError: always, naming what is missing.
+        """
+        raise _no_extra_pools("batch_set_v2")
+
     def clear(self) -> None:
         """Not supported over a shared pool (another instance's pages are not this one's to drop): a no-op
         there; over a process-local tier, every block is dropped."""
@@ -798,6 +821,14 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             if not bool(inside.any(axis=1).all()):
                 raise ValueError("host_indices point outside the registered host pool's buffers; nothing was copied")
         return plan, _views(addresses, lengths)
+
+
+def _no_extra_pools(call: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"aiokvtier's HiCache storage does not support {call} yet: hybrid models' extra host pools (Mamba and "
+        "SWA state, DSA indexer, draft pools) are not stored; serve this model without "
+        "--hicache-storage-backend, or with a backend that implements them"
+    )
 
 
 def _buffers(host: Any) -> tuple[U64, U64]:
