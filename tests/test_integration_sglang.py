@@ -117,6 +117,21 @@ def test_v1_round_trip_is_bit_exact_through_the_host_pool(layout: str) -> None:
         storage.close()
 
 
+def test_slots_far_larger_than_the_spans_are_warned_of_naming_the_setting(caplog: pytest.LogCaptureFixture) -> None:
+    host = make_host_pool()  # pages of two 32 KiB spans
+    with caplog.at_level(logging.WARNING, logger="aiokvtier"):
+        storage = make_storage(host, {"tier": {"quota": "64MiB", "slot_size": "1MiB"}})
+        storage.close()
+    warned = [r.getMessage() for r in caplog.records if "fill 3% of their 2 slots" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    assert 'the "tier" section\'s slot_size near the largest span (32768' in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aiokvtier"):
+        storage = make_storage(host, TIER)  # 16 KiB slots: every slot full
+        storage.close()
+    assert not [r for r in caplog.records if "fill" in r.getMessage()], caplog.text
+
+
 @pytest.mark.parametrize("v1", [True, False])
 def test_batch_exists_over_a_pool_answers_keys_of_any_length_and_text(pool_path: str, v1: bool) -> None:
     """Keys of one length are looked up as one array; keys of several lengths, with a newline or

@@ -184,6 +184,24 @@ def _plan(namespace: bytes, spans: Sequence[int], slot_size: int) -> _Plan:
     )
 
 
+SLOT_USE_WARNING = 0.5
+"""Below this share of the slots' bytes holding page data, registering a host pool warns."""
+
+
+def _warn_if_slots_are_mostly_empty(spans: Sequence[int], blocks: int, slot_size: int, *, pool: bool) -> None:
+    """A span shorter than a slot leaves the rest of its slot empty: say so where most of the tier would be
+    (the pages it holds are then a fraction of what its bytes could hold), naming the setting to change."""
+    used = sum(spans) / (blocks * slot_size)
+    if used >= SLOT_USE_WARNING:
+        return
+    setting = "the pool owner's --slot-size" if pool else 'the "tier" section\'s slot_size'
+    log.warning(
+        "aiokvtier: SGLang pages of %d spans of at most %d bytes fill %.0f%% of their %d slots of %d bytes: "
+        "the tier holds %.1fx fewer pages than its bytes could; set %s near the largest span (%d bytes)",
+        len(spans), max(spans), used * 100, blocks, slot_size, 1 / used, setting, max(spans),
+    )  # fmt: skip
+
+
 def _views(addresses: U64, lengths: U64) -> list[Any]:
     """Writable bytes-like objects over SGLang's memory at ``addresses`` (no copy; SGLang owns it)."""
     kinds: dict[int, Any] = {}
@@ -451,6 +469,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
                 "aiokvtier: SGLang pages of %d spans (%d bytes) as %d blocks of up to %d bytes",
                 len(spans), sum(spans), self._v1.blocks, self._slot_size,
             )  # fmt: skip
+            _warn_if_slots_are_mostly_empty(spans, self._v1.blocks, self._slot_size, pool=self._pool is not None)
         if hasattr(mem_pool_host, "get_dummy_flat_data_page"):
             flat = mem_pool_host.get_dummy_flat_data_page()
             self._flat_default = int(flat.numel() * flat.element_size())
