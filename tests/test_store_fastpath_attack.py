@@ -1,0 +1,353 @@
+"""The block store's cheaper calls under attack: what each saving must still keep.
+
+- A host copy's future refuses cancellation and is awaited directly: a cancelled ``store`` or ``load``
+  raises only once its copy ended, whether cancelled by ``task.cancel()`` (once or twice), by
+  ``asyncio.wait_for``, by a failing TaskGroup sibling, or while the store or its tier closes.
+- A claim makes its future only when a concurrent store waits on it: the waiters of a store that is
+  cancelled, fails or meets a close wake and store the keys themselves (or see them present).
+- The index counts its doomed blocks: after pins, discards, evictions and shrinks in any order, its
+  counts agree with a recount (``check_invariants``), and no slot is lost once nothing is in flight.
+- ``LRUPolicy.inserted_many`` checks few slots as Python ints: hostile slot ids change nothing.
+- Host pages with fewer numpy steps: bad arrays and buffers are refused with nothing stored, good ones
+  round-trip bit-exact.
+
+Host pages (no engine), on asyncio and uvloop. Copies go through the store's thread; the copy seam is
+``aiokvtier._store._transfers.landed_after`` (patched with ``monkeypatch``). Every await is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+import aiokvtier._store._transfers as transfers_module
+from aiokvtier import BlockStore, HostTier, HostTierConfig, TierClosedError
+
+from .helpers import eventually
+from .test_cancellation import cancel_during, sweep
+from .test_store import SLOT, bounded, page, pages
+
+T = TypeVar("T")
+
+DELAYS = (0, 0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005)
+"""Cancellation delays: a copy takes ``Copies.pause`` (2 ms), so most land while one is in flight."""
+
+
+class CopyFailed(Exception):
+    """Raised by a host copy that ``Copies.fail`` asks to fail."""
+
+
+class Copies:
+    """Replaces the store's host copy (run on its thread): counts copies begun and ended, holds each
+    until a permit is given (while ``held``), sleeps ``pause`` s in it, and fails it (without writing)
+    while ``fail`` is set."""
+
+    def __init__(self, pause: float = 0.0) -> None:
+        self._real = transfers_module.landed_after
+        self._lock = threading.Lock()
+        self._permits = threading.Semaphore(0)
+        self.held = False
+        self.pause = pause
+        self.fail = False
+        self.begun = 0
+        self.ended = 0
+
+    def __call__(self, copy: Callable[[], None], landed: threading.Event) -> None:
+        with self._lock:
+            self.begun += 1
+        try:
+            if self.held:
+                assert self._permits.acquire(timeout=10), "a held copy was never let through"
+            if self.pause:
+                time.sleep(self.pause)
+            self._real(_failing if self.fail else copy, landed)
+        finally:
+            landed.set()  # also when the hold failed: a region's close waits for it
+            with self._lock:
+                self.ended += 1
+
+    @property
+    def running(self) -> int:
+        """Copies begun and not ended (queued ones not counted: the worker runs them in turn)."""
+        with self._lock:
+            return self.begun - self.ended
+
+    def let_through(self, n: int = 1) -> None:
+        for _ in range(n):
+            self._permits.release()
+
+    def mark(self) -> Callable[[int], Awaitable[None]]:
+        """``await mark()(n)`` waits until ``n`` copies began since the call to ``mark()``."""
+        start = self.begun
+
+        async def entered(n: int) -> None:
+            await eventually(lambda: self.begun >= start + n)
+
+        return entered
+
+    async def quiet(self) -> None:
+        """Wait until every copy begun ended."""
+        await eventually(lambda: self.running == 0)
+
+
+def _failing() -> None:
+    raise CopyFailed("injected copy failure")
+
+
+@pytest.fixture
+def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Copies]:
+    seam = Copies()
+    monkeypatch.setattr(transfers_module, "landed_after", seam)
+    yield seam
+    seam.held = False
+    seam.let_through(64)  # a test that failed half way leaves no copy waiting
+
+
+@asynccontextmanager
+async def opened(slots: int = 16) -> AsyncIterator[tuple[HostTier, BlockStore]]:
+    cfg = HostTierConfig(
+        quota=slots * SLOT, max_quota=64 * SLOT, slot_size=SLOT, commit_unit=SLOT * 4, fill_chunk=SLOT * 8
+    )
+    tier = await bounded(HostTier.open(cfg))
+    try:
+        await bounded(tier.wait_resident())
+        store = await bounded(BlockStore.open(tier))
+        try:
+            yield tier, store
+        finally:
+            await bounded(store.aclose())
+    finally:
+        await bounded(tier.aclose())
+
+
+def whole(tier: HostTier, store: BlockStore) -> None:
+    """Nothing in flight, no pin or claim, one tier slot per visible block, the books agreeing."""
+    stats = store.statistics()
+    assert stats.in_flight == 0 and stats.blocks_pinned == 0
+    assert tier.statistics().slots_allocated == len(store) == stats.blocks == len(store.keys())
+    store.check_invariants(sole_user=True)
+
+
+async def exact(store: BlockStore) -> None:
+    """Every visible block loads, bit-exact, the bytes its key names (``page(key)``)."""
+    keys = store.keys()
+    dst = np.zeros((len(keys), SLOT), dtype=np.uint8)
+    await bounded(store.load(keys, dst))
+    for key, row in zip(keys, dst, strict=True):
+        assert row.tobytes() == page(key), f"block {key!r} holds other bytes"
+
+
+async def ended_copies(copies: Copies, call: Awaitable[T], seen: list[int]) -> T:
+    """Await ``call``; ``seen`` gets how many copies were still running the moment it returned or raised."""
+    try:
+        return await call
+    finally:
+        seen.append(copies.running)
+
+
+# -- a host copy's future refuses cancellation (8d1796e) ----------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["rows", "buffers"])
+async def test_a_cancelled_store_raises_only_after_its_copy_and_keeps_no_partial_block(
+    copies: Copies, form: str
+) -> None:
+    copies.pause = 0.002
+    async with opened(16) as (tier, store):
+        stored: list[int] = []
+        for case, (how, delay) in enumerate(sweep(11, delays=DELAYS, cancels=8)):
+            keys = [case * 100 + i for i in range(6)]
+            src: Any = pages(keys)
+            if form == "buffers":
+                src = [bytearray(row.tobytes()) for row in src]
+            seen: list[int] = []
+            outcome = await cancel_during(
+                lambda keys=keys, src=src, seen=seen: ended_copies(copies, store.store(keys, src), seen), how, delay
+            )
+            assert seen in ([], [0]), f"{how} after {delay} s: the call ended with its copy running"
+            # The caller reuses its pages at once: nothing may read them any more.
+            if form == "rows":
+                src[:] = 0xEE
+            else:
+                for buffer in src:
+                    buffer[:] = b"\xee" * len(buffer)
+            await copies.quiet()
+            if outcome.cancelled:
+                assert not any(k in store for k in keys), f"{how} after {delay} s: a cancelled store kept a block"
+            else:
+                assert outcome.result is not None and outcome.result.stored == tuple(keys)
+                stored += keys
+            assert set(store.keys()) == set(stored)
+            whole(tier, store)
+            await exact(store)
+            store.discard(stored[:-6])  # room for the next case
+            stored = stored[-6:]
+
+
+@pytest.mark.parametrize("form", ["rows", "short_rows", "buffers"])
+async def test_a_cancelled_load_raises_only_after_its_copy_and_writes_nothing_after(copies: Copies, form: str) -> None:
+    async with opened(16) as (tier, store):
+        keys = list(range(8))
+        await bounded(store.store(keys, pages(keys)))
+        copies.pause = 0.002
+        for case, (how, delay) in enumerate(sweep(12, delays=DELAYS, cancels=8)):
+            width = SLOT + 16 if form == "short_rows" else SLOT  # wider rows: blocks shorter than them
+            dst: Any = np.full((len(keys), width), case % 200, dtype=np.uint8)
+            if form == "buffers":
+                dst = [bytearray(SLOT) for _ in keys]
+            seen: list[int] = []
+            outcome = await cancel_during(
+                lambda dst=dst, seen=seen: ended_copies(copies, store.load(keys, dst), seen), how, delay
+            )
+            assert seen in ([], [0]), f"{how} after {delay} s: the call ended with its copy running"
+            before = [bytes(row) for row in dst]
+            await copies.quiet()
+            # A second load through the store's thread runs after anything the first left queued.
+            await bounded(store.load(keys[:1], np.zeros((1, SLOT), dtype=np.uint8)))
+            assert [bytes(row) for row in dst] == before, f"{how} after {delay} s: written after the call ended"
+            if not outcome.cancelled:
+                assert all(bytes(row)[:SLOT] == page(k) for k, row in zip(keys, dst, strict=True))
+            whole(tier, store)
+        await exact(store)
+
+
+@pytest.mark.parametrize("op", ["store", "load"])
+async def test_a_call_cancelled_twice_while_its_copy_is_held_waits_for_it(copies: Copies, op: str) -> None:
+    async with opened(8) as (tier, store):
+        await bounded(store.store([1, 2], pages([1, 2])))
+        copies.held = True
+        entered = copies.mark()
+        dst = np.zeros((2, SLOT), dtype=np.uint8)
+        call = store.store([3, 4], pages([3, 4])) if op == "store" else store.load([1, 2], dst)
+        seen: list[int] = []
+        task = asyncio.ensure_future(ended_copies(copies, call, seen))
+        await entered(1)
+        task.cancel()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        assert not task.done(), "the call ended while its copy was held"
+        copies.held = False
+        copies.let_through()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(task)
+        assert seen == [0]
+        assert 3 not in store and 4 not in store
+        whole(tier, store)
+        await exact(store)
+
+
+async def test_a_taskgroup_sibling_failing_while_the_store_copies(copies: Copies) -> None:
+    async with opened(8) as (tier, store):
+        copies.held = True
+        entered = copies.mark()
+        seen: list[int] = []
+
+        async def sibling() -> None:
+            await entered(1)
+            raise RuntimeError("the sibling failed")
+
+        with pytest.raises(ExceptionGroup) as caught:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(ended_copies(copies, store.store([1, 2], pages([1, 2])), seen))
+                group.create_task(sibling())
+                group.create_task(asyncio.sleep(0.01))
+                await asyncio.sleep(0.02)
+                assert not seen, "the store ended while its copy was held"
+                copies.held = False
+                copies.let_through()
+        assert [type(e) for e in caught.value.exceptions] == [RuntimeError]
+        assert seen == [0]
+        assert len(store) == 0
+        whole(tier, store)
+
+
+@pytest.mark.parametrize("op", ["store", "load"])
+async def test_a_failed_copy_under_a_cancelled_call_cancels_it_and_stores_nothing(copies: Copies, op: str) -> None:
+    async with opened(8) as (tier, store):
+        await bounded(store.store([1, 2], pages([1, 2])))
+        copies.held = True
+        entered = copies.mark()
+        copies.fail = True
+        dst = np.zeros((2, SLOT), dtype=np.uint8)
+        call = store.store([3, 4], pages([3, 4])) if op == "store" else store.load([1, 2], dst)
+        task = asyncio.ensure_future(call)
+        await entered(1)
+        task.cancel()
+        copies.held = False
+        copies.let_through()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(task)
+        copies.held = copies.fail = False
+        assert set(store.keys()) == {1, 2}
+        assert store.statistics().loads == 0
+        whole(tier, store)
+        await exact(store)
+
+
+@pytest.mark.parametrize("op", ["store", "load"])
+async def test_the_store_closing_while_a_cancelled_call_waits_for_its_copy(copies: Copies, op: str) -> None:
+    cfg = HostTierConfig(quota=8 * SLOT, max_quota=64 * SLOT, slot_size=SLOT, commit_unit=SLOT * 4)
+    async with HostTier(cfg) as tier:
+        await bounded(tier.wait_resident())
+        store = await bounded(BlockStore.open(tier))
+        await bounded(store.store([1, 2], pages([1, 2])))
+        copies.held = True
+        entered = copies.mark()
+        dst = np.zeros((2, SLOT), dtype=np.uint8)
+        call = store.store([3, 4], pages([3, 4])) if op == "store" else store.load([1, 2], dst)
+        seen: list[int] = []
+        task = asyncio.ensure_future(ended_copies(copies, call, seen))
+        await entered(1)
+        task.cancel()
+        closing = asyncio.ensure_future(store.aclose())
+        await asyncio.sleep(0.01)
+        assert not task.done() and not closing.done(), "a call or the close ended while the copy was held"
+        with pytest.raises(TierClosedError):
+            await bounded(store.store([5], pages([5])))
+        copies.held = False
+        copies.let_through()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(task)
+        await bounded(closing)
+        assert seen == [0]
+        assert tier.statistics().slots_allocated == 0  # every block's slot (and the cancelled call's) went back
+
+
+@pytest.mark.parametrize("op", ["store", "load"])
+async def test_the_tier_closing_while_a_cancelled_call_waits_for_its_copy(copies: Copies, op: str) -> None:
+    cfg = HostTierConfig(quota=8 * SLOT, max_quota=64 * SLOT, slot_size=SLOT, commit_unit=SLOT * 4)
+    tier = await bounded(HostTier.open(cfg))
+    await bounded(tier.wait_resident())
+    store = await bounded(BlockStore.open(tier))
+    try:
+        await bounded(store.store([1, 2], pages([1, 2])))
+        copies.held = True
+        entered = copies.mark()
+        dst = np.zeros((2, SLOT), dtype=np.uint8)
+        call = store.store([3, 4], pages([3, 4])) if op == "store" else store.load([1, 2], dst)
+        seen: list[int] = []
+        task = asyncio.ensure_future(ended_copies(copies, call, seen))
+        await entered(1)
+        task.cancel()
+        closing = asyncio.ensure_future(tier.aclose())  # the tier's close waits for the copy over its slots
+        await asyncio.sleep(0.01)
+        assert not task.done() and not closing.done(), "a call or the tier's close ended while the copy was held"
+        copies.held = False
+        copies.let_through()
+        with pytest.raises(asyncio.CancelledError):
+            await bounded(task)
+        await bounded(closing)
+        assert seen == [0]
+        assert 3 not in store and 4 not in store
+    finally:
+        await bounded(store.aclose())
+        await bounded(tier.aclose())
