@@ -18,9 +18,10 @@ Host pages (no engine), on asyncio and uvloop. Copies go through the store's thr
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -46,28 +47,34 @@ class CopyFailed(Exception):
 
 class Copies:
     """Replaces the store's host copy (run on its thread): counts copies begun and ended, holds each
-    until a permit is given (while ``held``), sleeps ``pause`` s in it, and fails it (without writing)
-    while ``fail`` is set."""
+    until a permit is given (while ``held``), sleeps ``pause`` s in it, and fails the next ``fail``
+    copies (without writing)."""
 
     def __init__(self, pause: float = 0.0) -> None:
         self._real = transfers_module.landed_after
         self._lock = threading.Lock()
         self._permits = threading.Semaphore(0)
         self.held = False
+        self._waiting = 0
         self.pause = pause
-        self.fail = False
+        self.fail = 0
+        """Copies to fail, the next ones begun."""
         self.begun = 0
         self.ended = 0
 
     def __call__(self, copy: Callable[[], None], landed: threading.Event) -> None:
         with self._lock:
             self.begun += 1
+            wait = self.held
+            self._waiting += wait
         try:
-            if self.held:
+            if wait:
                 assert self._permits.acquire(timeout=10), "a held copy was never let through"
             if self.pause:
                 time.sleep(self.pause)
-            self._real(_failing if self.fail else copy, landed)
+            failing = self.fail > 0
+            self.fail -= failing
+            self._real(_failing if failing else copy, landed)
         finally:
             landed.set()  # also when the hold failed: a region's close waits for it
             with self._lock:
@@ -80,8 +87,19 @@ class Copies:
             return self.begun - self.ended
 
     def let_through(self, n: int = 1) -> None:
-        for _ in range(n):
-            self._permits.release()
+        """Let the next ``n`` held copies run."""
+        with self._lock:
+            self._waiting -= n
+        if n > 0:
+            self._permits.release(n)
+
+    def release(self) -> None:
+        """Hold no copy from now on, and let those held run."""
+        with self._lock:
+            self.held = False
+            n, self._waiting = self._waiting, 0
+        if n > 0:
+            self._permits.release(n)
 
     def mark(self) -> Callable[[int], Awaitable[None]]:
         """``await mark()(n)`` waits until ``n`` copies began since the call to ``mark()``."""
@@ -106,8 +124,7 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Copies]:
     seam = Copies()
     monkeypatch.setattr(transfers_module, "landed_after", seam)
     yield seam
-    seam.held = False
-    seam.let_through(64)  # a test that failed half way leaves no copy waiting
+    seam.release()  # a test that failed half way leaves no copy waiting
 
 
 @asynccontextmanager
@@ -235,8 +252,7 @@ async def test_a_call_cancelled_twice_while_its_copy_is_held_waits_for_it(copies
         task.cancel()
         await asyncio.sleep(0.01)
         assert not task.done(), "the call ended while its copy was held"
-        copies.held = False
-        copies.let_through()
+        copies.release()
         with pytest.raises(asyncio.CancelledError):
             await bounded(task)
         assert seen == [0]
@@ -262,8 +278,7 @@ async def test_a_taskgroup_sibling_failing_while_the_store_copies(copies: Copies
                 group.create_task(asyncio.sleep(0.01))
                 await asyncio.sleep(0.02)
                 assert not seen, "the store ended while its copy was held"
-                copies.held = False
-                copies.let_through()
+                copies.release()
         assert [type(e) for e in caught.value.exceptions] == [RuntimeError]
         assert seen == [0]
         assert len(store) == 0
@@ -276,17 +291,16 @@ async def test_a_failed_copy_under_a_cancelled_call_cancels_it_and_stores_nothin
         await bounded(store.store([1, 2], pages([1, 2])))
         copies.held = True
         entered = copies.mark()
-        copies.fail = True
+        copies.fail = 1
         dst = np.zeros((2, SLOT), dtype=np.uint8)
         call = store.store([3, 4], pages([3, 4])) if op == "store" else store.load([1, 2], dst)
         task = asyncio.ensure_future(call)
         await entered(1)
         task.cancel()
-        copies.held = False
-        copies.let_through()
+        copies.release()
         with pytest.raises(asyncio.CancelledError):
             await bounded(task)
-        copies.held = copies.fail = False
+        copies.held = False
         assert set(store.keys()) == {1, 2}
         assert store.statistics().loads == 0
         whole(tier, store)
@@ -313,8 +327,7 @@ async def test_the_store_closing_while_a_cancelled_call_waits_for_its_copy(copie
         assert not task.done() and not closing.done(), "a call or the close ended while the copy was held"
         with pytest.raises(TierClosedError):
             await bounded(store.store([5], pages([5])))
-        copies.held = False
-        copies.let_through()
+        copies.release()
         with pytest.raises(asyncio.CancelledError):
             await bounded(task)
         await bounded(closing)
@@ -341,8 +354,7 @@ async def test_the_tier_closing_while_a_cancelled_call_waits_for_its_copy(copies
         closing = asyncio.ensure_future(tier.aclose())  # the tier's close waits for the copy over its slots
         await asyncio.sleep(0.01)
         assert not task.done() and not closing.done(), "a call or the tier's close ended while the copy was held"
-        copies.held = False
-        copies.let_through()
+        copies.release()
         with pytest.raises(asyncio.CancelledError):
             await bounded(task)
         await bounded(closing)
@@ -351,3 +363,124 @@ async def test_the_tier_closing_while_a_cancelled_call_waits_for_its_copy(copies
     finally:
         await bounded(store.aclose())
         await bounded(tier.aclose())
+
+
+# -- a claim's future made only for a waiter (8e958f9) --------------------------------------------------
+
+
+async def settle_all(tasks: Sequence[asyncio.Future[T]]) -> list[T | BaseException]:
+    """Every task's outcome, bounded: a waiter that never wakes fails the test."""
+    _, pending = await asyncio.wait(tasks, timeout=10)
+    assert not pending, f"{len(pending)} calls never ended"
+    return [asyncio.CancelledError() if t.cancelled() else t.exception() or t.result() for t in tasks]
+
+
+@pytest.mark.parametrize("first_ends", ["lands", "cancelled", "fails", "cancelled_and_fails"])
+@pytest.mark.parametrize("waiters", [1, 5])
+async def test_the_waiters_of_a_store_wake_and_store_its_keys_when_it_does_not(
+    copies: Copies, first_ends: str, waiters: int
+) -> None:
+    async with opened(16) as (tier, store):
+        copies.held = True
+        entered = copies.mark()
+        first = asyncio.ensure_future(store.store([1, 2, 3], pages([1, 2, 3])))
+        await entered(1)
+        # Each waiter shares a key or two with the first store, and one of its own.
+        shapes = [lambda w: [10 + w, 2], lambda w: [3, 20 + w], lambda w: [2, 3, 30 + w], lambda w: [40 + w, 1]]
+        calls = [shapes[w % len(shapes)](w) for w in range(waiters)]
+        others = [asyncio.ensure_future(store.store(keys, pages(keys))) for keys in calls]
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not any(t.done() for t in others), "a waiter ended before the store it waits for"
+        if first_ends.startswith("cancelled"):
+            first.cancel()
+        if first_ends.endswith("fails"):
+            copies.fail = 1
+        copies.release()
+        outcomes = await settle_all([first, *others])
+        if first_ends == "lands":
+            assert outcomes[0] == transfers_result([1, 2, 3])
+        elif first_ends.startswith("cancelled"):
+            assert isinstance(outcomes[0], asyncio.CancelledError)
+        else:
+            assert isinstance(outcomes[0], transfers_module.CopyPlanError | CopyFailed), outcomes[0]
+        first_stored = first_ends == "lands"
+        taken: set[int] = set()
+        for keys, result in zip(calls, outcomes[1:], strict=True):
+            assert not isinstance(result, BaseException), result
+            assert set(result.stored) | set(result.present) == set(keys) and not result.skipped
+            for key in keys:
+                if key in (1, 2, 3) and first_stored:
+                    assert key in result.present, f"{key} was stored by the first call: {result}"
+            taken |= set(result.stored)
+        # Each key was copied once: by the first store, or by one waiter that found it absent.
+        expected = {k for keys in calls for k in keys} | ({1, 2, 3} if first_stored else set())
+        assert set(store.keys()) == expected
+        assert store.statistics().stores == len(expected)
+        whole(tier, store)
+        await exact(store)
+
+
+def transfers_result(keys: list[int]) -> Any:
+    from aiokvtier import StoreResult
+
+    return StoreResult(stored=tuple(keys), present=(), skipped=())
+
+
+async def test_the_waiters_of_a_store_met_by_a_close(copies: Copies) -> None:
+    cfg = HostTierConfig(quota=16 * SLOT, max_quota=64 * SLOT, slot_size=SLOT, commit_unit=SLOT * 4)
+    async with HostTier(cfg) as tier:
+        await bounded(tier.wait_resident())
+        for cancel_first in (False, True):
+            store = await bounded(BlockStore.open(tier))
+            copies.held = True
+            entered = copies.mark()
+            first = asyncio.ensure_future(store.store([1, 2], pages([1, 2])))
+            await entered(1)
+            waiter = asyncio.ensure_future(store.store([2, 3], pages([2, 3])))
+            for _ in range(10):
+                await asyncio.sleep(0)
+            closing = asyncio.ensure_future(store.aclose())
+            await asyncio.sleep(0.01)
+            assert not closing.done() and not waiter.done()
+            if cancel_first:
+                first.cancel()
+            copies.release()
+            first_out, waiter_out, _ = await settle_all([first, waiter, closing])
+            if cancel_first:
+                assert isinstance(first_out, asyncio.CancelledError)
+                # The waiter stores the key itself, though the store began closing meanwhile.
+                assert not isinstance(waiter_out, BaseException) and waiter_out.stored == (2, 3), waiter_out
+            else:
+                assert not isinstance(waiter_out, BaseException)
+                assert waiter_out.present == (2,) and waiter_out.stored == (3,), waiter_out
+            assert tier.statistics().slots_allocated == 0
+
+
+async def test_many_stores_of_overlapping_keys_cancelled_failing_or_landing(copies: Copies) -> None:
+    rng = random.Random(5)
+    copies.pause = 0.0005
+    async with opened(48) as (tier, store):
+        for round_ in range(12):
+            calls = [rng.sample(range(24), rng.randint(1, 8)) for _ in range(8)]
+            copies.held = True
+            entered = copies.mark()
+            tasks = [asyncio.ensure_future(store.store(keys, pages(keys))) for keys in calls]
+            await entered(1)
+            copies.fail = rng.randint(0, 3)
+            doomed = rng.sample(range(len(tasks)), rng.randint(0, 3))
+            for i in doomed:
+                tasks[i].cancel()
+            copies.release()
+            outcomes = await settle_all(tasks)
+            copies.fail = 0
+            for keys, out in zip(calls, outcomes, strict=True):
+                if isinstance(out, BaseException):
+                    assert isinstance(out, asyncio.CancelledError | CopyFailed), repr(out)
+                    continue
+                assert set(out.stored) | set(out.present) | set(out.skipped) == set(keys)
+                assert not out.skipped  # room for every key: nothing is skipped
+                assert all(k in store for k in keys), f"round {round_}: {keys} returned {out}, not all stored"
+            whole(tier, store)
+            await exact(store)
+            store.discard(range(24))
