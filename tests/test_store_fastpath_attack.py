@@ -30,6 +30,7 @@ import pytest
 
 import aiokvtier._store._transfers as transfers_module
 from aiokvtier import BlockStore, HostTier, HostTierConfig, TierClosedError
+from aiokvtier._store._policy import LRUPolicy, S3FIFOPolicy
 
 from .helpers import eventually
 from .test_cancellation import cancel_during, sweep
@@ -484,3 +485,73 @@ async def test_many_stores_of_overlapping_keys_cancelled_failing_or_landing(copi
             whole(tier, store)
             await exact(store)
             store.discard(range(24))
+
+
+# -- LRUPolicy.inserted_many checks few slots as Python ints (ecf8f7a) ---------------------------------
+
+
+HOSTILE_SLOTS: dict[str, Any] = {
+    "repeat": [5, 5],
+    "repeat_of_a_tracked_slot": [7, 60],
+    "repeat_numpy": np.array([3, 9, 3], dtype=np.int64),
+    "repeat_past_the_few": [*range(40), 0],
+    "negative": [-1],
+    "negative_numpy_int8": np.array([4, -3], dtype=np.int8),
+    "out_of_range": [64],
+    "out_of_range_numpy_uint16": np.array([1, 1000], dtype=np.uint16),
+    "uint64_past_int64": np.array([2**63], dtype=np.uint64),
+    "uint64_max": np.array([2**64 - 1], dtype=np.uint64),
+    "python_int_past_int64": [2**70],
+    "bools": [True, False],
+    "a_bool_among_ints": [2, True],
+    "numpy_bools": np.array([True, False]),
+    "numpy_bool_scalars": [np.bool_(True), np.bool_(False)],
+    "floats": [1.0, 2.0],
+    "numpy_floats": np.array([1.5, 2.5]),
+    "strings": ["1", "2"],
+    "nested": [[1, 2]],
+    "two_d": np.array([[1, 2]], dtype=np.int64),
+}
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy, S3FIFOPolicy])
+@pytest.mark.parametrize("hostile", list(HOSTILE_SLOTS))
+def test_hostile_slot_ids_are_refused_and_change_nothing(policy: type[LRUPolicy | S3FIFOPolicy], hostile: str) -> None:
+    tracker = policy(64)
+    tracker.inserted_many(np.array([60, 7], dtype=np.int64), [b"a", b"b"])
+    before = (len(tracker), tracker.tracked().tolist(), victims(tracker))
+    slots = HOSTILE_SLOTS[hostile]
+    keys = [b"k%d" % i for i in range(len(slots))]
+    with pytest.raises((TypeError, ValueError, IndexError)):
+        tracker.inserted_many(slots, keys)
+    assert (len(tracker), tracker.tracked().tolist(), victims(tracker)) == before
+    # Still whole: the good insert after it is taken in full, and ordered after the first two.
+    tracker.inserted_many([1, 2], [b"c", b"d"])
+    assert len(tracker) == 4 and victims(tracker)[-2:] == [1, 2]
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy, S3FIFOPolicy])
+@pytest.mark.parametrize("slot", [True, 1.0, "1", np.bool_(True)])
+def test_a_single_insert_of_a_hostile_slot_id_is_refused(policy: type[LRUPolicy | S3FIFOPolicy], slot: Any) -> None:
+    tracker = policy(64)
+    with pytest.raises(TypeError):
+        tracker.inserted(slot, b"k")
+    assert len(tracker) == 0 and not tracker.tracked().any()
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy, S3FIFOPolicy])
+def test_slot_ids_of_other_integer_widths_are_taken(policy: type[LRUPolicy | S3FIFOPolicy]) -> None:
+    tracker = policy(64)
+    tracker.inserted_many(np.array([3, 4], dtype=np.uint8), [b"a", b"b"])
+    tracker.inserted_many([np.int16(5), np.uint32(6), 7], [b"c", b"d", b"e"])
+    tracker.inserted_many(np.arange(8, 50, dtype=np.int32), [b"f%d" % i for i in range(42)])
+    assert len(tracker) == 47 and tracker.tracked()[3:50].all()
+
+
+def victims(tracker: LRUPolicy | S3FIFOPolicy) -> list[int]:
+    """The policy's eviction order now (nothing evicted)."""
+    walk = tracker.victims()
+    try:
+        return list(walk)
+    finally:
+        walk.close()
