@@ -555,3 +555,144 @@ def victims(tracker: LRUPolicy | S3FIFOPolicy) -> list[int]:
         return list(walk)
     finally:
         walk.close()
+
+
+# -- host pages with fewer numpy steps (9980441, 6802af9) -------------------------------------------------
+
+
+BAD_SOURCES: dict[str, Callable[[], Any]] = {
+    "every_other_row": lambda: pages(list(range(8)))[::2],
+    "rows_reversed": lambda: pages(list(range(4)))[::-1],
+    "bytes_reversed": lambda: pages(list(range(4)))[:, ::-1],
+    "fortran_order": lambda: np.asfortranarray(pages(list(range(4)))),
+    "rows_cut_short_in_place": lambda: np.zeros((4, 2 * SLOT), dtype=np.uint8)[:, :SLOT],
+    "rows_longer_than_the_slot": lambda: np.zeros((4, SLOT + 1), dtype=np.uint8),
+    "int8": lambda: pages(list(range(4))).view(np.int8),
+    "uint16": lambda: pages(list(range(4))).view(np.uint16),
+    "bool": lambda: pages(list(range(4))).view(np.bool_),
+    "structured": lambda: pages(list(range(4))).view(np.dtype([("b", np.uint8)])),
+    "three_d": lambda: pages(list(range(4))).reshape(4, 1, SLOT),
+    "zero_length_rows": lambda: np.zeros((4, 0), dtype=np.uint8),
+    "a_zero_length_buffer": lambda: [b"x", b"", b"y", b"z"],
+    "a_reversed_buffer": lambda: [b"x", np.arange(8, dtype=np.uint8)[::-1], b"y", b"z"],
+    "a_fortran_buffer": lambda: [b"x", np.asfortranarray(np.zeros((4, 4), np.uint8)), b"y", b"z"],
+    "a_str": lambda: [b"x", "y", b"y", b"z"],
+    "a_buffer_longer_than_the_slot": lambda: [b"x", bytes(SLOT + 1), b"y", b"z"],
+    "one_buffer_for_four_keys": lambda: bytes(4 * SLOT),
+    "three_rows_for_four_keys": lambda: pages(list(range(3))),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_SOURCES))
+async def test_bad_pages_are_refused_and_store_nothing(bad: str) -> None:
+    async with opened(8) as (tier, store):
+        await bounded(store.store([100], pages([100])))
+        with pytest.raises((ValueError, TypeError)):
+            await bounded(store.store([0, 1, 2, 3], BAD_SOURCES[bad]()))
+        assert store.keys() == [100] and store.statistics().stores == 1
+        whole(tier, store)
+        await exact(store)
+
+
+BAD_DESTINATIONS: dict[str, Callable[[], Any]] = {
+    "read_only": lambda: _read_only(np.zeros((4, SLOT), np.uint8)),
+    "every_other_row": lambda: np.zeros((8, SLOT), np.uint8)[::2],
+    "rows_reversed": lambda: np.zeros((4, SLOT), np.uint8)[::-1],
+    "fortran_order": lambda: np.zeros((4, SLOT), np.uint8, order="F"),
+    "rows_shorter_than_the_blocks": lambda: np.zeros((4, SLOT - 1), np.uint8),
+    "zero_length_rows": lambda: np.zeros((4, 0), np.uint8),
+    "int8": lambda: np.zeros((4, SLOT), np.int8),
+    "a_bytes_page": lambda: [bytearray(SLOT), bytes(SLOT), bytearray(SLOT), bytearray(SLOT)],
+    "a_read_only_array_page": lambda: [bytearray(SLOT), _read_only(np.zeros(SLOT, np.uint8)), *_buffers(2)],
+    "a_zero_length_page": lambda: [bytearray(SLOT), bytearray(0), bytearray(SLOT), bytearray(SLOT)],
+    "overlapping_pages": lambda: _overlapping(),
+}
+
+
+def _buffers(n: int) -> list[bytearray]:
+    return [bytearray(SLOT) for _ in range(n)]
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+def _overlapping() -> list[Any]:
+    buffer = bytearray(3 * SLOT)
+    view = memoryview(buffer)
+    return [view[:SLOT], view[SLOT - 1 : 2 * SLOT - 1], bytearray(SLOT), bytearray(SLOT)]
+
+
+@pytest.mark.parametrize("bad", list(BAD_DESTINATIONS))
+async def test_bad_destinations_are_refused_and_written_nothing(bad: str) -> None:
+    async with opened(8) as (tier, store):
+        await bounded(store.store([0, 1, 2, 3], pages([0, 1, 2, 3])))
+        dst = BAD_DESTINATIONS[bad]()
+        before = [bytes(memoryview(d).cast("B")) if not isinstance(d, np.ndarray) else d.tobytes() for d in dst]
+        with pytest.raises((ValueError, TypeError)):
+            await bounded(store.load([0, 1, 2, 3], dst))
+        after = [bytes(memoryview(d).cast("B")) if not isinstance(d, np.ndarray) else d.tobytes() for d in dst]
+        assert after == before
+        assert store.statistics().loads == 0
+        whole(tier, store)
+
+
+class _Subclass(np.ndarray):
+    """An ndarray subclass: its rows are taken as the plain array's."""
+
+
+async def test_good_pages_of_every_form_round_trip_bit_exact() -> None:
+    async with opened(32) as (tier, store):
+        keys = list(range(4))
+        data = [page(k) for k in keys]
+        short = [page(k)[: 1 + 97 * k] for k in range(10, 14)]
+        forms: list[tuple[list[int], Any, list[bytes]]] = [
+            ([20], np.asfortranarray(np.frombuffer(page(20), np.uint8).reshape(1, SLOT)), [page(20)]),
+            ([21], np.frombuffer(page(21), np.uint8).reshape(1, SLOT), [page(21)]),  # read-only: fine to store
+            ([], np.zeros((0, SLOT), np.uint8), []),
+            ([], [], []),
+            (keys, np.frombuffer(b"".join(data), np.uint8).reshape(4, SLOT).view(_Subclass), data),
+            (
+                list(range(10, 14)),
+                [short[0], bytearray(short[1]), memoryview(short[2]), np.frombuffer(short[3], np.uint8)],
+                short,
+            ),
+            (
+                [30, 31],
+                [np.frombuffer(page(30), np.float32), memoryview(page(31)).cast("B", (64, 64))],
+                [page(30), page(31)],
+            ),
+            (
+                [40, 41, 42],
+                np.frombuffer(b"".join(page(k)[:100] for k in (40, 41, 42)), np.uint8).reshape(3, 100),
+                [page(k)[:100] for k in (40, 41, 42)],
+            ),
+        ]
+        expected: dict[int, bytes] = {}
+        for form_keys, src, blocks in forms:
+            result = await bounded(store.store(form_keys, src))
+            assert result.stored == tuple(form_keys)
+            expected.update(zip(form_keys, blocks, strict=True))
+        # Some present, some not: the rows of an array taken as a subset.
+        mixed = [0, 50, 1, 51, 2]
+        src = np.stack([np.frombuffer(expected.get(k, page(k)), np.uint8) for k in mixed])
+        result = await bounded(store.store(mixed, src))
+        assert result.stored == (50, 51) and result.present == (0, 1, 2)
+        expected[50], expected[51] = page(50), page(51)
+        everything = sorted(expected)
+        lengths = [len(expected[k]) for k in everything]
+        # Into rows as wide as the slot, wider rows, a subset, a 1-row Fortran array, and buffers of each kind.
+        for width in (SLOT, SLOT + 64):
+            dst = np.full((len(everything), width), 0xEE, np.uint8)
+            await bounded(store.load(everything, dst))
+            for k, n, row in zip(everything, lengths, dst, strict=True):
+                assert row[:n].tobytes() == expected[k] and not (row[n:] != 0xEE).any()
+        one = np.zeros((1, SLOT), np.uint8, order="F")
+        await bounded(store.load([21], one))
+        assert one.tobytes() == page(21)
+        buffers: list[Any] = [bytearray(n) for n in lengths]
+        kinds = [lambda b: b, memoryview, lambda b: np.frombuffer(b, np.uint8)]
+        await bounded(store.load(everything, [kinds[i % 3](b) for i, b in enumerate(buffers)]))
+        assert [bytes(b) for b in buffers] == [expected[k] for k in everything]
+        whole(tier, store)
