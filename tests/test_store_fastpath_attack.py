@@ -27,12 +27,19 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 import aiokvtier._store._transfers as transfers_module
-from aiokvtier import BlockStore, HostTier, HostTierConfig, TierClosedError
+from aiokvtier import BlockNotFound, BlockStore, HostTier, HostTierConfig, QuotaError, TierClosedError
 from aiokvtier._store._policy import LRUPolicy, S3FIFOPolicy
 
 from .helpers import eventually
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a test dependency on Linux
+    uvloop = None
 from .test_cancellation import cancel_during, sweep
 from .test_store import SLOT, bounded, page, pages
 
@@ -696,3 +703,129 @@ async def test_good_pages_of_every_form_round_trip_bit_exact() -> None:
         await bounded(store.load(everything, [kinds[i % 3](b) for i, b in enumerate(buffers)]))
         assert [bytes(b) for b in buffers] == [expected[k] for k in everything]
         whole(tier, store)
+
+
+# -- the index counts its doomed blocks; unpin looks for them first (9dc3f00, ad5937a) -------------------
+
+KEYS = [*range(12), 20, 21]
+key_sets = st.lists(st.sampled_from(KEYS), min_size=1, max_size=5, unique=True)
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("store"), key_sets, st.booleans()),
+        st.tuples(st.just("load"), key_sets),
+        st.tuples(st.just("discard"), key_sets),
+        st.tuples(st.just("resize"), st.integers(4, 20)),
+        st.tuples(st.just("let"), st.integers(1, 3)),
+        st.tuples(st.just("settle")),
+    ),
+    min_size=1,
+    max_size=25,
+)
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+if uvloop is not None:
+    LOOPS["uvloop"] = uvloop.new_event_loop
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=operations)
+@example(ops=[("store", [0, 1], True), ("settle",), ("load", [0]), ("discard", [0, 1]), ("let", 1), ("settle",)])
+@example(  # two loads pin one block; the discard dooms it; each unpin in turn, the last one frees it
+    ops=[("store", [0], True), ("settle",), ("load", [0]), ("load", [0, 0]), ("discard", [0]), ("let", 1), ("let", 1)]
+)
+@example(  # a pinned block in a full tier: stores evict around it, a shrink past it is refused
+    ops=[
+        ("store", list(range(12)), True),
+        ("settle",),
+        ("load", [11]),
+        ("store", [20, 21], True),
+        ("resize", 4),
+        ("discard", [11]),
+        ("store", [11], True),
+        ("settle",),
+    ]
+)
+@example(  # discarded while pinned and stored again at once: two slots for one key until the unpin
+    ops=[("store", [3], True), ("settle",), ("load", [3]), ("discard", [3]), ("store", [3], False), ("let", 2)]
+)
+def test_pins_discards_evictions_and_shrinks_in_any_order_keep_the_counts_true(loop: str, ops: list[Any]) -> None:
+    """Every copy is held until let through (in the order the store's thread takes them), so loads keep
+    their blocks pinned across the discards, evictions, stores and shrinks that follow. After every step
+    the books agree with a recount (``check_invariants``: the doomed blocks among them) and the pins are
+    at least the in-flight loads' blocks; once everything settled, no slot is lost, every visible block
+    loads bit-exact, and a key discarded is not back unless a store of it ran since."""
+    copies = Copies()
+    with pytest.MonkeyPatch.context() as patch, asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+        patch.setattr(transfers_module, "landed_after", copies)
+        try:
+            runner.run(asyncio.wait_for(_run_operations(copies, ops), 60))
+        finally:
+            copies.release()
+
+
+async def _run_operations(copies: Copies, ops: list[Any]) -> None:
+    async with opened(12) as (tier, store):
+        try:
+            await _operations(tier, store, copies, ops)
+        finally:
+            copies.release()  # the store's close waits for its copies
+
+
+async def _operations(tier: HostTier, store: BlockStore, copies: Copies, ops: list[Any]) -> None:
+    copies.held = True
+    tasks: list[asyncio.Future[Any]] = []
+    loads: dict[asyncio.Future[Any], set[int]] = {}  # a load in flight: the slots it pins
+    stored_since: set[int] = set()  # keys a store was started for since their last discard
+
+    async def settle_loop() -> None:
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    for op in ops:
+        kind = op[0]
+        if kind == "store":
+            stored_since.update(op[1])
+            tasks.append(asyncio.ensure_future(store.store(op[1], pages(op[1]), wait=op[2])))
+        elif kind == "load":
+            ready = [k for k in op[1] if k in store]
+            task = asyncio.ensure_future(store.load(op[1], np.zeros((len(op[1]), SLOT), np.uint8)))
+            tasks.append(task)
+            if len(ready) == len(op[1]):
+                loads[task] = {store.slot(k) for k in ready}
+        elif kind == "discard":
+            present = {k for k in op[1] if k in store}  # a key being stored is not dropped
+            assert store.discard(op[1]) == len(present)
+            assert not any(k in store for k in op[1])
+            stored_since -= present
+        elif kind == "resize":
+            tasks.append(asyncio.ensure_future(store.resize(op[1] * SLOT)))
+        elif kind == "let":
+            copies.let_through(op[1])
+            await asyncio.sleep(0.002)
+        else:
+            copies.release()
+            await _settled(tasks)
+            copies.held = True
+        await settle_loop()
+        store.check_invariants()
+        pinned = set().union(*(slots for task, slots in loads.items() if not task.done()))
+        stats = store.statistics()
+        assert stats.blocks_pinned >= len(pinned)
+        if not any(not t.done() for t in tasks if t not in loads):  # no store or resize in flight
+            assert stats.blocks_pinned == len(pinned)
+        assert set(store.keys()) <= stored_since
+    copies.release()
+    await _settled(tasks)
+    whole(tier, store)
+    await exact(store)
+
+
+async def _settled(tasks: list[asyncio.Future[Any]]) -> None:
+    """Wait for every call; each ended as its docs allow."""
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=10)
+        assert not pending, f"{len(pending)} calls never ended"
+    for task in tasks:
+        error = task.exception()
+        assert error is None or isinstance(error, BlockNotFound | QuotaError), repr(error)
+    tasks.clear()
