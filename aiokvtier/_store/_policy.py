@@ -52,6 +52,7 @@ class EvictionPolicy(ABC):
 
         :raises ValueError: ``slot`` already holds a tracked block.
         :raises IndexError: ``slot`` is not below the capacity.
+        :raises TypeError: ``slot`` is not an integer (a bool, a float).
         """
 
     @abstractmethod
@@ -68,10 +69,14 @@ class EvictionPolicy(ABC):
         """Several blocks became visible, in this order (one store call); override to batch it.
 
         All or nothing: if one insert fails, those made before it are removed again.
+
+        :raises TypeError: a slot id that is not an integer (a bool, a float, a str), nothing inserted.
+        :raises ValueError: slots that are not one flat sequence, or a slot given twice or tracked already.
+        :raises IndexError: a slot not below the capacity.
         """
         done: list[int] = []
         try:
-            for slot, key in zip(np.asarray(slots, dtype=np.int64).tolist(), keys, strict=True):
+            for slot, key in zip(slot_ids(slots).tolist(), keys, strict=True):
                 self.inserted(slot, key)
                 done.append(slot)
         except BaseException:
@@ -135,6 +140,42 @@ class EvictionPolicy(ABC):
 _ABSENT = np.uint64(2**64 - 1)
 
 
+def slot_id(slot: object) -> int:
+    """``slot`` as a slot id.
+
+    :raises TypeError: not an integer: a bool (an index of every slot to numpy), a float, a str.
+    """
+    if type(slot) is int:
+        return slot
+    if isinstance(slot, np.integer):
+        return int(slot)
+    raise TypeError(f"a slot id is an int, not {type(slot).__name__} ({slot!r})")
+
+
+def slot_ids(slots: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``slots`` as one flat int64 array: a store's own int64 array costs a dtype look and no copy.
+
+    :raises TypeError: an id that is not an integer (numpy would take True as 1, 1.5 as 1 and "1" as 1).
+    :raises ValueError: ids that are not one flat sequence.
+    :raises IndexError: an id past any slot id (an int past int64).
+    """
+    if isinstance(slots, np.ndarray):
+        if slots.dtype.kind not in "iu":
+            raise TypeError(f"slot ids are integers, not {slots.dtype}")
+    else:
+        slots = slots if isinstance(slots, list | tuple) else list(slots)
+        for slot in slots:
+            if type(slot) is not int and not isinstance(slot, np.integer):
+                raise TypeError(f"a slot id is an int, not {type(slot).__name__} ({slot!r})")
+    try:
+        ids = np.asarray(slots, dtype=np.int64)  # uint64 ids past int64 wrap below zero: out of range below
+    except OverflowError:
+        raise IndexError("a slot id is past any capacity") from None
+    if ids.ndim != 1:
+        raise ValueError(f"slot ids are one flat sequence, not {ids.ndim}-D")
+    return ids
+
+
 def has_repeats(ids: npt.NDArray[np.int64]) -> bool:
     """Whether an id appears twice (a sort: numpy's hashing unique is ten times slower here)."""
     ordered = np.sort(ids)
@@ -191,6 +232,7 @@ class LRUPolicy(EvictionPolicy):
         return f"<LRUPolicy [{self._count} blocks of {len(self._stamp)} slots | queue {queued}]>"
 
     def inserted(self, slot: int, key: Key) -> None:
+        slot = slot_id(slot)
         if not 0 <= slot < len(self._stamp):
             raise IndexError(f"slot {slot} is not below the capacity ({len(self._stamp)})")
         if self._present[slot]:
@@ -201,13 +243,13 @@ class LRUPolicy(EvictionPolicy):
         self._count += 1
 
     def inserted_many(self, slots: Sequence[int] | npt.NDArray[np.int64], keys: Sequence[Key]) -> None:
-        if len(slots) != len(keys):
-            raise ValueError(f"{len(slots)} slots for {len(keys)} keys")
-        ids = np.asarray(slots, dtype=np.int64)
+        ids = slot_ids(slots)
+        if len(ids) != len(keys):
+            raise ValueError(f"{len(ids)} slots for {len(keys)} keys")
         if not ids.size:
             return
         # A store's few slots: checked as Python ints, where each numpy reduction costs about 2 us.
-        few = ids.tolist() if ids.ndim == 1 and ids.size <= FEW_IDS else None
+        few = ids.tolist() if ids.size <= FEW_IDS else None
         capacity = len(self._stamp)
         low, high = (min(few), max(few)) if few is not None else (int(ids.min()), int(ids.max()))
         if low < 0 or high >= capacity:
@@ -441,6 +483,7 @@ class S3FIFOPolicy(EvictionPolicy):
         return (self._gen[slot] << 32) | slot
 
     def inserted(self, slot: int, key: Key) -> None:
+        slot = slot_id(slot)
         if not 0 <= slot < len(self._where):
             raise IndexError(f"slot {slot} is not below the capacity ({len(self._where)})")
         if self._where[slot]:
