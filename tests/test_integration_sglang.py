@@ -584,7 +584,9 @@ def test_bad_calls_are_refused_and_change_nothing() -> None:
         HiCacheAiokvtier({"extra_config": TIER})  # type: ignore[arg-type]
 
 
-def test_hybrid_models_extra_pools_are_refused_with_a_reason() -> None:
+def test_an_extra_pool_without_a_zero_copy_layout_is_refused_by_name(caplog: pytest.LogCaptureFixture) -> None:
+    import types
+
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
     host = make_host_pool()
@@ -592,18 +594,180 @@ def test_hybrid_models_extra_pools_are_refused_with_a_reason() -> None:
     try:
         page = host.alloc(host.page_size)
         assert storage.batch_set_v1(["a"], page) == [True]
-        mamba = [PoolTransfer(name=PoolName.MAMBA, host_indices=page, keys=["a"])]
+        opaque = types.SimpleNamespace(page_size=1, state=torch.zeros(16))  # no get_page_buffer_meta
+        with caplog.at_level(logging.WARNING, logger="aiokvtier"):
+            storage.register_mem_host_pool_v2(opaque, PoolName.MAMBA)
+        assert "SGLang's mamba pool is not stored" in caplog.text
+        mamba = [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(1), keys=["a"])]
         calls = {
             "batch_exists_v2": lambda: storage.batch_exists_v2(["a"], mamba),
             "batch_get_v2": lambda: storage.batch_get_v2(mamba),
             "batch_set_v2": lambda: storage.batch_set_v2(mamba),
         }
         for name, call in calls.items():
-            with pytest.raises(NotImplementedError, match=rf"{name} yet: hybrid models' extra host pools"):
+            with pytest.raises(NotImplementedError, match=rf"{name}: aiokvtier does not store SGLang's mamba pool"):
                 call()
         assert storage.batch_exists(["a"]) == 1  # the KV pages are untouched
     finally:
         storage.close()
+
+
+# -- hybrid models: an extra host pool through the v2 calls -------------------------------------------
+
+
+def mamba_pool(slots: int = 24) -> Any:
+    """SGLang's Mamba state host pool on the CPU (page-first: one state per page, two buffers)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(2, slots, 4, 8, dtype=torch.float32),
+        conv=(torch.zeros(2, slots, 3, 16, dtype=torch.bfloat16),),
+    )
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first")
+
+
+def hybrid(storage: Any, host: Any, mamba: Any) -> Any:
+    """Register the pools as SGLang's hybrid cache controller does (the anchor first, then every entry)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    storage.register_mem_pool_host(host)
+    storage.register_mem_host_pool_v2(host, PoolName.KV)
+    storage.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    storage.on_host_pools_registered()
+    return storage
+
+
+def page_indices(host: Any, pages: list[int]) -> torch.Tensor:
+    """The host indices of whole pages (``page_size`` per page)."""
+    size = int(host.page_size)
+    return torch.tensor([p * size + i for p in pages for i in range(size)], dtype=torch.int64)
+
+
+def test_a_mamba_pool_round_trips_bit_exact_through_the_v2_calls(pool_path: str) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    host, mamba = make_host_pool(), mamba_pool()
+    storage = hybrid(make_storage(host, {"pool": pool_path}), host, mamba)
+    other = hybrid(make_storage(host, {"pool": pool_path}), host, mamba)  # another instance over the pool
+    try:
+        keys = keys_of("hybrid", 6)
+        kv_src, state_src = page_indices(host, list(range(6))), torch.arange(6, 12)
+        fill_pages(host, kv_src, seed=3)
+        fill_pages(mamba, state_src, seed=4)
+        assert storage.batch_set_v1(keys, kv_src) == [True] * 6
+        # Mamba state is stored for the pages that end a prefix SGLang offloaded: here pages 2 and 5.
+        stored = storage.batch_set_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=state_src[[2, 5]], keys=[keys[2], keys[5]])]
+        )
+        assert stored == {PoolName.MAMBA: [True, True]}
+
+        trailing = [PoolTransfer(name=PoolName.MAMBA, keys=keys[:1], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        hit = other.batch_exists_v2(keys, trailing)
+        assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (6, [3, 6])
+        assert hit.extra_pool_hit_pages == {PoolName.KV: 6, PoolName.MAMBA: 6}
+        every = [PoolTransfer(name=PoolName.MAMBA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+        assert other.batch_exists_v2(keys, every).kv_hit_pages == 0  # page 0 has no state
+
+        state_dst = torch.arange(12, 14)
+        loaded = other.batch_get_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=state_dst, keys=[keys[2], keys[5]])]
+        )
+        assert loaded == {PoolName.MAMBA: [True, True]}
+        assert digests(mamba, state_dst) == digests(mamba, state_src[[2, 5]])
+        missing = other.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=state_dst, keys=keys[:2])])
+        assert missing == {PoolName.MAMBA: [False, False]}
+        # The KV pool's transfers are the v1 pages, under the same keys.
+        kv_dst = page_indices(host, [8, 9])
+        loaded = other.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=kv_dst, keys=keys[:2])])
+        assert loaded == {PoolName.KV: [True, True]} and digests(host, kv_dst) == digests(host, kv_src)[:2]
+    finally:
+        storage.close()
+        other.close()
+    assert pool_statistics(pool_path).claims == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_v2_calls_answer_as_sglangs_file_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """SGLang's own file backend (``HiCacheFile``) is the reference: the same stores, then the same
+    ``batch_exists_v2`` queries (both hit policies, windows of 1 to 3 pages) and loads, answered alike."""
+    import random
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolHitPolicy, PoolName, PoolTransfer
+
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path))
+    rng = random.Random(seed)
+    host, mamba = make_host_pool(), mamba_pool()
+    ours = hybrid(make_storage(host, TIER), host, mamba)
+    reference = hybrid(HiCacheFile(storage_config(TIER)), host, mamba)
+    try:
+        keys = keys_of(f"chain{seed}", 8)
+        fill_pages(host, page_indices(host, list(range(8))), seed=seed)
+        fill_pages(mamba, torch.arange(8), seed=seed + 100)
+        kv_stored = rng.randrange(0, 9)
+        with_state = sorted(rng.sample(range(8), rng.randrange(0, 9)))
+        for backend in (ours, reference):
+            transfers = []
+            if kv_stored:
+                kv = page_indices(host, list(range(kv_stored)))
+                transfers.append(PoolTransfer(name=PoolName.KV, host_indices=kv, keys=keys[:kv_stored]))
+            if with_state:
+                state = torch.tensor(with_state, dtype=torch.int64)
+                transfers.append(
+                    PoolTransfer(name=PoolName.MAMBA, host_indices=state, keys=[keys[i] for i in with_state])
+                )
+            assert all(all(v) for v in backend.batch_set_v2(transfers).values())
+        for policy, window in [(PoolHitPolicy.ALL_PAGES, 8), *((PoolHitPolicy.TRAILING_PAGES, w) for w in (1, 2, 3))]:
+            transfer = [PoolTransfer(name=PoolName.MAMBA, keys=keys[:window], hit_policy=policy)]
+            got, want = ours.batch_exists_v2(keys, transfer), reference.batch_exists_v2(keys, transfer)
+            assert (got.kv_hit_pages, got.extra_pool_hit_pages, got.restorable_prefix_pages) == (
+                want.kv_hit_pages,
+                want.extra_pool_hit_pages,
+                want.restorable_prefix_pages,
+            ), (policy, window, kv_stored, with_state)
+        ask = [keys[i] for i in range(8)]
+        state_dst = torch.arange(8, 16)
+        got_states = ours.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=state_dst, keys=ask)])
+        ours_bytes = digests(mamba, state_dst)
+        want_states = reference.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=state_dst, keys=ask)])
+        lead = want_states[PoolName.MAMBA].index(False) if False in want_states[PoolName.MAMBA] else 8
+        # SGLang reads the leading run (count_pool_hits); that run and its bytes agree.
+        assert got_states[PoolName.MAMBA][:lead] == [True] * lead and False not in got_states[PoolName.MAMBA][:lead]
+        assert sum(got_states[PoolName.MAMBA]) == lead
+        assert ours_bytes[:lead] == digests(mamba, torch.arange(lead))
+    finally:
+        ours.close()
+        reference.clear()
+
+
+def test_the_v2_calls_refuse_what_they_cannot_do_and_change_nothing(pool_path: str) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    host, mamba = make_host_pool(), mamba_pool()
+    storage = hybrid(make_storage(host, {"pool": pool_path}), host, mamba)
+    try:
+        keys = keys_of("refused", 2)
+        with pytest.raises(ValueError, match="the swa pool was never registered"):
+            storage.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(2), keys=keys)])
+        good = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(2), keys=keys)
+        bad = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(3), keys=keys)
+        with pytest.raises(ValueError, match="host indices"):
+            storage.batch_set_v2([good, bad])  # every transfer is checked before any is copied
+        outside = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([10_000, 10_001]), keys=keys)
+        with pytest.raises((ValueError, IndexError)):
+            storage.batch_set_v2([outside])
+        groups = PoolTransfer(name=PoolName.MAMBA, keys=keys, hit_policy=PoolHitPolicy.BLOCK_GROUPS)
+        assert storage.batch_set_v1(keys, page_indices(host, [0, 1])) == [True, True]
+        with pytest.raises(ValueError, match="not supported"):
+            storage.batch_exists_v2(keys, [groups])
+        trailing = PoolTransfer(name=PoolName.MAMBA, keys=keys[:1], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        assert storage.batch_exists_v2(keys, [trailing]).kv_hit_pages == 0  # no state was stored
+    finally:
+        storage.close()
+    stats = pool_statistics(pool_path)
+    assert stats.claims == 0 and stats.blocks == 4  # the two KV pages only: 2 spans of 2 blocks each
 
 
 def test_importing_aiokvtier_imports_neither_sglang_nor_torch() -> None:

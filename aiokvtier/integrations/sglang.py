@@ -15,7 +15,9 @@ opens a process-local ``HostTier`` (a ``HostTierConfig``) under a
 
 How SGLang's pages become blocks: a page is what the host pool's
 ``get_page_buffer_meta`` describes (the zero-copy ``*_v1`` calls: K and V
-of the page, or one span per layer), or a flat page tensor (``get``,
+of the page, or one span per layer; a hybrid model's extra pools, Mamba
+state and the like, the same way through the ``*_v2`` calls, each under
+its own namespace), or a flat page tensor (``get``,
 ``set``, ``batch_get``, ``batch_set``), or ``(address, size)`` (the pointer
 form some backends take). Each span is cut into slot-sized pieces, and each
 piece is one block under the key ``namespace + page key + piece number``.
@@ -50,7 +52,13 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransferResult,
+)
 
 from .. import (
     AttachedPool,
@@ -184,6 +192,18 @@ def _plan(namespace: bytes, spans: Sequence[int], slot_size: int) -> _Plan:
     )
 
 
+@dataclass(frozen=True)
+class _Extra:
+    """A hybrid model's extra host pool (``register_mem_host_pool_v2``): its page format and buffers."""
+
+    host: Any
+    plan: _Plan | None
+    """None: the pool gives no zero-copy page layout (``get_page_buffer_meta``), so its pages are not stored."""
+    why: str
+    """Why ``plan`` is None (empty otherwise)."""
+    bounds: tuple[U64, U64]
+
+
 SLOT_USE_WARNING = 0.5
 """Below this share of the slots' bytes holding page data, registering a host pool warns."""
 
@@ -214,11 +234,12 @@ def _views(addresses: U64, lengths: U64) -> list[Any]:
     return out
 
 
-def _namespace(config: HiCacheStorageConfig, user: str, page_format: str) -> bytes:
+def _namespace(config: HiCacheStorageConfig, user: str, page_format: str, *, tp_sharded: bool = False) -> bytes:
     """A digest of what makes two instances' pages the same bytes: the model, the shard, the format.
 
     DP replicas (``dp_rank``) are left out: they hold the same shards, which is what sharing is for.
-    MLA's KV is the same on every TP rank, so the TP rank is left out there too.
+    MLA's KV is the same on every TP rank, so the TP rank is left out there too, unless ``tp_sharded``
+    (a hybrid model's extra pool: Mamba state is split across TP ranks even beside MLA's KV).
     """
     parts = [
         "sglang-hicache/1",
@@ -229,7 +250,7 @@ def _namespace(config: HiCacheStorageConfig, user: str, page_format: str) -> byt
         f"dcp{config.dcp_rank}/{config.dcp_size}/{config.logical_page_size}",
         page_format,
     ]
-    if not config.is_mla_model:
+    if tp_sharded or not config.is_mla_model:
         parts.append(f"tp{config.tp_rank}/{config.tp_size}")
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=8).digest()
 
@@ -434,6 +455,8 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         self._flat: dict[int, _Plan] = {}
         self._flat_default: int | None = None
         self._bounds: tuple[U64, U64] = (np.empty(0, np.uint64), np.empty(0, np.uint64))
+        self._extra: dict[str, _Extra] = {}
+        """A hybrid model's extra host pools by name (``register_mem_host_pool_v2``); the KV pool is v1's."""
         self._loop = _Loop()
         try:
             if "pool" in section:
@@ -474,6 +497,36 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             flat = mem_pool_host.get_dummy_flat_data_page()
             self._flat_default = int(flat.numel() * flat.element_size())
         self._bounds = _buffers(mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Learn an extra host pool's page format (a hybrid model's Mamba or SWA state, DSA indexer, draft
+        KV...), for the ``*_v2`` calls. The KV pool's pages are the ``*_v1`` pages, under the same keys."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == PoolName.KV.value:
+            return
+        page_size = int(getattr(host_pool, "page_size", 1) or 1)
+        bounds = _pool_buffers(host_pool)
+        try:
+            if not bounds[0].size:  # a page could not be checked to lie in the pool: a memmove could crash
+                raise ValueError("it holds no CPU tensor")
+            _, sizes = host_pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
+            spans = [int(s) for s in _flatten(sizes)]
+        except (AttributeError, NotImplementedError, ValueError, AssertionError) as exc:
+            why = f"{type(host_pool).__name__} gives no zero-copy page layout ({exc})"
+            self._extra[name] = _Extra(host_pool, None, why, bounds)
+            log.warning("aiokvtier: SGLang's %s pool is not stored: %s", name, why)
+            return
+        dtype = str(getattr(host_pool, "dtype", ""))
+        layout = str(getattr(host_pool, "layout", ""))
+        page_format = f"v2/{name}/{layout}/{dtype}/{page_size}/{','.join(map(str, spans))}"
+        namespace = _namespace(self.storage_config, self._user_namespace, page_format, tp_sharded=True)
+        plan = _plan(namespace, spans, self._slot_size)
+        self._extra[name] = _Extra(host_pool, plan, "", bounds)
+        log.info(
+            "aiokvtier: SGLang's %s pool: pages of %d spans (%d bytes) as %d blocks of up to %d bytes",
+            name, len(spans), sum(spans), plan.blocks, self._slot_size,
+        )  # fmt: skip
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` since the last call (pages and GiB/s per batch); never waits."""
@@ -575,28 +628,57 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             return sum(loaded)
         return [t if ok else None for t, ok in zip(target_locations, loaded, strict=True)]
 
-    # SGLang calls the v2 forms only for models with extra host pools; its base class raises a bare
-    # NotImplementedError from a prefetch or backup thread, which names neither the backend nor a way out.
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
-        """Not supported yet: hybrid models' extra pools.
+    # -- hybrid models: the KV pool and extra pools (Mamba and SWA state, DSA indexer, draft KV) ---------
 
-        :raises NotImplementedError: always, naming what is missing.
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """The usable prefix of ``keys``' pages: the stored KV prefix, cut where an extra pool cannot serve
+        it (SGLang's ``PoolTransferResult``, as its file backend folds it).
+
+        An ``ALL_PAGES`` pool must hold every page of the prefix; a ``TRAILING_PAGES`` pool (state that
+        covers the tail of a prefix) the last ``len(transfer.keys)`` pages before each stop point, so the
+        restorable prefixes may have holes (``restorable_prefix_pages``, which SGLang intersects across
+        ranks).
+
+        :raises ValueError: a pool that was not registered, or a hit policy other than those two.
+        :raises NotImplementedError: a registered pool whose pages this backend cannot store (named).
         """
-        raise _no_extra_pools("batch_exists_v2")
+        kv_pages = self.batch_exists(keys) if keys else 0
+        hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        prefix = list(keys[:kv_pages])
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            plan = self._extra_pool("batch_exists_v2", transfer.name)[0]
+            blocks = plan.keys(prefix)
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = self._call("batch_exists_v2", self._lookup(blocks)) // plan.blocks
+                allowed = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                present = self._call("batch_exists_v2", self._pages_present(blocks, plan.blocks))
+                trailing = max(1, len(transfer.keys or ()))
+                allowed = {p for p in range(1, kv_pages + 1) if all(present[max(0, p - trailing) : p])}
+                boundary = max(allowed, default=0)
+            else:
+                raise ValueError(f"hit policy {transfer.hit_policy} of the {transfer.name} pool is not supported")
+            if boundary:
+                hits[transfer.name] = boundary
+            restorable = [p for p in restorable if p in allowed]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
     def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> Any:
-        """Not supported yet: hybrid models' extra pools.
+        """Load each transfer's pages (``keys``) into its pool at ``host_indices``: per pool, True for the
+        leading pages found and loaded.
 
-        :raises NotImplementedError: always, naming what is missing.
+        :raises ValueError: a pool that was not registered, or ``host_indices`` that do not fit its keys.
+        :raises NotImplementedError: a registered pool whose pages this backend cannot store (named).
         """
-        raise _no_extra_pools("batch_get_v2")
+        return self._io_v2("batch_get_v2", transfers, load=True)
 
     def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> Any:
-        """Not supported yet: hybrid models' extra pools.
-
-        :raises NotImplementedError: always, naming what is missing.
-        """
-        raise _no_extra_pools("batch_set_v2")
+        """Store each transfer's pages (``keys``) from its pool at ``host_indices``: per pool, True for each
+        page stored (or present already). Raises as ``batch_get_v2``."""
+        return self._io_v2("batch_set_v2", transfers, load=False)
 
     def clear(self) -> None:
         """Not supported over a shared pool (another instance's pages are not this one's to drop): a no-op
@@ -813,12 +895,53 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             raise ValueError(f"pages of one call must have one size, got {sorted(sizes)}")
         return sizes.pop()
 
+    def _io_v2(self, call: str, transfers: Any, *, load: bool) -> dict[Any, list[bool]]:
+        # Every transfer is checked (and its views made) before any is copied: a bad one changes nothing.
+        work = []
+        for transfer in transfers or []:
+            keys = list(transfer.keys or [])
+            plan, host, bounds = self._extra_pool(call, transfer.name)
+            work.append((transfer.name, keys, plan, self._pages(plan, host, bounds, keys, transfer.host_indices)))
+        results: dict[Any, list[bool]] = {}
+        for name, keys, plan, views in work:
+            if not keys:
+                results[name] = []
+            elif load:
+                results[name] = self._get(call, plan, keys, views)
+            else:
+                results[name] = self._set(call, plan, keys, views)
+        return results
+
+    def _extra_pool(self, call: str, name: Any) -> tuple[_Plan, Any, tuple[U64, U64]]:
+        """The plan, host pool and buffers of the pool ``name`` (the KV pool: the ``*_v1`` pages)."""
+        if str(name) == PoolName.KV.value:
+            if self._v1 is None or self.mem_pool_host is None:
+                raise RuntimeError(
+                    "HiCacheAiokvtier: register_mem_pool_host() first (the KV pool's pages come from it)"
+                )
+            return self._v1, self.mem_pool_host, self._bounds
+        extra = self._extra.get(str(name))
+        if extra is None:
+            raise ValueError(f"{call}: the {name} pool was never registered (register_mem_host_pool_v2)")
+        if extra.plan is None:
+            raise NotImplementedError(f"{call}: aiokvtier does not store SGLang's {name} pool: {extra.why}")
+        return extra.plan, extra.host, extra.bounds
+
+    async def _pages_present(self, blocks: list[bytes], per_page: int) -> list[bool]:
+        """Whether each page's blocks are all stored (one lookup a page, on the loop)."""
+        return [await self._lookup(blocks[i : i + per_page]) == per_page for i in range(0, len(blocks), per_page)]
+
     def _pool_pages(self, keys: list[str], host_indices: Any) -> tuple[_Plan, list[Any]]:
         """The block views of the pages at ``host_indices`` in the registered host pool."""
         plan = self._v1
         host = self.mem_pool_host
         if plan is None or host is None:
             raise RuntimeError("HiCacheAiokvtier: register_mem_pool_host() first (the *_v1 calls copy its pages)")
+        return plan, self._pages(plan, host, self._bounds, keys, host_indices)
+
+    @staticmethod
+    def _pages(plan: _Plan, host: Any, bounds: tuple[U64, U64], keys: list[str], host_indices: Any) -> list[Any]:
+        """The block views of the pages at ``host_indices`` of ``host`` (a pool whose format is ``plan``'s)."""
         if not isinstance(host_indices, torch.Tensor):
             raise TypeError(f"host_indices must be a torch.Tensor, not {type(host_indices).__name__}")
         page_size = int(host.page_size)
@@ -828,26 +951,18 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
                 f"got {host_indices.numel()}; nothing was copied"
             )
         if not keys:
-            return plan, []
+            return []
         ptrs, sizes = host.get_page_buffer_meta(host_indices)
         ptrs = _flatten(ptrs)
         if len(ptrs) != len(keys) * len(plan.spans) or tuple(_flatten(sizes)[: len(plan.spans)]) != plan.spans:
-            raise ValueError("the host pool's page spans changed since register_mem_pool_host(); nothing was copied")
+            raise ValueError("the host pool's page spans changed since it was registered; nothing was copied")
         addresses, lengths = plan.addresses(np.array(ptrs, dtype=np.uint64).reshape(len(keys), len(plan.spans)))
-        lo, hi = self._bounds
+        lo, hi = bounds
         if lo.size:  # memmove outside SGLang's buffers would kill the process, not raise
             inside = (addresses[:, None] >= lo) & (addresses[:, None] + lengths[:, None] <= hi)
             if not bool(inside.any(axis=1).all()):
                 raise ValueError("host_indices point outside the registered host pool's buffers; nothing was copied")
-        return plan, _views(addresses, lengths)
-
-
-def _no_extra_pools(call: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"aiokvtier's HiCache storage does not support {call} yet: hybrid models' extra host pools (Mamba and "
-        "SWA state, DSA indexer, draft pools) are not stored; serve this model without "
-        "--hicache-storage-backend, or with a backend that implements them"
-    )
+        return _views(addresses, lengths)
 
 
 def _buffers(host: Any) -> tuple[U64, U64]:
@@ -865,6 +980,23 @@ def _buffers(host: Any) -> tuple[U64, U64]:
     lo = np.array([a for a, _ in spans], dtype=np.uint64)
     hi = np.array([b for _, b in spans], dtype=np.uint64)
     return lo, hi
+
+
+def _pool_buffers(host: Any) -> tuple[U64, U64]:
+    """Where an extra host pool's tensors lie: every CPU tensor it holds, alone or in a list (a Mamba
+    pool's temporal and conv state buffers), so that a page it names is checked to lie in one."""
+    tensors: list[Any] = []
+    for value in vars(host).values():
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, list | tuple):
+            tensors.extend(v for v in value if isinstance(v, torch.Tensor))
+    spans = {
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tensors
+        if t.device.type == "cpu" and t.numel()
+    }
+    return np.array([a for a, _ in spans], dtype=np.uint64), np.array([b for _, b in spans], dtype=np.uint64)
 
 
 def _flatten(items: Sequence[Any]) -> list[Any]:
