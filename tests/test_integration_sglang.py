@@ -751,7 +751,7 @@ def test_the_v2_calls_refuse_what_they_cannot_do_and_change_nothing(pool_path: s
         keys = keys_of("refused", 2)
         with pytest.raises(ValueError, match="the swa pool was never registered"):
             storage.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(2), keys=keys)])
-        good = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(2), keys=keys)
+        good = PoolTransfer(name=PoolName.KV, host_indices=page_indices(host, [0, 1]), keys=keys)
         bad = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(3), keys=keys)
         with pytest.raises(ValueError, match="host indices"):
             storage.batch_set_v2([good, bad])  # every transfer is checked before any is copied

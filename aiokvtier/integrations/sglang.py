@@ -897,19 +897,26 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
 
     def _io_v2(self, call: str, transfers: Any, *, load: bool) -> dict[Any, list[bool]]:
         # Every transfer is checked (and its views made) before any is copied: a bad one changes nothing.
-        work = []
+        work: list[tuple[Any, list[str], _Plan | None, list[Any]]] = []
+        seen: set[str] = set()
         for transfer in transfers or []:
-            keys = list(transfer.keys or [])
+            keys = _transfer_keys(call, transfer)
+            if str(transfer.name) in seen:
+                raise ValueError(f"{call}: the {transfer.name} pool has two transfers in one call; nothing was copied")
+            seen.add(str(transfer.name))
+            if not keys and transfer.host_indices is None:
+                work.append((transfer.name, keys, None, []))  # nothing to move, as SGLang's file backend answers
+                continue
             plan, host, bounds = self._extra_pool(call, transfer.name)
             work.append((transfer.name, keys, plan, self._pages(plan, host, bounds, keys, transfer.host_indices)))
         results: dict[Any, list[bool]] = {}
-        for name, keys, plan, views in work:
-            if not keys:
+        for name, page_keys, format_, views in work:
+            if format_ is None or not page_keys:
                 results[name] = []
             elif load:
-                results[name] = self._get(call, plan, keys, views)
+                results[name] = self._get(call, format_, page_keys, views)
             else:
-                results[name] = self._set(call, plan, keys, views)
+                results[name] = self._set(call, format_, page_keys, views)
         return results
 
     def _extra_pool(self, call: str, name: Any) -> tuple[_Plan, Any, tuple[U64, U64]]:
@@ -944,6 +951,10 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         """The block views of the pages at ``host_indices`` of ``host`` (a pool whose format is ``plan``'s)."""
         if not isinstance(host_indices, torch.Tensor):
             raise TypeError(f"host_indices must be a torch.Tensor, not {type(host_indices).__name__}")
+        if host_indices.is_floating_point() or host_indices.is_complex() or host_indices.dtype == torch.bool:
+            raise TypeError(f"host_indices must be an integer tensor, not {host_indices.dtype}; nothing was copied")
+        if host_indices.dim() != 1:
+            raise ValueError(f"host_indices must be 1-D, got shape {tuple(host_indices.shape)}; nothing was copied")
         page_size = int(host.page_size)
         if host_indices.numel() != len(keys) * page_size:
             raise ValueError(
@@ -952,7 +963,25 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             )
         if not keys:
             return []
-        ptrs, sizes = host.get_page_buffer_meta(host_indices)
+        indices = host_indices.to(device="cpu", dtype=torch.int64)
+        size = getattr(host, "size", None)
+        # A page is where its index says, in the pool's own range: an address check alone would let a page
+        # land in another tensor the pool holds (its allocator's free list), and the memmove overwrite it.
+        if int(indices.min()) < 0 or (isinstance(size, int) and int(indices.max()) >= size):
+            raise ValueError(
+                f"host_indices point outside the registered host pool (indices 0 to {size}, got "
+                f"{int(indices.min())} to {int(indices.max())}); nothing was copied"
+            )
+        pages = indices.view(len(keys), page_size)
+        if page_size > 1 and (
+            bool((pages[:, 0] % page_size).any())
+            or not torch.equal(pages - pages[:, :1], torch.arange(page_size).expand_as(pages))
+        ):
+            raise ValueError(
+                f"host_indices must be whole pages ({page_size} consecutive indices from a multiple of {page_size} "
+                "per key); nothing was copied"
+            )
+        ptrs, sizes = host.get_page_buffer_meta(indices)
         ptrs = _flatten(ptrs)
         if len(ptrs) != len(keys) * len(plan.spans) or tuple(_flatten(sizes)[: len(plan.spans)]) != plan.spans:
             raise ValueError("the host pool's page spans changed since it was registered; nothing was copied")
@@ -980,6 +1009,23 @@ def _buffers(host: Any) -> tuple[U64, U64]:
     lo = np.array([a for a, _ in spans], dtype=np.uint64)
     hi = np.array([b for _, b in spans], dtype=np.uint64)
     return lo, hi
+
+
+def _transfer_keys(call: str, transfer: Any) -> list[str]:
+    """A transfer's keys, checked: None or a list of distinct str.
+
+    :raises TypeError: keys that are not a list of str.
+    :raises ValueError: a key twice in one transfer (its page would be stored from, or loaded into, two places).
+    """
+    keys = transfer.keys
+    if keys is None:
+        return []
+    if not isinstance(keys, list | tuple) or operator.countOf(map(type, keys), str) != len(keys):
+        raise TypeError(f"{call}: the {transfer.name} pool's keys must be a list of str; nothing was copied")
+    if len(set(keys)) != len(keys):
+        twice = next(k for i, k in enumerate(keys) if k in keys[:i])
+        raise ValueError(f"{call}: the {transfer.name} pool's key {twice!r} appears twice; nothing was copied")
+    return list(keys)
 
 
 def _pool_buffers(host: Any) -> tuple[U64, U64]:
