@@ -132,6 +132,23 @@ def test_slots_far_larger_than_the_spans_are_warned_of_naming_the_setting(caplog
     assert not [r for r in caplog.records if "fill" in r.getMessage()], caplog.text
 
 
+def test_host_indices_given_as_a_strided_view_round_trip() -> None:
+    host = make_host_pool()
+    storage = make_storage(host, TIER)
+    try:
+        keys = keys_of("strided", 2)
+        flat = torch.arange(2 * host.page_size, dtype=torch.int64)
+        strided = torch.stack([flat, flat], dim=1)[:, 0]  # the same indices, every other element of a buffer
+        assert not strided.is_contiguous()
+        fill_pages(host, flat, seed=11)
+        assert storage.batch_set_v1(keys, strided) == [True, True]
+        dst = torch.arange(4 * host.page_size, 6 * host.page_size, dtype=torch.int64)
+        assert storage.batch_get_v1(keys, torch.stack([dst, dst], dim=1)[:, 0]) == [True, True]
+        assert digests(host, dst) == digests(host, flat)
+    finally:
+        storage.close()
+
+
 @pytest.mark.parametrize("v1", [True, False])
 def test_batch_exists_over_a_pool_answers_keys_of_any_length_and_text(pool_path: str, v1: bool) -> None:
     """Keys of one length are looked up as one array; keys of several lengths, with a newline or

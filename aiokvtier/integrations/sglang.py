@@ -972,7 +972,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
                 f"host_indices point outside the registered host pool (indices 0 to {size}, got "
                 f"{int(indices.min())} to {int(indices.max())}); nothing was copied"
             )
-        pages = indices.view(len(keys), page_size)
+        pages = indices.reshape(len(keys), page_size)  # a strided view of the caller's indices is fine too
         if page_size > 1 and (
             bool((pages[:, 0] % page_size).any())
             or not torch.equal(pages - pages[:, :1], torch.arange(page_size).expand_as(pages))
