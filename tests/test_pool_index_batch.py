@@ -218,3 +218,40 @@ def test_a_key_has_one_entry_whichever_batch_packs_it(key: bytes) -> None:
     finally:
         reader.close()
         writer.close()
+
+
+async def test_contains_answers_per_key_past_a_miss_and_touches_nothing(sock: str) -> None:
+    keys = [bytes.fromhex(hexkey(i)) for i in range(64)]
+    array = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(64, 16)
+    stored = set(range(0, 64, 3)) | {1, 2}
+    async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as reader:
+        await reader.store([keys[i] for i in sorted(stored)], [b"x"] * len(stored))
+        want = np.array([i in stored for i in range(64)])
+        before = pool.statistics()
+        assert np.array_equal(await reader.contains(keys), want)
+        assert np.array_equal(await reader.contains(array), want)
+        assert np.array_equal(await asyncio.to_thread(reader.contains_nowait, keys), want)  # any thread
+        assert np.array_equal(reader.contains_nowait(array[::-1]), want[::-1])
+        assert reader.contains_nowait([]) is not None and len(await reader.contains([])) == 0
+        assert await reader.lookup(keys) == 4  # the prefix stops at the first miss; contains does not
+        await until(lambda: pool.statistics().queries == before.queries + 1, "the lookup counted")
+        after = pool.statistics()
+        assert (after.queries, after.hits) == (before.queries + 1, before.hits + 4)  # contains counted nothing
+        await reader.discard([keys[0]])
+        assert not (await reader.contains(keys[:1]))[0]
+        with pytest.raises(TypeError, match="2-D uint8"):
+            reader.contains_nowait(array.reshape(-1))
+        with pytest.raises(TypeError, match="not one key"):
+            await reader.contains(keys[0])
+    assert reader.contains_nowait(keys) is None  # closed
+
+
+async def test_contains_asks_the_owner_key_by_key_without_a_mirror(sock: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokvtier._pool import _owner
+
+    monkeypatch.setattr(_owner, "mirror_fits", lambda slots, slot_size: False)
+    async with Pool(CONFIG, sock), AttachedPool(sock) as reader:
+        await reader.store([b"ab", b"ef"], [b"x", b"y"])
+        array = np.frombuffer(b"abcdef", dtype=np.uint8).reshape(3, 2)
+        assert reader.contains_nowait(array) is None
+        assert (await reader.contains(array)).tolist() == [True, False, True]

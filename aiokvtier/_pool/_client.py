@@ -879,6 +879,40 @@ class AttachedPool(Owner):
             return None
         return self._from_mirror(given, types, threadsafe=True)
 
+    async def contains(self, keys: Sequence[object] | npt.NDArray[np.uint8]) -> npt.NDArray[np.bool_]:
+        """Per key, whether the shared store holds it (``lookup`` answers the leading run only): for a caller
+        that needs to know of blocks past a miss.
+
+        Answered from the index mirror in one read; where the mirror cannot answer, the owner is asked key
+        by key. Touches nothing: no block is marked referenced.
+
+        :raises TypeError: as ``lookup``.
+        :raises PoolLostError: the owner went away.
+        """
+        self._check_loop()
+        given, types = self._lookup_keys(keys)
+        self._check_open()
+        self._raise_if_lost()
+        mirror = self._mirror
+        found = None if mirror is None else mirror.present(given, types)
+        if found is not None:
+            return found
+        return np.array([await self.lookup(given[i : i + 1]) == 1 for i in range(len(given))], dtype=np.bool_)
+
+    def contains_nowait(self, keys: Sequence[object] | npt.NDArray[np.uint8]) -> npt.NDArray[np.bool_] | None:
+        """``contains`` answered on the calling thread from the index mirror, or None where only the owner
+        can answer (as ``lookup_nowait``): then ``await contains(keys)`` on the pool's loop.
+
+        Threads: any.
+
+        :raises TypeError: as ``lookup``.
+        """
+        given, types = self._lookup_keys(keys)
+        mirror = self._mirror
+        if mirror is None or self._life.state != "open" or self._lost is not None:
+            return None
+        return mirror.present(given, types)
+
     def _lookup_keys(self, keys: Sequence[object] | npt.NDArray[np.uint8]) -> tuple[Keys, set[type] | None]:
         if isinstance(keys, np.ndarray):
             if keys.dtype != np.uint8 or keys.ndim != 2:

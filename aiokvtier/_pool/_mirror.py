@@ -616,6 +616,16 @@ class IndexMirror:
             self._refs[slots[slots < self.slots].astype(np.intp)] = 1
         return hits, retries
 
+    def present(self, keys: Keys, types: set[type] | None = None) -> npt.NDArray[np.bool_] | None:
+        """Per key, whether the table holds it, from one consistent read; None as ``lookup``. Touches nothing:
+        no block is marked referenced, no answer is counted."""
+        if not len(keys):
+            return np.zeros(0, dtype=np.bool_)
+        rows = key_rows(keys, self._hasher, types)  # hashed out of the window a write can spoil
+        with self._reading() as mapped:
+            read = self._consistent(lambda table: self._probe(rows, table))[0] if mapped else None
+        return None if read is None else read[0] >= 0
+
     def blocks(self, keys: Sequence[bytes | int]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
         """Each key's slot and length as one consistent read saw them (-1 and 0 where absent), or None
         (as ``lookup``); touches nothing."""

@@ -652,10 +652,10 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             plan = self._extra_pool("batch_exists_v2", transfer.name)[0]
             blocks = plan.keys(prefix)
             if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
-                boundary = self._call("batch_exists_v2", self._lookup(blocks)) // plan.blocks
+                boundary = self._stored_prefix(blocks) // plan.blocks
                 allowed = set(range(1, boundary + 1))
             elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                present = self._call("batch_exists_v2", self._pages_present(blocks, plan.blocks))
+                present = self._pages_present(blocks, plan.blocks)
                 trailing = max(1, len(transfer.keys or ()))
                 allowed = {p for p in range(1, kv_pages + 1) if all(present[max(0, p - trailing) : p])}
                 boundary = max(allowed, default=0)
@@ -934,9 +934,38 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             raise NotImplementedError(f"{call}: aiokvtier does not store SGLang's {name} pool: {extra.why}")
         return extra.plan, extra.host, extra.bounds
 
-    async def _pages_present(self, blocks: list[bytes], per_page: int) -> list[bool]:
-        """Whether each page's blocks are all stored (one lookup a page, on the loop)."""
-        return [await self._lookup(blocks[i : i + per_page]) == per_page for i in range(0, len(blocks), per_page)]
+    def _stored_prefix(self, blocks: list[bytes]) -> int:
+        """How many leading blocks are stored: over a pool, read from its index mirror on the calling thread
+        (as ``batch_exists``); else on the loop."""
+        pool = self._pool
+        found = pool.lookup_nowait(blocks) if pool is not None and not self._closed and blocks else None
+        return found if found is not None else self._call("batch_exists_v2", self._lookup(blocks))
+
+    def _pages_present(self, blocks: list[bytes], per_page: int) -> list[bool]:
+        """Whether each page's blocks are all stored: over a pool, one read of its index mirror on the calling
+        thread (as ``batch_exists``); else on the loop."""
+        if not blocks:
+            return []
+        pool = self._pool
+        found = pool.contains_nowait(blocks) if pool is not None and not self._closed else None
+        if found is None:
+            found = self._call("batch_exists_v2", self._contains(blocks))
+        whole: list[bool] = np.logical_and.reduce(found.reshape(-1, per_page), axis=1).tolist()
+        return whole
+
+    async def _contains(self, blocks: list[bytes]) -> npt.NDArray[np.bool_]:
+        if self._store is not None:
+            store = self._store
+            return np.fromiter((block in store for block in blocks), dtype=np.bool_, count=len(blocks))
+        backend = await self._backend()
+        if backend is None:
+            return np.zeros(len(blocks), dtype=np.bool_)
+        try:
+            found: npt.NDArray[np.bool_] = await backend.contains(blocks)
+            return found
+        except PoolLostError as exc:
+            self._pool_lost(backend, exc)
+            return np.zeros(len(blocks), dtype=np.bool_)
 
     def _pool_pages(self, keys: list[str], host_indices: Any) -> tuple[_Plan, list[Any]]:
         """The block views of the pages at ``host_indices`` in the registered host pool."""
