@@ -444,8 +444,9 @@ def test_two_lmcache_servers_share_one_pool(pool_owner: PoolOwner, adapters: Cal
     objs = [random_obj(1 << 20, dtype=torch.bfloat16, seed=i) for i in range(3)]
     keys = [key(i) for i in range(3)]
     assert store(a, keys, objs).bytes_transferred() == 3 << 20
-    # A pool answers each row's stored prefix (a row: one model, rank, object group and salt).
-    assert lookup(b, [keys[0], keys[1], key(99), keys[2]]) == [True, True, False, False]
+    # A pool answers each chunk, also past a miss (LMCache's "full" prefetch uses those).
+    assert lookup(b, [keys[0], keys[1], key(99), keys[2]]) == [True, True, False, True]
+    assert lookup(b, [key(98), keys[2], key(99), keys[0]]) == [False, True, False, True]
     assert lookup(b, [*keys, key(0, rank=1), key(1), key(1, rank=1)]) == [True, True, True, False, True, False]
     outs = [memory_obj(torch.empty_like(o.raw_tensor)) for o in objs]
     assert load(b, keys, outs) == [True] * 3 and all(same_bytes(x, y) for x, y in zip(objs, outs, strict=True))

@@ -545,12 +545,13 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         self._finish(self._done_lookup, tid, bitmap, self._lookup_efd)
 
     async def _lookup_pool(self, tid: L2TaskId, keys: list[ObjectKey]) -> None:
-        """The stored prefix of each row's chunks, without locks: the pool's owner evicts for every process.
+        """Which chunks the pool holds, without locks: the pool's owner evicts for every process.
 
-        A row is one (model, rank, object group, salt); LMCache lists a row's chunks in token order and
-        its default ("prefix") prefetch uses a row's leading hits only, so one lookup per row (all at
-        once; each read from the pool's index mirror, or a request to the owner when the mirror cannot
-        answer) answers it, where a key-by-key answer would cost a lookup per key.
+        A row is one (model, rank, object group, salt); LMCache lists a row's chunks in token order. One
+        lookup per row (all at once; each read from the pool's index mirror, or a request to the owner
+        when the mirror cannot answer) finds its stored prefix and marks those blocks referenced for the
+        owner's eviction; the chunks after a row's first miss, where there are any, are then asked key by
+        key in one read (``AttachedPool.contains``), for LMCache's "full" prefetch.
         """
         bitmap = Bitmap(len(keys))
         try:
@@ -560,9 +561,16 @@ class AiokvtierL2Adapter(L2AdapterInterface):
             for i, k in enumerate(keys):
                 rows.setdefault((k.model_name, k.kv_rank, k.object_group_id, k.cache_salt), []).append(i)
             hits = await asyncio.gather(*(pool.lookup([self._key(keys[i]) for i in row]) for row in rows.values()))
+            past: list[int] = []
             for row, n in zip(rows.values(), hits, strict=True):
                 for i in row[:n]:
                     bitmap.set(i)
+                past.extend(row[n + 1 :])  # row[n] is the miss
+            if past:
+                found = await pool.contains([self._key(keys[i]) for i in past])
+                for i, there in zip(past, found.tolist(), strict=True):
+                    if there:
+                        bitmap.set(i)
         except asyncio.CancelledError:
             raise
         except Exception:
