@@ -539,7 +539,9 @@ async def killed_worker_scenario(tmp: Path) -> None:
     # (documented: a worker that exits on its own stops the others, exit 1), which keeps serving through
     # its --drain-seconds: the pool has taken back the killed worker's claims and pins by then, and every
     # block it stored reads back whole.
-    server = await Workers.start(tmp, 2, "--quota", "256MiB", "--slot-size", "4MiB", "--drain-seconds", "4")
+    # A drain longer than the checks below take on a loaded machine (they move about 400 MiB), ended by a
+    # second signal to the survivor once they are done.
+    server = await Workers.start(tmp, 2, "--quota", "256MiB", "--slot-size", "4MiB", "--drain-seconds", "120")
     try:
         clients = await server.pin_clients(2)
         (victim, _), (survivor, other) = clients.items()
@@ -598,6 +600,7 @@ async def killed_worker_scenario(tmp: Path) -> None:
         assert stats["worker"]["pid"] == survivor and stats["server"]["draining"] is True
         assert stats["pool"]["blocks"] == len(blocks) == stats["tier"]["slots_allocated"]
         assert stats["server"]["internal_errors"] == 0
+        os.kill(survivor, signal.SIGTERM)  # its second signal: the drain ends at once
         code = await asyncio.wait_for(server.proc.wait(), 30)
     finally:
         code, stderr = await server.close()
@@ -705,7 +708,8 @@ def test_a_signal_with_uploads_in_flight_over_workers_gives_them_the_grace_and_e
 async def drain_over_workers_scenario(tmp: Path) -> None:
     # --drain-seconds over workers: after SIGTERM every worker keeps serving, new connections too, with
     # /readyz 503 "draining"; once the drain is over the port refuses connections and the parent exits 0.
-    server = await Workers.start(tmp, 2, "--quota", "64MiB", "--drain-seconds", "3")
+    # The drain is long enough for the eight connections below on a loaded machine (they took over 3 s).
+    server = await Workers.start(tmp, 2, "--quota", "64MiB", "--drain-seconds", "10")
     try:
         server.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
@@ -714,7 +718,7 @@ async def drain_over_workers_scenario(tmp: Path) -> None:
                 ready = await client.get("/readyz")
                 assert ready.status_code == 503 and ready.json()["status"] == "draining", ready.text
                 assert (await client.get("/v1/stats")).json()["server"]["draining"] is True
-        await until(lambda: refused(server.url), 10, "the port closed after the drain")
+        await until(lambda: refused(server.url), 30, "the port closed after the drain")
         assert await asyncio.wait_for(server.proc.wait(), 30) == 0
     finally:
         code, stderr = await server.close()
