@@ -544,7 +544,7 @@ async def killed_worker_scenario(tmp: Path) -> None:
     server = await Workers.start(tmp, 2, "--quota", "256MiB", "--slot-size", "4MiB", "--drain-seconds", "120")
     try:
         clients = await server.pin_clients(2)
-        (victim, pinned), (survivor, other) = clients.items()
+        (victim, _), (survivor, other) = clients.items()
         blocks = {f"a{i:02x}": os.urandom(4 << 20) for i in range(48)}
         answered: dict[str, int] = {}
 
@@ -552,12 +552,23 @@ async def killed_worker_scenario(tmp: Path) -> None:
         held_open, kill = asyncio.Event(), asyncio.Event()
 
         async def held_body() -> AsyncIterator[bytes]:
-            # A PUT through the victim whose body is still arriving at the kill: in flight whatever the timing
-            # of the traffic below (whose requests may all have been answered by then).
             yield b"h" * (1 << 20)
             held_open.set()
             await kill.wait()
             yield b"h" * (3 << 20)
+
+        async def held_put() -> httpx.Response:
+            # A PUT through the victim whose body is still arriving at the kill: in flight whatever the timing
+            # of the traffic below (whose requests may all have been answered by then). Started just before
+            # the kill, so that the body's timeout cannot answer it first.
+            client = httpx.AsyncClient(base_url=server.url, timeout=30)
+            try:
+                while (await client.get("/v1/stats")).json()["worker"]["pid"] != victim:
+                    await client.aclose()
+                    client = httpx.AsyncClient(base_url=server.url, timeout=30)
+                return await client.put("/v1/blocks/b00", content=held_body())
+            finally:
+                await client.aclose()
 
         async def traffic(seed: int) -> None:
             rng = random.Random(seed)
@@ -582,10 +593,10 @@ async def killed_worker_scenario(tmp: Path) -> None:
                     got = await client.get(f"/v1/blocks/{list(answered)[rng.randrange(len(answered))]}")
                     assert got.status_code == 200 and got.content in blocks.values()
 
-        held = asyncio.ensure_future(pinned.put("/v1/blocks/b00", content=held_body()))
         tasks = [asyncio.ensure_future(traffic(seed)) for seed in range(4)]
-        await asyncio.wait_for(held_open.wait(), 60)
         await until(lambda: len(answered) >= 6, 60, "six PUTs through the victim")
+        held = asyncio.ensure_future(held_put())
+        await asyncio.wait_for(held_open.wait(), 60)
         killed = True
         os.kill(victim, signal.SIGKILL)
         kill.set()
