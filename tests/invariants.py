@@ -10,6 +10,7 @@ and then asserts that no ``aiokvtier-`` thread is alive.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import Iterable
@@ -104,3 +105,13 @@ def assert_no_library_threads(timeout: float = 5.0) -> None:
         thread.join(max(0.0, deadline - time.monotonic()))
     alive = library_threads()
     assert not alive, f"library threads still alive after {timeout} s: {[t.name for t in alive]}"
+
+
+def settle_earlier_owners(timeout: float = 30.0) -> None:
+    """Before a test that checks process-wide state (the userfault registry, its descriptors): let the
+    owners of earlier tests finish. A tier whose last view outlived its close gives its range back on its
+    worker when that view is dropped, which may be after its test returned, while the next one runs.
+
+    Off any event loop; ``timeout`` only bounds a hang."""
+    gc.collect()  # a view dropped in a reference cycle
+    assert_no_library_threads(timeout)

@@ -28,12 +28,19 @@ from aiokvtier._host import _headroom, _linux, _userfault
 from aiokvtier._host._backing import HostBacking
 
 from .helpers import MiB, small_config
-from .invariants import check_tier
+from .invariants import check_tier, settle_earlier_owners
 
 needs_copy = pytest.mark.skipif(
     not _userfault.supported(),
     reason=f"the fill copies only on Linux {_userfault.MIN_KERNEL[0]}.{_userfault.MIN_KERNEL[1]}+ (x86-64, arm64)",
 )
+
+
+@pytest.fixture(autouse=True)
+def _earlier_owners_settled() -> None:
+    """The tests here check the process's userfault registry: none is left by an earlier test's tier."""
+    settle_earlier_owners()
+
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]

@@ -31,7 +31,7 @@ from aiokvtier._host import _linux, _userfault
 from aiokvtier._host._backing import HostBacking
 
 from .helpers import MiB, small_config, state_of
-from .invariants import check_tier, wait_no_library_threads
+from .invariants import check_tier, settle_earlier_owners, wait_no_library_threads
 from .test_fill_copy import resident_pages, touch_filled_tier
 
 needs_copy = pytest.mark.skipif(
@@ -69,6 +69,7 @@ def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     Reservations are checked by call (each one unmapped whole), not in ``/proc/self/maps``:
     an address given back is soon another mapping's (a malloc arena's, say)."""
+    settle_earlier_owners()  # an earlier test's tier may still be giving its range back: not this test's
     reservations: list[tuple[int, int]] = []
     unmapped: list[tuple[int, int]] = []
     real_reserve, real_munmap = _linux.mmap_reserve, _linux.munmap

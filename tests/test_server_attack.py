@@ -15,7 +15,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -539,7 +539,9 @@ async def killed_worker_scenario(tmp: Path) -> None:
     # (documented: a worker that exits on its own stops the others, exit 1), which keeps serving through
     # its --drain-seconds: the pool has taken back the killed worker's claims and pins by then, and every
     # block it stored reads back whole.
-    server = await Workers.start(tmp, 2, "--quota", "256MiB", "--slot-size", "4MiB", "--drain-seconds", "4")
+    # A drain longer than the checks below take on a loaded machine (they move about 400 MiB), ended by a
+    # second signal to the survivor once they are done.
+    server = await Workers.start(tmp, 2, "--quota", "256MiB", "--slot-size", "4MiB", "--drain-seconds", "120")
     try:
         clients = await server.pin_clients(2)
         (victim, _), (survivor, other) = clients.items()
@@ -547,6 +549,26 @@ async def killed_worker_scenario(tmp: Path) -> None:
         answered: dict[str, int] = {}
 
         killed = False
+        held_open, kill = asyncio.Event(), asyncio.Event()
+
+        async def held_body() -> AsyncIterator[bytes]:
+            yield b"h" * (1 << 20)
+            held_open.set()
+            await kill.wait()
+            yield b"h" * (3 << 20)
+
+        async def held_put() -> httpx.Response:
+            # A PUT through the victim whose body is still arriving at the kill: in flight whatever the timing
+            # of the traffic below (whose requests may all have been answered by then). Started just before
+            # the kill, so that the body's timeout cannot answer it first.
+            client = httpx.AsyncClient(base_url=server.url, timeout=30)
+            try:
+                while (await client.get("/v1/stats")).json()["worker"]["pid"] != victim:
+                    await client.aclose()
+                    client = httpx.AsyncClient(base_url=server.url, timeout=30)
+                return await client.put("/v1/blocks/b00", content=held_body())
+            finally:
+                await client.aclose()
 
         async def traffic(seed: int) -> None:
             rng = random.Random(seed)
@@ -573,12 +595,16 @@ async def killed_worker_scenario(tmp: Path) -> None:
 
         tasks = [asyncio.ensure_future(traffic(seed)) for seed in range(4)]
         await until(lambda: len(answered) >= 6, 60, "six PUTs through the victim")
+        held = asyncio.ensure_future(held_put())
+        await asyncio.wait_for(held_open.wait(), 60)
         killed = True
         os.kill(victim, signal.SIGKILL)
+        kill.set()
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         for outcome in outcomes:  # cut off mid-request, or never reached the victim: nothing else
             assert outcome is None or isinstance(outcome, httpx.TransportError), outcome
-        assert any(outcome is not None for outcome in outcomes), "no request was in flight at the kill"
+        with pytest.raises(httpx.TransportError):
+            await asyncio.wait_for(held, 60)  # cut off mid-body
 
         async def released() -> bool:
             pool = (await other.get("/v1/stats")).json()["pool"]
@@ -591,13 +617,16 @@ async def killed_worker_scenario(tmp: Path) -> None:
                 assert got.status_code == 200 and got.content == data, key
             else:  # never stored, or its PUT was cut off: whole, or not there
                 assert got.status_code == 404 or got.content == data, key
+        assert (await other.get("/v1/blocks/b00")).status_code == 404  # nothing of the PUT cut off mid-body
         for key in blocks:  # every key can be stored again through the survivor: no claim is left on it
             put = await other.put(f"/v1/blocks/{key}", content=blocks[key])
             assert put.status_code in (200, 201), put.text
+        assert (await other.put("/v1/blocks/b00", content=b"h" * (4 << 20))).status_code == 201
         stats = (await other.get("/v1/stats")).json()
         assert stats["worker"]["pid"] == survivor and stats["server"]["draining"] is True
-        assert stats["pool"]["blocks"] == len(blocks) == stats["tier"]["slots_allocated"]
+        assert stats["pool"]["blocks"] == len(blocks) + 1 == stats["tier"]["slots_allocated"]
         assert stats["server"]["internal_errors"] == 0
+        os.kill(survivor, signal.SIGTERM)  # its second signal: the drain ends at once
         code = await asyncio.wait_for(server.proc.wait(), 30)
     finally:
         code, stderr = await server.close()
@@ -705,7 +734,8 @@ def test_a_signal_with_uploads_in_flight_over_workers_gives_them_the_grace_and_e
 async def drain_over_workers_scenario(tmp: Path) -> None:
     # --drain-seconds over workers: after SIGTERM every worker keeps serving, new connections too, with
     # /readyz 503 "draining"; once the drain is over the port refuses connections and the parent exits 0.
-    server = await Workers.start(tmp, 2, "--quota", "64MiB", "--drain-seconds", "3")
+    # The drain is long enough for the eight connections below on a loaded machine (they took over 3 s).
+    server = await Workers.start(tmp, 2, "--quota", "64MiB", "--drain-seconds", "10")
     try:
         server.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
@@ -714,7 +744,7 @@ async def drain_over_workers_scenario(tmp: Path) -> None:
                 ready = await client.get("/readyz")
                 assert ready.status_code == 503 and ready.json()["status"] == "draining", ready.text
                 assert (await client.get("/v1/stats")).json()["server"]["draining"] is True
-        await until(lambda: refused(server.url), 10, "the port closed after the drain")
+        await until(lambda: refused(server.url), 30, "the port closed after the drain")
         assert await asyncio.wait_for(server.proc.wait(), 30) == 0
     finally:
         code, stderr = await server.close()
