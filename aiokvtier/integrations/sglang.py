@@ -922,11 +922,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
     def _extra_pool(self, call: str, name: Any) -> tuple[_Plan, Any, tuple[U64, U64]]:
         """The plan, host pool and buffers of the pool ``name`` (the KV pool: the ``*_v1`` pages)."""
         if str(name) == PoolName.KV.value:
-            if self._v1 is None or self.mem_pool_host is None:
-                raise RuntimeError(
-                    "HiCacheAiokvtier: register_mem_pool_host() first (the KV pool's pages come from it)"
-                )
-            return self._v1, self.mem_pool_host, self._bounds
+            return self._kv_pool()
         extra = self._extra.get(str(name))
         if extra is None:
             raise ValueError(f"{call}: the {name} pool was never registered (register_mem_host_pool_v2)")
@@ -967,13 +963,16 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             self._pool_lost(backend, exc)
             return np.zeros(len(blocks), dtype=np.bool_)
 
+    def _kv_pool(self) -> tuple[_Plan, Any, tuple[U64, U64]]:
+        """The KV pool's page format, host pool and buffers (``register_mem_pool_host``)."""
+        if self._v1 is None or self.mem_pool_host is None:
+            raise RuntimeError("HiCacheAiokvtier: register_mem_pool_host() first (the KV pool's pages come from it)")
+        return self._v1, self.mem_pool_host, self._bounds
+
     def _pool_pages(self, keys: list[str], host_indices: Any) -> tuple[_Plan, list[Any]]:
         """The block views of the pages at ``host_indices`` in the registered host pool."""
-        plan = self._v1
-        host = self.mem_pool_host
-        if plan is None or host is None:
-            raise RuntimeError("HiCacheAiokvtier: register_mem_pool_host() first (the *_v1 calls copy its pages)")
-        return plan, self._pages(plan, host, self._bounds, keys, host_indices)
+        plan, host, bounds = self._kv_pool()
+        return plan, self._pages(plan, host, bounds, keys, host_indices)
 
     @staticmethod
     def _pages(plan: _Plan, host: Any, bounds: tuple[U64, U64], keys: list[str], host_indices: Any) -> list[Any]:
@@ -1030,16 +1029,20 @@ def _buffers(host: Any) -> tuple[U64, U64]:
     tensors = [getattr(host, name, None) for name in ("kv_buffer", "k_buffer", "v_buffer")]
     if hasattr(host, "get_hybrid_pool_buffer"):
         tensors.extend(host.get_hybrid_pool_buffer())
+    bounds = _bounds_of(tensors)
+    if not bounds[0].size:
+        log.warning("aiokvtier: the host pool shows no CPU buffer: the *_v1 calls' pages are not checked")
+    return bounds
+
+
+def _bounds_of(tensors: Sequence[Any]) -> tuple[U64, U64]:
+    """The start and end addresses of the non-empty CPU tensors among ``tensors`` (other objects skipped)."""
     spans = {
         (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
         for t in tensors
         if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel()
     }
-    if not spans:
-        log.warning("aiokvtier: the host pool shows no CPU buffer: the *_v1 calls' pages are not checked")
-    lo = np.array([a for a, _ in spans], dtype=np.uint64)
-    hi = np.array([b for _, b in spans], dtype=np.uint64)
-    return lo, hi
+    return np.array([a for a, _ in spans], dtype=np.uint64), np.array([b for _, b in spans], dtype=np.uint64)
 
 
 def _transfer_keys(call: str, transfer: Any) -> list[str]:
@@ -1064,16 +1067,8 @@ def _pool_buffers(host: Any) -> tuple[U64, U64]:
     pool's temporal and conv state buffers), so that a page it names is checked to lie in one."""
     tensors: list[Any] = []
     for value in vars(host).values():
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-        elif isinstance(value, list | tuple):
-            tensors.extend(v for v in value if isinstance(v, torch.Tensor))
-    spans = {
-        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-        for t in tensors
-        if t.device.type == "cpu" and t.numel()
-    }
-    return np.array([a for a, _ in spans], dtype=np.uint64), np.array([b for _, b in spans], dtype=np.uint64)
+        tensors.extend(value if isinstance(value, list | tuple) else [value])
+    return _bounds_of(tensors)
 
 
 def _flatten(items: Sequence[Any]) -> list[Any]:
