@@ -875,7 +875,7 @@ class AttachedPool(Owner):
         :raises TypeError: as ``lookup``.
         """
         given, types = self._lookup_keys(keys)
-        if self._life.state != "open" or self._lost is not None:
+        if not self._mirror_readable():
             return None
         return self._from_mirror(given, types, threadsafe=True)
 
@@ -909,9 +909,13 @@ class AttachedPool(Owner):
         """
         given, types = self._lookup_keys(keys)
         mirror = self._mirror
-        if mirror is None or self._life.state != "open" or self._lost is not None:
+        if mirror is None or not self._mirror_readable():
             return None
         return mirror.present(given, types)
+
+    def _mirror_readable(self) -> bool:
+        """Whether a ``*_nowait`` call may read the mirror: the pool is open and its owner not lost."""
+        return self._life.state == "open" and self._lost is None
 
     def _lookup_keys(self, keys: Sequence[object] | npt.NDArray[np.uint8]) -> tuple[Keys, set[type] | None]:
         if isinstance(keys, np.ndarray):

@@ -621,23 +621,25 @@ class IndexMirror:
         no block is marked referenced, no answer is counted."""
         if not len(keys):
             return np.zeros(0, dtype=np.bool_)
-        rows = key_rows(keys, self._hasher, types)  # hashed out of the window a write can spoil
-        with self._reading() as mapped:
-            read = self._consistent(lambda table: self._probe(rows, table))[0] if mapped else None
+        read = self._read_probe(keys, types)
         return None if read is None else read[0] >= 0
 
     def blocks(self, keys: Sequence[bytes | int]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
         """Each key's slot and length as one consistent read saw them (-1 and 0 where absent), or None
         (as ``lookup``); touches nothing."""
-        rows = key_rows(keys, self._hasher)
-        with self._reading() as mapped:
-            read = self._consistent(lambda table: self._probe(rows, table))[0] if mapped else None
+        read = self._read_probe(keys)
         if read is None:
             return None
         found, stored = read
         slots = np.where(found >= 0, (stored & _LO).astype(np.int64), -1)
         lengths = np.where(found >= 0, (stored >> np.uint64(32)).astype(np.int64), 0)
         return slots, lengths
+
+    def _read_probe(self, keys: Keys, types: set[type] | None = None) -> tuple[npt.NDArray[np.intp], U64] | None:
+        """``_probe`` of ``keys`` in one consistent read (None as ``lookup``); touches nothing."""
+        rows = key_rows(keys, self._hasher, types)  # hashed out of the window a write can spoil
+        with self._reading() as mapped:
+            return self._consistent(lambda table: self._probe(rows, table))[0] if mapped else None
 
     # -- writing (the owner only, on its loop) ------------------------------------------------
 

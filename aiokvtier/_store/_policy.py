@@ -165,8 +165,7 @@ def slot_ids(slots: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int
     else:
         slots = slots if isinstance(slots, list | tuple) else list(slots)
         for slot in slots:
-            if type(slot) is not int and not isinstance(slot, np.integer):
-                raise TypeError(f"a slot id is an int, not {type(slot).__name__} ({slot!r})")
+            slot_id(slot)
     try:
         ids = np.asarray(slots, dtype=np.int64)  # uint64 ids past int64 wrap below zero: out of range below
     except OverflowError:
