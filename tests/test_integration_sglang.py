@@ -73,6 +73,17 @@ def pool_statistics(path: str) -> Any:
 # -- conformance -------------------------------------------------------------------------
 
 
+def owner_took_back(pool_path: str, polls: int = 200) -> Any:
+    """The pool's statistics once its owner saw every other connection end and took back what they held
+    (polled every 20 ms, ``polls`` times at most: the owner notices on its own loop)."""
+    for _ in range(polls):
+        stats = pool_statistics(pool_path)
+        if stats.clients == 1:
+            break
+        time.sleep(0.02)
+    return stats
+
+
 def test_sglang_creates_it_from_its_dynamic_backend_config() -> None:
     host = make_host_pool()
     storage = make_storage(host, TIER)
@@ -482,11 +493,7 @@ def test_close_during_a_transfer_leaves_nothing_claimed(pool_path: str) -> None:
         with pytest.raises(TierClosedError, match="closed"):
             storage.batch_exists(keys)
         assert sglang_threads() == []
-        for _ in range(100):  # the owner sees the connection end, then takes back what it held
-            stats = pool_statistics(pool_path)
-            if stats.clients == 1:
-                break
-            time.sleep(0.02)
+        stats = owner_took_back(pool_path, 100)
         assert stats.clients == 1 and stats.claims == 0 and stats.blocks_pinned == 0 and stats.slots_attached == 0
         assert stats.tier.slots_allocated == stats.blocks
         if interrupted:
@@ -849,10 +856,6 @@ def test_a_storage_dropped_unclosed_is_closed_on_its_own_thread_without_waiting(
     while sglang_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sglang_threads() == []
-    for _ in range(200):  # the owner sees the connection end
-        stats = pool_statistics(pool_path)
-        if stats.clients == 1:
-            break
-        time.sleep(0.02)
+    stats = owner_took_back(pool_path)
     assert stats.clients == 1 and stats.claims == 0 and stats.blocks_pinned == 0 and stats.slots_attached == 0
     host.free(src)

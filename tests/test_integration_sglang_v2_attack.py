@@ -34,6 +34,7 @@ from .test_integration_sglang import (
     hybrid,
     keys_of,
     mamba_pool,
+    owner_took_back,
     page_indices,
     pool_path,
     pool_statistics,
@@ -208,11 +209,7 @@ def test_close_during_large_v2_transfers_leaves_nothing_claimed_or_pinned(pool_p
         with pytest.raises(TierClosedError, match="closed"):
             storage.batch_get_v2([transfer(PoolName.MAMBA, keys[0][:1], torch.arange(1))])
         assert sglang_threads() == []
-        for _ in range(200):  # the owner sees the connection end, then takes back what it held
-            stats = pool_statistics(pool_path)
-            if stats.clients == 1:
-                break
-            time.sleep(0.02)
+        stats = owner_took_back(pool_path)
         assert stats.clients == 1 and stats.claims == 0 and stats.blocks_pinned == 0 and stats.slots_attached == 0
         if interrupted:
             break

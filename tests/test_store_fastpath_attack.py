@@ -21,8 +21,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -41,7 +40,7 @@ try:
 except ImportError:  # pragma: no cover - uvloop is a test dependency on Linux
     uvloop = None
 from .test_cancellation import cancel_during, sweep
-from .test_store import SLOT, bounded, page, pages
+from .test_store import SLOT, bounded, open_store, page, pages
 
 T = TypeVar("T")
 
@@ -135,23 +134,6 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Copies]:
     seam.release()  # a test that failed half way leaves no copy waiting
 
 
-@asynccontextmanager
-async def opened(slots: int = 16) -> AsyncIterator[tuple[HostTier, BlockStore]]:
-    cfg = HostTierConfig(
-        quota=slots * SLOT, max_quota=64 * SLOT, slot_size=SLOT, commit_unit=SLOT * 4, fill_chunk=SLOT * 8
-    )
-    tier = await bounded(HostTier.open(cfg))
-    try:
-        await bounded(tier.wait_resident())
-        store = await bounded(BlockStore.open(tier))
-        try:
-            yield tier, store
-        finally:
-            await bounded(store.aclose())
-    finally:
-        await bounded(tier.aclose())
-
-
 def whole(tier: HostTier, store: BlockStore) -> None:
     """Nothing in flight, no pin or claim, one tier slot per visible block, the books agreeing."""
     stats = store.statistics()
@@ -167,6 +149,18 @@ async def exact(store: BlockStore) -> None:
     await bounded(store.load(keys, dst))
     for key, row in zip(keys, dst, strict=True):
         assert row.tobytes() == page(key), f"block {key!r} holds other bytes"
+
+
+async def held_call(
+    store: BlockStore, copies: Copies, op: str
+) -> tuple[Coroutine[Any, Any, Any], Callable[[int], Awaitable[None]]]:
+    """Keys 1 and 2 stored, then copies held: a store of keys 3 and 4, or a load of 1 and 2 (``op``), made
+    and not yet awaited, and the wait for its copy to begin (``copies.mark()``)."""
+    await bounded(store.store([1, 2], pages([1, 2])))
+    copies.held = True
+    entered = copies.mark()
+    dst = np.zeros((2, SLOT), dtype=np.uint8)
+    return (store.store([3, 4], pages([3, 4])) if op == "store" else store.load([1, 2], dst)), entered
 
 
 async def ended_copies(copies: Copies, call: Awaitable[T], seen: list[int]) -> T:
@@ -185,7 +179,7 @@ async def test_a_cancelled_store_raises_only_after_its_copy_and_keeps_no_partial
     copies: Copies, form: str
 ) -> None:
     copies.pause = 0.002
-    async with opened(16) as (tier, store):
+    async with open_store(16) as (tier, store):
         stored: list[int] = []
         for case, (how, delay) in enumerate(sweep(11, delays=DELAYS, cancels=8)):
             keys = [case * 100 + i for i in range(6)]
@@ -218,7 +212,7 @@ async def test_a_cancelled_store_raises_only_after_its_copy_and_keeps_no_partial
 
 @pytest.mark.parametrize("form", ["rows", "short_rows", "buffers"])
 async def test_a_cancelled_load_raises_only_after_its_copy_and_writes_nothing_after(copies: Copies, form: str) -> None:
-    async with opened(16) as (tier, store):
+    async with open_store(16) as (tier, store):
         keys = list(range(8))
         await bounded(store.store(keys, pages(keys)))
         copies.pause = 0.002
@@ -245,12 +239,8 @@ async def test_a_cancelled_load_raises_only_after_its_copy_and_writes_nothing_af
 
 @pytest.mark.parametrize("op", ["store", "load"])
 async def test_a_call_cancelled_twice_while_its_copy_is_held_waits_for_it(copies: Copies, op: str) -> None:
-    async with opened(8) as (tier, store):
-        await bounded(store.store([1, 2], pages([1, 2])))
-        copies.held = True
-        entered = copies.mark()
-        dst = np.zeros((2, SLOT), dtype=np.uint8)
-        call = store.store([3, 4], pages([3, 4])) if op == "store" else store.load([1, 2], dst)
+    async with open_store(8) as (tier, store):
+        call, entered = await held_call(store, copies, op)
         seen: list[int] = []
         task = asyncio.ensure_future(ended_copies(copies, call, seen))
         await entered(1)
@@ -270,7 +260,7 @@ async def test_a_call_cancelled_twice_while_its_copy_is_held_waits_for_it(copies
 
 
 async def test_a_taskgroup_sibling_failing_while_the_store_copies(copies: Copies) -> None:
-    async with opened(8) as (tier, store):
+    async with open_store(8) as (tier, store):
         copies.held = True
         entered = copies.mark()
         seen: list[int] = []
@@ -299,13 +289,9 @@ async def test_a_taskgroup_sibling_failing_while_the_store_copies(copies: Copies
 
 @pytest.mark.parametrize("op", ["store", "load"])
 async def test_a_failed_copy_under_a_cancelled_call_cancels_it_and_stores_nothing(copies: Copies, op: str) -> None:
-    async with opened(8) as (tier, store):
-        await bounded(store.store([1, 2], pages([1, 2])))
-        copies.held = True
-        entered = copies.mark()
-        copies.fail = 1
-        dst = np.zeros((2, SLOT), dtype=np.uint8)
-        call = store.store([3, 4], pages([3, 4])) if op == "store" else store.load([1, 2], dst)
+    async with open_store(8) as (tier, store):
+        call, entered = await held_call(store, copies, op)
+        copies.fail = 1  # the held copy fails once let through
         task = asyncio.ensure_future(call)
         await entered(1)
         task.cancel()
@@ -325,11 +311,7 @@ async def test_the_store_closing_while_a_cancelled_call_waits_for_its_copy(copie
     async with HostTier(cfg) as tier:
         await bounded(tier.wait_resident())
         store = await bounded(BlockStore.open(tier))
-        await bounded(store.store([1, 2], pages([1, 2])))
-        copies.held = True
-        entered = copies.mark()
-        dst = np.zeros((2, SLOT), dtype=np.uint8)
-        call = store.store([3, 4], pages([3, 4])) if op == "store" else store.load([1, 2], dst)
+        call, entered = await held_call(store, copies, op)
         seen: list[int] = []
         task = asyncio.ensure_future(ended_copies(copies, call, seen))
         await entered(1)
@@ -354,11 +336,7 @@ async def test_the_tier_closing_while_a_cancelled_call_waits_for_its_copy(copies
     await bounded(tier.wait_resident())
     store = await bounded(BlockStore.open(tier))
     try:
-        await bounded(store.store([1, 2], pages([1, 2])))
-        copies.held = True
-        entered = copies.mark()
-        dst = np.zeros((2, SLOT), dtype=np.uint8)
-        call = store.store([3, 4], pages([3, 4])) if op == "store" else store.load([1, 2], dst)
+        call, entered = await held_call(store, copies, op)
         seen: list[int] = []
         task = asyncio.ensure_future(ended_copies(copies, call, seen))
         await entered(1)
@@ -392,7 +370,7 @@ async def settle_all(tasks: Sequence[asyncio.Future[T]]) -> list[T | BaseExcepti
 async def test_the_waiters_of_a_store_wake_and_store_its_keys_when_it_does_not(
     copies: Copies, first_ends: str, waiters: int
 ) -> None:
-    async with opened(16) as (tier, store):
+    async with open_store(16) as (tier, store):
         copies.held = True
         entered = copies.mark()
         first = asyncio.ensure_future(store.store([1, 2, 3], pages([1, 2, 3])))
@@ -472,7 +450,7 @@ async def test_the_waiters_of_a_store_met_by_a_close(copies: Copies) -> None:
 async def test_many_stores_of_overlapping_keys_cancelled_failing_or_landing(copies: Copies) -> None:
     rng = random.Random(5)
     copies.pause = 0.0005
-    async with opened(48) as (tier, store):
+    async with open_store(48) as (tier, store):
         for round_ in range(12):
             calls = [rng.sample(range(24), rng.randint(1, 8)) for _ in range(8)]
             copies.held = True
@@ -596,7 +574,7 @@ BAD_SOURCES: dict[str, Callable[[], Any]] = {
 
 @pytest.mark.parametrize("bad", list(BAD_SOURCES))
 async def test_bad_pages_are_refused_and_store_nothing(bad: str) -> None:
-    async with opened(8) as (tier, store):
+    async with open_store(8) as (tier, store):
         await bounded(store.store([100], pages([100])))
         with pytest.raises((ValueError, TypeError)):
             await bounded(store.store([0, 1, 2, 3], BAD_SOURCES[bad]()))
@@ -637,7 +615,7 @@ def _overlapping() -> list[Any]:
 
 @pytest.mark.parametrize("bad", list(BAD_DESTINATIONS))
 async def test_bad_destinations_are_refused_and_written_nothing(bad: str) -> None:
-    async with opened(8) as (tier, store):
+    async with open_store(8) as (tier, store):
         await bounded(store.store([0, 1, 2, 3], pages([0, 1, 2, 3])))
         dst = BAD_DESTINATIONS[bad]()
         before = [bytes(memoryview(d).cast("B")) if not isinstance(d, np.ndarray) else d.tobytes() for d in dst]
@@ -654,7 +632,7 @@ class _Subclass(np.ndarray):
 
 
 async def test_good_pages_of_every_form_round_trip_bit_exact() -> None:
-    async with opened(32) as (tier, store):
+    async with open_store(32) as (tier, store):
         keys = list(range(4))
         data = [page(k) for k in keys]
         short = [page(k)[: 1 + 97 * k] for k in range(10, 14)]
@@ -768,7 +746,7 @@ def test_pins_discards_evictions_and_shrinks_in_any_order_keep_the_counts_true(l
 
 
 async def _run_operations(copies: Copies, ops: list[Any]) -> None:
-    async with opened(12) as (tier, store):
+    async with open_store(12) as (tier, store):
         try:
             await _operations(tier, store, copies, ops)
         finally:
