@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -140,10 +141,21 @@ class HostBackend(CopyBackend):
     synchronous = True
 
     def issue(self, plan: Plan, direction: str, after: tuple[str, Any] | None) -> Any:
+        rows = plan.rows
+        if rows is not None and len(rows) <= self._max_batch:
+            for dst, src, n in rows:
+                ctypes.memmove(dst, src, n)
+            self._calls += 1
+            self._count("dma", plan)
+            return None
         for chunk in plan.chunks(self._max_batch):
-            for dst, src, n in zip(
-                plan.dsts[chunk].tolist(), plan.srcs[chunk].tolist(), plan.sizes[chunk].tolist(), strict=True
-            ):
+            if rows is not None:
+                copies: Iterable[tuple[int, int, int]] = rows[chunk]
+            else:
+                copies = zip(
+                    plan.dsts[chunk].tolist(), plan.srcs[chunk].tolist(), plan.sizes[chunk].tolist(), strict=True
+                )
+            for dst, src, n in copies:
                 ctypes.memmove(dst, src, n)
             self._calls += 1
         self._count("dma", plan)
