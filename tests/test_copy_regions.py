@@ -1122,6 +1122,7 @@ def test_the_small_request_planner_gives_the_arrays_plan(
     assert got.requested == n and got.dsts.dtype == got.srcs.dtype == got.sizes.dtype == np.uint64
     # The ints a host copy runs are the arrays' copies, one for one.
     assert got.rows == tuple(zip(got.dsts.tolist(), got.srcs.tolist(), got.sizes.tolist(), strict=True))
+    assert got.nbytes == int(expect.sizes.sum())  # known without a sum: as numpy's uint64 sum wraps
     assert all(k <= 2 * (n - 1) for k in asked)
 
 

@@ -85,6 +85,8 @@ class Plan:
     """The same copies as ``(dst, src, nbytes)`` ints, where the planner made them so
     (``plan_small()``): a host-to-host copy runs them as they are (16 copies of 64 KiB read back
     from the arrays took a fifth longer, on the thread that copies, than from these)."""
+    total: int = -1
+    """Bytes, where the planner knows them without a sum (``plan_small()``); -1: ``nbytes`` sums."""
     whole: tuple[int, int] | None = None
     """A piece's request (``Pieces``), as ``(copies, bytes)``: a backend chooses the path of the
     request, not of each piece. None: the plan is the whole request."""
@@ -95,7 +97,7 @@ class Plan:
 
     @property
     def nbytes(self) -> int:
-        return int(self.sizes.sum())
+        return self.total if self.total >= 0 else int(self.sizes.sum())
 
     def chunks(self, cap: int, first: int = FIRST_CHUNK) -> list[slice]:
         """This plan's driver calls: see ``chunk_slices()``."""
@@ -467,11 +469,19 @@ def plan_small(
     u64 = np.uint64
     if not pairs:
         rows = tuple(zip(d, s, [page] * n, strict=True))
-        return Plan(np.array(d, dtype=u64), np.array(s, dtype=u64), np.full(n, page, dtype=u64), n, rows=rows)
+        same = np.full(n, page, dtype=u64)
+        return Plan(np.array(d, dtype=u64), np.array(s, dtype=u64), same, n, rows=rows, total=(n * page) & _WRAP)
     joined = set(pairs)
     starts = [i for i in range(n) if i - 1 not in joined]
     ends = [*starts[1:], n]
     sizes = [((end - start) * page) & _WRAP for start, end in zip(starts, ends, strict=True)]
     d, s = [d[i] for i in starts], [s[i] for i in starts]
     rows = tuple(zip(d, s, sizes, strict=True))
-    return Plan(np.array(d, dtype=u64), np.array(s, dtype=u64), np.array(sizes, dtype=u64), n, rows=rows)
+    return Plan(
+        np.array(d, dtype=u64),
+        np.array(s, dtype=u64),
+        np.array(sizes, dtype=u64),
+        n,
+        rows=rows,
+        total=(n * page) & _WRAP,
+    )
