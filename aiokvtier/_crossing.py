@@ -68,11 +68,15 @@ class Worker:
         self._thread.start()
         self.stopped = False
 
-    def submit(self, fn: Callable[..., T], *args: Any, future: asyncio.Future[T] | None = None) -> asyncio.Future[T]:
+    def submit(
+        self, fn: Callable[..., T], *args: Any, future: asyncio.Future[T] | None = None, light: bool = False
+    ) -> asyncio.Future[T]:
         """Run ``fn(*args)`` on the thread; the returned future (of the running loop) gets its outcome.
 
         :param future: the future to settle, made by the caller on the running loop (one that refuses
             cancellation, say); None: a new one.
+        :param light: a short step that comes often (a copy): the hand-off is held lightly
+            (``GilHandoff.hold_lightly_until``).
         """
         if self.stopped:
             raise RuntimeError("the worker is stopped")
@@ -81,7 +85,8 @@ class Worker:
             future = loop.create_future()
         # The thread needs the GIL to run the step and hand its outcome back: next to a
         # saturated loop it gets it only through the loop's hand-off (aiokvtier._handoff).
-        handoff(loop).hold_until(future)
+        hand = handoff(loop)
+        (hand.hold_lightly_until if light else hand.hold_until)(future)
         self._queue.put((lambda: fn(*args), loop, future))
         return future
 

@@ -137,14 +137,17 @@ class Lifecycle:
         """Run a blocking step on the worker and await its outcome (within build/teardown)."""
         return await self.submit(fn, *args)
 
-    def submit(self, fn: Callable[..., T], *args: Any, future: asyncio.Future[T] | None = None) -> asyncio.Future[T]:
+    def submit(
+        self, fn: Callable[..., T], *args: Any, future: asyncio.Future[T] | None = None, light: bool = False
+    ) -> asyncio.Future[T]:
         """Queue a blocking step on the worker now; the future (never cancelled by the library) gets its outcome.
 
         :param future: as ``Worker.submit()``'s: the caller's own future to settle.
+        :param light: as ``Worker.submit()``'s: a copy.
         :raises RuntimeError: the worker is stopped (the owner is closed).
         """
         assert self.worker is not None
-        return self.worker.submit(fn, *args, future=future)
+        return self.worker.submit(fn, *args, future=future, light=light)
 
     # -- transitions -------------------------------------------------------------
 

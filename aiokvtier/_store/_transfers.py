@@ -347,7 +347,7 @@ def copy_tracked(
             at = slot_addresses()
             dsts, srcs = (at, pages.addresses) if into_slots else (pages.addresses, at)
             check_again(dsts, srcs, lengths, regions if tier is None else (tier, *regions))
-        return life.submit(landed_after, copy, done, future=Copied(loop=asyncio.get_running_loop()))
+        return life.submit(landed_after, copy, done, future=Copied(loop=asyncio.get_running_loop()), light=True)
     except BaseException:
         done.set()
         raise
