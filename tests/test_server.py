@@ -594,6 +594,8 @@ def test_plain_dict_baseline_serves_the_same_api() -> None:
         (["--drain-seconds", "nan"], "--drain-seconds"),
         (["--grace-seconds", "-1"], "--grace-seconds"),
         (["--grace-seconds", "nan"], "--grace-seconds"),
+        (["--keep-alive", "0"], "--keep-alive"),
+        (["--keep-alive", "1.5"], "--keep-alive"),
         (["--plain-dict", "--policy", "s3fifo"], "argument --policy: "),  # it was ignored: the dict drops its oldest
     ],
 )
@@ -1091,6 +1093,44 @@ async def test_the_load_generator_says_in_one_line_that_another_server_answered(
     said = f"python -m aiokvtier.server.load: error: http://127.0.0.1:{port}/v1/stats answered "
     assert lines[0].startswith(said), lines
     assert says in lines[0] and "not the block server" in lines[0], lines
+
+
+async def one_answer(reader: asyncio.StreamReader) -> bytes:
+    """One keep-alive answer of a known length: its head, then ``Content-Length`` bytes."""
+    head_bytes = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+    length = int(re.search(rb"content-length: (\d+)", head_bytes, re.IGNORECASE).group(1))  # type: ignore[union-attr]
+    return head_bytes + await asyncio.wait_for(reader.readexactly(length), BOUND)
+
+
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]], ids=["one", "workers"])
+async def test_an_idle_connection_stays_open_for_keep_alive_seconds_then_closes(workers: list[str]) -> None:
+    """uvicorn's own 5 s equals httpx's idle expiry: a client then sent a request now and then on a
+    connection the server was closing ("server disconnected"). The server keeps it ``--keep-alive``."""
+    server = await Server.start("--quota", "64MiB", "--keep-alive", "2", *workers)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            assert (await wait_for(client, "/readyz", 200)).status_code == 200
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), BOUND)
+        try:
+            for _ in range(2):  # the second request after an idle second: the same connection serves it
+                writer.write(head("GET /healthz").encode())
+                await writer.drain()
+                assert (await one_answer(reader)).startswith(b"HTTP/1.1 200"), "not served on the kept connection"
+                await asyncio.sleep(1.0)
+            # Closed by the server once idle 2 s (1 s from here); uvicorn's own 5 s would take 4 s more.
+            assert await asyncio.wait_for(reader.read(), 3) == b""
+        finally:
+            writer.close()
+    finally:
+        code, stderr = await server.stop()
+    assert code == 0 and "Traceback" not in stderr, stderr
+
+
+def test_the_keep_alive_outlasts_the_clients_idle_connections_by_default() -> None:
+    from aiokvtier.server._options import build_parser
+
+    assert build_parser().parse_args([]).keep_alive == 75  # httpx keeps an idle connection 5 s, aiohttp 15 s
 
 
 @pytest.mark.parametrize("workers", [[], ["--workers", "2"]], ids=["one", "workers"])

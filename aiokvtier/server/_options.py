@@ -108,6 +108,14 @@ def build_parser(prog: str = "aiokvtier-server") -> Parser:
         help="a request's body must arrive within this long of its headers, else 408 and nothing stored; 0: no limit",
     )
     parser.add_argument(
+        "--keep-alive",
+        type=whole_number(1, 3600),
+        default=75,
+        metavar="SECONDS",
+        help="an idle connection is closed after this long: longer than clients keep theirs idle (httpx 5 s, "
+        "aiohttp 15 s), so that none sends a request on a connection the server is closing",
+    )
+    parser.add_argument(
         "--workers",
         type=whole_number(1, 256),
         default=1,

@@ -223,6 +223,7 @@ def serve(args: argparse.Namespace, config: HostTierConfig) -> int:
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=args.grace_seconds,  # what Server.shutdown waits, in its own way
+        timeout_keep_alive=args.keep_alive,
     )
     server = Server(uv, service, args.drain_seconds, args.grace_seconds)
     if args.listen_fd is not None:  # a worker of --workers: the parent's listening socket

@@ -85,6 +85,7 @@ async def _supervise(args: argparse.Namespace, config: HostTierConfig, path: str
                 sys.executable, "-m", "aiokvtier.server", "--attach", path, "--listen-fd", str(fd),
                 "--log-level", args.log_level, "--drain-seconds", str(args.drain_seconds),
                 "--grace-seconds", str(args.grace_seconds), "--body-timeout", str(args.body_timeout),
+                "--keep-alive", str(args.keep_alive),
             ]  # fmt: skip
             for _ in range(args.workers):
                 if stopping is not None:
