@@ -246,7 +246,7 @@ async def test_contains_answers_per_key_past_a_miss_and_touches_nothing(sock: st
     assert reader.contains_nowait(keys) is None  # closed
 
 
-async def test_contains_asks_the_owner_key_by_key_without_a_mirror(sock: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_contains_asks_the_owner_without_a_mirror(sock: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from aiokvtier._pool import _owner
 
     monkeypatch.setattr(_owner, "mirror_fits", lambda slots, slot_size: False)

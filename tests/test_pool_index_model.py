@@ -1,8 +1,9 @@
 """The pool's block index against a model: recency kept as an ``OrderedDict`` (least recently used first,
 ``move_to_end`` on every touch) and CLOCK's scan walked key by key, as the index did before it kept ticks
 per slot. Random sequences of stores (committed or aborted), lookups by the owner and through the mirror
-(which mark blocks referenced), loads, unpins, discards and evictions give the same answers, the same
-evictions in the same order, and a consistent index and mirror after every step."""
+(which mark blocks referenced), per-key presence (which touches nothing), loads, unpins, discards and
+evictions give the same answers, the same evictions in the same order, and a consistent index and mirror
+after every step."""
 
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def _run(data: st.DataObject, index: BlockIndex, reader: IndexMirror | None) -> 
         free.extend(int(s) for s in slots)
 
     for _ in range(data.draw(st.integers(1, 40))):
-        ops = ["store", "finish", "lookup", "look", "load", "unpin", "discard", "evict"]
+        ops = ["store", "finish", "lookup", "look", "contains", "load", "unpin", "discard", "evict"]
         op = data.draw(st.sampled_from(ops))
         if op == "store":
             keys = data.draw(st.lists(st.sampled_from(UNIVERSE), max_size=6, unique=True))
@@ -156,6 +157,13 @@ def _run(data: st.DataObject, index: BlockIndex, reader: IndexMirror | None) -> 
                 want += 1
             assert hits == want
             model.referenced.update(model.ready[k] for k in keys[:hits])
+        elif op == "contains":  # touches nothing: the evictions after it follow the model's order still
+            keys = data.draw(keys_st)
+            want_present = [k in model.ready for k in keys]
+            assert index.present(keys).tolist() == want_present
+            if reader is not None:
+                seen = reader.present(keys)
+                assert seen is not None and seen.tolist() == want_present
         elif op == "load":
             keys = data.draw(keys_st)
             if not keys:

@@ -883,11 +883,16 @@ class AttachedPool(Owner):
         """Per key, whether the shared store holds it (``lookup`` answers the leading run only): for a caller
         that needs to know of blocks past a miss.
 
-        Answered from the index mirror in one read; where the mirror cannot answer, the owner is asked key
-        by key. Touches nothing: no block is marked referenced.
+        Answered from the index mirror in one read; where the mirror cannot answer, the owner is asked, in
+        one request that it answers in one step. Either way the answer is the store at one instant, and it
+        touches nothing (no block is marked referenced or moved in the eviction order) and counts nothing.
 
         :raises TypeError: as ``lookup``.
+        :raises ValueError: the owner is asked, and the keys are too long in all for one request (1 GiB).
+        :raises TierClosedError: this process closed the pool (or is closing it).
         :raises PoolLostError: the owner went away.
+
+        Cancellation: nothing to undo (nothing is claimed or counted).
         """
         self._check_loop()
         given, types = self._lookup_keys(keys)
@@ -897,13 +902,27 @@ class AttachedPool(Owner):
         found = None if mirror is None else mirror.present(given, types)
         if found is not None:
             return found
-        return np.array([await self.lookup(given[i : i + 1]) == 1 for i in range(len(given))], dtype=np.bool_)
+        n = len(given)
+        if not n:
+            return np.zeros(0, dtype=np.bool_)
+        if isinstance(given, np.ndarray):
+            given, types = [row.tobytes() for row in given], {bytes}
+        # Not ``lookup`` key by key: a lookup touches and counts its keys, and answers one by one span many instants.
+        kind, parts = encode_keys(given, types)
+        reply = await self._request(_wire.CONTAINS, {"k": kind}, parts)
+        stored = np.frombuffer(reply.parts[0], dtype=np.uint8) if len(reply.parts) == 1 else None
+        if stored is None or stored.shape != (n,):
+            raise PoolError(f"the pool's owner broke the protocol: no answer per key to a contains of {n} keys")
+        answer: npt.NDArray[np.bool_] = stored != 0
+        return answer
 
     def contains_nowait(self, keys: Sequence[object] | npt.NDArray[np.uint8]) -> npt.NDArray[np.bool_] | None:
         """``contains`` answered on the calling thread from the index mirror, or None where only the owner
-        can answer (as ``lookup_nowait``): then ``await contains(keys)`` on the pool's loop.
+        can answer (as ``lookup_nowait``: no mirror, no consistent read within a few tries, or the pool
+        closing, closed or lost): then ``await contains(keys)`` on the pool's loop. Touches and counts
+        nothing.
 
-        Threads: any.
+        Threads: any (``aclose()`` waits for such reads in flight).
 
         :raises TypeError: as ``lookup``.
         """

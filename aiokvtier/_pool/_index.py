@@ -228,6 +228,12 @@ class BlockIndex:
         c["misses"] += len(keys) - hits
         return hits
 
+    def present(self, keys: Sequence[Key]) -> npt.NDArray[np.bool_]:
+        """Per key, whether a visible block holds it (a key being stored does not yet); touches nothing and
+        counts nothing."""
+        found: npt.NDArray[np.bool_] = self._find(keys) >= 0
+        return found
+
     # -- store: classify, claim, commit or abort ------------------------------------------
 
     def classify(self, keys: Sequence[Key]) -> U8:

@@ -174,6 +174,7 @@ class Pool(Owner):
             _wire.FREE: self._free,
             _wire.STATS: self._stats,
             _wire.LOOKUP: self._lookup,
+            _wire.CONTAINS: self._contains,
             _wire.COMMIT: self._commit,
             _wire.ABORT: self._abort,
             _wire.LOAD: self._load,
@@ -598,6 +599,11 @@ class Pool(Owner):
         hits = self._index.lookup(decode_keys(kind, parts))
         self._index.counts["owner_lookups"] += 1  # after the keys decoded: a refused request is not one
         return {"hits": hits}, []
+
+    def _contains(self, peer: _Peer, message: Message) -> Reply:
+        """Per key, whether it is stored: for a process whose mirror cannot answer. Not a lookup: nothing is
+        touched or counted."""
+        return {}, [self._index.present(self._keys(message)).view(np.uint8).tobytes()]
 
     async def _begin(self, peer: _Peer, message: Message) -> Reply:
         kind = message.fields.get("k")

@@ -20,6 +20,8 @@ byte arrays, checked as they are read.
     ALLOC {n, wait}           ───────────>  REPLY [slot ids]    (waits only for the fill)
     FREE [slot ids]           ───────────>  REPLY
     LOOKUP keys               ───────────>  REPLY {hits}     (when the index mirror cannot answer)
+    CONTAINS keys             ───────────>  REPLY [a byte a key, 1: stored]   (the same; touches and counts
+                                            nothing)
     LOOKED {q, h, m, r}       ───────────>  (no reply: lookups answered from the mirror, for the counts;
                                             any request may carry them instead, as "looked": {q, h, m, r})
     BEGIN keys [lengths]      ───────────>  REPLY {claim} [outcomes] [slots]
@@ -62,14 +64,15 @@ __all__ = [
     "error_to",
 ]
 
-VERSION = 6
+VERSION = 7
 """3: the index mirror holds a spare copy of its table (a reader never waits for a write). 4: byte keys of
 several lengths may come zero-padded (the ``"p"`` form); any request may carry the mirror's lookup counts. 5: a
 key longer than 256 bytes is hashed in the mirror by a digest of it; an event carries how many were dropped. 6:
-the mirror's hash is seeded from its header and mixes each word twice."""
+the mirror's hash is seeded from its header and mixes each word twice. 7: ``CONTAINS`` (per key presence, for
+``contains`` where the mirror cannot answer)."""
 
 HELLO, WELCOME, STATE, ALLOC, FREE, LOOKUP, BEGIN, COMMIT, ABORT, AWAIT, LOAD, UNPIN, DISCARD, STATS = range(1, 15)
-SUBSCRIBE, LOOKED = 15, 16
+SUBSCRIBE, LOOKED, CONTAINS = 15, 16, 17
 REPLY, ERROR, BYE, EVENT = 100, 101, 102, 103
 
 # A block's outcome in a BEGIN reply.
