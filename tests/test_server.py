@@ -349,7 +349,7 @@ BOUND = GRACE + 8  # the grace, the 503s' second, the connections' second, closi
 
 
 class Raw:
-    """A bare HTTP/1.1 connection that sends what it is told, and reads one answer to the end of the stream."""
+    """A bare HTTP/1.1 connection that sends what it is told, and reads one answer."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
@@ -367,20 +367,31 @@ class Raw:
         await writer.drain()
         return cls(reader, writer)
 
-    async def answer(self, seconds: float = BOUND) -> tuple[int, dict[str, str], bytes]:
-        """Status, headers and body of the answer; status 0 when the connection closed without one."""
-        data = b""
+    async def answer(self, seconds: float = BOUND, *, to_end: bool = True) -> tuple[int, dict[str, str], bytes]:
+        """Status, headers and body of the answer, then the connection closed here; status 0 when the
+        server closed it without one. The body is the rest of the stream (what the server sent until it
+        closed: answers to later requests too); with ``to_end`` False, the answer's ``Content-Length``
+        bytes, for an answer that leaves the connection open (``--keep-alive``)."""
         try:
-            data = await asyncio.wait_for(self.reader.read(), seconds)
-        except ConnectionResetError:
-            pass
+            async with asyncio.timeout(seconds):
+                try:
+                    data = await self.reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError as exc:  # closed before a whole head came
+                    if exc.partial:
+                        raise
+                    return 0, {}, b""
+                except ConnectionResetError:
+                    return 0, {}, b""
+                status_line, *lines = data[:-4].decode().split("\r\n")
+                headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+                length = headers.get("content-length")
+                whole = to_end or length is None
+                try:
+                    body = await (self.reader.read() if whole else self.reader.readexactly(int(length)))
+                except ConnectionResetError:  # reset under the bytes still coming: the answer's head stands
+                    body = b""
         finally:
             self.close()
-        if not data:
-            return 0, {}, b""
-        head, _, body = data.partition(b"\r\n\r\n")
-        status_line, *lines = head.decode().split("\r\n")
-        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
         return int(status_line.split()[1]), headers, body
 
     def close(self) -> None:

@@ -376,7 +376,7 @@ async def cut_and_stalled_scenario() -> None:
                 assert (await client.get(f"/v1/blocks/{key}")).content == theirs
             assert (await client.post("/v1/lookup", json={"keys": ["c003", "c004"]})).json() == {"hits": 2}
             stalled[0].writer.write(mine[100:])
-            status, _, body = await stalled[0].answer(10)
+            status, _, body = await stalled[0].answer(10, to_end=False)  # the connection stays open
             assert status == 200, body  # already stored: not overwritten
             stalled[1].close()
             stalled[2].close()
