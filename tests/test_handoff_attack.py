@@ -20,7 +20,7 @@ import pytest
 
 from aiokvtier import BlockStore, CopyEngine, CopyPlanError, HostTier, SlotError, StaticHostMem, TierClosedError
 from aiokvtier._copy import _engine
-from aiokvtier._handoff import handoff
+from aiokvtier._handoff import GilHandoff, handoff
 from aiokvtier.testing import RecordingBackend
 
 from .helpers import KiB, MiB, eventually, small_config
@@ -355,3 +355,27 @@ async def test_host_copies_of_small_plans_cut_into_many_calls_are_bit_exact(max_
         back = np.zeros_like(pages)
         await bounded(engine.to_device(tier, slots, back))  # in slot order: each slot holds its page
         assert np.array_equal(back[order], want)
+
+
+async def test_a_light_hold_taken_after_a_stop_pauses_at_its_first_tick() -> None:
+    """A counted hold's release stops the ticking at once, also where a light hold ended since the last
+    tick; a light hold taken after that is pending throughout the next interval, so the first tick
+    pauses for it (a thread next to a saturated loop waits one interval, not two)."""
+    every = 0.05
+    loop = asyncio.get_running_loop()
+    hand = GilHandoff(loop, every=every, pause=0.0001)
+    first: asyncio.Future[None] = loop.create_future()
+    hand.hold_lightly_until(first)
+    first.set_result(None)
+    await asyncio.sleep(0)  # its end: a gap since the last tick
+    hand.hold()
+    hand.release()  # nothing asks: stopped now
+    assert not hand.ticking
+    second: asyncio.Future[None] = loop.create_future()
+    hand.hold_lightly_until(second)
+    seen: asyncio.Future[int] = loop.create_future()
+    # Due after the first tick and before the second (due one interval after the first ran).
+    loop.call_later(every * 1.5, lambda: seen.set_result(hand.handoffs))
+    assert await bounded(seen) == 1
+    second.set_result(None)
+    await eventually(lambda: not hand.ticking, within=2.0)
