@@ -101,6 +101,9 @@ class GilHandoff:
     def start(self) -> None:
         """Begin ticking (idempotent); it stops by itself once there is no demand."""
         if self._handle is None and not self._loop.is_closed():
+            # An interval begins: a light hold that ended before it (then a counted release stopped
+            # the ticking) is no gap in it, and one pending now is pending from its start.
+            self._light_gap = not self._light
             self._handle = self._loop.call_later(self._every, self._tick)
 
     def stop(self) -> None:
