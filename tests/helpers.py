@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiokvtier import HostTierConfig, TierClosedError
@@ -36,6 +37,31 @@ async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"not true after {within} s: {predicate}")
         await asyncio.sleep(0.005)
+
+
+@contextlib.asynccontextmanager
+async def saturated(within: float = 30.0) -> AsyncIterator[list[int]]:
+    """A task that keeps the loop busy (about a millisecond of Python, then one loop iteration) while the
+    body runs: a loop that never idles, which starves threads that need the GIL often. Yields its spin
+    count, so the body can see it ran; the task's end is bounded by ``within`` seconds."""
+    stop = asyncio.Event()
+    spins = [0]
+
+    async def busy() -> None:
+        x = 0
+        while not stop.is_set():
+            for i in range(20_000):
+                x += i
+            spins[0] += 1
+            await asyncio.sleep(0)
+
+    hog = asyncio.create_task(busy())
+    try:
+        yield spins
+    finally:
+        stop.set()
+        async with asyncio.timeout(within):
+            await hog
 
 
 async def closing_with_a_copy_held(region: Any) -> tuple[threading.Event, asyncio.Task[None]]:

@@ -27,7 +27,7 @@ from aiokvtier._handoff import GilHandoff, handoff
 from aiokvtier._host import _headroom, _hugepages, _linux
 
 from .conftest import PopulateGate, smaps_flags
-from .helpers import MiB, small_config
+from .helpers import MiB, saturated, small_config
 from .invariants import RW, assert_perms, check_tier
 
 
@@ -285,27 +285,11 @@ async def test_the_fill_goes_on_while_the_event_loop_is_busy() -> None:
     memory available with the GIL held. Before that, 4 MiB of this tier took 6 s; now seconds."""
     config = small_config(quota=256 * MiB, max_quota=256 * MiB, commit_unit=64 * MiB, fill_chunk=64 * MiB)
     config = config.model_copy(update={"fill_threads": 2})
-    stop = asyncio.Event()
-    spins = 0
-
-    async def busy() -> None:
-        nonlocal spins
-        x = 0
-        while not stop.is_set():
-            for i in range(20_000):  # about a millisecond of Python, then one loop iteration
-                x += i
-            spins += 1
-            await asyncio.sleep(0)
-
     async with HostTier(config) as tier:
-        hog = asyncio.create_task(busy())
-        try:
+        async with saturated() as spins:
             async with asyncio.timeout(120):  # a bound on a hang, not a speed goal
                 await tier.wait_resident()
-        finally:
-            stop.set()
-            await hog
-        assert spins > 0
+        assert spins[0] > 0
         check_tier(tier)
 
 

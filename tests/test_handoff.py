@@ -13,7 +13,7 @@ import numpy as np
 from aiokvtier import CopyEngine, HostTier, StaticHostMem
 from aiokvtier._handoff import GilHandoff, handoff
 
-from .helpers import KiB, MiB, eventually, small_config
+from .helpers import KiB, MiB, eventually, saturated, small_config
 from .invariants import check_tier
 
 EVERY = 0.005
@@ -79,18 +79,6 @@ async def test_copies_land_next_to_a_loop_that_never_idles() -> None:
     """Eight tasks copy 1 MiB requests while another keeps the loop busy (a millisecond of Python
     between iterations); every copy lands bit-exact and the loop's own hand-off stops afterwards."""
     config = small_config(quota=64 * MiB, max_quota=64 * MiB, slot_size=64 * KiB)
-    stop = asyncio.Event()
-    spins = 0
-
-    async def busy() -> None:
-        nonlocal spins
-        x = 0
-        while not stop.is_set():
-            for i in range(20_000):
-                x += i
-            spins += 1
-            await asyncio.sleep(0)
-
     async with (
         HostTier(config) as tier,
         StaticHostMem(8 * MiB) as stage,
@@ -109,16 +97,12 @@ async def test_copies_land_next_to_a_loop_that_never_idles() -> None:
                 await engine.to_host(tier, mine, pages[16 * k : 16 * (k + 1)])
                 await engine.to_device(tier, mine, pages[16 * k : 16 * (k + 1)])
 
-        hog = asyncio.create_task(busy())
-        try:
+        async with saturated() as spins:
             async with asyncio.timeout(HANG):  # a bound on a hang, not a speed goal
                 async with asyncio.TaskGroup() as group:
                     for k in range(8):
                         group.create_task(mover(k))
-        finally:
-            stop.set()
-            await hog
-        assert spins > 0
+        assert spins[0] > 0
         assert np.array_equal(pages, want)
         assert engine.statistics().jobs_completed == 160
         check_tier(tier)

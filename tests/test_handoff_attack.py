@@ -8,11 +8,10 @@ next to a saturated loop; a host copy of ``plan_small`` rows cut into many calls
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import queue
 import random
 import types
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -23,7 +22,7 @@ from aiokvtier._copy import _engine
 from aiokvtier._handoff import GilHandoff, handoff
 from aiokvtier.testing import RecordingBackend
 
-from .helpers import KiB, MiB, eventually, small_config
+from .helpers import KiB, MiB, eventually, saturated, small_config
 
 T = TypeVar("T")
 
@@ -37,29 +36,6 @@ REFUSED = (TierClosedError, SlotError, CopyPlanError, RuntimeError, TimeoutError
 async def bounded(aw: Awaitable[T], within: float = HANG) -> T:
     async with asyncio.timeout(within):
         return await aw
-
-
-@contextlib.asynccontextmanager
-async def saturated() -> AsyncIterator[list[int]]:
-    """A task that keeps the loop busy (a millisecond of Python between iterations) while the body runs;
-    yields its spin count, so the body can see it ran."""
-    stop = asyncio.Event()
-    spins = [0]
-
-    async def busy() -> None:
-        x = 0
-        while not stop.is_set():
-            for i in range(20_000):
-                x += i
-            spins[0] += 1
-            await asyncio.sleep(0)
-
-    hog = asyncio.create_task(busy())
-    try:
-        yield spins
-    finally:
-        stop.set()
-        await bounded(hog)
 
 
 async def hand_off_stops() -> None:
@@ -119,6 +95,20 @@ async def mix(engine: CopyEngine, tier: HostTier, slots: np.ndarray, pages: np.n
     await settle_all(tasks)
 
 
+async def close_racing(engine: CopyEngine, tier: HostTier, slots: np.ndarray, pages: np.ndarray, width: int) -> None:
+    """A close racing copies: 16 of ``width`` slots each made before it starts, 8 of one slot after;
+    each is copied or refused, none left pending."""
+    racing = [
+        asyncio.create_task(engine.to_host(tier, slots[k : k + width], pages[k : k + width]))
+        for k in range(0, 16 * width, width)
+    ]
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(engine.aclose())
+    racing += [asyncio.create_task(engine.to_device(tier, slots[k : k + 1], pages[k : k + 1])) for k in range(8)]
+    await bounded(closing)
+    await settle_all(racing)
+
+
 async def test_host_copies_cancelled_refused_and_racing_a_close_leave_no_hold() -> None:
     config = small_config(quota=8 * MiB, max_quota=8 * MiB)
     async with HostTier(config) as tier, StaticHostMem(2 * MiB) as stage:
@@ -129,15 +119,7 @@ async def test_host_copies_cancelled_refused_and_racing_a_close_leave_no_hold() 
         async with saturated() as spins:
             for seed in range(3):
                 await mix(engine, tier, slots, pages, seed)
-            # A close racing copies: each is copied or refused, none left pending.
-            racing = [asyncio.create_task(engine.to_host(tier, slots[k : k + 1], pages[k : k + 1])) for k in range(16)]
-            await asyncio.sleep(0)
-            closing = asyncio.create_task(engine.aclose())
-            racing += [
-                asyncio.create_task(engine.to_device(tier, slots[k : k + 1], pages[k : k + 1])) for k in range(8)
-            ]
-            await bounded(closing)
-            await settle_all(racing)
+            await close_racing(engine, tier, slots, pages, 1)
             with pytest.raises(TierClosedError):
                 await bounded(engine.to_host(tier, slots[:1], pages[:1]))
             await hand_off_stops()  # while the loop is still saturated
@@ -178,17 +160,7 @@ async def test_deferred_copies_failed_cancelled_refused_and_closed_mid_flight_le
                 for seed in range(3):
                     await mix(engine, tier, slots, pages, seed)
                 assert recording.issued  # the copies reached the backend
-                racing = [
-                    asyncio.create_task(engine.to_host(tier, slots[k : k + 2], pages[k : k + 2]))
-                    for k in range(0, 32, 2)
-                ]
-                await asyncio.sleep(0)
-                closing = asyncio.create_task(engine.aclose())
-                racing += [
-                    asyncio.create_task(engine.to_device(tier, slots[k : k + 1], pages[k : k + 1])) for k in range(8)
-                ]
-                await bounded(closing)
-                await settle_all(racing)
+                await close_racing(engine, tier, slots, pages, 2)
                 await hand_off_stops()
             assert spins[0] > 0
         finally:
