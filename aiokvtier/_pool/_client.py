@@ -853,10 +853,7 @@ class AttachedPool(Owner):
         hits = self._from_mirror(given, types)
         if hits is not None:
             return hits
-        if isinstance(given, np.ndarray):
-            given, types = [row.tobytes() for row in given], {bytes}
-        kind, parts = encode_keys(given, types)
-        reply = await self._request(_wire.LOOKUP, {"k": kind}, parts)
+        reply = await self._ask_about(_wire.LOOKUP, given, types)
         return int(reply.fields["hits"])
 
     def lookup_nowait(self, keys: Sequence[object] | npt.NDArray[np.uint8]) -> int | None:
@@ -905,16 +902,20 @@ class AttachedPool(Owner):
         n = len(given)
         if not n:
             return np.zeros(0, dtype=np.bool_)
-        if isinstance(given, np.ndarray):
-            given, types = [row.tobytes() for row in given], {bytes}
         # Not ``lookup`` key by key: a lookup touches and counts its keys, and answers one by one span many instants.
-        kind, parts = encode_keys(given, types)
-        reply = await self._request(_wire.CONTAINS, {"k": kind}, parts)
+        reply = await self._ask_about(_wire.CONTAINS, given, types)
         stored = np.frombuffer(reply.parts[0], dtype=np.uint8) if len(reply.parts) == 1 else None
         if stored is None or stored.shape != (n,):
             raise PoolError(f"the pool's owner broke the protocol: no answer per key to a contains of {n} keys")
         answer: npt.NDArray[np.bool_] = stored != 0
         return answer
+
+    async def _ask_about(self, op: int, given: Keys, types: set[type] | None) -> Message:
+        """Ask the owner ``op`` (``LOOKUP``, ``CONTAINS``) about keys the mirror could not answer for."""
+        if isinstance(given, np.ndarray):
+            given, types = [row.tobytes() for row in given], {bytes}
+        kind, parts = encode_keys(given, types)
+        return await self._request(op, {"k": kind}, parts)
 
     def contains_nowait(self, keys: Sequence[object] | npt.NDArray[np.uint8]) -> npt.NDArray[np.bool_] | None:
         """``contains`` answered on the calling thread from the index mirror, or None where only the owner
