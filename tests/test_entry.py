@@ -52,6 +52,32 @@ def test_import_is_light_and_every_name_resolves() -> None:
     assert done.returncode == 0, done.stderr
 
 
+# numpy functions that import a numpy submodule on their first call (numpy.ma, numpy.ctypeslib)
+LAZY_NUMPY = re.compile(r"\bnp\.(unique|union1d|intersect1d|setdiff1d|setxor1d|isin|in1d|ctypeslib)\b")
+USERS_OF_LAZY_NUMPY = sorted(
+    ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for path in (ROOT / "aiokvtier").rglob("*.py")
+    if LAZY_NUMPY.search(path.read_text()) and path.name != "_numpy.py"
+)
+
+
+@pytest.mark.parametrize("module", USERS_OF_LAZY_NUMPY)
+def test_a_module_that_calls_numpys_lazy_functions_has_their_submodules_imported(module: str) -> None:
+    """np.unique imports numpy.ma on its first call: done then on a loop thread, the import took the
+    import lock a thread held (a test's blockbuster caught the loop waiting on it). A module that calls
+    such a function has numpy.ma and numpy.ctypeslib imported by the time it is."""
+    code = (
+        "import sys\n"
+        f"import {module}\n"
+        "late = [m for m in ('numpy.ma', 'numpy.ctypeslib') if m not in sys.modules]\n"
+        "assert not late, late\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
+    if "ModuleNotFoundError" in done.stderr and module.startswith("aiokvtier.integrations"):
+        pytest.skip(f"{module} needs its engine installed: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr
+
+
 def test_the_lazy_table_matches_all_and_the_type_checkers_imports() -> None:
     tree = ast.parse((ROOT / "aiokvtier" / "__init__.py").read_text())
     checked = {

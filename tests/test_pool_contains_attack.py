@@ -305,6 +305,7 @@ class Checked:
     def __init__(self, roomy: bool) -> None:
         self.roomy = roomy
         self.calls = 0
+        self.unanswered = 0
         self.seen_present = 0
         self.seen_absent = 0
         self.failures: list[str] = []
@@ -395,8 +396,10 @@ async def test_contains_answers_a_state_each_key_had_under_a_writer(
             got = reader.contains_nowait(keys)
             c1 = counter.read()
             if got is None:
-                threaded.failures.append("contains_nowait gave no answer from an open pool's mirror")
-                return
+                # The documented way out: no consistent read within the mirror's retries (the writer
+                # rewrote the table under each of them); the caller then asks the owner.
+                threaded.unanswered += 1
+                continue
             threaded.check(c0, c1, gens, got, keys)
             turn += 1
 
@@ -438,7 +441,8 @@ async def test_contains_answers_a_state_each_key_had_under_a_writer(
     assert generations >= 6, f"the writer stored {generations} generations only"
     assert checked.calls >= 10 and checked.seen_present and checked.seen_absent, vars(checked)
     if path == "mirror":
-        assert threaded.calls >= 10, vars(threaded)
+        # Most reads find the table still: a mirror that mostly sends its callers to the owner is broken.
+        assert threaded.calls >= 10 and threaded.unanswered <= threaded.calls, vars(threaded)
 
 
 # -- cancellation on the owner's path --------------------------------------------------------------------

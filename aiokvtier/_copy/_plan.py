@@ -14,6 +14,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from .. import _numpy  # noqa: F401  (numpy's lazy submodules imported now, not on a loop)
 from .._errors import SlotError
 
 __all__ = [

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .. import _numpy  # noqa: F401  (numpy's lazy submodules imported now, not on a loop)
 from .._errors import OutOfSlots, SlotError
 
 __all__ = ["SlotAllocator", "positive_count"]

@@ -50,7 +50,10 @@ import numpy as np
 import numpy.typing as npt
 from numpy import char as np_char
 
-from .. import _errors
+from .. import (
+    _errors,
+    _numpy,  # noqa: F401  (numpy's lazy submodules imported now, not on a loop)
+)
 
 __all__ = [
     "Key",

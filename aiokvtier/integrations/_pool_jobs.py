@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from .. import _numpy  # noqa: F401  (numpy's lazy submodules imported now, not on a loop)
 from .._errors import BlockNotFound
 
 if TYPE_CHECKING:
