@@ -28,6 +28,7 @@ import pytest
 from aiokvtier import AttachedPool, ConfigError, Pool, PoolError, QuotaError
 from aiokvtier._host import _linux
 from tests.conftest import PopulateGate
+from tests.helpers import descriptors
 from tests.test_pool import ENV, ROOT, WAIT, attached, loop_kind, sock, until
 
 __all__ = ["sock"]  # the fixture, used by name
@@ -59,13 +60,9 @@ def tier_memory(size: int) -> int:
 
 def held() -> tuple[list[str], list[str], int]:
     """This process's descriptors, library threads and mappings of a pool's memory."""
-    fds = []
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            fds.append(os.readlink(f"/proc/self/fd/{name}"))
     with open("/proc/self/maps") as f:
         maps = sum("aiokvtier-pool" in line for line in f)
-    return sorted(fds), sorted(t.name for t in threading.enumerate() if t.name.startswith("aiokvtier-")), maps
+    return descriptors(), sorted(t.name for t in threading.enumerate() if t.name.startswith("aiokvtier-")), maps
 
 
 async def figures_agree(pool: Pool, a: AttachedPool) -> None:
