@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import os
 import re
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -113,15 +114,18 @@ def descriptors() -> list[str]:
 
     The library opens none of those; a Mooncake client an earlier test had to keep (a transfer might
     still use it: ``_mooncake/_client.py``) goes on reconnecting to its gone master from its own
-    threads for the rest of the process, opening and closing TCP sockets at any moment."""
-    ip = set()
-    for table in ("tcp", "tcp6", "udp", "udp6"):
-        with contextlib.suppress(OSError), open(f"/proc/self/net/{table}") as f:
-            ip.update(f"socket:[{line.split()[9]}]" for line in list(f)[1:])
+    threads for the rest of the process, opening and closing TCP sockets at any moment (unbound ones
+    too, which ``/proc/net/tcp`` does not list: each socket's family is asked)."""
     out = []
     for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+        with contextlib.suppress(OSError):  # the listing's own descriptor, or one closed meanwhile
             target = os.readlink(f"/proc/self/fd/{name}")
-            if target not in ip:
-                out.append(target)
+            if target.startswith("socket:") and _family(int(name)) in (socket.AF_INET, socket.AF_INET6):
+                continue
+            out.append(target)
     return sorted(out)
+
+
+def _family(fd: int) -> int:
+    with socket.socket(fileno=os.dup(fd)) as sock:  # a duplicate: closing it leaves the owner's open
+        return sock.family
