@@ -28,29 +28,8 @@ UNIT = 64 << 20
 END = (1 << 64) - 1
 
 
-def _access(drv: Any, device: int) -> list[Any]:
-    rw = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    gpu = drv.CUmemAccessDesc()
-    gpu.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    gpu.location.id = device
-    gpu.flags = rw
-    cpu = drv.CUmemAccessDesc()
-    cpu.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
-    cpu.location.id = 0
-    cpu.flags = rw
-    return [gpu, cpu]
-
-
-def _prop(drv: Any, node: int) -> Any:
-    prop = drv.CUmemAllocationProp()
-    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
-    prop.location.id = node
-    prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    return prop
-
-
 def _child(rank: int, path: str, size: int, device: int, out: Any) -> None:
+    from aiokvtier._cuda._backings import gpu_and_cpu_access
     from aiokvtier._cuda._driver import PrimaryContext, check, driver
     from aiokvtier.bench._probe import Probe
 
@@ -60,7 +39,7 @@ def _child(rank: int, path: str, size: int, device: int, out: Any) -> None:
         ctx.make_current()
         dptr = check("cuMemAlloc", drv.cuMemAlloc(1 << 20))
         base = int(check("cuMemAddressReserve", drv.cuMemAddressReserve(size, UNIT, 0, 0)))
-        access = _access(drv, device)
+        access = gpu_and_cpu_access(device)
         fd_type = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         handles: list[tuple[int, Any]] = []
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -139,6 +118,7 @@ def _collect(out: Any, n: int, kind: str, timeout: float) -> dict[int, Any]:
 
 
 def arm(size: int, procs: int, threads: int, device: int, node: int) -> dict[str, Any]:
+    from aiokvtier._cuda._backings import VmmBacking, gpu_and_cpu_access
     from aiokvtier._cuda._driver import PrimaryContext, check, driver
     from aiokvtier.bench._probe import Probe
 
@@ -159,8 +139,8 @@ def arm(size: int, procs: int, threads: int, device: int, node: int) -> dict[str
     ctx.make_current()
     dptr = check("cuMemAlloc", drv.cuMemAlloc(1 << 20))
     base = int(check("cuMemAddressReserve", drv.cuMemAddressReserve(size, UNIT, 0, 0)))
-    access = _access(drv, device)
-    prop = _prop(drv, node)
+    access = gpu_and_cpu_access(device)
+    prop = VmmBacking.prop(node, exportable=True)
     fd_type = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     units: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     for off in range(0, size, UNIT):

@@ -20,7 +20,7 @@ from .._host._backing import Backing, HostBacking
 from .._host._shared import SharedBacking
 from ._driver import CU_MEMHOSTREGISTER_PORTABLE, PrimaryContext, check, driver
 
-__all__ = ["RegisterBacking", "SharedRegisterBacking", "VmmBacking", "make_backing", "paced"]
+__all__ = ["RegisterBacking", "SharedRegisterBacking", "VmmBacking", "gpu_and_cpu_access", "make_backing", "paced"]
 
 log = logging.getLogger("aiokvtier")
 
@@ -151,6 +151,21 @@ class SharedRegisterBacking(_Registering, SharedBacking):
         super().__init__(size, device=device, node=node, strict_numa=strict_numa, huge_pages=huge_pages)
 
 
+def gpu_and_cpu_access(device: int) -> list[Any]:
+    """``cuMemSetAccess`` descriptors: read and write for ``device`` and for the CPU."""
+    drv = driver()
+    rw = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    gpu = drv.CUmemAccessDesc()
+    gpu.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    gpu.location.id = device
+    gpu.flags = rw
+    cpu = drv.CUmemAccessDesc()
+    cpu.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+    cpu.location.id = 0
+    cpu.flags = rw
+    return [gpu, cpu]
+
+
 class VmmBacking(Backing):
     """``cuMemAddressReserve`` once, then ``cuMemCreate`` (host NUMA) + map per unit.
 
@@ -179,7 +194,9 @@ class VmmBacking(Backing):
             undo.pop_all()
 
     @staticmethod
-    def prop(node: int | None) -> Any:
+    def prop(node: int | None, *, exportable: bool = False) -> Any:
+        """Pinned host memory on ``node`` (None: any); ``exportable``: as a POSIX descriptor another
+        process imports."""
         drv = driver()
         prop = drv.CUmemAllocationProp()
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -189,7 +206,10 @@ class VmmBacking(Backing):
         else:
             prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
             prop.location.id = node
-        prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        handles = drv.CUmemAllocationHandleType
+        prop.requestedHandleTypes = (
+            handles.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if exportable else handles.CU_MEM_HANDLE_TYPE_NONE
+        )
         return prop
 
     @classmethod
@@ -200,19 +220,6 @@ class VmmBacking(Backing):
 
     def thread_setup(self) -> None:
         self.context.make_current()
-
-    def _access(self) -> list[Any]:
-        drv = driver()
-        rw = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        gpu = drv.CUmemAccessDesc()
-        gpu.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        gpu.location.id = self.device
-        gpu.flags = rw
-        cpu = drv.CUmemAccessDesc()
-        cpu.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
-        cpu.location.id = 0
-        cpu.flags = rw
-        return [gpu, cpu]
 
     def _create(self, length: int) -> Any:
         drv = driver()
@@ -239,7 +246,7 @@ class VmmBacking(Backing):
             undo.callback(lambda: drv.cuMemRelease(handle))
             check("cuMemMap", drv.cuMemMap(addr, length, 0, handle, 0))
             undo.callback(lambda: drv.cuMemUnmap(addr, length))
-            access = self._access()
+            access = gpu_and_cpu_access(self.device)
             check("cuMemSetAccess", drv.cuMemSetAccess(addr, length, access, len(access)))
             undo.pop_all()
         with self._lock:
