@@ -113,15 +113,15 @@ def descriptors() -> list[str]:
 
     The library opens none of those; a Mooncake client an earlier test had to keep (a transfer might
     still use it: ``_mooncake/_client.py``) goes on reconnecting to its gone master from its own
-    threads for the rest of the process, opening and closing TCP sockets at any moment."""
-    ip = set()
-    for table in ("tcp", "tcp6", "udp", "udp6"):
-        with contextlib.suppress(OSError), open(f"/proc/self/net/{table}") as f:
-            ip.update(f"socket:[{line.split()[9]}]" for line in list(f)[1:])
+    threads for the rest of the process, opening and closing TCP sockets at any moment. A socket is
+    kept only where it is a Unix socket: a TCP socket not yet bound is in no table of /proc/self/net."""
+    unix = set()
+    with contextlib.suppress(OSError), open("/proc/self/net/unix") as f:
+        unix.update(f"socket:[{line.split()[6]}]" for line in list(f)[1:] if len(line.split()) > 6)
     out = []
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
             target = os.readlink(f"/proc/self/fd/{name}")
-            if target not in ip:
+            if not target.startswith("socket:[") or target in unix:
                 out.append(target)
     return sorted(out)
