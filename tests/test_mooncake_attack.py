@@ -457,6 +457,79 @@ async def test_a_close_under_a_hung_call_keeps_its_client_as_documented_and_retu
 # -- hostile input ---------------------------------------------------------------------------------
 
 
+async def test_hostile_input_is_refused_before_anything_is_sent(master: Master) -> None:
+    src, dst = Pages(4), Pages(4)
+    src.fill(17)
+    calls: list[str] = []
+
+    class Counting(Tracked):
+        def __getattr__(self, name: str) -> Any:
+            calls.append(name)
+            return super().__getattr__(name)
+
+    async with asyncio.timeout(60), tracked_tier(master.config(), "hostile", src, dst, client=Counting()) as (tier, _):
+        a, b = src.addresses([0, 1])
+        wrong: list[Any] = [1.5, "k", None, True, bytearray(b"k"), memoryview(b"k"), np.int64(1), (1,), object()]
+        for key in wrong:
+            for call in (
+                lambda: tier.write([key], [a], [BLOCK]),  # noqa: B023
+                lambda: tier.read([key], [a]),  # noqa: B023
+                lambda: tier.read_into([key], [a], [BLOCK]),  # noqa: B023
+                lambda: tier.lookup([key]),  # noqa: B023
+                lambda: tier.discard([key]),  # noqa: B023
+            ):
+                with pytest.raises(TypeError, match="a block key is bytes or int"):
+                    await call()
+        # one key where a sequence of keys belongs: never its bytes (or digits) as keys of their own
+        for one in (b"ab", bytearray(b"ab"), memoryview(b"ab"), "ab", 7):
+            for call in (
+                lambda: tier.write(one, [a, b], [BLOCK, BLOCK]),  # type: ignore[arg-type]  # noqa: B023
+                lambda: tier.read(one, [a, b]),  # type: ignore[arg-type]  # noqa: B023
+                lambda: tier.lookup(one),  # type: ignore[arg-type]  # noqa: B023
+                lambda: tier.discard(one),  # type: ignore[arg-type]  # noqa: B023
+            ):
+                with pytest.raises(TypeError):
+                    await call()
+        with pytest.raises(ValueError, match="does not fit"):  # a page larger than a block
+            await tier.write([1], [a], [BLOCK + 1])
+        for n in (0, -1):
+            with pytest.raises(ValueError, match="does not fit"):
+                await tier.write([1], [a], [n])
+            with pytest.raises(ValueError, match="does not fit"):
+                await tier.read_into([1], [a], [n])
+        with pytest.raises(ValueError, match="not inside memory registered"):  # straddles the end
+            await tier.write([1], [src.base + src.size - BLOCK // 2], [BLOCK])
+        for address in (0, -BLOCK, 1 << 62):
+            with pytest.raises(ValueError, match="not inside memory registered"):
+                await tier.read([1], [address])
+        for address, size in ((0, BLOCK), (src.base, 0), (src.base, -1), (src.base + 1, BLOCK), (1.0, BLOCK)):
+            with pytest.raises(ValueError):
+                await tier.register(address, size)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="no memory is registered"):
+            await tier.unregister(src.base + BLOCK)
+        assert not {"batch_put_from", "batch_get_into", "batch_is_exist", "batch_remove"} & set(calls)
+        # empty batches: nothing asked of the cluster
+        assert await tier.write([], [], []) == () and await tier.read([], []) == ()
+        assert await tier.read_into([], [], []) == () and await tier.lookup([]) == 0 and await tier.discard([]) == 0
+        assert not {"batch_put_from", "batch_get_into", "batch_is_exist", "batch_remove"} & set(calls)
+        s = tier.statistics()
+        assert (s.hits, s.misses, s.writes_skipped, s.errors, s.bytes_written) == (0, 0, 0, 0, 0), s
+        # a key twice in one call: written once (the first page), read into both places
+        assert await tier.write([5, 5, b"5"], [a, b, b], [BLOCK] * 3) == (5, b"5")
+        assert tier.statistics().bytes_written == 2 * BLOCK
+        assert await tier.read([5, 5, b"5"], dst.addresses([0, 1, 2])) == (True, True, True)
+        assert np.array_equal(dst.array[0], src.array[0]) and np.array_equal(dst.array[1], src.array[0])
+        assert np.array_equal(dst.array[2], src.array[1])
+        assert await tier.lookup([5, 5, b"5"]) == 3
+        # long keys are names like any other: bit-exact, and never another key's block
+        long = [b"\xff" * 4096, 1 << 4000, -(1 << 4000)]
+        assert await tier.write(long, src.addresses([1, 2, 3]), [BLOCK] * 3) == tuple(long)
+        assert await tier.read(long[::-1], dst.addresses([0, 1, 2])) == (True, True, True)
+        assert np.array_equal(dst.array[:3], src.array[3:0:-1])
+        settled(tier, _)
+    await wait_no_library_threads()
+
+
 BAD_CONFIG: list[tuple[str, Any]] = [
     ("master", "no-port"),
     ("master", "host:"),

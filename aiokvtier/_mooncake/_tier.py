@@ -401,7 +401,7 @@ class MooncakeTier(Owner):
     async def lookup(self, keys: Iterable[Key]) -> int:
         """How many leading keys the store holds (a prefix's hit length); 0 while unavailable.
 
-        :raises TypeError: a key is neither bytes nor int.
+        :raises TypeError: a key is neither bytes nor int, or ``keys`` is one key (a bytes, not a sequence of them).
         :raises TierClosedError: the tier is not open.
         """
         self.check_open()
@@ -431,7 +431,7 @@ class MooncakeTier(Owner):
 
         :raises ValueError: the three sequences differ in length, a length is not 1..block_size,
             or the memory is not registered (or is held): nothing is sent.
-        :raises TypeError: a key is neither bytes nor int.
+        :raises TypeError: a key is neither bytes nor int, or ``keys`` is one key (a bytes, not a sequence of them).
         :raises TierClosedError: the tier is not open.
         """
         self.check_open()
@@ -496,7 +496,7 @@ class MooncakeTier(Owner):
 
         :raises ValueError: not one address (and length) per key, a length is not 1..block_size,
             or the memory is not registered (or is held): nothing is read.
-        :raises TypeError: a key is neither bytes nor int.
+        :raises TypeError: a key is neither bytes nor int, or ``keys`` is one key (a bytes, not a sequence of them).
         :raises TierClosedError: the tier is not open.
         """
         sizes = await self._read_checked(keys, addresses, lengths, exact=True)
@@ -510,7 +510,7 @@ class MooncakeTier(Owner):
         may be shorter than a slot).
 
         :raises ValueError: as ``read()``, with ``room`` for ``lengths``.
-        :raises TypeError: a key is neither bytes nor int.
+        :raises TypeError: a key is neither bytes nor int, or ``keys`` is one key (a bytes, not a sequence of them).
         :raises TierClosedError: the tier is not open.
         """
         return await self._read_checked(keys, addresses, room, exact=False)
@@ -579,7 +579,7 @@ class MooncakeTier(Owner):
         A block still under its lease (just written or read by any client) is
         left as it is: Mooncake refuses to remove it then.
 
-        :raises TypeError: a key is neither bytes nor int.
+        :raises TypeError: a key is neither bytes nor int, or ``keys`` is one key (a bytes, not a sequence of them).
         :raises TierClosedError: the tier is not open.
         """
         self.check_open()
