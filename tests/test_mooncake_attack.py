@@ -426,6 +426,38 @@ async def test_a_close_racing_calls_from_many_tasks_ends_each_call_cleanly(maste
         assert not tier.available and "closed" in (tier.statistics().unavailable_why or "")
 
 
+async def test_a_register_racing_the_close_is_unregistered_by_it(master: Master) -> None:
+    memory = Pages(64)
+    async with asyncio.timeout(60):
+        for delay in [0.0, 0.0002, 0.002]:
+            client = Tracked()
+            tier = MooncakeTier(master.config(), block_size=BLOCK, fingerprint=unique("reg"), wrap_client=client)
+            await tier.__aenter__()
+            registering = asyncio.ensure_future(tier.register(memory.base, memory.size))
+            await asyncio.sleep(delay)
+            await tier.aclose()
+            with contextlib.suppress(TierClosedError):
+                await asyncio.wait_for(registering, 10)
+            assert client.closed == 1 and client.registered == {}, client.registered
+            assert tier.statistics().registered_bytes == 0
+        await wait_no_library_threads()
+
+
+async def test_registers_racing_each_other_over_the_same_memory_are_refused_as_overlaps(master: Master) -> None:
+    memory = Pages(16)
+    async with asyncio.timeout(30), tracked_tier(master.config(), "overlap") as (tier, client):
+        for inner in ((memory.base, memory.size), (memory.base + BLOCK, BLOCK), (memory.base - BLOCK, 2 * BLOCK)):
+            outcomes = await asyncio.gather(
+                tier.register(memory.base, memory.size), tier.register(*inner), return_exceptions=True
+            )
+            assert outcomes[0] is None, outcomes
+            assert isinstance(outcomes[1], ValueError) and "overlaps" in str(outcomes[1]), outcomes
+            settled(tier, client)
+            assert client.registered == {memory.base: memory.size}
+            await tier.unregister(memory.base)
+            settled(tier, client)
+
+
 async def test_a_close_under_a_hung_call_keeps_its_client_as_documented_and_returns_in_time(
     master: Master, caplog: pytest.LogCaptureFixture
 ) -> None:
