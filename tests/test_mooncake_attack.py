@@ -20,6 +20,7 @@ import pydantic
 import pytest
 
 from aiokvtier import (
+    BlockNotFound,
     BlockStore,
     Cache,
     HostTier,
@@ -368,6 +369,42 @@ async def test_the_master_killed_mid_put_mid_get_and_mid_close_is_never_a_hang_n
             assert killing.killed.is_set() and tier.state == "closed"
         assert "left open" not in caplog.text  # a dead master is no reason to keep the client
         await wait_no_library_threads()
+
+
+async def test_the_master_killed_under_a_cache_leaves_its_local_tiers_serving(
+    own_master: Master, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """And its close completes with the master still down, the health monitor polling it: Mooncake's
+    own ``close`` retries unmounting from the gone master for some seconds (docs/mooncake.md, Faults),
+    and the client is closed, not kept."""
+    config = {
+        "tiers": [
+            {"kind": "host", "quota": 2 * MiB, "max_quota": 2 * MiB, "slot_size": BLOCK, "commit_unit": MiB},
+            {"kind": "disk", "quota": 32 * BLOCK, "path": str(tmp_path)},
+            own_master.config().model_dump(),
+        ]
+    }
+    pages = np.random.default_rng(15).integers(0, 256, (8, BLOCK), dtype=np.uint8)
+    out = np.zeros_like(pages)
+    keys = [b"c%d" % i for i in range(8)]
+    async with asyncio.timeout(60):
+        async with await Cache.open(config, fingerprint=unique("cache-kill"), admit_after=1) as cache:
+            assert cache.remote is not None
+            await cache.store.store(keys, pages)
+            await cache.store.load(keys, out)
+            await eventually(lambda: cache.store.statistics().remote_written == 8, 20)
+            await asyncio.to_thread(own_master.stop)
+            assert await cache.store.lookup_remote([*keys, b"gone"]) == 8  # the host tier's hits
+            await until(lambda: not cache.remote.available, 15, "unavailable")  # type: ignore[union-attr]
+            with pytest.raises(BlockNotFound):
+                await asyncio.wait_for(cache.store.load([b"gone"], out[:1]), 5)
+            out[:] = 0
+            await cache.store.load(keys, out)
+            assert np.array_equal(out, pages)
+            assert cache.store.statistics().remote is not None
+        assert cache.remote.closed and cache.tier.closed and cache.store.closed  # type: ignore[union-attr]
+    assert "left open" not in caplog.text
+    await wait_no_library_threads()
 
 
 # -- close racing calls, use after close -----------------------------------------------------------
