@@ -23,7 +23,9 @@ from aiokvtier import (
     BlockNotFound,
     BlockStore,
     Cache,
+    CacheConfig,
     HostTier,
+    MooncakeError,
     MooncakeTier,
     MooncakeTierConfig,
     TierClosedError,
@@ -686,6 +688,54 @@ async def nothing_left(before: list[str], made: list[Tracked]) -> None:
     await wait_no_library_threads()
     assert await asyncio.to_thread(descriptors) == before
     assert all(c.closed == 1 and not c.registered for c in made), [(c.closed, c.registered) for c in made]
+
+
+async def test_a_cache_open_failing_at_each_stage_names_it_and_leaves_nothing_open(
+    master: Master, tmp_path: Path, made_clients: list[Tracked]
+) -> None:
+    remote = master.config().model_dump()
+    disk_dir = tmp_path / "disk"
+    await asyncio.to_thread(disk_dir.mkdir)
+    disk = {"kind": "disk", "quota": 32 * 64 * KiB, "path": str(disk_dir)}
+    before = await descriptors_after_a_client(master)
+    async with asyncio.timeout(60):
+        # the host tier: a range the address space cannot hold
+        with pytest.raises(OSError) as failed:
+            await Cache.open({"tiers": [{**host_config(), "max_quota": "1PiB"}, disk, remote]}, fingerprint="m")
+        assert "host tier" in "".join(getattr(failed.value, "__notes__", [])), failed.value
+        await nothing_left(before, made_clients)
+        # the disk tier: its directory made a file between the config's validation and the open
+        gone = tmp_path / "gone"
+        await asyncio.to_thread(gone.mkdir)
+        config = await asyncio.to_thread(
+            CacheConfig.model_validate, {"tiers": [host_config(), {**disk, "path": str(gone)}, remote]}
+        )
+        await asyncio.to_thread(gone.rmdir)
+        await asyncio.to_thread(gone.write_bytes, b"")
+        with pytest.raises(OSError) as failed:
+            await Cache.open(config, fingerprint="m")
+        assert "disk tier" in "".join(getattr(failed.value, "__notes__", [])), failed.value
+        await nothing_left(before, made_clients)
+        # the Mooncake tier: a master nobody listens for
+        rpc, http = await asyncio.to_thread(_client.loopback_ports, 2)
+        dead = {**remote, "master": f"127.0.0.1:{rpc}", "metadata_server": f"http://127.0.0.1:{http}/metadata"}
+        with pytest.raises(MooncakeError, match=f"cannot reach the Mooncake master at 127.0.0.1:{rpc}"):
+            await Cache.open({"tiers": [host_config(), disk, dead]}, fingerprint="m")
+        await nothing_left(before, made_clients)
+        # the store: the Mooncake tier refuses the host tier's slots
+        refusing = Tracked()
+        refusing.register_buffer = lambda address, size: -1  # type: ignore[method-assign]
+        with pytest.MonkeyPatch.context() as mp:
+            setup = _client.setup
+            mp.setattr(_client, "setup", lambda config: refusing(setup(config)))
+            with pytest.raises(MooncakeError, match="refused to register"):
+                await Cache.open({"tiers": [host_config(), disk, remote]}, fingerprint="m")
+        assert refusing.closed == 1
+        await nothing_left(before, made_clients)
+        # and with every stage whole, it opens (the disk tier's directory was let go each time)
+        async with await Cache.open({"tiers": [host_config(), disk, remote]}, fingerprint="m") as cache:
+            assert repr(cache).startswith("<Cache [host + disk + mooncake")
+        await nothing_left(before, made_clients)
 
 
 async def test_a_cache_open_cancelled_at_swept_delays_leaves_nothing_open(
