@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from contextlib import AsyncExitStack
+from collections.abc import Iterator, Mapping
+from contextlib import AsyncExitStack, contextmanager
 from types import TracebackType
 from typing import Any, Self
 
@@ -81,7 +81,8 @@ class Cache:
             refused the host tier's slots.
 
         And whatever opening each part raises (see ``HostTier.open()``, ``CopyEngine.open()``,
-        ``DiskTier.open()``, ``MooncakeTier.open()``).
+        ``DiskTier.open()``, ``MooncakeTier.open()``), with a note naming the part (an ``OSError`` of
+        an ``mmap`` or of a directory says nothing of which).
         """
         if not isinstance(config, CacheConfig):
             config = await asyncio.to_thread(CacheConfig.model_validate, config)  # a disk path is stat'ed
@@ -130,23 +131,30 @@ class Cache:
         # Run to its end even when the caller is cancelled (finish() above): a cancelled open
         # closes what it opened, in order, before the cancellation reaches the caller.
         async with AsyncExitStack() as stack:
-            tier = await stack.enter_async_context(HostTier(host))
-            engine = None if device is None else await stack.enter_async_context(CopyEngine(device))
+            with _stage("host tier"):
+                tier = await stack.enter_async_context(HostTier(host))
+            engine = None
+            if device is not None:
+                with _stage("copy engine"):
+                    engine = await stack.enter_async_context(CopyEngine(device))
             disk = None
             if disk_config is not None:
                 assert fingerprint is not None
-                disk = await stack.enter_async_context(
-                    DiskTier(disk_config, block_size=tier.slot_size, fingerprint=fingerprint)
-                )
+                with _stage("disk tier"):
+                    disk = await stack.enter_async_context(
+                        DiskTier(disk_config, block_size=tier.slot_size, fingerprint=fingerprint)
+                    )
             remote = None
             if remote_config is not None:
                 assert fingerprint is not None
-                remote = await stack.enter_async_context(
-                    MooncakeTier(remote_config, block_size=tier.slot_size, fingerprint=fingerprint)
+                with _stage("Mooncake tier"):
+                    remote = await stack.enter_async_context(
+                        MooncakeTier(remote_config, block_size=tier.slot_size, fingerprint=fingerprint)
+                    )
+            with _stage("block store"):
+                store = await stack.enter_async_context(
+                    BlockStore(tier, engine, policy, disk=disk, remote=remote, admit_after=admit_after)
                 )
-            store = await stack.enter_async_context(
-                BlockStore(tier, engine, policy, disk=disk, remote=remote, admit_after=admit_after)
-            )
             cache = cls(store, tier, engine, disk, remote)
             cache._stack = stack.pop_all()
         return cache
@@ -169,3 +177,13 @@ class Cache:
         parts = ["host", *(["gpu"] if self.engine is not None else []), *(["disk"] if self.disk is not None else [])]
         parts += ["mooncake"] if self.remote is not None else []
         return f"<Cache [{' + '.join(parts)} | {len(self.store)} blocks]>"
+
+
+@contextmanager
+def _stage(part: str) -> Iterator[None]:
+    """Name the part whose open failed in the error's notes (the traceback shows them)."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(f"aiokvtier: the cache's {part} failed to open")
+        raise

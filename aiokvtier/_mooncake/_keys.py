@@ -30,4 +30,7 @@ class KeySpace:
         raise TypeError(f"a block key is bytes or int, not {type(key).__name__}")
 
     def names(self, keys: Iterable[bytes | int]) -> list[str]:
+        """:raises TypeError: a key is neither bytes nor int, or ``keys`` is one key (its bytes are not keys)."""
+        if isinstance(keys, bytes | bytearray | memoryview | str):
+            raise TypeError(f"keys must be a sequence of keys, not one {type(keys).__name__}")
         return [self.name(key) for key in keys]

@@ -145,6 +145,9 @@ class MooncakeTier(Owner):
         self._starts: list[int] = []
         self._ends: list[int] = []
         """Registered memory, sorted by start."""
+        self._registering: dict[asyncio.Future[int], Region] = {}
+        """``register()`` and ``unregister()`` calls Mooncake has not answered, with the memory a register
+        is registering (size 0 for an unregister): the close waits for them."""
         self._held: dict[int, tuple[Region, ...]] = {}
         self._held_ids = itertools.count()
         self._inflight: dict[asyncio.Future[Any], tuple[Region, ...]] = {}
@@ -248,6 +251,8 @@ class MooncakeTier(Owner):
             _, pending = await asyncio.wait(list(self._inflight), timeout=self.timeout)
             self._leak = bool(pending)
         self._leak = self._leak or self._poisoned
+        if self._registering:  # booked before the undo reads the books (they run on its worker, in order)
+            await asyncio.wait(list(self._registering))
         await self._life.run_undo()
 
     async def aclose(self) -> None:
@@ -277,17 +282,15 @@ class MooncakeTier(Owner):
         if type(address) is not int or type(size) is not int or address <= 0 or size <= 0:
             raise ValueError(f"address and size must be positive ints, got {address!r}, {size!r}")
         i = bisect.bisect_left(self._starts, address)
-        if (i > 0 and self._ends[i - 1] > address) or (i < len(self._starts) and self._starts[i] < address + size):
+        if (
+            (i > 0 and self._ends[i - 1] > address)
+            or (i < len(self._starts) and self._starts[i] < address + size)
+            or any(a < address + size and address < a + n for a, n in self._registering.values() if n)
+        ):
             raise ValueError(f"[{address:#x}, +{size}) overlaps memory already registered with this tier")
         registering = self._life.submit(self._client.register_buffer, address, size)
-        try:
-            code = await finish(registering)
-        finally:  # booked also when cancelled: memory Mooncake registered that the books lack is never let go
-            if _answer(registering) == 0:
-                i = bisect.bisect_left(self._starts, address)
-                self._starts.insert(i, address)
-                self._ends.insert(i, address + size)
-                self._life.undo.callback(self._unregister, address)
+        self._booking(registering, self._registered, address, size, registering=True)
+        code = await finish(registering)
         if code != 0:
             raise MooncakeError(f"Mooncake refused to register {size} bytes at {address:#x} (code {code})")
 
@@ -310,15 +313,43 @@ class MooncakeTier(Owner):
             raise ValueError(f"[{address:#x}, +{end - address}) is used by a call that has not returned")
         del self._starts[i], self._ends[i]  # refused from now on, before the await
         unregistering = self._life.submit(self._client.unregister_buffer, address)
-        try:
-            code = await finish(unregistering)
-        finally:  # still registered (also when cancelled): back in the books, so the close tries it again
-            if _answer(unregistering) != 0:
-                j = bisect.bisect_left(self._starts, address)
-                self._starts.insert(j, address)
-                self._ends.insert(j, end)
+        self._booking(unregistering, self._unregistered, address, end - address)
+        code = await finish(unregistering)
         if code != 0:
             raise MooncakeError(f"Mooncake refused to unregister the memory at {address:#x} (code {code})")
+
+    def _booking(
+        self,
+        future: asyncio.Future[int],
+        book: Callable[[int, int, int | None], None],
+        address: int,
+        size: int,
+        *,
+        registering: bool = False,
+    ) -> None:
+        """Book ``future``'s outcome in its done-callback, also when its caller was cancelled, and make the
+        close wait for it: a close that began meanwhile unregisters only what is booked once its undo runs.
+        Memory being registered is refused to another ``register()`` meanwhile, as registered memory is."""
+        self._registering[future] = (address, size if registering else 0)
+
+        def booked(_: asyncio.Future[int]) -> None:
+            self._registering.pop(future, None)
+            book(address, size, _answer(future))
+
+        future.add_done_callback(booked)
+
+    def _registered(self, address: int, size: int, code: int | None) -> None:
+        if code == 0:  # memory Mooncake registered that the books lack would never be let go
+            i = bisect.bisect_left(self._starts, address)
+            self._starts.insert(i, address)
+            self._ends.insert(i, address + size)
+            self._life.undo.callback(self._unregister, address)
+
+    def _unregistered(self, address: int, size: int, code: int | None) -> None:
+        if code != 0:  # still registered: back in the books, so the close tries it again
+            i = bisect.bisect_left(self._starts, address)
+            self._starts.insert(i, address)
+            self._ends.insert(i, address + size)
 
     def _unregister(self, address: int) -> None:
         """At close (on the tier's thread): what ``unregister()`` did not unregister already."""
@@ -401,7 +432,7 @@ class MooncakeTier(Owner):
     async def lookup(self, keys: Iterable[Key]) -> int:
         """How many leading keys the store holds (a prefix's hit length); 0 while unavailable.
 
-        :raises TypeError: a key is neither bytes nor int.
+        :raises TypeError: a key is neither bytes nor int, or ``keys`` is one key (a bytes, not a sequence of them).
         :raises TierClosedError: the tier is not open.
         """
         self.check_open()
@@ -431,7 +462,7 @@ class MooncakeTier(Owner):
 
         :raises ValueError: the three sequences differ in length, a length is not 1..block_size,
             or the memory is not registered (or is held): nothing is sent.
-        :raises TypeError: a key is neither bytes nor int.
+        :raises TypeError: a key is neither bytes nor int, or ``keys`` is one key (a bytes, not a sequence of them).
         :raises TierClosedError: the tier is not open.
         """
         self.check_open()
@@ -496,7 +527,7 @@ class MooncakeTier(Owner):
 
         :raises ValueError: not one address (and length) per key, a length is not 1..block_size,
             or the memory is not registered (or is held): nothing is read.
-        :raises TypeError: a key is neither bytes nor int.
+        :raises TypeError: a key is neither bytes nor int, or ``keys`` is one key (a bytes, not a sequence of them).
         :raises TierClosedError: the tier is not open.
         """
         sizes = await self._read_checked(keys, addresses, lengths, exact=True)
@@ -510,7 +541,7 @@ class MooncakeTier(Owner):
         may be shorter than a slot).
 
         :raises ValueError: as ``read()``, with ``room`` for ``lengths``.
-        :raises TypeError: a key is neither bytes nor int.
+        :raises TypeError: a key is neither bytes nor int, or ``keys`` is one key (a bytes, not a sequence of them).
         :raises TierClosedError: the tier is not open.
         """
         return await self._read_checked(keys, addresses, room, exact=False)
@@ -579,7 +610,7 @@ class MooncakeTier(Owner):
         A block still under its lease (just written or read by any client) is
         left as it is: Mooncake refuses to remove it then.
 
-        :raises TypeError: a key is neither bytes nor int.
+        :raises TypeError: a key is neither bytes nor int, or ``keys`` is one key (a bytes, not a sequence of them).
         :raises TierClosedError: the tier is not open.
         """
         self.check_open()

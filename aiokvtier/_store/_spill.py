@@ -381,7 +381,7 @@ class Spill:
                 await finish(remote.unregister(address))
             except TierClosedError:  # closed first by its owner: unregistered by its close
                 return
-            except ValueError as exc:  # held by a call that has not returned: the tier's close sees to it
+            except (ValueError, MooncakeError) as exc:  # held, or refused (its master gone): the tier's close tries
                 log.warning("aiokvtier: the store's memory stays registered with the Mooncake tier: %s", exc)
 
     async def drain(self) -> None:
