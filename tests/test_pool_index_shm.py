@@ -400,9 +400,10 @@ async def test_lookups_answered_in_the_process_are_counted_by_the_owner(sock: st
 async def test_keys_the_mirror_cannot_answer_go_to_the_owner(sock: str) -> None:
     """A mirror that cannot answer (here marked closed, as the owner marks it when it closes): lookups ask
     the owner, get its answer, and the owner counts them apart."""
+    older = frozenset(await asyncio.to_thread(os.listdir, "/proc/self/fd"))
     async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as reader:
         await reader.store([b"a", b"b"], [b"x", b"y"])
-        raw = await asyncio.to_thread(open_mirror, os.getpid())
+        raw = await asyncio.to_thread(open_mirror, os.getpid(), older)
         try:
             header = np.frombuffer(raw, dtype=np.uint64, count=8)
             header[STATE] = CLOSED  # as the owner marks it when it closes: readers ask it
@@ -418,9 +419,13 @@ async def test_keys_the_mirror_cannot_answer_go_to_the_owner(sock: str) -> None:
         assert (s.queries, s.owner_lookups, s.mirror_retries) == (2, 1, 0)
 
 
-def open_mirror(pid: int) -> mmap.mmap:
-    """The header of the index mirror that process ``pid`` holds (its memfd, opened again through /proc)."""
+def open_mirror(pid: int, older: frozenset[str] = frozenset()) -> mmap.mmap:
+    """The header of the index mirror that process ``pid`` holds (its memfd, opened again through /proc).
+    ``older``: descriptors open before the pool was (this process's own: an earlier test's mirror may
+    stay open until the garbage collector's next pass)."""
     for name in os.listdir(f"/proc/{pid}/fd"):
+        if name in older:
+            continue
         try:
             target = os.readlink(f"/proc/{pid}/fd/{name}")
         except OSError:

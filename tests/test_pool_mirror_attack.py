@@ -383,6 +383,7 @@ async def test_odd_but_valid_keys_answer_as_the_owner_does(sock: str) -> None:
 
 async def test_counts_from_threads_are_flushed_before_statistics_and_a_none_counts_nothing(sock: str) -> None:
     keys = [b"%d" % i for i in range(64)]
+    older = frozenset(await asyncio.to_thread(os.listdir, "/proc/self/fd"))
     async with Pool(CONFIG, sock) as pool, AttachedPool(sock) as reader:
         await reader.store(keys[:32], [b"v"] * 32)
         answers = await asyncio.gather(*(asyncio.to_thread(reader.lookup_nowait, keys) for _ in range(20)))
@@ -391,7 +392,7 @@ async def test_counts_from_threads_are_flushed_before_statistics_and_a_none_coun
         assert (s.queries, s.hits, s.misses) == (20, 640, 640)
         assert pool.statistics().queries == 20
         # The mirror refusing to answer (marked closed): None, counted nowhere; the owner's answer counts once.
-        raw = await asyncio.to_thread(open_mirror, os.getpid())
+        raw = await asyncio.to_thread(open_mirror, os.getpid(), older)
         try:
             header = np.frombuffer(raw, dtype=np.uint64, count=8)
             header[STATE] = CLOSED  # the mirror refuses every read, as once the owner closes
