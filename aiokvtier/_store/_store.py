@@ -319,6 +319,8 @@ class BlockStore(Owner):
             await self._spill.cover()  # last: nothing after it can fail the open
 
     async def _teardown(self) -> None:
+        if self._spill is not None:
+            self._spill.stop()  # the write-back batch in flight finishes; queued blocks are not written
         if self._idle is not None:
             await self._idle.wait()  # stores and loads in flight finish first
         if self._spill is not None:
@@ -398,8 +400,7 @@ class BlockStore(Owner):
         :raises TierClosedError: the store or its tier is closed.
         """
         self._check_open()
-        # The write-back pins the blocks whose bytes go to disk: in flight as a load is.
-        idle = self._in_flight == 0 and (self._spill is None or not self._spill.writing)
+        idle = self._in_flight == 0  # a write-back (its blocks pinned) is in flight as a load is
         self._index.check(idle)
         if idle:
             require(not len(self._claims), "a claim outlived its call")
