@@ -596,6 +596,13 @@ async def test_hostile_input_is_refused_before_anything_is_sent(master: Master) 
         assert await tier.write(long, src.addresses([1, 2, 3]), [BLOCK] * 3) == tuple(long)
         assert await tier.read(long[::-1], dst.addresses([0, 1, 2])) == (True, True, True)
         assert np.array_equal(dst.array[:3], src.array[3:0:-1])
+        # ints past Python's decimal text (4300 digits by default) are named by their hex
+        huge = [10**5000, -(10**5000), 10**640]
+        assert await tier.write(huge, src.addresses([1, 2, 3]), [BLOCK] * 3) == tuple(huge)
+        assert await tier.lookup(huge) == 3 and await tier.lookup([10**5000 + 1]) == 0
+        dst.array[:3] = 0
+        assert await tier.read(huge[::-1], dst.addresses([0, 1, 2])) == (True, True, True)
+        assert np.array_equal(dst.array[:3], src.array[3:0:-1])
         settled(tier, _)
     await wait_no_library_threads()
 

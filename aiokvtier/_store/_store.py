@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._config import parse_quota
-from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
+from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock, key_text
 from .._lifecycle import Lifecycle, Owner, finish
 from ._claims import Claims
 from ._events import EventHub, EventSubscription
@@ -1166,7 +1166,7 @@ class BlockStore(Owner):
         at = short if ids is None else int(ids[short])
         raise ValueError(
             f"destination page {at} has {int(pages[short])} bytes, block "
-            f"{keys[at]!r} has {int(lengths[short])}; nothing was copied"
+            f"{key_text(keys[at])} has {int(lengths[short])}; nothing was copied"
         )
 
     def _begin_load(
