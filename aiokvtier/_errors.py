@@ -145,6 +145,17 @@ class CopyPlanError(AiokvtierError, ValueError):
     """A copy the planner refuses: it spans two registrations or leaves the committed range."""
 
 
+def key_text(key: object) -> str:
+    """A block key as a message shows it: its repr, or the size of an int too long for decimal text
+    (past ``sys.get_int_max_str_digits()``, whose repr is a ValueError)."""
+    try:
+        return repr(key)
+    except ValueError:
+        if not isinstance(key, int):
+            raise
+        return f"<an int of {key.bit_length()} bits>"
+
+
 class BlockNotFound(AiokvtierError, KeyError):
     """A [``BlockStore``][aiokvtier.BlockStore] has no block for a key; nothing was copied.
 
@@ -152,7 +163,7 @@ class BlockNotFound(AiokvtierError, KeyError):
     """
 
     def __init__(self, key: bytes | int) -> None:
-        super().__init__(f"no block for key {key!r} in the store")
+        super().__init__(f"no block for key {key_text(key)} in the store")
         self.key = key
 
     def __str__(self) -> str:  # KeyError would quote the message again

@@ -155,6 +155,31 @@ def test_keys_are_deterministic_and_ints_never_meet_bytes() -> None:
         a.name(True)
 
 
+def test_an_int_of_any_size_has_one_name_whatever_the_process_converts_to_decimal() -> None:
+    space = KeySpace("p", "model")
+    prefix = space.namespace
+    edge = 10**640  # 641 digits: past what a process may limit its decimal text to
+    assert space.name(edge - 1) == f"{prefix}i{edge - 1}" and space.name(1 - edge) == f"{prefix}i{1 - edge}"
+    assert space.name(edge) == f"{prefix}x{edge:x}" and space.name(-edge) == f"{prefix}x-{edge:x}"
+    huge = 10**5000  # past Python's default 4300 digits: its decimal text is a ValueError
+    with pytest.raises(ValueError):
+        str(huge)
+    names = {space.name(k) for k in (huge, -huge, huge + 1, edge, -edge, edge - 1, 1, -1, b"\x01")}
+    assert len(names) == 9
+    keys = [huge, -huge, edge, edge - 1, 1 - edge]
+    expected = space.names(keys)
+    assert expected == [f"{prefix}x{huge:x}", f"{prefix}x-{huge:x}", f"{prefix}x{edge:x}"] + [
+        f"{prefix}i{k}" for k in keys[3:]
+    ]
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)  # the least a process may set: the names do not change
+    try:
+        assert space.names(keys) == expected
+    finally:
+        sys.set_int_max_str_digits(before)
+    assert KeySpace("p", "model").name(huge) == space.name(huge)
+
+
 def test_the_config_takes_its_place_after_disk(tmp_path: Path) -> None:
     remote = {"kind": "mooncake", "master": "10.0.0.1:50051", "metadata_server": "http://10.0.0.1:8080/metadata"}
     remote["local_hostname"] = "10.0.0.2"

@@ -396,6 +396,24 @@ async def test_keys_from_numpy_arrays_generators_and_bytes_likes() -> None:
         await exact(store)
 
 
+async def test_int_keys_past_pythons_decimal_text_are_keys_and_named_by_size_in_errors() -> None:
+    huge = 10**5000  # str() of it is a ValueError (Python's 4300 digits)
+    async with open_store(4) as (tier, store):
+        assert (await bounded(store.store([huge, -huge], pages([1, 2])))).stored == (huge, -huge)
+        assert store.lookup([huge, -huge]) == 2
+        store.check_invariants(sole_user=True)
+        out = np.zeros((2, SLOT), dtype=np.uint8)
+        await bounded(store.load([-huge, huge], out))
+        assert out[0].tobytes() == page(2) and out[1].tobytes() == page(1)
+        with pytest.raises(BlockNotFound, match=f"<an int of {(huge + 1).bit_length()} bits>") as missing:
+            await bounded(store.load([huge, huge + 1], out))
+        assert missing.value.key == huge + 1
+        with pytest.raises(ValueError, match=f"block <an int of {huge.bit_length()} bits> has"):
+            await bounded(store.load([huge], np.zeros((1, SLOT // 2), dtype=np.uint8)))
+        assert store.discard([huge, -huge]) == 2
+        whole(tier, store)
+
+
 async def test_a_bytearray_key_after_a_stored_key_is_converted() -> None:
     async with open_store(4) as (tier, store):
         await bounded(store.store([b"a"], pages([b"a"])))

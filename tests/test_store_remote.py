@@ -559,6 +559,20 @@ async def test_concurrent_loads_of_one_remote_block_fetch_it_once(master: Master
         assert store.statistics().remote_fetched == 4 and remote.statistics().hits == 4
 
 
+async def test_int_keys_past_pythons_decimal_text_go_to_mooncake_and_come_back(master: Master) -> None:
+    keys = [10**5000 + i for i in range(3)] + [-(10**5000)]  # str() of each is a ValueError
+    async with remote_store(master.config(), unique("huge"), admit_after=1) as (store, remote):
+        await store.store(keys, [page(i) for i in range(4)])
+        out = np.zeros((4, SLOT), dtype=np.uint8)
+        await store.load(keys, out)
+        await eventually(lambda: store.statistics().remote_written == 4, 30)
+        await push_out(store)
+        assert await store.lookup_remote(keys) == 4 and await remote.lookup(keys) == 4
+        await store.load(keys, out)
+        assert [row.tobytes() for row in out] == [page(i) for i in range(4)]
+        assert store.statistics().remote_fetched == 4
+
+
 async def test_a_grown_host_tier_is_registered_before_its_new_slots_go_to_mooncake(master: Master) -> None:
     config = small_config(quota=16 * SLOT, max_quota=32 * SLOT, slot_size=SLOT, commit_unit=SLOT * 16)
     async with (

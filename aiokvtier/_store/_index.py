@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import SlotError
+from .._errors import SlotError, key_text
 from ._keys import Key, canonical, key_array
 from ._policy import EvictionPolicy
 
@@ -341,10 +341,8 @@ class BlockIndex:
         ready = np.flatnonzero(state == READY)
         require(len(ready) == self.visible, f"{len(ready)} ready slots for {self.visible} visible blocks")
         for key, slot in self.slot_of.items():
-            require(
-                state[slot] in (STORING, READY) and key_of[slot] == key,
-                f"key {key!r} maps to slot {slot}, which is not its block",
-            )
+            if not (state[slot] in (STORING, READY) and key_of[slot] == key):
+                require(False, f"key {key_text(key)} maps to slot {slot}, which is not its block")
         require(canonical(list(self.slot_of)), "a key is neither bytes nor an int")
         require(
             all(self.slot_of.get(key_of[s]) == s for s in ready.tolist()),

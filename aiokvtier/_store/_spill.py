@@ -6,7 +6,9 @@ Admission by measured value: a block is written below once loads have hit it
 never read again). Each lower tier has its own write-back (a ``_Lane``): a
 queue and a background task that writes one batch per loop turn, with the
 blocks pinned in the host tier while their bytes go down (never evicted
-under it). A host-tier eviction then costs nothing: the copy below stays.
+under it). A block queued or in a batch being written is not queued again
+by the loads that hit it meanwhile. A host-tier eviction then costs nothing:
+the copy below stays.
 Going the other way (a load whose blocks are only below) is the store's: it
 stores them from a ``Source`` into host slots before it copies them out.
 
@@ -60,7 +62,7 @@ _Released = Callable[[Sequence[int], Sequence[int]], Awaitable[bool]]
 class _Lane:
     """The write-back to one lower tier: its queue, its task, and what it wrote."""
 
-    __slots__ = ("holds", "name", "queue", "released", "sent", "task", "tier", "written")
+    __slots__ = ("dropped", "flying", "holds", "name", "queue", "released", "sent", "task", "tier", "written")
 
     def __init__(
         self, tier: _Lower, name: str, holds: Callable[[Key], bool] | None, released: _Released | None
@@ -72,11 +74,21 @@ class _Lane:
         the lane remembers instead the keys it wrote (or that came from it) while they are in host slots."""
         self.released = released
         self.sent: set[Key] = set()
-        self.queue: list[Key] = []
+        self.queue: dict[Key, None] = {}
+        """Keys waiting for the task, in order."""
+        self.flying: set[Key] = set()
+        """The keys of the batch the task has taken (being written, or about to be)."""
+        self.dropped: set[Key] = set()
+        """Keys of that batch discarded meanwhile: not remembered as written, and discarded again once
+        the write settled (a discard sent before could overtake the put)."""
         self.task: asyncio.Task[None] | None = None
         self.written = 0
 
     def wants(self, key: Key) -> bool:
+        # A block queued or being written is not queued again: a load that hits it meanwhile would
+        # write it twice (the tier cannot tell, a put of a key it holds counts as written).
+        if key in self.queue or key in self.flying:
+            return False
         return key not in self.sent if self.holds is None else not self.holds(key)
 
 
@@ -186,7 +198,8 @@ class Spill:
         self.disk = disk
         self.remote = remote
         self._enter, self._exit = busy
-        """The store's count of work in flight (its pins are this work's): entered per write-back batch."""
+        """The store's count of work in flight (its pins are this work's): entered per write-back task,
+        from the load that queued its first block to its end."""
         self._tier = tier
         self._index = index
         self.admit_after = admit_after
@@ -209,11 +222,8 @@ class Spill:
         self._covered = 0
         """The end of that memory."""
         self._cover_lock = asyncio.Lock()
-
-    @property
-    def writing(self) -> bool:
-        """A write-back is in flight (its blocks pinned)."""
-        return any(lane.task is not None for lane in self._lanes)
+        self._stopped = False
+        """The store's close began: nothing more is queued, and no batch is taken."""
 
     def written(self, name: str) -> int:
         """Blocks written back to the lower tier ``name`` ("disk", "Mooncake")."""
@@ -263,7 +273,7 @@ class Spill:
     def loaded(self, keys: Sequence[Key]) -> None:
         """Loads hit ``keys``: count them, and queue those that reach the admission count."""
         lanes = [lane for lane in self._lanes if not lane.tier.closed]
-        if not lanes:
+        if not lanes or self._stopped:
             return
         hits, admit = self._hits, self.admit_after
         for key in keys:
@@ -274,11 +284,12 @@ class Spill:
             hits.pop(key, None)
             for lane in lanes:
                 if lane.wants(key):
-                    lane.queue.append(key)
+                    lane.queue[key] = None
         loop = asyncio.get_running_loop()
         for lane in lanes:
             if lane.queue and lane.task is None:
                 lane.task = loop.create_task(self._flush(lane), name=f"aiokvtier-store-write-back-{lane.name}")
+                self._enter()
 
     def arrived(self, keys: Sequence[Key], sizes: Sequence[int]) -> None:
         """Blocks read from the Mooncake tier: not written back to it again while they stay in host slots."""
@@ -286,62 +297,87 @@ class Spill:
             self._remote_lane.sent.update(key for key, n in zip(keys, sizes, strict=True) if n)
 
     def forget(self, keys: Sequence[Key]) -> None:
-        """Blocks gone from the host tier: their hit counts go with them."""
+        """Blocks gone from the host tier: their hit counts and queued write-backs go with them."""
         hits = self._hits
         if hits:
             for key in keys:
                 hits.pop(key, None)
-        lane = self._remote_lane
-        if lane is not None and lane.sent:
-            lane.sent.difference_update(keys)
+        for lane in self._lanes:
+            if lane.queue:
+                for key in keys:
+                    lane.queue.pop(key, None)
+            if lane.sent:
+                lane.sent.difference_update(keys)
 
     async def _flush(self, lane: _Lane) -> None:
         """Write the queued blocks that are still ready, pinned meanwhile; until the queue is empty."""
-        index = self._index
         try:
-            while lane.queue:
-                if lane.released is not None:
-                    await self.cover()  # before the slots are looked up: it may await
-                keys, lane.queue = list(dict.fromkeys(lane.queue)), []
-                slots = np.fromiter((index.ready_slot(k) for k in keys), dtype=np.int64, count=len(keys))
-                keep = slots >= 0
-                keys = [k for k, ok in zip(keys, keep.tolist(), strict=True) if ok]
-                slots = slots[keep]
-                if not keys or self._tier.closed or lane.tier.closed:
-                    continue
-                self._enter()
-                index.pin(slots)
+            while lane.queue and not self._stopped:
+                keys = list(lane.queue)
+                lane.queue.clear()
+                lane.flying.update(keys)
                 try:
-                    addresses = self._tier.slot_addresses(slots).tolist()
-                    lengths = index.length[slots].tolist()
-                    written = await lane.tier.write(keys, addresses, lengths)
-                    if lane.released is not None and not await lane.released(addresses, lengths):
-                        log.error("aiokvtier: a %s put that did not return may still read host slots", lane.name)
-                finally:
-                    index.unpin(slots)
-                    self._exit()
-                lane.written += len(written)
-                if lane.holds is None:
-                    lane.sent.update(written)
-        except Exception as exc:  # the host tier keeps serving: the tiers below are caches of it
-            log.warning("aiokvtier: writing blocks back to the %s tier failed: %r", lane.name, exc)
+                    await self._write_back(lane, keys)
+                except Exception as exc:  # the host tier keeps serving: the tiers below are caches of it
+                    log.warning("aiokvtier: writing blocks back to the %s tier failed: %r", lane.name, exc)
+                finally:  # not written, or written: a later load may queue them again (a failed one retried)
+                    lane.flying.clear()
+                    lane.dropped.clear()
         finally:
             lane.task = None
+            self._exit()
+
+    async def _write_back(self, lane: _Lane, keys: list[Key]) -> None:
+        """Write one batch taken from the queue (``lane.flying``): those of its blocks still ready."""
+        index = self._index
+        if lane.released is not None:
+            await self.cover()  # before the slots are looked up: it may await
+        slots = np.fromiter((index.ready_slot(k) for k in keys), dtype=np.int64, count=len(keys))
+        keep = slots >= 0
+        keys = [k for k, ok in zip(keys, keep.tolist(), strict=True) if ok]
+        slots = slots[keep]
+        if not keys or self._tier.closed or lane.tier.closed:
+            return
+        index.pin(slots)
+        try:
+            addresses = self._tier.slot_addresses(slots).tolist()
+            lengths = index.length[slots].tolist()
+            written = await lane.tier.write(keys, addresses, lengths)
+            if lane.released is not None and not await lane.released(addresses, lengths):
+                log.error("aiokvtier: a %s put that did not return may still read host slots", lane.name)
+        finally:
+            index.unpin(slots)
+        lane.written += len(written)
+        if lane.holds is None:
+            late = lane.dropped
+            lane.sent.update(key for key in written if key not in late)
+            again = [key for key in written if key in late]
+            if again and self.remote is not None:
+                self._discard_remote_soon(self.remote, again)
 
     # -- discards ---------------------------------------------------------------------
 
     def discard(self, keys: Sequence[Key]) -> None:
-        """Drop ``keys`` from every lower tier: the disk tier's at once, the Mooncake tier's in the background."""
+        """Drop ``keys`` from every lower tier: the disk tier's at once, the Mooncake tier's in the
+        background (and again once a write-back of them in flight settled)."""
         self.forget(keys)
+        lane = self._remote_lane
+        if lane is not None and lane.flying:
+            lane.dropped.update(key for key in keys if key in lane.flying)
         disk, remote = self.disk, self.remote
         if disk is not None and not disk.closed:
             disk.discard(keys)  # a discarded block is wrong or unwanted everywhere
-        if remote is not None and remote.available and keys:
-            task = asyncio.get_running_loop().create_task(
-                self._discard_remote(remote, list(keys)), name="aiokvtier-store-discard-Mooncake"
-            )
-            self._discards.add(task)
-            task.add_done_callback(self._discards.discard)
+        if remote is not None and keys:
+            self._discard_remote_soon(remote, list(keys))
+
+    def _discard_remote_soon(self, remote: MooncakeTier, keys: list[Key]) -> None:
+        if not remote.available:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._discard_remote(remote, keys), name="aiokvtier-store-discard-Mooncake"
+        )
+        self._discards.add(task)
+        task.add_done_callback(self._discards.discard)
 
     @staticmethod
     async def _discard_remote(remote: MooncakeTier, keys: list[Key]) -> None:
@@ -384,10 +420,16 @@ class Spill:
             except (ValueError, MooncakeError) as exc:  # held, or refused (its master gone): the tier's close tries
                 log.warning("aiokvtier: the store's memory stays registered with the Mooncake tier: %s", exc)
 
-    async def drain(self) -> None:
-        """Wait for the write-backs and discards in flight (the store's close)."""
+    def stop(self) -> None:
+        """The store's close began: the blocks queued for a write-back, or hit from now on, are not
+        written (the batch in flight is)."""
+        self._stopped = True
         for lane in self._lanes:
             lane.queue.clear()
+
+    async def drain(self) -> None:
+        """Wait for the write-backs and discards in flight (the store's close, after ``stop()``)."""
+        self.stop()
         for lane in self._lanes:
             while lane.task is not None:
                 await asyncio.shield(lane.task)

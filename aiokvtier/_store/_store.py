@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._config import parse_quota
-from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock
+from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock, key_text
 from .._lifecycle import Lifecycle, Owner, finish
 from ._claims import Claims
 from ._events import EventHub, EventSubscription
@@ -319,6 +319,8 @@ class BlockStore(Owner):
             await self._spill.cover()  # last: nothing after it can fail the open
 
     async def _teardown(self) -> None:
+        if self._spill is not None:
+            self._spill.stop()  # the write-back batch in flight finishes; queued blocks are not written
         if self._idle is not None:
             await self._idle.wait()  # stores and loads in flight finish first
         if self._spill is not None:
@@ -398,8 +400,7 @@ class BlockStore(Owner):
         :raises TierClosedError: the store or its tier is closed.
         """
         self._check_open()
-        # The write-back pins the blocks whose bytes go to disk: in flight as a load is.
-        idle = self._in_flight == 0 and (self._spill is None or not self._spill.writing)
+        idle = self._in_flight == 0  # a write-back (its blocks pinned) is in flight as a load is
         self._index.check(idle)
         if idle:
             require(not len(self._claims), "a claim outlived its call")
@@ -1165,7 +1166,7 @@ class BlockStore(Owner):
         at = short if ids is None else int(ids[short])
         raise ValueError(
             f"destination page {at} has {int(pages[short])} bytes, block "
-            f"{keys[at]!r} has {int(lengths[short])}; nothing was copied"
+            f"{key_text(keys[at])} has {int(lengths[short])}; nothing was copied"
         )
 
     def _begin_load(
