@@ -5,7 +5,9 @@ Every result a library thread hands to a coroutine goes through
 waiting for "``n`` bytes resident" goes through ``LoopWaiters``, which
 collapses many publishes into one wake-up. ``Worker`` is the blocking
 side: a named thread that runs an owner's blocking steps (reserve, resize,
-release) in order and delivers each result here. Nothing polls.
+release) in order and delivers each result here. ``call_on()`` is the other
+way round: a thread that needs the loop's state in one moment has the loop
+take it. Nothing polls.
 
 Futures handed out here are never cancelled by the library; a caller that
 must not abandon the work awaits them through
@@ -15,6 +17,7 @@ must not abandon the work awaits them through
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import heapq
 import itertools
 import queue
@@ -24,7 +27,7 @@ from typing import Any, TypeVar
 
 from ._handoff import handoff
 
-__all__ = ["LoopWaiters", "Worker", "deliver"]
+__all__ = ["LoopWaiters", "Worker", "call_on", "deliver"]
 
 T = TypeVar("T")
 
@@ -49,6 +52,42 @@ def deliver(loop: asyncio.AbstractEventLoop, outcomes: list[Outcome]) -> None:
         loop.call_soon_threadsafe(_settle, outcomes)
     except RuntimeError:
         pass  # the loop is closed: nobody is left awaiting on it
+
+
+def call_on(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -> T:
+    """``fn()``, run on ``loop`` between two of its callbacks, when called from another thread while
+    ``loop`` runs; else run here (on the loop, or once it stopped: then nothing changes under ``fn``).
+
+    The calling thread waits for the loop to get to it, however busy the loop is; a loop that stops
+    meanwhile leaves the call to the caller's thread. Never call it from a thread that the loop
+    is blocked on.
+    """
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here or loop.is_closed() or not loop.is_running():
+        return fn()
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # raised on the caller's thread
+                future.set_exception(exc)
+
+    try:
+        loop.call_soon_threadsafe(run)
+    except RuntimeError:  # closed meanwhile
+        return fn()
+    while True:
+        try:
+            return future.result(0.1)
+        except concurrent.futures.TimeoutError:
+            # A loop that stopped will never run it: nothing changes any more, read it here.
+            if (loop.is_closed() or not loop.is_running()) and future.cancel():
+                return fn()
 
 
 class Worker:

@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._config import HostTierConfig, gpu_unit
+from .._crossing import call_on
 from .._errors import ConfigError, FillError, OutOfSlots, PoolError, SlotError, TierClosedError, WouldBlock
 from .._host._shared import SharedBackings
 from .._host._statistics import TierStatistics
@@ -274,12 +275,21 @@ class Pool(Owner):
         return len(self._peers)
 
     def statistics(self) -> PoolStatistics:
-        """A snapshot of the tier, the attached processes and the shared store (the owner's loop).
+        """A snapshot of the tier, the attached processes and the shared store (any thread: from another
+        thread it is taken on the owner's loop, between two of its callbacks, so it waits for the loop;
+        a closed pool answers its last figures without it).
 
         :raises TierClosedError: the pool never opened.
         """
         if "_tier" not in self.__dict__:
             raise TierClosedError(self._life.describe())
+        if self._life.state == "closed":  # nothing changes any more
+            return self._snapshot()
+        # Read off the loop, the tier's slots, the attached processes and the blocks each come from
+        # another moment (and the set of processes may change while it is summed).
+        return call_on(self._loop, self._snapshot)
+
+    def _snapshot(self) -> PoolStatistics:
         index = self._index
         c = index.counts
         return PoolStatistics(
