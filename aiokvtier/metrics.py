@@ -315,9 +315,10 @@ class PoolCollector(_Tabled[_Reporting[PoolStatistics], PoolStatistics]):
     """Exports a [``Pool``][aiokvtier.Pool]'s shared figures (attached processes, the shared store),
     labelled ``pool=name``; its tier's go through ``TierCollector(pool.tier)``.
 
-    ``Pool.statistics()`` belongs to the owner's loop: scrape from it (or take the figures on it and export
-    them through any object whose ``statistics()`` returns them, as an attached process must:
-    ``AttachedPool.statistics()`` is a coroutine).
+    ``Pool.statistics()`` may be scraped from any thread: from another thread than the owner's loop it
+    waits for that loop to take the snapshot. An attached process exports its figures through any object
+    whose ``statistics()`` returns them (``AttachedPool.statistics()`` is a coroutine: take them on its
+    loop).
     """
 
     _label = "pool"
