@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import os
 import sys
 import threading
@@ -289,3 +290,12 @@ def copies_back_and_forth(engine: Any, config: Any, rounds: int, errors: list[Ba
             errors.append(exc)
 
     return one_loop
+
+
+@pytest.fixture
+def views_collected() -> Iterator[None]:
+    """Collect the garbage after the test: a test that leaves views of a StaticHostMem in reference cycles
+    (the tracebacks of its cancelled and failed copies) keeps the buffer's thread alive until they are
+    collected, as documented; collected here, that thread ends with its own test, not during a later one."""
+    yield
+    gc.collect()

@@ -28,6 +28,8 @@ from aiokvtier.testing import RecordingBackend
 from .helpers import KiB, MiB, small_config
 from .invariants import wait_no_library_threads
 
+pytestmark = pytest.mark.usefixtures("views_collected")
+
 SLOT = 64 * KiB
 HANG = 10.0
 DEVICE = 0x7F00_0000_0000

@@ -24,6 +24,8 @@ from aiokvtier.testing import RecordingBackend
 
 from .helpers import KiB, MiB, eventually, saturated, small_config
 
+pytestmark = pytest.mark.usefixtures("views_collected")
+
 T = TypeVar("T")
 
 HANG = 30.0
