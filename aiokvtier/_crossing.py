@@ -7,7 +7,8 @@ collapses many publishes into one wake-up. ``Worker`` is the blocking
 side: a named thread that runs an owner's blocking steps (reserve, resize,
 release) in order and delivers each result here. ``call_on()`` is the other
 way round: a thread that needs the loop's state in one moment has the loop
-take it. Nothing polls.
+take it (its caller wakes every 0.1 s only to notice a loop that stopped
+before it got there). Nothing else polls.
 
 Futures handed out here are never cancelled by the library; a caller that
 must not abandon the work awaits them through
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 
 from ._handoff import handoff
 
-__all__ = ["LoopWaiters", "Worker", "call_on", "deliver"]
+__all__ = ["LoopWaiters", "Worker", "call_on", "deliver", "one_moment"]
 
 T = TypeVar("T")
 
@@ -88,6 +89,14 @@ def call_on(loop: asyncio.AbstractEventLoop, fn: Callable[[], T]) -> T:
             # A loop that stopped will never run it: nothing changes any more, read it here.
             if (loop.is_closed() or not loop.is_running()) and future.cancel():
                 return fn()
+
+
+def one_moment(loop: asyncio.AbstractEventLoop | None, fn: Callable[[], T], *, settled: bool) -> T:
+    """``fn()`` over one moment of an owner's state, from any thread: on ``loop`` (``call_on``) while
+    that state may change, here once it cannot (``loop`` None: never opened; ``settled``: closed)."""
+    if loop is None or settled:
+        return fn()
+    return call_on(loop, fn)
 
 
 class Worker:

@@ -34,20 +34,11 @@ from aiokvtier._mooncake import _client
 
 from .helpers import KiB, MiB, descriptors, eventually, small_config
 from .invariants import library_threads, wait_no_library_threads
-from .test_mooncake import BLOCK, Hanging, Master, Pages, Wrapped, running_master, unique, until
+from .test_mooncake import BLOCK, Hanging, Master, Pages, Wrapped, master, own_master, unique, until
 
 pytestmark = pytest.mark.timeout(120)
 
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
-    yield from running_master(tmp_path_factory.mktemp("mooncake") / "master.log")
-
-
-@pytest.fixture
-def own_master(tmp_path: Path) -> Iterator[Master]:
-    """A master of this test's own, to kill and restart."""
-    yield from running_master(tmp_path / "master.log")
+__all__ = ["master", "own_master"]  # fixtures: a module-scoped master of this module's own, and one per test
 
 
 DELAYS = [0.0, 0.0002, 0.001, 0.004]

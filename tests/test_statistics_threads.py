@@ -81,19 +81,12 @@ def tier_wrong(before: TierStatistics | None, s: TierStatistics) -> list[str]:
     return wrong
 
 
-_STORE_COUNTERS = (
-    "queries",
-    "hits",
-    "misses",
-    "stores",
-    "present",
-    "skipped",
-    "loads",
-    "evictions",
-    "discards",
-    "bytes_stored",
-    "bytes_loaded",
-)
+def _counters(cls: type, gauges: set[str]) -> tuple[str, ...]:
+    """The int fields of a statistics dataclass that only grow: all but the ``gauges``."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.type in ("int", int) and f.name not in gauges)
+
+
+_STORE_COUNTERS = _counters(StoreStatistics, {"blocks", "capacity", "blocks_pinned", "in_flight", "subscribers"})
 
 
 def store_wrong(before: StoreStatistics | None, s: StoreStatistics) -> list[str]:
@@ -160,7 +153,8 @@ def disk_wrong(before: DiskStatistics | None, s: DiskStatistics) -> list[str]:
     return wrong
 
 
-_POOL_COUNTERS = (*_STORE_COUNTERS[:7], "evictions", "discards", "bytes_stored", "bytes_loaded", "owner_lookups")
+_POOL_GAUGES = {"owner_pid", "clients", "slots_attached", "blocks", "blocks_pinned", "claims"}
+_POOL_COUNTERS = _counters(PoolStatistics, _POOL_GAUGES)
 
 
 def pool_wrong(before: PoolStatistics | None, s: PoolStatistics) -> list[str]:

@@ -37,7 +37,7 @@ from aiokvtier.server import _app, _blocks, _options
 
 from .helpers import KiB, eventually, small_config
 from .invariants import wait_no_library_threads
-from .test_mooncake import Master, running_master, unique, until
+from .test_mooncake import Master, own_master, running_master, unique, until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,10 +50,7 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
     yield from running_master(tmp_path_factory.mktemp("mooncake") / "master.log", "--default_kv_lease_ttl=200")
 
 
-@pytest.fixture
-def own_master(tmp_path: Path) -> Iterator[Master]:
-    """A master of this test's own, to kill and restart."""
-    yield from running_master(tmp_path / "master.log")
+__all__ = ["own_master"]  # a fixture: a master of one test's own, to kill and restart
 
 
 def page(i: int) -> bytes:

@@ -35,7 +35,7 @@ import xxhash
 
 from .._below import check_fingerprint, check_io_threads
 from .._config import DiskTierConfig
-from .._crossing import Worker, call_on
+from .._crossing import Worker, one_moment
 from .._errors import DiskTierBusy
 from .._lifecycle import Lifecycle, Owner, finish
 from .._store._keys import key_of
@@ -356,11 +356,8 @@ class DiskTier(Owner):
         """A snapshot of the tier's figures (any thread, also after close: from another thread while
         the tier is open it is taken on the tier's loop, between two of its callbacks, so it waits for
         the loop)."""
-        loop = self.__dict__.get("_loop")
-        if loop is None or self._life.state == "closed":  # nothing changes any more
-            return self._snapshot()
         # Read off the loop, the blocks, their bytes and the free slots each come from another moment.
-        return call_on(loop, self._snapshot)
+        return one_moment(self.__dict__.get("_loop"), self._snapshot, settled=self._life.state == "closed")
 
     def _snapshot(self) -> DiskStatistics:
         c = self._counts

@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._config import HostTierConfig, gpu_unit
-from .._crossing import call_on
+from .._crossing import one_moment
 from .._errors import ConfigError, FillError, OutOfSlots, PoolError, SlotError, TierClosedError, WouldBlock
 from .._host._shared import SharedBackings
 from .._host._statistics import TierStatistics
@@ -283,11 +283,9 @@ class Pool(Owner):
         """
         if "_tier" not in self.__dict__:
             raise TierClosedError(self._life.describe())
-        if self._life.state == "closed":  # nothing changes any more
-            return self._snapshot()
         # Read off the loop, the tier's slots, the attached processes and the blocks each come from
         # another moment (and the set of processes may change while it is summed).
-        return call_on(self._loop, self._snapshot)
+        return one_moment(self._loop, self._snapshot, settled=self._life.state == "closed")
 
     def _snapshot(self) -> PoolStatistics:
         index = self._index

@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._config import parse_quota
-from .._crossing import call_on
+from .._crossing import one_moment
 from .._errors import BlockNotFound, OutOfSlots, QuotaError, TierClosedError, WouldBlock, key_text
 from .._lifecycle import Lifecycle, Owner, finish
 from ._claims import Claims
@@ -480,11 +480,8 @@ class BlockStore(Owner):
     def statistics(self) -> StoreStatistics:
         """A snapshot of the store's figures (any thread, also after close: from another thread while the
         store is open it is taken on the store's loop, between two of its callbacks, so it waits for it)."""
-        loop = self.__dict__.get("_loop")
-        if loop is None or self._life.state == "closed":  # nothing changes any more
-            return self._snapshot()
         # Read off the loop, the blocks and the capacity (a shrink) come from two moments.
-        return call_on(loop, self._snapshot)
+        return one_moment(self.__dict__.get("_loop"), self._snapshot, settled=self._life.state == "closed")
 
     def _snapshot(self) -> StoreStatistics:
         c = self._counts
