@@ -759,3 +759,33 @@ def test_a_forked_child_cannot_use_an_engine_or_a_buffer(
     # The parent's objects are untouched by the child's close.
     assert not engine.closed and not buf.closed
     assert bytes(buf.view()[:1]) == b"\x00"
+
+
+async def test_the_few_ids_path_gives_slot_addresses_or_leaves_the_ids_to_it() -> None:
+    """``slot_address_list`` (a request's few ids, checked in C passes) gives exactly
+    ``slot_addresses()`` as ints for lists, tuples and 1-D integer arrays of allocated ids, and None
+    for anything else, which ``slot_addresses()`` then refuses or takes as it always has."""
+    async with HostTier(small_config()) as tier:
+        await asyncio.wait_for(tier.wait_resident(), HANG)
+        slots = await tier.allocate(40)
+        tier.free(slots[-1])
+        held, freed = slots[:-1], slots[-1]
+        rng = np.random.default_rng(7)
+        for n in (1, 2, 16, 32):
+            ids = [int(i) for i in rng.choice(held, n, replace=n > len(held))]
+            for form in (ids, tuple(ids), np.array(ids, np.int64), np.array(ids, np.uint32)):
+                assert tier.slot_address_list(form) == tier.slot_addresses(form).tolist(), form
+        assert tier.slot_address_list([held[0], held[0]]) == tier.slot_addresses([held[0], held[0]]).tolist()
+        many = held[:33]  # past FEW_IDS: the array path
+        assert tier.slot_address_list(many) is None
+        assert tier.slot_addresses(many).tolist() == [tier.address(s) for s in many]
+        for value in [*HOSTILE, freed, tier.statistics().slots_total, np.int64(held[0])]:
+            assert tier.slot_address_list([held[0], value]) is None, value
+        for other in ([], (), np.array([], np.int64), np.array([[held[0]]]), iter([held[0]]), {held[0]}, held[0]):
+            assert tier.slot_address_list(other) is None, other
+        assert tier.slot_addresses([held[0], np.int64(held[1])]).tolist() == [
+            tier.address(held[0]),
+            tier.address(held[1]),
+        ]  # numpy ints in a list: the array path takes them, as before
+    with pytest.raises(TierClosedError):
+        tier.slot_address_list([held[0]])

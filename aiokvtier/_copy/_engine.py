@@ -30,6 +30,7 @@ from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 import numpy as np
@@ -641,8 +642,7 @@ class CopyEngine(Owner):
         bound = self._pieces_from
         if bound is None or after is not None:
             return None
-        wants = self._backend.in_pieces
-        return lambda host, other, page: len(host) >= bound and wants(direction, host, other, page)
+        return InPieces(bound, partial(self._backend.in_pieces, direction))
 
     # -- requests made while the engine is busy: planned together, once per turn of the loop --
 

@@ -437,9 +437,13 @@ otherwise (``checks_hold_until_snapshot`` false) is never recorded. Arrays in no
 memory, the caller's own) need nothing more."""
 
 
-InPieces = Callable[[U64, U64, int], bool]
-"""Whether a request between the slots at these addresses and the pages at those, of so many bytes
-each, is planned in pieces (``Pieces``)."""
+@dataclass(frozen=True, slots=True)
+class InPieces:
+    """Which requests are planned in pieces (``Pieces``): of ``bound`` pages or more, where
+    ``wants(host, other, page)`` says so of the slots at these addresses and the pages at those."""
+
+    bound: int
+    wants: Callable[[U64, U64, int], bool]
 
 
 def plan_slots(
@@ -461,8 +465,10 @@ def plan_slots(
     :raises CopyPlanError: a page larger than a slot, or (host-to-host) an address outside every region.
     :raises SlotError: a slot is not allocated, or (d2h) appears twice.
     """
-    host = tier.slot_addresses(slots)
-    if host.size == 0:
+    # A usual request's few ids, as ints: no numpy call between them and the plan (``plan_small``).
+    few = tier.slot_address_list(slots)
+    host: U64 | list[int] = tier.slot_addresses(slots) if few is None else few
+    if not len(host):
         raise ValueError("no slots to copy")
     page = tier.slot_size if page_size is None else positive_count(page_size, "page")
     _check_page(tier, page)  # before the addresses are located: a page of 2**64 does not fit numpy's uint64
@@ -524,41 +530,45 @@ def plan_slots_many(
 
 
 def plan_side(
-    tier: HostTier, host: U64, side: Pages, direction: str, *, in_pieces: InPieces | None = None
+    tier: HostTier, host: U64 | list[int], side: Pages, direction: str, *, in_pieces: InPieces | None = None
 ) -> tuple[Plan | Pieces, list[Any]]:
-    """Plan a per-slot copy between the slots at ``host`` (``tier.slot_addresses``) and pages that
-    ``buffer_addresses()`` checked (a subset of its addresses, in any order, stays checked).
+    """Plan a per-slot copy between the slots at ``host`` (``tier.slot_addresses``, or
+    ``slot_address_list``) and pages that ``buffer_addresses()`` checked (a subset of its addresses,
+    in any order, stays checked).
 
-    ``in_pieces(host, other, page)``: True for a request to check whole and return as ``Pieces``,
-    planned where it is issued (None: always planned here).
+    ``in_pieces``: which requests to check whole and return as ``Pieces``, planned where they
+    are issued (None: always planned here).
 
     :raises CopyPlanError: the side's page is larger than a slot.
     :raises ValueError: no slots, or not one address per slot.
     """
     other, page, regions = side.addresses, side.page, side.regions
-    if host.size == 0:
+    n = len(host)
+    if n == 0:
         raise ValueError("no slots to copy")
-    if other.shape != host.shape:
-        raise ValueError(f"expected one address per slot ({len(host)}), got {len(other)}")
+    if len(other) != n:
+        raise ValueError(f"expected one address per slot ({n}), got {len(other)}")
     _check_page(tier, page)  # an array's page is its row, whatever page= said
     h2d = direction == "h2d"
     if h2d:
         check_disjoint(other, page)  # to_host's destinations are slots: the planner refuses repeats
     owners = [tier, *(r for r in regions if r is not tier)]
     registration = tier.registrations_at
-    if in_pieces is not None and in_pieces(host, other, page):
+    if n <= _plan.SMALL and (in_pieces is None or n < in_pieces.bound):
+        # The usual request: Python ints beat two dozen numpy calls.
+        hosts, others = host if isinstance(host, list) else host.tolist(), other.tolist()
+        if h2d:
+            return plan_small(others, hosts, page, src_reg=registration), owners
+        return plan_small(hosts, others, page, dst_reg=registration, order_by="dst", distinct_order_side=True), owners
+    host = np.asarray(host, dtype=np.uint64)
+    if in_pieces is not None and n >= in_pieces.bound and in_pieces.wants(host, other, page):
         if h2d:
             return Pieces(other, host, page, "src", src_reg=registration), owners
         refuse_repeats(host, tier.slot_size)  # the whole request's, before any piece is issued
         return Pieces(host, other, page, "dst", dst_reg=registration), owners
-    if len(host) <= _plan.SMALL:  # the usual request: Python ints beat two dozen numpy calls
-        hosts, others = host.tolist(), other.tolist()
-        if h2d:
-            return plan_small(others, hosts, page, src_reg=registration), owners
-        return plan_small(hosts, others, page, dst_reg=registration, order_by="dst", distinct_order_side=True), owners
     if h2d:
-        return plan(other, host, page, src_reg=registration, n=len(host)), owners
-    planned = plan(host, other, page, dst_reg=registration, n=len(host), order_by="dst", distinct_order_side=True)
+        return plan(other, host, page, src_reg=registration, n=n), owners
+    planned = plan(host, other, page, dst_reg=registration, n=n, order_by="dst", distinct_order_side=True)
     return planned, owners
 
 

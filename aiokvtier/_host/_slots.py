@@ -58,6 +58,10 @@ FEW_IDS = 32
 """Ids that ``checked_ids`` checks as Python ints (the copy planner's small requests)."""
 
 
+_INT_ONLY = {int}
+"""What ``set(map(type, ids))`` is for ids that are all plain ints (bools and numpy ints are not)."""
+
+
 class SlotAllocator:
     __slots__ = ("_allocated", "_free", "count", "next_fresh", "total")
 
@@ -143,6 +147,24 @@ class SlotAllocator:
         self._allocated[slot] = 0
         self._free.append(slot)
         self.count -= 1
+
+    def few_checked(self, slots: object) -> list[int] | None:
+        """``slots`` as a list, where they are a request's few ids (``FEW_IDS`` at most, a list or tuple
+        of ints, or a 1-D integer array) and each is allocated; else None (``checked_ids()`` then says
+        what is wrong). Each check is one pass in C: no Python step per id."""
+        if type(slots) is np.ndarray:
+            if slots.ndim != 1 or slots.dtype.kind not in "iu" or slots.size > FEW_IDS:
+                return None
+            slots = slots.tolist()
+        elif type(slots) is not list and type(slots) is not tuple:
+            return None
+        assert isinstance(slots, list | tuple)
+        if not 0 < len(slots) <= FEW_IDS or set(map(type, slots)) != _INT_ONLY:
+            return None
+        marks = self._allocated  # once: a resize on the loop replaces it (see the module's docstring)
+        if min(slots) < 0 or max(slots) >= len(marks) or not all(map(marks.__getitem__, slots)):
+            return None
+        return slots if type(slots) is list else list(slots)
 
     def checked_ids(self, slots: Iterable[int]) -> npt.NDArray[np.int64]:
         """``slots`` as an int64 array, each an allocated id of this tier (repeats allowed).

@@ -592,6 +592,19 @@ class HostTier(Owner):
         ids = self._slots.checked_ids(slots)
         return np.uint64(self._base) + ids.astype(np.uint64) * np.uint64(self._slot_size)
 
+    def slot_address_list(self, slots: object) -> list[int] | None:
+        """``slot_addresses()`` as ints, for a request's few allocated ids given as a list or tuple of
+        ints (``FEW_IDS`` at most); None for anything else, which ``slot_addresses()`` checks.
+
+        :raises TierClosedError: the tier is not open.
+        """
+        self._check_open()
+        ids = self._slots.few_checked(slots)
+        if ids is None:
+            return None
+        base, size = self._base, self._slot_size
+        return [base + size * slot for slot in ids]
+
     def registrations_at(self, addresses: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
         """The registration (commit unit) holding each address of this tier (the planner never merges across)."""
         return self._layout.units_at(addresses - np.uint64(self._base))
