@@ -50,6 +50,9 @@ SMALL = 32
 one request of 16 pages is ~25 numpy calls of 1-4 us each on the numpy path, where the ints
 take a few microseconds; past a few dozen pages the arrays win."""
 
+_DST, _SRC = operator.itemgetter(0), operator.itemgetter(1)
+"""A ``(dst, src, nbytes)`` row's sides."""
+
 _WRAP = (1 << 64) - 1
 """uint64 arithmetic, as the numpy path does it (an address plus a page may wrap)."""
 
@@ -479,18 +482,18 @@ def plan_small(
     n = len(dsts)
     if order_by not in ("src", "dst"):
         raise ValueError(f"order_by must be 'src' or 'dst', not {order_by!r}")
-    d, s = dsts, srcs
-    lead = s if order_by == "src" else d
-    if distinct_order_side and len(set(lead)) != n:
+    if distinct_order_side and len(set(srcs if order_by == "src" else dsts)) != n:
         raise SlotError("a slot appears twice as a copy destination")
-    if sorted(lead) != lead:  # sorted with ties: the stable sort below would keep it as it is
-        order = sorted(range(n), key=lead.__getitem__)  # stable: ties in position order, as the argsort gives
-        d, s = [d[i] for i in order], [s[i] for i in order]
+    # Sorted by the leading side, stable: ties in position order, as the argsort gives.
+    rows = sorted(zip(dsts, srcs, [page] * n, strict=True), key=_SRC if order_by == "src" else _DST)
+    d, s = list(map(_DST, rows)), list(map(_SRC, rows))
     total = (n * page) & _WRAP
-    # A copy joins the next where both sides go on by one page (as uint64: across 2**64 too). Shuffled
-    # slots usually have no such step on the source side, which one pass in C finds.
-    if {page, page - (1 << 64)}.isdisjoint(map(operator.sub, s[1:], s[:-1])):
-        return Plan.of_rows(tuple(zip(d, s, [page] * n, strict=True)), n, total)
+    # A copy joins the next where both sides go on by one page (as uint64: across 2**64 too); with
+    # shuffled slots usually none does, which passes in C find.
+    step = {page, page - (1 << 64)}.__contains__
+    s_steps, d_steps = map(step, map(operator.sub, s[1:], s[:-1])), map(step, map(operator.sub, d[1:], d[:-1]))
+    if not any(map(operator.and_, s_steps, d_steps)):
+        return Plan.of_rows(tuple(rows), n, total)
     pairs = [i for i in range(n - 1) if s[i + 1] == (s[i] + page) & _WRAP and d[i + 1] == (d[i] + page) & _WRAP]
     for reg, side in ((dst_reg, d), (src_reg, s)):
         if reg is None or not pairs:
@@ -499,7 +502,7 @@ def plan_small(
         k = len(pairs)
         pairs = [i for j, i in enumerate(pairs) if ids[j] == ids[k + j]]
     if not pairs:
-        return Plan.of_rows(tuple(zip(d, s, [page] * n, strict=True)), n, total)
+        return Plan.of_rows(tuple(rows), n, total)
     joined = set(pairs)
     starts = [i for i in range(n) if i - 1 not in joined]
     ends = [*starts[1:], n]

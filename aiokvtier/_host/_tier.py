@@ -602,8 +602,7 @@ class HostTier(Owner):
         ids = self._slots.few_checked(slots)
         if ids is None:
             return None
-        base, size = self._base, self._slot_size
-        return [base + size * slot for slot in ids]
+        return list(map(self._base.__add__, map(self._slot_size.__mul__, ids)))  # in C: no Python step per id
 
     def registrations_at(self, addresses: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
         """The registration (commit unit) holding each address of this tier (the planner never merges across)."""
