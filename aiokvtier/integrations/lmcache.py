@@ -213,6 +213,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         self._done_lookup: dict[L2TaskId, Bitmap] = {}
         self._done_load: dict[L2TaskId, Bitmap] = {}
         self._closed = False
+        self._shut = threading.Event()  # set once close() is done: a close from another thread waits for it
         # On the loop only:
         self._tasks: set[asyncio.Task[None]] = set()
         self._prefixes: dict[tuple[str, int, int, str], bytes] = {}
@@ -420,23 +421,28 @@ class AiokvtierL2Adapter(L2AdapterInterface):
     def close(self) -> None:
         """Cancel what is in flight, close the store and the tier (or detach from the pool), end the thread.
 
-        Returns once nothing reads or writes LMCache's memory objects any more; idempotent.
+        Returns once nothing reads or writes LMCache's memory objects any more; idempotent (a close
+        called while another thread's runs returns once that one is done).
 
         :raises RuntimeError: called on the adapter's own loop thread (from a listener): the close
             waits for that thread to end. Nothing is closed.
         """
         with self._lock:
-            if self._closed:
-                return
-            if self._on_loop():
+            closing = self._closed
+            if not closing and self._on_loop():
                 raise self._would_wait("close")
             self._closed = True
+        if closing:  # another close began: done when it is (the loop's thread cannot wait for it)
+            if not self._on_loop():
+                self._shut.wait()
+            return
         try:
             asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
         finally:
             self._stop_loop()
             for efd in (self._store_efd, self._lookup_efd, self._load_efd):
                 efd.close()
+            self._shut.set()
 
     def _on_loop(self) -> bool:
         """Called on the adapter's loop thread (by a listener LMCache's notifications run there)."""
