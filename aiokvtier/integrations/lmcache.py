@@ -51,7 +51,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from .._config import HostTierConfig
-from .._errors import BlockNotFound, TierClosedError
+from .._errors import BlockNotFound, PoolLostError, TierClosedError
 from .._host._tier import HostTier
 from .._lifecycle import close_in_turn
 from .._pool._client import AttachedPool
@@ -657,7 +657,10 @@ class AiokvtierL2Adapter(L2AdapterInterface):
             self._delete_here(keys)
             return
         akeys = list(dict.fromkeys(self._key(key) for key in keys))
-        await self._pool.discard(akeys)
+        try:
+            await self._pool.discard(akeys)
+        except PoolLostError:
+            pass  # the blocks went with the owner: gone all the same (LMCache's eviction thread must not die)
         self._told_deleted(akeys)
 
     def _delete_here(self, keys: list[ObjectKey]) -> None:
@@ -697,7 +700,11 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         if self._pool is None:
             return self._status_here()
         status: dict[str, Any] = {"is_healthy": True, "type": type(self).__name__, "locked_keys": len(self._locks)}
-        p = await self._pool.statistics()
+        try:
+            p = await self._pool.statistics()
+        except PoolLostError as e:  # LMCache's /status gathers every adapter's: an answer, not an exception
+            status.update(is_healthy=False, error=f"{e}; the adapter does not re-attach: restart the server")
+            return status
         status.update(pool=p.path, blocks=p.blocks, capacity_blocks=p.tier.slots_total, processes=p.clients)
         return status
 
