@@ -589,7 +589,10 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         policy = self._policy
         assert policy is not None
         for key in keys:
-            k = self._key(key)
+            try:
+                k = self._key(key)
+            except (AttributeError, TypeError):  # no ObjectKey: never locked, and LMCache never retries the rest
+                continue
             held = self._locks.get(k)
             if held is None:
                 continue
