@@ -519,6 +519,11 @@ class AiokvtierL2Adapter(L2AdapterInterface):
                 assert self._pool is not None
                 result = await self._pool.store(akeys, pages)
                 stored = list(result.stored)
+                # One evicted since by another process's store is gone already: its event may have been read
+                # before this task resumed (it came in the same read as the reply), and found nothing to tell.
+                there = self._pool.contains_nowait(stored) if stored else None
+                if there is not None:
+                    stored = [k for k, here in zip(stored, there.tolist(), strict=True) if here]
             if stored:
                 done = [(keys[chosen[k]], objects[chosen[k]].get_size()) for k in stored]
                 for k, (okey, size) in zip(stored, done, strict=True):
