@@ -51,7 +51,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from .._config import HostTierConfig
-from .._errors import BlockNotFound, TierClosedError
+from .._errors import BlockNotFound, PoolLostError, TierClosedError
 from .._host._tier import HostTier
 from .._lifecycle import close_in_turn
 from .._pool._client import AttachedPool
@@ -213,6 +213,7 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         self._done_lookup: dict[L2TaskId, Bitmap] = {}
         self._done_load: dict[L2TaskId, Bitmap] = {}
         self._closed = False
+        self._shut = threading.Event()  # set once close() is done: a close from another thread waits for it
         # On the loop only:
         self._tasks: set[asyncio.Task[None]] = set()
         self._prefixes: dict[tuple[str, int, int, str], bytes] = {}
@@ -420,23 +421,28 @@ class AiokvtierL2Adapter(L2AdapterInterface):
     def close(self) -> None:
         """Cancel what is in flight, close the store and the tier (or detach from the pool), end the thread.
 
-        Returns once nothing reads or writes LMCache's memory objects any more; idempotent.
+        Returns once nothing reads or writes LMCache's memory objects any more; idempotent (a close
+        called while another thread's runs returns once that one is done).
 
         :raises RuntimeError: called on the adapter's own loop thread (from a listener): the close
             waits for that thread to end. Nothing is closed.
         """
         with self._lock:
-            if self._closed:
-                return
-            if self._on_loop():
+            closing = self._closed
+            if not closing and self._on_loop():
                 raise self._would_wait("close")
             self._closed = True
+        if closing:  # another close began: done when it is (the loop's thread cannot wait for it)
+            if not self._on_loop():
+                self._shut.wait()
+            return
         try:
             asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
         finally:
             self._stop_loop()
             for efd in (self._store_efd, self._lookup_efd, self._load_efd):
                 efd.close()
+            self._shut.set()
 
     def _on_loop(self) -> bool:
         """Called on the adapter's loop thread (by a listener LMCache's notifications run there)."""
@@ -513,6 +519,11 @@ class AiokvtierL2Adapter(L2AdapterInterface):
                 assert self._pool is not None
                 result = await self._pool.store(akeys, pages)
                 stored = list(result.stored)
+                # One evicted since by another process's store is gone already: its event may have been read
+                # before this task resumed (it came in the same read as the reply), and found nothing to tell.
+                there = self._pool.contains_nowait(stored) if stored else None
+                if there is not None:
+                    stored = [k for k, here in zip(stored, there.tolist(), strict=True) if here]
             if stored:
                 done = [(keys[chosen[k]], objects[chosen[k]].get_size()) for k in stored]
                 for k, (okey, size) in zip(stored, done, strict=True):
@@ -583,7 +594,10 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         policy = self._policy
         assert policy is not None
         for key in keys:
-            k = self._key(key)
+            try:
+                k = self._key(key)
+            except (AttributeError, TypeError):  # no ObjectKey: never locked, and LMCache never retries the rest
+                continue
             held = self._locks.get(k)
             if held is None:
                 continue
@@ -651,7 +665,10 @@ class AiokvtierL2Adapter(L2AdapterInterface):
             self._delete_here(keys)
             return
         akeys = list(dict.fromkeys(self._key(key) for key in keys))
-        await self._pool.discard(akeys)
+        try:
+            await self._pool.discard(akeys)
+        except PoolLostError:
+            pass  # the blocks went with the owner: gone all the same (LMCache's eviction thread must not die)
         self._told_deleted(akeys)
 
     def _delete_here(self, keys: list[ObjectKey]) -> None:
@@ -691,7 +708,11 @@ class AiokvtierL2Adapter(L2AdapterInterface):
         if self._pool is None:
             return self._status_here()
         status: dict[str, Any] = {"is_healthy": True, "type": type(self).__name__, "locked_keys": len(self._locks)}
-        p = await self._pool.statistics()
+        try:
+            p = await self._pool.statistics()
+        except PoolLostError as e:  # LMCache's /status gathers every adapter's: an answer, not an exception
+            status.update(is_healthy=False, error=f"{e}; the adapter does not re-attach: restart the server")
+            return status
         status.update(pool=p.path, blocks=p.blocks, capacity_blocks=p.tier.slots_total, processes=p.clients)
         return status
 
