@@ -64,6 +64,17 @@ def test_host_benchmark_prints_json_side_by_side() -> None:
     _check_series(progress["aiokvtier_host"], 0.25)
 
 
+def test_host_request_latency_section_prints_each_size_beside_its_floor_and_the_engines_own_cost() -> None:
+    report = json.loads(_run("-m", "aiokvtier.bench", "host", "--quick", "--sections", "request_latency"))
+    for loop in ("asyncio", "uvloop"):
+        got = report["request_latency"][loop]
+        for size in ("1MiB_64KiB", "4MiB_64KiB", "16MiB_64KiB"):
+            assert got[size]["engine_ms"] > 0 and got[size]["floor_ms"] > 0 and got[size]["ratio"] > 0
+        core = got["engine_core"]
+        assert core["request_us"] > 0 and core["floor_us"] > 0 and core["tasks_64_requests_per_s"] > 0
+        assert abs(core["over_floor_us"] - (core["request_us"] - core["floor_us"])) < 0.15
+
+
 def _check_series(series: dict[str, Any], gib: float) -> None:
     """A recorded fill: from nothing to the whole quota, in time order, each point a change."""
     t, resident = series["t_s"], series["resident_gib"]
