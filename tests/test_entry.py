@@ -92,6 +92,22 @@ def test_the_lazy_table_matches_all_and_the_type_checkers_imports() -> None:
     assert sorted(name for _, name in table) == sorted(aiokvtier.__all__)
 
 
+def test_the_host_package_never_imports_the_cuda_one() -> None:
+    """The tier is handed its backings (``aiokvtier._backings``, the one module that knows both): no
+    module of ``aiokvtier._host`` imports ``aiokvtier._cuda``, at its top or inside a function."""
+    found = []
+    for path in sorted((ROOT / "aiokvtier" / "_host").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [f"{path.name}: {name}" for name in names if "_cuda" in name.split(".")]
+    assert found == []
+
+
 # -- the public errors: named where they are imported from, and pickled whole ---------------------
 
 

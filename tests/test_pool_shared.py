@@ -8,7 +8,8 @@ import os
 import pytest
 
 from aiokvtier import ConfigError, HostTier
-from aiokvtier._host._shared import SharedBacking, SharedBackings, map_shared, unmap_shared
+from aiokvtier._backings import SharedBackings
+from aiokvtier._host._shared import SharedBacking, map_shared, unmap_shared
 
 MiB = 1 << 20
 

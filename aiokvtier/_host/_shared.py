@@ -22,16 +22,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-from typing import TYPE_CHECKING
 
-from .._errors import ConfigError
 from . import _linux
 from ._backing import HUGE_ALIGN, Backing, apply_numa_policy
 
-if TYPE_CHECKING:
-    from .._config import ResolvedHostConfig
-
-__all__ = ["SharedBacking", "SharedBackings", "map_shared", "unmap_shared"]
+__all__ = ["SharedBacking", "map_shared", "unmap_shared"]
 
 PROT_READ = 0x1
 PROT_WRITE = 0x2
@@ -124,37 +119,3 @@ class SharedBacking(Backing):
             _linux.munmap(self.base, self.size)
         finally:
             os.close(self.fd)
-
-
-class SharedBackings:
-    """``Backings`` for a pool's tier: the shared backing, with the NUMA node the config names.
-
-    Keeps the backing it made (``made``) so that the pool can hand its
-    ``fd`` to attached processes.
-    """
-
-    def __init__(self) -> None:
-        self.made: SharedBacking | None = None
-
-    def numa_node(self, config: ResolvedHostConfig) -> int | None:
-        from .._backings import DefaultBackings
-
-        return DefaultBackings().numa_node(config)
-
-    def make(self, config: ResolvedHostConfig, node: int | None) -> Backing:
-        strict, huge = not config.allow_remote_numa_fallback, config.transparent_huge_pages is True
-        if config.backing == "register":
-            from .._cuda._backings import SharedRegisterBacking
-
-            assert config.device is not None  # a register backing names its device (the config's check)
-            self.made = SharedRegisterBacking(
-                config.max_quota, device=config.device, node=node, strict_numa=strict, huge_pages=huge
-            )
-        elif config.backing == "host":
-            self.made = SharedBacking(config.max_quota, node=node, strict_numa=strict, huge_pages=huge)
-        else:
-            raise ConfigError(
-                f"a pool shares host memory, registered with the owner's GPU or not (backing='host' or "
-                f"'register'); backing={config.backing!r} is not shared yet"
-            )
-        return self.made

@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._backings import SharedBackings
 from .._config import HostTierConfig, gpu_unit
 from .._crossing import one_moment
 from .._errors import ConfigError, FillError, OutOfSlots, PoolError, SlotError, TierClosedError, WouldBlock
-from .._host._shared import SharedBackings
 from .._host._statistics import TierStatistics
 from .._host._tier import HostTier
 from .._lifecycle import Lifecycle, Owner
