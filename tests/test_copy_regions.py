@@ -1091,8 +1091,8 @@ def test_the_small_request_planner_gives_the_arrays_plan(
 ) -> None:
     """``plan_small`` (Python ints, for the few pages of a usual request) plans exactly as ``plan``:
     the same order, the same runs merged (across 2**63, wrapping past 2**64 as uint64 does, never
-    across a registration), the same refusal of a repeat; a registration is asked only about
-    copies that could merge."""
+    across a registration), the same refusal of a repeat; a registration is asked only where
+    copies could merge, about no more addresses than the copies that could."""
     from aiokvtier._copy._plan import plan_small
 
     dsts, srcs, page = copies

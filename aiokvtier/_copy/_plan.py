@@ -470,8 +470,8 @@ def plan_small(
     """``plan()`` of copies of one ``page`` each, on Python ints: the same plan, copy for copy.
 
     For the few pages of a usual request (``SMALL``); addresses are
-    ints below 2**64, ``page`` positive. The registrations are asked about
-    the copies that could merge only (with shuffled slots, usually none).
+    ints below 2**64, ``page`` positive. The registrations are asked only
+    where some copies could merge (with shuffled slots, usually none).
     Each pass is one call into C (``sorted``, ``map``, ``zip``), and the
     plan's arrays are made only if read (``Plan.of_rows``): a Python step
     per page cost a 16-page request ~20 us on the loop, whose caches a
@@ -492,19 +492,18 @@ def plan_small(
     # shuffled slots usually none does, which passes in C find.
     step = {page, page - (1 << 64)}.__contains__
     s_steps, d_steps = map(step, map(operator.sub, s[1:], s[:-1])), map(step, map(operator.sub, d[1:], d[:-1]))
-    if not any(map(operator.and_, s_steps, d_steps)):
+    joins = list(map(operator.and_, s_steps, d_steps))  # joins[i]: copy i + 1 goes on from copy i
+    if not any(joins):
         return Plan.of_rows(tuple(rows), n, total)
-    pairs = [i for i in range(n - 1) if s[i + 1] == (s[i] + page) & _WRAP and d[i + 1] == (d[i] + page) & _WRAP]
+    # Never across a registration: each side's registry asked once, about its few addresses (a run of
+    # contiguous addresses lies in one registration where its two ends do).
     for reg, side in ((dst_reg, d), (src_reg, s)):
-        if reg is None or not pairs:
-            continue
-        ids = reg(np.array([side[i] for i in pairs] + [side[i + 1] for i in pairs], dtype=np.uint64)).tolist()
-        k = len(pairs)
-        pairs = [i for j, i in enumerate(pairs) if ids[j] == ids[k + j]]
-    if not pairs:
+        if reg is not None:
+            ids = reg(np.array(side, dtype=np.uint64)).tolist()
+            joins = list(map(operator.and_, joins, map(operator.eq, ids[1:], ids[:-1])))
+    if not any(joins):
         return Plan.of_rows(tuple(rows), n, total)
-    joined = set(pairs)
-    starts = [i for i in range(n) if i - 1 not in joined]
-    ends = [*starts[1:], n]
-    sizes = [((end - start) * page) & _WRAP for start, end in zip(starts, ends, strict=True)]
-    return Plan.of_rows(tuple(zip([d[i] for i in starts], [s[i] for i in starts], sizes, strict=True)), n, total)
+    starts = [0, *itertools.compress(range(1, n), map(operator.not_, joins))]
+    sizes = map(_WRAP.__and__, map(page.__mul__, map(operator.sub, [*starts[1:], n], starts)))
+    merged = zip(map(d.__getitem__, starts), map(s.__getitem__, starts), sizes, strict=True)
+    return Plan.of_rows(tuple(merged), n, total)
