@@ -1315,3 +1315,29 @@ def test_many_copies_in_flight_are_all_kept_and_landed_ones_dropped() -> None:
     for landing in pending[1::2] + later:
         landing.set()
     assert len(copies) == 0 and copies.snapshot() == []
+
+
+def test_a_plan_of_rows_makes_its_arrays_when_read_and_nothing_else() -> None:
+    """``Plan.of_rows`` (a small request's plan): its arrays come from the rows on first read, from any
+    thread; an attribute a plan does not have is still an AttributeError; ``replace`` keeps the copies."""
+    import dataclasses
+    import threading
+
+    from aiokvtier._copy._plan import Plan
+
+    rows = ((0x2000, 0x9000, 4096), (0x1000, 0x8000, 8192))
+    plan = Plan.of_rows(rows, 3, 12288)
+    assert plan.count == 2 and plan.nbytes == 12288 and plan.requested == 3 and plan.jobs == 1
+    seen: list[list[int]] = []
+    readers = [threading.Thread(target=lambda: seen.append(plan.srcs.tolist())) for _ in range(4)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(10)
+    assert seen == [[0x9000, 0x8000]] * 4
+    assert (plan.dsts.tolist(), plan.sizes.tolist()) == ([0x2000, 0x1000], [4096, 8192])
+    assert plan.dsts.dtype == plan.srcs.dtype == plan.sizes.dtype == np.uint64
+    with pytest.raises(AttributeError, match="nope"):
+        plan.nope  # noqa: B018
+    again = dataclasses.replace(Plan.of_rows(rows, 3, 12288), jobs=2)
+    assert again.jobs == 2 and again.rows == rows and again.dsts.tolist() == [0x2000, 0x1000]

@@ -10,7 +10,7 @@ import itertools
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -105,17 +105,19 @@ class Plan:
             object.__setattr__(planned, name, value)
         return planned
 
-    def __getattr__(self, name: str) -> U64:
-        # Reached only for an array a plan of rows has not made yet (a slot never set): all three at
-        # once. Two threads may both make them: the same arrays, the last kept.
-        if name not in ("dsts", "srcs", "sizes") or self.rows is None:
-            raise AttributeError(name)
-        table = np.array(self.rows, dtype=np.uint64).reshape(-1, 3).T.copy()
-        for field, column in zip(("dsts", "srcs", "sizes"), table, strict=True):
-            object.__setattr__(self, field, column)
-        column = getattr(self, name)
-        assert isinstance(column, np.ndarray)
-        return column
+    if not TYPE_CHECKING:  # hidden from the type checker, which would take any attribute for an array
+
+        def __getattr__(self, name: str) -> U64:
+            # Reached only for an array a plan of rows has not made yet (a slot never set): all three at
+            # once. Two threads may both make them: the same arrays, the last kept.
+            if name not in ("dsts", "srcs", "sizes") or self.rows is None:
+                raise AttributeError(name)
+            table = np.array(self.rows, dtype=np.uint64).reshape(-1, 3).T.copy()
+            for field, column in zip(("dsts", "srcs", "sizes"), table, strict=True):
+                object.__setattr__(self, field, column)
+            column = getattr(self, name)
+            assert isinstance(column, np.ndarray)
+            return column
 
     @property
     def count(self) -> int:
