@@ -12,7 +12,7 @@ no per-unit objects, whatever the reservation size.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +32,11 @@ class UnitLayout:
     commit_unit: int
     ramp: tuple[int, ...]
     """Start offsets of the ramp units, then the start of the first regular unit."""
+    _ramp: npt.NDArray[np.uint64] = field(init=False, repr=False, compare=False)
+    """``ramp`` as an array, made once: ``units_at`` runs for every request whose copies could merge."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_ramp", np.asarray(self.ramp, dtype=np.uint64))
 
     @classmethod
     def build(cls, size: int, slot_size: int, commit_unit: int, first_step: int = FIRST_STEP) -> UnitLayout:
@@ -76,7 +81,7 @@ class UnitLayout:
 
     def units_at(self, offsets: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
         """``unit_at()`` for an array of offsets (the copy planner's hot path)."""
-        ramp = np.asarray(self.ramp, dtype=np.uint64)
+        ramp = self._ramp
         end = ramp[-1]
         # Past the ramp the division counts regular units and searchsorted gives len(ramp);
         # inside it the division gives 0 and searchsorted finds the ramp unit.
