@@ -145,7 +145,7 @@ def test_chunk_ids_of_a_wrong_type_or_range_are_refused_and_change_nothing(
 def test_a_group_size_past_the_jobs_blocks_is_refused_before_it_is_planned() -> None:
     """vLLM checks the sizes' sum only in its constructor; a size set past it was turned into an array of
     that many positions before the check: 10**12 raised MemoryError, 2*10**9 wrote 16 GiB."""
-    worker, caches = private_worker()
+    worker, _ = private_worker()
     try:
         spec = gpu_spec([0, 1])
         spec.group_sizes = [10**12]
@@ -584,7 +584,12 @@ def test_shutdown_from_several_threads_at_once_returns_in_each_once_all_ended(
     ids = list(range(4096))
     assert worker.submit_store(1, gpu_spec([i % GPU_BLOCKS for i in ids]), CPULoadStoreSpec(ids))
     released: list[bool] = []
-    stoppers = [threading.Thread(target=lambda: (worker.shutdown(), released.append(worker.tier.released))) for _ in range(4)]
+
+    def stop() -> None:
+        worker.shutdown()
+        released.append(worker.tier.released)
+
+    stoppers = [threading.Thread(target=stop) for _ in range(4)]
     for thread in stoppers:
         thread.start()
     for thread in stoppers:
