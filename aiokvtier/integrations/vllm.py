@@ -105,7 +105,7 @@ def job_blocks(gpu: GPULoadStoreSpec, groups: int, num_blocks: int) -> tuple[lis
     cut to another block's number, a bool taken as 0 or 1.
 
     :raises ValueError: not one size and one first index per KV cache group, a negative size or first
-        index, or an id outside ``[0, num_blocks)``.
+        index, ids not in one dimension, or an id outside ``[0, num_blocks)``.
     :raises TypeError: a size, a first index or an id that is not an integer (a bool is not one: it
         was taken for 0 or 1, and a float first index was cut to another place in its chunk).
     """
@@ -119,13 +119,32 @@ def job_blocks(gpu: GPULoadStoreSpec, groups: int, num_blocks: int) -> tuple[lis
     firsts = [_integer(first, "a first block index") for first in gpu.block_indices]
     if any(first < 0 for first in firsts):
         raise ValueError(f"first block indices must not be negative, got {firsts}")
-    raw = np.asarray(gpu.block_ids)
-    if raw.dtype.kind not in "iu":
-        raise TypeError(f"GPU block ids are integers, not {raw.dtype}")
-    ids = raw.astype(np.int64).ravel()  # a uint64 past int64's range turns negative: refused below
+    ids = _ids(gpu.block_ids, "GPU block ids")
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"GPU block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}")
     return sizes, ids
+
+
+def job_chunks(host: CPULoadStoreSpec, num_chunks: int) -> I64:
+    """A job's chunk ids, checked as ``job_blocks`` checks its GPU block ids (a float id was cut to
+    another chunk, a bool taken for chunk 0 or 1).
+
+    :raises TypeError: an id that is not an integer.
+    :raises ValueError: not one dimension, or an id outside ``[0, num_chunks)``.
+    """
+    chunks = _ids(host.block_ids, "chunk ids")
+    if chunks.size and (int(chunks.min()) < 0 or int(chunks.max()) >= num_chunks):
+        raise ValueError(f"chunk ids must lie in [0, {num_chunks}), got {chunks.min()}..{chunks.max()}")
+    return chunks
+
+
+def _ids(value: object, what: str) -> I64:
+    raw = np.asarray(value)
+    if raw.ndim != 1:
+        raise ValueError(f"{what} are one dimension, not an array of shape {raw.shape}")
+    if raw.dtype.kind not in "iu" and raw.size:  # an empty list is read as floats
+        raise TypeError(f"{what} are integers, not {raw.dtype}")
+    return raw.astype(np.int64)  # a uint64 past int64's range turns negative: refused by the range checks
 
 
 def _integer(value: object, what: str) -> int:
@@ -524,9 +543,7 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             raise TypeError(f"the GPU side is a GPULoadStoreSpec, not {type(gpu).__name__}")
         if not isinstance(host, CPULoadStoreSpec):
             raise TypeError(f"the host side is a CPULoadStoreSpec, not {type(host).__name__}")
-        chunks = host.block_ids.astype(np.int64)
-        if chunks.size and (int(chunks.min()) < 0 or int(chunks.max()) >= self._num_chunks):
-            raise ValueError(f"chunk ids must lie in [0, {self._num_chunks}), got {chunks.min()}..{chunks.max()}")
+        chunks = job_chunks(host, self._num_chunks)
         parts, nbytes = self._plan(gpu, chunks)
         after = None
         if self._cuda:
