@@ -573,10 +573,11 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             if size == 0:
                 continue
             skip = int(first) % bpc
-            logical = np.arange(skip, skip + size, dtype=np.int64)
             used = _cdiv(skip + size, bpc)
+            # Checked before the positions are made: a size past the ids would make that many of them.
             if chunk_offset + used > len(chunks) or offset + size > len(ids):
                 raise ValueError("the GPU blocks and the chunks of a job do not match")
+            logical = np.arange(skip, skip + size, dtype=np.int64)
             chunk_of = chunks[chunk_offset + logical // bpc]
             within = logical % bpc
             group_ids = ids[offset : offset + size]
