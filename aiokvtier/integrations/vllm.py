@@ -657,16 +657,17 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
     async def _copy(self, job: _Job) -> None:
         direction = "d2h" if job.store else "h2d"
         pages = self._source_pages if job.store else self._dest_pages
+        # Every part's slots first: a chunk of a later group never stored fails the job with no block written.
+        slots = [self._slots(part.positions) for part in job.parts]
+        if any((s < 0).any() for s in slots):
+            raise LookupError(f"job {job.job_id} loads a chunk that was never stored")
         started: list[StartedCopy] = []
         error: BaseException | None = None
         try:
-            for part in job.parts:
-                slots = self._slots(part.positions)
-                if (slots < 0).any():
-                    raise LookupError(f"job {job.job_id} loads a chunk that was never stored")
+            for part, part_slots in zip(job.parts, slots, strict=True):
                 started.append(
                     self.engine.start(
-                        self.tier, slots, pages[part.tensor].take(part.blocks), direction, after=job.after
+                        self.tier, part_slots, pages[part.tensor].take(part.blocks), direction, after=job.after
                     )
                 )
         except BaseException as raised:
