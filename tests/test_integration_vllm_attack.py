@@ -199,7 +199,7 @@ def test_a_load_naming_a_gpu_block_twice_is_refused_on_the_callers_thread() -> N
         with pytest.raises(ValueError, match="job 2 loads two pages into GPU block 21"):
             worker.submit_load(2, CPULoadStoreSpec([0, 1, 2]), spec2([20], [21, 21]))
         with pytest.raises(ValueError, match="job 3 loads two pages into GPU block 9"):
-            worker.submit_load(3, CPULoadStoreSpec([0]), spec2([9, 9], []))
+            worker.submit_load(3, CPULoadStoreSpec([0, 1]), spec2([9, 9], []))
         assert worker.get_finished() == [] and unchanged(caches, before)
         # A store may read a block twice: two chunks of the same bytes.
         assert worker.submit_store(4, spec2([5], [6, 6]), CPULoadStoreSpec([3, 4, 5]))
