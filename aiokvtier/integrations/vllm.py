@@ -544,7 +544,7 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
         if not isinstance(host, CPULoadStoreSpec):
             raise TypeError(f"the host side is a CPULoadStoreSpec, not {type(host).__name__}")
         chunks = job_chunks(host, self._num_chunks)
-        parts, nbytes = self._plan(gpu, chunks)
+        parts, nbytes = self._plan(job_id, gpu, chunks, store=store)
         after = None
         if self._cuda:
             # Stores read what the model wrote, loads overwrite blocks the stream may still zero: both follow
@@ -561,8 +561,12 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             self._pending[job_id] = future
         return True
 
-    def _plan(self, gpu: GPULoadStoreSpec, chunks: I64) -> tuple[tuple[_Part, ...], int]:
-        """Pairs each GPU block with its chunk's slot position, per KV tensor (vLLM's chunk arithmetic)."""
+    def _plan(self, job_id: int, gpu: GPULoadStoreSpec, chunks: I64, *, store: bool) -> tuple[tuple[_Part, ...], int]:
+        """Pairs each GPU block with its chunk's slot position, per KV tensor (vLLM's chunk arithmetic).
+
+        :raises ValueError: the blocks and chunks do not match, a store writes one slot twice (a chunk
+            named twice, or by two groups), or a load writes one GPU block twice.
+        """
         bpc = self._blocks_per_chunk
         sizes, ids = job_blocks(gpu, len(self._group_tensors), min(blocks for _, blocks, _ in self._buffers))
         blocks: dict[int, list[npt.NDArray[np.intp]]] = {}
@@ -592,6 +596,17 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
         parts = tuple(
             _Part(tensor, np.concatenate(blocks[tensor]), np.concatenate(positions[tensor])) for tensor in blocks
         )
+        # Two pages into one place end with whichever landed last. The engine refuses that too, but on the
+        # loop: a store's chunk has claimed its slots by then (a later load of it would succeed), and a
+        # load's other tensors may have been written.
+        if store and parts:
+            twice = _twice(np.concatenate([part.positions for part in parts]))
+            if twice is not None:
+                raise ValueError(f"job {job_id} stores two pages into chunk {twice // self.slots_per_chunk}")
+        for part in () if store else parts:
+            twice = _twice(part.blocks)
+            if twice is not None:
+                raise ValueError(f"job {job_id} loads two pages into GPU block {twice}")
         return parts, nbytes
 
     async def _run(self, job: _Job) -> None:
@@ -700,6 +715,13 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
         if self._runner.here() and not all(f.done() for f in futures):
             raise _would_wait("wait")
         concurrent.futures.wait(futures)
+
+
+def _twice(values: npt.NDArray[Any]) -> int | None:
+    """A value that appears twice in ``values``, or None."""
+    ordered = np.sort(values)
+    same = np.flatnonzero(ordered[1:] == ordered[:-1])
+    return int(ordered[same[0]]) if same.size else None
 
 
 async def _cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
