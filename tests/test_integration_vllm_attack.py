@@ -472,34 +472,42 @@ def test_threads_storing_and_loading_at_once_while_another_polls() -> None:
 
 
 def test_a_job_id_is_taken_again_as_soon_as_its_result_was_reported() -> None:
-    """A result is reported once its job has left the jobs in flight, also while another thread's
-    ``wait`` holds their lock: a caller that saw it may reuse its id at once."""
+    """The result was queued before the job left the jobs in flight: a caller that saw it and reused its
+    id at once was told now and then (27 times in 3000 here) that the job was still in flight. Two
+    threads spin so that the loop thread loses the GIL between any two bytecodes."""
     worker, _ = private_worker(seed=7)
     refused: list[str] = []
     stop = threading.Event()
-    others = set(range(10**6, 10**6 + 200_000))  # no such job: each wait only reads them, holding the lock
 
-    def waiting() -> None:
+    def spin() -> None:
         while not stop.is_set():
-            worker.wait(others)
+            pass
 
-    waiter = threading.Thread(target=waiting)
+    spinners = [threading.Thread(target=spin) for _ in range(2)]
+    interval = sys.getswitchinterval()
     try:
         assert worker.submit_store(0, gpu_spec([0]), CPULoadStoreSpec([0]))
         assert finish(worker, {0})[0].success
-        waiter.start()
-        for _ in range(100):
+        for thread in spinners:
+            thread.start()
+        sys.setswitchinterval(1e-6)
+        for _ in range(1500):
             try:
                 assert worker.submit_load(7, CPULoadStoreSpec([0]), gpu_spec([30]))
             except ValueError as exc:
                 refused.append(str(exc))
                 worker.wait({7})
                 continue
-            (result,) = finish(worker, {7}, timeout=HANG)
-            assert result.success
+            deadline = time.monotonic() + HANG
+            while not (results := worker.get_finished()):  # at once: no sleep between the polls
+                assert time.monotonic() < deadline, "job 7 did not finish"
+            assert [(r.job_id, r.success) for r in results] == [(7, True)]
     finally:
+        sys.setswitchinterval(interval)
         stop.set()
-        waiter.join(HANG)
+        for thread in spinners:
+            if thread.is_alive():
+                thread.join(HANG)
         worker.shutdown()
     assert refused == []
 
