@@ -473,7 +473,7 @@ def test_threads_storing_and_loading_at_once_while_another_polls() -> None:
 
 def test_a_job_id_is_taken_again_as_soon_as_its_result_was_reported() -> None:
     """The result was queued before the job left the jobs in flight: a caller that saw it and reused its
-    id at once was told now and then (27 times in 3000 here) that the job was still in flight. Two
+    id at once was told now and then (59 times in 1500 here) that the job was still in flight. Two
     threads spin so that the loop thread loses the GIL between any two bytecodes."""
     worker, _ = private_worker(seed=7)
     refused: list[str] = []

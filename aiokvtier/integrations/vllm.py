@@ -628,16 +628,16 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             _log_failure(job, error)
         finally:
             self._tasks.discard(task)
-            self._finished.append(
-                TransferResult(
-                    job_id=job.job_id,
-                    success=success,
-                    transfer_size=job.nbytes if success else None,
-                    transfer_time=time.perf_counter() - began if success else None,
-                )
+            result = TransferResult(
+                job_id=job.job_id,
+                success=success,
+                transfer_size=job.nbytes if success else None,
+                transfer_time=time.perf_counter() - began if success else None,
             )
+            # Reported and out of the jobs in flight at once: a caller that sees the result may reuse its id.
             with self._pending_lock:
                 self._pending.pop(job.job_id, None)
+                self._finished.append(result)
 
     def _slots(self, positions: I64) -> I64:
         """The slots at ``positions`` of the chunk map, -1 where no slot was claimed."""
