@@ -105,7 +105,7 @@ def job_blocks(gpu: GPULoadStoreSpec, groups: int, num_blocks: int) -> tuple[lis
     cut to another block's number, a bool taken as 0 or 1.
 
     :raises ValueError: not one size and one first index per KV cache group, a negative size or first
-        index, or an id outside ``[0, num_blocks)``.
+        index, ids not in one dimension, or an id outside ``[0, num_blocks)``.
     :raises TypeError: a size, a first index or an id that is not an integer (a bool is not one: it
         was taken for 0 or 1, and a float first index was cut to another place in its chunk).
     """
@@ -119,13 +119,32 @@ def job_blocks(gpu: GPULoadStoreSpec, groups: int, num_blocks: int) -> tuple[lis
     firsts = [_integer(first, "a first block index") for first in gpu.block_indices]
     if any(first < 0 for first in firsts):
         raise ValueError(f"first block indices must not be negative, got {firsts}")
-    raw = np.asarray(gpu.block_ids)
-    if raw.dtype.kind not in "iu":
-        raise TypeError(f"GPU block ids are integers, not {raw.dtype}")
-    ids = raw.astype(np.int64).ravel()  # a uint64 past int64's range turns negative: refused below
+    ids = _ids(gpu.block_ids, "GPU block ids")
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"GPU block ids must lie in [0, {num_blocks}), got {ids.min()}..{ids.max()}")
     return sizes, ids
+
+
+def job_chunks(host: CPULoadStoreSpec, num_chunks: int) -> I64:
+    """A job's chunk ids, checked as ``job_blocks`` checks its GPU block ids (a float id was cut to
+    another chunk, a bool taken for chunk 0 or 1).
+
+    :raises TypeError: an id that is not an integer.
+    :raises ValueError: not one dimension, or an id outside ``[0, num_chunks)``.
+    """
+    chunks = _ids(host.block_ids, "chunk ids")
+    if chunks.size and (int(chunks.min()) < 0 or int(chunks.max()) >= num_chunks):
+        raise ValueError(f"chunk ids must lie in [0, {num_chunks}), got {chunks.min()}..{chunks.max()}")
+    return chunks
+
+
+def _ids(value: object, what: str) -> I64:
+    raw = np.asarray(value)
+    if raw.ndim != 1:
+        raise ValueError(f"{what} are one dimension, not an array of shape {raw.shape}")
+    if raw.dtype.kind not in "iu" and raw.size:  # an empty list is read as floats
+        raise TypeError(f"{what} are integers, not {raw.dtype}")
+    return raw.astype(np.int64)  # a uint64 past int64's range turns negative: refused by the range checks
 
 
 def _integer(value: object, what: str) -> int:
@@ -524,10 +543,8 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             raise TypeError(f"the GPU side is a GPULoadStoreSpec, not {type(gpu).__name__}")
         if not isinstance(host, CPULoadStoreSpec):
             raise TypeError(f"the host side is a CPULoadStoreSpec, not {type(host).__name__}")
-        chunks = host.block_ids.astype(np.int64)
-        if chunks.size and (int(chunks.min()) < 0 or int(chunks.max()) >= self._num_chunks):
-            raise ValueError(f"chunk ids must lie in [0, {self._num_chunks}), got {chunks.min()}..{chunks.max()}")
-        parts, nbytes = self._plan(gpu, chunks)
+        chunks = job_chunks(host, self._num_chunks)
+        parts, nbytes = self._plan(job_id, gpu, chunks, store=store)
         after = None
         if self._cuda:
             # Stores read what the model wrote, loads overwrite blocks the stream may still zero: both follow
@@ -544,8 +561,12 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             self._pending[job_id] = future
         return True
 
-    def _plan(self, gpu: GPULoadStoreSpec, chunks: I64) -> tuple[tuple[_Part, ...], int]:
-        """Pairs each GPU block with its chunk's slot position, per KV tensor (vLLM's chunk arithmetic)."""
+    def _plan(self, job_id: int, gpu: GPULoadStoreSpec, chunks: I64, *, store: bool) -> tuple[tuple[_Part, ...], int]:
+        """Pairs each GPU block with its chunk's slot position, per KV tensor (vLLM's chunk arithmetic).
+
+        :raises ValueError: the blocks and chunks do not match, a store writes one slot twice (a chunk
+            named twice, or by two groups), or a load writes one GPU block twice.
+        """
         bpc = self._blocks_per_chunk
         sizes, ids = job_blocks(gpu, len(self._group_tensors), min(blocks for _, blocks, _ in self._buffers))
         blocks: dict[int, list[npt.NDArray[np.intp]]] = {}
@@ -556,10 +577,11 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             if size == 0:
                 continue
             skip = int(first) % bpc
-            logical = np.arange(skip, skip + size, dtype=np.int64)
             used = _cdiv(skip + size, bpc)
+            # Checked before the positions are made: a size past the ids would make that many of them.
             if chunk_offset + used > len(chunks) or offset + size > len(ids):
                 raise ValueError("the GPU blocks and the chunks of a job do not match")
+            logical = np.arange(skip, skip + size, dtype=np.int64)
             chunk_of = chunks[chunk_offset + logical // bpc]
             within = logical % bpc
             group_ids = ids[offset : offset + size]
@@ -574,6 +596,17 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
         parts = tuple(
             _Part(tensor, np.concatenate(blocks[tensor]), np.concatenate(positions[tensor])) for tensor in blocks
         )
+        # Two pages into one place end with whichever landed last. The engine refuses that too, but on the
+        # loop: a store's chunk has claimed its slots by then (a later load of it would succeed), and a
+        # load's other tensors may have been written.
+        if store and parts:
+            twice = _twice(np.concatenate([part.positions for part in parts]))
+            if twice is not None:
+                raise ValueError(f"job {job_id} stores two pages into chunk {twice // self.slots_per_chunk}")
+        for part in () if store else parts:
+            twice = _twice(part.blocks)
+            if twice is not None:
+                raise ValueError(f"job {job_id} loads two pages into GPU block {twice}")
         return parts, nbytes
 
     async def _run(self, job: _Job) -> None:
@@ -595,16 +628,16 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
             _log_failure(job, error)
         finally:
             self._tasks.discard(task)
-            self._finished.append(
-                TransferResult(
-                    job_id=job.job_id,
-                    success=success,
-                    transfer_size=job.nbytes if success else None,
-                    transfer_time=time.perf_counter() - began if success else None,
-                )
+            result = TransferResult(
+                job_id=job.job_id,
+                success=success,
+                transfer_size=job.nbytes if success else None,
+                transfer_time=time.perf_counter() - began if success else None,
             )
+            # Reported and out of the jobs in flight at once: a caller that sees the result may reuse its id.
             with self._pending_lock:
                 self._pending.pop(job.job_id, None)
+                self._finished.append(result)
 
     def _slots(self, positions: I64) -> I64:
         """The slots at ``positions`` of the chunk map, -1 where no slot was claimed."""
@@ -639,16 +672,17 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
     async def _copy(self, job: _Job) -> None:
         direction = "d2h" if job.store else "h2d"
         pages = self._source_pages if job.store else self._dest_pages
+        # Every part's slots first: a chunk of a later group never stored fails the job with no block written.
+        slots = [self._slots(part.positions) for part in job.parts]
+        if any((s < 0).any() for s in slots):
+            raise LookupError(f"job {job.job_id} loads a chunk that was never stored")
         started: list[StartedCopy] = []
         error: BaseException | None = None
         try:
-            for part in job.parts:
-                slots = self._slots(part.positions)
-                if (slots < 0).any():
-                    raise LookupError(f"job {job.job_id} loads a chunk that was never stored")
+            for part, part_slots in zip(job.parts, slots, strict=True):
                 started.append(
                     self.engine.start(
-                        self.tier, slots, pages[part.tensor].take(part.blocks), direction, after=job.after
+                        self.tier, part_slots, pages[part.tensor].take(part.blocks), direction, after=job.after
                     )
                 )
         except BaseException as raised:
@@ -681,6 +715,13 @@ class AiokvtierOffloadingWorker(OffloadingWorker):
         if self._runner.here() and not all(f.done() for f in futures):
             raise _would_wait("wait")
         concurrent.futures.wait(futures)
+
+
+def _twice(values: npt.NDArray[Any]) -> int | None:
+    """A value that appears twice in ``values``, or None."""
+    ordered = np.sort(values)
+    same = np.flatnonzero(ordered[1:] == ordered[:-1])
+    return int(ordered[same[0]]) if same.size else None
 
 
 async def _cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
