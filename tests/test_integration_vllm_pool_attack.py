@@ -680,3 +680,52 @@ def test_a_gpu_error_while_attaching_again_is_a_miss_and_a_later_attempt_takes_t
         old.close()
         stop_owner(owner)
     assert_no_library_threads()
+
+
+def test_a_job_id_is_taken_again_as_soon_as_its_result_was_reported(owned: tuple[str, Any]) -> None:
+    """The result was queued before the job left the jobs in flight: a caller that saw it and reused its
+    id at once could be told that the job was still in flight. Two threads spin so that the worker's
+    loop thread loses the GIL between any two bytecodes."""
+    path, _ = owned
+    a = Replica(path, seed=17)
+    refused: list[str] = []
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    spinners = [threading.Thread(target=spin) for _ in range(2)]
+    interval = sys.getswitchinterval()
+    try:
+        chunks = keys([1])
+        with a.manager.lock:
+            out = a.manager.prepare_store(chunks, a.request)
+        worker = a.worker
+        assert worker.submit_store(0, gpu_spec([0]), out.store_spec)
+        assert finish(worker, {0})[0].success
+        with a.manager.lock:
+            a.manager.complete_store(out.keys_to_store, a.request)
+        for thread in spinners:
+            thread.start()
+        sys.setswitchinterval(1e-6)
+        for _ in range(400):
+            try:
+                assert worker.submit_load(7, PoolLoadStoreSpec(chunks), gpu_spec([10]))
+            except ValueError as exc:
+                refused.append(str(exc))
+                worker.wait({7})
+                continue
+            deadline = time.monotonic() + 30
+            while not (results := worker.get_finished()):  # at once: no sleep between the polls
+                assert time.monotonic() < deadline, "job 7 did not finish"
+            assert [(r.job_id, r.success) for r in results] == [(7, True)]
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        for thread in spinners:
+            if thread.is_alive():
+                thread.join(30)
+        a.close()
+    assert refused == []
+    nothing_held(path)

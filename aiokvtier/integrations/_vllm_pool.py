@@ -675,16 +675,16 @@ class PoolOffloadingWorker(OffloadingWorker):
                 with self._errors_lock:
                     self._errors.update(failed)
                 success = self.report_load_errors  # vLLM recomputes the blocks named
-            self._finished.append(
-                TransferResult(
-                    job_id=job.job_id,
-                    success=success,
-                    transfer_size=moved if moved else None,
-                    transfer_time=time.perf_counter() - began if moved else None,
-                )
+            result = TransferResult(
+                job_id=job.job_id,
+                success=success,
+                transfer_size=moved if moved else None,
+                transfer_time=time.perf_counter() - began if moved else None,
             )
+            # Reported and out of the jobs in flight at once: a caller that sees the result may reuse its id.
             with self._lock:
                 self._pending.pop(job.job_id, None)
+                self._finished.append(result)
 
     async def _store(self, job: PoolJob, after: Any) -> int:
         """Stores the job's pages and seals (one call); the page bytes the pool took (0 while it is away)."""
