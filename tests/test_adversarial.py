@@ -789,3 +789,55 @@ async def test_the_few_ids_path_gives_slot_addresses_or_leaves_the_ids_to_it() -
         ]  # numpy ints in a list: the array path takes them, as before
     with pytest.raises(TierClosedError):
         tier.slot_address_list([held[0]])
+
+
+def test_ids_changed_by_another_thread_during_the_check_are_never_copied_unchecked() -> None:
+    """A caller's list that another thread rewrites while the tier checks it: what comes back is the
+    addresses of allocated slots the list held at one moment, or a SlotError; never the address of an
+    id that was not checked (below the tier, past it, or freed)."""
+    import sys
+    import threading
+
+    async def scenario() -> None:
+        async with HostTier(small_config()) as tier:
+            await asyncio.wait_for(tier.wait_resident(), HANG)
+            held = await tier.allocate(4)
+            freed = (await tier.allocate(1))[0]
+            tier.free(freed)
+            good = {tier.address(s) for s in held}
+            ids = [held[0], held[1]]
+            stop = threading.Event()
+
+            def flip() -> None:
+                bad = (-5, freed, 2**40)
+                k = 0
+                while not stop.is_set():
+                    ids[1] = bad[k % 3]
+                    ids[1] = held[1]
+                    k += 1
+
+            writer = threading.Thread(target=flip)
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(1e-6)
+            writer.start()
+            seen = refused = 0
+            try:
+                for _ in range(3000):
+                    for call in (tier.slot_address_list, tier.slot_addresses):
+                        try:
+                            got = call(ids)
+                        except SlotError:
+                            refused += 1
+                            continue
+                        if got is None:
+                            continue
+                        got = got.tolist() if isinstance(got, np.ndarray) else got
+                        assert set(got) <= good, got
+                        seen += 1
+            finally:
+                stop.set()
+                sys.setswitchinterval(interval)
+                writer.join(HANG)
+            assert seen > 0
+
+    asyncio.run(scenario())

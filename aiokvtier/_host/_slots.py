@@ -149,22 +149,26 @@ class SlotAllocator:
         self.count -= 1
 
     def few_checked(self, slots: object) -> list[int] | None:
-        """``slots`` as a list, where they are a request's few ids (``FEW_IDS`` at most, a list or tuple
-        of ints, or a 1-D integer array) and each is allocated; else None (``checked_ids()`` then says
-        what is wrong). Each check is one pass in C: no Python step per id."""
+        """A copy of ``slots`` as a list, where they are a request's few ids (``FEW_IDS`` at most, a list
+        or tuple of ints, or a 1-D integer array) and each is allocated; else None (``checked_ids()``
+        then says what is wrong). Each check is one pass in C: no Python step per id. The ids checked
+        are the copy's: a caller's thread that changes its list meanwhile changes nothing here."""
         if type(slots) is np.ndarray:
             if slots.ndim != 1 or slots.dtype.kind not in "iu" or slots.size > FEW_IDS:
                 return None
-            slots = slots.tolist()
-        elif type(slots) is not list and type(slots) is not tuple:
+            ids: list[int] = slots.tolist()
+        elif type(slots) is list or type(slots) is tuple:
+            if len(slots) > FEW_IDS:
+                return None
+            ids = list(slots)
+        else:
             return None
-        assert isinstance(slots, list | tuple)
-        if not 0 < len(slots) <= FEW_IDS or set(map(type, slots)) != _INT_ONLY:
+        if not ids or set(map(type, ids)) != _INT_ONLY:
             return None
         marks = self._allocated  # once: a resize on the loop replaces it (see the module's docstring)
-        if min(slots) < 0 or max(slots) >= len(marks) or not all(map(marks.__getitem__, slots)):
+        if min(ids) < 0 or max(ids) >= len(marks) or not all(map(marks.__getitem__, ids)):
             return None
-        return slots if type(slots) is list else list(slots)
+        return ids
 
     def checked_ids(self, slots: Iterable[int]) -> npt.NDArray[np.int64]:
         """``slots`` as an int64 array, each an allocated id of this tier (repeats allowed).
@@ -177,7 +181,7 @@ class SlotAllocator:
         if isinstance(slots, np.ndarray):  # only a flat integer array has ints to check (a 0-d one has no len())
             few = slots.tolist() if slots.ndim == 1 and slots.dtype.kind in "iu" and slots.size <= FEW_IDS else None
         else:
-            few = slots if len(slots) <= FEW_IDS else None
+            few = list(slots) if len(slots) <= FEW_IDS else None  # a copy: checked as it is copied
         marks = self._allocated  # once: a resize on the loop replaces it (see the module's docstring)
         total = len(marks)
         if few is not None:
