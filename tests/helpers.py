@@ -110,22 +110,32 @@ class HostBackings:
 
 
 def descriptors() -> list[str]:
-    """This process's open descriptors (their targets), IP sockets left out.
+    """This process's open descriptors (their targets), IP sockets and unnamed Unix sockets left out.
 
-    The library opens none of those; a Mooncake client an earlier test had to keep (a transfer might
-    still use it: ``_mooncake/_client.py``) goes on reconnecting to its gone master from its own
-    threads for the rest of the process, opening and closing TCP sockets at any moment (unbound ones
-    too, which ``/proc/net/tcp`` does not list: each socket's family is asked)."""
+    The library opens neither: its Unix sockets (a pool's) are bound to, or connected to, a path. A
+    Mooncake client an earlier test had to keep (a transfer might still use it: ``_mooncake/_client.py``)
+    goes on reconnecting to its gone master from its own threads for the rest of the process, opening
+    and closing TCP sockets (unbound ones too, which ``/proc/net/tcp`` does not list: each socket is
+    asked) and socket pairs of its own at any moment; an event loop's wake-up pair is one too."""
     out = []
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # the listing's own descriptor, or one closed meanwhile
             target = os.readlink(f"/proc/self/fd/{name}")
-            if target.startswith("socket:") and _family(int(name)) in (socket.AF_INET, socket.AF_INET6):
+            if target.startswith("socket:") and not _counted_socket(int(name)):
                 continue
             out.append(target)
     return sorted(out)
 
 
-def _family(fd: int) -> int:
+def _counted_socket(fd: int) -> bool:
+    """Not an IP socket, nor a Unix socket without a name at either end (a socket pair)."""
     with socket.socket(fileno=os.dup(fd)) as sock:  # a duplicate: closing it leaves the owner's open
-        return sock.family
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            return False
+        if sock.family != socket.AF_UNIX:
+            return True
+        try:
+            peer = sock.getpeername()
+        except OSError:  # not connected: a listening or unconnected socket, named by its own address
+            peer = ""
+        return bool(sock.getsockname() or peer)
