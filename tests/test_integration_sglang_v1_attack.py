@@ -1,0 +1,313 @@
+"""The zero-copy (``*_v1``), flat-tensor and pointer calls under attack, with SGLang's own host pools on the
+CPU (skipped without SGLang): SGLang's prefetch, backup and scheduler threads at once, ``close()`` and a
+killed owner mid-transfer, ``clear()`` racing, two instances over one pool, hostile input, and SGLang's
+file backend (``HiCacheFile``) as the reference for every answer and byte."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer
+except ImportError:
+    pytest.skip("sglang is not installed (pip install 'aiokvtier[sglang]')", allow_module_level=True)
+
+
+from .sglang_instance import digests, fill_pages, make_host_pool, make_storage, storage_config
+from .test_integration_sglang import (
+    TIER,
+    keys_of,
+    page_indices,
+    pool_path,
+)
+
+__all__ = ["pool_path"]  # the fixture, shared with the SGLang integration tests
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_mla_host_pool(layout: str = "page_first", *, page: int = 16, layers: int = 4, tokens: int = 2048) -> Any:
+    """SGLang's MLA host KV pool on the CPU (bf16, one latent row of 80 a token and layer)."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    device = MLATokenToKVPool(
+        tokens, page, torch.bfloat16, 64, 16, layers, "cpu", False, start_layer=0, end_layer=layers - 1
+    )
+    return MLATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2,
+        0,
+        page,
+        layout,
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=0,
+        end_layer=layers - 1,
+        target_layer_num=layers,
+    )
+
+
+HOSTS = {
+    "mha-page_first": lambda: make_host_pool("page_first"),
+    "mha-layer_first": lambda: make_host_pool("layer_first"),
+    "mla-page_first": lambda: make_mla_host_pool("page_first"),
+    "mla-layer_first": lambda: make_mla_host_pool("layer_first"),
+}
+
+
+def blocks_of(storage: Any) -> int:
+    return int(storage.statistics().blocks)
+
+
+def flat_page(host: Any, page: int) -> torch.Tensor:
+    """The flat page tensor SGLang's generic path hands ``batch_set`` (a copy of the page's bytes)."""
+    return host.get_data_page(page * host.page_size, flat=True).clone()
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+# -- hostile input ------------------------------------------------------------------------------------
+
+
+def test_hostile_v1_calls_are_refused_by_name_and_store_nothing() -> None:
+    host = make_host_pool()
+    storage = make_storage(host, TIER)
+    ps = host.page_size
+    good = page_indices(host, [0, 1])
+    fill_pages(host, good, seed=1)
+    k = keys_of("hostile", 2)
+    cases: dict[str, tuple[Any, Any, type[Exception], str]] = {
+        "keys None": (None, good, TypeError, "list of str"),
+        "keys a str": ("ab", good, TypeError, "list of str"),
+        "a key None": ([k[0], None], good, TypeError, "list of str"),
+        "a key bytes": ([k[0], b"b"], good, TypeError, "list of str"),
+        "a key twice": ([k[0], k[0]], good, ValueError, "twice"),
+        "more keys than indices": ([*k, "third"], good, ValueError, "host indices"),
+        "fewer keys than indices": (k[:1], good, ValueError, "host indices"),
+        "no keys, indices": ([], good, ValueError, "host indices"),
+        "indices None": (k, None, TypeError, "torch.Tensor"),
+        "indices a list": (k, good.tolist(), TypeError, "torch.Tensor"),
+        "indices float": (k, good.double(), TypeError, "integer"),
+        "indices 2-D": (k, good.reshape(2, ps), ValueError, "1-D"),
+        "indices 0-D": ([], torch.tensor(0), ValueError, "1-D"),
+        "indices negative": (k, good - ps, ValueError, "outside"),
+        "indices past the pool": (k, good + host.size, ValueError, "outside"),
+        "indices not page-aligned": (k, good + 1, ValueError, "whole pages"),
+        "indices reversed": (k, good.flip(0), ValueError, "whole pages"),
+    }
+    try:
+        for name, (keys, indices, error, words) in cases.items():
+            for call in (storage.batch_set_v1, storage.batch_get_v1):
+                if name == "a key twice" and call == storage.batch_get_v1:
+                    continue  # loading one page into two places is allowed (below)
+                with pytest.raises(error, match=words):
+                    call(keys, indices)
+            assert blocks_of(storage) == 0, name
+        # Views with odd strides and narrower integer dtypes name the same pages.
+        odd = torch.stack([good, good], dim=1)[:, 0].to(torch.int32)
+        assert storage.batch_set_v1(k, odd) == [True, True]
+        twice = page_indices(host, [4, 5])
+        assert storage.batch_get_v1([k[1], k[1]], twice) == [True, True]
+        assert digests(host, twice) == [digests(host, good)[1]] * 2
+        with pytest.raises(ValueError, match="overlap"):  # one page loaded twice into one place
+            storage.batch_get_v1(k, torch.cat([twice[:ps], twice[:ps]]))
+    finally:
+        storage.close()
+
+
+def test_hostile_flat_calls_are_refused_by_name_and_store_nothing() -> None:
+    host = make_host_pool()
+    storage = make_storage(host, TIER, v1=False)
+    fill_pages(host, page_indices(host, [0]), seed=2)
+    page = flat_page(host, 0)
+    k = keys_of("flat-hostile", 2)
+    cases: dict[str, tuple[Any, type[Exception], str]] = {
+        "a page of no bytes": (lambda: storage.set(k[0], torch.empty(0, dtype=torch.float16)), ValueError, "bytes"),
+        "pages of no bytes": (lambda: storage.batch_set(k, [page[:0], page[:0]]), ValueError, "bytes"),
+        "a key twice": (lambda: storage.batch_set([k[0], k[0]], [page, page.clone()]), ValueError, "twice"),
+        "a key None": (lambda: storage.batch_set([None], [page]), TypeError, "list of str"),
+        "keys a str": (lambda: storage.batch_set("ab", [page, page]), TypeError, "list of str"),
+        "more keys than pages": (lambda: storage.batch_set(k, [page]), ValueError, "2 keys but 1"),
+        "pages of two sizes": (lambda: storage.batch_set(k, [page, page[:8]]), ValueError, "one size"),
+        "a page not a tensor": (lambda: storage.set(k[0], b"bytes"), ValueError, "CPU tensor"),
+        "a page on another device": (lambda: storage.set(k[0], page.to("meta")), ValueError, "CPU tensor"),
+        "no page": (lambda: storage.set(k[0]), ValueError, "positive ints"),
+        "a size of 0": (lambda: storage.set(k[0], target_location=page.data_ptr(), target_sizes=0), ValueError, ""),
+        "an address of 0": (lambda: storage.set(k[0], target_location=0, target_sizes=64), ValueError, ""),
+        "a size a tensor": (
+            lambda: storage.set(k[0], target_location=page.data_ptr(), target_sizes=torch.tensor(64)),
+            ValueError,
+            "positive ints",
+        ),
+        "sizes for one key of two": (
+            lambda: storage.batch_set(k, None, [page.data_ptr()] * 2, [64]),
+            ValueError,
+            "one size",
+        ),
+    }
+    try:
+        for name, (call, error, words) in cases.items():
+            with pytest.raises(error, match=words):
+                call()
+            assert blocks_of(storage) == 0, name
+        # A target that is not contiguous is refused (the bytes would land in a copy), nothing loaded.
+        assert storage.set(k[0], page)
+        odd = torch.zeros(2 * page.numel(), dtype=page.dtype)[::2]
+        with pytest.raises(ValueError, match="contiguous"):
+            storage.get(k[0], odd)
+        assert not bool(odd.any())
+        # A source view with odd strides is stored as its elements in order.
+        strided = torch.stack([page, torch.zeros_like(page)], dim=1)[:, 0]
+        assert storage.set(k[1], strided)
+        out = torch.zeros_like(page)
+        assert storage.get(k[1], out) is out and torch.equal(out, page)
+    finally:
+        storage.close()
+
+
+@pytest.mark.parametrize("op", ["set", "get"])
+def test_a_pointer_outside_this_process_memory_is_refused_not_a_crash(op: str) -> None:
+    """The pointer form names memory by address: one that is not mapped (or not writable, for a load) in
+    this process is refused with an error, where a ``memmove`` would kill the process. Run in a child."""
+    code = f"""
+import sys, mmap, numpy, torch
+sys.path.insert(0, {str(ROOT)!r})
+from tests.sglang_instance import make_host_pool, make_storage
+host = make_host_pool()
+storage = make_storage(host, {{"tier": {{"quota": "64MiB", "slot_size": "16KiB"}}}}, v1=False)
+page = torch.arange(1024, dtype=torch.int32)
+assert storage.set("k", target_location=page.data_ptr(), target_sizes=4096)
+ro = mmap.mmap(-1, 4096, prot=mmap.PROT_READ)
+ro_address = numpy.frombuffer(ro, dtype=numpy.uint8).ctypes.data  # mapped, read-only
+for address, size in ((4096, 4096), (1 << 46, 4096), (page.data_ptr(), 1 << 40)) + (
+    ((ro_address, 4096),) if {op!r} == "get" else ()
+):
+    try:
+        if {op!r} == "set":
+            storage.set("bad", target_location=address, target_sizes=size)
+        else:
+            storage.get("k", target_location=address, target_sizes=size)
+    except ValueError as exc:
+        print("refused:", exc, flush=True)
+    else:
+        print("accepted", address, size, flush=True)
+print("blocks", storage.statistics().blocks, flush=True)
+storage.close()
+"""
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if line.startswith("refused:")] == [
+        line for line in lines if line.startswith(("refused:", "accepted"))
+    ], lines
+    assert "blocks 1" in lines, lines
+
+
+# -- SGLang's file backend as the reference ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_flat_calls_answer_as_sglangs_file_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """Random sequences of ``set``/``batch_set``/``exists``/``batch_exists``/``get``/``batch_get`` over a key
+    universe, the same against ``HiCacheFile``: which keys hit and the bytes loaded agree (``batch_get``
+    answers the leading run, as SGLang's generic prefetch reads it)."""
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path))
+    rng = random.Random(seed)
+    host = HOSTS[rng.choice(sorted(HOSTS))]()
+    ours = make_storage(host, TIER, v1=False)
+    reference = HiCacheFile(storage_config(TIER, v1=False))
+    reference.register_mem_pool_host(host)
+    try:
+        universe = keys_of(f"diff{seed}", 10)
+        fill_pages(host, page_indices(host, list(range(10))), seed=seed)
+        pages = {key: flat_page(host, i) for i, key in enumerate(universe)}
+        for step in range(40):
+            op = rng.choice(["set", "batch_set", "exists", "batch_exists", "get", "batch_get"])
+            keys = rng.sample(universe, rng.randrange(1, 5))
+            if op == "set":
+                got = [b.set(keys[0], pages[keys[0]]) for b in (ours, reference)]
+            elif op == "batch_set":
+                got = [b.batch_set(keys, [pages[k] for k in keys]) for b in (ours, reference)]
+            elif op == "exists":
+                got = [b.exists(keys[0]) for b in (ours, reference)]
+            elif op == "batch_exists":
+                got = [b.batch_exists(keys) for b in (ours, reference)]
+            else:
+                answers = []
+                for b in (ours, reference):
+                    targets = [host.get_dummy_flat_data_page() for _ in keys]
+                    if op == "get":
+                        out = [b.get(keys[0], targets[0])]
+                    else:
+                        out = b.batch_get(keys, targets)
+                    lead = next((i for i, t in enumerate(out) if t is None), len(out))
+                    answers.append((lead, [tensor_digest(t) for t in out[:lead]]))
+                    assert all(t is targets[i] for i, t in enumerate(out[:lead]))
+                got = answers
+            assert got[0] == got[1], (step, op, keys, got)
+        for key in universe:  # every byte loaded is the page stored
+            out = host.get_dummy_flat_data_page()
+            if ours.get(key, out) is not None:
+                assert tensor_digest(out) == tensor_digest(pages[key])
+    finally:
+        ours.close()
+        reference.clear()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_v1_calls_answer_as_sglangs_file_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """``batch_set_v1``/``batch_get_v1``/``batch_exists`` against ``HiCacheFile``'s page calls for the same
+    pages (its KV transfers: it has no ``*_v1`` calls), MHA and MLA, both layouts: the same keys hit, and
+    the pages loaded into SGLang's host pool are the same bytes."""
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path))
+    rng = random.Random(seed)
+    name = sorted(HOSTS)[seed % len(HOSTS)]
+    host = HOSTS[name]()
+    ours = make_storage(host, TIER)
+    reference = HiCacheFile(storage_config(TIER))
+    reference.register_mem_pool_host(host)
+    reference.register_mem_host_pool_v2(host, PoolName.KV)
+    try:
+        universe = keys_of(f"v1diff{seed}", 8)
+        fill_pages(host, page_indices(host, list(range(8))), seed=seed)
+        want = digests(host, page_indices(host, list(range(8))))
+        for step in range(24):
+            keys = rng.sample(universe, rng.randrange(1, 5))
+            src = page_indices(host, [universe.index(k) for k in keys])
+            op = rng.choice(["set", "exists", "get"])
+            if op == "set":
+                transfer = PoolTransfer(name=PoolName.KV, host_indices=src, keys=keys)
+                got = [ours.batch_set_v1(keys, src), reference.batch_set_v2([transfer])[PoolName.KV]]
+            elif op == "exists":
+                got = [ours.batch_exists(keys), reference.batch_exists(keys)]
+            else:
+                dst = page_indices(host, list(range(16, 16 + len(keys))))
+                leads = []
+                kv = [PoolTransfer(name=PoolName.KV, host_indices=dst, keys=keys)]
+                for load in (
+                    lambda keys=keys, dst=dst: ours.batch_get_v1(keys, dst),
+                    lambda kv=kv: reference.batch_get_v2(kv)[PoolName.KV],
+                ):
+                    fill_pages(host, dst, seed=999)  # stale bytes a miss would leave
+                    answer = load()
+                    lead = answer.index(False) if False in answer else len(answer)
+                    leads.append((lead, digests(host, dst)[:lead]))
+                got = leads
+                assert got[0][1] == [want[universe.index(k)] for k in keys[: got[0][0]]]
+            assert got[0] == got[1], (name, step, op, keys, got)
+    finally:
+        ours.close()
+        reference.clear()
