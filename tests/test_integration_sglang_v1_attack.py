@@ -171,7 +171,7 @@ def test_hostile_flat_calls_are_refused_by_name_and_store_nothing() -> None:
         strided = torch.stack([page, torch.zeros_like(page)], dim=1)[:, 0]
         assert storage.set(k[1], strided)
         out = torch.zeros_like(page)
-        assert storage.get(k[1], out) is out and torch.equal(out, page)
+        assert storage.get(k[1], out) is out and tensor_digest(out) == tensor_digest(page)
     finally:
         storage.close()
 

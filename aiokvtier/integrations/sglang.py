@@ -39,6 +39,7 @@ as one array; it crosses only when the mirror cannot answer.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import ctypes
 import hashlib
 import logging
@@ -971,6 +972,8 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
 
     def _pool_pages(self, keys: list[str], host_indices: Any) -> tuple[_Plan, list[Any]]:
         """The block views of the pages at ``host_indices`` in the registered host pool."""
+        if not isinstance(keys, list | tuple):
+            raise TypeError(f"SGLang's keys are a list of str, not {type(keys).__name__}; nothing was copied")
         plan, host, bounds = self._kv_pool()
         return plan, self._pages(plan, host, bounds, keys, host_indices)
 
@@ -1098,6 +1101,8 @@ def _flat_pages(
                 )
             if writable and not value.is_contiguous():
                 raise ValueError("a target page tensor must be contiguous (it is written in place)")
+            if not value.numel():
+                raise ValueError("a page of 0 bytes: nothing to store or load; nothing changed")
             owner = value.contiguous()
             out.append((owner.data_ptr(), owner.numel() * owner.element_size(), owner))
         return out
@@ -1108,4 +1113,35 @@ def _flat_pages(
         if type(address) is not int or type(size) is not int or address <= 0 or size <= 0:
             raise ValueError(f"an address and a size are positive ints, got {address!r} and {size!r}")
         out.append((address, size, None))
+    # A memmove from or to memory this process does not map (so) kills it: refuse instead.
+    bad = _unmapped([(a, n) for a, n, _ in out], writable=writable)
+    if bad is not None:
+        access = "writable" if writable else "readable"
+        raise ValueError(
+            f"{bad[1]} bytes at address {bad[0]:#x} are not all {access} memory of this process; nothing changed"
+        )
     return out
+
+
+def _unmapped(spans: list[tuple[int, int]], *, writable: bool) -> tuple[int, int] | None:
+    """The first ``(address, size)`` of ``spans`` not wholly in readable (and, with ``writable``, writable)
+    mappings of this process; None if each is. Reads ``/proc/self/maps``: the pointer form only."""
+    with open("/proc/self/maps") as maps:
+        regions: list[tuple[int, int, str]] = []
+        for line in maps:
+            where, access = line.split(maxsplit=2)[:2]
+            first, _, last = where.partition("-")
+            regions.append((int(first, 16), int(last, 16), access))
+    starts = [region[0] for region in regions]
+    needs = ("r", "w") if writable else ("r",)
+    for address, size in spans:
+        at, end = address, address + size
+        i = bisect.bisect_right(starts, at) - 1
+        while at < end and 0 <= i < len(regions):
+            lo, hi, perms = regions[i]
+            if not lo <= at < hi or not all(p in perms for p in needs):
+                break
+            at, i = hi, i + 1
+        if at < end:
+            return address, size
+    return None
