@@ -227,6 +227,26 @@ storage.close()
     assert "blocks 1" in lines, lines
 
 
+def test_a_pointer_running_past_the_end_of_sglangs_host_pool_is_refused() -> None:
+    """An address inside SGLang's host pool with a size that runs past the pool's buffer would read (or
+    overwrite) whatever memory follows it: refused, nothing stored or written."""
+    host = make_host_pool()
+    storage = make_storage(host, TIER, v1=False)
+    buffer = host.kv_buffer
+    end = buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    try:
+        with pytest.raises(ValueError, match="past the end"):
+            storage.set("over", target_location=end - 64, target_sizes=4096)
+        assert blocks_of(storage) == 0
+        page = torch.arange(1024, dtype=torch.int32)
+        assert storage.set("k", target_location=page.data_ptr(), target_sizes=4096)
+        with pytest.raises(ValueError, match="past the end"):
+            storage.get("k", target_location=end - 64, target_sizes=4096)
+        assert storage.set("inside", target_location=end - 4096, target_sizes=4096)  # the last bytes: fine
+    finally:
+        storage.close()
+
+
 # -- SGLang's file backend as the reference ----------------------------------------------------------
 
 
