@@ -601,7 +601,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return True
         # ``pages`` holds the contiguous copies made of non-contiguous tensors until they are stored.
-        pages = _flat_pages(keys, values, target_locations, target_sizes, writable=False)
+        pages = _flat_pages(keys, values, target_locations, target_sizes, writable=False, bounds=self._bounds)
         plan = self._flat_plan(self._one_size(pages))
         views = _views(*plan.addresses(np.array([[p[0]] for p in pages], dtype=np.uint64)))
         return all(self._set("batch_set", plan, keys, views))
@@ -621,7 +621,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             return 0 if target_sizes is not None else []
         if target_locations is None:
             raise ValueError("batch_get needs target_locations: one CPU tensor (or address) per key")
-        pages = _flat_pages(keys, None, target_locations, target_sizes, writable=True)
+        pages = _flat_pages(keys, None, target_locations, target_sizes, writable=True, bounds=self._bounds)
         plan = self._flat_plan(self._one_size(pages))
         views = _views(*plan.addresses(np.array([[p[0]] for p in pages], dtype=np.uint64)))
         loaded = self._get("batch_get", plan, keys, views)
@@ -1082,11 +1082,13 @@ def _flatten(items: Sequence[Any]) -> list[Any]:
 
 
 def _flat_pages(
-    keys: list[str], values: Any, locations: Any, sizes: Any, *, writable: bool
+    keys: list[str], values: Any, locations: Any, sizes: Any, *, writable: bool, bounds: tuple[U64, U64]
 ) -> list[tuple[int, int, Any]]:
-    """``(address, nbytes, owner)`` per key: from CPU tensors, or from addresses and sizes.
+    """``(address, nbytes, owner)`` per key: from CPU tensors, or from addresses and sizes (each range in
+    memory of this process, and one that starts in a buffer of SGLang's host pool, ``bounds``, within it).
 
-    :raises ValueError: counts that do not match the keys, a tensor not on the CPU, a read-only target.
+    :raises ValueError: counts that do not match the keys, a tensor not on the CPU, a read-only target,
+        an address range outside this process's memory or running past the end of a host pool buffer.
     """
     if values is None and locations is not None and sizes is None:
         values = locations  # get(): the target tensors
@@ -1113,6 +1115,18 @@ def _flat_pages(
         if type(address) is not int or type(size) is not int or address <= 0 or size <= 0:
             raise ValueError(f"an address and a size are positive ints, got {address!r} and {size!r}")
         out.append((address, size, None))
+    lo, hi = bounds
+    if lo.size:  # past a buffer's end lie other tensors: mapped, so the check below would let it through
+        starts = np.array([a for a, _, _ in out], dtype=np.uint64)
+        ends = starts + np.array([n for _, n, _ in out], dtype=np.uint64)
+        inside = (starts[:, None] >= lo) & (starts[:, None] < hi)
+        over = inside & (ends[:, None] > hi)
+        if bool(over.any()):
+            i = int(np.flatnonzero(over.any(axis=1))[0])
+            raise ValueError(
+                f"{out[i][1]} bytes at address {out[i][0]:#x} run past the end of a buffer of SGLang's host pool; "
+                "nothing changed"
+            )
     # A memmove from or to memory this process does not map (so) kills it: refuse instead.
     bad = _unmapped([(a, n) for a, n, _ in out], writable=writable)
     if bad is not None:
