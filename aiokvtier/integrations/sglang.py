@@ -39,6 +39,7 @@ as one array; it crosses only when the mirror cannot answer.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import ctypes
 import hashlib
 import logging
@@ -600,7 +601,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return True
         # ``pages`` holds the contiguous copies made of non-contiguous tensors until they are stored.
-        pages = _flat_pages(keys, values, target_locations, target_sizes, writable=False)
+        pages = _flat_pages(keys, values, target_locations, target_sizes, writable=False, bounds=self._bounds)
         plan = self._flat_plan(self._one_size(pages))
         views = _views(*plan.addresses(np.array([[p[0]] for p in pages], dtype=np.uint64)))
         return all(self._set("batch_set", plan, keys, views))
@@ -620,7 +621,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
             return 0 if target_sizes is not None else []
         if target_locations is None:
             raise ValueError("batch_get needs target_locations: one CPU tensor (or address) per key")
-        pages = _flat_pages(keys, None, target_locations, target_sizes, writable=True)
+        pages = _flat_pages(keys, None, target_locations, target_sizes, writable=True, bounds=self._bounds)
         plan = self._flat_plan(self._one_size(pages))
         views = _views(*plan.addresses(np.array([[p[0]] for p in pages], dtype=np.uint64)))
         loaded = self._get("batch_get", plan, keys, views)
@@ -971,6 +972,8 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
 
     def _pool_pages(self, keys: list[str], host_indices: Any) -> tuple[_Plan, list[Any]]:
         """The block views of the pages at ``host_indices`` in the registered host pool."""
+        if not isinstance(keys, list | tuple):
+            raise TypeError(f"SGLang's keys are a list of str, not {type(keys).__name__}; nothing was copied")
         plan, host, bounds = self._kv_pool()
         return plan, self._pages(plan, host, bounds, keys, host_indices)
 
@@ -1079,11 +1082,13 @@ def _flatten(items: Sequence[Any]) -> list[Any]:
 
 
 def _flat_pages(
-    keys: list[str], values: Any, locations: Any, sizes: Any, *, writable: bool
+    keys: list[str], values: Any, locations: Any, sizes: Any, *, writable: bool, bounds: tuple[U64, U64]
 ) -> list[tuple[int, int, Any]]:
-    """``(address, nbytes, owner)`` per key: from CPU tensors, or from addresses and sizes.
+    """``(address, nbytes, owner)`` per key: from CPU tensors, or from addresses and sizes (each range in
+    memory of this process, and one that starts in a buffer of SGLang's host pool, ``bounds``, within it).
 
-    :raises ValueError: counts that do not match the keys, a tensor not on the CPU, a read-only target.
+    :raises ValueError: counts that do not match the keys, a tensor not on the CPU, a read-only target,
+        an address range outside this process's memory or running past the end of a host pool buffer.
     """
     if values is None and locations is not None and sizes is None:
         values = locations  # get(): the target tensors
@@ -1098,6 +1103,8 @@ def _flat_pages(
                 )
             if writable and not value.is_contiguous():
                 raise ValueError("a target page tensor must be contiguous (it is written in place)")
+            if not value.numel():
+                raise ValueError("a page of 0 bytes: nothing to store or load; nothing changed")
             owner = value.contiguous()
             out.append((owner.data_ptr(), owner.numel() * owner.element_size(), owner))
         return out
@@ -1108,4 +1115,47 @@ def _flat_pages(
         if type(address) is not int or type(size) is not int or address <= 0 or size <= 0:
             raise ValueError(f"an address and a size are positive ints, got {address!r} and {size!r}")
         out.append((address, size, None))
+    lo, hi = bounds
+    if lo.size:  # past a buffer's end lie other tensors: mapped, so the check below would let it through
+        starts = np.array([a for a, _, _ in out], dtype=np.uint64)
+        ends = starts + np.array([n for _, n, _ in out], dtype=np.uint64)
+        inside = (starts[:, None] >= lo) & (starts[:, None] < hi)
+        over = inside & (ends[:, None] > hi)
+        if bool(over.any()):
+            i = int(np.flatnonzero(over.any(axis=1))[0])
+            raise ValueError(
+                f"{out[i][1]} bytes at address {out[i][0]:#x} run past the end of a buffer of SGLang's host pool; "
+                "nothing changed"
+            )
+    # A memmove from or to memory this process does not map (so) kills it: refuse instead.
+    bad = _unmapped([(a, n) for a, n, _ in out], writable=writable)
+    if bad is not None:
+        access = "writable" if writable else "readable"
+        raise ValueError(
+            f"{bad[1]} bytes at address {bad[0]:#x} are not all {access} memory of this process; nothing changed"
+        )
     return out
+
+
+def _unmapped(spans: list[tuple[int, int]], *, writable: bool) -> tuple[int, int] | None:
+    """The first ``(address, size)`` of ``spans`` not wholly in readable (and, with ``writable``, writable)
+    mappings of this process; None if each is. Reads ``/proc/self/maps``: the pointer form only."""
+    with open("/proc/self/maps") as maps:
+        regions: list[tuple[int, int, str]] = []
+        for line in maps:
+            where, access = line.split(maxsplit=2)[:2]
+            first, _, last = where.partition("-")
+            regions.append((int(first, 16), int(last, 16), access))
+    starts = [region[0] for region in regions]
+    needs = ("r", "w") if writable else ("r",)
+    for address, size in spans:
+        at, end = address, address + size
+        i = bisect.bisect_right(starts, at) - 1
+        while at < end and 0 <= i < len(regions):
+            lo, hi, perms = regions[i]
+            if not lo <= at < hi or not all(p in perms for p in needs):
+                break
+            at, i = hi, i + 1
+        if at < end:
+            return address, size
+    return None
