@@ -1116,6 +1116,7 @@ def _flat_pages(
             raise ValueError(f"an address and a size are positive ints, got {address!r} and {size!r}")
         out.append((address, size, None))
     lo, hi = bounds
+    elsewhere = out
     if lo.size:  # past a buffer's end lie other tensors: mapped, so the check below would let it through
         starts = np.array([a for a, _, _ in out], dtype=np.uint64)
         ends = starts + np.array([n for _, n, _ in out], dtype=np.uint64)
@@ -1127,8 +1128,10 @@ def _flat_pages(
                 f"{out[i][1]} bytes at address {out[i][0]:#x} run past the end of a buffer of SGLang's host pool; "
                 "nothing changed"
             )
+        # Pages in SGLang's own buffers (the usual call) are its memory: the memory map is read for the others.
+        elsewhere = [out[int(i)] for i in np.flatnonzero(~np.asarray(inside).any(axis=1))]
     # A memmove from or to memory this process does not map (so) kills it: refuse instead.
-    bad = _unmapped([(a, n) for a, n, _ in out], writable=writable)
+    bad = _unmapped([(a, n) for a, n, _ in elsewhere], writable=writable) if elsewhere else None
     if bad is not None:
         access = "writable" if writable else "readable"
         raise ValueError(
