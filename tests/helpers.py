@@ -5,8 +5,9 @@ import contextlib
 import os
 import re
 import socket
+import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from aiokvtier import HostTierConfig, TierClosedError
@@ -139,3 +140,28 @@ def _counted_socket(fd: int) -> bool:
         except OSError:  # not connected: a listening or unconnected socket, named by its own address
             peer = ""
         return bool(sock.getsockname() or peer)
+
+
+@contextlib.contextmanager
+def gil_thrashed(spinners: int = 2, interval: float = 1e-6) -> Iterator[None]:
+    """Threads switch every ``interval`` and ``spinners`` threads spin beside the body: a thread of the
+    library loses the GIL between almost any two bytecodes, so a window between two of its steps that
+    another thread can see into is seen."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    threads = [threading.Thread(target=spin, name="test-spinner") for _ in range(spinners)]
+    before = sys.getswitchinterval()
+    for thread in threads:
+        thread.start()
+    sys.setswitchinterval(interval)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+        stop.set()
+        for thread in threads:
+            thread.join(30)

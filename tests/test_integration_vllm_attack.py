@@ -43,7 +43,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from aiokvtier._host import _linux
 from aiokvtier.integrations.vllm import AiokvtierOffloadingWorker
 
-from .helpers import descriptors
+from .helpers import descriptors, gil_thrashed
 from .invariants import assert_no_library_threads
 from .test_integration_vllm import GPU_BLOCKS, LAYERS, PAGE, finish, gpu_spec, kv_caches, offloading_config, rows
 
@@ -477,37 +477,22 @@ def test_a_job_id_is_taken_again_as_soon_as_its_result_was_reported() -> None:
     threads spin so that the loop thread loses the GIL between any two bytecodes."""
     worker, _ = private_worker(seed=7)
     refused: list[str] = []
-    stop = threading.Event()
-
-    def spin() -> None:
-        while not stop.is_set():
-            pass
-
-    spinners = [threading.Thread(target=spin) for _ in range(2)]
-    interval = sys.getswitchinterval()
     try:
         assert worker.submit_store(0, gpu_spec([0]), CPULoadStoreSpec([0]))
         assert finish(worker, {0})[0].success
-        for thread in spinners:
-            thread.start()
-        sys.setswitchinterval(1e-6)
-        for _ in range(1500):
-            try:
-                assert worker.submit_load(7, CPULoadStoreSpec([0]), gpu_spec([30]))
-            except ValueError as exc:
-                refused.append(str(exc))
-                worker.wait({7})
-                continue
-            deadline = time.monotonic() + HANG
-            while not (results := worker.get_finished()):  # at once: no sleep between the polls
-                assert time.monotonic() < deadline, "job 7 did not finish"
-            assert [(r.job_id, r.success) for r in results] == [(7, True)]
+        with gil_thrashed():
+            for _ in range(1500):
+                try:
+                    assert worker.submit_load(7, CPULoadStoreSpec([0]), gpu_spec([30]))
+                except ValueError as exc:
+                    refused.append(str(exc))
+                    worker.wait({7})
+                    continue
+                deadline = time.monotonic() + HANG
+                while not (results := worker.get_finished()):  # at once: no sleep between the polls
+                    assert time.monotonic() < deadline, "job 7 did not finish"
+                assert [(r.job_id, r.success) for r in results] == [(7, True)]
     finally:
-        sys.setswitchinterval(interval)
-        stop.set()
-        for thread in spinners:
-            if thread.is_alive():
-                thread.join(HANG)
         worker.shutdown()
     assert refused == []
 

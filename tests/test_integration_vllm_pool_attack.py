@@ -34,6 +34,7 @@ from aiokvtier.integrations import _vllm_pool
 from aiokvtier.integrations._pool_jobs import MAGIC, SEAL, SEAL_BYTES
 from aiokvtier.integrations._vllm_pool import REATTACH_AFTER, PoolLoadStoreSpec, PoolOffloadingWorker
 
+from .helpers import gil_thrashed
 from .invariants import assert_no_library_threads
 from .test_integration_vllm_pool import Replica, in_pool, key_of, start_owner, statistics, stop_owner, wait_for
 from .vllm_pool_replica import GPU_BLOCKS, LAYERS, PAGE, digests, finish, gpu_spec, keys, kv_caches, pool_config
@@ -689,14 +690,6 @@ def test_a_job_id_is_taken_again_as_soon_as_its_result_was_reported(owned: tuple
     path, _ = owned
     a = Replica(path, seed=17)
     refused: list[str] = []
-    stop = threading.Event()
-
-    def spin() -> None:
-        while not stop.is_set():
-            pass
-
-    spinners = [threading.Thread(target=spin) for _ in range(2)]
-    interval = sys.getswitchinterval()
     try:
         chunks = keys([1])
         with a.manager.lock:
@@ -706,26 +699,19 @@ def test_a_job_id_is_taken_again_as_soon_as_its_result_was_reported(owned: tuple
         assert finish(worker, {0})[0].success
         with a.manager.lock:
             a.manager.complete_store(out.keys_to_store, a.request)
-        for thread in spinners:
-            thread.start()
-        sys.setswitchinterval(1e-6)
-        for _ in range(400):
-            try:
-                assert worker.submit_load(7, PoolLoadStoreSpec(chunks), gpu_spec([10]))
-            except ValueError as exc:
-                refused.append(str(exc))
-                worker.wait({7})
-                continue
-            deadline = time.monotonic() + 30
-            while not (results := worker.get_finished()):  # at once: no sleep between the polls
-                assert time.monotonic() < deadline, "job 7 did not finish"
-            assert [(r.job_id, r.success) for r in results] == [(7, True)]
+        with gil_thrashed():
+            for _ in range(400):
+                try:
+                    assert worker.submit_load(7, PoolLoadStoreSpec(chunks), gpu_spec([10]))
+                except ValueError as exc:
+                    refused.append(str(exc))
+                    worker.wait({7})
+                    continue
+                deadline = time.monotonic() + 30
+                while not (results := worker.get_finished()):  # at once: no sleep between the polls
+                    assert time.monotonic() < deadline, "job 7 did not finish"
+                assert [(r.job_id, r.success) for r in results] == [(7, True)]
     finally:
-        sys.setswitchinterval(interval)
-        stop.set()
-        for thread in spinners:
-            if thread.is_alive():
-                thread.join(30)
         a.close()
     assert refused == []
     nothing_held(path)
