@@ -5,6 +5,7 @@ file backend (``HiCacheFile``) as the reference for every answer and byte."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import subprocess
@@ -452,6 +453,38 @@ def test_prefetch_backup_and_scheduler_threads_at_once_overlapping_keys(
     if where == "pool":
         stats = owner_took_back(section["pool"])
         assert stats.claims == 0 and stats.blocks_pinned == 0
+
+
+def test_a_second_close_returns_only_once_the_first_has_released_everything(pool_path: str) -> None:
+    """Two threads close at once while large stores run: each close returns only once the storage is
+    closed whole (its loop's thread ended, the pool detached), the second too, not as soon as it sees
+    that the first began."""
+    host = make_host_pool(tokens=8192)
+    src = page_indices(host, list(range(512)))
+    fill_pages(host, src, seed=3)
+    for attempt in range(5):
+        storage = make_storage(host, {"pool": pool_path})
+        assert storage.batch_set_v1(keys_of(f"warm-{attempt}", 8), src[: 8 * len(src) // 512]) == [True] * 8
+
+        def move(storage: Any = storage, attempt: int = attempt) -> None:
+            with contextlib.suppress(TierClosedError):
+                storage.batch_set_v1(keys_of(f"second-{attempt}", 512), src)
+
+        movers = [threading.Thread(target=move) for _ in range(2)]
+        for mover in movers:
+            mover.start()
+        time.sleep(0.002)
+        left: list[list[str]] = []
+
+        def close(storage: Any = storage, left: list[list[str]] = left) -> None:
+            storage.close()
+            left.append(sglang_threads())  # the moment this close returned
+
+        closers = [threading.Thread(target=close) for _ in range(2)]
+        for closer in closers:
+            closer.start()
+        join_all([*closers, *movers])
+        assert left == [[], []], f"a close() returned while the storage's thread still ran: {left}"
 
 
 # -- close racing large transfers --------------------------------------------------------------------

@@ -444,6 +444,7 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
         self._counts = _Counts()
         self._lock = threading.Lock()
         self._closed = False
+        self._shut = threading.Event()  # set once close() is done: a close from another thread waits for it
         self._pool: AttachedPool | None = None
         self._pool_path: str = section.get("pool", "")
         self._lost_at: float | None = None
@@ -698,18 +699,25 @@ class HiCacheAiokvtier(HiCacheStorage):  # type: ignore[misc]
     def close(self) -> None:
         """Give everything back: calls in flight are cancelled (they raise ``TierClosedError``; a page
         whose copy had not landed is never visible), the pool is detached or the store and tier closed,
-        and the loop's thread ends. Idempotent; safe from any thread but the loop's."""
+        and the loop's thread ends. Idempotent (a close while another thread's runs returns once that one
+        is done); safe from any thread but the loop's."""
         if self._loop.on_loop():
             raise RuntimeError("HiCacheAiokvtier.close() was called on its own loop's thread")
         with self._lock:
-            if self._closed:
-                return
+            closing = self._closed
             self._closed = True
-            self._loop.cancel_all()  # after every call already submitted: aiokvtier gives back what each held
+            if not closing:
+                self._loop.cancel_all()  # after every call already submitted: aiokvtier gives back what each held
+        if closing:  # another close began (or the collector's): done when it is
+            self._shut.wait()
+            return
         try:
             self._loop.run(self._release())
         finally:
-            self._loop.stop()
+            try:
+                self._loop.stop()
+            finally:
+                self._shut.set()
 
     def __del__(self) -> None:
         if getattr(self, "_closed", True):
