@@ -44,7 +44,7 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -259,8 +259,8 @@ def decode_key_matrix(kind: object, parts: list[bytes]) -> tuple[list[Key], KeyM
     if kind == "i":
         if len(parts) != 1 or len(parts[0]) % 8:
             raise ValueError("malformed int keys")
-        out: list[Key] = np.frombuffer(parts[0], dtype=np.int64).tolist()
-        return out, None
+        # numpy >= 2.5 (Python >= 3.12) types this list[int], older numpy Any; list[Key] is invariant
+        return cast("list[Key]", np.frombuffer(parts[0], dtype=np.int64).tolist()), None
     if kind == "f":
         if len(parts) != 2 or len(parts[0]) != LENGTH.size:
             raise ValueError("malformed fixed-length keys")
