@@ -178,17 +178,13 @@ class SlotAllocator:
         """
         if not isinstance(slots, list | tuple | np.ndarray):
             slots = list(slots)
-        if isinstance(slots, np.ndarray):  # only a flat integer array has ints to check (a 0-d one has no len())
-            few = slots.tolist() if slots.ndim == 1 and slots.dtype.kind in "iu" and slots.size <= FEW_IDS else None
-        else:
-            few = list(slots) if len(slots) <= FEW_IDS else None  # a copy: checked as it is copied
+        # A usual request's few ids: checked as ints in a few microseconds, where the array path costs a
+        # dozen numpy calls; anything else takes that path (and its messages).
+        few = self.few_checked(slots)
+        if few is not None:
+            return np.array(few, dtype=np.int64)
         marks = self._allocated  # once: a resize on the loop replaces it (see the module's docstring)
         total = len(marks)
-        if few is not None:
-            # A usual request's few ids: ints, checked one by one in a few microseconds, where the
-            # array path costs a dozen numpy calls; anything else takes that path (and its messages).
-            if all(type(s) is int and 0 <= s < total and marks[s] for s in few):
-                return np.array(few, dtype=np.int64)
         if isinstance(slots, list | tuple):
             if bool in set(map(type, slots)):  # one pass in C; array("q") would take True as 1
                 raise SlotError(f"slot {next(s for s in slots if type(s) is bool)!r} is not a slot id (a bool)")
